@@ -1,0 +1,209 @@
+// Package prefixindex hashes prompts into chained block hashes and keeps
+// the shared index of which upstream holds which prefix blocks.
+//
+// A block hash identifies its whole prefix: h_i = H(h_{i-1}, block_i), with
+// h_{-1} the seed derived from the model, the adapter and an optional salt.
+// Two requests therefore share block i exactly when they share every byte
+// up to the end of block i, and different models or adapters never share
+// blocks (vLLM keys its KV blocks by LoRA adapter too).
+//
+// The package knows nothing of HTTP or Caddy.
+package prefixindex
+
+import (
+	"encoding/binary"
+	"math/bits"
+
+	"github.com/zeebo/xxh3"
+)
+
+// Defaults for Hasher.
+const (
+	DefaultBlockTokens   = 64
+	DefaultBytesPerToken = 4
+	// DefaultMaxBlocks caps hashing at 2048 blocks of 64 tokens (128k
+	// tokens), so a huge prompt cannot stall the router.
+	DefaultMaxBlocks = 2048
+)
+
+// Seed derives the chain's starting value from what partitions the cache:
+// the model, the LoRA adapter (empty for the base model) and an optional
+// salt (for tenant isolation). The parts are length-prefixed so that
+// ("ab","c") and ("a","bc") differ.
+func Seed(model, adapter, salt string) uint64 {
+	var buf [256]byte
+	b := buf[:0]
+	for _, s := range [...]string{model, adapter, salt} {
+		b = binary.LittleEndian.AppendUint32(b, uint32(len(s)))
+		b = append(b, s...)
+	}
+	return xxh3.Hash(b)
+}
+
+// Hasher turns prompts into chained block hashes. The zero value uses the
+// defaults.
+type Hasher struct {
+	// BlockTokens is the number of estimated tokens in one block.
+	BlockTokens int
+	// BytesPerToken is the estimate of prompt bytes per token used to size
+	// blocks of text.
+	BytesPerToken int
+	// MaxBlocks caps how many blocks one prompt yields.
+	MaxBlocks int
+}
+
+func (h Hasher) blockTokens() int {
+	if h.BlockTokens > 0 {
+		return h.BlockTokens
+	}
+	return DefaultBlockTokens
+}
+
+// BlockBytes is the number of prompt bytes in one block of text.
+func (h Hasher) BlockBytes() int {
+	bpt := h.BytesPerToken
+	if bpt <= 0 {
+		bpt = DefaultBytesPerToken
+	}
+	return h.blockTokens() * bpt
+}
+
+func (h Hasher) maxBlocks() int {
+	if h.MaxBlocks > 0 {
+		return h.MaxBlocks
+	}
+	return DefaultMaxBlocks
+}
+
+// chain combines the previous hash and the hash of the next block. xxh3's
+// seeded variant re-derives its secret for inputs over 240 bytes, so we
+// hash the block unseeded (the fast path) and fold the parent in with a
+// full-avalanche 128-bit multiply, keeping the chain order-sensitive.
+func chain(prev, block uint64) uint64 {
+	hi, lo := bits.Mul64(prev^0x9E3779B97F4A7C15, block^0xC2B2AE3D27D4EB4F)
+	return hi ^ lo ^ block
+}
+
+// HashBytes appends to dst one chained hash per full block of prompt and
+// returns the extended slice. The partial tail block is not hashed:
+// engines cache only full blocks. Apart from growing dst it does not
+// allocate.
+func (h Hasher) HashBytes(dst []uint64, seed uint64, prompt []byte) []uint64 {
+	return hashBlocks(h, dst, seed, prompt, xxh3.Hash)
+}
+
+// HashString is HashBytes for a string, without copying it.
+func (h Hasher) HashString(dst []uint64, seed uint64, prompt string) []uint64 {
+	return hashBlocks(h, dst, seed, prompt, xxh3.HashString)
+}
+
+func hashBlocks[T string | []byte](h Hasher, dst []uint64, seed uint64, prompt T, hash func(T) uint64) []uint64 {
+	size := h.BlockBytes()
+	n := min(len(prompt)/size, h.maxBlocks())
+	dst = grow(dst, n)
+	prev := seed
+	for i := 0; i < n; i++ {
+		prev = chain(prev, hash(prompt[i*size:(i+1)*size]))
+		dst = append(dst, prev)
+	}
+	return dst
+}
+
+// HashTokens appends one chained hash per full block of BlockTokens token
+// ids (a prompt given as token ids, where the count is exact).
+func (h Hasher) HashTokens(dst []uint64, seed uint64, tokens []int32) []uint64 {
+	bt := h.blockTokens()
+	n := min(len(tokens)/bt, h.maxBlocks())
+	dst = grow(dst, n)
+	// One scratch buffer per call, on the stack for usual block sizes.
+	var stack [1024]byte
+	var scratch []byte
+	if bt*4 <= len(stack) {
+		scratch = stack[:bt*4]
+	} else {
+		scratch = make([]byte, bt*4)
+	}
+	prev := seed
+	for i := 0; i < n; i++ {
+		for j, t := range tokens[i*bt : (i+1)*bt] {
+			binary.LittleEndian.PutUint32(scratch[j*4:], uint32(t))
+		}
+		prev = chain(prev, xxh3.Hash(scratch))
+		dst = append(dst, prev)
+	}
+	return dst
+}
+
+func grow(dst []uint64, n int) []uint64 {
+	if cap(dst)-len(dst) < n {
+		nd := make([]uint64, len(dst), len(dst)+n)
+		copy(nd, dst)
+		return nd
+	}
+	return dst
+}
+
+// Chain hashes a prompt that arrives in pieces (a chat's tools and
+// messages), yielding the same hashes as HashBytes over the concatenation.
+// Pieces are copied into a one-block buffer, so the caller never builds
+// the whole canonical prompt. A Chain is reusable after Reset.
+type Chain struct {
+	size, max int
+	buf       []byte
+	prev      uint64
+	total     int
+	hashes    []uint64
+}
+
+// NewChain starts a chain from seed, appending hashes to dst.
+func (h Hasher) NewChain(seed uint64, dst []uint64) *Chain {
+	c := &Chain{size: h.BlockBytes(), max: h.maxBlocks()}
+	c.buf = make([]byte, 0, c.size)
+	c.Reset(seed, dst)
+	return c
+}
+
+// Reset restarts the chain from seed with output dst, keeping its buffer.
+func (c *Chain) Reset(seed uint64, dst []uint64) {
+	c.buf = c.buf[:0]
+	c.prev = seed
+	c.total = 0
+	c.hashes = dst
+}
+
+// WriteString adds s to the canonical prompt.
+func (c *Chain) WriteString(s string) { writeChain(c, s, xxh3.HashString) }
+
+// Write adds p to the canonical prompt. It never fails.
+func (c *Chain) Write(p []byte) (int, error) {
+	writeChain(c, p, xxh3.Hash)
+	return len(p), nil
+}
+
+func writeChain[T string | []byte](c *Chain, p T, hash func(T) uint64) {
+	c.total += len(p)
+	for len(p) > 0 && len(c.hashes) < c.max {
+		if len(c.buf) == 0 && len(p) >= c.size {
+			// Whole blocks straight from the input, no copy.
+			c.prev = chain(c.prev, hash(p[:c.size]))
+			c.hashes = append(c.hashes, c.prev)
+			p = p[c.size:]
+			continue
+		}
+		n := min(c.size-len(c.buf), len(p))
+		c.buf = append(c.buf, p[:n]...)
+		p = p[n:]
+		if len(c.buf) == c.size {
+			c.prev = chain(c.prev, xxh3.Hash(c.buf))
+			c.hashes = append(c.hashes, c.prev)
+			c.buf = c.buf[:0]
+		}
+	}
+}
+
+// Hashes returns the hashes of the full blocks written so far.
+func (c *Chain) Hashes() []uint64 { return c.hashes }
+
+// Len is the number of bytes written so far, including any beyond the
+// block cap.
+func (c *Chain) Len() int { return c.total }

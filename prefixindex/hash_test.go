@@ -1,0 +1,178 @@
+package prefixindex
+
+import (
+	"bytes"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/zeebo/xxh3"
+)
+
+func randomText(n int, seed uint64) []byte {
+	r := rand.New(rand.NewPCG(seed, 1))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte('a' + r.IntN(26))
+	}
+	return b
+}
+
+func TestHashBytesBlocksAndTail(t *testing.T) {
+	h := Hasher{BlockTokens: 4, BytesPerToken: 4} // 16-byte blocks
+	seed := Seed("m", "", "")
+	for _, tc := range []struct{ n, want int }{{0, 0}, {15, 0}, {16, 1}, {31, 1}, {32, 2}, {100, 6}} {
+		got := h.HashBytes(nil, seed, randomText(tc.n, 1))
+		if len(got) != tc.want {
+			t.Errorf("len %d: %d blocks, want %d", tc.n, len(got), tc.want)
+		}
+	}
+}
+
+func TestHashChainIdentifiesPrefix(t *testing.T) {
+	h := Hasher{BlockTokens: 4, BytesPerToken: 4}
+	seed := Seed("m", "", "")
+	a := randomText(160, 1)
+	b := append([]byte(nil), a...)
+	b[40] ^= 1 // differs inside block 2
+	ha, hb := h.HashBytes(nil, seed, a), h.HashBytes(nil, seed, b)
+	for i := range ha {
+		if same := ha[i] == hb[i]; same != (i < 2) {
+			t.Errorf("block %d: same=%v", i, same)
+		}
+	}
+	// Equal blocks at different depths or after different parents differ.
+	rep := bytes.Repeat([]byte("0123456789abcdef"), 4)
+	hr := h.HashBytes(nil, seed, rep)
+	if hr[0] == hr[1] || hr[1] == hr[2] {
+		t.Error("repeated block content produced equal chained hashes")
+	}
+}
+
+func TestSeedPartitionsModelsAndAdapters(t *testing.T) {
+	seeds := map[uint64]string{}
+	for _, s := range [][3]string{{"m", "", ""}, {"m", "a", ""}, {"m", "", "a"}, {"ma", "", ""}, {"m", "b", ""}, {"n", "", ""}} {
+		v := Seed(s[0], s[1], s[2])
+		if prev, dup := seeds[v]; dup {
+			t.Fatalf("seed of %v equals that of %s", s, prev)
+		}
+		seeds[v] = strings.Join(s[:], "|")
+	}
+	h := Hasher{}
+	p := randomText(1024, 2)
+	if h.HashBytes(nil, Seed("m", "", ""), p)[0] == h.HashBytes(nil, Seed("m", "lora1", ""), p)[0] {
+		t.Error("an adapter shares blocks with its base model")
+	}
+}
+
+func TestChainMatchesWholeHash(t *testing.T) {
+	h := Hasher{BlockTokens: 8, BytesPerToken: 4}
+	seed := Seed("m", "", "")
+	text := randomText(1000, 3)
+	want := h.HashBytes(nil, seed, text)
+	if got := h.HashString(nil, seed, string(text)); !equal(got, want) {
+		t.Fatal("HashString differs from HashBytes")
+	}
+	r := rand.New(rand.NewPCG(4, 4))
+	for trial := 0; trial < 50; trial++ {
+		c := h.NewChain(seed, nil)
+		for rest := text; len(rest) > 0; {
+			n := min(len(rest), r.IntN(80))
+			if trial%2 == 0 {
+				c.Write(rest[:n])
+			} else {
+				c.WriteString(string(rest[:n]))
+			}
+			rest = rest[n:]
+		}
+		if !equal(c.Hashes(), want) || c.Len() != len(text) {
+			t.Fatalf("trial %d: chained pieces differ from the whole", trial)
+		}
+	}
+}
+
+func TestMaxBlocksCaps(t *testing.T) {
+	h := Hasher{BlockTokens: 1, BytesPerToken: 4, MaxBlocks: 10}
+	seed := Seed("m", "", "")
+	text := randomText(400, 5)
+	if n := len(h.HashBytes(nil, seed, text)); n != 10 {
+		t.Fatalf("HashBytes gave %d blocks, want the cap 10", n)
+	}
+	c := h.NewChain(seed, nil)
+	c.Write(text)
+	if n := len(c.Hashes()); n != 10 || c.Len() != 400 {
+		t.Fatalf("Chain gave %d blocks (len %d), want 10 (400)", n, c.Len())
+	}
+	toks := make([]int32, 100)
+	if n := len(h.HashTokens(nil, seed, toks)); n != 10 {
+		t.Fatalf("HashTokens gave %d blocks, want 10", n)
+	}
+}
+
+func TestHashTokens(t *testing.T) {
+	h := Hasher{BlockTokens: 4}
+	seed := Seed("m", "", "")
+	a := []int32{1, 2, 3, 4, 5, 6, 7, 8, 9}
+	b := []int32{1, 2, 3, 4, 5, 6, 7, 9}
+	ha, hb := h.HashTokens(nil, seed, a), h.HashTokens(nil, seed, b)
+	if len(ha) != 2 || len(hb) != 2 || ha[0] != hb[0] || ha[1] == hb[1] {
+		t.Fatalf("token blocks: %x vs %x", ha, hb)
+	}
+}
+
+func TestHashAllocations(t *testing.T) {
+	h := Hasher{}
+	seed := Seed("m", "", "")
+	text := randomText(64<<10, 6)
+	dst := make([]uint64, 0, 1024)
+	if n := testing.AllocsPerRun(20, func() { h.HashBytes(dst[:0], seed, text) }); n != 0 {
+		t.Errorf("HashBytes allocates %.0f times with room in dst", n)
+	}
+	c := h.NewChain(seed, dst)
+	if n := testing.AllocsPerRun(20, func() {
+		c.Reset(seed, dst[:0])
+		c.Write(text[:1000])
+		c.Write(text[1000:])
+	}); n != 0 {
+		t.Errorf("Chain allocates %.0f times with room in dst", n)
+	}
+}
+
+func equal(a, b []uint64) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+var sink uint64
+
+// BenchmarkHashBlocks hashes a 64 KiB prompt into chained blocks.
+func BenchmarkHashBlocks(b *testing.B) {
+	h := Hasher{}
+	seed := Seed("meta-llama/Llama-3.1-8B-Instruct", "", "")
+	text := randomText(64<<10, 7)
+	dst := make([]uint64, 0, 1024)
+	b.SetBytes(int64(len(text)))
+	b.ReportAllocs()
+	for b.Loop() {
+		dst = h.HashBytes(dst[:0], seed, text)
+	}
+	sink = dst[len(dst)-1]
+}
+
+// BenchmarkXXH3Raw is plain xxh3 over the same bytes: the memory-speed
+// floor for BenchmarkHashBlocks.
+func BenchmarkXXH3Raw(b *testing.B) {
+	text := randomText(64<<10, 7)
+	b.SetBytes(int64(len(text)))
+	b.ReportAllocs()
+	for b.Loop() {
+		sink = xxh3.Hash(text)
+	}
+}
