@@ -1,0 +1,127 @@
+package kvsim
+
+import (
+	"fmt"
+	"time"
+)
+
+// DefaultModel is the base model name served when none is configured.
+const DefaultModel = "meta-llama/Llama-3.1-8B-Instruct"
+
+// Config configures one simulated engine. The zero value of every field means its default;
+// the defaults approximate an 8B model on one H100.
+type Config struct {
+	// Model is the served base model name. Default: meta-llama/Llama-3.1-8B-Instruct.
+	Model string `json:"model,omitempty"`
+
+	// MaxModelLen is the longest context (prompt plus output tokens) accepted. Default 131072.
+	MaxModelLen int `json:"max_model_len,omitempty"`
+
+	// BlockSize is the number of tokens in one KV block. Default 16.
+	BlockSize int `json:"block_size,omitempty"`
+
+	// NumGPUBlocks is the number of KV blocks. Default 8192 (131072 tokens at block size 16).
+	NumGPUBlocks int `json:"num_gpu_blocks,omitempty"`
+
+	// MaxNumSeqs is the largest number of sequences running at once. Default 256.
+	MaxNumSeqs int `json:"max_num_seqs,omitempty"`
+
+	// MaxNumBatchedTokens is the token budget of one step (chunked prefill). Default 8192.
+	MaxNumBatchedTokens int `json:"max_num_batched_tokens,omitempty"`
+
+	// BytesPerToken is the pseudo-tokenizer's token length in bytes. Default 4, range 1..16.
+	BytesPerToken int `json:"bytes_per_token,omitempty"`
+
+	// DefaultOutputTokens is the generated length when a request sets neither max_tokens
+	// nor kvsim_output_tokens. Default 128.
+	DefaultOutputTokens int `json:"default_output_tokens,omitempty"`
+
+	// DisablePrefixCaching turns the prefix cache off (every prompt is computed in full).
+	DisablePrefixCaching bool `json:"disable_prefix_caching,omitempty"`
+
+	// StepOverhead is the fixed time of one engine step (weights read, launch). Default 8ms.
+	StepOverhead time.Duration `json:"step_overhead,omitempty"`
+
+	// PerPrefillToken is the step time added per prompt token computed. Default 1/15000 s.
+	PerPrefillToken time.Duration `json:"per_prefill_token,omitempty"`
+
+	// PerDecodeSequence is the step time added per sequence decoding one token. Default 60µs.
+	PerDecodeSequence time.Duration `json:"per_decode_sequence,omitempty"`
+
+	// PerContextToken is the step time added per context token read by attention for every
+	// scheduled sequence (KV bandwidth). Default 40ns.
+	PerContextToken time.Duration `json:"per_context_token,omitempty"`
+
+	// MaxLoRAs is the number of LoRA adapter slots on the GPU. Default 4.
+	MaxLoRAs int `json:"max_loras,omitempty"`
+
+	// MaxCPULoRAs is the number of adapters kept in host memory. Default 16.
+	MaxCPULoRAs int `json:"max_cpu_loras,omitempty"`
+
+	// LoRAHostLoad is the time to move an adapter from host memory to a GPU slot. Default 30ms.
+	LoRAHostLoad time.Duration `json:"lora_host_load,omitempty"`
+
+	// LoRAStorageLoad is the time to load an adapter from storage. Default 2s.
+	LoRAStorageLoad time.Duration `json:"lora_storage_load,omitempty"`
+
+	// Adapters names the LoRA adapters known at start; they start on storage.
+	Adapters []string `json:"adapters,omitempty"`
+}
+
+// WithDefaults returns a copy of c with every zero field set to its default.
+func (c Config) WithDefaults() Config {
+	setInt := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	setDur := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	if c.Model == "" {
+		c.Model = DefaultModel
+	}
+	setInt(&c.MaxModelLen, 131072)
+	setInt(&c.BlockSize, 16)
+	setInt(&c.NumGPUBlocks, 8192)
+	setInt(&c.MaxNumSeqs, 256)
+	setInt(&c.MaxNumBatchedTokens, 8192)
+	setInt(&c.BytesPerToken, 4)
+	setInt(&c.DefaultOutputTokens, 128)
+	setDur(&c.StepOverhead, 8*time.Millisecond)
+	setDur(&c.PerPrefillToken, time.Second/15000)
+	setDur(&c.PerDecodeSequence, 60*time.Microsecond)
+	setDur(&c.PerContextToken, 40*time.Nanosecond)
+	setInt(&c.MaxLoRAs, 4)
+	setInt(&c.MaxCPULoRAs, 16)
+	setDur(&c.LoRAHostLoad, 30*time.Millisecond)
+	setDur(&c.LoRAStorageLoad, 2*time.Second)
+	return c
+}
+
+// Validate reports a configuration that cannot run.
+func (c Config) Validate() error {
+	switch {
+	case c.BlockSize < 1:
+		return fmt.Errorf("block_size must be positive, got %d", c.BlockSize)
+	case c.NumGPUBlocks < 1:
+		return fmt.Errorf("num_gpu_blocks must be positive, got %d", c.NumGPUBlocks)
+	case c.MaxNumSeqs < 1:
+		return fmt.Errorf("max_num_seqs must be positive, got %d", c.MaxNumSeqs)
+	case c.MaxNumBatchedTokens < 1:
+		return fmt.Errorf("max_num_batched_tokens must be positive, got %d", c.MaxNumBatchedTokens)
+	case c.BytesPerToken < 1 || c.BytesPerToken > 16:
+		return fmt.Errorf("bytes_per_token must be in 1..16, got %d", c.BytesPerToken)
+	case c.MaxModelLen < 1:
+		return fmt.Errorf("max_model_len must be positive, got %d", c.MaxModelLen)
+	case c.DefaultOutputTokens < 1:
+		return fmt.Errorf("default_output_tokens must be positive, got %d", c.DefaultOutputTokens)
+	case c.MaxLoRAs < 1 || c.MaxCPULoRAs < 1:
+		return fmt.Errorf("max_loras and max_cpu_loras must be positive")
+	case c.StepOverhead < 0 || c.PerPrefillToken < 0 || c.PerDecodeSequence < 0 || c.PerContextToken < 0:
+		return fmt.Errorf("step time coefficients must not be negative")
+	}
+	return nil
+}
