@@ -1,0 +1,296 @@
+package scorer
+
+import (
+	"cmp"
+	"math"
+	"slices"
+)
+
+// Options tune the decision. The zero value is the ttft strategy with the
+// defaults below.
+type Options struct {
+	// Strategy is the decision rule; empty means TTFT.
+	Strategy Strategy
+	// TieSeconds: ttft costs within this many seconds of the best are
+	// ties, broken by power of two random choices. Default 0.002.
+	TieSeconds float64
+	// KVMarginTokens is the headroom the KV-fit filter keeps beyond the
+	// uncached prompt and the expected output. Default 0.
+	KVMarginTokens int
+	// SGLang tunes the sglang strategy.
+	SGLang SGLangOptions
+	// LLMD tunes the llmd strategy.
+	LLMD LLMDOptions
+	// Dynamo tunes the dynamo strategy.
+	Dynamo DynamoOptions
+}
+
+// Rand is the random source for tie-breaks; *math/rand/v2.Rand satisfies
+// it. Inject a seeded one for deterministic decisions.
+type Rand interface {
+	IntN(n int) int
+}
+
+// Decision is the outcome of Choose.
+type Decision struct {
+	// Chosen is the index of the chosen candidate, or -1 when none fits.
+	Chosen int
+	// Reason says why it won (Shed when Chosen is -1).
+	Reason Reason
+	// EstimatedTTFTSeconds is the ttft estimate of the chosen candidate
+	// (computed whatever the strategy, for comparison with observations).
+	EstimatedTTFTSeconds float64
+	// Eligible is how many candidates passed the filters.
+	Eligible int
+	// Blocked is the most common filter reason when none fits.
+	Blocked FilterReason
+}
+
+// Explanation is filled by Choose when asked for, for logs and headers.
+type Explanation struct {
+	// Top holds the best candidates by the strategy's order, best first.
+	Top []Explained
+	// Filtered holds every candidate the filters excluded.
+	Filtered []Excluded
+}
+
+// Explained is one candidate's features in an explanation.
+type Explained struct {
+	Index         int
+	Name          string
+	Cost          float64
+	TTFTSeconds   float64
+	MatchedTokens int
+	QueuedTokens  int
+	Adapter       AdapterState
+}
+
+// Excluded names a filtered candidate and why.
+type Excluded struct {
+	Index  int
+	Name   string
+	Reason FilterReason
+}
+
+// explainTop is how many candidates an explanation lists.
+const explainTop = 3
+
+// Choose picks a candidate for req. It never chooses a filtered candidate.
+// When explain is non-nil it is filled in; otherwise explaining costs
+// nothing. Choose does not allocate unless explain is non-nil.
+func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) Decision {
+	d := Decision{Chosen: -1, Reason: Shed}
+	var blocked [5]int
+	bestMatch := 0
+	for i := range cands {
+		f := filter(&req, &cands[i], opts.KVMarginTokens)
+		if f != NotFiltered {
+			blocked[f]++
+			if explain != nil {
+				explain.Filtered = append(explain.Filtered, Excluded{Index: i, Name: cands[i].Name, Reason: f})
+			}
+			continue
+		}
+		d.Eligible++
+		bestMatch = max(bestMatch, cands[i].MatchedTokens)
+	}
+	if d.Eligible == 0 {
+		d.Blocked = FilteredUnavailable
+		for f := range blocked {
+			if blocked[f] > blocked[d.Blocked] {
+				d.Blocked = FilterReason(f)
+			}
+		}
+		return d
+	}
+
+	var k coster
+	if opts.Strategy == SGLang {
+		d.Chosen = chooseSGLang(&req, cands, opts)
+	} else {
+		k = newCoster(&req, cands, opts)
+		d.Chosen = pickLowest(&k, rng)
+	}
+
+	c := &cands[d.Chosen]
+	d.EstimatedTTFTSeconds = EstimateTTFT(&req, c)
+	switch {
+	case req.Adapter != "" && c.Adapter != AdapterResident:
+		d.Reason = Adapter
+	case bestMatch == 0:
+		d.Reason = Cold
+	case c.MatchedTokens < bestMatch:
+		d.Reason = Spill
+	default:
+		d.Reason = Warm
+	}
+	if explain != nil {
+		if opts.Strategy == SGLang { // no per-candidate cost; rank by ttft
+			k = coster{req: &req, cands: cands, opts: opts, strategy: TTFT}
+		}
+		explain.Top = explainBest(&k)
+	}
+	return d
+}
+
+// filter applies the hard filters in order of how fundamental they are.
+func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
+	if c.Models != nil && !servesModel(c.Models, req) {
+		return FilteredModel
+	}
+	if !c.Available {
+		return FilteredUnavailable
+	}
+	if c.Draining {
+		return FilteredDraining
+	}
+	// Never park a request on a replica that cannot hold it.
+	if c.FreeKVTokens >= 0 {
+		need := max(0, req.PromptTokens-c.MatchedTokens) + req.OutputTokens + marginTokens
+		if need > c.FreeKVTokens {
+			return FilteredKV
+		}
+	}
+	return NotFiltered
+}
+
+func servesModel(models []string, req *Request) bool {
+	want := req.Model
+	if req.Adapter != "" {
+		want = req.Adapter
+	}
+	return want == "" || slices.Contains(models, want)
+}
+
+// EstimateTTFT is the ttft strategy's cost: the seconds until c would emit
+// the first token of req.
+func EstimateTTFT(req *Request, c *Candidate) float64 {
+	prefill := rate(c.PrefillTokensPerSecond, 10_000)
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	queued := float64(c.QueuedPrefillTokens)/prefill + float64(c.QueuedDecodeTokens)/decode
+	uncached := float64(max(0, req.PromptTokens-c.MatchedTokens)) / prefill
+	est := queued + uncached
+	if req.Adapter != "" && c.Adapter != AdapterResident {
+		est += c.AdapterLoadSeconds
+	}
+	return est
+}
+
+func rate(r, fallback float64) float64 {
+	if r > 0 {
+		return r
+	}
+	return fallback
+}
+
+func queuedTokens(c *Candidate) int { return c.QueuedPrefillTokens + c.QueuedDecodeTokens }
+
+// coster computes a strategy's cost of each candidate (lower is better).
+// It is a plain value rather than a closure so that Choose does not
+// allocate.
+type coster struct {
+	req      *Request
+	cands    []Candidate
+	opts     Options
+	strategy Strategy
+	llmd     llmdScale
+}
+
+func newCoster(req *Request, cands []Candidate, opts Options) coster {
+	k := coster{req: req, cands: cands, opts: opts, strategy: opts.Strategy}
+	if k.strategy == "" {
+		k.strategy = TTFT
+	}
+	if k.strategy == LLMD {
+		k.llmd = newLLMDScale(req, cands, opts)
+	}
+	return k
+}
+
+func (k *coster) eligible(i int) bool {
+	return filter(k.req, &k.cands[i], k.opts.KVMarginTokens) == NotFiltered
+}
+
+func (k *coster) cost(i int) float64 {
+	c := &k.cands[i]
+	switch k.strategy {
+	case LLMD:
+		return k.llmd.cost(k.req, c)
+	case Dynamo:
+		return dynamoCost(k.req, c, k.opts)
+	case LeastWork:
+		return float64(queuedTokens(c))
+	}
+	return EstimateTTFT(k.req, c)
+}
+
+// tolerance is how close to the best cost counts as a tie.
+func (k *coster) tolerance(best float64) float64 {
+	if k.strategy == TTFT {
+		if k.opts.TieSeconds > 0 {
+			return k.opts.TieSeconds
+		}
+		return 0.002
+	}
+	return 1e-9 * math.Max(1, math.Abs(best))
+}
+
+// pickLowest returns the eligible candidate of lowest cost. Costs within
+// the tie tolerance of the best tie; among ties, two are drawn at random
+// and the one with less queued work wins (power of two choices), so equal
+// replicas do not herd.
+func pickLowest(k *coster, rng Rand) int {
+	best, bestCost := -1, math.Inf(1)
+	for i := range k.cands {
+		if !k.eligible(i) {
+			continue
+		}
+		if c := k.cost(i); c < bestCost {
+			best, bestCost = i, c
+		}
+	}
+	limit := bestCost + k.tolerance(bestCost)
+	ties := 0
+	for i := range k.cands {
+		if k.eligible(i) && k.cost(i) <= limit {
+			ties++
+		}
+	}
+	if ties < 2 || rng == nil {
+		return best
+	}
+	a, b := k.nthTie(limit, rng.IntN(ties)), k.nthTie(limit, rng.IntN(ties))
+	if queuedTokens(&k.cands[b]) < queuedTokens(&k.cands[a]) {
+		return b
+	}
+	return a
+}
+
+func (k *coster) nthTie(limit float64, n int) int {
+	for i := range k.cands {
+		if k.eligible(i) && k.cost(i) <= limit {
+			if n == 0 {
+				return i
+			}
+			n--
+		}
+	}
+	return -1
+}
+
+// explainBest lists the best few eligible candidates by cost.
+func explainBest(k *coster) []Explained {
+	var all []Explained
+	for i := range k.cands {
+		if !k.eligible(i) {
+			continue
+		}
+		c := &k.cands[i]
+		all = append(all, Explained{
+			Index: i, Name: c.Name, Cost: k.cost(i), TTFTSeconds: EstimateTTFT(k.req, c),
+			MatchedTokens: c.MatchedTokens, QueuedTokens: queuedTokens(c), Adapter: c.Adapter,
+		})
+	}
+	slices.SortStableFunc(all, func(a, b Explained) int { return cmp.Compare(a.Cost, b.Cost) })
+	return all[:min(len(all), explainTop)]
+}

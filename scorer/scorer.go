@@ -1,0 +1,179 @@
+// Package scorer decides which upstream a request goes to: hard filters
+// first, then a cost per remaining candidate, then a tie-break. It is pure:
+// plain structs in, a Decision out, no I/O, no clocks, no Caddy, so the
+// same code runs in the router and in a discrete-event simulation.
+//
+// The default strategy, ttft, estimates each candidate's time to first
+// token:
+//
+//	est = queued_seconds + uncached_tokens/prefill_rate + adapter_load_seconds
+//
+// For a warm replica A holding k prefix tokens and a cold replica B this
+// is the tolerance rule "route to A iff Q_A − Q_B < t_prefill(k)": affinity
+// is worth more for long prefixes and less under load, and a hot prefix
+// spills to a cold replica, which then becomes warm.
+package scorer
+
+import "fmt"
+
+// Strategy names a decision rule. Besides the default, the rules of other
+// routers are available for side-by-side benchmarks and for users
+// migrating from them.
+type Strategy string
+
+// Strategies.
+const (
+	// TTFT minimises the estimated time to first token (the default).
+	TTFT Strategy = "ttft"
+	// SGLang is SGLang router's cache_aware policy.
+	SGLang Strategy = "sglang"
+	// LLMD is llm-d's default scoring profile with a max-score picker.
+	LLMD Strategy = "llmd"
+	// Dynamo is NVIDIA Dynamo's KV router cost.
+	Dynamo Strategy = "dynamo"
+	// LeastWork picks the fewest queued tokens, ignoring the cache.
+	LeastWork Strategy = "least_work"
+)
+
+// Strategies lists every strategy, default first.
+var Strategies = []Strategy{TTFT, SGLang, LLMD, Dynamo, LeastWork}
+
+// ParseStrategy returns the strategy with the given name; "" means TTFT.
+func ParseStrategy(name string) (Strategy, error) {
+	if name == "" {
+		return TTFT, nil
+	}
+	for _, s := range Strategies {
+		if string(s) == name {
+			return s, nil
+		}
+	}
+	return "", fmt.Errorf("unknown strategy %q (want one of ttft, sglang, llmd, dynamo, least_work)", name)
+}
+
+// AdapterState says where a candidate has the request's LoRA adapter.
+type AdapterState uint8
+
+// Adapter states, cheapest first.
+const (
+	// AdapterUnknown: the router does not know; the caller sets the load
+	// cost it wants to assume.
+	AdapterUnknown AdapterState = iota
+	// AdapterResident: loaded on the GPU (or the request needs none).
+	AdapterResident
+	// AdapterHost: loadable quickly, from host memory or into a free slot.
+	AdapterHost
+	// AdapterRemote: must be fetched from storage.
+	AdapterRemote
+)
+
+func (s AdapterState) String() string {
+	switch s {
+	case AdapterResident:
+		return "resident"
+	case AdapterHost:
+		return "host"
+	case AdapterRemote:
+		return "remote"
+	}
+	return "unknown"
+}
+
+// Request is what the decision needs to know of a request.
+type Request struct {
+	// PromptTokens is the (estimated) prompt length in tokens.
+	PromptTokens int
+	// Blocks is the number of full prefix blocks hashed from the prompt.
+	Blocks int
+	// BlockTokens is the number of tokens in one block.
+	BlockTokens int
+	// OutputTokens is the expected number of generated tokens.
+	OutputTokens int
+	// Model is the requested base model; empty matches any.
+	Model string
+	// Adapter is the requested LoRA adapter, empty for the base model.
+	Adapter string
+}
+
+// Candidate is one upstream's state as the decision sees it.
+type Candidate struct {
+	// Name identifies the upstream in explanations (its dial address).
+	Name string
+	// Available is false when the proxy considers the upstream down or
+	// full.
+	Available bool
+	// Draining upstreams take no new requests.
+	Draining bool
+	// MatchedTokens is how many leading prompt tokens it holds in cache.
+	MatchedTokens int
+	// QueuedPrefillTokens is prefill work routed there and not done.
+	QueuedPrefillTokens int
+	// QueuedDecodeTokens is expected output routed there and not yet
+	// generated.
+	QueuedDecodeTokens int
+	// InFlight is the number of requests routed there and not finished.
+	InFlight int
+	// Waiting is the engine's waiting queue length, or -1 when unknown.
+	Waiting int
+	// PrefillTokensPerSecond is its prefill throughput.
+	PrefillTokensPerSecond float64
+	// DecodeTokensPerSecond is its aggregate decode throughput over the
+	// batch.
+	DecodeTokensPerSecond float64
+	// FreeKVTokens is its free KV cache in tokens, or -1 when unknown.
+	FreeKVTokens int
+	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.
+	KVCapacityTokens int
+	// Adapter says where it has the request's adapter.
+	Adapter AdapterState
+	// AdapterLoadSeconds is the cost of making the adapter resident there;
+	// ignored when the adapter is resident.
+	AdapterLoadSeconds float64
+	// Models lists the models (base and adapters) it serves; nil when
+	// unknown, in which case it is assumed to serve any.
+	Models []string
+}
+
+// FilterReason says why a candidate was excluded.
+type FilterReason uint8
+
+// Filter reasons.
+const (
+	NotFiltered FilterReason = iota
+	FilteredModel
+	FilteredUnavailable
+	FilteredDraining
+	FilteredKV
+)
+
+func (f FilterReason) String() string {
+	switch f {
+	case FilteredModel:
+		return "model"
+	case FilteredUnavailable:
+		return "unavailable"
+	case FilteredDraining:
+		return "draining"
+	case FilteredKV:
+		return "kv"
+	}
+	return ""
+}
+
+// Reason says why the chosen candidate won, in the words the metrics use.
+type Reason string
+
+// Reasons.
+const (
+	// Warm: the chosen candidate holds the longest matched prefix.
+	Warm Reason = "warm"
+	// Cold: no candidate held any of the prompt.
+	Cold Reason = "cold"
+	// Spill: a warmer candidate existed but its queue outweighed the
+	// prefill it would save.
+	Spill Reason = "spill"
+	// Adapter: the chosen candidate must load the request's adapter.
+	Adapter Reason = "adapter"
+	// Shed: no candidate passed the filters.
+	Shed Reason = "shed"
+)

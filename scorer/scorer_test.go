@@ -1,0 +1,284 @@
+package scorer
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+)
+
+func cand(name string, matched, queuedPrefill int) Candidate {
+	return Candidate{
+		Name: name, Available: true, MatchedTokens: matched, QueuedPrefillTokens: queuedPrefill,
+		Waiting: -1, FreeKVTokens: -1, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000,
+	}
+}
+
+func req(prompt int) Request {
+	return Request{PromptTokens: prompt, Blocks: prompt / 64, BlockTokens: 64, OutputTokens: 100}
+}
+
+func TestFilters(t *testing.T) {
+	base := cand("ok", 0, 0)
+	cases := []struct {
+		name string
+		edit func(c *Candidate, r *Request)
+		want FilterReason
+	}{
+		{"passes", func(c *Candidate, r *Request) {}, NotFiltered},
+		{"unavailable", func(c *Candidate, r *Request) { c.Available = false }, FilteredUnavailable},
+		{"draining", func(c *Candidate, r *Request) { c.Draining = true }, FilteredDraining},
+		{"wrong model", func(c *Candidate, r *Request) { c.Models = []string{"a"}; r.Model = "b" }, FilteredModel},
+		{"right model", func(c *Candidate, r *Request) { c.Models = []string{"a"}; r.Model = "a" }, NotFiltered},
+		{"adapter not served", func(c *Candidate, r *Request) { c.Models = []string{"a"}; r.Model = "a"; r.Adapter = "x" }, FilteredModel},
+		{"kv unknown", func(c *Candidate, r *Request) { r.PromptTokens = 1 << 30 }, NotFiltered},
+		{"kv too small", func(c *Candidate, r *Request) { c.FreeKVTokens = 1000; r.PromptTokens = 950 }, FilteredKV},
+		{"kv fits thanks to cache", func(c *Candidate, r *Request) {
+			c.FreeKVTokens = 1000
+			r.PromptTokens = 950
+			c.MatchedTokens = 900
+		}, NotFiltered},
+	}
+	for _, tc := range cases {
+		c, r := base, req(1000)
+		tc.edit(&c, &r)
+		if got := filter(&r, &c, 0); got != tc.want {
+			t.Errorf("%s: filter = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	c, r := base, req(1000)
+	c.FreeKVTokens = 1150
+	if filter(&r, &c, 100) != FilteredKV {
+		t.Error("KV margin not applied")
+	}
+}
+
+func TestShedWhenNothingFits(t *testing.T) {
+	a, b := cand("a", 0, 0), cand("b", 0, 0)
+	a.FreeKVTokens, b.FreeKVTokens = 100, 200
+	c := cand("c", 0, 0)
+	c.Draining = true
+	var ex Explanation
+	d := Choose(req(5000), []Candidate{a, b, c}, Options{}, nil, &ex)
+	if d.Chosen != -1 || d.Reason != Shed || d.Blocked != FilteredKV {
+		t.Fatalf("got %+v, want shed blocked by kv", d)
+	}
+	if len(ex.Filtered) != 3 {
+		t.Fatalf("explanation lists %d filtered, want 3", len(ex.Filtered))
+	}
+}
+
+// TestToleranceRule is the property: with two candidates, ttft picks the
+// warm one exactly when Q_warm − Q_cold < t_prefill(k).
+func TestToleranceRule(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	opts := Options{TieSeconds: 1e-9}
+	for trial := 0; trial < 5000; trial++ {
+		prompt := 64 + r.IntN(20_000)
+		k := r.IntN(prompt + 1)
+		warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
+		warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
+		rate := 10_000.0
+		qWarm := float64(warm.QueuedPrefillTokens)/rate + float64(warm.QueuedDecodeTokens)/2000
+		qCold := float64(cold.QueuedPrefillTokens)/rate + float64(cold.QueuedDecodeTokens)/2000
+		tPrefill := float64(k) / rate
+		diff := qWarm - qCold - tPrefill
+		if diff > -1e-6 && diff < 1e-6 {
+			continue // too close to call in floating point
+		}
+		cands := []Candidate{warm, cold}
+		if trial%2 == 1 {
+			cands[0], cands[1] = cands[1], cands[0]
+		}
+		d := Choose(req(prompt), cands, opts, nil, nil)
+		gotWarm := cands[d.Chosen].Name == "warm"
+		if wantWarm := qWarm-qCold < tPrefill; gotWarm != wantWarm {
+			t.Fatalf("trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f: chose %s", trial, prompt, k, qWarm, qCold, tPrefill, cands[d.Chosen].Name)
+		}
+	}
+}
+
+func TestFilteredNeverChosen(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 5))
+	for _, s := range Strategies {
+		for trial := 0; trial < 2000; trial++ {
+			n := 1 + r.IntN(8)
+			cands := make([]Candidate, n)
+			for i := range cands {
+				c := cand(fmt.Sprint(i), r.IntN(4000), r.IntN(10_000))
+				c.InFlight = r.IntN(100)
+				c.Available = r.IntN(5) > 0
+				c.Draining = r.IntN(6) == 0
+				if r.IntN(3) == 0 {
+					c.FreeKVTokens, c.KVCapacityTokens = r.IntN(8000), 8000
+				}
+				if r.IntN(4) == 0 {
+					c.Models = []string{"other"}
+				}
+				cands[i] = c
+			}
+			rq := req(r.IntN(6000))
+			rq.Model = "m"
+			d := Choose(rq, cands, Options{Strategy: s}, r, nil)
+			if d.Chosen >= 0 && filter(&rq, &cands[d.Chosen], 0) != NotFiltered {
+				t.Fatalf("%s chose filtered candidate %+v", s, cands[d.Chosen])
+			}
+			if (d.Chosen < 0) != (d.Eligible == 0) {
+				t.Fatalf("%s: chosen %d with %d eligible", s, d.Chosen, d.Eligible)
+			}
+		}
+	}
+}
+
+// TestHotPrefixSpills replays a stream of requests sharing one long
+// prefix against two replicas: the warm one takes them until its queue
+// outweighs the prefill it saves, then the cold one gets one (spill).
+func TestHotPrefixSpills(t *testing.T) {
+	warm, cold := cand("warm", 8000, 0), cand("cold", 0, 0)
+	rq := req(8200) // 8000 cached tokens save 0.8 s of prefill on warm
+	var reasons []Reason
+	for i := 0; i < 20; i++ {
+		d := Choose(rq, []Candidate{warm, cold}, Options{}, nil, nil)
+		reasons = append(reasons, d.Reason)
+		if d.Chosen == 1 {
+			if i == 0 {
+				t.Fatal("spilled with an empty warm queue")
+			}
+			if d.Reason != Spill {
+				t.Fatalf("reason %s, want spill", d.Reason)
+			}
+			// Each warm request queued 200 uncached tokens plus 100 of
+			// output: 0.02 + 0.05 s. It spills once that passes 0.8 s.
+			if i < 10 || i > 13 {
+				t.Fatalf("spilled after %d requests, want about 11", i)
+			}
+			return
+		}
+		warm.QueuedPrefillTokens += 200
+		warm.QueuedDecodeTokens += 100
+	}
+	t.Fatalf("never spilled: %v", reasons)
+}
+
+func TestSameSeedSameDecisions(t *testing.T) {
+	run := func() []int {
+		r := rand.New(rand.NewPCG(42, 42))
+		var out []int
+		cands := make([]Candidate, 16)
+		for i := range cands {
+			cands[i] = cand(fmt.Sprint(i), 0, 0)
+		}
+		for i := 0; i < 200; i++ {
+			d := Choose(req(1000), cands, Options{}, r, nil)
+			out = append(out, d.Chosen)
+			cands[d.Chosen].QueuedPrefillTokens += 1 // tiny: stays a tie
+		}
+		return out
+	}
+	a, b := run(), run()
+	spread := map[int]bool{}
+	for i := range a {
+		if a[i] != b[i] {
+			t.Fatalf("decision %d differs: %d vs %d", i, a[i], b[i])
+		}
+		spread[a[i]] = true
+	}
+	if len(spread) < 8 {
+		t.Fatalf("ties herd onto %d of 16 replicas", len(spread))
+	}
+}
+
+func TestAdapterCost(t *testing.T) {
+	resident, remote := cand("resident", 0, 5000), cand("remote", 0, 0)
+	resident.Adapter = AdapterResident
+	remote.Adapter, remote.AdapterLoadSeconds = AdapterRemote, 2
+	rq := req(1000)
+	rq.Adapter = "tenant-a"
+	d := Choose(rq, []Candidate{resident, remote}, Options{}, nil, nil)
+	if d.Chosen != 0 || d.Reason != Cold {
+		t.Fatalf("got %+v, want the resident holder (0.5 s queue < 2 s load)", d)
+	}
+	resident.QueuedPrefillTokens = 30_000 // 3 s queue > 2 s load
+	d = Choose(rq, []Candidate{resident, remote}, Options{}, nil, nil)
+	if d.Chosen != 1 || d.Reason != Adapter {
+		t.Fatalf("got %+v, want the remote one to load the adapter", d)
+	}
+}
+
+func TestStrategies(t *testing.T) {
+	warm, idle := cand("warm", 4096, 0), cand("idle", 0, 0)
+	warm.InFlight, idle.InFlight = 10, 0
+	warm.QueuedPrefillTokens = 6000
+	rq := req(4160)
+	cases := []struct {
+		s    Strategy
+		want string
+	}{
+		{TTFT, "warm"},      // 0.6 s queue vs 0.4 s of prefill saved... 0.6+0.006 > 0.416: idle
+		{SGLang, "warm"},    // balanced (10−0 ≤ 32), match rate 0.98 > 0.5
+		{LLMD, "warm"},      // prefix 3·0.98 beats queue 2·1
+		{Dynamo, "idle"},    // warm: 1+6000/64 + ..., idle: 65 + 65
+		{LeastWork, "idle"}, // fewest queued tokens
+	}
+	cases[0].want = "idle"
+	for _, tc := range cases {
+		d := Choose(rq, []Candidate{warm, idle}, Options{Strategy: tc.s}, nil, nil)
+		if got := []string{"warm", "idle"}[d.Chosen]; got != tc.want {
+			t.Errorf("%s chose %s, want %s", tc.s, got, tc.want)
+		}
+	}
+	// SGLang's imbalance rule overrides the cache.
+	warm.InFlight = 100
+	d := Choose(rq, []Candidate{warm, idle}, Options{Strategy: SGLang}, nil, nil)
+	if d.Chosen != 1 {
+		t.Error("sglang ignored an imbalance of 100 vs 0")
+	}
+	if _, err := ParseStrategy("bogus"); err == nil {
+		t.Error("ParseStrategy accepted bogus")
+	}
+}
+
+func TestExplanation(t *testing.T) {
+	cands := []Candidate{cand("a", 0, 100), cand("b", 1000, 0), cand("c", 0, 0), cand("d", 0, 50)}
+	cands[3].Draining = true
+	var ex Explanation
+	d := Choose(req(2000), cands, Options{}, nil, &ex)
+	if d.Chosen != 1 || len(ex.Top) != 3 || ex.Top[0].Name != "b" || len(ex.Filtered) != 1 || ex.Filtered[0].Reason != FilteredDraining {
+		t.Fatalf("decision %+v explanation %+v", d, ex)
+	}
+}
+
+func TestChooseDoesNotAllocate(t *testing.T) {
+	cands, rq := benchCandidates(64)
+	r := rand.New(rand.NewPCG(1, 1))
+	for _, s := range Strategies {
+		if n := testing.AllocsPerRun(100, func() { Choose(rq, cands, Options{Strategy: s}, r, nil) }); n != 0 {
+			t.Errorf("%s: %.0f allocations per Choose", s, n)
+		}
+	}
+}
+
+func benchCandidates(n int) ([]Candidate, Request) {
+	r := rand.New(rand.NewPCG(7, 7))
+	cands := make([]Candidate, n)
+	for i := range cands {
+		c := cand(fmt.Sprintf("10.0.0.%d:8000", i), 64*r.IntN(60), r.IntN(50_000))
+		c.QueuedDecodeTokens = r.IntN(20_000)
+		c.InFlight = r.IntN(64)
+		c.FreeKVTokens, c.KVCapacityTokens = 50_000+r.IntN(100_000), 160_000
+		cands[i] = c
+	}
+	return cands, req(64_000)
+}
+
+func BenchmarkChoose(b *testing.B) {
+	for _, n := range []int{8, 64} {
+		b.Run(fmt.Sprintf("upstreams=%d", n), func(b *testing.B) {
+			cands, rq := benchCandidates(n)
+			r := rand.New(rand.NewPCG(1, 1))
+			b.ReportAllocs()
+			for b.Loop() {
+				Choose(rq, cands, Options{}, r, nil)
+			}
+		})
+	}
+}
