@@ -127,6 +127,7 @@ type Stats struct {
 	PromptTokens     uint64
 	GenerationTokens uint64
 	Finished         uint64
+	FinishedLength   uint64
 	Aborted          uint64
 	Steps            uint64
 	RunningAdapters  []string
@@ -159,6 +160,7 @@ type Engine struct {
 	prefixQueries, prefixHits uint64
 	promptTokens, genTokens   uint64
 	finished, aborted, steps  uint64
+	finishedLength            uint64
 
 	scratch []int32
 }
@@ -491,6 +493,7 @@ func (e *Engine) finishStep(out []Event) []Event {
 			reason := "stop"
 			if s.req.LengthLimited {
 				reason = "length"
+				e.finishedLength++
 			}
 			out = append(out, Event{
 				Kind: EventFinished, Request: s.req, Time: e.now,
@@ -554,6 +557,7 @@ func (e *Engine) Stats() Stats {
 		PromptTokens:     e.promptTokens,
 		GenerationTokens: e.genTokens,
 		Finished:         e.finished,
+		FinishedLength:   e.finishedLength,
 		Aborted:          e.aborted,
 		Steps:            e.steps,
 	}

@@ -1,0 +1,165 @@
+package kvsim
+
+import (
+	"bytes"
+	"encoding/json"
+)
+
+// Endpoint says which OpenAI API a request body belongs to.
+type Endpoint uint8
+
+// The generation endpoints kvsim serves.
+const (
+	EndpointCompletions Endpoint = iota + 1
+	EndpointChatCompletions
+)
+
+// ParsedRequest is what kvsim needs of a generation request.
+type ParsedRequest struct {
+	Endpoint Endpoint
+	// Model is the requested model: the base model, an adapter, or empty (the base model).
+	Model string
+	// Context is the rendered prompt text (chat template applied for chat).
+	Context []byte
+	// MaxTokens is max_tokens (or max_completion_tokens), 0 when absent.
+	MaxTokens int
+	// OutputTokens is the number of tokens to generate: the smallest of max_tokens and
+	// kvsim_output_tokens, or the engine default when both are absent.
+	OutputTokens int
+	// LengthLimited reports that max_tokens set OutputTokens (finish reason "length").
+	LengthLimited bool
+	Stream        bool
+	IncludeUsage  bool
+}
+
+// requestBody is the JSON of both endpoints; unknown fields are ignored, as vLLM ignores
+// sampling parameters a simulator does not need.
+type requestBody struct {
+	Model               string          `json:"model"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Messages            []ChatMessage   `json:"messages"`
+	Tools               json.RawMessage `json:"tools"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	// KvsimOutputTokens is kvsim's own field: the number of tokens the simulated model
+	// "wants" to generate before stopping, so trace replays reproduce recorded lengths.
+	KvsimOutputTokens    *int  `json:"kvsim_output_tokens"`
+	N                    *int  `json:"n"`
+	Stream               bool  `json:"stream"`
+	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
+	ContinueFinalMessage bool  `json:"continue_final_message"`
+	StreamOptions        *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+}
+
+// ParseRequest parses and validates a generation request body. defaultOutput is the length
+// when neither max_tokens nor kvsim_output_tokens is set. Errors are 400 *APIErrors.
+func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput int) (*ParsedRequest, error) {
+	var rb requestBody
+	if err := json.Unmarshal(body, &rb); err != nil {
+		return nil, errBadRequestf("Invalid JSON body: %v", err)
+	}
+	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: rb.Stream}
+	if rb.StreamOptions != nil {
+		if !rb.Stream {
+			return nil, errBadRequest("Stream options can only be defined when `stream=True`.")
+		}
+		p.IncludeUsage = rb.StreamOptions.IncludeUsage
+	}
+	if rb.N != nil && *rb.N != 1 {
+		return nil, errBadRequest("n must be 1 in kvsim")
+	}
+	maxTokens := rb.MaxTokens
+	if maxTokens == nil {
+		maxTokens = rb.MaxCompletionTokens
+	}
+	p.OutputTokens = defaultOutput
+	if maxTokens != nil {
+		if *maxTokens < 1 {
+			return nil, errBadRequestf("max_tokens must be at least 1, got %d.", *maxTokens)
+		}
+		p.MaxTokens = *maxTokens
+		p.OutputTokens = *maxTokens
+		p.LengthLimited = true
+	}
+	if rb.KvsimOutputTokens != nil {
+		if *rb.KvsimOutputTokens < 1 {
+			return nil, errBadRequestf("kvsim_output_tokens must be at least 1, got %d.", *rb.KvsimOutputTokens)
+		}
+		if maxTokens == nil || *rb.KvsimOutputTokens < *maxTokens {
+			p.OutputTokens = *rb.KvsimOutputTokens
+			p.LengthLimited = false
+		}
+	}
+
+	var err error
+	switch endpoint {
+	case EndpointCompletions:
+		p.Context, err = parsePrompt(rb.Prompt, tok)
+	case EndpointChatCompletions:
+		if len(rb.Messages) == 0 {
+			return nil, errBadRequest("messages must be a non-empty list")
+		}
+		addGen := rb.AddGenerationPrompt == nil || *rb.AddGenerationPrompt
+		if addGen && rb.ContinueFinalMessage {
+			return nil, errBadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+		}
+		if rb.ContinueFinalMessage && rb.Messages[len(rb.Messages)-1].Role != "assistant" {
+			return nil, errBadRequest("continue_final_message requires the last message to be an assistant message")
+		}
+		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
+	default:
+		return nil, errBadRequest("unknown endpoint")
+	}
+	if err != nil {
+		return nil, err
+	}
+	if len(p.Context) == 0 {
+		return nil, errBadRequest("The prompt must not be empty.")
+	}
+	return p, nil
+}
+
+// parsePrompt accepts a string, a token-id array, or a batch of one of either. Larger batches
+// are rejected.
+func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
+		return nil, errBadRequest("prompt is required")
+	}
+	switch raw[0] {
+	case '"':
+		var s string
+		if err := json.Unmarshal(raw, &s); err != nil {
+			return nil, errBadRequestf("prompt: %v", err)
+		}
+		return []byte(s), nil
+	case '[':
+		var items []json.RawMessage
+		if err := json.Unmarshal(raw, &items); err != nil {
+			return nil, errBadRequestf("prompt: %v", err)
+		}
+		if len(items) == 0 {
+			return nil, errBadRequest("The prompt must not be empty.")
+		}
+		first := bytes.TrimSpace(items[0])
+		if len(first) > 0 && (first[0] == '"' || first[0] == '[') {
+			if len(items) > 1 {
+				return nil, errBadRequest("batch prompts not supported by kvsim")
+			}
+			return parsePrompt(first, tok)
+		}
+		var ids []int64
+		if err := json.Unmarshal(raw, &ids); err != nil {
+			return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of one")
+		}
+		for _, id := range ids {
+			if id < 0 {
+				return nil, errBadRequestf("token id %d is out of vocabulary", id)
+			}
+		}
+		return tok.TokenIDsToText(ids), nil
+	}
+	return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of one")
+}

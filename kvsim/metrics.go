@@ -1,0 +1,111 @@
+package kvsim
+
+import (
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// metrics exposes an engine under vLLM's metric names in a per-server registry. Gauges and
+// counters are read from the engine at scrape time; latency histograms are observed from
+// engine events, in simulated seconds.
+type metrics struct {
+	registry  *prometheus.Registry
+	driver    *Driver
+	modelName string
+
+	ttft *prometheus.HistogramVec
+	e2e  *prometheus.HistogramVec
+
+	running, waiting, kvUsage  *prometheus.Desc
+	queries, hits, prompt, gen *prometheus.Desc
+	success                    *prometheus.Desc
+	cacheConfig, loraInfo      *prometheus.Desc
+}
+
+var engineLabels = []string{"model_name", "engine"}
+
+func newMetrics(driver *Driver, modelName string) *metrics {
+	m := &metrics{
+		registry:  prometheus.NewRegistry(),
+		driver:    driver,
+		modelName: modelName,
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:time_to_first_token_seconds",
+			Help:    "Histogram of time to first token in seconds.",
+			Buckets: []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0},
+		}, engineLabels),
+		e2e: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:e2e_request_latency_seconds",
+			Help:    "Histogram of e2e request latency in seconds.",
+			Buckets: []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0},
+		}, engineLabels),
+		running: prometheus.NewDesc("vllm:num_requests_running", "Number of requests in model execution batches.", engineLabels, nil),
+		waiting: prometheus.NewDesc("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engineLabels, nil),
+		kvUsage: prometheus.NewDesc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engineLabels, nil),
+		queries: prometheus.NewDesc("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", engineLabels, nil),
+		hits:    prometheus.NewDesc("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", engineLabels, nil),
+		prompt:  prometheus.NewDesc("vllm:prompt_tokens_total", "Number of prefill tokens processed.", engineLabels, nil),
+		gen:     prometheus.NewDesc("vllm:generation_tokens_total", "Number of generation tokens processed.", engineLabels, nil),
+		success: prometheus.NewDesc("vllm:request_success_total", "Count of successfully processed requests.", append(engineLabels[:2:2], "finished_reason"), nil),
+		cacheConfig: prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+			[]string{"block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype", "enable_prefix_caching", "prefix_caching_hash_algo", "gpu_memory_utilization", "kv_cache_size_tokens", "engine"}, nil),
+		loraInfo: prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
+			[]string{"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, nil),
+	}
+	m.registry.MustRegister(m, m.ttft, m.e2e,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// observe records latency histograms from engine events (called under the driver lock).
+func (m *metrics) observe(ev Event) {
+	switch ev.Kind {
+	case EventFirstToken:
+		m.ttft.WithLabelValues(m.modelName, "0").Observe((ev.Time - ev.Request.Arrival).Seconds())
+	case EventFinished:
+		m.e2e.WithLabelValues(m.modelName, "0").Observe((ev.Time - ev.Request.Arrival).Seconds())
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{m.running, m.waiting, m.kvUsage, m.queries, m.hits, m.prompt, m.gen, m.success, m.cacheConfig, m.loraInfo} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (m *metrics) Collect(ch chan<- prometheus.Metric) {
+	var st Stats
+	var cfg Config
+	m.driver.Do(func(e *Engine) { st, cfg = e.Stats(), e.Config() })
+	lv := []string{m.modelName, "0"}
+	ch <- prometheus.MustNewConstMetric(m.running, prometheus.GaugeValue, float64(st.Running), lv...)
+	ch <- prometheus.MustNewConstMetric(m.waiting, prometheus.GaugeValue, float64(st.Waiting), lv...)
+	ch <- prometheus.MustNewConstMetric(m.kvUsage, prometheus.GaugeValue, st.KVCacheUsage, lv...)
+	ch <- prometheus.MustNewConstMetric(m.queries, prometheus.CounterValue, float64(st.PrefixQueries), lv...)
+	ch <- prometheus.MustNewConstMetric(m.hits, prometheus.CounterValue, float64(st.PrefixHits), lv...)
+	ch <- prometheus.MustNewConstMetric(m.prompt, prometheus.CounterValue, float64(st.PromptTokens), lv...)
+	ch <- prometheus.MustNewConstMetric(m.gen, prometheus.CounterValue, float64(st.GenerationTokens), lv...)
+	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Finished-st.FinishedLength), m.modelName, "0", "stop")
+	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.FinishedLength), m.modelName, "0", "length")
+	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Aborted), m.modelName, "0", "abort")
+	ch <- prometheus.MustNewConstMetric(m.cacheConfig, prometheus.GaugeValue, 1,
+		strconv.Itoa(cfg.BlockSize), strconv.Itoa(cfg.NumGPUBlocks), "0", "auto",
+		pyBool(!cfg.DisablePrefixCaching), "xxhash", "0.9",
+		strconv.Itoa(cfg.NumGPUBlocks*cfg.BlockSize), "0")
+	ch <- prometheus.MustNewConstMetric(m.loraInfo, prometheus.GaugeValue, float64(time.Now().UnixNano())/1e9,
+		strconv.Itoa(cfg.MaxLoRAs), strings.Join(st.RunningAdapters, ","), strings.Join(st.WaitingAdapters, ","))
+}
+
+// pyBool renders a boolean label as vLLM (Python) does.
+func pyBool(b bool) string {
+	if b {
+		return "True"
+	}
+	return "False"
+}

@@ -1,0 +1,512 @@
+package kvsim
+
+import (
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+)
+
+// ReplicaHeader is the response header naming the replica that served a request.
+const ReplicaHeader = "X-Kvsim-Replica"
+
+// maxBodyBytes caps request bodies; vLLM's own limit is far larger, but a simulator has no
+// use for more than a few max-model-len prompts.
+const maxBodyBytes = 64 << 20
+
+// Faults are failures injected for tests. The zero value injects nothing.
+type Faults struct {
+	// Unhealthy makes /health answer 503.
+	Unhealthy bool `json:"unhealthy"`
+	// ErrorRate is the probability (0..1) that a generation request fails with 500.
+	ErrorRate float64 `json:"error_rate"`
+	// Stall stops simulated time: requests are accepted but produce nothing until unstalled.
+	Stall bool `json:"stall"`
+	// CutAfterTokens, when positive, closes the connection of a generation response after
+	// that many tokens were written, without finishing the stream.
+	CutAfterTokens int `json:"cut_after_tokens"`
+}
+
+// ServerConfig configures a [Server].
+type ServerConfig struct {
+	// Name is the replica name sent in the X-Kvsim-Replica header. Default "kvsim".
+	Name string
+	// Engine configures the simulated engine.
+	Engine Config
+	// Speed runs simulated time this many times faster than wall clock. Default 1.
+	Speed float64
+	// Faults are the initial injected faults.
+	Faults Faults
+	// Logger receives request-level logs (never prompt text). Default: no logs.
+	Logger *zap.Logger
+}
+
+// Server serves vLLM's OpenAI-compatible HTTP API, /health, /metrics and kvsim's control
+// endpoints (/kvsim/state, /kvsim/faults) in front of one simulated engine. It is an
+// http.Handler; Close stops its engine driver.
+type Server struct {
+	name    string
+	model   string
+	cfg     Config
+	tok     *Tokenizer
+	driver  *Driver
+	metrics *metrics
+	logger  *zap.Logger
+	mux     *http.ServeMux
+	created int64
+
+	faultsMu sync.Mutex
+	faults   Faults
+}
+
+// NewServer builds a server and starts its engine driver.
+func NewServer(sc ServerConfig) (*Server, error) {
+	engine, err := NewEngine(sc.Engine)
+	if err != nil {
+		return nil, err
+	}
+	if sc.Name == "" {
+		sc.Name = "kvsim"
+	}
+	if sc.Logger == nil {
+		sc.Logger = zap.NewNop()
+	}
+	s := &Server{
+		name:    sc.Name,
+		cfg:     engine.Config(),
+		tok:     engine.Tokenizer(),
+		logger:  sc.Logger,
+		created: time.Now().Unix(),
+	}
+	s.model = s.cfg.Model
+	var m *metrics
+	s.driver = NewDriver(engine, sc.Speed, func(ev Event) { m.observe(ev) })
+	m = newMetrics(s.driver, s.model)
+	s.metrics = m
+	s.mux = http.NewServeMux()
+	s.mux.HandleFunc("POST /v1/completions", s.handleGenerate(EndpointCompletions))
+	s.mux.HandleFunc("POST /v1/chat/completions", s.handleGenerate(EndpointChatCompletions))
+	s.mux.HandleFunc("GET /v1/models", s.handleModels)
+	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
+	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
+	s.mux.HandleFunc("GET /health", s.handleHealth)
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{}))
+	s.mux.HandleFunc("GET /kvsim/state", s.handleState)
+	s.mux.HandleFunc("GET /kvsim/faults", s.handleFaults)
+	s.mux.HandleFunc("POST /kvsim/faults", s.handleFaults)
+	s.SetFaults(sc.Faults)
+	s.driver.Start()
+	return s, nil
+}
+
+// Name returns the replica name.
+func (s *Server) Name() string { return s.name }
+
+// Driver returns the server's engine driver.
+func (s *Server) Driver() *Driver { return s.driver }
+
+// Registry returns the server's own Prometheus registry.
+func (s *Server) Registry() *prometheus.Registry { return s.metrics.registry }
+
+// Close stops the engine driver. In-flight responses stop receiving tokens.
+func (s *Server) Close() error {
+	s.driver.Stop()
+	return nil
+}
+
+// Faults returns the injected faults.
+func (s *Server) Faults() Faults {
+	s.faultsMu.Lock()
+	defer s.faultsMu.Unlock()
+	return s.faults
+}
+
+// SetFaults replaces the injected faults.
+func (s *Server) SetFaults(f Faults) {
+	s.faultsMu.Lock()
+	s.faults = f
+	s.faultsMu.Unlock()
+	s.driver.SetFrozen(f.Stall)
+}
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set(ReplicaHeader, s.name)
+	s.mux.ServeHTTP(w, r)
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, err error) {
+	var ae *APIError
+	if !errors.As(err, &ae) {
+		ae = newAPIError(http.StatusInternalServerError, err.Error())
+	}
+	writeJSON(w, ae.Code, ae)
+}
+
+func newID(prefix string) string {
+	var b [16]byte
+	for i := 0; i < len(b); i += 8 {
+		v := rand.Uint64()
+		for j := range 8 {
+			b[i+j] = byte(v >> (8 * j))
+		}
+	}
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// usage is the OpenAI usage object, with vLLM's cached-token detail.
+type usage struct {
+	PromptTokens        int `json:"prompt_tokens"`
+	TotalTokens         int `json:"total_tokens"`
+	CompletionTokens    int `json:"completion_tokens"`
+	PromptTokensDetails struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+func usageOf(ev Event) *usage {
+	u := &usage{PromptTokens: ev.PromptTokens, CompletionTokens: ev.GeneratedTokens, TotalTokens: ev.PromptTokens + ev.GeneratedTokens}
+	u.PromptTokensDetails.CachedTokens = ev.CachedTokens
+	return u
+}
+
+func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		f := s.Faults()
+		if f.ErrorRate > 0 && rand.Float64() < f.ErrorRate {
+			writeError(w, newAPIError(http.StatusInternalServerError, "kvsim injected fault"))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		if err != nil {
+			writeError(w, errBadRequestf("could not read request body: %v", err))
+			return
+		}
+		p, err := ParseRequest(endpoint, body, s.tok, s.cfg.DefaultOutputTokens)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		model, adapter := p.Model, p.Model
+		if model == "" || model == s.model {
+			model, adapter = s.model, ""
+		}
+		prefix := "cmpl-"
+		if endpoint == EndpointChatCompletions {
+			prefix = "chatcmpl-"
+		}
+		req := &Request{ID: newID(prefix), Adapter: adapter, Context: p.Context,
+			OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited}
+		stream, err := s.driver.Submit(req)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		// Abort is a no-op once finished; otherwise (client gone, cut) it frees the blocks.
+		defer s.driver.Abort(req)
+		s.logger.Debug("request accepted", zap.String("id", req.ID), zap.String("model", model),
+			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
+		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
+			created: time.Now().Unix(), cutAfter: f.CutAfterTokens}
+		if p.Stream {
+			rs.streamSSE()
+		} else {
+			rs.collect()
+		}
+	}
+}
+
+// responder writes one generation response from a request's event stream.
+type responder struct {
+	s        *Server
+	w        http.ResponseWriter
+	r        *http.Request
+	p        *ParsedRequest
+	req      *Request
+	model    string
+	stream   *Stream
+	created  int64
+	cutAfter int
+	written  int
+}
+
+// next waits for the next events; false when the client went away.
+func (rs *responder) next() ([]Event, bool) {
+	select {
+	case <-rs.r.Context().Done():
+		return nil, false
+	case <-rs.stream.Ready():
+		return rs.stream.Take(), true
+	}
+}
+
+// cut closes the connection abruptly, as a crashed engine would.
+func (rs *responder) cut() {
+	rc := http.NewResponseController(rs.w)
+	_ = rc.Flush()
+	if conn, _, err := rc.Hijack(); err == nil {
+		_ = conn.Close()
+		return
+	}
+	panic(http.ErrAbortHandler) // HTTP/2: net/http resets the stream without logging
+}
+
+func (rs *responder) collect() {
+	var text []byte
+	for {
+		evs, ok := rs.next()
+		if !ok {
+			return
+		}
+		for _, ev := range evs {
+			if ev.Kind != EventFinished {
+				text = append(text, ev.Text...)
+				rs.written++
+				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+					rs.cut()
+					return
+				}
+				continue
+			}
+			choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": ev.FinishReason, "stop_reason": nil}
+			object := "text_completion"
+			if rs.p.Endpoint == EndpointChatCompletions {
+				object = "chat.completion"
+				choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
+			} else {
+				choice["text"] = string(text)
+			}
+			writeJSON(rs.w, http.StatusOK, map[string]any{
+				"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model,
+				"choices": []any{choice}, "usage": usageOf(ev),
+			})
+			return
+		}
+	}
+}
+
+func (rs *responder) streamSSE() {
+	h := rs.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	rc := http.NewResponseController(rs.w)
+	chat := rs.p.Endpoint == EndpointChatCompletions
+	object := "text_completion"
+	if chat {
+		object = "chat.completion.chunk"
+	}
+	send := func(v any) bool {
+		b, _ := json.Marshal(v)
+		if _, err := fmt.Fprintf(rs.w, "data: %s\n\n", b); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	chunk := func(text string, first bool, finish any) map[string]any {
+		choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": finish}
+		if chat {
+			delta := map[string]any{}
+			if first {
+				delta["role"] = "assistant"
+			}
+			if text != "" || first {
+				delta["content"] = text
+			}
+			choice["delta"] = delta
+		} else {
+			choice["text"] = text
+			choice["stop_reason"] = nil
+		}
+		return map[string]any{"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model, "choices": []any{choice}}
+	}
+	for {
+		evs, ok := rs.next()
+		if !ok {
+			return
+		}
+		for i, ev := range evs {
+			switch ev.Kind {
+			case EventFirstToken, EventToken:
+				if ev.Kind == EventFirstToken && chat && !send(chunk("", true, nil)) {
+					return
+				}
+				var finish any
+				if i+1 < len(evs) && evs[i+1].Kind == EventFinished {
+					finish = evs[i+1].FinishReason
+				}
+				if !send(chunk(string(ev.Text), false, finish)) {
+					return
+				}
+				rs.written++
+				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+					rs.cut()
+					return
+				}
+			case EventFinished:
+				if rs.p.IncludeUsage {
+					send(map[string]any{"id": rs.req.ID, "object": object, "created": rs.created,
+						"model": rs.model, "choices": []any{}, "usage": usageOf(ev)})
+				}
+				_, _ = io.WriteString(rs.w, "data: [DONE]\n\n")
+				_ = rc.Flush()
+				return
+			}
+		}
+	}
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
+	var adapters []AdapterInfo
+	s.driver.Do(func(e *Engine) { adapters = e.Adapters() })
+	data := []map[string]any{{
+		"id": s.model, "object": "model", "created": s.created, "owned_by": "vllm",
+		"root": s.model, "parent": nil, "max_model_len": s.cfg.MaxModelLen, "permission": []any{},
+	}}
+	for _, a := range adapters {
+		data = append(data, map[string]any{
+			"id": a.Name, "object": "model", "created": s.created, "owned_by": "vllm",
+			"root": a.Path, "parent": s.model, "max_model_len": nil, "permission": []any{},
+		})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+type adapterRequest struct {
+	LoraName string `json:"lora_name"`
+	LoraPath string `json:"lora_path"`
+}
+
+func readAdapterRequest(r *http.Request, needPath bool) (adapterRequest, error) {
+	var ar adapterRequest
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err != nil {
+		return ar, errBadRequest("could not read request body")
+	}
+	if err := json.Unmarshal(body, &ar); err != nil {
+		return ar, errBadRequestf("Invalid JSON body: %v", err)
+	}
+	if ar.LoraName == "" || (needPath && ar.LoraPath == "") {
+		return ar, errBadRequest("Both 'lora_name' and 'lora_path' must be provided.")
+	}
+	return ar, nil
+}
+
+func (s *Server) handleLoadAdapter(w http.ResponseWriter, r *http.Request) {
+	ar, err := readAdapterRequest(r, true)
+	if err == nil && ar.LoraName == s.model {
+		err = errBadRequestf("The lora adapter '%s' has already been loaded.", ar.LoraName)
+	}
+	if err == nil {
+		s.driver.Do(func(e *Engine) { err = e.LoadAdapterToHost(ar.LoraName, ar.LoraPath) })
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = fmt.Fprintf(w, "Success: LoRA adapter '%s' added successfully.", ar.LoraName)
+}
+
+func (s *Server) handleUnloadAdapter(w http.ResponseWriter, r *http.Request) {
+	ar, err := readAdapterRequest(r, false)
+	if err == nil {
+		s.driver.Do(func(e *Engine) { err = e.UnregisterAdapter(ar.LoraName) })
+	}
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	_, _ = fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", ar.LoraName)
+}
+
+func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
+	if s.Faults().Unhealthy {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// State is the JSON of GET /kvsim/state.
+type State struct {
+	Name             string   `json:"name"`
+	Model            string   `json:"model"`
+	SimulatedSeconds float64  `json:"simulated_seconds"`
+	Speed            float64  `json:"speed"`
+	InFlight         int      `json:"in_flight"`
+	Running          int      `json:"running"`
+	Waiting          int      `json:"waiting"`
+	KVCacheUsage     float64  `json:"kv_cache_usage"`
+	BlockSize        int      `json:"block_size"`
+	TotalBlocks      int      `json:"total_blocks"`
+	UsedBlocks       int      `json:"used_blocks"`
+	CachedBlocks     int      `json:"cached_blocks"`
+	ReservedBlocks   int      `json:"reserved_blocks"`
+	PrefixQueries    uint64   `json:"prefix_cache_queries"`
+	PrefixHits       uint64   `json:"prefix_cache_hits"`
+	PromptTokens     uint64   `json:"prompt_tokens"`
+	GenerationTokens uint64   `json:"generation_tokens"`
+	Finished         uint64   `json:"finished"`
+	Aborted          uint64   `json:"aborted"`
+	GPUAdapters      []string `json:"gpu_adapters"`
+	HostAdapters     []string `json:"host_adapters"`
+	LoadingAdapters  []string `json:"loading_adapters"`
+	Faults           Faults   `json:"faults"`
+}
+
+// State returns the server's state as served by GET /kvsim/state.
+func (s *Server) State() State {
+	var st Stats
+	s.driver.Do(func(e *Engine) { st = e.Stats() })
+	return State{
+		Name: s.name, Model: s.model, SimulatedSeconds: st.Now.Seconds(), Speed: s.driver.Speed(),
+		InFlight: s.driver.InFlight(), Running: st.Running, Waiting: st.Waiting,
+		KVCacheUsage: st.KVCacheUsage, BlockSize: s.cfg.BlockSize, TotalBlocks: st.TotalBlocks,
+		UsedBlocks: st.UsedBlocks, CachedBlocks: st.CachedBlocks, ReservedBlocks: st.ReservedBlocks,
+		PrefixQueries: st.PrefixQueries, PrefixHits: st.PrefixHits, PromptTokens: st.PromptTokens,
+		GenerationTokens: st.GenerationTokens, Finished: st.Finished, Aborted: st.Aborted,
+		GPUAdapters: st.GPUAdapters, HostAdapters: st.HostAdapters, LoadingAdapters: st.LoadingAdapters,
+		Faults: s.Faults(),
+	}
+}
+
+func (s *Server) handleState(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.State())
+}
+
+// handleFaults returns the faults (GET) or updates them (POST): fields present in the JSON
+// body replace the current ones, absent fields are kept.
+func (s *Server) handleFaults(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodPost {
+		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+		f := s.Faults()
+		if err == nil {
+			err = json.Unmarshal(body, &f)
+		}
+		if err == nil && (f.ErrorRate < 0 || f.ErrorRate > 1) {
+			err = errors.New("error_rate must be in 0..1")
+		}
+		if err != nil {
+			writeError(w, errBadRequestf("Invalid faults: %v", err))
+			return
+		}
+		s.SetFaults(f)
+	}
+	writeJSON(w, http.StatusOK, s.Faults())
+}
