@@ -1,0 +1,376 @@
+package kvsim
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// newTestServer starts a kvsim server 50x faster than real time.
+func newTestServer(t *testing.T, cfg Config) (*Server, *httptest.Server) {
+	t.Helper()
+	sim, err := NewServer(ServerConfig{Name: "replica-t", Engine: cfg, Speed: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(sim)
+	t.Cleanup(func() {
+		srv.Close()
+		_ = sim.Close()
+	})
+	return sim, srv
+}
+
+func post(t *testing.T, url, body string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+// scrape returns the value of a metric (first series) from /metrics.
+func scrape(t *testing.T, url, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mf, ok := families[name]
+	if !ok || len(mf.GetMetric()) == 0 {
+		t.Fatalf("metric %s missing", name)
+	}
+	m := mf.GetMetric()[0]
+	switch {
+	case m.GetCounter() != nil:
+		return m.GetCounter().GetValue()
+	case m.GetGauge() != nil:
+		return m.GetGauge().GetValue()
+	}
+	return m.GetHistogram().GetSampleSum()
+}
+
+func TestOpenAIClientStreams(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"))
+	ctx := context.Background()
+
+	stream := client.Completions.NewStreaming(ctx, openai.CompletionNewParams{
+		Model:         DefaultModel,
+		Prompt:        openai.CompletionNewParamsPromptUnion{OfString: openai.String("Once upon a time")},
+		MaxTokens:     openai.Int(12),
+		StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+	})
+	var text strings.Builder
+	var completionTokens int64
+	finish := ""
+	for stream.Next() {
+		c := stream.Current()
+		if !strings.HasPrefix(c.ID, "cmpl-") || c.Model != DefaultModel {
+			t.Fatalf("chunk id %q model %q", c.ID, c.Model)
+		}
+		for _, ch := range c.Choices {
+			text.WriteString(ch.Text)
+			if ch.FinishReason != "" {
+				finish = string(ch.FinishReason)
+			}
+		}
+		if c.Usage.CompletionTokens > 0 {
+			completionTokens = c.Usage.CompletionTokens
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	want := string(NewTokenizer(4).Generate([]byte("Once upon a time"), 12)[len("Once upon a time"):])
+	if text.String() != want || completionTokens != 12 || finish != "length" {
+		t.Fatalf("text %q (want %q), completion tokens %d, finish %q", text.String(), want, completionTokens, finish)
+	}
+
+	chat := client.Chat.Completions.NewStreaming(ctx, openai.ChatCompletionNewParams{
+		Model:     DefaultModel,
+		Messages:  []openai.ChatCompletionMessageParamUnion{openai.SystemMessage("Be brief."), openai.UserMessage("Hello")},
+		MaxTokens: openai.Int(7),
+	})
+	acc := openai.ChatCompletionAccumulator{}
+	for chat.Next() {
+		acc.AddChunk(chat.Current())
+	}
+	if err := chat.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(acc.Choices) != 1 || len(acc.Choices[0].Message.Content) != 7*4 || !strings.HasPrefix(acc.ID, "chatcmpl-") {
+		t.Fatalf("chat accumulated %+v", acc.ChatCompletion)
+	}
+
+	// Non-streaming responses parse too and report cached tokens.
+	prompt := strings.Repeat("A long shared system prompt. ", 100)
+	for i := range 2 {
+		c, err := client.Completions.New(ctx, openai.CompletionNewParams{
+			Model: DefaultModel, Prompt: openai.CompletionNewParamsPromptUnion{OfString: openai.String(prompt + fmt.Sprint(i))},
+			MaxTokens: openai.Int(3),
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cached := c.Usage.PromptTokensDetails.CachedTokens
+		if (i == 0) != (cached == 0) {
+			t.Fatalf("request %d cached tokens %d", i, cached)
+		}
+	}
+}
+
+func TestPrefixCacheHitsOverHTTP(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	prompt := strings.Repeat("You are a helpful assistant with a long system prompt. ", 300)
+	ttft := func(suffix string) time.Duration {
+		body, _ := json.Marshal(map[string]any{"prompt": prompt + suffix, "max_tokens": 1})
+		start := time.Now()
+		resp, _ := post(t, srv.URL+"/v1/completions", string(body))
+		if resp.StatusCode != 200 || resp.Header.Get(ReplicaHeader) != "replica-t" {
+			t.Fatalf("status %d replica %q", resp.StatusCode, resp.Header.Get(ReplicaHeader))
+		}
+		return time.Since(start)
+	}
+	cold := ttft("first question")
+	hitsBefore := scrape(t, srv.URL, "vllm:prefix_cache_hits_total")
+	warm := ttft("second question")
+	hitsAfter := scrape(t, srv.URL, "vllm:prefix_cache_hits_total")
+	if hitsAfter-hitsBefore < 4000 {
+		t.Errorf("prefix cache hits grew by %v, want about the prompt length", hitsAfter-hitsBefore)
+	}
+	if warm >= cold {
+		t.Errorf("warm request took %v, cold %v", warm, cold)
+	}
+	if q := scrape(t, srv.URL, "vllm:prefix_cache_queries_total"); q < hitsAfter {
+		t.Errorf("queries %v < hits %v", q, hitsAfter)
+	}
+}
+
+func TestClientDisconnectFreesBlocks(t *testing.T) {
+	sim, srv := newTestServer(t, Config{})
+	ctx, cancel := context.WithCancel(context.Background())
+	body := `{"prompt":"` + strings.Repeat("abcd", 2000) + `","max_tokens":100000,"stream":true}`
+	req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/completions", strings.NewReader(body))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(resp.Body)
+	if _, err := r.ReadString('\n'); err != nil { // the first token arrived
+		t.Fatal(err)
+	}
+	if st := sim.State(); st.Running != 1 || st.UsedBlocks == 0 {
+		t.Fatalf("while streaming: %+v", st)
+	}
+	cancel()
+	resp.Body.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st := sim.State()
+		if st.Running == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0 && st.InFlight == 0 {
+			if st.Aborted != 1 {
+				t.Fatalf("aborted = %d", st.Aborted)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("blocks not freed after disconnect: %+v", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestChatContinuationOverHTTP(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	content := func(body string) string {
+		resp, out := post(t, srv.URL+"/v1/chat/completions", body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d: %s", resp.StatusCode, out)
+		}
+		var r struct {
+			Choices []struct{ Message struct{ Content string } }
+		}
+		_ = json.Unmarshal([]byte(out), &r)
+		return r.Choices[0].Message.Content
+	}
+	msgs := `[{"role":"user","content":"Tell me about caches."}]`
+	full := content(`{"messages":` + msgs + `,"max_tokens":30}`)
+	partial := full[:10*4]
+	partialJSON, _ := json.Marshal(partial)
+	rest := content(`{"messages":[{"role":"user","content":"Tell me about caches."},{"role":"assistant","content":` +
+		string(partialJSON) + `}],"continue_final_message":true,"add_generation_prompt":false,"max_tokens":20}`)
+	if partial+rest != full {
+		t.Fatalf("continued %q + %q != %q", partial, rest, full)
+	}
+}
+
+func TestBadRequests(t *testing.T) {
+	_, srv := newTestServer(t, Config{NumGPUBlocks: 64, MaxModelLen: 100000})
+	cases := map[string]string{
+		"/v1/completions":      `{not json`,
+		"/v1/chat/completions": `{"messages":[]}`,
+	}
+	bad := []string{`{`, `[]`, `null`, `{"prompt":5}`, `{"prompt":["a","b"]}`, `{"prompt":[-1]}`, `{"prompt":"x","max_tokens":0}`,
+		`{"prompt":"x","stream_options":{"include_usage":true}}`, `{"prompt":""}`, `{"prompt":"` + strings.Repeat("x", 5000) + `"}`}
+	for _, b := range bad {
+		resp, out := post(t, srv.URL+"/v1/completions", b)
+		var e APIError
+		if resp.StatusCode != 400 || json.Unmarshal([]byte(out), &e) != nil || e.Code != 400 || e.Object != "error" || e.Type != "BadRequestError" {
+			t.Errorf("%.40s: status %d body %s", b, resp.StatusCode, out)
+		}
+	}
+	for path, b := range cases {
+		if resp, out := post(t, srv.URL+path, b); resp.StatusCode != 400 {
+			t.Errorf("%s %s: %d %s", path, b, resp.StatusCode, out)
+		}
+	}
+	resp, out := post(t, srv.URL+"/v1/completions", `{"model":"nope","prompt":"x"}`)
+	if resp.StatusCode != 404 || !strings.Contains(out, "The model `nope` does not exist.") {
+		t.Errorf("unknown model: %d %s", resp.StatusCode, out)
+	}
+}
+
+func TestLoRAAdaptersOverHTTP(t *testing.T) {
+	_, srv := newTestServer(t, Config{Adapters: []string{"sql-lora"}})
+	if resp, out := post(t, srv.URL+"/v1/load_lora_adapter", `{"lora_name":"chat-lora","lora_path":"/adapters/chat"}`); resp.StatusCode != 200 {
+		t.Fatalf("load: %d %s", resp.StatusCode, out)
+	}
+	if resp, _ := post(t, srv.URL+"/v1/load_lora_adapter", `{"lora_name":"chat-lora","lora_path":"/adapters/chat"}`); resp.StatusCode != 400 {
+		t.Fatalf("second load: %d", resp.StatusCode)
+	}
+	resp, err := http.Get(srv.URL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var models struct {
+		Data []struct {
+			ID     string  `json:"id"`
+			Root   string  `json:"root"`
+			Parent *string `json:"parent"`
+		}
+	}
+	_ = json.NewDecoder(resp.Body).Decode(&models)
+	resp.Body.Close()
+	if len(models.Data) != 3 || models.Data[0].ID != DefaultModel || models.Data[0].Parent != nil ||
+		models.Data[1].ID != "chat-lora" || *models.Data[1].Parent != DefaultModel || models.Data[1].Root != "/adapters/chat" {
+		t.Fatalf("models: %+v", models)
+	}
+	if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"sql-lora","prompt":"select","max_tokens":2}`); resp.StatusCode != 200 {
+		t.Fatalf("adapter request: %d %s", resp.StatusCode, out)
+	}
+	if resp, _ := post(t, srv.URL+"/v1/unload_lora_adapter", `{"lora_name":"chat-lora"}`); resp.StatusCode != 200 {
+		t.Fatalf("unload: %d", resp.StatusCode)
+	}
+	if resp, _ := post(t, srv.URL+"/v1/completions", `{"model":"chat-lora","prompt":"x"}`); resp.StatusCode != 404 {
+		t.Fatalf("unloaded adapter: %d", resp.StatusCode)
+	}
+}
+
+func TestFaults(t *testing.T) {
+	sim, srv := newTestServer(t, Config{})
+	setFaults := func(body string) {
+		if resp, out := post(t, srv.URL+"/kvsim/faults", body); resp.StatusCode != 200 {
+			t.Fatalf("faults %s: %d %s", body, resp.StatusCode, out)
+		}
+	}
+	setFaults(`{"unhealthy":true}`)
+	if resp, _ := http.Get(srv.URL + "/health"); resp.StatusCode != 503 {
+		t.Fatalf("health %d", resp.StatusCode)
+	}
+	setFaults(`{"unhealthy":false,"error_rate":1}`)
+	if resp, _ := http.Get(srv.URL + "/health"); resp.StatusCode != 200 || resp.Header.Get(ReplicaHeader) != "replica-t" {
+		t.Fatalf("health %d", resp.StatusCode)
+	}
+	if resp, _ := post(t, srv.URL+"/v1/completions", `{"prompt":"x"}`); resp.StatusCode != 500 {
+		t.Fatalf("error fault: %d", resp.StatusCode)
+	}
+	setFaults(`{"error_rate":0,"cut_after_tokens":3}`)
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"x","max_tokens":10,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err == nil || strings.Count(string(body), "data: ") != 3 || strings.Contains(string(body), "[DONE]") {
+		t.Fatalf("cut stream: err %v body %q", err, body)
+	}
+
+	setFaults(`{"cut_after_tokens":0,"stall":true}`)
+	done := make(chan string, 1)
+	go func() {
+		_, out := post(t, srv.URL+"/v1/completions", `{"prompt":"x","max_tokens":2}`)
+		done <- out
+	}()
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case <-done:
+		t.Fatal("stalled replica answered")
+	default:
+	}
+	if st := sim.State(); st.InFlight != 1 || !st.Faults.Stall {
+		t.Fatalf("stalled state %+v", st)
+	}
+	setFaults(`{"stall":false}`)
+	select {
+	case out := <-done:
+		if !strings.Contains(out, `"completion_tokens":2`) {
+			t.Fatalf("after unstall: %s", out)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("request did not finish after unstall")
+	}
+}
+
+func FuzzParseRequest(f *testing.F) {
+	seeds := []string{
+		`{"prompt":"hello","max_tokens":5}`,
+		`{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}`,
+		`{"prompt":[[1,2]]}`,
+		`{"prompt":["a"],"kvsim_output_tokens":3}`,
+		`{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url"}]},{"role":"assistant","content":"b"}],"continue_final_message":true,"add_generation_prompt":false}`,
+		`{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"x"}]}]}`,
+		`{`, `null`, `[]`, `{"prompt":{}}`, `{"messages":[{"role":""}]}`,
+	}
+	for _, s := range seeds {
+		f.Add([]byte(s))
+	}
+	tok := NewTokenizer(4)
+	f.Fuzz(func(t *testing.T, body []byte) {
+		for _, ep := range []Endpoint{EndpointCompletions, EndpointChatCompletions} {
+			p, err := ParseRequest(ep, body, tok, 16)
+			if err != nil {
+				ae, ok := err.(*APIError)
+				if !ok || ae.Code != 400 {
+					t.Fatalf("error %v is not a 400 APIError", err)
+				}
+				continue
+			}
+			if len(p.Context) == 0 || p.OutputTokens < 1 {
+				t.Fatalf("accepted empty context or no output: %+v", p)
+			}
+		}
+	})
+}
