@@ -1,0 +1,275 @@
+package caddyllm
+
+import (
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/dustin/go-humanize"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("llm_affinity", parseHandlerCaddyfile)
+	// Before invoke, so that a site-level llm_affinity runs ahead of
+	// handle and route blocks (and after encode, so the writer wrapper
+	// sees uncompressed bytes). It may also go inside a handle block.
+	httpcaddyfile.RegisterDirectiveOrder("llm_affinity", httpcaddyfile.Before, "invoke")
+}
+
+func parseHandlerCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	m := new(Handler)
+	err := m.UnmarshalCaddyfile(h.Dispenser)
+	return m, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	llm_affinity {
+//		block_tokens      <n>
+//		bytes_per_token   <n>
+//		max_body          <size>
+//		max_prefix_tokens <n>
+//		salt              <string>
+//	}
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch opt := d.Val(); opt {
+		case "block_tokens":
+			if err := intArg(d, &h.BlockTokens); err != nil {
+				return err
+			}
+		case "bytes_per_token":
+			if err := intArg(d, &h.BytesPerToken); err != nil {
+				return err
+			}
+		case "max_prefix_tokens":
+			if err := intArg(d, &h.MaxPrefixTokens); err != nil {
+				return err
+			}
+		case "max_body":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			size, err := humanize.ParseBytes(d.Val())
+			if err != nil {
+				return d.Errf("parsing max_body: %v", err)
+			}
+			h.MaxBodyBytes = int64(size)
+		case "salt":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			h.Salt = d.Val()
+		default:
+			return d.Errf("unrecognized llm_affinity option '%s'", opt)
+		}
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the policy from Caddyfile tokens. Syntax:
+//
+//	lb_policy llm_affinity {
+//		strategy        ttft|sglang|llmd|dynamo|least_work
+//		output_estimate average|max_tokens|fixed
+//		output_tokens   <n>
+//		prefill_rate    <tokens/s>
+//		decode_rate     <tokens/s>
+//		kv_capacity     <tokens>
+//		upstream <dial> {
+//			prefill_rate <tokens/s>
+//			decode_rate  <tokens/s>
+//			kv_capacity  <tokens>
+//		}
+//		adapters            <name...>
+//		max_loras           <n>
+//		adapter_load_remote <duration>
+//		queue_timeout       <duration>
+//		shed_status         <code>
+//		kv_margin           <tokens>
+//		tie                 <seconds>
+//		sglang              <cache_threshold> <balance_abs> <balance_rel>
+//		llmd_weights        <prefix> <queue> <kv>
+//		dynamo_overlap_weight <w>
+//		explain_header
+//		fallback <policy> [<args...>]
+//	}
+func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume policy name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch opt := d.Val(); opt {
+		case "strategy", "output_estimate":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if opt == "strategy" {
+				p.Strategy = d.Val()
+			} else {
+				p.OutputEstimate = d.Val()
+			}
+		case "output_tokens":
+			if err := intArg(d, &p.OutputTokens); err != nil {
+				return err
+			}
+		case "prefill_rate", "decode_rate", "kv_capacity":
+			if p.Hardware == nil {
+				p.Hardware = new(HardwareProfile)
+			}
+			if err := hardwareArg(d, opt, p.Hardware); err != nil {
+				return err
+			}
+		case "upstream":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			dial := d.Val()
+			hp := new(HardwareProfile)
+			for nesting := d.Nesting(); d.NextBlock(nesting); {
+				if err := hardwareArg(d, d.Val(), hp); err != nil {
+					return err
+				}
+			}
+			if p.Upstreams == nil {
+				p.Upstreams = make(map[string]*HardwareProfile)
+			}
+			p.Upstreams[dial] = hp
+			continue
+		case "adapters":
+			p.Adapters = append(p.Adapters, d.RemainingArgs()...)
+			if len(p.Adapters) == 0 {
+				return d.ArgErr()
+			}
+			continue
+		case "max_loras":
+			if err := intArg(d, &p.MaxLoras); err != nil {
+				return err
+			}
+		case "kv_margin":
+			if err := intArg(d, &p.KVMarginTokens); err != nil {
+				return err
+			}
+		case "shed_status":
+			if err := intArg(d, &p.ShedStatus); err != nil {
+				return err
+			}
+		case "adapter_load_remote", "queue_timeout":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(d.Val())
+			if err != nil {
+				return d.Errf("parsing %s: %v", opt, err)
+			}
+			if opt == "queue_timeout" {
+				p.QueueTimeout = caddy.Duration(dur)
+			} else {
+				p.AdapterLoadRemote = caddy.Duration(dur)
+			}
+		case "tie", "dynamo_overlap_weight":
+			var v float64
+			if err := floatArg(d, &v); err != nil {
+				return err
+			}
+			if opt == "tie" {
+				p.TieSeconds = v
+			} else {
+				p.DynamoOverlapWeight = v
+			}
+		case "sglang", "llmd_weights":
+			var v [3]float64
+			for i := range v {
+				if err := floatArg(d, &v[i]); err != nil {
+					return err
+				}
+			}
+			if opt == "sglang" {
+				p.SGLangCacheThreshold, p.SGLangBalanceAbs, p.SGLangBalanceRel = v[0], v[1], v[2]
+			} else {
+				p.LLMDWeights = v[:]
+			}
+		case "explain_header":
+			p.ExplainHeader = true
+		case "fallback":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if p.FallbackRaw != nil {
+				return d.Err("fallback selection policy already specified")
+			}
+			name := d.Val()
+			modID := "http.reverse_proxy.selection_policies." + name
+			unm, err := caddyfile.UnmarshalModule(d, modID)
+			if err != nil {
+				return err
+			}
+			sel, ok := unm.(reverseproxy.Selector)
+			if !ok {
+				return d.Errf("module %s is not a selection policy", modID)
+			}
+			p.FallbackRaw = caddyconfig.JSONModuleObject(sel, "policy", name, nil)
+			continue
+		default:
+			return d.Errf("unrecognized llm_affinity policy option '%s'", opt)
+		}
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	return nil
+}
+
+func hardwareArg(d *caddyfile.Dispenser, opt string, hp *HardwareProfile) error {
+	switch opt {
+	case "prefill_rate":
+		return floatArg(d, &hp.PrefillTokensPerSecond)
+	case "decode_rate":
+		return floatArg(d, &hp.DecodeTokensPerSecond)
+	case "kv_capacity":
+		return intArg(d, &hp.KVCapacityTokens)
+	}
+	return d.Errf("unrecognized hardware option '%s'", opt)
+}
+
+func intArg(d *caddyfile.Dispenser, dst *int) error {
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	v, err := strconv.Atoi(d.Val())
+	if err != nil {
+		return d.Errf("%s: not an integer: %q", d.Val(), d.Val())
+	}
+	*dst = v
+	return nil
+}
+
+func floatArg(d *caddyfile.Dispenser, dst *float64) error {
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	v, err := strconv.ParseFloat(d.Val(), 64)
+	if err != nil {
+		return d.Errf("not a number: %q", d.Val())
+	}
+	*dst = v
+	return nil
+}
+
+// Interface guards
+var (
+	_ caddyfile.Unmarshaler = (*Handler)(nil)
+	_ caddyfile.Unmarshaler = (*Policy)(nil)
+)

@@ -1,0 +1,264 @@
+// Package caddyllm is the Caddy glue of llm_affinity: the handler that
+// parses OpenAI-style request bodies once, and the reverse_proxy selection
+// policy that routes each request to the upstream where its first token
+// comes soonest. The routing state lives at package level, keyed by dial
+// address, so it survives config reloads.
+package caddyllm
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+	caddy.RegisterModule(Policy{})
+}
+
+// varKey is the request variable through which the handler hands the
+// parsed request to the selection policy.
+const varKey = "llm_affinity"
+
+// Defaults of the handler's options.
+const (
+	defaultMaxBodyBytes    = 32 << 20
+	defaultMaxPrefixTokens = 128 << 10
+)
+
+// Handler parses OpenAI-style requests (POST .../completions and
+// .../chat/completions) once: it reads the body up to a limit, puts it
+// back on the request, computes the chained block hashes of the prompt and
+// hands them to the llm_affinity selection policy through a request
+// variable. It wraps the response writer to count the tokens streaming
+// back, and releases the request's charge on the upstream when the
+// response ends, also when the client goes away. Other requests pass
+// through untouched.
+//
+// A body that is not valid JSON gets 400 with an OpenAI-style error; a
+// body over the limit gets 413. Prompt text is never logged.
+type Handler struct {
+	// BlockTokens is the number of estimated tokens per prefix block; the
+	// index tracks prefixes at this granularity. Default 64.
+	BlockTokens int `json:"block_tokens,omitempty"`
+
+	// BytesPerToken is the number of prompt bytes counted as one token
+	// when the prompt is text. Default 4.
+	BytesPerToken int `json:"bytes_per_token,omitempty"`
+
+	// MaxBodyBytes caps the request body the handler reads; larger bodies
+	// are refused with 413. Default 32 MiB.
+	MaxBodyBytes int64 `json:"max_body_bytes,omitempty"`
+
+	// MaxPrefixTokens caps how much of a prompt is hashed, so a huge
+	// prompt cannot stall the router. Default 131072.
+	MaxPrefixTokens int `json:"max_prefix_tokens,omitempty"`
+
+	// Salt is mixed into every block hash; requests with different salts
+	// never share prefixes (for example, per tenant when set from a
+	// placeholder is not supported; a fixed salt isolates this route).
+	Salt string `json:"salt,omitempty"`
+
+	parser parser
+	logger *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.llm_affinity",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision sets defaults.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	if h.BlockTokens <= 0 {
+		h.BlockTokens = prefixindex.DefaultBlockTokens
+	}
+	if h.BytesPerToken <= 0 {
+		h.BytesPerToken = prefixindex.DefaultBytesPerToken
+	}
+	if h.MaxBodyBytes <= 0 {
+		h.MaxBodyBytes = defaultMaxBodyBytes
+	}
+	if h.MaxPrefixTokens <= 0 {
+		h.MaxPrefixTokens = defaultMaxPrefixTokens
+	}
+	h.parser = parser{
+		hasher: prefixindex.Hasher{
+			BlockTokens:   h.BlockTokens,
+			BytesPerToken: h.BytesPerToken,
+			MaxBlocks:     max(1, h.MaxPrefixTokens/h.BlockTokens),
+		},
+		bytesPerToken: h.BytesPerToken,
+		salt:          h.Salt,
+	}
+	return nil
+}
+
+// Validate checks the options.
+func (h *Handler) Validate() error {
+	if h.BlockTokens > 1<<16 {
+		return fmt.Errorf("block_tokens %d is too large", h.BlockTokens)
+	}
+	return nil
+}
+
+// ServeHTTP implements caddyhttp.MiddlewareHandler.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	endpoint := endpointOf(r.Method, r.URL.Path)
+	if endpoint == EndpointOther {
+		return next.ServeHTTP(w, r)
+	}
+	body, err := h.readBody(r)
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			writeAPIError(w, http.StatusRequestEntityTooLarge, "request_too_large",
+				fmt.Sprintf("request body exceeds the limit of %d bytes", h.MaxBodyBytes))
+			return nil
+		}
+		return caddyhttp.Error(http.StatusBadRequest, err)
+	}
+	req, err := h.parser.parse(endpoint, body)
+	if err != nil {
+		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+		return nil
+	}
+	req.BlockTokens = h.BlockTokens
+
+	// Put the bytes back with a fixed length; the policy installs a fresh
+	// reader on every attempt, so retries resend the whole body.
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.TransferEncoding = nil
+	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+
+	st := &requestState{req: req, body: body}
+	caddyhttp.SetVar(r.Context(), varKey, st)
+	rec := newTokenRecorder(w, st)
+	// Bookkeeping in defer: a client abort panics with
+	// http.ErrAbortHandler inside next.ServeHTTP.
+	defer st.finish(rec)
+
+	err = next.ServeHTTP(rec, r)
+	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
+		w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
+		writeAPIError(w, shed.status, "service_unavailable",
+			"no upstream can take this request now ("+shed.reason+"); retry later")
+		return nil
+	}
+	return err
+}
+
+// readBody reads the whole body up to the limit.
+func (h *Handler) readBody(r *http.Request) ([]byte, error) {
+	if r.ContentLength > h.MaxBodyBytes {
+		return nil, &http.MaxBytesError{Limit: h.MaxBodyBytes}
+	}
+	if r.Body == nil {
+		return nil, nil
+	}
+	defer r.Body.Close()
+	limited := http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes)
+	var buf bytes.Buffer
+	if r.ContentLength > 0 {
+		buf.Grow(int(r.ContentLength))
+	}
+	_, err := buf.ReadFrom(limited)
+	return buf.Bytes(), err
+}
+
+// writeAPIError writes an OpenAI-style error body.
+func writeAPIError(w http.ResponseWriter, status int, typ, msg string) {
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{
+		"message": msg, "type": typ, "param": nil, "code": status,
+	}})
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	w.Write(body)
+}
+
+// requestState is one request's routing record, shared by the handler
+// and the policy's Select calls (one per attempt).
+type requestState struct {
+	req  *Request
+	body []byte
+
+	mu       sync.Mutex
+	current  *attempt
+	tried    []string
+	shed     *shedding
+	decision decisionRecord
+}
+
+// decisionRecord is what the last decision said, for metrics and logs.
+type decisionRecord struct {
+	upstream string
+	reason   string
+	estimate float64
+	matched  int
+}
+
+// shedding says the policy gave up on the request.
+type shedding struct {
+	status            int
+	retryAfterSeconds int
+	reason            string
+}
+
+func (st *requestState) shedInfo() *shedding {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.shed
+}
+
+// progress records output tokens streaming back.
+func (st *requestState) progress(n int) {
+	st.mu.Lock()
+	a := st.current
+	st.mu.Unlock()
+	if a != nil {
+		state.progress(a, n, time.Now())
+	}
+}
+
+// finish releases the current attempt and learns from the response.
+func (st *requestState) finish(rec *tokenRecorder) {
+	st.mu.Lock()
+	a := st.current
+	st.current = nil
+	st.mu.Unlock()
+	if a == nil {
+		return
+	}
+	completed := rec.status == http.StatusOK && rec.complete()
+	if completed {
+		out := rec.completionTokens()
+		state.learnOutput(st.req.Model, out)
+		observeCompletion(a, st, rec)
+	}
+	state.release(a)
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

@@ -1,0 +1,529 @@
+package caddyllm
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+)
+
+// Output estimates.
+const (
+	// OutputMaxTokens expects each request to generate its max_tokens.
+	OutputMaxTokens = "max_tokens"
+	// OutputAverage expects the running average of observed outputs for
+	// the model, bounded by max_tokens.
+	OutputAverage = "average"
+	// OutputFixed expects OutputTokens for every request.
+	OutputFixed = "fixed"
+)
+
+// Defaults of the policy's options.
+const (
+	defaultOutputTokens     = 256
+	defaultQueueTimeout     = 5 * time.Second
+	defaultPrefillPerSecond = 12_000
+	defaultDecodePerSecond  = 2_500
+	defaultHostLoad         = 30 * time.Millisecond
+	defaultRemoteLoad       = 2 * time.Second
+)
+
+// Policy is the llm_affinity selection policy for reverse_proxy. It sends
+// each request parsed by the llm_affinity handler to the upstream where
+// its first token is expected soonest: the one whose queued work plus the
+// prefill it must still do (the part of the prompt it does not hold in
+// its prefix cache) plus any adapter load is smallest. It filters out
+// upstreams that are unavailable, draining, or cannot hold the request in
+// KV memory; when none is left, the request waits at the gateway until
+// capacity frees or QueueTimeout passes, then is shed with ShedStatus and
+// Retry-After.
+//
+// Requests the handler did not parse (GET /v1/models, /health, other
+// paths) go to the Fallback policy, by default the upstream with the
+// least queued work.
+type Policy struct {
+	// Strategy is the decision rule: ttft (default; the estimated time to
+	// first token), sglang (SGLang router's cache_aware), llmd (llm-d's
+	// default scorer weights), dynamo (Dynamo's KV router cost) or
+	// least_work (queued tokens only).
+	Strategy string `json:"strategy,omitempty"`
+
+	// OutputEstimate is how a request's output length is estimated before
+	// it is known: "average" (default; the running average observed for
+	// the model, bounded by max_tokens), "max_tokens" (max_tokens, or
+	// OutputTokens when absent) or "fixed" (always OutputTokens).
+	OutputEstimate string `json:"output_estimate,omitempty"`
+
+	// OutputTokens is the output estimate before any output was observed,
+	// and the fixed estimate. Default 256.
+	OutputTokens int `json:"output_tokens,omitempty"`
+
+	// Hardware is the default profile of an upstream.
+	Hardware *HardwareProfile `json:"hardware,omitempty"`
+
+	// Upstreams overrides the hardware profile per dial address.
+	Upstreams map[string]*HardwareProfile `json:"upstreams,omitempty"`
+
+	// Adapters names the LoRA adapters the upstreams serve; a request
+	// whose model is one of them pays the adapter load cost on an
+	// upstream that does not have it resident.
+	Adapters []string `json:"adapters,omitempty"`
+
+	// MaxLoras is how many adapters an upstream keeps resident (vLLM's
+	// --max-loras). The policy remembers the adapters it last sent to each
+	// upstream and treats those as resident. Default 4.
+	MaxLoras int `json:"max_loras,omitempty"`
+
+	// AdapterLoadRemote is the cost of loading an adapter that is not
+	// resident. Default 2s.
+	AdapterLoadRemote caddy.Duration `json:"adapter_load_remote,omitempty"`
+
+	// QueueTimeout is how long a request that fits nowhere waits at the
+	// gateway for capacity before it is shed. Default 5s; a negative value
+	// sheds at once.
+	QueueTimeout caddy.Duration `json:"queue_timeout,omitempty"`
+
+	// ShedStatus is the HTTP status of a shed request. Default 503.
+	ShedStatus int `json:"shed_status,omitempty"`
+
+	// KVMarginTokens is the KV headroom the fit filter keeps beyond the
+	// uncached prompt and expected output.
+	KVMarginTokens int `json:"kv_margin_tokens,omitempty"`
+
+	// TieSeconds: ttft estimates closer than this are ties, broken by power
+	// of two random choices. Default 2ms.
+	TieSeconds float64 `json:"tie_seconds,omitempty"`
+
+	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
+	// the sglang strategy (defaults 0.5, 32, 1.0001).
+	SGLangCacheThreshold float64 `json:"sglang_cache_threshold,omitempty"`
+	SGLangBalanceAbs     float64 `json:"sglang_balance_abs,omitempty"`
+	SGLangBalanceRel     float64 `json:"sglang_balance_rel,omitempty"`
+
+	// LLMDWeights are the llmd strategy's prefix, queue and KV weights
+	// (default 3, 2, 2).
+	LLMDWeights []float64 `json:"llmd_weights,omitempty"`
+
+	// DynamoOverlapWeight tunes the dynamo strategy (default 1).
+	DynamoOverlapWeight float64 `json:"dynamo_overlap_weight,omitempty"`
+
+	// ExplainHeader adds an X-LLM-Affinity response header saying where
+	// the request went and why (no prompt text).
+	ExplainHeader bool `json:"explain_header,omitempty"`
+
+	// FallbackRaw is the selection policy for requests without parsed
+	// content. Default: the upstream with the least queued work.
+	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
+
+	fallback reverseproxy.Selector
+	opts     scorer.Options
+	adapters map[string]bool
+	logger   *zap.Logger
+	rng      *lockedRand
+}
+
+// HardwareProfile describes what an upstream can do, for the time
+// estimates and the KV-fit filter.
+type HardwareProfile struct {
+	// PrefillTokensPerSecond is its prompt processing throughput.
+	// Default 12000.
+	PrefillTokensPerSecond float64 `json:"prefill_tokens_per_second,omitempty"`
+
+	// DecodeTokensPerSecond is its aggregate generation throughput over a
+	// batch. Default 2500.
+	DecodeTokensPerSecond float64 `json:"decode_tokens_per_second,omitempty"`
+
+	// KVCapacityTokens is its KV cache size in tokens. It sizes the prefix
+	// index and enables the KV-fit filter; 0 means unknown (no filter, an
+	// index of 2048 blocks).
+	KVCapacityTokens int `json:"kv_capacity_tokens,omitempty"`
+}
+
+// CaddyModule returns the Caddy module information.
+func (Policy) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.selection_policies.llm_affinity",
+		New: func() caddy.Module { return new(Policy) },
+	}
+}
+
+// Provision sets defaults and loads the fallback policy.
+func (p *Policy) Provision(ctx caddy.Context) error {
+	p.logger = ctx.Logger()
+	strategy, err := scorer.ParseStrategy(p.Strategy)
+	if err != nil {
+		return err
+	}
+	p.opts = scorer.Options{
+		Strategy:       strategy,
+		TieSeconds:     p.TieSeconds,
+		KVMarginTokens: p.KVMarginTokens,
+		SGLang: scorer.SGLangOptions{
+			CacheThreshold:      p.SGLangCacheThreshold,
+			BalanceAbsThreshold: p.SGLangBalanceAbs,
+			BalanceRelThreshold: p.SGLangBalanceRel,
+		},
+		Dynamo: scorer.DynamoOptions{OverlapWeight: p.DynamoOverlapWeight},
+	}
+	if len(p.LLMDWeights) == 3 {
+		p.opts.LLMD = scorer.LLMDOptions{PrefixWeight: p.LLMDWeights[0], QueueWeight: p.LLMDWeights[1], KVWeight: p.LLMDWeights[2]}
+	}
+	if p.OutputEstimate == "" {
+		p.OutputEstimate = OutputAverage
+	}
+	if p.OutputTokens <= 0 {
+		p.OutputTokens = defaultOutputTokens
+	}
+	if p.QueueTimeout == 0 {
+		p.QueueTimeout = caddy.Duration(defaultQueueTimeout)
+	}
+	if p.ShedStatus == 0 {
+		p.ShedStatus = http.StatusServiceUnavailable
+	}
+	if p.MaxLoras <= 0 {
+		p.MaxLoras = 4
+	}
+	if p.AdapterLoadRemote <= 0 {
+		p.AdapterLoadRemote = caddy.Duration(defaultRemoteLoad)
+	}
+	p.adapters = make(map[string]bool, len(p.Adapters))
+	for _, a := range p.Adapters {
+		p.adapters[a] = true
+	}
+	if p.FallbackRaw != nil {
+		mod, err := ctx.LoadModule(p, "FallbackRaw")
+		if err != nil {
+			return fmt.Errorf("loading fallback selection policy: %w", err)
+		}
+		p.fallback = mod.(reverseproxy.Selector)
+	}
+	p.rng = newLockedRand()
+	// Size the index for the upstreams whose KV capacity is configured.
+	for dial := range p.Upstreams {
+		p.applyCapacity(dial, defaultBlockTokensForCapacity)
+	}
+	registerMetrics(ctx)
+	startJanitor()
+	return nil
+}
+
+// Validate checks the options.
+func (p *Policy) Validate() error {
+	switch p.OutputEstimate {
+	case OutputAverage, OutputMaxTokens, OutputFixed:
+	default:
+		return fmt.Errorf("output_estimate must be average, max_tokens or fixed, got %q", p.OutputEstimate)
+	}
+	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
+		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
+	}
+	if p.ShedStatus < 400 || p.ShedStatus > 599 {
+		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)
+	}
+	for _, hp := range append([]*HardwareProfile{p.Hardware}, mapValues(p.Upstreams)...) {
+		if hp != nil && (hp.PrefillTokensPerSecond < 0 || hp.DecodeTokensPerSecond < 0 || hp.KVCapacityTokens < 0) {
+			return fmt.Errorf("hardware profile values must not be negative")
+		}
+	}
+	return nil
+}
+
+func mapValues[K comparable, V any](m map[K]V) []V {
+	out := make([]V, 0, len(m))
+	for _, v := range m {
+		out = append(out, v)
+	}
+	return out
+}
+
+// defaultBlockTokensForCapacity sizes index capacity before the handler's
+// block size is seen; requests re-apply it with their own.
+const defaultBlockTokensForCapacity = 64
+
+// profile returns the hardware profile of dial with defaults filled in.
+func (p *Policy) profile(dial string) HardwareProfile {
+	hp := HardwareProfile{PrefillTokensPerSecond: defaultPrefillPerSecond, DecodeTokensPerSecond: defaultDecodePerSecond}
+	for _, src := range []*HardwareProfile{p.Hardware, p.Upstreams[dial]} {
+		if src == nil {
+			continue
+		}
+		if src.PrefillTokensPerSecond > 0 {
+			hp.PrefillTokensPerSecond = src.PrefillTokensPerSecond
+		}
+		if src.DecodeTokensPerSecond > 0 {
+			hp.DecodeTokensPerSecond = src.DecodeTokensPerSecond
+		}
+		if src.KVCapacityTokens > 0 {
+			hp.KVCapacityTokens = src.KVCapacityTokens
+		}
+	}
+	return hp
+}
+
+// applyCapacity sizes dial's index to its KV capacity.
+func (p *Policy) applyCapacity(dial string, blockTokens int) {
+	hp := p.profile(dial)
+	if hp.KVCapacityTokens <= 0 {
+		return
+	}
+	state.mu.Lock()
+	u := state.upstream(dial, time.Now())
+	u.capacityTokens = hp.KVCapacityTokens
+	state.mu.Unlock()
+	want := max(1, hp.KVCapacityTokens/max(1, blockTokens))
+	if state.index.Capacity(u.id) != want {
+		state.index.SetCapacity(u.id, want)
+	}
+}
+
+// Select implements reverseproxy.Selector. It runs once per attempt: a
+// retry releases the previous attempt's charge and avoids the upstreams
+// already tried.
+func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	st := requestStateOf(r)
+	if st == nil {
+		return p.selectFallback(pool, r, w)
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.shed != nil {
+		return nil
+	}
+	if a := st.current; a != nil {
+		st.tried = append(st.tried, a.dial)
+		st.current = nil
+		state.release(a)
+	}
+	// Never read r.Body here: install a fresh reader of the bytes the
+	// handler kept, so a retry resends the full body.
+	r.Body = io.NopCloser(bytes.NewReader(st.body))
+	r.ContentLength = int64(len(st.body))
+
+	var deadline time.Time
+	for {
+		up, d, wake := p.decide(pool, st)
+		if up != nil {
+			p.explain(w, st, d)
+			return up
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(time.Duration(p.QueueTimeout))
+			metricQueued.Inc()
+		}
+		wait := time.Until(deadline)
+		if wait <= 0 {
+			return p.shed(w, st, d)
+		}
+		// Health changes do not wake us, so look again now and then.
+		timer := time.NewTimer(min(wait, 250*time.Millisecond))
+		select {
+		case <-wake:
+		case <-timer.C:
+		case <-r.Context().Done():
+			timer.Stop()
+			return nil
+		}
+		timer.Stop()
+	}
+}
+
+// shed gives up on st: the handler answers with the status and
+// Retry-After.
+func (p *Policy) shed(w http.ResponseWriter, st *requestState, d scorer.Decision) *reverseproxy.Upstream {
+	retry := int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
+	st.shed = &shedding{status: p.ShedStatus, retryAfterSeconds: retry, reason: blockedReason(d)}
+	w.Header().Set("Retry-After", strconv.Itoa(retry))
+	metricDecisions.WithLabelValues(string(scorer.Shed)).Inc()
+	metricShed.WithLabelValues(blockedReason(d)).Inc()
+	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
+		c.Write(zap.String("blocked_by", blockedReason(d)), zap.Int("prompt_tokens", st.req.PromptTokens),
+			zap.Int("eligible", d.Eligible))
+	}
+	return nil
+}
+
+func blockedReason(d scorer.Decision) string {
+	if s := d.Blocked.String(); s != "" {
+		return s
+	}
+	return "none"
+}
+
+// decide builds the candidates, chooses, and charges the choice, all
+// under the fleet lock. It returns the channel that closes when work is
+// next released, for waiting when nothing fits.
+func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reverseproxy.Upstream, scorer.Decision, <-chan struct{}) {
+	req := st.req
+	bt := max(1, req.BlockTokens)
+	for _, u := range pool {
+		p.applyCapacity(u.Dial, bt)
+	}
+	now := time.Now()
+	output := p.expectedOutput(req)
+
+	state.mu.Lock()
+	defer state.mu.Unlock()
+	cands := make([]scorer.Candidate, len(pool))
+	states := make([]*upstreamState, len(pool))
+	for i, u := range pool {
+		states[i] = state.upstream(u.Dial, now)
+	}
+	// Match after registering, so every upstream has a slot in depths.
+	depths := state.index.Match(req.Hashes, nil)
+	// Upstreams already tried are avoided while any other is available.
+	avoidTried := false
+	for _, u := range pool {
+		if u.Available() && !slices.Contains(st.tried, u.Dial) {
+			avoidTried = true
+			break
+		}
+	}
+	adapter := ""
+	if p.adapters[req.Model] {
+		adapter = req.Model
+	}
+	for i, u := range pool {
+		us := states[i]
+		hp := p.profile(u.Dial)
+		free := -1
+		if hp.KVCapacityTokens > 0 {
+			free = max(0, hp.KVCapacityTokens-us.kvTokens)
+		}
+		c := scorer.Candidate{
+			Name:                   u.Dial,
+			Available:              u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
+			MatchedTokens:          min(depths[us.id]*bt, req.PromptTokens),
+			QueuedPrefillTokens:    max(0, us.queuedPrefill),
+			QueuedDecodeTokens:     max(0, us.queuedDecode),
+			InFlight:               us.inFlight,
+			Waiting:                -1,
+			PrefillTokensPerSecond: hp.PrefillTokensPerSecond,
+			DecodeTokensPerSecond:  hp.DecodeTokensPerSecond,
+			FreeKVTokens:           free,
+			KVCapacityTokens:       hp.KVCapacityTokens,
+			Adapter:                scorer.AdapterResident,
+		}
+		if adapter != "" && !slices.Contains(us.adapters, adapter) {
+			c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, time.Duration(p.AdapterLoadRemote).Seconds()
+		}
+		cands[i] = c
+	}
+	sreq := scorer.Request{
+		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
+		OutputTokens: output, Model: req.Model, Adapter: adapter,
+	}
+	d := scorer.Choose(sreq, cands, p.opts, p.rng, nil)
+	if d.Chosen < 0 {
+		return nil, d, state.changed
+	}
+	us, c := states[d.Chosen], &cands[d.Chosen]
+	a := state.charge(us, req.PromptTokens-c.MatchedTokens, output, req.PromptTokens+output, now)
+	a.estimate = d.EstimatedTTFTSeconds
+	st.current = a
+	if adapter != "" {
+		us.useAdapter(adapter, p.MaxLoras)
+	}
+	state.index.Insert(us.id, req.Hashes)
+	st.decision = decisionRecord{upstream: us.dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: c.MatchedTokens}
+	metricDecisions.WithLabelValues(string(d.Reason)).Inc()
+	metricMatchedTokens.Observe(float64(c.MatchedTokens))
+	return pool[d.Chosen], d, nil
+}
+
+// expectedOutput estimates req's output length.
+func (p *Policy) expectedOutput(req *Request) int {
+	switch p.OutputEstimate {
+	case OutputFixed:
+		return p.OutputTokens
+	case OutputMaxTokens:
+		if req.MaxTokens > 0 {
+			return req.MaxTokens
+		}
+		return p.OutputTokens
+	}
+	state.mu.Lock()
+	mean, ok := state.meanOutput(req.Model)
+	state.mu.Unlock()
+	est := p.OutputTokens
+	if ok {
+		est = int(math.Round(mean))
+	}
+	if req.MaxTokens > 0 {
+		est = min(est, req.MaxTokens)
+	}
+	return est
+}
+
+// explain logs the decision at debug level and, when enabled, sets the
+// explanation header. Neither carries prompt text.
+func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decision) {
+	rec := st.decision
+	if p.ExplainHeader {
+		w.Header().Set("X-LLM-Affinity", fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
+			rec.upstream, rec.reason, rec.matched, st.req.PromptTokens, rec.estimate, len(st.tried)+1))
+	}
+	if c := p.logger.Check(zapcore.DebugLevel, "routed"); c != nil {
+		c.Write(zap.String("upstream", rec.upstream), zap.String("reason", rec.reason),
+			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", st.req.PromptTokens),
+			zap.Int("blocks", len(st.req.Hashes)), zap.Float64("estimated_ttft_s", rec.estimate),
+			zap.Int("eligible", d.Eligible), zap.Int("attempt", len(st.tried)+1))
+	}
+}
+
+// selectFallback balances requests without parsed content.
+func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	metricDecisions.WithLabelValues("fallback").Inc()
+	if p.fallback != nil {
+		return p.fallback.Select(pool, r, w)
+	}
+	// Least queued work, then fewest requests, then random.
+	state.mu.Lock()
+	defer state.mu.Unlock()
+	var best *reverseproxy.Upstream
+	bestWork, ties := math.MaxInt, 0
+	for _, u := range pool {
+		if !u.Available() {
+			continue
+		}
+		work := u.NumRequests()
+		if us := state.upstreams[u.Dial]; us != nil {
+			work += us.queuedPrefill + us.queuedDecode
+		}
+		switch {
+		case work < bestWork:
+			best, bestWork, ties = u, work, 1
+		case work == bestWork:
+			ties++
+			if p.rng.IntN(ties) == 0 {
+				best = u
+			}
+		}
+	}
+	return best
+}
+
+// requestStateOf returns the state the handler stored, if any.
+func requestStateOf(r *http.Request) *requestState {
+	st, _ := caddyhttp.GetVar(r.Context(), varKey).(*requestState)
+	return st
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner     = (*Policy)(nil)
+	_ caddy.Validator       = (*Policy)(nil)
+	_ reverseproxy.Selector = (*Policy)(nil)
+)

@@ -1,0 +1,190 @@
+// Package integration runs a real in-process Caddy with the llm_affinity
+// plugin in front of a fleet of kvsim engines. All Caddy tests live in
+// this one package: caddytest uses fixed admin and HTTP ports.
+package integration
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	_ "github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+const (
+	routerURL = "http://localhost:9080"
+	adminURL  = "http://localhost:2999"
+)
+
+// replica is one kvsim engine behind an httptest listener.
+type replica struct {
+	name string
+	sim  *kvsim.Server
+	http *httptest.Server
+}
+
+func (r *replica) dial() string { return strings.TrimPrefix(r.http.URL, "http://") }
+
+// startFleet starts n kvsim replicas; they stop with the test.
+func startFleet(t *testing.T, n int, speed float64, cfg kvsim.Config) []*replica {
+	t.Helper()
+	var out []*replica
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("%s-%d", t.Name(), i)
+		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Engine: cfg, Speed: speed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs := httptest.NewServer(sim)
+		t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+		out = append(out, &replica{name: name, sim: sim, http: hs})
+	}
+	return out
+}
+
+func dials(fleet []*replica) string {
+	var d []string
+	for _, r := range fleet {
+		d = append(d, r.dial())
+	}
+	return strings.Join(d, " ")
+}
+
+// caddyfile renders the test config: the handler and reverse_proxy with
+// the policy options given, in front of fleet.
+func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) string {
+	return fmt.Sprintf(`{
+	skip_install_trust
+	admin localhost:2999
+	http_port 9080
+	https_port 9443
+	grace_period 1ns
+}
+http://localhost:9080 {
+	llm_affinity {
+		%s
+	}
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			explain_header
+			%s
+		}
+		%s
+	}
+}
+`, handlerOpts, dials(fleet), policyOpts, proxyOpts)
+}
+
+func startCaddy(t *testing.T, config string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(config, "caddyfile")
+	return tester
+}
+
+// completion is what a test needs from one response.
+type completion struct {
+	status  int
+	replica string
+	explain string
+	cached  int
+	body    string
+	header  http.Header
+}
+
+func post(t *testing.T, path string, body any) completion {
+	t.Helper()
+	raw, err := json.Marshal(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return postRaw(t, path, raw)
+}
+
+func postRaw(t *testing.T, path string, raw []byte) completion {
+	t.Helper()
+	resp, err := http.Post(routerURL+path, "application/json", bytes.NewReader(raw))
+	if err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	c := completion{
+		status: resp.StatusCode, replica: resp.Header.Get(kvsim.ReplicaHeader),
+		explain: resp.Header.Get("X-LLM-Affinity"), body: string(b), header: resp.Header,
+	}
+	var parsed struct {
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if json.Unmarshal(b, &parsed) == nil {
+		c.cached = parsed.Usage.Details.Cached
+	}
+	return c
+}
+
+// upstreamState reads the plugin's admin API.
+type upstreamState struct {
+	Dial          string `json:"dial"`
+	QueuedPrefill int    `json:"queued_prefill_tokens"`
+	QueuedDecode  int    `json:"queued_decode_tokens"`
+	KVTokens      int    `json:"kv_tokens_in_flight"`
+	InFlight      int    `json:"in_flight"`
+	IndexBlocks   int    `json:"index_blocks"`
+}
+
+func upstreams(t *testing.T) map[string]upstreamState {
+	t.Helper()
+	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list []upstreamState
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]upstreamState{}
+	for _, u := range list {
+		out[u.Dial] = u
+	}
+	return out
+}
+
+// eventually polls cond until it holds or the timeout passes.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// text returns n bytes of deterministic filler text seeded by s.
+func text(s string, n int) string {
+	var b strings.Builder
+	for i := 0; b.Len() < n; i++ {
+		fmt.Fprintf(&b, "%s-%d ", s, i)
+	}
+	return b.String()[:n]
+}
+
+type msg struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}

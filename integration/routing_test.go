@@ -1,0 +1,302 @@
+package integration
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+func chat(messages []msg, maxTokens int) map[string]any {
+	return map[string]any{"model": kvsim.DefaultModel, "messages": messages, "max_tokens": maxTokens}
+}
+
+// TestConversationStaysWarm: turn 2 of a conversation lands where turn 1
+// did and the engine reports cache hits; after a reload through the admin
+// API, turn 3 still lands warm.
+func TestConversationStaysWarm(t *testing.T) {
+	fleet := startFleet(t, 4, 20, kvsim.Config{})
+	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
+
+	convo := []msg{
+		{"system", text("You are a meticulous assistant", 12_000)},
+		{"user", "Summarise the plan."},
+	}
+	first := post(t, "/v1/chat/completions", chat(convo, 16))
+	if first.status != 200 || first.replica == "" {
+		t.Fatalf("turn 1: %d %s", first.status, first.body)
+	}
+	// Other conversations spread load meanwhile.
+	for i := 0; i < 6; i++ {
+		other := []msg{{"system", text("other"+string(rune('a'+i)), 8_000)}, {"user", "hi"}}
+		if c := post(t, "/v1/chat/completions", chat(other, 8)); c.status != 200 {
+			t.Fatalf("other conversation: %d %s", c.status, c.body)
+		}
+	}
+	convo = append(convo, msg{"assistant", "Here is the plan."}, msg{"user", "Now the details."})
+	second := post(t, "/v1/chat/completions", chat(convo, 16))
+	if second.replica != first.replica {
+		t.Fatalf("turn 2 went to %s, turn 1 to %s (%s)", second.replica, first.replica, second.explain)
+	}
+	if second.cached < 2000 || !strings.Contains(second.explain, "reason=warm") {
+		t.Fatalf("turn 2: engine reports %d cached tokens, explanation %q", second.cached, second.explain)
+	}
+
+	// Reload with a changed config through the admin API.
+	cfg := caddyfile(fleet, "", "queue_timeout 3s", "")
+	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(cfg))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := tester.Client.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("reload: %v %v", err, resp)
+	}
+	resp.Body.Close()
+
+	convo = append(convo, msg{"assistant", "Details follow."}, msg{"user", "And the risks?"})
+	third := post(t, "/v1/chat/completions", chat(convo, 16))
+	if third.replica != first.replica || third.cached < 2000 {
+		t.Fatalf("after reload turn 3 went to %s (turn 1 %s), %d cached", third.replica, first.replica, third.cached)
+	}
+}
+
+// TestHotPrefixSpills: many concurrent requests sharing a long prefix
+// stay on the warm replica until its queue outweighs the prefill it
+// saves, then spill to a second one.
+func TestHotPrefixSpills(t *testing.T) {
+	fleet := startFleet(t, 4, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "output_estimate max_tokens", ""))
+	prefix := text("shared system prompt", 64_000) // 16k tokens: 1.3 s of prefill saved
+	// Warm one replica first.
+	warm := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": prefix + " q0", "max_tokens": 4})
+	if warm.status != 200 {
+		t.Fatalf("warm-up: %d %s", warm.status, warm.body)
+	}
+	const n = 40
+	var mu sync.Mutex
+	count := map[string]int{}
+	reasons := map[string]int{}
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			c := post(t, "/v1/completions", map[string]any{
+				"model": kvsim.DefaultModel, "prompt": prefix + text(" question", 400+i), "max_tokens": 200,
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			count[c.replica]++
+			for _, r := range []string{"warm", "spill", "cold"} {
+				if strings.Contains(c.explain, "reason="+r) {
+					reasons[r]++
+				}
+			}
+		}(i)
+	}
+	wg.Wait()
+	t.Logf("replicas %v reasons %v", count, reasons)
+	if count[warm.replica] < 10 {
+		t.Fatalf("warm replica %s took only %d of %d", warm.replica, count[warm.replica], n)
+	}
+	if len(count) < 2 || reasons["spill"] == 0 {
+		t.Fatalf("no spill: %v %v", count, reasons)
+	}
+}
+
+// TestShedWhenNothingFits: with every replica's KV full of stalled
+// requests, a new one waits at the gateway, then gets 503 with
+// Retry-After; nothing is parked on a replica that cannot hold it.
+func TestShedWhenNothingFits(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	for _, r := range fleet {
+		r.sim.SetFaults(kvsim.Faults{Stall: true})
+	}
+	startCaddy(t, caddyfile(fleet, "", "kv_capacity 20000\n\t\t\tqueue_timeout 1s\n\t\t\toutput_estimate max_tokens", ""))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Two 9k-token requests per replica fill its 20k tokens.
+	var wg sync.WaitGroup
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("filler"+string(rune('a'+i)), 36_000), "max_tokens": 100})
+			req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(string(body)))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}(i)
+	}
+	eventually(t, 5*time.Second, "four requests in flight", func() bool {
+		n := 0
+		for _, u := range upstreams(t) {
+			if strings.Contains(dials(fleet), u.Dial) {
+				n += u.InFlight
+			}
+		}
+		return n == 4
+	})
+	start := time.Now()
+	c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("late", 20_000), "max_tokens": 100})
+	waited := time.Since(start)
+	if c.status != 503 || c.header.Get("Retry-After") == "" || !strings.Contains(c.body, `"error"`) {
+		t.Fatalf("got %d Retry-After=%q body %s", c.status, c.header.Get("Retry-After"), c.body)
+	}
+	if waited < 900*time.Millisecond {
+		t.Fatalf("shed after %v, want a wait of the 1s queue timeout", waited)
+	}
+	for _, r := range fleet {
+		var st struct {
+			InFlight int `json:"in_flight"`
+		}
+		resp, _ := http.Get(r.http.URL + "/kvsim/state")
+		json.NewDecoder(resp.Body).Decode(&st)
+		resp.Body.Close()
+		if st.InFlight != 2 {
+			t.Errorf("replica %s has %d in flight, want 2", r.name, st.InFlight)
+		}
+	}
+	cancel()
+	wg.Wait()
+}
+
+// TestBadInput: malformed JSON gets a 400 JSON error and the server keeps
+// serving; an oversized body gets 413.
+func TestBadInput(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "max_body 64KiB", "", ""))
+	for _, raw := range []string{`{"model": "x", "prompt": `, `not json`, `{"messages": "nope"}`, `{"prompt": 42}`} {
+		c := postRaw(t, "/v1/completions", []byte(raw))
+		if raw == `{"messages": "nope"}` {
+			c = postRaw(t, "/v1/chat/completions", []byte(raw))
+		}
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if c.status != 400 || json.Unmarshal([]byte(c.body), &e) != nil || e.Error.Message == "" {
+			t.Errorf("%q: got %d %s", raw, c.status, c.body)
+		}
+	}
+	big := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("big", 100_000)})
+	if big.status != 413 {
+		t.Errorf("oversized body: got %d %s", big.status, big.body)
+	}
+	ok := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "still serving", "max_tokens": 4})
+	if ok.status != 200 {
+		t.Fatalf("after bad input: %d %s", ok.status, ok.body)
+	}
+	// Content-less requests pass through and are balanced.
+	resp, err := http.Get(routerURL + "/v1/models")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("GET /v1/models: %v %v", err, resp)
+	}
+	resp.Body.Close()
+}
+
+// TestRetryResendsFullBody: when the chosen (warm) upstream dies, the
+// retry reaches another one with the full body.
+func TestRetryResendsFullBody(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2"))
+	prompt := text("retry me", 20_000)
+	first := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": prompt, "max_tokens": 4})
+	var dead *replica
+	for _, r := range fleet {
+		if r.name == first.replica {
+			dead = r
+		}
+	}
+	if dead == nil {
+		t.Fatalf("turn 1 served by unknown replica %q", first.replica)
+	}
+	dead.http.CloseClientConnections()
+	dead.http.Close()
+	again := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": prompt + " more", "max_tokens": 4})
+	if again.status != 200 || again.replica == "" || again.replica == dead.name {
+		t.Fatalf("after the warm upstream died: %d from %q (%s) %s", again.status, again.replica, again.explain, again.body)
+	}
+	if !strings.Contains(again.explain, "attempt=2") {
+		t.Errorf("explanation %q does not show a second attempt", again.explain)
+	}
+	var usage struct {
+		Usage struct {
+			PromptTokens int `json:"prompt_tokens"`
+		} `json:"usage"`
+	}
+	json.Unmarshal([]byte(again.body), &usage)
+	if usage.Usage.PromptTokens < 5000 {
+		t.Fatalf("retry delivered a prompt of %d tokens: body not resent in full", usage.Usage.PromptTokens)
+	}
+}
+
+// TestClientAbortReleasesQueue: a client that goes away in the middle of
+// a stream leaves no queued tokens behind.
+func TestClientAbortReleasesQueue(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	ctx, cancel := context.WithCancel(context.Background())
+	body := `{"model":"` + kvsim.DefaultModel + `","prompt":"` + text("abort", 4000) + `","max_tokens":2000,"stream":true}`
+	req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(body))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 512)
+	if _, err := resp.Body.Read(buf); err != nil {
+		t.Fatal(err)
+	}
+	dial := fleet[0].dial()
+	if u := upstreams(t)[dial]; u.InFlight != 1 || u.QueuedDecode == 0 {
+		t.Fatalf("mid-stream state %+v, want one in flight with decode queued", u)
+	}
+	cancel()
+	resp.Body.Close()
+	eventually(t, 5*time.Second, "queued tokens return to zero", func() bool {
+		u := upstreams(t)[dial]
+		return u.InFlight == 0 && u.QueuedPrefill == 0 && u.QueuedDecode == 0 && u.KVTokens == 0
+	})
+}
+
+// TestOpenAIClientStreamsThroughRouter uses the official OpenAI Go
+// client for a streamed chat completion.
+func TestOpenAIClientStreamsThroughRouter(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"))
+	stream := client.Chat.Completions.NewStreaming(context.Background(), openai.ChatCompletionNewParams{
+		Model:         kvsim.DefaultModel,
+		Messages:      []openai.ChatCompletionMessageParamUnion{openai.SystemMessage(text("be brief", 2000)), openai.UserMessage("Hello")},
+		MaxTokens:     openai.Int(24),
+		StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+	})
+	var acc openai.ChatCompletionAccumulator
+	chunks := 0
+	for stream.Next() {
+		acc.AddChunk(stream.Current())
+		chunks++
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(acc.Choices) == 0 || acc.Choices[0].Message.Content == "" || acc.Usage.CompletionTokens != 24 {
+		t.Fatalf("accumulated %+v after %d chunks", acc.ChatCompletion, chunks)
+	}
+	eventually(t, 2*time.Second, "the stream's charge is released", func() bool {
+		for _, r := range fleet {
+			if u := upstreams(t)[r.dial()]; u.InFlight != 0 || u.QueuedDecode != 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
