@@ -1,0 +1,331 @@
+// Command llmbench replays an LLM request workload (a Mooncake-format trace or a built-in
+// generator) under each routing policy and reports time to first token, latency, throughput,
+// prefix cache hit rate and load spread per policy.
+//
+// Run it with --help for every flag.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/signal"
+	"strings"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+)
+
+// progressDelay is how long a replay runs before a progress bar appears, so quick runs stay
+// quiet.
+const progressDelay = 2 * time.Second
+
+type options struct {
+	mode           string
+	workload       string
+	replicas       int
+	policies       string
+	speed          float64
+	requests       int
+	rate           float64
+	seed           uint64
+	jsonPath       string
+	svgPath        string
+	maxTokens      int
+	kvBlocks       int
+	maxNumSeqs     int
+	scrapeInterval time.Duration
+	gatewayWait    time.Duration
+	prefillRate    float64
+	decodeRate     float64
+	progress       bool
+	gen            llmbench.GeneratorOptions
+}
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("llmbench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.mode, "mode", "sim", "`sim`: virtual-time simulation (router code + kvsim engine models, no network); http: a real Caddy in front of kvsim servers")
+	fs.StringVar(&o.workload, "workload", "gsp", "a generator (gsp, mrqa, lora, noprefix) or the `path` of a Mooncake-format JSONL trace")
+	fs.IntVar(&o.replicas, "replicas", 8, "number of engine replicas")
+	fs.StringVar(&o.policies, "policies", "all", "comma-separated `list` of policies: "+strings.Join(llmbench.Policies(), ", ")+"; all = every one")
+	fs.Float64Var(&o.speed, "speed", 1, "replay `factor`: arrival times are divided by it (2 = twice as fast); applies to traces and generators")
+	fs.IntVar(&o.requests, "requests", 0, "keep only the first `N` requests of the workload (0 = all)")
+	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 32, mrqa 16, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
+	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
+	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
+	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
+	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length); the router takes it as the expected output (0 = exactly the output length, as SGLang's and LMCache's clients send)")
+	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
+	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
+	fs.DurationVar(&o.scrapeInterval, "scrape-interval", llmbench.DefaultScrapeInterval, "sim: how often the router reads engine metrics (free KV, waiting queue, adapters); negative = never")
+	fs.DurationVar(&o.gatewayWait, "gateway-wait", 30*time.Second, "sim: how long a request that fits no replica waits at the gateway (retried at each scrape) before it is shed; 0 = shed at once")
+	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "sim: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
+	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "sim: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
+	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
+
+	fs.IntVar(&o.gen.GSP.Groups, "gsp-groups", 64, "gsp: number of shared system prompts")
+	fs.IntVar(&o.gen.GSP.PromptsPerGroup, "gsp-prompts-per-group", 16, "gsp: questions per system prompt")
+	fs.IntVar(&o.gen.GSP.SystemTokens, "gsp-system-len", 2048, "gsp: system prompt `tokens`")
+	fs.IntVar(&o.gen.GSP.QuestionTokens, "gsp-question-len", 128, "gsp: question `tokens`")
+	fs.IntVar(&o.gen.GSP.OutputTokens, "gsp-output-len", 256, "gsp: output `tokens`")
+
+	fs.IntVar(&o.gen.MRQA.Users, "mrqa-users", 64, "mrqa: concurrent users (each a session)")
+	fs.IntVar(&o.gen.MRQA.Rounds, "mrqa-rounds", 8, "mrqa: questions per user")
+	fs.IntVar(&o.gen.MRQA.SystemTokens, "mrqa-system-len", 1000, "mrqa: system prompt `tokens` shared by all users")
+	fs.IntVar(&o.gen.MRQA.HistoryTokens, "mrqa-history-len", 2000, "mrqa: per-user history `tokens`")
+	fs.IntVar(&o.gen.MRQA.QuestionTokens, "mrqa-question-len", 64, "mrqa: question `tokens`")
+	fs.IntVar(&o.gen.MRQA.AnswerTokens, "mrqa-answer-len", 100, "mrqa: answer `tokens` (output, and appended to the next round's prompt)")
+
+	fs.IntVar(&o.gen.LoRA.Adapters, "lora-adapters", 32, "lora: tenants, each with its own adapter (the request's model) and system prompt")
+	fs.IntVar(&o.gen.LoRA.Requests, "lora-requests", 1024, "lora: number of requests")
+	fs.IntVar(&o.gen.LoRA.SystemTokens, "lora-system-len", 1024, "lora: per-tenant system prompt `tokens`")
+	fs.IntVar(&o.gen.LoRA.QuestionTokens, "lora-question-len", 256, "lora: question `tokens`")
+	fs.IntVar(&o.gen.LoRA.OutputTokens, "lora-output-len", 128, "lora: output `tokens`")
+	fs.Float64Var(&o.gen.LoRA.ZipfExponent, "lora-zipf", 1, "lora: Zipf `exponent` of tenant popularity (tenant k has weight 1/(k+1)^s)")
+
+	fs.IntVar(&o.gen.NoPrefix.Requests, "noprefix-requests", 1024, "noprefix: number of requests (lengths from the Azure LLM inference trace 2023, conversation; no shared prefixes)")
+
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), `Usage: llmbench [flags]
+
+Replays an LLM workload under each routing policy and prints, per policy, the token-weighted
+prefix cache hit rate, TTFT p50/p90/p99, end-to-end latency p50/p99, output throughput, load
+spread (max/mean requests and tokens per replica), shed and errored requests.
+
+Policies: llm_affinity/<strategy> (the plugin, with scorer strategies ttft, sglang, llmd,
+dynamo, least_work) and Caddy's own round_robin, least_conn, random, first and header. header
+hashes the request's session (mrqa: user, lora: tenant, a trace's "session" field) or, without
+one, the id of the first prompt block (Mooncake: hash_ids[0], the same for every request of the
+conversation trace).
+
+Example:
+  llmbench --mode sim --workload gsp --replicas 8 --json out.json --svg ttft.svg
+  llmbench --workload /path/mooncake_conversation_trace.jsonl --policies llm_affinity/ttft,round_robin
+
+Flags:
+`)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	var o options
+	fs := newFlagSet(&o, stderr)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "llmbench: unexpected arguments %q\n", fs.Args())
+		return 2
+	}
+	if err := bench(o, stdout, stderr); err != nil {
+		if errors.Is(err, errHTTPUnavailable) {
+			return 2
+		}
+		var usage usageError
+		fmt.Fprintf(stderr, "llmbench: %v\n", err)
+		if errors.As(err, &usage) {
+			return 2
+		}
+		return 1
+	}
+	return 0
+}
+
+// errHTTPUnavailable: --mode http in a build where no package set llmbench.HTTPRunner.
+var errHTTPUnavailable = errors.New("http mode unavailable")
+
+// usageError is an error the user fixes by changing the command line (exit status 2).
+type usageError struct{ error }
+
+func bench(o options, stdout, stderr io.Writer) error {
+	policies, err := llmbench.ParsePolicies(o.policies)
+	if err != nil {
+		return usageError{err}
+	}
+	if o.replicas < 1 {
+		return usageError{fmt.Errorf("--replicas must be at least 1")}
+	}
+	cfg := llmbench.Config{
+		Replicas: o.replicas,
+		Engine:   kvsim.Config{NumGPUBlocks: o.kvBlocks, MaxNumSeqs: o.maxNumSeqs},
+		Seed:     o.seed,
+	}
+	var runner llmbench.Runner
+	switch o.mode {
+	case "sim":
+		runner = &llmbench.Sim{
+			Config:                 cfg,
+			ScrapeInterval:         o.scrapeInterval,
+			GatewayWait:            o.gatewayWait,
+			PrefillTokensPerSecond: o.prefillRate,
+			DecodeTokensPerSecond:  o.decodeRate,
+		}
+	case "http":
+		if llmbench.HTTPRunner == nil {
+			fmt.Fprintln(stderr, "http mode needs the caddyllm plugin; not yet available")
+			return errHTTPUnavailable
+		}
+		if runner, err = llmbench.HTTPRunner(cfg); err != nil {
+			return err
+		}
+	default:
+		return usageError{fmt.Errorf("--mode must be sim or http, got %q", o.mode)}
+	}
+
+	isGenerator := llmbench.IsGenerator(o.workload)
+	if !isGenerator && o.rate != 0 {
+		return usageError{errors.New("--rate applies to generators; a trace keeps its timestamps (use --speed)")}
+	}
+	o.gen.Seed = o.seed
+	o.gen.Rate = o.rate
+	w, err := llmbench.LoadWorkload(o.workload, o.gen)
+	if err != nil {
+		return err
+	}
+	w.Truncate(o.requests)
+	if err := w.Speedup(o.speed); err != nil {
+		return usageError{err}
+	}
+	w.SetMaxTokens(o.maxTokens)
+	st := w.Stats()
+
+	params := map[string]any{
+		"mode": o.mode, "workload": o.workload, "replicas": o.replicas, "seed": o.seed,
+		"speed": o.speed, "requests": st.Requests, "duration_s": st.DurationSeconds,
+		"mean_prompt_tokens": st.MeanPromptTokens, "mean_output_tokens": st.MeanOutputTokens,
+		"max_tokens": o.maxTokens, "kv_blocks": o.kvBlocks, "max_num_seqs": o.maxNumSeqs,
+	}
+	for k, v := range w.Params {
+		if f, ok := v.(float64); ok && math.IsInf(f, 0) {
+			v = "inf"
+		}
+		params[k] = v
+	}
+	if sim, ok := runner.(*llmbench.Sim); ok {
+		prefill, decode := sim.Rates(w)
+		params["scrape_interval_s"] = o.scrapeInterval.Seconds()
+		params["gateway_wait_s"] = o.gatewayWait.Seconds()
+		params["prefill_tokens_per_s"] = prefill
+		params["decode_tokens_per_s"] = decode
+	}
+	fmt.Fprintf(stderr, "llmbench: %s, %d requests over %.1fs (prompt mean %.0f, output mean %.0f tokens), %d replicas, %s mode\n",
+		o.workload, st.Requests, st.DurationSeconds, st.MeanPromptTokens, st.MeanOutputTokens, o.replicas, o.mode)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	var sums []llmbench.Summary
+	for _, policy := range policies {
+		var bar *progressBar
+		if o.progress {
+			bar = newProgressBar(stderr, policy)
+			setProgress(runner, bar.update)
+		}
+		res, err := runner.Replay(ctx, w, policy)
+		bar.finish()
+		if err != nil {
+			return fmt.Errorf("%s: %w", policy, err)
+		}
+		s := llmbench.Summarize(res)
+		fmt.Fprintf(stderr, "llmbench: %-22s done in %.1fs wall\n", policy, s.WallSeconds)
+		sums = append(sums, s)
+	}
+
+	if err := llmbench.WriteTable(stdout, sums); err != nil {
+		return err
+	}
+	if o.jsonPath != "" {
+		if err := writeFile(o.jsonPath, func(f io.Writer) error {
+			return llmbench.WriteJSON(f, llmbench.Report{Parameters: params, Policies: sums})
+		}); err != nil {
+			return err
+		}
+	}
+	if o.svgPath != "" {
+		title := fmt.Sprintf("TTFT, %s, %d replicas (%s mode)", shortName(o.workload), o.replicas, o.mode)
+		if err := writeFile(o.svgPath, func(f io.Writer) error { return llmbench.WriteSVG(f, title, sums) }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func shortName(workload string) string {
+	if i := strings.LastIndexAny(workload, `/\`); i >= 0 {
+		return workload[i+1:]
+	}
+	return workload
+}
+
+func setProgress(r llmbench.Runner, f func(done, total int)) {
+	if sim, ok := r.(*llmbench.Sim); ok {
+		sim.Progress = f
+	}
+}
+
+func writeFile(path string, write func(io.Writer) error) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := write(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// progressBar shows a replay's progress once it has run for progressDelay; shorter replays
+// print nothing.
+type progressBar struct {
+	out     io.Writer
+	label   string
+	started time.Time
+	bar     *progressbar.ProgressBar
+	calls   int
+}
+
+func newProgressBar(out io.Writer, label string) *progressBar {
+	return &progressBar{out: out, label: label, started: time.Now()}
+}
+
+func (p *progressBar) update(done, total int) {
+	p.calls++
+	if p.bar == nil {
+		// Reading the clock on every completion would cost more than the rest of the call.
+		if p.calls%256 != 0 || time.Since(p.started) < progressDelay {
+			return
+		}
+		p.bar = progressbar.NewOptions(total,
+			progressbar.OptionSetWriter(p.out),
+			progressbar.OptionSetDescription(fmt.Sprintf("%-22s", p.label)),
+			progressbar.OptionShowCount(),
+			progressbar.OptionSetWidth(30),
+			progressbar.OptionThrottle(200*time.Millisecond),
+			progressbar.OptionClearOnFinish(),
+		)
+	}
+	_ = p.bar.Set(done)
+}
+
+func (p *progressBar) finish() {
+	if p != nil && p.bar != nil {
+		_ = p.bar.Finish()
+	}
+}

@@ -1,0 +1,209 @@
+package llmbench
+
+import (
+	"context"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// Runner replays a workload under one routing policy and measures every request. The
+// simulator ([Sim]) is one; an HTTP runner that drives a real Caddy in front of kvsim servers
+// is another. Results are independent of the mode, so the report code serves both.
+type Runner interface {
+	Replay(ctx context.Context, w *Workload, policy string) (*Results, error)
+}
+
+// Config is what every runner needs besides the workload and the policy.
+type Config struct {
+	// Replicas is the number of engine replicas behind the router.
+	Replicas int
+	// Engine configures every replica (zero fields take kvsim's defaults).
+	Engine kvsim.Config
+	// Seed drives every random choice of the router (ties, random, least_conn).
+	Seed uint64
+	// Progress, when set, is called as requests complete with the count done so far and
+	// the total. It may be called often; keep it cheap.
+	Progress func(done, total int)
+}
+
+// HTTPRunner builds the runner of --mode http. It is nil until a package that can start a
+// Caddy with the llm_affinity plugin in front of kvsim servers sets it.
+var HTTPRunner func(cfg Config) (Runner, error)
+
+// RequestResult is what one request measured. Times are seconds of the replay's clock:
+// virtual in sim mode, wall clock (times the speed factor) in http mode.
+type RequestResult struct {
+	// Index is the request's position in the workload.
+	Index int `json:"index"`
+	// Replica is the index of the replica that served it, -1 when none did.
+	Replica int `json:"replica"`
+	// Arrival is when the request arrived, from the start of the workload.
+	Arrival time.Duration `json:"arrival_ns"`
+	// TTFT is the time from arrival to the first token; 0 when none came.
+	TTFT time.Duration `json:"ttft_ns"`
+	// E2E is the time from arrival to the last token; 0 when unfinished.
+	E2E time.Duration `json:"e2e_ns"`
+	// PromptTokens, CachedTokens (prompt tokens served from the prefix cache, when the engine
+	// says) and OutputTokens (generated) are the engine's counts.
+	PromptTokens int `json:"prompt_tokens"`
+	CachedTokens int `json:"cached_tokens"`
+	OutputTokens int `json:"output_tokens"`
+	// Shed is true when the router refused the request (no replica fits).
+	Shed bool `json:"shed,omitempty"`
+	// Err describes a failure (an engine or HTTP error); empty on success.
+	Err string `json:"error,omitempty"`
+}
+
+// Completed reports whether the request finished without error.
+func (r *RequestResult) Completed() bool { return !r.Shed && r.Err == "" && r.E2E > 0 }
+
+// ReplicaResult is one replica's share of a replay.
+type ReplicaResult struct {
+	// Name identifies the replica (its dial address in http mode).
+	Name string `json:"name"`
+	// Requests is how many requests the router sent it.
+	Requests int `json:"requests"`
+	// PromptTokens and OutputTokens are the tokens of the requests sent to it.
+	PromptTokens int64 `json:"prompt_tokens"`
+	OutputTokens int64 `json:"output_tokens"`
+	// PrefixQueries and PrefixHits are the engine's prefix cache counters in tokens
+	// (vllm:prefix_cache_queries_total and _hits_total); both 0 when unknown.
+	PrefixQueries uint64 `json:"prefix_queries"`
+	PrefixHits    uint64 `json:"prefix_hits"`
+}
+
+// Results is everything one replay measured.
+type Results struct {
+	// Policy is the routing policy replayed.
+	Policy string `json:"policy"`
+	// Replicas holds one entry per replica.
+	Replicas []ReplicaResult `json:"replicas"`
+	// Requests holds one entry per workload request, in workload order.
+	Requests []RequestResult `json:"requests"`
+	// Wall is the wall-clock time the replay took.
+	Wall time.Duration `json:"wall_ns"`
+}
+
+// Summary is a policy's headline figures. Times are in seconds.
+type Summary struct {
+	Policy string `json:"policy"`
+	// HitRate is token-weighted: prompt tokens served from the prefix cache over prompt
+	// tokens queried, from the engines' counters (or the requests' cached tokens when the
+	// engines' counters are unknown).
+	HitRate  float64 `json:"hit_rate"`
+	TTFTP50  float64 `json:"ttft_p50_s"`
+	TTFTP90  float64 `json:"ttft_p90_s"`
+	TTFTP99  float64 `json:"ttft_p99_s"`
+	TTFTMean float64 `json:"ttft_mean_s"`
+	E2EP50   float64 `json:"e2e_p50_s"`
+	E2EP99   float64 `json:"e2e_p99_s"`
+	// Throughput is output tokens per second of the replay's clock, from the first arrival
+	// to the last completion.
+	Throughput float64 `json:"throughput_tok_s"`
+	// MaxMeanLoad is the busiest replica's request count over the mean (1 is perfectly even).
+	MaxMeanLoad float64 `json:"max_mean_load"`
+	// MaxMeanTokens is the same by prompt plus output tokens.
+	MaxMeanTokens float64 `json:"max_mean_tokens"`
+	Requests      int     `json:"requests"`
+	Completed     int     `json:"completed"`
+	Shed          int     `json:"shed"`
+	Errors        int     `json:"errors"`
+	// WallSeconds is the wall-clock time the replay took.
+	WallSeconds float64 `json:"wall_s"`
+	// TTFTs holds the completed requests' TTFTs in seconds, sorted, for plots.
+	TTFTs []float64 `json:"-"`
+}
+
+// Summarize computes the headline figures of a replay.
+func Summarize(r *Results) Summary {
+	s := Summary{Policy: r.Policy, Requests: len(r.Requests), WallSeconds: r.Wall.Seconds()}
+	var ttft, e2e []float64
+	var queries, hits uint64
+	var outTokens float64
+	start, end := time.Duration(math.MaxInt64), time.Duration(0)
+	for i := range r.Requests {
+		q := &r.Requests[i]
+		start = min(start, q.Arrival)
+		switch {
+		case q.Shed:
+			s.Shed++
+			continue
+		case q.Err != "":
+			s.Errors++
+			continue
+		}
+		if q.TTFT > 0 {
+			ttft = append(ttft, q.TTFT.Seconds())
+		}
+		if q.Completed() {
+			s.Completed++
+			e2e = append(e2e, q.E2E.Seconds())
+			end = max(end, q.Arrival+q.E2E)
+			outTokens += float64(q.OutputTokens)
+		}
+		queries += uint64(q.PromptTokens)
+		hits += uint64(q.CachedTokens)
+	}
+	var rq, rh uint64
+	for _, rep := range r.Replicas {
+		rq += rep.PrefixQueries
+		rh += rep.PrefixHits
+	}
+	if rq > 0 {
+		queries, hits = rq, rh
+	}
+	if queries > 0 {
+		s.HitRate = float64(hits) / float64(queries)
+	}
+	slices.Sort(ttft)
+	slices.Sort(e2e)
+	s.TTFTs = ttft
+	s.TTFTP50, s.TTFTP90, s.TTFTP99 = percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(ttft, 0.99)
+	s.TTFTMean = mean(ttft)
+	s.E2EP50, s.E2EP99 = percentile(e2e, 0.5), percentile(e2e, 0.99)
+	if end > start {
+		s.Throughput = outTokens / (end - start).Seconds()
+	}
+	s.MaxMeanLoad = maxOverMean(r.Replicas, func(x ReplicaResult) float64 { return float64(x.Requests) })
+	s.MaxMeanTokens = maxOverMean(r.Replicas, func(x ReplicaResult) float64 { return float64(x.PromptTokens + x.OutputTokens) })
+	return s
+}
+
+// percentile returns the p-quantile of sorted values (nearest rank), NaN when empty.
+func percentile(sorted []float64, p float64) float64 {
+	if len(sorted) == 0 {
+		return math.NaN()
+	}
+	rank := int(math.Ceil(p*float64(len(sorted)))) - 1
+	return sorted[min(max(rank, 0), len(sorted)-1)]
+}
+
+func mean(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	var t float64
+	for _, x := range xs {
+		t += x
+	}
+	return t / float64(len(xs))
+}
+
+func maxOverMean(reps []ReplicaResult, f func(ReplicaResult) float64) float64 {
+	if len(reps) == 0 {
+		return math.NaN()
+	}
+	var total, peak float64
+	for _, r := range reps {
+		v := f(r)
+		total += v
+		peak = max(peak, v)
+	}
+	if total == 0 {
+		return math.NaN()
+	}
+	return peak / (total / float64(len(reps)))
+}
