@@ -20,3 +20,29 @@
 // that could never fit in the whole KV cache (or exceeds max_model_len) is rejected at
 // submission with a 400 error, like vLLM.
 package kvsim
+
+// HTTP API ([Server]):
+//
+//	POST /v1/completions          prompt: string, token-id array, or a batch of one
+//	POST /v1/chat/completions     messages (string or content-part content), tools,
+//	                              add_generation_prompt (default true), continue_final_message
+//	GET  /v1/models               the base model and every known adapter (parent = base model)
+//	POST /v1/load_lora_adapter    {"lora_name":..., "lora_path":...}: registers the adapter in host memory
+//	POST /v1/unload_lora_adapter  {"lora_name":...}
+//	GET  /health                  200, or 503 with the unhealthy fault
+//	GET  /metrics                 vLLM metric names, labels model_name and engine="0"
+//	GET  /kvsim/state             queue, KV and adapter state as JSON ([State])
+//	GET  /kvsim/faults            the injected faults ([Faults])
+//	POST /kvsim/faults            fields present in the JSON body replace the current faults
+//
+// Both generation endpoints honour stream, stream_options.include_usage, max_tokens (or
+// max_completion_tokens) and kvsim's own field kvsim_output_tokens: the number of tokens the
+// simulated model generates before it stops on its own (finish reason "stop"), so that trace
+// replays reproduce recorded output lengths. The generated length is the smaller of
+// max_tokens (finish reason "length") and kvsim_output_tokens, or the configured default
+// (128) when both are absent. Every response carries the X-Kvsim-Replica header. Latency
+// histograms are in simulated seconds.
+//
+// KV accounting: vllm:kv_cache_usage_perc counts referenced blocks, as vLLM does; blocks
+// reserved for the rest of running sequences' outputs are not counted there but are shown as
+// reserved_blocks in /kvsim/state.

@@ -73,6 +73,9 @@ func NewDriver(e *Engine, speed float64, observe func(Event)) *Driver {
 	}
 }
 
+// Done is closed when the driver has stopped; streams then get no more events.
+func (d *Driver) Done() <-chan struct{} { return d.done }
+
 // Speed returns the speed factor.
 func (d *Driver) Speed() float64 { return d.speed }
 

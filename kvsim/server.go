@@ -250,6 +250,8 @@ func (rs *responder) next() ([]Event, bool) {
 	select {
 	case <-rs.r.Context().Done():
 		return nil, false
+	case <-rs.s.driver.Done():
+		return nil, false // the engine was stopped (server closed or config unloaded)
 	case <-rs.stream.Ready():
 		return rs.stream.Take(), true
 	}
