@@ -1,10 +1,12 @@
 package llmbench
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"sort"
 	"time"
 )
@@ -109,8 +111,8 @@ func (p NoPrefixParams) withDefaults() NoPrefixParams {
 // Default arrival rates (requests per second) of the generators, chosen so that 8 default
 // kvsim replicas are busy but not saturated by a cache-oblivious balancer.
 var defaultRates = map[string]float64{
-	"gsp":      32,
-	"mrqa":     16,
+	"gsp":      64,
+	"mrqa":     24,
 	"lora":     24,
 	"noprefix": 40,
 }
@@ -160,13 +162,14 @@ func Generate(generator string, opts GeneratorOptions) (*Workload, error) {
 	}
 	// Separate streams for content and arrivals, so changing the rate keeps the requests.
 	content := rand.New(rand.NewPCG(opts.Seed, 0x636f6e74656e74))
+	arrivals := rand.New(rand.NewPCG(opts.Seed, 0x617272697661))
 	var w *Workload
 	var err error
 	switch generator {
 	case "gsp":
 		w, err = generateGSP(opts.GSP.withDefaults(), opts.Seed, content)
 	case "mrqa":
-		w, err = generateMRQA(opts.MRQA.withDefaults(), opts.Seed)
+		w, err = generateMRQA(opts.MRQA.withDefaults(), opts.Seed, rate, arrivals)
 	case "lora":
 		w, err = generateLoRA(opts.LoRA.withDefaults(), opts.Seed, content)
 	case "noprefix":
@@ -180,7 +183,9 @@ func Generate(generator string, opts GeneratorOptions) (*Workload, error) {
 	w.Name = generator
 	w.Params["rate"] = rate
 	w.Params["seed"] = opts.Seed
-	poissonArrivals(w.Requests, rate, rand.New(rand.NewPCG(opts.Seed, 0x617272697661)))
+	if generator != "mrqa" { // mrqa times its users itself
+		poissonArrivals(w.Requests, rate, arrivals)
+	}
 	w.finish()
 	return w, nil
 }
@@ -231,11 +236,13 @@ func generateGSP(p GSPParams, seed uint64, rng *rand.Rand) (*Workload, error) {
 	return w, nil
 }
 
-// generateMRQA emits the rounds round-major (every user's round 0, then every user's round
-// 1, ...), so with Poisson arrivals each user asks again about every Users/rate seconds, the
-// schedule of LMCache's benchmark. An answer is synthesised text standing for the model's
-// reply: the next round's prompt contains it, so it is prompt prefix, not generated KV.
-func generateMRQA(p MRQAParams, seed uint64) (*Workload, error) {
+// generateMRQA makes each user a Poisson process of rate/Users asking its rounds in order, so
+// a user asks again about every Users/rate seconds, the schedule of LMCache's benchmark, and
+// the superposition of the users is a Poisson process of the given rate. (A fixed user order
+// would let round_robin pin every user to one replica whenever Users is a multiple of the
+// replica count.) An answer is synthesised text standing for the model's reply: the next
+// round's prompt contains it, so it is prompt prefix, not generated KV.
+func generateMRQA(p MRQAParams, seed uint64, rate float64, arrivals *rand.Rand) (*Workload, error) {
 	if err := positive("mrqa", p.Users, p.Rounds, p.SystemTokens, p.HistoryTokens, p.QuestionTokens, p.AnswerTokens); err != nil {
 		return nil, err
 	}
@@ -263,6 +270,18 @@ func generateMRQA(p MRQAParams, seed uint64) (*Workload, error) {
 			})
 		}
 	}
+	// Requests are round-major: user u's round r is at r*Users+u.
+	userRate := rate / float64(p.Users)
+	for u := range p.Users {
+		var t float64
+		for round := range p.Rounds {
+			if !math.IsInf(rate, 1) {
+				t += arrivals.ExpFloat64() / userRate
+			}
+			w.Requests[round*p.Users+u].Arrival = time.Duration(t * float64(time.Second))
+		}
+	}
+	slices.SortStableFunc(w.Requests, func(a, b Request) int { return cmp.Compare(a.Arrival, b.Arrival) })
 	return w, nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"time"
 
@@ -15,39 +16,58 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
-// Router-side constants the simulation shares with the Caddy plugin's defaults.
+// Router-side settings the simulation shares with the Caddy plugin's defaults.
 const (
 	// RouterBlockTokens is the router's hash block size in tokens.
 	RouterBlockTokens = 64
-	// DefaultScrapeInterval is how often the simulated router reads the engines' metrics.
-	DefaultScrapeInterval = 100 * time.Millisecond
+	// DefaultQueueTimeout is how long a request that fits nowhere waits at the gateway.
+	DefaultQueueTimeout = 5 * time.Second
+	// DefaultOutputTokens is the output estimate before any output was observed.
+	DefaultOutputTokens = 256
 	// decodeRateBatch is the batch size at which the derived decode rate is taken.
 	decodeRateBatch = 64
+)
+
+// Output estimates, as the plugin's output_estimate option names them.
+const (
+	// OutputAverage expects the running average of observed outputs of the model, bounded
+	// by max_tokens (the plugin's default).
+	OutputAverage = "average"
+	// OutputMaxTokens expects max_tokens.
+	OutputMaxTokens = "max_tokens"
+	// OutputFixed expects OutputTokens.
+	OutputFixed = "fixed"
 )
 
 // Sim replays a workload through the router's own decision code (prefixindex and scorer) and
 // Replicas kvsim engine models in virtual time: one event loop, no HTTP, no goroutine per
 // request. It implements [Runner].
 //
-// The router side mirrors the Caddy plugin: on arrival it hashes the prompt (64-token blocks,
-// 4 bytes a token), matches it against the shared index, builds a scorer.Candidate per replica
-// and calls scorer.Choose; it then charges the chosen replica's queued prefill (the uncached
-// prompt tokens) and queued decode (max_tokens), and inserts the prompt's blocks into that
-// replica's index (capacity: the engine's KV in 64-token blocks). The first token releases
-// the prefill charge, each token decays the decode charge by one, the finish releases the
-// rest. Engine metrics (KV usage, waiting queue, adapters) are read every ScrapeInterval, as
-// the plugin scrapes /metrics; the free KV a candidate shows is the last scrape's minus what
-// was sent there since.
+// The router side mirrors the Caddy plugin's llm_affinity policy: on arrival it hashes the
+// prompt (64-token blocks, 4 bytes a token, seeded by model and adapter), matches it against
+// the shared index, builds a scorer.Candidate per replica and calls scorer.Choose; it then
+// charges the chosen replica with the uncached prompt tokens (queued prefill), the expected
+// output (queued decode) and the prompt plus expected output (KV in use), and inserts the
+// prompt's blocks into that replica's index (capacity: the engine's KV in 64-token blocks).
+// The first token releases the prefill charge, each token decays the decode charge by one,
+// the finish releases the rest and teaches the output estimate. A candidate's free KV is its
+// capacity minus the KV charged to it; the adapters it holds are the last max_loras adapters
+// sent there. A request that fits nowhere waits at the gateway, retried whenever a charge is
+// released, and is shed after QueueTimeout. Engine metrics are not read, as the plugin reads
+// none.
 type Sim struct {
 	Config
-	// ScrapeInterval is how often engine metrics are read: 0 means DefaultScrapeInterval, a
-	// negative value never (free KV and waiting unknown, so the KV filter never sheds).
-	ScrapeInterval time.Duration
-	// GatewayWait is how long a request that fits nowhere waits at the gateway, retried at
-	// every scrape, before it is shed; 0 sheds it at once.
-	GatewayWait time.Duration
-	// PrefillTokensPerSecond and DecodeTokensPerSecond are the rates the scorer assumes;
-	// 0 derives them from the engine configuration (see [Sim.Rates]).
+	// QueueTimeout is how long a request that fits nowhere waits at the gateway before it is
+	// shed: 0 means DefaultQueueTimeout, a negative value sheds at once.
+	QueueTimeout time.Duration
+	// OutputEstimate is OutputAverage (default), OutputMaxTokens or OutputFixed.
+	OutputEstimate string
+	// OutputTokens is the output estimate before any output was observed, and the fixed
+	// estimate. 0 means DefaultOutputTokens.
+	OutputTokens int
+	// PrefillTokensPerSecond and DecodeTokensPerSecond are the rates the scorer assumes (the
+	// plugin's hardware profile); 0 derives them from the engine configuration (see
+	// [Sim.Rates]).
 	PrefillTokensPerSecond float64
 	DecodeTokensPerSecond  float64
 	// Scorer tunes the llm_affinity decision; its Strategy is set from the policy name.
@@ -83,17 +103,13 @@ type simReplica struct {
 	// Router-local accounting, as the plugin keeps it.
 	queuedPrefill int
 	queuedDecode  int
+	kvTokens      int
 	inFlight      int
+	adapters      []string // the last max_loras adapters sent here, most recent first
 
-	// Last scrape of the engine's metrics.
-	freeKVTokens  int // -1 when unknown
-	waiting       int // -1 when unknown
-	adapters      map[string]scorer.AdapterState
-	sentKVTokens  int             // KV promised to requests sent since the scrape
-	sentAdapters  map[string]bool // adapters requested there since the scrape
-	heapPos       int
-	result        *ReplicaResult
-	capacityToken int
+	heapPos        int
+	result         *ReplicaResult
+	capacityTokens int
 }
 
 // inflight is a request sent to an engine and not finished.
@@ -103,6 +119,7 @@ type inflight struct {
 	replica       int
 	prefillCharge int
 	decodeCharge  int
+	kvCharge      int
 	kreq          kvsim.Request
 }
 
@@ -110,7 +127,20 @@ type inflight struct {
 type waiter struct {
 	req      *Request
 	text     []byte
+	hashes   []uint64 // the prompt's block hashes, computed at arrival
 	deadline time.Duration
+}
+
+// runningMean is the plugin's output estimate: a plain mean at first, then an exponentially
+// weighted one, so it follows a changing workload.
+type runningMean struct {
+	value float64
+	n     int
+}
+
+func (m *runningMean) add(x float64) {
+	m.n++
+	m.value += max(0.05, 1/float64(m.n)) * (x - m.value)
 }
 
 // simRun is the state of one replay.
@@ -123,19 +153,20 @@ type simRun struct {
 	cfg      kvsim.Config
 	rng      *rand.Rand
 
-	replicas []simReplica
-	heap     engineHeap
-	index    *prefixindex.Index
-	hasher   prefixindex.Hasher
-	prefill  float64
-	decode   float64
-	scrape   time.Duration
+	replicas     []simReplica
+	heap         engineHeap
+	index        *prefixindex.Index
+	hasher       prefixindex.Hasher
+	prefill      float64
+	decode       float64
+	queueTimeout time.Duration
+	outputs      map[string]*runningMean
 
 	inflight map[*kvsim.Request]*inflight
 	gateway  []waiter
+	released bool // a charge was released since the gateway was last retried
 	results  *Results
 	events   []kvsim.Event
-	hashes   []uint64
 	matched  []int
 	cands    []scorer.Candidate
 	seeds    map[string]uint64
@@ -169,23 +200,29 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 	if !ValidPolicy(policy) {
 		return nil, fmt.Errorf("unknown policy %q", policy)
 	}
+	switch s.OutputEstimate {
+	case "", OutputAverage, OutputMaxTokens, OutputFixed:
+	default:
+		return nil, fmt.Errorf("output estimate must be average, max_tokens or fixed, got %q", s.OutputEstimate)
+	}
 	cfg := s.Engine.WithDefaults()
 	cfg.Adapters = append(append([]string(nil), cfg.Adapters...), w.Adapters...)
 	if cfg.BytesPerToken != BytesPerToken {
 		return nil, fmt.Errorf("engine bytes_per_token must be %d, the workload's token size", BytesPerToken)
 	}
 	run := &simRun{
-		sim:      s,
-		policy:   policy,
-		cfg:      cfg,
-		rng:      rand.New(rand.NewPCG(s.Seed, 0x726f75746572)),
-		hasher:   prefixindex.Hasher{BlockTokens: RouterBlockTokens, BytesPerToken: BytesPerToken},
-		inflight: make(map[*kvsim.Request]*inflight),
-		seeds:    make(map[string]uint64),
-		scrape:   s.ScrapeInterval,
+		sim:          s,
+		policy:       policy,
+		cfg:          cfg,
+		rng:          rand.New(rand.NewPCG(s.Seed, 0x726f75746572)),
+		hasher:       prefixindex.Hasher{BlockTokens: RouterBlockTokens, BytesPerToken: BytesPerToken},
+		inflight:     make(map[*kvsim.Request]*inflight),
+		seeds:        make(map[string]uint64),
+		outputs:      make(map[string]*runningMean),
+		queueTimeout: s.QueueTimeout,
 	}
-	if run.scrape == 0 {
-		run.scrape = DefaultScrapeInterval
+	if run.queueTimeout == 0 {
+		run.queueTimeout = DefaultQueueTimeout
 	}
 	run.strategy, run.affinity = AffinityStrategy(policy)
 	run.opts = s.Scorer
@@ -201,8 +238,8 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		r := &w.Requests[i]
 		run.results.Requests[i] = RequestResult{Index: r.Index, Replica: -1, Arrival: r.Arrival, PromptTokens: r.PromptTokens}
 	}
-	capacityBlocks := cfg.NumGPUBlocks * cfg.BlockSize / RouterBlockTokens
-	run.index = prefixindex.New(capacityBlocks)
+	capacityTokens := cfg.NumGPUBlocks * cfg.BlockSize
+	run.index = prefixindex.New(capacityTokens / RouterBlockTokens)
 	run.replicas = make([]simReplica, s.Replicas)
 	for i := range run.replicas {
 		eng, err := kvsim.NewEngine(cfg)
@@ -213,9 +250,8 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		rep.name = "replica-" + strconv.Itoa(i)
 		rep.engine = eng
 		rep.id = run.index.Register(rep.name)
-		run.index.SetCapacity(rep.id, capacityBlocks)
-		rep.freeKVTokens, rep.waiting = -1, -1
-		rep.capacityToken = cfg.NumGPUBlocks * cfg.BlockSize
+		run.index.SetCapacity(rep.id, capacityTokens/RouterBlockTokens)
+		rep.capacityTokens = capacityTokens
 		rep.result = &run.results.Replicas[i]
 		rep.result.Name = rep.name
 	}
@@ -224,49 +260,45 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 	return run, nil
 }
 
-// loop is the discrete-event loop: the next thing to happen is an engine's step end, a
-// metrics scrape, or an arrival, in that order on equal times, so that a router deciding at
-// time t sees every engine event up to t.
+// loop is the discrete-event loop: the next thing to happen is an engine's step end or an
+// arrival, the engine first on equal times, so that a router deciding at time t sees every
+// engine event up to t. Requests waiting at the gateway are retried after any release.
 func (run *simRun) loop(ctx context.Context, w *Workload) error {
-	inf := time.Duration(math.MaxInt64)
+	never := time.Duration(math.MaxInt64)
 	next := 0
-	scraping := run.scrape > 0
-	nextScrape := time.Duration(0)
-	if len(w.Requests) > 0 {
-		nextScrape = w.Requests[0].Arrival
-	}
 	for iter := 0; ; iter++ {
 		if iter&8191 == 0 {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
 		}
-		tArrive := inf
+		tArrive := never
 		if next < len(w.Requests) {
 			tArrive = w.Requests[next].Arrival
 		}
 		tEngine, ei := run.heap.min()
-		tScrape := inf
-		if scraping && (next < len(w.Requests) || len(run.inflight) > 0 || len(run.gateway) > 0) {
-			tScrape = nextScrape
-		}
 		switch {
-		case tArrive == inf && tEngine == inf && tScrape == inf:
+		case tArrive == never && tEngine == never:
+			// Nothing runs and nothing arrives: whoever still waits can never fit.
+			for _, wt := range run.gateway {
+				run.shed(wt.req)
+			}
+			run.gateway = nil
 			return nil
-		case tEngine <= tArrive && tEngine <= tScrape:
+		case tEngine <= tArrive:
 			run.events = run.replicas[ei].engine.AdvanceTo(tEngine, run.events[:0])
 			for i := range run.events {
 				run.handle(&run.events[i])
 			}
 			run.heap.fix(ei)
-		case tScrape <= tArrive:
-			run.scrapeAll()
-			run.retryGateway(tScrape)
-			nextScrape = tScrape + run.scrape
+			if run.released {
+				run.released = false
+				run.retryGateway(tEngine)
+			}
 		default:
 			r := &w.Requests[next]
 			next++
-			run.arrive(r, r.AppendPrompt(nil), tArrive, tArrive+run.sim.GatewayWait, run.sim.GatewayWait > 0)
+			run.arrive(waiter{req: r, text: r.AppendPrompt(nil), deadline: tArrive + run.queueTimeout}, tArrive)
 		}
 	}
 }
@@ -292,12 +324,15 @@ func (run *simRun) handle(ev *kvsim.Event) {
 	case kvsim.EventFinished:
 		rep.queuedPrefill -= f.prefillCharge
 		rep.queuedDecode -= f.decodeCharge
+		rep.kvTokens -= f.kvCharge
 		rep.inFlight--
+		run.released = true
 		f.res.E2E = max(ev.Time-f.req.Arrival, 1)
 		f.res.PromptTokens = ev.PromptTokens
 		f.res.CachedTokens = ev.CachedTokens
 		f.res.OutputTokens = ev.GeneratedTokens
 		rep.result.OutputTokens += int64(ev.GeneratedTokens)
+		run.learnOutput(f.req, ev.GeneratedTokens)
 		delete(run.inflight, ev.Request)
 		run.progress()
 	}
@@ -310,38 +345,49 @@ func (run *simRun) progress() {
 	}
 }
 
-// scrapeAll reads every engine's metrics as the plugin would from /metrics: free KV from the
-// KV usage gauge, the waiting queue, and where each adapter is.
-func (run *simRun) scrapeAll() {
-	for i := range run.replicas {
-		rep := &run.replicas[i]
-		st := rep.engine.Stats()
-		rep.freeKVTokens = (st.TotalBlocks - st.UsedBlocks) * run.cfg.BlockSize
-		rep.waiting = st.Waiting
-		rep.sentKVTokens = 0
-		if len(run.cfg.Adapters) == 0 {
-			continue
-		}
-		if rep.adapters == nil {
-			rep.adapters = make(map[string]scorer.AdapterState)
-			rep.sentAdapters = make(map[string]bool)
-		}
-		clear(rep.adapters)
-		clear(rep.sentAdapters)
-		for _, a := range st.HostAdapters {
-			rep.adapters[a] = scorer.AdapterHost
-		}
-		for _, a := range st.LoadingAdapters {
-			rep.adapters[a] = scorer.AdapterHost
-		}
-		for _, a := range st.GPUAdapters {
-			rep.adapters[a] = scorer.AdapterResident
-		}
-	}
+func (run *simRun) shed(r *Request) {
+	run.results.Requests[r.Index].Shed = true
+	run.progress()
 }
 
-// retryGateway routes the waiting requests again, in arrival order, and sheds those whose
-// deadline passed.
+// modelName is the model field of the request as sent: the adapter, or the base model.
+func (run *simRun) modelName(r *Request) string {
+	if r.Model != "" {
+		return r.Model
+	}
+	return run.cfg.Model
+}
+
+func (run *simRun) learnOutput(r *Request, tokens int) {
+	m := run.outputs[run.modelName(r)]
+	if m == nil {
+		m = &runningMean{}
+		run.outputs[run.modelName(r)] = m
+	}
+	m.add(float64(tokens))
+}
+
+// expectedOutput is the plugin's output estimate for r.
+func (run *simRun) expectedOutput(r *Request) int {
+	fallback := run.sim.OutputTokens
+	if fallback <= 0 {
+		fallback = DefaultOutputTokens
+	}
+	switch run.sim.OutputEstimate {
+	case OutputFixed:
+		return fallback
+	case OutputMaxTokens:
+		return r.MaxTokens
+	}
+	est := fallback
+	if m := run.outputs[run.modelName(r)]; m != nil && m.n > 0 {
+		est = int(math.Round(m.value))
+	}
+	return min(est, r.MaxTokens)
+}
+
+// retryGateway routes the waiting requests again, in arrival order; those whose deadline
+// passed are shed.
 func (run *simRun) retryGateway(now time.Duration) {
 	if len(run.gateway) == 0 {
 		return
@@ -349,32 +395,42 @@ func (run *simRun) retryGateway(now time.Duration) {
 	waiting := run.gateway
 	run.gateway = nil
 	for _, wt := range waiting {
-		run.arrive(wt.req, wt.text, now, wt.deadline, now < wt.deadline)
+		if now > wt.deadline {
+			run.shed(wt.req)
+			continue
+		}
+		run.arrive(wt, now)
 	}
 }
 
 // arrive routes a request at time now and submits it to the chosen engine. When no replica
-// fits, the request waits at the gateway if canWait, else it is shed.
-func (run *simRun) arrive(r *Request, text []byte, now, deadline time.Duration, canWait bool) {
+// fits, the request waits at the gateway (unless the queue timeout is negative, when it is
+// shed at once).
+func (run *simRun) arrive(wt waiter, now time.Duration) {
+	r, text := wt.req, wt.text
 	res := &run.results.Requests[r.Index]
+	output := r.MaxTokens
 	var choice, prefillCharge int
 	if run.affinity {
-		choice, prefillCharge = run.chooseAffinity(r, text)
+		if wt.hashes == nil {
+			wt.hashes = run.hasher.HashBytes(nil, run.seed(r), text)
+		}
+		output = run.expectedOutput(r)
+		choice, prefillCharge = run.chooseAffinity(r, wt.hashes, output)
 	} else {
 		choice = run.chooseCaddy(r)
 		prefillCharge = r.PromptTokens
 	}
 	if choice < 0 {
-		if canWait {
-			run.gateway = append(run.gateway, waiter{req: r, text: text, deadline: deadline})
+		if run.queueTimeout > 0 {
+			run.gateway = append(run.gateway, wt)
 			return
 		}
-		res.Shed = true
-		run.progress()
+		run.shed(r)
 		return
 	}
 	rep := &run.replicas[choice]
-	f := &inflight{req: r, res: res, replica: choice, prefillCharge: prefillCharge, decodeCharge: r.MaxTokens}
+	f := &inflight{req: r, res: res, replica: choice}
 	f.kreq = kvsim.Request{
 		ID:            strconv.Itoa(r.Index),
 		Adapter:       r.Model,
@@ -394,37 +450,46 @@ func (run *simRun) arrive(r *Request, text []byte, now, deadline time.Duration, 
 	run.inflight[&f.kreq] = f
 	rep.inFlight++
 	if run.affinity {
+		f.prefillCharge, f.decodeCharge, f.kvCharge = prefillCharge, output, r.PromptTokens+output
 		rep.queuedPrefill += f.prefillCharge
 		rep.queuedDecode += f.decodeCharge
-		rep.sentKVTokens += f.prefillCharge + r.MaxTokens
-		if r.Model != "" && rep.sentAdapters != nil {
-			rep.sentAdapters[r.Model] = true
+		rep.kvTokens += f.kvCharge
+		if r.Model != "" {
+			rep.useAdapter(r.Model, run.cfg.MaxLoRAs)
 		}
-		run.index.Insert(rep.id, run.hashes)
+		run.index.Insert(rep.id, wt.hashes)
 	}
 }
 
-func (run *simRun) seed(adapter string) uint64 {
-	s, ok := run.seeds[adapter]
+// useAdapter records that adapter was sent to rep, which the plugin then presumes resident.
+func (rep *simReplica) useAdapter(adapter string, maxLoras int) {
+	rep.adapters = slices.DeleteFunc(rep.adapters, func(a string) bool { return a == adapter })
+	rep.adapters = slices.Insert(rep.adapters, 0, adapter)
+	if len(rep.adapters) > maxLoras {
+		rep.adapters = rep.adapters[:maxLoras]
+	}
+}
+
+func (run *simRun) seed(r *Request) uint64 {
+	s, ok := run.seeds[r.Model]
 	if !ok {
-		s = prefixindex.Seed(run.cfg.Model, adapter, "")
-		run.seeds[adapter] = s
+		s = prefixindex.Seed(run.modelName(r), r.Model, "")
+		run.seeds[r.Model] = s
 	}
 	return s
 }
 
 // chooseAffinity is the llm_affinity selection: hash, match, build candidates, Choose. It
 // returns the chosen replica (-1 when none fits) and the uncached prompt tokens there.
-func (run *simRun) chooseAffinity(r *Request, text []byte) (int, int) {
-	run.hashes = run.hasher.HashBytes(run.hashes[:0], run.seed(r.Model), text)
-	run.matched = run.index.Match(run.hashes, run.matched)
-	promptTokens := len(text) / BytesPerToken
+func (run *simRun) chooseAffinity(r *Request, hashes []uint64, output int) (int, int) {
+	run.matched = run.index.Match(hashes, run.matched)
+	promptTokens := r.PromptTokens
 	req := scorer.Request{
 		PromptTokens: promptTokens,
-		Blocks:       len(run.hashes),
+		Blocks:       len(hashes),
 		BlockTokens:  RouterBlockTokens,
-		OutputTokens: r.MaxTokens,
-		Model:        run.cfg.Model,
+		OutputTokens: output,
+		Model:        run.modelName(r),
 		Adapter:      r.Model,
 	}
 	for i := range run.replicas {
@@ -437,18 +502,15 @@ func (run *simRun) chooseAffinity(r *Request, text []byte) (int, int) {
 			QueuedPrefillTokens:    max(rep.queuedPrefill, 0),
 			QueuedDecodeTokens:     max(rep.queuedDecode, 0),
 			InFlight:               rep.inFlight,
-			Waiting:                rep.waiting,
+			Waiting:                -1,
 			PrefillTokensPerSecond: run.prefill,
 			DecodeTokensPerSecond:  run.decode,
-			FreeKVTokens:           -1,
-			KVCapacityTokens:       rep.capacityToken,
+			FreeKVTokens:           max(0, rep.capacityTokens-rep.kvTokens),
+			KVCapacityTokens:       rep.capacityTokens,
 			Adapter:                scorer.AdapterResident,
 		}
-		if rep.freeKVTokens >= 0 {
-			c.FreeKVTokens = max(0, rep.freeKVTokens-rep.sentKVTokens)
-		}
-		if r.Model != "" {
-			c.Adapter, c.AdapterLoadSeconds = run.adapterState(rep, r.Model)
+		if r.Model != "" && !slices.Contains(rep.adapters, r.Model) {
+			c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, run.cfg.LoRAStorageLoad.Seconds()
 		}
 	}
 	d := scorer.Choose(req, run.cands, run.opts, run.rng, nil)
@@ -456,24 +518,6 @@ func (run *simRun) chooseAffinity(r *Request, text []byte) (int, int) {
 		return -1, 0
 	}
 	return d.Chosen, max(0, promptTokens-run.cands[d.Chosen].MatchedTokens)
-}
-
-// adapterState says where a replica has an adapter, from the last scrape; an adapter sent
-// there since is taken as resident, since its load is already under way.
-func (run *simRun) adapterState(rep *simReplica, adapter string) (scorer.AdapterState, float64) {
-	if rep.sentAdapters[adapter] {
-		return scorer.AdapterResident, 0
-	}
-	if rep.adapters == nil {
-		return scorer.AdapterUnknown, run.cfg.LoRAHostLoad.Seconds()
-	}
-	switch rep.adapters[adapter] {
-	case scorer.AdapterResident:
-		return scorer.AdapterResident, 0
-	case scorer.AdapterHost:
-		return scorer.AdapterHost, run.cfg.LoRAHostLoad.Seconds()
-	}
-	return scorer.AdapterRemote, run.cfg.LoRAStorageLoad.Seconds()
 }
 
 // chooseCaddy is one of Caddy's own selection policies.

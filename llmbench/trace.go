@@ -3,6 +3,7 @@ package llmbench
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -74,9 +75,7 @@ func ReadTrace(r io.Reader, name string) (*Workload, error) {
 	if len(w.Requests) == 0 {
 		return nil, fmt.Errorf("%s: no requests in trace", name)
 	}
-	slices.SortStableFunc(w.Requests, func(a, b Request) int {
-		return int(min(max(a.Arrival-b.Arrival, -1), 1))
-	})
+	slices.SortStableFunc(w.Requests, func(a, b Request) int { return cmp.Compare(a.Arrival, b.Arrival) })
 	w.finish()
 	return w, nil
 }

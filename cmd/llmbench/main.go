@@ -41,8 +41,9 @@ type options struct {
 	maxTokens      int
 	kvBlocks       int
 	maxNumSeqs     int
-	scrapeInterval time.Duration
-	gatewayWait    time.Duration
+	queueTimeout   time.Duration
+	outputEstimate string
+	outputTokens   int
 	prefillRate    float64
 	decodeRate     float64
 	progress       bool
@@ -62,15 +63,16 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated `list` of policies: "+strings.Join(llmbench.Policies(), ", ")+"; all = every one")
 	fs.Float64Var(&o.speed, "speed", 1, "replay `factor`: arrival times are divided by it (2 = twice as fast); applies to traces and generators")
 	fs.IntVar(&o.requests, "requests", 0, "keep only the first `N` requests of the workload (0 = all)")
-	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 32, mrqa 16, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
+	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 64, mrqa 24, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
 	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
 	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length); the router takes it as the expected output (0 = exactly the output length, as SGLang's and LMCache's clients send)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
-	fs.DurationVar(&o.scrapeInterval, "scrape-interval", llmbench.DefaultScrapeInterval, "sim: how often the router reads engine metrics (free KV, waiting queue, adapters); negative = never")
-	fs.DurationVar(&o.gatewayWait, "gateway-wait", 30*time.Second, "sim: how long a request that fits no replica waits at the gateway (retried at each scrape) before it is shed; 0 = shed at once")
+	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "sim, llm_affinity: how long a request that fits no replica (KV charged there + its own > KV capacity) waits at the gateway before it is shed; negative = shed at once (the plugin's queue_timeout)")
+	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "sim, llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
+	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "sim, llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "sim: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "sim: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
@@ -172,8 +174,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 	case "sim":
 		runner = &llmbench.Sim{
 			Config:                 cfg,
-			ScrapeInterval:         o.scrapeInterval,
-			GatewayWait:            o.gatewayWait,
+			QueueTimeout:           o.queueTimeout,
+			OutputEstimate:         o.outputEstimate,
+			OutputTokens:           o.outputTokens,
 			PrefillTokensPerSecond: o.prefillRate,
 			DecodeTokensPerSecond:  o.decodeRate,
 		}
@@ -220,8 +223,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 	}
 	if sim, ok := runner.(*llmbench.Sim); ok {
 		prefill, decode := sim.Rates(w)
-		params["scrape_interval_s"] = o.scrapeInterval.Seconds()
-		params["gateway_wait_s"] = o.gatewayWait.Seconds()
+		params["queue_timeout_s"] = o.queueTimeout.Seconds()
+		params["output_estimate"] = o.outputEstimate
+		params["output_tokens"] = o.outputTokens
 		params["prefill_tokens_per_s"] = prefill
 		params["decode_tokens_per_s"] = decode
 	}
