@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -373,4 +374,45 @@ func FuzzParseRequest(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestConcurrentRequestsAndCancels(t *testing.T) {
+	sim, srv := newTestServer(t, Config{NumGPUBlocks: 2048, MaxNumSeqs: 8})
+	var wg sync.WaitGroup
+	for i := range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			if i%4 == 0 {
+				cancel() // some clients give up at once
+			} else if i%4 == 1 {
+				ctx, cancel = context.WithTimeout(context.Background(), 30*time.Millisecond)
+			}
+			defer cancel()
+			body := fmt.Sprintf(`{"prompt":"%s %d","max_tokens":%d,"stream":%v}`, strings.Repeat("shared ", 200), i, 20+i, i%2 == 0)
+			req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/completions", strings.NewReader(body))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st := sim.State()
+		if st.InFlight == 0 && st.Running == 0 && st.Waiting == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("engine not idle after all clients left: %+v", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if st := sim.State(); st.Finished+st.Aborted == 0 || st.PrefixHits == 0 {
+		t.Fatalf("state %+v", st)
+	}
 }
