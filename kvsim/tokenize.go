@@ -31,7 +31,6 @@ type Tokenizer struct {
 	BytesPerToken int
 
 	words [][]byte
-	index map[string]int
 }
 
 // NewTokenizer returns a tokenizer of bytesPerToken bytes a token (1..16) and its filler
@@ -41,7 +40,7 @@ func NewTokenizer(bytesPerToken int) *Tokenizer {
 	if bytesPerToken < 1 {
 		bytesPerToken = 1
 	}
-	t := &Tokenizer{BytesPerToken: bytesPerToken, index: make(map[string]int)}
+	t := &Tokenizer{BytesPerToken: bytesPerToken}
 	letters := bytesPerToken - 1
 	prefix := " "
 	if letters == 0 {
@@ -63,7 +62,6 @@ func NewTokenizer(bytesPerToken int) *Tokenizer {
 		}
 		w = append(w, digits...)
 		t.words = append(t.words, w)
-		t.index[string(w)] = i
 	}
 	return t
 }
@@ -78,10 +76,36 @@ func (t *Tokenizer) CountTokens(n int) int {
 // else picks a start by hash. The returned slice must not be modified.
 func (t *Tokenizer) NextToken(context []byte) []byte {
 	tail := context[max(0, len(context)-t.BytesPerToken):]
-	if i, ok := t.index[string(tail)]; ok {
+	if i, ok := t.wordIndex(tail); ok {
 		return t.words[(i+1)%len(t.words)]
 	}
 	return t.words[xxh3.Hash(tail)%uint64(len(t.words))]
+}
+
+// wordIndex returns the index of a filler word, decoding its letters arithmetically (the
+// hot path of generation; a map lookup costs several times more).
+func (t *Tokenizer) wordIndex(tail []byte) (int, bool) {
+	if len(tail) != t.BytesPerToken {
+		return 0, false
+	}
+	letters := tail
+	if t.BytesPerToken > 1 {
+		if tail[0] != ' ' {
+			return 0, false
+		}
+		letters = tail[1:]
+	}
+	n := 0
+	for _, c := range letters {
+		if c < 'a' || c > 'z' {
+			return 0, false
+		}
+		n = n*len(fillerAlphabet) + int(c-'a')
+		if n >= len(t.words) {
+			return 0, false
+		}
+	}
+	return n, true
 }
 
 // Generate appends n generated tokens to context and returns the extended slice.
