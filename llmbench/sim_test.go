@@ -1,0 +1,191 @@
+package llmbench
+
+import (
+	"context"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// tinyGSP is a small gsp workload that still rewards affinity: 8 system prompts of 1024
+// tokens shared by 8 questions each.
+func tinyGSP(t *testing.T) *Workload {
+	t.Helper()
+	w, err := Generate("gsp", GeneratorOptions{Seed: 1, Rate: 40, GSP: GSPParams{
+		Groups: 8, PromptsPerGroup: 8, SystemTokens: 1024, QuestionTokens: 64, OutputTokens: 16,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func replay(t *testing.T, sim *Sim, w *Workload, policy string) Summary {
+	t.Helper()
+	res, err := sim.Replay(context.Background(), w, policy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Requests) != len(w.Requests) || len(res.Replicas) != sim.Replicas {
+		t.Fatalf("%s: %d results for %d requests, %d replicas", policy, len(res.Requests), len(w.Requests), len(res.Replicas))
+	}
+	return Summarize(res)
+}
+
+func TestSimAffinityBeatsRoundRobinOnGSP(t *testing.T) {
+	w := tinyGSP(t)
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 1}}
+	ttft := replay(t, sim, w, "llm_affinity/ttft")
+	rr := replay(t, sim, w, "round_robin")
+	for _, s := range []Summary{ttft, rr} {
+		if s.Completed != len(w.Requests) || s.Shed != 0 || s.Errors != 0 {
+			t.Fatalf("%s: %d completed, %d shed, %d errors of %d", s.Policy, s.Completed, s.Shed, s.Errors, len(w.Requests))
+		}
+		if !(s.TTFTP50 > 0 && s.TTFTP99 >= s.TTFTP50 && s.E2EP50 >= s.TTFTP50 && s.Throughput > 0) {
+			t.Errorf("%s: implausible figures %+v", s.Policy, s)
+		}
+	}
+	t.Logf("hit rate: ttft %.3f, round_robin %.3f", ttft.HitRate, rr.HitRate)
+	if ttft.HitRate <= rr.HitRate {
+		t.Errorf("llm_affinity/ttft hit rate %.3f is not above round_robin's %.3f", ttft.HitRate, rr.HitRate)
+	}
+	// Every system prompt is computed once per replica at most by a router that follows the
+	// cache; round robin computes each on every replica.
+	if ttft.HitRate < 0.6 {
+		t.Errorf("llm_affinity/ttft hit rate %.3f, want at least 0.6", ttft.HitRate)
+	}
+}
+
+func TestSimEveryPolicyRuns(t *testing.T) {
+	w := tinyGSP(t)
+	w.Truncate(24)
+	sim := &Sim{Config: Config{Replicas: 3, Seed: 2}}
+	for _, p := range Policies() {
+		s := replay(t, sim, w, p)
+		if s.Completed != len(w.Requests) {
+			t.Errorf("%s: %d of %d completed", p, s.Completed, len(w.Requests))
+		}
+	}
+	if _, err := sim.Replay(context.Background(), w, "nope"); err == nil {
+		t.Error("unknown policy accepted")
+	}
+}
+
+func TestSimIsDeterministic(t *testing.T) {
+	w := tinyGSP(t)
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 5}}
+	for _, p := range []string{"llm_affinity/ttft", "least_conn", "random"} {
+		a, err := sim.Replay(context.Background(), w, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := sim.Replay(context.Background(), w, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.Wall, b.Wall = 0, 0
+		if !reflect.DeepEqual(a, b) {
+			t.Errorf("%s: two replays differ", p)
+		}
+	}
+}
+
+func TestSimPolicyPlacement(t *testing.T) {
+	w := tinyGSP(t)
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 1}}
+	first, err := sim.Replay(context.Background(), w, "first")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Replicas[0].Requests != len(w.Requests) {
+		t.Errorf("first sent %d of %d requests to replica 0", first.Replicas[0].Requests, len(w.Requests))
+	}
+	rr, err := sim.Replay(context.Background(), w, "round_robin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rep := range rr.Replicas {
+		if rep.Requests != len(w.Requests)/4 {
+			t.Errorf("round_robin sent %d requests to %s, want %d", rep.Requests, rep.Name, len(w.Requests)/4)
+		}
+	}
+	// header hashes the group's system prompt: each group stays on one replica.
+	header, err := sim.Replay(context.Background(), w, "header")
+	if err != nil {
+		t.Fatal(err)
+	}
+	where := map[string]int{}
+	for i, r := range header.Requests {
+		key := HeaderKey(&w.Requests[i])
+		if prev, ok := where[key]; ok && prev != r.Replica {
+			t.Fatalf("header split key %s over replicas %d and %d", key, prev, r.Replica)
+		}
+		where[key] = r.Replica
+	}
+}
+
+func TestSimShedsWhatNeverFits(t *testing.T) {
+	// 64 blocks of 16 tokens: a 2,000-token prompt never fits.
+	w, err := Generate("gsp", GeneratorOptions{Seed: 1, Rate: 10, GSP: GSPParams{
+		Groups: 1, PromptsPerGroup: 3, SystemTokens: 1900, QuestionTokens: 100, OutputTokens: 8,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine := kvsim.Config{NumGPUBlocks: 64}
+	affinity := &Sim{Config: Config{Replicas: 2, Engine: engine}, QueueTimeout: time.Second}
+	s := replay(t, affinity, w, "llm_affinity/ttft")
+	if s.Shed != 3 {
+		t.Errorf("llm_affinity shed %d of 3 requests that cannot fit", s.Shed)
+	}
+	// Caddy's policies do not look: the engine rejects the request.
+	rr := &Sim{Config: Config{Replicas: 2, Engine: engine}}
+	res, err := rr.Replay(context.Background(), w, "round_robin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := Summarize(res); s.Errors != 3 || !strings.Contains(res.Requests[0].Err, "exceeds the KV cache") {
+		t.Errorf("round_robin: %d errors, first %q", s.Errors, res.Requests[0].Err)
+	}
+}
+
+func TestSimProgressAndCancel(t *testing.T) {
+	w := tinyGSP(t)
+	calls, last := 0, 0
+	sim := &Sim{Config: Config{Replicas: 2, Progress: func(done, total int) {
+		calls++
+		last = done
+		if total != len(w.Requests) {
+			t.Fatalf("total %d", total)
+		}
+	}}}
+	replay(t, sim, w, "llm_affinity/ttft")
+	if last != len(w.Requests) || calls != len(w.Requests) {
+		t.Errorf("progress: %d calls, last %d, want %d", calls, last, len(w.Requests))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := sim.Replay(ctx, w, "round_robin"); err == nil {
+		t.Error("a cancelled replay succeeded")
+	}
+}
+
+func TestSimLoRAAffinityKeepsAdaptersResident(t *testing.T) {
+	w, err := Generate("lora", GeneratorOptions{Seed: 1, Rate: 20, LoRA: LoRAParams{
+		Adapters: 8, Requests: 160, SystemTokens: 256, QuestionTokens: 64, OutputTokens: 8,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 1}}
+	ttft := replay(t, sim, w, "llm_affinity/ttft")
+	rr := replay(t, sim, w, "round_robin")
+	// Loading an adapter from storage costs 2s: round robin pays it on every replica.
+	t.Logf("TTFT p90: ttft %.3fs, round_robin %.3fs", ttft.TTFTP90, rr.TTFTP90)
+	if ttft.TTFTMean >= rr.TTFTMean {
+		t.Errorf("mean TTFT: llm_affinity %.3fs, round_robin %.3fs", ttft.TTFTMean, rr.TTFTMean)
+	}
+}
