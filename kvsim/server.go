@@ -273,6 +273,9 @@ func (rs *responder) collect() {
 	for {
 		evs, ok := rs.next()
 		if !ok {
+			if rs.r.Context().Err() == nil {
+				writeError(rs.w, newAPIError(http.StatusServiceUnavailable, "kvsim engine stopped"))
+			}
 			return
 		}
 		for _, ev := range evs {
