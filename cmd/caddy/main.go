@@ -8,6 +8,7 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
 	_ "github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	_ "github.com/llmaffinity/caddy-llm-affinity/kvsim/caddykvsim"
 )
 
 func main() {
