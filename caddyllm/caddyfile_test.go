@@ -1,0 +1,110 @@
+package caddyllm
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func TestPolicyCaddyfile(t *testing.T) {
+	d := caddyfile.NewTestDispenser(`llm_affinity {
+		strategy sglang
+		output_estimate max_tokens
+		output_tokens 300
+		prefill_rate 15000
+		kv_capacity 131072
+		upstream 10.0.0.2:8000 {
+			prefill_rate 20000
+			kv_capacity 262144
+		}
+		adapters a b
+		queue_timeout 2s
+		shed_status 429
+		sglang 0.3 64 1.5
+		llmd_weights 1 2 3
+		explain_header
+		fallback first
+	}`)
+	var p Policy
+	if err := p.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	if p.Strategy != "sglang" || p.OutputEstimate != "max_tokens" || p.OutputTokens != 300 ||
+		p.Hardware.PrefillTokensPerSecond != 15000 || p.Hardware.KVCapacityTokens != 131072 ||
+		p.Upstreams["10.0.0.2:8000"].PrefillTokensPerSecond != 20000 || len(p.Adapters) != 2 ||
+		time.Duration(p.QueueTimeout) != 2*time.Second || p.ShedStatus != 429 ||
+		p.SGLangBalanceAbs != 64 || p.LLMDWeights[2] != 3 || !p.ExplainHeader {
+		t.Fatalf("parsed %+v", p)
+	}
+	var fb map[string]any
+	if err := json.Unmarshal(p.FallbackRaw, &fb); err != nil || fb["policy"] != "first" {
+		t.Fatalf("fallback %s", p.FallbackRaw)
+	}
+	hp := p.profile("10.0.0.2:8000")
+	if hp.PrefillTokensPerSecond != 20000 || hp.DecodeTokensPerSecond != defaultDecodePerSecond || hp.KVCapacityTokens != 262144 {
+		t.Fatalf("profile %+v", hp)
+	}
+}
+
+func TestCaddyfileErrors(t *testing.T) {
+	for _, in := range []string{
+		`llm_affinity { bogus }`,
+		"llm_affinity {\n strategy\n}",
+		`llm_affinity { output_tokens many }`,
+		`llm_affinity { sglang 0.5 32 }`,
+		`llm_affinity extra`,
+		`llm_affinity { queue_timeout soon }`,
+	} {
+		var p Policy
+		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(in)); err == nil {
+			t.Errorf("%q: no error", in)
+		}
+	}
+	var h Handler
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity { max_body lots }`)); err == nil {
+		t.Error("handler accepted a bad max_body")
+	}
+	h = Handler{}
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity {
+		block_tokens 16
+		max_body 1MiB
+	}`)); err != nil || h.BlockTokens != 16 || h.MaxBodyBytes != 1<<20 {
+		t.Fatalf("handler %+v %v", h, err)
+	}
+}
+
+func TestPolicyValidate(t *testing.T) {
+	for _, p := range []Policy{
+		{OutputEstimate: "guess", ShedStatus: 503},
+		{OutputEstimate: OutputAverage, ShedStatus: 200},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, LLMDWeights: []float64{1}},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, Hardware: &HardwareProfile{KVCapacityTokens: -1}},
+	} {
+		if err := p.Validate(); err == nil {
+			t.Errorf("%+v validated", p)
+		}
+	}
+}
+
+func TestIdleUpstreamsExpire(t *testing.T) {
+	f := newFleet()
+	now := time.Now()
+	f.mu.Lock()
+	idle := f.upstream("10.0.0.1:8000", now.Add(-2*time.Hour))
+	busy := f.upstream("10.0.0.2:8000", now.Add(-2*time.Hour))
+	f.charge(busy, 100, 10, 110, now.Add(-2*time.Hour))
+	fresh := f.upstream("10.0.0.3:8000", now)
+	f.mu.Unlock()
+	f.index.Insert(idle.id, []uint64{1, 2, 3})
+	if n := f.expire(now.Add(-time.Hour)); n != 1 {
+		t.Fatalf("expired %d, want 1", n)
+	}
+	if _, ok := f.upstreams["10.0.0.1:8000"]; ok || f.index.Blocks(idle.id) != 0 {
+		t.Fatal("idle upstream kept its state")
+	}
+	if f.upstreams["10.0.0.2:8000"] == nil || f.upstreams["10.0.0.3:8000"] != fresh {
+		t.Fatal("busy or fresh upstream expired")
+	}
+}

@@ -1,0 +1,59 @@
+package caddyllm
+
+import (
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestTokenRecorderCountsSSE(t *testing.T) {
+	st := &requestState{req: &Request{Model: "m"}}
+	f := state
+	f.mu.Lock()
+	u := f.upstream("writer-test:1", time.Now())
+	st.current = f.charge(u, 500, 10, 510, time.Now())
+	f.mu.Unlock()
+	defer f.release(st.current)
+
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	stream := `data: {"choices":[{"text":" a"}],"usage":null}` + "\n\n" +
+		`data: {"choices":[{"text":" b"}]}` + "\n\n" +
+		`data: {"choices":[{"text":" c"}]}` + "\n\n" +
+		`data: {"choices":[],"usage":{"prompt_tokens":2000,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":1500}}}` + "\n\n" +
+		"data: [DONE]\n\n"
+	// Split mid-line to exercise the carry buffer.
+	for _, part := range []string{stream[:17], stream[17:60], stream[60:]} {
+		rec.Write([]byte(part))
+	}
+	if w.Body.String() != stream {
+		t.Fatal("stream altered")
+	}
+	if rec.events != 3 || !rec.complete() || rec.completionTokens() != 3 || rec.cachedTokens() != 1500 {
+		t.Fatalf("events %d complete %v tokens %d cached %d", rec.events, rec.complete(), rec.completionTokens(), rec.cachedTokens())
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u.queuedPrefill != 0 || u.queuedDecode != 7 {
+		t.Fatalf("after 3 tokens: prefill %d decode %d, want 0 and 7", u.queuedPrefill, u.queuedDecode)
+	}
+}
+
+func TestTokenRecorderJSONUsage(t *testing.T) {
+	st := &requestState{req: &Request{}}
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "application/json")
+	rec.Write([]byte(`{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":42}}`))
+	if !rec.complete() || rec.completionTokens() != 42 || rec.cachedTokens() != -1 {
+		t.Fatal("usage not read from a JSON body")
+	}
+	rec = newTokenRecorder(httptest.NewRecorder(), st)
+	rec.Write([]byte(strings.Repeat("x", 100)))
+	if rec.complete() {
+		t.Fatal("a non-JSON body counted as complete")
+	}
+}
