@@ -149,8 +149,8 @@ type attempt struct {
 	up        *upstreamState
 	dial      string
 	estimate  float64 // estimated TTFT in seconds
-	prefill   int // uncached prompt tokens charged
-	decode    int // expected output tokens still charged
+	prefill   int     // uncached prompt tokens charged
+	decode    int     // expected output tokens still charged
 	kv        int
 	started   time.Time
 	firstByte time.Time
