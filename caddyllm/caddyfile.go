@@ -102,6 +102,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		sglang              <cache_threshold> <balance_abs> <balance_rel>
 //		llmd_weights        <prefix> <queue> <kv>
 //		dynamo_overlap_weight <w>
+//		drain_deadline      <duration>
+//		drain               <dial...>
 //		explain_header
 //		fallback <policy> [<args...>]
 //	}
@@ -166,7 +168,13 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := intArg(d, &p.ShedStatus); err != nil {
 				return err
 			}
-		case "adapter_load_remote", "queue_timeout":
+		case "drain":
+			p.Drain = append(p.Drain, d.RemainingArgs()...)
+			if len(p.Drain) == 0 {
+				return d.ArgErr()
+			}
+			continue
+		case "adapter_load_remote", "queue_timeout", "drain_deadline":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
@@ -174,9 +182,12 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return d.Errf("parsing %s: %v", opt, err)
 			}
-			if opt == "queue_timeout" {
+			switch opt {
+			case "queue_timeout":
 				p.QueueTimeout = caddy.Duration(dur)
-			} else {
+			case "drain_deadline":
+				p.DrainDeadline = caddy.Duration(dur)
+			default:
 				p.AdapterLoadRemote = caddy.Duration(dur)
 			}
 		case "tie", "dynamo_overlap_weight":

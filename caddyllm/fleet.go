@@ -149,6 +149,7 @@ type attempt struct {
 	up        *upstreamState
 	dial      string
 	estimate  float64 // estimated TTFT in seconds
+	endFlight func()  // deregisters from the drain registry
 	prefill   int     // uncached prompt tokens charged
 	decode    int     // expected output tokens still charged
 	kv        int
@@ -178,6 +179,9 @@ func (f *fleet) release(a *attempt) {
 		return
 	}
 	u := a.up
+	if a.endFlight != nil {
+		a.endFlight()
+	}
 	u.queuedPrefill -= a.prefill
 	u.queuedDecode -= a.decode
 	u.kvTokens -= a.kv

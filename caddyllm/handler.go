@@ -7,6 +7,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -148,14 +149,15 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.TransferEncoding = nil
 	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
 
-	st := &requestState{req: req, body: body}
+	st := &requestState{req: req, body: body, origBody: body}
 	caddyhttp.SetVar(r.Context(), varKey, st)
 	rec := newTokenRecorder(w, st)
+	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
 	// http.ErrAbortHandler inside next.ServeHTTP.
 	defer st.finish(rec)
 
-	err = next.ServeHTTP(rec, r)
+	err = h.serve(rec, r, next, st)
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
 		w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
 		writeAPIError(w, shed.status, "service_unavailable",
@@ -197,14 +199,58 @@ func writeAPIError(w http.ResponseWriter, status int, typ, msg string) {
 // requestState is one request's routing record, shared by the handler
 // and the policy's Select calls (one per attempt).
 type requestState struct {
-	req  *Request
-	body []byte
-
 	mu       sync.Mutex
+	req      *Request
+	body     []byte // what the next attempt sends
+	origBody []byte // what the client sent
 	current  *attempt
 	tried    []string
 	shed     *shedding
 	decision decisionRecord
+
+	// cancel cuts the current attempt; cut records that a drain did.
+	cancel context.CancelCauseFunc
+	cut    bool
+	rec    *tokenRecorder
+}
+
+// setCancel installs the function that cuts the current attempt.
+func (st *requestState) setCancel(cancel context.CancelCauseFunc) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.cancel, st.cut = cancel, false
+}
+
+// cutForDrain is called at a drain deadline: it cancels the current
+// attempt so the handler can move the request.
+func (st *requestState) cutForDrain() {
+	st.mu.Lock()
+	cancel, rec := st.cancel, st.rec
+	st.cut = cancel != nil
+	st.mu.Unlock()
+	if cancel == nil {
+		return
+	}
+	if rec != nil && !rec.headerSent.Load() {
+		rec.discard.Store(true)
+	}
+	cancel(errDrainCut)
+}
+
+// takeCut reports and clears whether a drain cut the last attempt.
+func (st *requestState) takeCut() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	cut := st.cut
+	st.cut, st.cancel = false, nil
+	return cut
+}
+
+// replace sets the request the next attempt sends (a continuation).
+func (st *requestState) replace(req *Request, body []byte) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.req, st.body = req, body
 }
 
 // decisionRecord is what the last decision said, for metrics and logs.
@@ -249,6 +295,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	}
 	completed := rec.status == http.StatusOK && rec.complete()
 	if completed {
+		if drains.IsDraining(a.dial) {
+			metricDrainOutcomes.WithLabelValues("completed").Inc()
+		}
 		out := rec.completionTokens()
 		state.learnOutput(st.req.Model, out)
 		observeCompletion(a, st, rec)

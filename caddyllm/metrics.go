@@ -7,6 +7,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 )
 
 // Collectors are package-level so their values survive reloads; each
@@ -39,9 +41,19 @@ var (
 		Namespace: "caddy", Subsystem: "llm_affinity", Name: "prompt_tokens_total",
 		Help: "Prompt tokens of completed requests as the engines reported them, and how many were cached.",
 	}, []string{"kind"})
+
+	metricDrainOutcomes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_requests_total",
+		Help: "Requests on draining upstreams by outcome: completed (before the deadline), redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
+	}, []string{"outcome"})
+	metricDrainTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",
+		Help: "Upstream drain state changes (draining, drained, undrained).",
+	}, []string{"to"})
 )
 
 var collectors = []prometheus.Collector{
+	metricDrainOutcomes, metricDrainTransitions,
 	metricDecisions, metricShed, metricQueued, metricMatchedTokens, metricTTFT, metricCachedTokens,
 	newFleetCollector(),
 }
@@ -82,7 +94,7 @@ func observeCompletion(a *attempt, st *requestState, rec *tokenRecorder) {
 
 // fleetCollector exports each upstream's live state at scrape time.
 type fleetCollector struct {
-	queued, inFlight, blocks *prometheus.Desc
+	queued, inFlight, blocks, draining *prometheus.Desc
 }
 
 func newFleetCollector() *fleetCollector {
@@ -93,6 +105,8 @@ func newFleetCollector() *fleetCollector {
 			"Requests routed to the upstream and not finished.", []string{"upstream"}, nil),
 		blocks: prometheus.NewDesc("caddy_llm_affinity_upstream_index_blocks",
 			"Prefix blocks the index believes the upstream holds.", []string{"upstream"}, nil),
+		draining: prometheus.NewDesc("caddy_llm_affinity_upstream_drain_phase",
+			"1 for the upstream's drain phase (active, draining, drained).", []string{"upstream", "phase"}, nil),
 	}
 }
 
@@ -101,6 +115,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.queued
 	ch <- c.inFlight
 	ch <- c.blocks
+	ch <- c.draining
 }
 
 // Collect implements prometheus.Collector.
@@ -110,6 +125,7 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedDecodeTokens), u.Dial, "decode")
 		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(u.InFlight), u.Dial)
 		ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(u.IndexBlocks), u.Dial)
+		ch <- prometheus.MustNewConstMetric(c.draining, prometheus.GaugeValue, 1, u.Dial, u.Drain)
 	}
 }
 
@@ -127,10 +143,18 @@ type UpstreamSnapshot struct {
 	LastTTFTSeconds     float64  `json:"last_ttft_seconds"`
 	Adapters            []string `json:"adapters,omitempty"`
 	IdleSeconds         float64  `json:"idle_seconds"`
+	// Drain is the drain phase: active, draining or drained.
+	Drain         string    `json:"drain"`
+	DrainCause    string    `json:"drain_cause,omitempty"`
+	DrainDeadline time.Time `json:"drain_deadline,omitzero"`
 }
 
 // snapshotUpstreams copies the fleet's state.
 func snapshotUpstreams() []UpstreamSnapshot {
+	drainOf := map[string]drain.Status{}
+	for _, s := range drains.Snapshot() {
+		drainOf[s.Key] = s
+	}
 	state.mu.Lock()
 	defer state.mu.Unlock()
 	out := make([]UpstreamSnapshot, 0, len(state.upstreams))
@@ -141,7 +165,18 @@ func snapshotUpstreams() []UpstreamSnapshot {
 			IndexBlocks: state.index.Blocks(u.id), IndexCapacity: state.index.Capacity(u.id),
 			Completed: u.completed, LastTTFTSeconds: u.lastTTFT.Seconds(),
 			Adapters: append([]string(nil), u.adapters...), IdleSeconds: time.Since(u.lastUsed).Seconds(),
+			Drain: "active",
 		})
+		if d, ok := drainOf[u.dial]; ok {
+			s := &out[len(out)-1]
+			s.Drain, s.DrainCause, s.DrainDeadline = d.Phase, string(d.Cause), d.Deadline
+		}
+	}
+	// Upstreams drained before the router ever routed to them.
+	for dial, d := range drainOf {
+		if state.upstreams[dial] == nil {
+			out = append(out, UpstreamSnapshot{Dial: dial, Drain: d.Phase, DrainCause: string(d.Cause), DrainDeadline: d.Deadline})
+		}
 	}
 	return out
 }

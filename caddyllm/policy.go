@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
@@ -120,6 +121,16 @@ type Policy struct {
 	// DynamoOverlapWeight tunes the dynamo strategy (default 1).
 	DynamoOverlapWeight float64 `json:"dynamo_overlap_weight,omitempty"`
 
+	// DrainDeadline is how long a draining upstream's in-flight requests
+	// may run before they are cut and moved to another upstream (streams
+	// are continued there). It applies to drains started by health checks
+	// and by the Drain list, and to admin drains that give no deadline.
+	// Default 30s.
+	DrainDeadline caddy.Duration `json:"drain_deadline,omitempty"`
+
+	// Drain lists dial addresses to drain when this config loads.
+	Drain []string `json:"drain,omitempty"`
+
 	// ExplainHeader adds an X-LLM-Affinity response header saying where
 	// the request went and why (no prompt text).
 	ExplainHeader bool `json:"explain_header,omitempty"`
@@ -210,6 +221,16 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		p.fallback = mod.(reverseproxy.Selector)
 	}
+	if p.DrainDeadline <= 0 {
+		p.DrainDeadline = caddy.Duration(defaultDrainDeadline)
+	}
+	adminDrainDeadline.Store(int64(p.DrainDeadline))
+	for _, dial := range p.Drain {
+		drains.Drain(dial, time.Duration(p.DrainDeadline), drain.ByConfig)
+	}
+	// The parent's upstreams and health checks are provisioned after this
+	// policy; the watcher's first look comes a poll interval later.
+	go p.watchHealth(ctx, parentUpstreams(ctx))
 	p.rng = newLockedRand()
 	// Size the index for the upstreams whose KV capacity is configured.
 	for dial := range p.Upstreams {
@@ -405,6 +426,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 		c := scorer.Candidate{
 			Name:                   u.Dial,
 			Available:              u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
+			Draining:               drains.IsDraining(u.Dial),
 			MatchedTokens:          min(depths[us.id]*bt, req.PromptTokens),
 			QueuedPrefillTokens:    max(0, us.queuedPrefill),
 			QueuedDecodeTokens:     max(0, us.queuedDecode),
@@ -432,6 +454,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	us, c := states[d.Chosen], &cands[d.Chosen]
 	a := state.charge(us, req.PromptTokens-c.MatchedTokens, output, req.PromptTokens+output, now)
 	a.estimate = d.EstimatedTTFTSeconds
+	a.endFlight = drains.Begin(us.dial, st.cutForDrain)
 	st.current = a
 	if adapter != "" {
 		us.useAdapter(adapter, p.MaxLoras)

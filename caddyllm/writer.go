@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strings"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -16,11 +17,15 @@ const maxUsageBody = 1 << 20
 // maxSSELine bounds a buffered SSE line; a longer one is skipped.
 const maxSSELine = 1 << 20
 
-// tokenRecorder wraps the response writer to watch the tokens of an
-// OpenAI-style response stream back: each SSE data event of a stream is
-// one generated token, and the final usage (streamed with
-// stream_options.include_usage, or in a plain JSON body) gives exact
-// counts. Writes pass through unchanged and unbuffered.
+// tokenRecorder wraps the response writer to watch an OpenAI-style
+// response come back: each SSE chunk with text is one generated token,
+// and the final usage (streamed with stream_options.include_usage, or in
+// a plain JSON body) gives exact counts. It keeps the text streamed so far
+// and the stream's identity, so that a stream cut at a drain deadline can
+// be continued on another upstream and spliced in (see splice).
+//
+// Writes pass through unchanged and unbuffered, except while splicing a
+// continuation, when each event is rewritten to the original stream's id.
 type tokenRecorder struct {
 	*caddyhttp.ResponseWriterWrapper
 	st *requestState
@@ -28,21 +33,71 @@ type tokenRecorder struct {
 	wroteHeader bool
 	status      int
 	sse         bool
-	done        bool // saw data: [DONE] or a complete JSON body
+	done        bool // saw data: [DONE]
 	line        []byte
 	skipLine    bool
-	events      int
+	tokens      int // text-bearing chunks sent to the client
 	body        bytes.Buffer
 	usage       *usage
+
+	// Identity and text of the stream, for continuing it elsewhere.
+	streamID      string
+	streamObject  string
+	streamCreated int64
+	streamModel   string
+	generated     strings.Builder
+
+	// headerSent mirrors wroteHeader for the drain timer's goroutine.
+	headerSent atomic.Bool
+	// discard drops what the proxy writes after a cut of a response that
+	// had not started (it writes a 499 for the cancelled attempt).
+	discard atomic.Bool
+	// splice is set while a continuation's stream is spliced in.
+	splice *spliceState
 }
 
 // usage is the OpenAI usage object.
 type usage struct {
 	PromptTokens        int `json:"prompt_tokens"`
 	CompletionTokens    int `json:"completion_tokens"`
+	TotalTokens         int `json:"total_tokens"`
 	PromptTokensDetails *struct {
 		CachedTokens int `json:"cached_tokens"`
-	} `json:"prompt_tokens_details"`
+	} `json:"prompt_tokens_details,omitempty"`
+}
+
+// streamChunk is the part of a streamed chunk the recorder reads.
+type streamChunk struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	Model   string `json:"model"`
+	Choices []struct {
+		Text  *string `json:"text"`
+		Delta *struct {
+			Role    string  `json:"role"`
+			Content *string `json:"content"`
+		} `json:"delta"`
+	} `json:"choices"`
+	Usage *usage `json:"usage"`
+}
+
+// text returns the chunk's generated text and whether it is a role-only
+// chat chunk.
+func (c *streamChunk) text() (string, bool) {
+	if len(c.Choices) == 0 {
+		return "", false
+	}
+	ch := c.Choices[0]
+	switch {
+	case ch.Text != nil:
+		return *ch.Text, false
+	case ch.Delta != nil && ch.Delta.Content != nil:
+		return *ch.Delta.Content, ch.Delta.Role != "" && *ch.Delta.Content == ""
+	case ch.Delta != nil:
+		return "", ch.Delta.Role != ""
+	}
+	return "", false
 }
 
 func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
@@ -51,24 +106,35 @@ func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
 
 // WriteHeader notes the status and whether the response is a stream.
 func (t *tokenRecorder) WriteHeader(status int) {
-	if !t.wroteHeader && status >= 200 {
+	if t.discard.Load() || t.splice != nil {
+		return
+	}
+	if t.wroteHeader {
+		return
+	}
+	if status >= 200 {
 		t.wroteHeader = true
 		t.status = status
 		t.sse = strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")
+		t.headerSent.Store(true)
 	}
 	t.ResponseWriterWrapper.WriteHeader(status)
 }
 
 // Write counts tokens in p and passes it on.
 func (t *tokenRecorder) Write(p []byte) (int, error) {
+	if t.discard.Load() {
+		return len(p), nil
+	}
+	if t.splice != nil {
+		return len(p), t.scan(p, true)
+	}
 	if !t.wroteHeader {
 		t.WriteHeader(http.StatusOK)
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
-			if n := t.scan(p); n > 0 {
-				t.st.progress(n)
-			}
+			t.scan(p, false)
 		} else if t.body.Len()+len(p) <= maxUsageBody {
 			t.body.Write(p)
 		}
@@ -76,9 +142,9 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	return t.ResponseWriterWrapper.Write(p)
 }
 
-// scan splits p into SSE lines and returns the token events in it.
-func (t *tokenRecorder) scan(p []byte) int {
-	n := 0
+// scan splits p into SSE lines and handles each; when rewrite is set it
+// writes the (rewritten) lines itself.
+func (t *tokenRecorder) scan(p []byte, rewrite bool) error {
 	for len(p) > 0 {
 		i := bytes.IndexByte(p, '\n')
 		if i < 0 {
@@ -87,50 +153,69 @@ func (t *tokenRecorder) scan(p []byte) int {
 			} else if !t.skipLine {
 				t.line = append(t.line, p...)
 			}
-			return n
+			return nil
 		}
 		line := p[:i]
 		if len(t.line) > 0 {
 			t.line = append(t.line, line...)
 			line = t.line
 		}
-		if !t.skipLine && t.event(bytes.TrimSuffix(line, []byte{'\r'})) {
-			n++
+		if !t.skipLine {
+			out := t.event(bytes.TrimSuffix(line, []byte{'\r'}), rewrite)
+			if rewrite && out != nil {
+				if _, err := t.ResponseWriterWrapper.Write(append(out, '\n')); err != nil {
+					return err
+				}
+			}
 		}
 		t.line, t.skipLine = t.line[:0], false
 		p = p[i+1:]
 	}
-	return n
+	if rewrite {
+		return http.NewResponseController(t.ResponseWriterWrapper).Flush()
+	}
+	return nil
 }
 
-// event handles one SSE line and reports whether it carried a token.
-func (t *tokenRecorder) event(line []byte) bool {
+// event handles one SSE line: it records tokens, text, identity and
+// usage. When rewriting it returns the line to send, or nil to drop it.
+func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	data, ok := bytes.CutPrefix(line, []byte("data:"))
 	if !ok {
-		return false
+		if rewrite && len(line) > 0 {
+			return nil // comments and other fields of the continuation
+		}
+		return line
 	}
 	data = bytes.TrimSpace(data)
 	if string(data) == "[DONE]" {
 		t.done = true
-		return false
+		return line
 	}
-	if bytes.Contains(data, []byte(`"usage":{`)) || bytes.Contains(data, []byte(`"usage": {`)) {
-		var chunk struct {
-			Choices []json.RawMessage `json:"choices"`
-			Usage   *usage            `json:"usage"`
+	var chunk streamChunk
+	if json.Unmarshal(data, &chunk) != nil {
+		return line
+	}
+	if t.streamID == "" && chunk.ID != "" {
+		t.streamID, t.streamObject, t.streamCreated, t.streamModel = chunk.ID, chunk.Object, chunk.Created, chunk.Model
+	}
+	text, roleOnly := chunk.text()
+	if rewrite {
+		if roleOnly {
+			return nil // the client already had the assistant role
 		}
-		if json.Unmarshal(data, &chunk) == nil && chunk.Usage != nil {
-			t.usage = chunk.Usage
-			if len(chunk.Choices) == 0 {
-				return false // the usage-only final chunk
-			}
-		}
+		data = t.splice.rewrite(data, &chunk, t)
+		line = append([]byte("data: "), data...)
 	}
-	if bytes.Contains(data, []byte(`"error"`)) && !bytes.Contains(data, []byte(`"choices"`)) {
-		return false
+	if chunk.Usage != nil {
+		t.usage = chunk.Usage
 	}
-	t.events++
-	return true
+	if text != "" {
+		t.tokens++
+		t.generated.WriteString(text)
+		t.st.progress(1)
+	}
+	return line
 }
 
 // complete reports whether the response ended normally.
@@ -149,12 +234,12 @@ func (t *tokenRecorder) complete() bool {
 }
 
 // completionTokens is the output length: the usage's when reported, else
-// the events counted.
+// the tokens counted.
 func (t *tokenRecorder) completionTokens() int {
 	if t.usage != nil {
 		return t.usage.CompletionTokens
 	}
-	return t.events
+	return t.tokens
 }
 
 // cachedTokens is the engine's reported prefix-cache hit, or -1.
@@ -163,4 +248,39 @@ func (t *tokenRecorder) cachedTokens() int {
 		return -1
 	}
 	return t.usage.PromptTokensDetails.CachedTokens
+}
+
+// spliceState rewrites a continuation's chunks into the original stream.
+type spliceState struct {
+	// priorTokens were generated before the continuation began; the
+	// continuation counts them as prompt.
+	priorTokens int
+}
+
+// rewrite gives a continuation chunk the original stream's identity and
+// fixes its usage to cover the whole generation.
+func (s *spliceState) rewrite(data []byte, chunk *streamChunk, t *tokenRecorder) []byte {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(data, &m) != nil {
+		return data
+	}
+	set := func(k string, v any) {
+		if b, err := json.Marshal(v); err == nil {
+			m[k] = b
+		}
+	}
+	set("id", t.streamID)
+	set("created", t.streamCreated)
+	set("model", t.streamModel)
+	if u := chunk.Usage; u != nil {
+		u.PromptTokens = max(0, u.PromptTokens-s.priorTokens)
+		u.CompletionTokens += s.priorTokens
+		u.TotalTokens = u.PromptTokens + u.CompletionTokens
+		set("usage", u)
+	}
+	out, err := json.Marshal(m)
+	if err != nil {
+		return data
+	}
+	return out
 }

@@ -32,8 +32,8 @@ func TestTokenRecorderCountsSSE(t *testing.T) {
 	if w.Body.String() != stream {
 		t.Fatal("stream altered")
 	}
-	if rec.events != 3 || !rec.complete() || rec.completionTokens() != 3 || rec.cachedTokens() != 1500 {
-		t.Fatalf("events %d complete %v tokens %d cached %d", rec.events, rec.complete(), rec.completionTokens(), rec.cachedTokens())
+	if rec.tokens != 3 || !rec.complete() || rec.completionTokens() != 3 || rec.cachedTokens() != 1500 {
+		t.Fatalf("events %d complete %v tokens %d cached %d", rec.tokens, rec.complete(), rec.completionTokens(), rec.cachedTokens())
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()

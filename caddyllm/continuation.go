@@ -1,0 +1,158 @@
+package caddyllm
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// errDrainCut is the cause of cancelling an attempt at a drain deadline.
+var errDrainCut = errors.New("llm_affinity: upstream drain deadline passed")
+
+// maxRedispatch bounds how often one request moves because of drains.
+const maxRedispatch = 4
+
+// serve runs the rest of the chain for one request, moving it when a
+// drain deadline cuts its attempt: a response that has not started is
+// re-dispatched with its full body, invisibly to the client; a started
+// stream is continued on another upstream (the prompt plus the text so
+// far, the remaining max_tokens) and spliced into the same SSE stream;
+// anything else ends with an SSE error event, never a hang.
+func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Handler, st *requestState) error {
+	clientCtx := r.Context()
+	for moves := 0; ; moves++ {
+		ctx, cancel := context.WithCancelCause(clientCtx)
+		st.setCancel(cancel)
+		err, aborted := serveRecovering(rec, r.WithContext(ctx), next)
+		cut := st.takeCut()
+		cancel(nil)
+		rec.discard.Store(false)
+		switch {
+		case !cut || clientCtx.Err() != nil:
+			if aborted {
+				panic(http.ErrAbortHandler)
+			}
+			return err
+		case moves >= maxRedispatch:
+			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			return h.endStream(rec, "the request was moved too many times")
+		case !rec.wroteHeader:
+			// Nothing reached the client: send the same request again.
+			metricDrainOutcomes.WithLabelValues("redispatched").Inc()
+			continue
+		case !rec.sse:
+			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			panic(http.ErrAbortHandler) // a partial JSON body cannot be mended
+		}
+		body, req, err := h.continuation(st, rec)
+		if err != nil {
+			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			h.logger.Debug("stream not continued", zap.Error(err))
+			return h.endStream(rec, err.Error())
+		}
+		if body == nil { // nothing left to generate
+			metricDrainOutcomes.WithLabelValues("continued").Inc()
+			return h.endStream(rec, "")
+		}
+		st.replace(req, body)
+		rec.splice = &spliceState{priorTokens: rec.tokens}
+		r.Body, r.ContentLength = nil, int64(len(body))
+		r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+		metricDrainOutcomes.WithLabelValues("continued").Inc()
+	}
+}
+
+// serveRecovering calls next, turning the proxy's abort of an
+// interrupted stream (a panic with http.ErrAbortHandler) into a flag.
+func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (err error, aborted bool) {
+	defer func() {
+		if v := recover(); v != nil {
+			if v != http.ErrAbortHandler { //nolint:errorlint // the sentinel is panicked as is
+				panic(v)
+			}
+			aborted = true
+		}
+	}()
+	return next.ServeHTTP(w, r), false
+}
+
+// endStream finishes a stream that cannot go on: an error event (when
+// msg is set) and [DONE].
+func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
+	w := rec.ResponseWriterWrapper
+	if msg != "" {
+		ev, _ := json.Marshal(map[string]any{"error": map[string]any{
+			"message": "stream interrupted: " + msg, "type": "server_error", "code": http.StatusServiceUnavailable,
+		}})
+		fmt.Fprintf(w, "data: %s\n\n", ev)
+	}
+	_, err := w.Write([]byte("data: [DONE]\n\n"))
+	http.NewResponseController(w).Flush()
+	return err
+}
+
+// continuation builds the request that continues st's stream from the
+// text generated so far. It returns a nil body when nothing is left to
+// generate.
+func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *Request, error) {
+	st.mu.Lock()
+	orig, endpoint := st.origBody, st.req.Endpoint
+	st.mu.Unlock()
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(orig, &m); err != nil {
+		return nil, nil, err
+	}
+	text := rec.generated.String()
+	switch endpoint {
+	case EndpointCompletions:
+		var prompt string
+		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
+			return nil, nil, errors.New("only a string prompt can be continued")
+		}
+		m["prompt"] = mustJSON(prompt + text)
+	case EndpointChatCompletions:
+		var msgs []json.RawMessage
+		if err := json.Unmarshal(m["messages"], &msgs); err != nil {
+			return nil, nil, err
+		}
+		msgs = append(msgs, mustJSON(map[string]string{"role": "assistant", "content": text}))
+		m["messages"] = mustJSON(msgs)
+		// vLLM's way to extend a partial assistant message.
+		m["continue_final_message"] = json.RawMessage("true")
+		m["add_generation_prompt"] = json.RawMessage("false")
+	default:
+		return nil, nil, errors.New("not a generation endpoint")
+	}
+	for _, key := range []string{"max_tokens", "max_completion_tokens", "kvsim_output_tokens"} {
+		var n int
+		if raw, ok := m[key]; ok && json.Unmarshal(raw, &n) == nil && n > 0 {
+			left := n - rec.tokens
+			if left <= 0 && key != "kvsim_output_tokens" {
+				return nil, nil, nil
+			}
+			m[key] = mustJSON(max(1, left))
+		}
+	}
+	body := mustJSON(m)
+	req, err := h.parser.parse(endpoint, body)
+	if err != nil {
+		return nil, nil, err
+	}
+	req.BlockTokens = h.BlockTokens
+	return body, req, nil
+}
+
+func mustJSON(v any) json.RawMessage {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err) // only plain values are marshalled here
+	}
+	return bytes.TrimSpace(b)
+}

@@ -1,0 +1,88 @@
+package caddyllm
+
+import (
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
+)
+
+// defaultDrainDeadline is how long a drain lets in-flight requests run
+// when nothing else is said.
+const defaultDrainDeadline = 30 * time.Second
+
+// drains is the drain state of every upstream, keyed by dial address; it
+// lives at package level so a drain survives config reloads.
+var drains = drain.New(drain.Events{
+	Drained: func(dial string) {
+		metricDrainTransitions.WithLabelValues("drained").Inc()
+		drainLogger().Info("upstream drained", zap.String("upstream", dial))
+	},
+	DeadlineCut: func(dial string, n int) {
+		drainLogger().Info("drain deadline passed; moving requests", zap.String("upstream", dial), zap.Int("requests", n))
+	},
+})
+
+// adminDrainDeadline is the deadline of admin drains that give none: the
+// drain_deadline of the most recently provisioned policy.
+var adminDrainDeadline atomic.Int64
+
+func init() { adminDrainDeadline.Store(int64(defaultDrainDeadline)) }
+
+func drainLogger() *zap.Logger { return caddy.Log().Named("llm_affinity.drain") }
+
+// healthPollInterval is how often a policy compares its upstreams' health
+// with their drain state.
+var healthPollInterval = 250 * time.Millisecond
+
+// watchHealth drains upstreams that Caddy's active or passive health
+// checks mark unhealthy, with the policy's deadline, instead of letting
+// their streams be cut; it lifts drains it started once they are healthy
+// again. It stops with the config.
+func (p *Policy) watchHealth(ctx caddy.Context, upstreams func() []*reverseproxy.Upstream) {
+	defer func() {
+		if v := recover(); v != nil {
+			p.logger.Error("health watcher panicked", zap.Any("panic", v))
+		}
+	}()
+	t := time.NewTicker(healthPollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, u := range upstreams() {
+			healthy := u.Healthy()
+			switch phase := drains.Phase(u.Dial); {
+			case !healthy && phase == drain.Active:
+				p.logger.Info("upstream unhealthy; draining", zap.String("upstream", u.Dial),
+					zap.Duration("deadline", time.Duration(p.DrainDeadline)))
+				drains.Drain(u.Dial, time.Duration(p.DrainDeadline), drain.ByHealth)
+				metricDrainTransitions.WithLabelValues("draining").Inc()
+			case healthy && phase != drain.Active:
+				if drains.Undrain(u.Dial, drain.ByHealth) {
+					p.logger.Info("upstream healthy again; undrained", zap.String("upstream", u.Dial))
+					metricDrainTransitions.WithLabelValues("undrained").Inc()
+				}
+			}
+		}
+	}
+}
+
+// parentUpstreams finds the reverse_proxy handler that loads this policy
+// and returns a function listing its static upstreams. Its upstreams are
+// provisioned after the policy, so they are read lazily.
+func parentUpstreams(ctx caddy.Context) func() []*reverseproxy.Upstream {
+	for _, m := range ctx.Modules() {
+		if h, ok := m.(*reverseproxy.Handler); ok {
+			return func() []*reverseproxy.Upstream { return h.Upstreams }
+		}
+	}
+	return func() []*reverseproxy.Upstream { return nil }
+}

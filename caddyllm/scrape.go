@@ -1,0 +1,1078 @@
+package caddyllm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+)
+
+// This file scrapes the engines' own view of their load: the queue, the
+// running batch, KV memory in use and its size, resident LoRA adapters and
+// prefix cache hits, from vLLM's or SGLang's Prometheus /metrics, and the
+// served models from /v1/models. The router's own accounting (fleet.go)
+// knows only what it routed; the engine also sees work that came another
+// way (another router replica, a direct client) and what it actually holds.
+//
+// How the policy combines the two, without counting anything twice: a
+// scrape is a snapshot of the engine at (about) EngineSignals.ScrapedAt,
+// the moment the request was sent. Work the router charged before that
+// moment is in the snapshot (it reached the engine, or finished); work it
+// charged since is not. So the current estimate is the snapshot plus the
+// charges made since ScrapedAt (EngineSignals.plusRouted). Comparing
+// times works; a charge sequence number works without clocks: give the
+// scraper a Mark function returning a per-dial count of charges, and
+// charges since the scrape are count − EngineSignals.Mark. Either way the
+// window in which a request can be counted twice (routed after the
+// request was sent, and rendered into the exposition) is one scrape
+// latency, milliseconds.
+//
+// Failures never block routing: signals reads an atomic pointer, fetches
+// run on the scraper's own goroutines with a timeout, and a target that
+// fails simply ages until signals reports it stale, at which point the
+// policy falls back to its own tracking.
+
+// Engines whose metrics are understood.
+const (
+	engineVLLM   = "vllm"
+	engineSGLang = "sglang"
+)
+
+// vLLM metric names (vllm/v1/metrics/loggers.py). Every per-engine series
+// carries {model_name, engine}, engine being the data parallel rank.
+const (
+	vllmRunning       = "vllm:num_requests_running"
+	vllmWaiting       = "vllm:num_requests_waiting"
+	vllmKVUsage       = "vllm:kv_cache_usage_perc"
+	vllmKVUsageLegacy = "vllm:gpu_cache_usage_perc" // before 0.9.2; removed in 0.12
+	vllmPrefixQueries = "vllm:prefix_cache_queries_total"
+	vllmPrefixHits    = "vllm:prefix_cache_hits_total"
+	vllmCacheConfig   = "vllm:cache_config_info"
+	vllmLoRAInfo      = "vllm:lora_requests_info"
+	vllmRankLabel     = "engine"
+)
+
+// SGLang metric names (python/sglang/srt/metrics/collector.py). Series
+// carry {model_name, engine_type, tp_rank, pp_rank, moe_ep_rank} and, with
+// data parallel attention, dp_rank. Only attention-TP rank 0 reports
+// unless --enable-metrics-for-all-schedulers, in which case the other TP
+// ranks repeat the same figures; taking the maximum within a rank, never
+// the sum, keeps them from being counted more than once.
+const (
+	sglangRunning     = "sglang:num_running_reqs"
+	sglangWaiting     = "sglang:num_queue_reqs"
+	sglangKVUsage     = "sglang:token_usage"
+	sglangMaxTokens   = "sglang:max_total_num_tokens"
+	sglangCacheConfig = "sglang:cache_config_info" // {page_size, num_pages}, as llm-d reads it
+	sglangHitRate     = "sglang:cache_hit_rate"
+	sglangLoRASlots   = "sglang:lora_pool_slots_total"
+	sglangRankLabel   = "dp_rank"
+)
+
+// Scraper defaults and bounds.
+const (
+	defaultScrapeInterval  = time.Second
+	minScrapeInterval      = 100 * time.Millisecond
+	defaultModelsInterval  = 10 * time.Second
+	defaultMetricsPath     = "/metrics"
+	defaultModelsPath      = "/v1/models"
+	defaultScrapeWorkers   = 16
+	maxExpositionBytes     = 8 << 20 // real vLLM expositions are ~100-300 KB
+	maxModelsBytes         = 4 << 20
+	scrapeAcceptHeader     = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+	defaultStaleIntervals  = 3 // signals older than this many intervals are stale by default
+	maxScrapeErrorMessages = 256
+)
+
+// errNoEngineMetrics says an exposition parsed but held neither vLLM's nor
+// SGLang's metrics.
+var errNoEngineMetrics = errors.New("no vllm: or sglang: engine metrics in the exposition")
+
+// errExpositionTooLarge says a response body exceeded its size cap.
+var errExpositionTooLarge = errors.New("response body too large")
+
+// ModelInfo is one entry of an engine's /v1/models: a base model (Parent
+// empty) or a LoRA adapter (Parent is its base model, Root its path).
+type ModelInfo struct {
+	// ID is the name requests use in their "model" field.
+	ID string `json:"id"`
+	// Parent is the base model of an adapter, empty for a base model.
+	Parent string `json:"parent,omitempty"`
+	// Root is the model's origin: the base model's name or the adapter's
+	// path.
+	Root string `json:"root,omitempty"`
+}
+
+// EngineSignals is one engine's state as its /metrics (and /v1/models)
+// reported it. Counts are summed over data parallel ranks (vLLM's engine
+// label, SGLang's dp_rank) and model names; a figure the engine did not
+// report is -1 (counts) or flagged unknown. The slices are shared between
+// readers and must not be modified.
+type EngineSignals struct {
+	// Engine is "vllm" or "sglang".
+	Engine string
+	// Running is the number of requests in the running batch, -1 when not
+	// reported.
+	Running int
+	// Waiting is the number of requests queued in the engine, -1 when not
+	// reported.
+	Waiting int
+	// KVUsage is the fraction of KV cache memory in use, 0..1 (averaged
+	// over ranks, weighted by their capacity when known). Valid when
+	// KVKnown.
+	KVUsage float64
+	// KVKnown says whether KVUsage was reported.
+	KVKnown bool
+	// BlockSize is the number of tokens in one KV block (SGLang: a page;
+	// 1 when only its token total is known). 0 when unknown.
+	BlockSize int
+	// NumGPUBlocks is the number of KV blocks over all ranks, so the KV
+	// capacity in tokens is BlockSize × NumGPUBlocks. 0 when unknown.
+	NumGPUBlocks int
+	// MaxLoRAs is the number of adapter slots (vLLM --max-loras, SGLang
+	// max_loras_per_batch), 0 when unknown.
+	MaxLoRAs int
+	// AdaptersKnown says RunningAdapters and WaitingAdapters were reported
+	// (vLLM with --enable-lora).
+	AdaptersKnown bool
+	// RunningAdapters are the adapters of running requests: resident on
+	// the GPU. Adapters loaded but idle are not listed by vLLM.
+	RunningAdapters []string
+	// WaitingAdapters are the adapters of waiting requests.
+	WaitingAdapters []string
+	// PrefixQueries and PrefixHits are vLLM's cumulative prefix cache
+	// counters, in tokens; -1 when not reported.
+	PrefixQueries, PrefixHits float64
+	// PrefixHitRate is the recent prefix cache hit rate, 0..1, or -1 when
+	// unknown: SGLang's cache_hit_rate gauge, or for vLLM the ratio of the
+	// counters' increase since the previous scrape (set by the scraper).
+	PrefixHitRate float64
+	// Models are the models the engine serves, from /v1/models; nil when
+	// not fetched yet (then any model is assumed servable).
+	Models []ModelInfo
+	// ModelsAt is when Models were fetched.
+	ModelsAt time.Time
+	// ScrapedAt is when the metrics request was sent: the snapshot
+	// includes the work routed before it and not the work routed after.
+	ScrapedAt time.Time
+	// Latency is how long the metrics fetch and parse took.
+	Latency time.Duration
+	// Mark is what the scraper's Mark function returned for this dial
+	// just before the request was sent (0 without one).
+	Mark uint64
+	// Seq counts successful scrapes of this dial, from 1.
+	Seq uint64
+}
+
+// KVCapacityTokens returns the engine's KV cache size in tokens, 0 when
+// unknown.
+func (s EngineSignals) KVCapacityTokens() int {
+	if s.BlockSize <= 0 || s.NumGPUBlocks <= 0 {
+		return 0
+	}
+	return s.BlockSize * s.NumGPUBlocks
+}
+
+// FreeKVTokens returns the engine's free KV cache in tokens, or -1 when
+// its usage or capacity is unknown (scorer.Candidate.FreeKVTokens).
+func (s EngineSignals) FreeKVTokens() int {
+	c := s.KVCapacityTokens()
+	if !s.KVKnown || c == 0 {
+		return -1
+	}
+	return max(0, int(math.Floor((1-s.KVUsage)*float64(c))))
+}
+
+// ModelIDs returns the IDs of the served models, nil when unknown
+// (scorer.Candidate.Models).
+func (s EngineSignals) ModelIDs() []string {
+	if s.Models == nil {
+		return nil
+	}
+	ids := make([]string, len(s.Models))
+	for i, m := range s.Models {
+		ids[i] = m.ID
+	}
+	return ids
+}
+
+// adapterState says where the engine has adapter, and whether it knows:
+// resident when a running request uses it; host when it is registered
+// (listed in /v1/models, or queued by a waiting request) but not seen
+// running, so loading it needs no fetch from storage; remote when the
+// model list is known and does not list it. ok is false when the engine
+// reports neither adapters nor models; the caller then keeps its own
+// guess.
+func (s EngineSignals) adapterState(adapter string) (state scorer.AdapterState, ok bool) {
+	if s.AdaptersKnown && slices.Contains(s.RunningAdapters, adapter) {
+		return scorer.AdapterResident, true
+	}
+	if s.AdaptersKnown && slices.Contains(s.WaitingAdapters, adapter) {
+		return scorer.AdapterHost, true
+	}
+	if s.Models != nil {
+		if slices.ContainsFunc(s.Models, func(m ModelInfo) bool { return m.ID == adapter }) {
+			return scorer.AdapterHost, true
+		}
+		return scorer.AdapterRemote, true
+	}
+	return scorer.AdapterUnknown, false
+}
+
+// plusRouted returns s corrected for the work the router sent since the
+// scrape: requests more requests waiting and kvTokens more KV in use. The
+// caller counts only charges made at or after s.ScrapedAt (or since
+// s.Mark), which the snapshot cannot contain, so nothing is counted twice;
+// requests that also finished since make the estimate pessimistic until
+// the next scrape, never optimistic.
+func (s EngineSignals) plusRouted(requests, kvTokens int) EngineSignals {
+	if s.Waiting >= 0 && requests > 0 {
+		s.Waiting += requests
+	}
+	if c := s.KVCapacityTokens(); s.KVKnown && c > 0 && kvTokens > 0 {
+		s.KVUsage = min(1, s.KVUsage+float64(kvTokens)/float64(c))
+	}
+	return s
+}
+
+// parseEngineMetrics reads a Prometheus text exposition (format 0.0.4) of
+// vLLM or SGLang and returns its signals, stamped now. It fails on a
+// malformed exposition and on one with no engine metrics.
+func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(r)
+	if err != nil {
+		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
+	}
+	return signalsFromFamilies(families, now)
+}
+
+// signalsFromFamilies extracts the signals of whichever engine the
+// families come from.
+func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (EngineSignals, error) {
+	has := func(names ...string) bool {
+		for _, n := range names {
+			if f := families[n]; f != nil && len(f.GetMetric()) > 0 {
+				return true
+			}
+		}
+		return false
+	}
+	sig := EngineSignals{
+		Running: -1, Waiting: -1, PrefixQueries: -1, PrefixHits: -1, PrefixHitRate: -1,
+		ScrapedAt: now,
+	}
+	switch {
+	case has(vllmRunning, vllmWaiting, vllmKVUsage, vllmKVUsageLegacy, vllmCacheConfig):
+		sig.Engine = engineVLLM
+		vllmSignals(families, &sig)
+	case has(sglangRunning, sglangWaiting, sglangKVUsage, sglangMaxTokens):
+		sig.Engine = engineSGLang
+		sglangSignals(families, &sig)
+	default:
+		return EngineSignals{}, errNoEngineMetrics
+	}
+	return sig, nil
+}
+
+// vllmSignals fills sig from vLLM's families.
+func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
+	if g := rankGroups(families[vllmRunning], vllmRankLabel); g != nil {
+		sig.Running = int(g.sum())
+	}
+	if g := rankGroups(families[vllmWaiting], vllmRankLabel); g != nil {
+		sig.Waiting = int(g.sum())
+	}
+	if g := rankGroups(families[vllmPrefixQueries], vllmRankLabel); g != nil {
+		sig.PrefixQueries = g.sum()
+	}
+	if g := rankGroups(families[vllmPrefixHits], vllmRankLabel); g != nil {
+		sig.PrefixHits = g.sum()
+	}
+
+	// Capacity: one cache_config_info series per engine, the figures in
+	// its labels. num_gpu_blocks is "None" before the engine profiled.
+	capacity := make(map[string]float64) // tokens by rank
+	for _, m := range metricsOf(families[vllmCacheConfig]) {
+		bs := labelInt(m, "block_size")
+		tokens := labelInt(m, "num_gpu_blocks") * bs
+		if tokens <= 0 {
+			tokens = labelInt(m, "kv_cache_size_tokens")
+		}
+		if bs <= 0 || tokens <= 0 {
+			continue
+		}
+		sig.BlockSize = max(sig.BlockSize, bs)
+		rank := labelValue(m, vllmRankLabel)
+		capacity[rank] = max(capacity[rank], float64(tokens))
+	}
+	setCapacity(sig, capacity)
+
+	usage := rankGroups(families[vllmKVUsage], vllmRankLabel)
+	if usage == nil {
+		usage = rankGroups(families[vllmKVUsageLegacy], vllmRankLabel)
+	}
+	if usage != nil {
+		sig.KVUsage, sig.KVKnown = clamp01(usage.weightedMean(capacity)), true
+	}
+
+	// LoRA: the series' value is the time it was set; the newest wins.
+	// Only emitted with --enable-lora.
+	var newest *dto.Metric
+	newestAt := math.Inf(-1)
+	for _, m := range metricsOf(families[vllmLoRAInfo]) {
+		if v, ok := sampleValue(m); ok && v > newestAt {
+			newest, newestAt = m, v
+		}
+	}
+	if newest != nil {
+		sig.AdaptersKnown = true
+		sig.MaxLoRAs = labelInt(newest, "max_lora")
+		sig.RunningAdapters = splitAdapters(labelValue(newest, "running_lora_adapters"))
+		sig.WaitingAdapters = splitAdapters(labelValue(newest, "waiting_lora_adapters"))
+	}
+}
+
+// sglangSignals fills sig from SGLang's families.
+func sglangSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
+	if g := rankGroups(families[sglangRunning], sglangRankLabel); g != nil {
+		sig.Running = int(g.sum())
+	}
+	if g := rankGroups(families[sglangWaiting], sglangRankLabel); g != nil {
+		sig.Waiting = int(g.sum())
+	}
+
+	// Capacity: pages when cache_config_info reports them, else the token
+	// pool size (SGLang's default page size is 1).
+	capacity := make(map[string]float64)
+	for _, m := range metricsOf(families[sglangCacheConfig]) {
+		ps, pages := labelInt(m, "page_size"), labelInt(m, "num_pages")
+		if ps <= 0 || pages <= 0 {
+			continue
+		}
+		sig.BlockSize = max(sig.BlockSize, ps)
+		rank := labelValue(m, sglangRankLabel)
+		capacity[rank] = max(capacity[rank], float64(ps*pages))
+	}
+	if len(capacity) == 0 {
+		if g := rankGroups(families[sglangMaxTokens], sglangRankLabel); g != nil {
+			sig.BlockSize = 1
+			capacity = g.byRank()
+		}
+	}
+	setCapacity(sig, capacity)
+
+	if g := rankGroups(families[sglangKVUsage], sglangRankLabel); g != nil {
+		sig.KVUsage, sig.KVKnown = clamp01(g.weightedMean(capacity)), true
+	}
+	if g := rankGroups(families[sglangHitRate], sglangRankLabel); g != nil {
+		sig.PrefixHitRate = clamp01(g.weightedMean(nil))
+	}
+	if g := rankGroups(families[sglangLoRASlots], sglangRankLabel); g != nil {
+		sig.MaxLoRAs = int(g.max())
+	}
+}
+
+// setCapacity sets NumGPUBlocks from the per-rank capacities in tokens.
+func setCapacity(sig *EngineSignals, capacity map[string]float64) {
+	if sig.BlockSize <= 0 || len(capacity) == 0 {
+		sig.BlockSize = 0
+		return
+	}
+	var tokens float64
+	for _, c := range capacity {
+		tokens += c
+	}
+	sig.NumGPUBlocks = int(tokens) / sig.BlockSize
+}
+
+// groupKey identifies one engine instance inside an exposition: a model
+// name and a data parallel rank.
+type groupKey struct{ model, rank string }
+
+// groups holds one value per engine instance.
+type groups map[groupKey]float64
+
+// rankGroups reduces f's series to one value per (model_name, rank):
+// the maximum, since series of the same rank that differ in other labels
+// (SGLang's tp_rank) repeat the same figure. It returns nil when f has no
+// usable series.
+func rankGroups(f *dto.MetricFamily, rankLabel string) groups {
+	var g groups
+	for _, m := range metricsOf(f) {
+		v, ok := sampleValue(m)
+		if !ok {
+			continue
+		}
+		if g == nil {
+			g = make(groups, 1)
+		}
+		k := groupKey{model: labelValue(m, "model_name"), rank: labelValue(m, rankLabel)}
+		if old, seen := g[k]; !seen || v > old {
+			g[k] = v
+		}
+	}
+	return g
+}
+
+// sum adds the instances' values.
+func (g groups) sum() float64 {
+	var s float64
+	for _, v := range g {
+		s += v
+	}
+	return s
+}
+
+// max returns the largest instance value.
+func (g groups) max() float64 {
+	m := math.Inf(-1)
+	for _, v := range g {
+		m = max(m, v)
+	}
+	return m
+}
+
+// byRank returns the values by rank, keeping the largest per rank.
+func (g groups) byRank() map[string]float64 {
+	out := make(map[string]float64, len(g))
+	for k, v := range g {
+		out[k.rank] = max(out[k.rank], v)
+	}
+	return out
+}
+
+// weightedMean averages the instances' values (fractions), weighting each
+// by its rank's weight when every rank has one, else equally.
+func (g groups) weightedMean(weights map[string]float64) float64 {
+	var num, den float64
+	for k, v := range g {
+		w, ok := weights[k.rank]
+		if !ok || w <= 0 {
+			num, den = 0, 0
+			break
+		}
+		num += v * w
+		den += w
+	}
+	if den > 0 {
+		return num / den
+	}
+	for _, v := range g {
+		num += v
+		den++
+	}
+	if den == 0 {
+		return 0
+	}
+	return num / den
+}
+
+// metricsOf returns f's series, nil for a nil family.
+func metricsOf(f *dto.MetricFamily) []*dto.Metric {
+	if f == nil {
+		return nil
+	}
+	return f.GetMetric()
+}
+
+// sampleValue returns the value of a gauge, counter or untyped series;
+// false for other types and for NaN or infinite values.
+func sampleValue(m *dto.Metric) (float64, bool) {
+	var v float64
+	switch {
+	case m.GetGauge() != nil:
+		v = m.GetGauge().GetValue()
+	case m.GetCounter() != nil:
+		v = m.GetCounter().GetValue()
+	case m.GetUntyped() != nil:
+		v = m.GetUntyped().GetValue()
+	default:
+		return 0, false
+	}
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return 0, false
+	}
+	return v, true
+}
+
+// labelValue returns the value of m's label name, "" when absent.
+func labelValue(m *dto.Metric, name string) string {
+	for _, lp := range m.GetLabel() {
+		if lp.GetName() == name {
+			return lp.GetValue()
+		}
+	}
+	return ""
+}
+
+// labelInt returns m's label name as an integer, 0 when absent or not a
+// number (vLLM renders unset fields as "None").
+func labelInt(m *dto.Metric, name string) int {
+	s := labelValue(m, name)
+	if s == "" {
+		return 0
+	}
+	if n, err := strconv.Atoi(s); err == nil {
+		return n
+	}
+	if f, err := strconv.ParseFloat(s, 64); err == nil && f >= 0 && f < math.MaxInt32 {
+		return int(f)
+	}
+	return 0
+}
+
+// splitAdapters splits vLLM's comma-joined adapter list, dropping empty
+// names.
+func splitAdapters(s string) []string {
+	if s == "" {
+		return []string{}
+	}
+	parts := strings.Split(s, ",")
+	out := parts[:0]
+	for _, p := range parts {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// clamp01 bounds a fraction to 0..1.
+func clamp01(v float64) float64 { return min(1, max(0, v)) }
+
+// parseModels reads an OpenAI /v1/models response.
+func parseModels(r io.Reader) ([]ModelInfo, error) {
+	var body struct {
+		Data []ModelInfo `json:"data"`
+	}
+	if err := json.NewDecoder(r).Decode(&body); err != nil {
+		return nil, fmt.Errorf("parsing models list: %w", err)
+	}
+	if body.Data == nil {
+		body.Data = []ModelInfo{}
+	}
+	return body.Data, nil
+}
+
+// scrapeConfig configures a scraper. Zero values mean the defaults.
+type scrapeConfig struct {
+	// Interval is the time between scrapes of each target. Default 1s,
+	// minimum 100ms.
+	Interval time.Duration
+	// Timeout bounds one fetch. Default Interval.
+	Timeout time.Duration
+	// ModelsInterval is the time between fetches of /v1/models. Default
+	// 10s; negative disables them.
+	ModelsInterval time.Duration
+	// MetricsPath is the metrics endpoint's path. Default /metrics.
+	MetricsPath string
+	// ModelsPath is the models endpoint's path. Default /v1/models.
+	ModelsPath string
+	// Scheme is the URL scheme of the targets. Default http.
+	Scheme string
+	// Workers bounds the fetches in flight at once. Default 16.
+	Workers int
+	// Client makes the requests. Default: a client of its own that keeps
+	// connections alive, ignores proxy environment variables and does not
+	// ask for compression (cheaper on both ends at these sizes).
+	Client *http.Client
+	// Mark, when set, is called with the dial just before each metrics
+	// request is sent; its result is stored in EngineSignals.Mark. The
+	// policy passes a per-dial count of charges, so that charges made
+	// since the scrape are count − Mark.
+	Mark func(dial string) uint64
+	// Logger receives scrape failures and recoveries at debug level.
+	Logger *zap.Logger
+}
+
+// withDefaults returns c with defaults filled in and bounds applied.
+func (c scrapeConfig) withDefaults() scrapeConfig {
+	if c.Interval <= 0 {
+		c.Interval = defaultScrapeInterval
+	}
+	c.Interval = max(c.Interval, minScrapeInterval)
+	if c.Timeout <= 0 {
+		c.Timeout = c.Interval
+	}
+	if c.ModelsInterval == 0 {
+		c.ModelsInterval = defaultModelsInterval
+	}
+	if c.MetricsPath == "" {
+		c.MetricsPath = defaultMetricsPath
+	}
+	if c.ModelsPath == "" {
+		c.ModelsPath = defaultModelsPath
+	}
+	if c.Scheme == "" {
+		c.Scheme = "http"
+	}
+	if c.Workers <= 0 {
+		c.Workers = defaultScrapeWorkers
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	return c
+}
+
+// scrapeStatus is a target's scrape health, for the admin API and logs.
+type scrapeStatus struct {
+	// Dial is the target's dial address.
+	Dial string `json:"dial"`
+	// Scrapes counts successful metrics scrapes.
+	Scrapes uint64 `json:"scrapes"`
+	// Errors counts failed metrics scrapes.
+	Errors uint64 `json:"errors"`
+	// ConsecutiveErrors counts failures since the last success.
+	ConsecutiveErrors int `json:"consecutive_errors"`
+	// LastSuccess is when the last successful scrape was sent.
+	LastSuccess time.Time `json:"last_success,omitzero"`
+	// LastError is the last failure's message (never request content).
+	LastError string `json:"last_error,omitempty"`
+	// LastErrorAt is when the last failure happened.
+	LastErrorAt time.Time `json:"last_error_at,omitzero"`
+	// ModelsError is the last /v1/models failure, cleared by a success.
+	ModelsError string `json:"models_error,omitempty"`
+}
+
+// scrapeTarget is one upstream being scraped.
+type scrapeTarget struct {
+	dial       string
+	metricsURL string
+	modelsURL  string
+
+	// latest is the last successful scrape, read without locks.
+	latest atomic.Pointer[EngineSignals]
+
+	// mu guards the fields below.
+	mu        sync.Mutex
+	busy      bool // a fetch is in flight
+	status    scrapeStatus
+	models    []ModelInfo
+	modelsAt  time.Time
+	modelsDue time.Time
+	seq       uint64
+}
+
+// scraper polls the engines' metrics (and model lists) of a set of
+// upstreams in the background and keeps the latest EngineSignals of
+// each. One scraper belongs to one policy instance: the policy creates it
+// in Provision, gives it its static upstreams with setTargets, starts it
+// with the caddy.Context (it stops when the config is unloaded) and reads
+// signals while routing. A reload builds a new scraper, which scrapes at
+// once; until its first results the policy uses its own tracking.
+type scraper struct {
+	cfg    scrapeConfig
+	client *http.Client
+	ownsClient bool
+
+	mu      sync.RWMutex
+	targets map[string]*scrapeTarget
+
+	kick    chan struct{} // asks for a round now
+	done    chan struct{} // closed when the run loop has stopped
+	started atomic.Bool
+}
+
+// newScraper returns a scraper with cfg (defaults filled in). It does
+// nothing until start.
+func newScraper(cfg scrapeConfig) *scraper {
+	cfg = cfg.withDefaults()
+	s := &scraper{
+		cfg:     cfg,
+		client:  cfg.Client,
+		targets: make(map[string]*scrapeTarget),
+		kick:    make(chan struct{}, 1),
+		done:    make(chan struct{}),
+	}
+	if s.client == nil {
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.Proxy = nil // upstreams are dialled directly, as reverse_proxy does
+		tr.DisableCompression = true
+		tr.MaxIdleConnsPerHost = 2
+		tr.MaxIdleConns = 0
+		tr.ForceAttemptHTTP2 = false
+		s.client = &http.Client{Transport: tr}
+		s.ownsClient = true
+	}
+	return s
+}
+
+// setTargets replaces the set of dials scraped. New dials are scraped at
+// once; dropped ones are forgotten with their signals. Dials that are not
+// host:port addresses (unix sockets) are skipped.
+func (s *scraper) setTargets(dials []string) {
+	s.mu.Lock()
+	keep := make(map[string]bool, len(dials))
+	added := false
+	for _, d := range dials {
+		if d == "" || strings.Contains(d, "/") || keep[d] {
+			continue
+		}
+		keep[d] = true
+		if _, ok := s.targets[d]; !ok {
+			base := s.cfg.Scheme + "://" + d
+			s.targets[d] = &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
+				modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
+			added = true
+		}
+	}
+	for d := range s.targets {
+		if !keep[d] {
+			delete(s.targets, d)
+		}
+	}
+	s.mu.Unlock()
+	if added {
+		s.poke()
+	}
+}
+
+// poke asks the run loop for a round now.
+func (s *scraper) poke() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// start runs the scraper in the background until ctx is done. Calling it
+// again does nothing.
+func (s *scraper) start(ctx context.Context) {
+	if !s.started.CompareAndSwap(false, true) {
+		return
+	}
+	go s.run(ctx)
+}
+
+// stopped returns a channel closed once the scraper has stopped and its
+// fetches have returned.
+func (s *scraper) stopped() <-chan struct{} { return s.done }
+
+// run is the scraper's loop: a round at start, then one per interval
+// (and whenever targets are added), each handing the idle targets to a
+// fixed pool of workers.
+func (s *scraper) run(ctx context.Context) {
+	defer close(s.done)
+	jobs := make(chan *scrapeTarget)
+	var wg sync.WaitGroup
+	for range s.cfg.Workers {
+		wg.Go(func() {
+			for t := range jobs {
+				s.scrape(ctx, t)
+			}
+		})
+	}
+	defer func() {
+		close(jobs)
+		wg.Wait()
+		if s.ownsClient {
+			s.client.CloseIdleConnections()
+		}
+	}()
+
+	ticker := time.NewTicker(s.cfg.Interval)
+	defer ticker.Stop()
+	for {
+		s.round(ctx, jobs)
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		case <-s.kick:
+		}
+	}
+}
+
+// round hands every target without a fetch in flight to the workers.
+func (s *scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
+	s.mu.RLock()
+	ts := make([]*scrapeTarget, 0, len(s.targets))
+	for _, t := range s.targets {
+		ts = append(ts, t)
+	}
+	s.mu.RUnlock()
+	for _, t := range ts {
+		t.mu.Lock()
+		if t.busy {
+			t.mu.Unlock()
+			continue
+		}
+		t.busy = true
+		t.mu.Unlock()
+		select {
+		case jobs <- t:
+		case <-ctx.Done():
+			t.mu.Lock()
+			t.busy = false
+			t.mu.Unlock()
+			return
+		}
+	}
+}
+
+// scrape fetches t's metrics (and models when due) and records the
+// outcome.
+func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
+	var mark uint64
+	if s.cfg.Mark != nil {
+		mark = s.cfg.Mark(t.dial)
+	}
+	start := time.Now()
+	sig, err := s.fetchMetrics(ctx, t.metricsURL, start)
+	if err != nil && ctx.Err() != nil {
+		t.mu.Lock()
+		t.busy = false
+		t.mu.Unlock()
+		return // shutting down: not the upstream's fault
+	}
+
+	t.mu.Lock()
+	modelsDue := err == nil && s.cfg.ModelsInterval > 0 && !start.Before(t.modelsDue)
+	if modelsDue {
+		t.modelsDue = start.Add(s.cfg.ModelsInterval)
+	}
+	t.mu.Unlock()
+
+	var models []ModelInfo
+	var modelsErr error
+	if modelsDue {
+		models, modelsErr = s.fetchModels(ctx, t.modelsURL)
+	}
+
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.busy = false
+	st := &t.status
+	if err != nil {
+		st.Errors++
+		st.ConsecutiveErrors++
+		st.LastError, st.LastErrorAt = truncate(err.Error(), maxScrapeErrorMessages), time.Now()
+		if st.ConsecutiveErrors == 1 {
+			s.cfg.Logger.Debug("engine metrics scrape failing", zap.String("upstream", t.dial), zap.Error(err))
+		}
+		return
+	}
+	if st.ConsecutiveErrors > 0 {
+		s.cfg.Logger.Debug("engine metrics scrape recovered", zap.String("upstream", t.dial),
+			zap.Int("failures", st.ConsecutiveErrors))
+	}
+	st.Scrapes++
+	st.ConsecutiveErrors = 0
+	st.LastSuccess = start
+	if modelsDue {
+		if modelsErr != nil {
+			st.ModelsError = truncate(modelsErr.Error(), maxScrapeErrorMessages)
+		} else {
+			st.ModelsError = ""
+			t.models, t.modelsAt = models, start
+		}
+	}
+
+	sig.Latency = time.Since(start)
+	sig.Mark = mark
+	sig.Models, sig.ModelsAt = t.models, t.modelsAt
+	t.seq++
+	sig.Seq = t.seq
+	if prev := t.latest.Load(); prev != nil && sig.Engine == engineVLLM {
+		sig.PrefixHitRate = hitRateSince(*prev, sig)
+	}
+	t.latest.Store(&sig)
+}
+
+// hitRateSince returns vLLM's prefix cache hit rate between two scrapes:
+// the previous rate when no tokens were queried in between, -1 when the
+// counters are missing or were reset.
+func hitRateSince(prev, cur EngineSignals) float64 {
+	if prev.PrefixQueries < 0 || cur.PrefixQueries < 0 || prev.PrefixHits < 0 || cur.PrefixHits < 0 {
+		return -1
+	}
+	dq, dh := cur.PrefixQueries-prev.PrefixQueries, cur.PrefixHits-prev.PrefixHits
+	switch {
+	case dq < 0 || dh < 0: // engine restarted
+		return -1
+	case dq == 0:
+		return prev.PrefixHitRate
+	}
+	return clamp01(dh / dq)
+}
+
+// fetchMetrics GETs and parses one metrics exposition.
+func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time) (EngineSignals, error) {
+	var sig EngineSignals
+	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
+		var err error
+		sig, err = parseEngineMetrics(r, now)
+		return err
+	})
+	return sig, err
+}
+
+// fetchModels GETs and parses one models list.
+func (s *scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, error) {
+	var models []ModelInfo
+	err := s.get(ctx, url, "application/json", maxModelsBytes, func(r io.Reader) error {
+		var err error
+		models, err = parseModels(r)
+		return err
+	})
+	return models, err
+}
+
+// get fetches url within the timeout and hands at most limit bytes of a
+// 200 response to read.
+func (s *scraper) get(ctx context.Context, url, accept string, limit int64, read func(io.Reader) error) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Accept", accept)
+	req.Header.Set("User-Agent", "caddy-llm-affinity")
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// Drain a little so the connection can be reused.
+		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
+		_ = resp.Body.Close()
+	}()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: status %d", url, resp.StatusCode)
+	}
+	return read(&capReader{r: resp.Body, left: limit})
+}
+
+// capReader reads at most left bytes and then fails, so an oversized
+// body is an error rather than silently truncated (which could parse).
+type capReader struct {
+	r    io.Reader
+	left int64
+}
+
+// Read implements io.Reader.
+func (c *capReader) Read(p []byte) (int, error) {
+	if c.left <= 0 {
+		// Distinguish "exactly at the limit" from "more to come".
+		var one [1]byte
+		if n, _ := c.r.Read(one[:]); n > 0 {
+			return 0, errExpositionTooLarge
+		}
+		return 0, io.EOF
+	}
+	if int64(len(p)) > c.left {
+		p = p[:c.left]
+	}
+	n, err := c.r.Read(p)
+	c.left -= int64(n)
+	return n, err
+}
+
+// truncate shortens s to at most n bytes.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}
+
+// signals returns dial's latest signals. ok is false when there are none
+// or they are older than maxAge at now (maxAge ≤ 0 means three scrape
+// intervals); the caller then relies on its own tracking. It never
+// blocks on a fetch.
+func (s *scraper) signals(dial string, now time.Time, maxAge time.Duration) (EngineSignals, bool) {
+	if s == nil {
+		return EngineSignals{}, false
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return EngineSignals{}, false
+	}
+	p := t.latest.Load()
+	if p == nil {
+		return EngineSignals{}, false
+	}
+	if maxAge <= 0 {
+		maxAge = defaultStaleIntervals * s.cfg.Interval
+	}
+	if now.Sub(p.ScrapedAt) > maxAge {
+		return *p, false
+	}
+	return *p, true
+}
+
+// scrapeSeq returns how many successful scrapes of dial there have been,
+// 0 when none: a cheap way to see that new signals arrived.
+func (s *scraper) scrapeSeq(dial string) uint64 {
+	if s == nil {
+		return 0
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return 0
+	}
+	if p := t.latest.Load(); p != nil {
+		return p.Seq
+	}
+	return 0
+}
+
+// status returns dial's scrape health.
+func (s *scraper) status(dial string) (scrapeStatus, bool) {
+	if s == nil {
+		return scrapeStatus{}, false
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return scrapeStatus{}, false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.status, true
+}
+
+// statuses returns every target's scrape health, ordered by dial.
+func (s *scraper) statuses() []scrapeStatus {
+	if s == nil {
+		return nil
+	}
+	s.mu.RLock()
+	ts := make([]*scrapeTarget, 0, len(s.targets))
+	for _, t := range s.targets {
+		ts = append(ts, t)
+	}
+	s.mu.RUnlock()
+	out := make([]scrapeStatus, 0, len(ts))
+	for _, t := range ts {
+		t.mu.Lock()
+		out = append(out, t.status)
+		t.mu.Unlock()
+	}
+	slices.SortFunc(out, func(a, b scrapeStatus) int { return strings.Compare(a.Dial, b.Dial) })
+	return out
+}
