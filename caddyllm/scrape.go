@@ -266,10 +266,14 @@ func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 // signalsFromFamilies extracts the signals of whichever engine the
 // families come from.
 func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (EngineSignals, error) {
+	// An engine is recognised by a usable value (a gauge, counter or
+	// untyped series with a finite value) in one of its core families.
 	has := func(names ...string) bool {
 		for _, n := range names {
-			if f := families[n]; f != nil && len(f.GetMetric()) > 0 {
-				return true
+			for _, m := range metricsOf(families[n]) {
+				if _, ok := sampleValue(m); ok {
+					return true
+				}
 			}
 		}
 		return false
@@ -679,8 +683,8 @@ type scrapeTarget struct {
 // signals while routing. A reload builds a new scraper, which scrapes at
 // once; until its first results the policy uses its own tracking.
 type scraper struct {
-	cfg    scrapeConfig
-	client *http.Client
+	cfg        scrapeConfig
+	client     *http.Client
 	ownsClient bool
 
 	mu      sync.RWMutex

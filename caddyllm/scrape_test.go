@@ -1,0 +1,654 @@
+package caddyllm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+)
+
+// readTestdata returns a file of testdata/.
+func readTestdata(t testing.TB, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// parseFile parses a testdata exposition, failing the test on error.
+func parseFile(t *testing.T, name string) EngineSignals {
+	t.Helper()
+	now := time.Unix(1_700_000_000, 0)
+	sig, err := parseEngineMetrics(bytes.NewReader(readTestdata(t, name)), now)
+	if err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	if !sig.ScrapedAt.Equal(now) {
+		t.Fatalf("%s: ScrapedAt %v, want %v", name, sig.ScrapedAt, now)
+	}
+	return sig
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) < 1e-9 }
+
+func TestParseVLLM(t *testing.T) {
+	sig := parseFile(t, "vllm.prom")
+	if sig.Engine != engineVLLM || sig.Running != 7 || sig.Waiting != 3 {
+		t.Fatalf("engine %q running %d waiting %d", sig.Engine, sig.Running, sig.Waiting)
+	}
+	if !sig.KVKnown || !near(sig.KVUsage, 0.42) {
+		t.Fatalf("kv usage %v known %v", sig.KVUsage, sig.KVKnown)
+	}
+	if sig.BlockSize != 16 || sig.NumGPUBlocks != 27153 || sig.KVCapacityTokens() != 16*27153 {
+		t.Fatalf("block size %d blocks %d capacity %d", sig.BlockSize, sig.NumGPUBlocks, sig.KVCapacityTokens())
+	}
+	if got, want := sig.FreeKVTokens(), int(math.Floor(0.58*16*27153)); got != want {
+		t.Fatalf("free kv %d, want %d", got, want)
+	}
+	if sig.PrefixQueries != 123456 || sig.PrefixHits != 98765 || sig.PrefixHitRate != -1 {
+		t.Fatalf("prefix queries %v hits %v rate %v", sig.PrefixQueries, sig.PrefixHits, sig.PrefixHitRate)
+	}
+	// Three lora_requests_info series: the one with the newest timestamp
+	// wins, although it is not listed last.
+	if !sig.AdaptersKnown || sig.MaxLoRAs != 4 ||
+		!slices.Equal(sig.RunningAdapters, []string{"sql-lora", "chat-lora"}) ||
+		!slices.Equal(sig.WaitingAdapters, []string{"tool-lora"}) {
+		t.Fatalf("lora: known %v max %d running %q waiting %q", sig.AdaptersKnown, sig.MaxLoRAs, sig.RunningAdapters, sig.WaitingAdapters)
+	}
+	if sig.Models != nil || sig.ModelIDs() != nil {
+		t.Fatalf("models should be unknown after a metrics parse: %v", sig.Models)
+	}
+}
+
+func TestParseVLLMDataParallel(t *testing.T) {
+	sig := parseFile(t, "vllm_dp2.prom")
+	if sig.Running != 14 || sig.Waiting != 4 {
+		t.Fatalf("running %d waiting %d, want the sums 14 and 4", sig.Running, sig.Waiting)
+	}
+	if sig.BlockSize != 16 || sig.NumGPUBlocks != 4000 {
+		t.Fatalf("block size %d blocks %d, want 16 and 1000+3000", sig.BlockSize, sig.NumGPUBlocks)
+	}
+	// Usage weighted by each engine's capacity: (0.2·1000 + 0.6·3000)/4000.
+	if !near(sig.KVUsage, 0.5) {
+		t.Fatalf("kv usage %v, want 0.5", sig.KVUsage)
+	}
+	if sig.PrefixQueries != 4000 || sig.PrefixHits != 2000 {
+		t.Fatalf("prefix queries %v hits %v", sig.PrefixQueries, sig.PrefixHits)
+	}
+	if sig.AdaptersKnown || sig.MaxLoRAs != 0 || sig.RunningAdapters != nil {
+		t.Fatalf("no lora_requests_info, yet adapters %v %d %v", sig.AdaptersKnown, sig.MaxLoRAs, sig.RunningAdapters)
+	}
+}
+
+func TestParseVLLMLegacy(t *testing.T) {
+	sig := parseFile(t, "vllm_legacy.prom")
+	if !sig.KVKnown || !near(sig.KVUsage, 0.75) {
+		t.Fatalf("legacy gpu_cache_usage_perc not read: %v %v", sig.KVUsage, sig.KVKnown)
+	}
+	// num_gpu_blocks="None": capacity unknown, so free KV is unknown.
+	if sig.BlockSize != 0 || sig.NumGPUBlocks != 0 || sig.KVCapacityTokens() != 0 || sig.FreeKVTokens() != -1 {
+		t.Fatalf("capacity %d×%d free %d, want unknown", sig.BlockSize, sig.NumGPUBlocks, sig.FreeKVTokens())
+	}
+	if sig.PrefixQueries != -1 || sig.PrefixHits != -1 {
+		t.Fatalf("missing counters should be -1, got %v %v", sig.PrefixQueries, sig.PrefixHits)
+	}
+}
+
+func TestParseSGLang(t *testing.T) {
+	sig := parseFile(t, "sglang.prom")
+	if sig.Engine != engineSGLang {
+		t.Fatalf("engine %q", sig.Engine)
+	}
+	// dp_rank 0 is reported by TP ranks 0 and 1 with the same figures:
+	// counted once.
+	if sig.Running != 16 || sig.Waiting != 3 {
+		t.Fatalf("running %d waiting %d, want 10+6 and 2+1", sig.Running, sig.Waiting)
+	}
+	if sig.BlockSize != 1 || sig.KVCapacityTokens() != 200_000 {
+		t.Fatalf("block size %d capacity %d, want 1 and 2×100000", sig.BlockSize, sig.KVCapacityTokens())
+	}
+	if !sig.KVKnown || !near(sig.KVUsage, 0.25) || sig.FreeKVTokens() != 150_000 {
+		t.Fatalf("kv usage %v free %d", sig.KVUsage, sig.FreeKVTokens())
+	}
+	if !near(sig.PrefixHitRate, 0.375) || sig.PrefixQueries != -1 {
+		t.Fatalf("hit rate %v queries %v", sig.PrefixHitRate, sig.PrefixQueries)
+	}
+	if sig.MaxLoRAs != 8 || sig.AdaptersKnown {
+		t.Fatalf("max loras %d adapters known %v", sig.MaxLoRAs, sig.AdaptersKnown)
+	}
+}
+
+func TestParseSGLangPages(t *testing.T) {
+	sig := parseFile(t, "sglang_pages.prom")
+	if sig.BlockSize != 32 || sig.NumGPUBlocks != 2048 || !near(sig.KVUsage, 0.5) || sig.Running != 3 || sig.Waiting != 0 {
+		t.Fatalf("%+v", sig)
+	}
+}
+
+func TestParseLoRANewestWins(t *testing.T) {
+	const head = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n" +
+		"# TYPE vllm:lora_requests_info gauge\n"
+	for name, tc := range map[string]struct {
+		series           string
+		running, waiting []string
+		max              int
+	}{
+		"newest first": {
+			series: `vllm:lora_requests_info{max_lora="2",running_lora_adapters="b",waiting_lora_adapters="c,d"} 300.5` + "\n" +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""} 300.25` + "\n",
+			running: []string{"b"}, waiting: []string{"c", "d"}, max: 2,
+		},
+		"newest last, idle": {
+			series: `vllm:lora_requests_info{max_lora="8",running_lora_adapters="a",waiting_lora_adapters=""} 10` + "\n" +
+				`vllm:lora_requests_info{max_lora="8",running_lora_adapters="",waiting_lora_adapters=""} 20` + "\n",
+			running: []string{}, waiting: []string{}, max: 8,
+		},
+		"stray commas and spaces": {
+			series:  `vllm:lora_requests_info{max_lora="4",running_lora_adapters="a, b,,",waiting_lora_adapters=","} 1` + "\n",
+			running: []string{"a", "b"}, waiting: []string{}, max: 4,
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			sig, err := parseEngineMetrics(strings.NewReader(head+tc.series), time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !sig.AdaptersKnown || sig.MaxLoRAs != tc.max || !slices.Equal(sig.RunningAdapters, tc.running) ||
+				!slices.Equal(sig.WaitingAdapters, tc.waiting) {
+				t.Fatalf("max %d running %q waiting %q", sig.MaxLoRAs, sig.RunningAdapters, sig.WaitingAdapters)
+			}
+		})
+	}
+}
+
+func TestParseMalformed(t *testing.T) {
+	for name, text := range map[string]string{
+		"empty":              "",
+		"no engine metrics":  "# TYPE up gauge\nup 1\n",
+		"garbage":            "this is not an exposition\n",
+		"unclosed labels":    "vllm:num_requests_running{engine=\"0\" 1\n",
+		"bad value":          "vllm:num_requests_waiting{engine=\"0\"} many\n",
+		"second TYPE":        "# TYPE vllm:num_requests_waiting gauge\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n",
+		"binary":             "\x00\x01\x02\xff\xfe{{{}}}\n",
+		"truncated":          "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\",model_na",
+		"histogram mismatch": "# TYPE vllm:num_requests_waiting histogram\nvllm:num_requests_waiting 1\n",
+		"json":               `{"object":"list","data":[]}`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			sig, err := parseEngineMetrics(strings.NewReader(text), time.Now())
+			if err == nil {
+				t.Fatalf("no error; got %+v", sig)
+			}
+			if name == "empty" || name == "no engine metrics" {
+				if !errors.Is(err, errNoEngineMetrics) {
+					t.Fatalf("err %v, want errNoEngineMetrics", err)
+				}
+			}
+		})
+	}
+	// Values that parse but are not finite are ignored, not trusted.
+	sig, err := parseEngineMetrics(strings.NewReader(
+		"vllm:num_requests_waiting{engine=\"0\"} NaN\nvllm:kv_cache_usage_perc{engine=\"0\"} +Inf\nvllm:num_requests_running 2\n"), time.Now())
+	if err != nil || sig.Waiting != -1 || sig.KVKnown || sig.Running != 2 {
+		t.Fatalf("non-finite values: %+v, %v", sig, err)
+	}
+}
+
+func FuzzParseEngineMetrics(f *testing.F) {
+	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom"} {
+		f.Add(readTestdata(f, name))
+	}
+	f.Add([]byte("vllm:num_requests_running{engine=\"0\"} -5\nvllm:kv_cache_usage_perc 7\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		sig, err := parseEngineMetrics(bytes.NewReader(data), time.Now())
+		if err != nil {
+			return
+		}
+		if sig.Engine != engineVLLM && sig.Engine != engineSGLang {
+			t.Fatalf("engine %q", sig.Engine)
+		}
+		if sig.KVUsage < 0 || sig.KVUsage > 1 || sig.FreeKVTokens() < -1 {
+			t.Fatalf("kv usage %v free %d", sig.KVUsage, sig.FreeKVTokens())
+		}
+	})
+}
+
+func TestParseModels(t *testing.T) {
+	models, err := parseModels(strings.NewReader(`{"object":"list","data":[
+		{"id":"base","object":"model","root":"base","parent":null,"max_model_len":8192},
+		{"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"base"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []ModelInfo{{ID: "base", Root: "base"}, {ID: "sql-lora", Parent: "base", Root: "/adapters/sql"}}
+	if !slices.Equal(models, want) {
+		t.Fatalf("models %+v", models)
+	}
+	if _, err := parseModels(strings.NewReader("not json")); err == nil {
+		t.Fatal("bad json parsed")
+	}
+	if models, err := parseModels(strings.NewReader(`{}`)); err != nil || models == nil || len(models) != 0 {
+		t.Fatalf("empty list: %v %v", models, err)
+	}
+}
+
+func TestSignalsCorrections(t *testing.T) {
+	sig := EngineSignals{Waiting: 2, KVKnown: true, KVUsage: 0.5, BlockSize: 16, NumGPUBlocks: 100}
+	got := sig.plusRouted(3, 400)
+	if got.Waiting != 5 || !near(got.KVUsage, 0.75) || got.FreeKVTokens() != 400 {
+		t.Fatalf("plusRouted: waiting %d usage %v free %d", got.Waiting, got.KVUsage, got.FreeKVTokens())
+	}
+	if sig.Waiting != 2 {
+		t.Fatal("plusRouted modified its receiver")
+	}
+	if full := sig.plusRouted(0, 10_000); full.KVUsage != 1 || full.FreeKVTokens() != 0 {
+		t.Fatalf("over capacity: usage %v free %d", full.KVUsage, full.FreeKVTokens())
+	}
+	unknown := EngineSignals{Waiting: -1}
+	if u := unknown.plusRouted(3, 100); u.Waiting != -1 || u.KVKnown || u.FreeKVTokens() != -1 {
+		t.Fatalf("unknown stays unknown: %+v", u)
+	}
+}
+
+func TestSignalsAdapterState(t *testing.T) {
+	sig := EngineSignals{AdaptersKnown: true, RunningAdapters: []string{"a"}, WaitingAdapters: []string{"b"},
+		Models: []ModelInfo{{ID: "base"}, {ID: "a", Parent: "base"}, {ID: "c", Parent: "base"}}}
+	for adapter, want := range map[string]scorer.AdapterState{
+		"a": scorer.AdapterResident, "b": scorer.AdapterHost, "c": scorer.AdapterHost, "d": scorer.AdapterRemote,
+	} {
+		if got, ok := sig.adapterState(adapter); !ok || got != want {
+			t.Errorf("%s: %v %v, want %v", adapter, got, ok, want)
+		}
+	}
+	if _, ok := (EngineSignals{}).adapterState("a"); ok {
+		t.Error("nothing reported, yet the state is known")
+	}
+	if ids := sig.ModelIDs(); !slices.Equal(ids, []string{"base", "a", "c"}) {
+		t.Errorf("model ids %v", ids)
+	}
+}
+
+func TestScrapeHitRate(t *testing.T) {
+	prev := EngineSignals{PrefixQueries: 100, PrefixHits: 40, PrefixHitRate: 0.4}
+	for _, tc := range []struct {
+		q, h, want float64
+	}{
+		{300, 190, 0.75}, // 150 of 200 new tokens hit
+		{100, 40, 0.4},   // nothing new: keep the previous rate
+		{50, 10, -1},     // counters reset: unknown
+		{-1, -1, -1},     // not reported
+	} {
+		if got := hitRateSince(prev, EngineSignals{PrefixQueries: tc.q, PrefixHits: tc.h}); !near(got, tc.want) {
+			t.Errorf("queries %v hits %v: rate %v, want %v", tc.q, tc.h, got, tc.want)
+		}
+	}
+}
+
+func TestScrapeConfigDefaults(t *testing.T) {
+	c := scrapeConfig{Interval: time.Millisecond}.withDefaults()
+	if c.Interval != minScrapeInterval || c.Timeout != minScrapeInterval || c.ModelsInterval != defaultModelsInterval ||
+		c.MetricsPath != "/metrics" || c.ModelsPath != "/v1/models" || c.Workers != defaultScrapeWorkers {
+		t.Fatalf("%+v", c)
+	}
+	if c := (scrapeConfig{}).withDefaults(); c.Interval != time.Second || c.Timeout != time.Second {
+		t.Fatalf("%+v", c)
+	}
+}
+
+// hostOf returns the host:port of a test server, the form of a dial.
+func hostOf(srv *httptest.Server) string { return srv.Listener.Addr().String() }
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestScrapeKvsim(t *testing.T) {
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Engine: kvsim.Config{Adapters: []string{"sql-lora"}}, Speed: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	srv := httptest.NewServer(sim)
+	defer srv.Close()
+	dial := hostOf(srv)
+
+	var marks atomic.Uint64
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond,
+		Mark: func(string) uint64 { return marks.Add(1) }})
+	s.setTargets([]string{dial, "unix//tmp/not-scraped.sock"})
+	s.start(ctx)
+
+	var sig EngineSignals
+	waitFor(t, "signals", 5*time.Second, func() bool {
+		var ok bool
+		sig, ok = s.signals(dial, time.Now(), time.Second)
+		return ok
+	})
+	if sig.Engine != engineVLLM || sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.MaxLoRAs != 4 ||
+		!sig.AdaptersKnown || !sig.KVKnown || sig.Running != 0 || sig.Waiting != 0 || sig.Seq < 1 || sig.Mark < 1 {
+		t.Fatalf("signals from kvsim: %+v", sig)
+	}
+	if !slices.Equal(sig.ModelIDs(), []string{kvsim.DefaultModel, "sql-lora"}) || sig.Models[1].Parent != kvsim.DefaultModel {
+		t.Fatalf("models %+v", sig.Models)
+	}
+	if st, _ := s.status(dial); st.Scrapes < 1 || st.ConsecutiveErrors != 0 {
+		t.Fatalf("status %+v", st)
+	}
+
+	// Work on the engine shows up in the next scrapes.
+	seq := s.scrapeSeq(dial)
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"`+strings.Repeat("shared prefix ", 100)+`","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	waitFor(t, "prefix queries", 5*time.Second, func() bool {
+		sig, _ = s.signals(dial, time.Now(), time.Second)
+		return sig.Seq > seq && sig.PrefixQueries > 0
+	})
+
+	// The server goes away: the signals age and become stale, promptly.
+	srv.CloseClientConnections()
+	srv.Close()
+	stoppedAt := time.Now()
+	waitFor(t, "stale signals", 5*time.Second, func() bool {
+		_, ok := s.signals(dial, time.Now(), 300*time.Millisecond)
+		return !ok
+	})
+	if waited := time.Since(stoppedAt); waited > 2*time.Second {
+		t.Fatalf("signals stayed fresh %v after the server stopped", waited)
+	}
+	waitFor(t, "recorded errors", 5*time.Second, func() bool {
+		st, _ := s.status(dial)
+		return st.Errors > 0 && st.ConsecutiveErrors > 0 && st.LastError != ""
+	})
+	if _, ok := s.signals("unix//tmp/not-scraped.sock", time.Now(), time.Hour); ok {
+		t.Fatal("a unix socket dial has signals")
+	}
+	if len(s.statuses()) != 1 {
+		t.Fatalf("statuses %+v", s.statuses())
+	}
+
+	cancel()
+	select {
+	case <-s.stopped():
+	case <-time.After(5 * time.Second):
+		t.Fatal("scraper did not stop with its context")
+	}
+}
+
+func TestScrapeFailuresDoNotBlock(t *testing.T) {
+	release := make(chan struct{})
+	hung := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer hung.Close()
+	defer close(release)
+	broken := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "nope", http.StatusInternalServerError)
+	}))
+	defer broken.Close()
+	garbage := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "vllm:num_requests_running{{{\n")
+	}))
+	defer garbage.Close()
+	healthy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer healthy.Close()
+	// A port nothing listens on.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := ln.Addr().String()
+	ln.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// One worker: the hung target holds it for a whole timeout each round,
+	// and the others must still be served between.
+	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, Workers: 1})
+	dials := []string{hostOf(hung), hostOf(broken), hostOf(garbage), refused, hostOf(healthy)}
+	s.setTargets(dials)
+	s.start(ctx)
+
+	// Reads never wait for fetches.
+	start := time.Now()
+	for range 1000 {
+		for _, d := range dials[:4] {
+			if _, ok := s.signals(d, time.Now(), 0); ok {
+				t.Fatalf("%s has signals", d)
+			}
+		}
+	}
+	if el := time.Since(start); el > 100*time.Millisecond {
+		t.Fatalf("4000 signals calls took %v", el)
+	}
+
+	waitFor(t, "healthy signals", 5*time.Second, func() bool {
+		_, ok := s.signals(hostOf(healthy), time.Now(), 0)
+		return ok
+	})
+	waitFor(t, "errors on every failing target", 5*time.Second, func() bool {
+		for _, d := range dials[:4] {
+			if st, _ := s.status(d); st.Errors == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for _, d := range dials[:4] {
+		if _, ok := s.signals(d, time.Now(), time.Hour); ok {
+			t.Fatalf("failing target %s has signals", d)
+		}
+	}
+	// The models fetch failed, the metrics did not: signals without models.
+	sig, _ := s.signals(hostOf(healthy), time.Now(), 0)
+	st, _ := s.status(hostOf(healthy))
+	if sig.Models != nil || st.ModelsError == "" || st.ConsecutiveErrors != 0 {
+		t.Fatalf("models %v status %+v", sig.Models, st)
+	}
+
+	// Stopping does not wait for the hung fetch's timeout to pass... it
+	// cancels it.
+	cancel()
+	select {
+	case <-s.stopped():
+	case <-time.After(2 * time.Second):
+		t.Fatal("scraper did not stop")
+	}
+}
+
+func TestScrapeSetTargets(t *testing.T) {
+	body := readTestdata(t, "vllm.prom")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// A long interval: the first scrape of a new target must not wait for it.
+	s := newScraper(scrapeConfig{Interval: time.Hour, ModelsInterval: -1})
+	s.start(ctx)
+	s.setTargets([]string{hostOf(srv)})
+	waitFor(t, "first scrape of a new target", 2*time.Second, func() bool {
+		_, ok := s.signals(hostOf(srv), time.Now(), 0)
+		return ok
+	})
+	s.setTargets(nil)
+	if _, ok := s.signals(hostOf(srv), time.Now(), 0); ok {
+		t.Fatal("a dropped target still has signals")
+	}
+	if s.scrapeSeq(hostOf(srv)) != 0 {
+		t.Fatal("a dropped target still has a sequence")
+	}
+	var nilScraper *scraper
+	if _, ok := nilScraper.signals("x", time.Now(), 0); ok || nilScraper.statuses() != nil {
+		t.Fatal("nil scraper")
+	}
+}
+
+func TestScrapeRejectsOversizedBody(t *testing.T) {
+	c := &capReader{r: strings.NewReader("abcdef"), left: 3}
+	if _, err := io.ReadAll(c); !errors.Is(err, errExpositionTooLarge) {
+		t.Fatalf("err %v", err)
+	}
+	c = &capReader{r: strings.NewReader("abc"), left: 3}
+	if b, err := io.ReadAll(c); err != nil || string(b) != "abc" {
+		t.Fatalf("exactly at the limit: %q %v", b, err)
+	}
+}
+
+// kvsimExposition returns what a kvsim replica serves on /metrics after
+// some traffic, so its histograms have series too.
+func kvsimExposition(tb testing.TB) []byte {
+	tb.Helper()
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Engine: kvsim.Config{Adapters: []string{"sql-lora"}}, Speed: 100})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer sim.Close()
+	srv := httptest.NewServer(sim)
+	defer srv.Close()
+	for i := range 3 {
+		resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+			strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"request `+string(rune('a'+i))+`","max_tokens":2}`))
+		if err != nil {
+			tb.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	resp, err := http.Get(srv.URL + "/metrics")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
+}
+
+func TestParseKvsimExposition(t *testing.T) {
+	sig, err := parseEngineMetrics(bytes.NewReader(kvsimExposition(t)), time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sig.Engine != engineVLLM || sig.KVCapacityTokens() != 8192*16 || sig.MaxLoRAs != 4 || sig.PrefixQueries <= 0 {
+		t.Fatalf("%+v", sig)
+	}
+}
+
+func BenchmarkParseEngineMetrics(b *testing.B) {
+	body := kvsimExposition(b)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := parseEngineMetrics(bytes.NewReader(body), time.Now()); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// cpuTime returns the process's user plus system CPU time.
+func cpuTime(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Skip("getrusage:", err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkScrape64 measures the CPU the scraper costs: 64 upstreams
+// serving kvsim's exposition, scraped every 100 ms (10× the default rate)
+// for 3 s. The servers run in the same process, so the figure includes
+// their side of each HTTP exchange too. Reported as a percentage of one
+// core; run with -benchtime=1x.
+func BenchmarkScrape64(b *testing.B) {
+	const (
+		upstreams = 64
+		interval  = 100 * time.Millisecond
+		window    = 3 * time.Second
+	)
+	body := kvsimExposition(b)
+	var served atomic.Int64
+	dials := make([]string, upstreams)
+	for i := range dials {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			served.Add(1)
+			if r.URL.Path == "/v1/models" {
+				_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"`+kvsim.DefaultModel+`","root":"`+kvsim.DefaultModel+`"}]}`)
+				return
+			}
+			w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+			_, _ = w.Write(body)
+		}))
+		b.Cleanup(srv.Close)
+		dials[i] = hostOf(srv)
+	}
+	b.ResetTimer()
+	var pct float64
+	for range b.N {
+		served.Store(0)
+		ctx, cancel := context.WithCancel(context.Background())
+		s := newScraper(scrapeConfig{Interval: interval})
+		s.setTargets(dials)
+		// Warm up: connections open, first scrape done.
+		s.start(ctx)
+		deadline := time.Now().Add(5 * time.Second)
+		for s.scrapeSeq(dials[upstreams-1]) == 0 && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		cpu0, wall0, n0 := cpuTime(b), time.Now(), served.Load()
+		time.Sleep(window)
+		cpu, wall, n := cpuTime(b)-cpu0, time.Since(wall0), served.Load()-n0
+		cancel()
+		<-s.stopped()
+		pct += 100 * cpu.Seconds() / wall.Seconds()
+		b.ReportMetric(float64(n)/wall.Seconds(), "fetches/s")
+		for _, d := range dials {
+			if _, ok := s.signals(d, time.Now(), time.Second); !ok {
+				b.Fatalf("%s has no fresh signals", d)
+			}
+		}
+	}
+	b.ReportMetric(pct/float64(b.N), "%core")
+	b.ReportMetric(float64(len(body)), "exposition_bytes")
+}
