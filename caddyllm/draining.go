@@ -39,11 +39,12 @@ func drainLogger() *zap.Logger { return caddy.Log().Named("llm_affinity.drain") 
 // with their drain state.
 var healthPollInterval = 250 * time.Millisecond
 
-// watchHealth drains upstreams that Caddy's active or passive health
+// watchUpstreamHealth drains upstreams that Caddy's active or passive health
 // checks mark unhealthy, with the policy's deadline, instead of letting
 // their streams be cut; it lifts drains it started once they are healthy
-// again. It stops with the config.
-func (p *Policy) watchHealth(ctx caddy.Context, upstreams func() []*reverseproxy.Upstream) {
+// again. It stops with the config. It starts with the policy's first
+// Select, once Caddy has finished provisioning the upstreams it reads.
+func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reverseproxy.Upstream) {
 	defer func() {
 		if v := recover(); v != nil {
 			p.logger.Error("health watcher panicked", zap.Any("panic", v))

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -139,6 +140,10 @@ type Policy struct {
 	// content. Default: the upstream with the least queued work.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
+	ctx      caddy.Context
+	parent   func() []*reverseproxy.Upstream
+	watching *atomic.Bool
+
 	fallback reverseproxy.Selector
 	opts     scorer.Options
 	adapters map[string]bool
@@ -229,8 +234,8 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		drains.Drain(dial, time.Duration(p.DrainDeadline), drain.ByConfig)
 	}
 	// The parent's upstreams and health checks are provisioned after this
-	// policy; the watcher's first look comes a poll interval later.
-	go p.watchHealth(ctx, parentUpstreams(ctx))
+	// policy, so the health watcher starts with the first request.
+	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
 	p.rng = newLockedRand()
 	// Size the index for the upstreams whose KV capacity is configured.
 	for dial := range p.Upstreams {
@@ -314,6 +319,9 @@ func (p *Policy) applyCapacity(dial string, blockTokens int) {
 // retry releases the previous attempt's charge and avoids the upstreams
 // already tried.
 func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	if p.watching != nil && !p.watching.Load() && p.watching.CompareAndSwap(false, true) {
+		go p.watchUpstreamHealth(p.ctx, p.parent)
+	}
 	st := requestStateOf(r)
 	if st == nil {
 		return p.selectFallback(pool, r, w)

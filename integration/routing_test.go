@@ -207,7 +207,10 @@ func TestBadInput(t *testing.T) {
 // retry reaches another one with the full body.
 func TestRetryResendsFullBody(t *testing.T) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2"))
+	// A POST may fail after the connection was made (a pooled connection
+	// to the dead upstream): lb_retry_match allows retrying it, which is
+	// safe because the handler resends the whole body.
+	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2\n\t\tlb_retry_match {\n\t\t\tmethod POST\n\t\t}"))
 	prompt := text("retry me", 20_000)
 	first := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": prompt, "max_tokens": 4})
 	var dead *replica

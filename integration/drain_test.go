@@ -1,0 +1,319 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// streamResult is what a client saw of one SSE stream.
+type streamResult struct {
+	status     int
+	text       string
+	ids        map[string]bool
+	completion int
+	prompt     int
+	done       bool
+	errEvent   bool
+	replica    string
+}
+
+// stream posts body and reads the SSE stream to the end.
+func stream(ctx context.Context, path string, body map[string]any) (streamResult, error) {
+	body["stream"] = true
+	body["stream_options"] = map[string]any{"include_usage": true}
+	raw, _ := json.Marshal(body)
+	req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+path, strings.NewReader(string(raw)))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return streamResult{}, err
+	}
+	defer resp.Body.Close()
+	res := streamResult{status: resp.StatusCode, ids: map[string]bool{}, replica: resp.Header.Get(kvsim.ReplicaHeader)}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			res.done = true
+			continue
+		}
+		var chunk struct {
+			ID      string `json:"id"`
+			Error   any    `json:"error"`
+			Choices []struct {
+				Text  string `json:"text"`
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+			Usage *struct {
+				Prompt     int `json:"prompt_tokens"`
+				Completion int `json:"completion_tokens"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+			return res, fmt.Errorf("bad chunk %q: %v", data, err)
+		}
+		if chunk.Error != nil {
+			res.errEvent = true
+		}
+		if chunk.ID != "" {
+			res.ids[chunk.ID] = true
+		}
+		for _, c := range chunk.Choices {
+			res.text += c.Text + c.Delta.Content
+		}
+		if chunk.Usage != nil {
+			res.prompt, res.completion = chunk.Usage.Prompt, chunk.Usage.Completion
+		}
+	}
+	return res, sc.Err()
+}
+
+// reference asks a replica directly for the same generation, unstreamed.
+func reference(t *testing.T, r *replica, path string, body map[string]any) (string, int) {
+	t.Helper()
+	b := map[string]any{}
+	for k, v := range body {
+		if k != "stream" && k != "stream_options" {
+			b[k] = v
+		}
+	}
+	raw, _ := json.Marshal(b)
+	resp, err := http.Post(r.http.URL+path, "application/json", strings.NewReader(string(raw)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Choices []struct {
+			Text    string `json:"text"`
+			Message struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+		Usage struct {
+			Prompt int `json:"prompt_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || len(out.Choices) == 0 {
+		t.Fatalf("reference: %v %+v", err, out)
+	}
+	return out.Choices[0].Text + out.Choices[0].Message.Content, out.Usage.Prompt
+}
+
+func adminDo(t *testing.T, method, path string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, adminURL+path, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("%s %s: %d", method, path, resp.StatusCode)
+	}
+}
+
+func drainPhase(t *testing.T, dial string) string {
+	t.Helper()
+	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list []struct {
+		Dial  string `json:"dial"`
+		Drain string `json:"drain"`
+	}
+	json.NewDecoder(resp.Body).Decode(&list)
+	for _, u := range list {
+		if u.Dial == dial {
+			return u.Drain
+		}
+	}
+	return "active"
+}
+
+func requestBodies(n int, tag string) []struct {
+	path string
+	body map[string]any
+} {
+	var out []struct {
+		path string
+		body map[string]any
+	}
+	for i := 0; i < n; i++ {
+		if i%2 == 0 {
+			out = append(out, struct {
+				path string
+				body map[string]any
+			}{"/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprintf("%s completion %d", tag, i), 3000), "max_tokens": 120}})
+		} else {
+			out = append(out, struct {
+				path string
+				body map[string]any
+			}{"/v1/chat/completions", map[string]any{"model": kvsim.DefaultModel, "max_tokens": 120, "messages": []msg{
+				{"system", text(fmt.Sprintf("%s chat %d", tag, i), 3000)}, {"user", "go on"}}}})
+		}
+	}
+	return out
+}
+
+// TestDrainLongDeadline: every in-flight request completes, no client
+// sees an error, and no new request reaches the draining upstream.
+func TestDrainLongDeadline(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 30s", ""))
+	a, b := fleet[0], fleet[1]
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain") // everything to A first
+	reqs := requestBodies(4, "long")
+	var wg sync.WaitGroup
+	results := make([]streamResult, len(reqs))
+	errs := make([]error, len(reqs))
+	for i, rq := range reqs {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			results[i], errs[i] = stream(context.Background(), rq.path, rq.body)
+		}(i)
+	}
+	eventually(t, 5*time.Second, "four streams in flight on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=30s")
+	if p := drainPhase(t, a.dial()); p != "draining" {
+		t.Fatalf("A is %s, want draining", p)
+	}
+	for i := 0; i < 4; i++ {
+		c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("new", 400), "max_tokens": 4})
+		if c.status != 200 || c.replica != b.name {
+			t.Fatalf("new request while A drains went to %q (%d)", c.replica, c.status)
+		}
+	}
+	wg.Wait()
+	for i, res := range results {
+		if errs[i] != nil || res.status != 200 || !res.done || res.errEvent || res.completion != 120 || res.replica != a.name {
+			t.Fatalf("stream %d: %v %+v", i, errs[i], res)
+		}
+	}
+	eventually(t, 2*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
+// TestDrainShortDeadlineMovesRequests: at the deadline, requests not yet
+// started are re-dispatched and started streams are continued on the
+// other upstream; every client's text is byte for byte what one
+// uninterrupted generation gives.
+func TestDrainShortDeadlineMovesRequests(t *testing.T) {
+	// Two sequences at a time: of four requests two start, two wait.
+	fleet := startFleet(t, 2, 1, kvsim.Config{MaxNumSeqs: 2})
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 30s", ""))
+	a, b := fleet[0], fleet[1]
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	reqs := requestBodies(4, "short")
+	var wg sync.WaitGroup
+	results := make([]streamResult, len(reqs))
+	errs := make([]error, len(reqs))
+	for i, rq := range reqs {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			results[i], errs[i] = stream(context.Background(), rq.path, rq.body)
+		}(i)
+	}
+	eventually(t, 5*time.Second, "four requests on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
+	time.Sleep(300 * time.Millisecond) // let the running two stream some tokens
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
+	wg.Wait()
+	for i, res := range results {
+		want, wantPrompt := reference(t, b, reqs[i].path, reqs[i].body)
+		if errs[i] != nil || res.status != 200 || !res.done || res.errEvent {
+			t.Fatalf("stream %d: %v %+v", i, errs[i], res)
+		}
+		if res.text != want {
+			t.Fatalf("stream %d text differs from an uninterrupted generation:\n got %q\nwant %q", i, res.text, want)
+		}
+		if len(res.ids) != 1 || res.completion != 120 || res.prompt != wantPrompt {
+			t.Fatalf("stream %d: ids %v, usage prompt %d completion %d (want %d, 120)", i, res.ids, res.prompt, res.completion, wantPrompt)
+		}
+	}
+	metrics := scrapeMetrics(t)
+	for _, outcome := range []string{"continued", "redispatched"} {
+		if !strings.Contains(metrics, `caddy_llm_affinity_drain_requests_total{outcome="`+outcome+`"}`) {
+			t.Errorf("no %s requests counted", outcome)
+		}
+	}
+	eventually(t, 2*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
+func scrapeMetrics(t *testing.T) string {
+	t.Helper()
+	resp, err := http.Get(adminURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var sb strings.Builder
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		sb.WriteString(sc.Text() + "\n")
+	}
+	return sb.String()
+}
+
+// TestHealthDrainsAndUndrains: kvsim's health turned off drains the
+// upstream; turned on again, it is undrained.
+func TestHealthDrainsAndUndrains(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 5s", "health_uri /health\n\t\thealth_interval 100ms"))
+	a := fleet[0]
+	post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2})
+	a.sim.SetFaults(kvsim.Faults{Unhealthy: true})
+	eventually(t, 5*time.Second, "A drained by health", func() bool { return drainPhase(t, a.dial()) != "active" })
+	for i := 0; i < 3; i++ {
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("h", 500), "max_tokens": 2}); c.replica == a.name {
+			t.Fatal("a request reached the unhealthy, draining upstream")
+		}
+	}
+	a.sim.SetFaults(kvsim.Faults{})
+	eventually(t, 5*time.Second, "A undrained", func() bool { return drainPhase(t, a.dial()) == "active" })
+}
+
+// TestDrainSurvivesReload: a drain set through the admin API holds after
+// the config is reloaded.
+func TestDrainSurvivesReload(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
+	a := fleet[0]
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", "queue_timeout 2s", "")))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := tester.Client.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("reload: %v %v", err, resp)
+	}
+	resp.Body.Close()
+	if p := drainPhase(t, a.dial()); p == "active" {
+		t.Fatal("drain lost in reload")
+	}
+	for i := 0; i < 4; i++ {
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint(i), 500), "max_tokens": 2}); c.replica == a.name || c.status != 200 {
+			t.Fatalf("after reload a request went to %q (%d)", c.replica, c.status)
+		}
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
