@@ -19,8 +19,9 @@ var errDrainCut = errors.New("llm_affinity: upstream drain deadline passed")
 // maxRedispatch bounds how often one request moves because of drains.
 const maxRedispatch = 4
 
-// serve runs the rest of the chain for one request, moving it when a
-// drain deadline cuts its attempt: a response that has not started is
+// serve runs the rest of the chain for one request and moves it when its
+// attempt is cut off: by a drain deadline, or by an upstream that breaks a
+// stream off (it died mid-generation). A response that has not started is
 // re-dispatched with its full body, invisibly to the client; a started
 // stream is continued on another upstream (the prompt plus the text so
 // far, the remaining max_tokens) and spliced into the same SSE stream;
@@ -34,38 +35,46 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		cut := st.takeCut()
 		cancel(nil)
 		rec.discard.Store(false)
-		switch {
-		case !cut || clientCtx.Err() != nil:
+
+		finished := rec.wroteHeader && !aborted && (rec.done || !rec.sse)
+		broken := aborted && rec.sse && !rec.done
+		if clientCtx.Err() != nil || finished || (!cut && !broken) {
 			if aborted {
 				panic(http.ErrAbortHandler)
 			}
 			return err
+		}
+		cause := "upstream_error"
+		if cut {
+			cause = "drain"
+		}
+		outcome := func(o string) { metricMovedRequests.WithLabelValues(cause, o).Inc() }
+		switch {
 		case moves >= maxRedispatch:
-			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			outcome("cut")
 			return h.endStream(rec, "the request was moved too many times")
 		case !rec.wroteHeader:
 			// Nothing reached the client: send the same request again.
-			metricDrainOutcomes.WithLabelValues("redispatched").Inc()
+			outcome("redispatched")
 			continue
 		case !rec.sse:
-			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			outcome("cut")
 			panic(http.ErrAbortHandler) // a partial JSON body cannot be mended
 		}
 		body, req, err := h.continuation(st, rec)
 		if err != nil {
-			metricDrainOutcomes.WithLabelValues("cut").Inc()
+			outcome("cut")
 			h.logger.Debug("stream not continued", zap.Error(err))
 			return h.endStream(rec, err.Error())
 		}
+		outcome("continued")
 		if body == nil { // nothing left to generate
-			metricDrainOutcomes.WithLabelValues("continued").Inc()
 			return h.endStream(rec, "")
 		}
 		st.replace(req, body)
 		rec.splice = &spliceState{priorTokens: rec.tokens}
 		r.Body, r.ContentLength = nil, int64(len(body))
 		r.Header.Set("Content-Length", strconv.Itoa(len(body)))
-		metricDrainOutcomes.WithLabelValues("continued").Inc()
 	}
 }
 

@@ -296,7 +296,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	completed := rec.status == http.StatusOK && rec.complete()
 	if completed {
 		if drains.IsDraining(a.dial) {
-			metricDrainOutcomes.WithLabelValues("completed").Inc()
+			metricDrainCompleted.Inc()
 		}
 		out := rec.completionTokens()
 		state.learnOutput(st.req.Model, out)

@@ -42,10 +42,14 @@ var (
 		Help: "Prompt tokens of completed requests as the engines reported them, and how many were cached.",
 	}, []string{"kind"})
 
-	metricDrainOutcomes = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_requests_total",
-		Help: "Requests on draining upstreams by outcome: completed (before the deadline), redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
-	}, []string{"outcome"})
+	metricDrainCompleted = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_completed_total",
+		Help: "Requests that completed on an upstream while it was draining.",
+	})
+	metricMovedRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm_affinity", Name: "moved_requests_total",
+		Help: "Requests cut off their upstream (cause: drain deadline or upstream_error), by outcome: redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
+	}, []string{"cause", "outcome"})
 	metricDrainTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",
 		Help: "Upstream drain state changes (draining, drained, undrained).",
@@ -53,7 +57,7 @@ var (
 )
 
 var collectors = []prometheus.Collector{
-	metricDrainOutcomes, metricDrainTransitions,
+	metricDrainCompleted, metricMovedRequests, metricDrainTransitions,
 	metricDecisions, metricShed, metricQueued, metricMatchedTokens, metricTTFT, metricCachedTokens,
 	newFleetCollector(),
 }

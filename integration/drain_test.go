@@ -252,7 +252,7 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 	}
 	metrics := scrapeMetrics(t)
 	for _, outcome := range []string{"continued", "redispatched"} {
-		if !strings.Contains(metrics, `caddy_llm_affinity_drain_requests_total{outcome="`+outcome+`"}`) {
+		if !strings.Contains(metrics, `caddy_llm_affinity_moved_requests_total{cause="drain",outcome="`+outcome+`"}`) {
 			t.Errorf("no %s requests counted", outcome)
 		}
 	}
@@ -316,4 +316,37 @@ func TestDrainSurvivesReload(t *testing.T) {
 		}
 	}
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
+// TestBrokenStreamContinues: an upstream that breaks a stream off in the
+// middle (it died) does not cut the client's stream: the rest is
+// generated elsewhere and spliced in, byte for byte.
+func TestBrokenStreamContinues(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	a, b := fleet[0], fleet[1]
+	a.sim.SetFaults(kvsim.Faults{CutAfterTokens: 7})
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain") // the first attempt goes to A
+	reqs := requestBodies(2, "broken")
+	for i, rq := range reqs {
+		done := make(chan struct{})
+		var res streamResult
+		var err error
+		go func() {
+			defer close(done)
+			res, err = stream(context.Background(), rq.path, rq.body)
+		}()
+		eventually(t, 5*time.Second, "the request on A", func() bool { return upstreams(t)[a.dial()].InFlight == 1 })
+		adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+		<-done
+		want, _ := reference(t, b, rq.path, rq.body)
+		if err != nil || res.status != 200 || !res.done || res.errEvent || res.text != want || res.completion != 120 {
+			t.Fatalf("request %d: %v %+v\nwant text %q", i, err, res, want)
+		}
+		adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	if m := scrapeMetrics(t); !strings.Contains(m, `caddy_llm_affinity_moved_requests_total{cause="upstream_error",outcome="continued"}`) {
+		t.Error("no continued stream counted")
+	}
 }
