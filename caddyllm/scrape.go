@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -251,16 +252,110 @@ func (s EngineSignals) plusRouted(requests, kvTokens int) EngineSignals {
 	return s
 }
 
+// engineFamilies are the metric families parseEngineMetrics reads.
+var engineFamilies = map[string]bool{
+	vllmRunning: true, vllmWaiting: true, vllmKVUsage: true, vllmKVUsageLegacy: true,
+	vllmPrefixQueries: true, vllmPrefixHits: true, vllmCacheConfig: true, vllmLoRAInfo: true,
+	sglangRunning: true, sglangWaiting: true, sglangKVUsage: true, sglangMaxTokens: true,
+	sglangCacheConfig: true, sglangHitRate: true, sglangLoRASlots: true,
+}
+
+// expositionBuffers recycles the buffers expositions are read into.
+var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
 // parseEngineMetrics reads a Prometheus text exposition (format 0.0.4) of
 // vLLM or SGLang and returns its signals, stamped now. It fails on a
 // malformed exposition and on one with no engine metrics.
+//
+// Only the families it reads reach the Prometheus text parser: the
+// exposition is first cut into lines, and HELP lines and the TYPE and
+// sample lines of other families (histogram buckets, process and runtime metrics, the
+// bulk of the text) are dropped by metric name. That makes a scrape cost
+// a scan of the bytes plus the parse of a few dozen lines, instead of the
+// parse (and thousands of allocations) of everything; the figures
+// themselves are still parsed by the Prometheus library. A malformed line
+// in a family it does not read is therefore not an error.
 func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
+	buf := expositionBuffers.Get().(*bytes.Buffer)
+	defer func() {
+		if buf.Cap() <= 1<<20 { // do not keep the rare huge one
+			buf.Reset()
+			expositionBuffers.Put(buf)
+		}
+	}()
+	buf.Reset()
+	if _, err := buf.ReadFrom(r); err != nil {
+		return EngineSignals{}, fmt.Errorf("reading metrics exposition: %w", err)
+	}
 	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(r)
+	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes())))
 	if err != nil {
 		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
 	}
 	return signalsFromFamilies(families, now)
+}
+
+// keepEngineLines compacts text in place to the lines that belong to the
+// families in engineFamilies, and returns them.
+func keepEngineLines(text []byte) []byte {
+	out := text[:0]
+	for len(text) > 0 {
+		line := text
+		next := len(text)
+		if i := bytes.IndexByte(text, '\n'); i >= 0 {
+			line, next = text[:i+1], i+1
+		}
+		if engineLine(line) {
+			out = append(out, line...) // never overtakes the reading position
+		}
+		text = text[next:]
+	}
+	return out
+}
+
+// engineLine says whether an exposition line belongs to a family in
+// engineFamilies: its TYPE comment or one of its samples. HELP and other
+// comments are dropped; lines whose name is quoted (UTF-8 names) are
+// kept, for the parser to judge. It runs on every line of every scrape,
+// so it avoids anything slower than a byte loop.
+func engineLine(line []byte) bool {
+	line = skipBlanks(line)
+	if len(line) > 0 && line[0] == '#' {
+		line = skipBlanks(line[1:])
+		// HELP lines are optional and the longest; TYPE lines are kept so
+		// the families keep their types.
+		if len(line) < 5 || string(line[:4]) != "TYPE" || (line[4] != ' ' && line[4] != '\t') {
+			return false
+		}
+		line = skipBlanks(line[5:])
+	}
+	if len(line) == 0 {
+		return false
+	}
+	if line[0] == '"' || line[0] == '{' {
+		return true
+	}
+	// Every name read starts with "vllm:" or "sglang:": reject the rest
+	// (runtime, process, router metrics) before the map lookup.
+	if !bytes.HasPrefix(line, []byte("vllm:")) && !bytes.HasPrefix(line, []byte("sglang:")) {
+		return false
+	}
+	end := 0
+	for end < len(line) {
+		if c := line[end]; c == '{' || c == ' ' || c == '\t' || c == '\n' || c == '\r' {
+			break
+		}
+		end++
+	}
+	return engineFamilies[string(line[:end])]
+}
+
+// skipBlanks drops leading spaces and tabs.
+func skipBlanks(b []byte) []byte {
+	for len(b) > 0 && (b[0] == ' ' || b[0] == '\t') {
+		b = b[1:]
+	}
+	return b
 }
 
 // signalsFromFamilies extracts the signals of whichever engine the
@@ -713,6 +808,7 @@ func newScraper(cfg scrapeConfig) *scraper {
 		tr.MaxIdleConnsPerHost = 2
 		tr.MaxIdleConns = 0
 		tr.ForceAttemptHTTP2 = false
+		tr.ReadBufferSize = 64 << 10 // an exposition in a few reads, not dozens
 		s.client = &http.Client{Transport: tr}
 		s.ownsClient = true
 	}
