@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Measures what the llm_affinity router costs per request compared with plain Caddy.
+#
+# One Caddy (built from ./cmd/caddy) serves two sites in front of the same four trivial
+# upstreams (scripts/trivial-upstream, which answer at once with a small JSON completion):
+#   A  reverse_proxy with lb_policy round_robin
+#   B  the llm_affinity handler + reverse_proxy with lb_policy llm_affinity
+# A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions with a small
+# JSON body to each, interleaved A B A B ..., and the script prints requests per second for
+# each round and the ratio B/A of the means. Needs only Go.
+#
+#   scripts/overhead.sh
+#   ROUNDS=3 DURATION=10s CONCURRENCY=32 scripts/overhead.sh
+#
+# Environment: ROUNDS (default 3), DURATION per measurement (10s), WARMUP (2s),
+# CONCURRENCY (32), PROMPT_BYTES (512), BASE_PORT (18080: uses BASE_PORT..BASE_PORT+6),
+# MIN_RATIO (unset; when set, exit 1 if the ratio is below it).
+set -euo pipefail
+
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-10s}
+WARMUP=${WARMUP:-2s}
+CONCURRENCY=${CONCURRENCY:-32}
+PROMPT_BYTES=${PROMPT_BYTES:-512}
+BASE_PORT=${BASE_PORT:-18080}
+MIN_RATIO=${MIN_RATIO:-}
+
+cd "$(dirname "$0")/.."
+work=$(mktemp -d)
+pids=()
+cleanup() {
+	for pid in "${pids[@]}"; do
+		kill "$pid" 2>/dev/null || true
+	done
+	for pid in "${pids[@]}"; do
+		wait "$pid" 2>/dev/null || true
+	done
+	rm -rf "$work"
+}
+trap cleanup EXIT
+
+rr_port=$((BASE_PORT + 1))
+llm_port=$((BASE_PORT + 2))
+up_ports=($((BASE_PORT + 3)) $((BASE_PORT + 4)) $((BASE_PORT + 5)) $((BASE_PORT + 6)))
+upstreams=""
+for p in "${up_ports[@]}"; do
+	upstreams+="127.0.0.1:$p "
+done
+upstreams=${upstreams% }
+
+echo "building caddy, loadgen and trivial-upstream ..." >&2
+go build -o "$work/caddy" ./cmd/caddy
+go build -o "$work/loadgen" ./scripts/loadgen
+go build -o "$work/upstream" ./scripts/trivial-upstream
+
+"$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" 2>"$work/upstream.log" &
+pids+=($!)
+
+cat >"$work/Caddyfile" <<EOF
+{
+	admin off
+	persist_config off
+}
+
+http://:$rr_port {
+	reverse_proxy $upstreams {
+		lb_policy round_robin
+	}
+}
+
+http://:$llm_port {
+	llm_affinity
+	reverse_proxy $upstreams {
+		lb_policy llm_affinity
+	}
+}
+EOF
+"$work/caddy" run --config "$work/Caddyfile" --adapter caddyfile >"$work/caddy.log" 2>&1 &
+pids+=($!)
+
+# A small completions request: PROMPT_BYTES of shared text (about PROMPT_BYTES/4 tokens), then
+# a request number (loadgen fills in {{seq}}), like chats that share a system prompt.
+prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
+printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' \
+	"$prompt" >"$work/body.json"
+
+wait_for() {
+	local url=$1
+	for _ in $(seq 1 100); do
+		if curl -fsS -o /dev/null -X POST -H 'Content-Type: application/json' \
+			--data-binary @"$work/body.json" "$url" 2>/dev/null; then
+			return 0
+		fi
+		sleep 0.1
+	done
+	echo "no answer from $url; caddy log:" >&2
+	cat "$work/caddy.log" >&2
+	return 1
+}
+# curl may be absent on a bare CI image: fall back to the load generator itself.
+if command -v curl >/dev/null; then
+	wait_for "http://127.0.0.1:$rr_port/v1/completions"
+	wait_for "http://127.0.0.1:$llm_port/v1/completions"
+else
+	sleep 2
+fi
+
+measure() {
+	"$work/loadgen" -url "http://127.0.0.1:$1/v1/completions" -body "$work/body.json" \
+		-c "$CONCURRENCY" -d "$DURATION" -warmup "$WARMUP"
+}
+field() { # field NAME LINE
+	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
+}
+
+echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes"
+rr_all=()
+llm_all=()
+errors=0
+for round in $(seq 1 "$ROUNDS"); do
+	a=$(measure "$rr_port")
+	b=$(measure "$llm_port")
+	echo "round $round  round_robin:  $a"
+	echo "round $round  llm_affinity: $b"
+	rr_all+=("$(field rps "$a")")
+	llm_all+=("$(field rps "$b")")
+	errors=$((errors + $(field errors "$a") + $(field errors "$b")))
+done
+
+summary=$(awk -v rr="${rr_all[*]}" -v llm="${llm_all[*]}" 'BEGIN {
+	n = split(rr, a, " "); split(llm, b, " ")
+	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
+	printf "round_robin %.0f req/s, llm_affinity %.0f req/s (means of %d), ratio %.3f", sa / n, sb / n, n, sb / sa
+}')
+echo "$summary"
+if [ "$errors" -gt 0 ]; then
+	echo "warning: $errors failed requests; see the loadgen lines above" >&2
+fi
+if [ -n "$MIN_RATIO" ]; then
+	ratio=${summary##* }
+	if awk -v r="$ratio" -v m="$MIN_RATIO" 'BEGIN { exit !(r < m) }'; then
+		echo "ratio $ratio is below MIN_RATIO $MIN_RATIO" >&2
+		exit 1
+	fi
+fi
