@@ -1,6 +1,7 @@
 // Command trivial-upstream is a stand-in for an inference engine that costs nothing: it answers
-// every request at once with a small OpenAI-style completion, so that a benchmark through a
-// proxy in front of it measures the proxy. scripts/overhead.sh uses it.
+// every POST at once with a small OpenAI-style completion (and GET /health and /v1/models), so
+// that a benchmark through a proxy in front of it measures the proxy. scripts/overhead.sh
+// uses it.
 //
 //	go run ./scripts/trivial-upstream -addr 127.0.0.1:18091,127.0.0.1:18092
 package main
@@ -20,6 +21,9 @@ const completion = `{"id":"cmpl-trivial","object":"text_completion","created":17
 	`"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"text":" ok","logprobs":null,` +
 	`"finish_reason":"length"}],"usage":{"prompt_tokens":64,"completion_tokens":16,"total_tokens":80}}`
 
+const models = `{"object":"list","data":[{"id":"meta-llama/Llama-3.1-8B-Instruct","object":"model",` +
+	`"owned_by":"trivial","root":"meta-llama/Llama-3.1-8B-Instruct"}]}`
+
 func main() {
 	addrs := flag.String("addr", "127.0.0.1:18091", "comma-separated `addresses` to listen on, one replica each")
 	flag.Parse()
@@ -29,8 +33,16 @@ func main() {
 			// Read the request like an engine would, so the proxy's body
 			// handling is part of what is measured.
 			_, _ = io.Copy(io.Discard, r.Body)
-			if r.URL.Path == "/health" {
-				w.WriteHeader(http.StatusOK)
+			switch {
+			case r.URL.Path == "/health":
+				return
+			case r.URL.Path == "/v1/models":
+				w.Header().Set("Content-Type", "application/json")
+				_, _ = io.WriteString(w, models)
+				return
+			case r.Method != http.MethodPost:
+				// No /metrics: an engine the router cannot scrape.
+				http.NotFound(w, r)
 				return
 			}
 			w.Header().Set("Content-Type", "application/json")
