@@ -37,12 +37,14 @@ import (
 // moment is in the snapshot (it reached the engine, or finished); work it
 // charged since is not. So the current estimate is the snapshot plus the
 // charges made since ScrapedAt (EngineSignals.plusRouted). Comparing
-// times works; a charge sequence number works without clocks: give the
-// scraper a Mark function returning a per-dial count of charges, and
-// charges since the scrape are count − EngineSignals.Mark. Either way the
-// window in which a request can be counted twice (routed after the
-// request was sent, and rendered into the exposition) is one scrape
-// latency, milliseconds.
+// times works; cumulative counters work without clocks: give the scraper
+// a Mark function returning the router's cumulative charges to a dial
+// (requests and KV tokens, a chargeMark), which it samples just before
+// each request, and the charges since the scrape are the current counters
+// minus EngineSignals.Mark (chargeMark.since). Either way the window in
+// which a request can be counted twice (routed after the request was
+// sent, and rendered into the exposition) is one scrape latency,
+// milliseconds.
 //
 // Failures never block routing: signals reads an atomic pointer, fetches
 // run on the scraper's own goroutines with a timeout, and a target that
@@ -175,10 +177,32 @@ type EngineSignals struct {
 	// Latency is how long the metrics fetch and parse took.
 	Latency time.Duration
 	// Mark is what the scraper's Mark function returned for this dial
-	// just before the request was sent (0 without one).
-	Mark uint64
+	// just before the request was sent (zero without one).
+	Mark chargeMark
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
+}
+
+// chargeMark is a snapshot of the router's cumulative charges to one
+// upstream: every request it routed there and the KV tokens (prompt plus
+// expected output) it charged for them. Both only grow.
+type chargeMark struct {
+	// Requests counts the requests routed to the upstream.
+	Requests uint64
+	// KVTokens sums the KV tokens charged for them.
+	KVTokens uint64
+}
+
+// since returns the charges made between old and m, for
+// EngineSignals.plusRouted.
+func (m chargeMark) since(old chargeMark) (requests, kvTokens int) {
+	if m.Requests >= old.Requests {
+		requests = int(min(m.Requests-old.Requests, math.MaxInt32))
+	}
+	if m.KVTokens >= old.KVTokens {
+		kvTokens = int(min(m.KVTokens-old.KVTokens, math.MaxInt32))
+	}
+	return requests, kvTokens
 }
 
 // KVCapacityTokens returns the engine's KV cache size in tokens, 0 when
@@ -694,9 +718,9 @@ type scrapeConfig struct {
 	Client *http.Client
 	// Mark, when set, is called with the dial just before each metrics
 	// request is sent; its result is stored in EngineSignals.Mark. The
-	// policy passes a per-dial count of charges, so that charges made
-	// since the scrape are count − Mark.
-	Mark func(dial string) uint64
+	// policy passes its cumulative charges to the dial, so that the
+	// charges made since the scrape are now.since(sig.Mark).
+	Mark func(dial string) chargeMark
 	// Logger receives scrape failures and recoveries at debug level.
 	Logger *zap.Logger
 }
@@ -823,16 +847,8 @@ func (s *scraper) setTargets(dials []string) {
 	keep := make(map[string]bool, len(dials))
 	added := false
 	for _, d := range dials {
-		if d == "" || strings.Contains(d, "/") || keep[d] {
-			continue
-		}
 		keep[d] = true
-		if _, ok := s.targets[d]; !ok {
-			base := s.cfg.Scheme + "://" + d
-			s.targets[d] = &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
-				modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
-			added = true
-		}
+		added = s.addLocked(d) || added
 	}
 	for d := range s.targets {
 		if !keep[d] {
@@ -843,6 +859,52 @@ func (s *scraper) setTargets(dials []string) {
 	if added {
 		s.poke()
 	}
+}
+
+// addTargets adds dials not scraped yet and scrapes them at once, leaving
+// the others alone. It is cheap when every dial is already a target, so
+// the policy may call it with each pool it sees (dynamic upstreams);
+// only setTargets removes targets.
+func (s *scraper) addTargets(dials ...string) {
+	s.mu.RLock()
+	missing := false
+	for _, d := range dials {
+		if _, ok := s.targets[d]; !ok && scrapable(d) {
+			missing = true
+			break
+		}
+	}
+	s.mu.RUnlock()
+	if !missing {
+		return
+	}
+	s.mu.Lock()
+	added := false
+	for _, d := range dials {
+		added = s.addLocked(d) || added
+	}
+	s.mu.Unlock()
+	if added {
+		s.poke()
+	}
+}
+
+// addLocked adds dial as a target if it is new and scrapable, and says
+// whether it did. Caller holds s.mu for writing.
+func (s *scraper) addLocked(d string) bool {
+	if _, ok := s.targets[d]; ok || !scrapable(d) {
+		return false
+	}
+	base := s.cfg.Scheme + "://" + d
+	s.targets[d] = &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
+		modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
+	return true
+}
+
+// scrapable says whether dial is a host:port the scraper can reach (not
+// empty, not a unix socket).
+func scrapable(dial string) bool {
+	return dial != "" && !strings.Contains(dial, "/")
 }
 
 // poke asks the run loop for a round now.
@@ -931,7 +993,7 @@ func (s *scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
 // scrape fetches t's metrics (and models when due) and records the
 // outcome.
 func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
-	var mark uint64
+	var mark chargeMark
 	if s.cfg.Mark != nil {
 		mark = s.cfg.Mark(t.dial)
 	}

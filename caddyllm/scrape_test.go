@@ -271,6 +271,18 @@ func TestSignalsCorrections(t *testing.T) {
 	}
 }
 
+func TestSignalsChargeMark(t *testing.T) {
+	old := chargeMark{Requests: 10, KVTokens: 5000}
+	if r, kv := (chargeMark{Requests: 13, KVTokens: 6500}).since(old); r != 3 || kv != 1500 {
+		t.Fatalf("since: %d %d", r, kv)
+	}
+	// Counters that went backwards (a fresh fleet after a restart) give
+	// no correction rather than a negative one.
+	if r, kv := (chargeMark{Requests: 2, KVTokens: 100}).since(old); r != 0 || kv != 0 {
+		t.Fatalf("backwards: %d %d", r, kv)
+	}
+}
+
 func TestSignalsAdapterState(t *testing.T) {
 	sig := EngineSignals{AdaptersKnown: true, RunningAdapters: []string{"a"}, WaitingAdapters: []string{"b"},
 		Models: []ModelInfo{{ID: "base"}, {ID: "a", Parent: "base"}, {ID: "c", Parent: "base"}}}
@@ -345,7 +357,7 @@ func TestScrapeKvsim(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond,
-		Mark: func(string) uint64 { return marks.Add(1) }})
+		Mark: func(string) chargeMark { n := marks.Add(1); return chargeMark{Requests: n, KVTokens: 10 * n} }})
 	s.setTargets([]string{dial, "unix//tmp/not-scraped.sock"})
 	s.start(ctx)
 
@@ -356,7 +368,7 @@ func TestScrapeKvsim(t *testing.T) {
 		return ok
 	})
 	if sig.Engine != engineVLLM || sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.MaxLoRAs != 4 ||
-		!sig.AdaptersKnown || !sig.KVKnown || sig.Running != 0 || sig.Waiting != 0 || sig.Seq < 1 || sig.Mark < 1 {
+		!sig.AdaptersKnown || !sig.KVKnown || sig.Running != 0 || sig.Waiting != 0 || sig.Seq < 1 || sig.Mark.Requests < 1 || sig.Mark.KVTokens != 10*sig.Mark.Requests {
 		t.Fatalf("signals from kvsim: %+v", sig)
 	}
 	if !slices.Equal(sig.ModelIDs(), []string{kvsim.DefaultModel, "sql-lora"}) || sig.Models[1].Parent != kvsim.DefaultModel {
@@ -514,6 +526,11 @@ func TestScrapeSetTargets(t *testing.T) {
 		_, ok := s.signals(hostOf(srv), time.Now(), 0)
 		return ok
 	})
+	// addTargets leaves existing targets (and their signals) alone.
+	s.addTargets(hostOf(srv), "unix//x.sock", "")
+	if _, ok := s.signals(hostOf(srv), time.Now(), 0); !ok || len(s.statuses()) != 1 {
+		t.Fatalf("addTargets disturbed the targets: %+v", s.statuses())
+	}
 	s.setTargets(nil)
 	if _, ok := s.signals(hostOf(srv), time.Now(), 0); ok {
 		t.Fatal("a dropped target still has signals")
@@ -521,6 +538,12 @@ func TestScrapeSetTargets(t *testing.T) {
 	if s.scrapeSeq(hostOf(srv)) != 0 {
 		t.Fatal("a dropped target still has a sequence")
 	}
+	// A dial added from a pool is scraped at once too.
+	s.addTargets(hostOf(srv))
+	waitFor(t, "first scrape of an added target", 2*time.Second, func() bool {
+		_, ok := s.signals(hostOf(srv), time.Now(), 0)
+		return ok
+	})
 	var nilScraper *scraper
 	if _, ok := nilScraper.signals("x", time.Now(), 0); ok || nilScraper.statuses() != nil {
 		t.Fatal("nil scraper")
