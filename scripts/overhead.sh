@@ -7,7 +7,8 @@
 #   B  the llm_affinity handler + reverse_proxy with lb_policy llm_affinity
 # A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions with a small
 # JSON body to each, interleaved A B A B ..., and the script prints requests per second for
-# each round and the ratio B/A of the means. Needs only Go.
+# each round and the ratio B/A of the means, and (on Linux) Caddy's CPU time per request for
+# each. Needs only Go.
 #
 #   scripts/overhead.sh
 #   ROUNDS=3 DURATION=10s CONCURRENCY=32 scripts/overhead.sh
@@ -76,7 +77,8 @@ http://:$llm_port {
 }
 EOF
 "$work/caddy" run --config "$work/Caddyfile" --adapter caddyfile >"$work/caddy.log" 2>&1 &
-pids+=($!)
+caddy_pid=$!
+pids+=("$caddy_pid")
 
 # A small completions request: PROMPT_BYTES of shared text (about PROMPT_BYTES/4 tokens), then
 # a request number (loadgen fills in {{seq}}), like chats that share a system prompt.
@@ -105,9 +107,24 @@ else
 	sleep 2
 fi
 
-measure() {
-	"$work/loadgen" -url "http://127.0.0.1:$1/v1/completions" -body "$work/body.json" \
-		-c "$CONCURRENCY" -d "$DURATION" -warmup "$WARMUP"
+# Caddy's CPU time in clock ticks (Linux), to report CPU per request beside throughput:
+# on a shared machine req/s moves with the neighbours' load, CPU per request much less.
+clk_tck=$(getconf CLK_TCK 2>/dev/null || echo 100)
+caddy_cpu() {
+	if [ -r "/proc/$caddy_pid/stat" ]; then
+		awk '{ print $14 + $15 }' "/proc/$caddy_pid/stat"
+	else
+		echo 0
+	fi
+}
+measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req=
+	local url="http://127.0.0.1:$1/v1/completions" line t0 t1
+	"$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$WARMUP" -warmup 0 >/dev/null
+	t0=$(caddy_cpu)
+	line=$("$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$DURATION" -warmup 0)
+	t1=$(caddy_cpu)
+	echo "$line caddy_cpu_us_per_req=$(awk -v d=$((t1 - t0)) -v hz="$clk_tck" -v n="$(field requests "$line")" \
+		'BEGIN { printf "%.1f", (n > 0 ? d * 1e6 / hz / n : 0) }')"
 }
 field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
@@ -116,17 +133,26 @@ field() { # field NAME LINE
 echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes"
 rr_all=()
 llm_all=()
+rr_cpu=()
+llm_cpu=()
 errors=0
 for round in $(seq 1 "$ROUNDS"); do
 	a=$(measure "$rr_port")
-	b=$(measure "$llm_port")
 	echo "round $round  round_robin:  $a"
+	b=$(measure "$llm_port")
 	echo "round $round  llm_affinity: $b"
 	rr_all+=("$(field rps "$a")")
 	llm_all+=("$(field rps "$b")")
+	rr_cpu+=("$(field caddy_cpu_us_per_req "$a")")
+	llm_cpu+=("$(field caddy_cpu_us_per_req "$b")")
 	errors=$((errors + $(field errors "$a") + $(field errors "$b")))
 done
 
+awk -v rr="${rr_cpu[*]}" -v llm="${llm_cpu[*]}" 'BEGIN {
+	n = split(rr, a, " "); split(llm, b, " ")
+	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
+	if (sa > 0) printf "caddy CPU per request: round_robin %.0f us, llm_affinity %.0f us (+%.0f us, ratio %.3f)\n", sa / n, sb / n, (sb - sa) / n, sa / sb
+}'
 summary=$(awk -v rr="${rr_all[*]}" -v llm="${llm_all[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
