@@ -169,7 +169,7 @@ func WriteSVG(w io.Writer, title string, sums []Summary) error {
 			}
 		}
 	}
-	for _, f := range []float64{0, 0.25, 0.5, 0.75, 0.9, 0.99, 1} {
+	for _, f := range []float64{0, 0.25, 0.5, 0.75, 0.9, 1} {
 		py := y(f)
 		fmt.Fprintf(&b, `<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#ddd"/>`+"\n", plotLeft, py, plotLeft+plotWidth, py)
 		fmt.Fprintf(&b, `<text x="%d" y="%.1f" text-anchor="end">%g%%</text>`+"\n", plotLeft-6, py+4, 100*f)
