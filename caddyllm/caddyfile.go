@@ -94,7 +94,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		}
 //		adapters            <name...>
 //		max_loras           <n>
+//		adapter_load_host   <duration>
 //		adapter_load_remote <duration>
+//		scrape_interval     <duration>
+//		scrape_max_age      <duration>
+//		models_interval     <duration>
+//		metrics_path        <path>
 //		queue_timeout       <duration>
 //		shed_status         <code>
 //		kv_margin           <tokens>
@@ -174,7 +179,13 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			continue
-		case "adapter_load_remote", "queue_timeout", "drain_deadline":
+		case "metrics_path":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			p.MetricsPath = d.Val()
+		case "adapter_load_host", "adapter_load_remote", "queue_timeout", "drain_deadline",
+			"scrape_interval", "scrape_max_age", "models_interval":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
@@ -182,14 +193,12 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return d.Errf("parsing %s: %v", opt, err)
 			}
-			switch opt {
-			case "queue_timeout":
-				p.QueueTimeout = caddy.Duration(dur)
-			case "drain_deadline":
-				p.DrainDeadline = caddy.Duration(dur)
-			default:
-				p.AdapterLoadRemote = caddy.Duration(dur)
-			}
+			*map[string]*caddy.Duration{
+				"adapter_load_host": &p.AdapterLoadHost, "adapter_load_remote": &p.AdapterLoadRemote,
+				"queue_timeout": &p.QueueTimeout, "drain_deadline": &p.DrainDeadline,
+				"scrape_interval": &p.ScrapeInterval, "scrape_max_age": &p.ScrapeMaxAge,
+				"models_interval": &p.ModelsInterval,
+			}[opt] = caddy.Duration(dur)
 		case "tie", "dynamo_overlap_weight":
 			var v float64
 			if err := floatArg(d, &v); err != nil {

@@ -23,6 +23,9 @@ type fleet struct {
 	mu        sync.Mutex
 	upstreams map[string]*upstreamState
 	outputs   map[string]*runningMean // observed output tokens by model
+	// meanPrompt is the running mean of routed prompt lengths, for sizing
+	// requests the router sees only as counts in engine metrics.
+	meanPrompt runningMean
 
 	// changed is closed and replaced whenever work is released, waking
 	// requests that wait at the gateway for capacity.
@@ -45,6 +48,10 @@ type upstreamState struct {
 	kvTokens int
 	inFlight int
 	lastUsed time.Time
+	// charged counts every request routed here and the KV tokens charged
+	// for them; it only grows, so engine scrapes can tell which charges
+	// came after their snapshot.
+	charged chargeMark
 
 	// Observed figures, for the admin API and metrics.
 	completed      int64
@@ -52,17 +59,22 @@ type upstreamState struct {
 	lastEstimate   float64
 	capacityTokens int // as last configured, for display
 
-	// adapters are the LoRA adapters last routed here, most recent
-	// first, at most max_loras: the ones presumed resident.
+	// adapters are the LoRA adapters routed here, most recent first: the
+	// first max_loras are presumed on the GPU, the rest in host memory.
 	adapters []string
 }
 
+// maxRememberedAdapters is how many adapters an upstream is presumed to
+// keep in host memory (vLLM's --max-cpu-loras default is larger; this
+// bounds the list).
+const maxRememberedAdapters = 16
+
 // useAdapter records that adapter was routed to u. Caller holds fleet.mu.
-func (u *upstreamState) useAdapter(adapter string, maxLoras int) {
+func (u *upstreamState) useAdapter(adapter string) {
 	u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == adapter })
 	u.adapters = slices.Insert(u.adapters, 0, adapter)
-	if len(u.adapters) > maxLoras {
-		u.adapters = u.adapters[:maxLoras]
+	if len(u.adapters) > maxRememberedAdapters {
+		u.adapters = u.adapters[:maxRememberedAdapters]
 	}
 }
 
@@ -165,6 +177,9 @@ func (f *fleet) charge(u *upstreamState, prefill, decode, kv int, now time.Time)
 	u.kvTokens += kv
 	u.inFlight++
 	u.lastUsed = now
+	f.meanPrompt.add(float64(prefill))
+	u.charged.Requests++
+	u.charged.KVTokens += uint64(max(0, kv))
 	return &attempt{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, started: now}
 }
 
@@ -249,4 +264,15 @@ func (l *lockedRand) IntN(n int) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.r.IntN(n)
+}
+
+// markOf returns the cumulative charges routed to dial, for the scraper's
+// snapshots.
+func (f *fleet) markOf(dial string) chargeMark {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		return u.charged
+	}
+	return chargeMark{}
 }

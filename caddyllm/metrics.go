@@ -147,6 +147,8 @@ type UpstreamSnapshot struct {
 	LastTTFTSeconds     float64  `json:"last_ttft_seconds"`
 	Adapters            []string `json:"adapters,omitempty"`
 	IdleSeconds         float64  `json:"idle_seconds"`
+	// Engine is what the engine last reported, when scraping is on.
+	Engine *EngineView `json:"engine,omitempty"`
 	// Drain is the drain phase: active, draining or drained.
 	Drain         string    `json:"drain"`
 	DrainCause    string    `json:"drain_cause,omitempty"`
@@ -155,6 +157,7 @@ type UpstreamSnapshot struct {
 
 // snapshotUpstreams copies the fleet's state.
 func snapshotUpstreams() []UpstreamSnapshot {
+	engines := engineViews(time.Now())
 	drainOf := map[string]drain.Status{}
 	for _, s := range drains.Snapshot() {
 		drainOf[s.Key] = s
@@ -169,7 +172,7 @@ func snapshotUpstreams() []UpstreamSnapshot {
 			IndexBlocks: state.index.Blocks(u.id), IndexCapacity: state.index.Capacity(u.id),
 			Completed: u.completed, LastTTFTSeconds: u.lastTTFT.Seconds(),
 			Adapters: append([]string(nil), u.adapters...), IdleSeconds: time.Since(u.lastUsed).Seconds(),
-			Drain: "active",
+			Drain: "active", Engine: engines[u.dial],
 		})
 		if d, ok := drainOf[u.dial]; ok {
 			s := &out[len(out)-1]

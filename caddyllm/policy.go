@@ -89,6 +89,10 @@ type Policy struct {
 	// upstream and treats those as resident. Default 4.
 	MaxLoras int `json:"max_loras,omitempty"`
 
+	// AdapterLoadHost is the cost of loading an adapter the engine has
+	// registered (in host memory) into a GPU slot. Default 30ms.
+	AdapterLoadHost caddy.Duration `json:"adapter_load_host,omitempty"`
+
 	// AdapterLoadRemote is the cost of loading an adapter that is not
 	// resident. Default 2s.
 	AdapterLoadRemote caddy.Duration `json:"adapter_load_remote,omitempty"`
@@ -132,6 +136,24 @@ type Policy struct {
 	// Drain lists dial addresses to drain when this config loads.
 	Drain []string `json:"drain,omitempty"`
 
+	// ScrapeInterval turns on scraping of each upstream's engine metrics
+	// (vLLM's or SGLang's /metrics) and model list (/v1/models) at this
+	// interval (at least 100ms); then free KV, queues fed by other routers,
+	// the KV capacity, the served models and resident adapters come from
+	// the engines. Off by default.
+	ScrapeInterval caddy.Duration `json:"scrape_interval,omitempty"`
+
+	// ScrapeMaxAge is how old scraped signals may be before the policy
+	// falls back to its own tracking. Default 3 scrape intervals.
+	ScrapeMaxAge caddy.Duration `json:"scrape_max_age,omitempty"`
+
+	// ModelsInterval is how often /v1/models is fetched when scraping.
+	// Default 10s.
+	ModelsInterval caddy.Duration `json:"models_interval,omitempty"`
+
+	// MetricsPath is the engines' metrics path. Default /metrics.
+	MetricsPath string `json:"metrics_path,omitempty"`
+
 	// ExplainHeader adds an X-LLM-Affinity response header saying where
 	// the request went and why (no prompt text).
 	ExplainHeader bool `json:"explain_header,omitempty"`
@@ -144,6 +166,7 @@ type Policy struct {
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
 
+	scraper  *scraper
 	fallback reverseproxy.Selector
 	opts     scorer.Options
 	adapters map[string]bool
@@ -212,6 +235,9 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	if p.MaxLoras <= 0 {
 		p.MaxLoras = 4
 	}
+	if p.AdapterLoadHost <= 0 {
+		p.AdapterLoadHost = caddy.Duration(defaultHostLoad)
+	}
 	if p.AdapterLoadRemote <= 0 {
 		p.AdapterLoadRemote = caddy.Duration(defaultRemoteLoad)
 	}
@@ -236,6 +262,28 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// The parent's upstreams and health checks are provisioned after this
 	// policy, so the health watcher starts with the first request.
 	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
+	if p.ScrapeInterval > 0 {
+		p.scraper = newScraper(scrapeConfig{
+			Interval:       time.Duration(p.ScrapeInterval),
+			ModelsInterval: time.Duration(p.ModelsInterval),
+			MetricsPath:    p.MetricsPath,
+			Mark:           state.markOf,
+			Logger:         p.logger.Named("scrape"),
+		})
+		// The parent's static upstreams are known now (read here, in the
+		// parent's own Provision, so without a race); dynamic ones are
+		// added as requests see them.
+		dials := make([]string, 0, len(p.Upstreams))
+		for dial := range p.Upstreams {
+			dials = append(dials, dial)
+		}
+		for _, u := range p.parent() {
+			dials = append(dials, u.Dial)
+		}
+		p.scraper.setTargets(dials)
+		p.scraper.start(ctx)
+		registerScraper(p.scraper)
+	}
 	p.rng = newLockedRand()
 	// Size the index for the upstreams whose KV capacity is configured.
 	for dial := range p.Upstreams {
@@ -252,6 +300,9 @@ func (p *Policy) Validate() error {
 	case OutputAverage, OutputMaxTokens, OutputFixed:
 	default:
 		return fmt.Errorf("output_estimate must be average, max_tokens or fixed, got %q", p.OutputEstimate)
+	}
+	if p.ScrapeInterval > 0 && time.Duration(p.ScrapeInterval) < minScrapeInterval {
+		return fmt.Errorf("scrape_interval must be at least %v", minScrapeInterval)
 	}
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
@@ -301,15 +352,21 @@ func (p *Policy) profile(dial string) HardwareProfile {
 
 // applyCapacity sizes dial's index to its KV capacity.
 func (p *Policy) applyCapacity(dial string, blockTokens int) {
-	hp := p.profile(dial)
-	if hp.KVCapacityTokens <= 0 {
+	capacity := p.profile(dial).KVCapacityTokens
+	if p.scraper != nil {
+		// The engine's own figure (num_gpu_blocks × block_size) wins.
+		if sig, ok := p.scraper.signals(dial, time.Now(), time.Duration(p.ScrapeMaxAge)); ok && sig.KVCapacityTokens() > 0 {
+			capacity = sig.KVCapacityTokens()
+		}
+	}
+	if capacity <= 0 {
 		return
 	}
 	state.mu.Lock()
 	u := state.upstream(dial, time.Now())
-	u.capacityTokens = hp.KVCapacityTokens
+	u.capacityTokens = capacity
 	state.mu.Unlock()
-	want := max(1, hp.KVCapacityTokens/max(1, blockTokens))
+	want := max(1, capacity/max(1, blockTokens))
 	if state.index.Capacity(u.id) != want {
 		state.index.SetCapacity(u.id, want)
 	}
@@ -402,6 +459,13 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	}
 	now := time.Now()
 	output := p.expectedOutput(req)
+	if p.scraper != nil {
+		dials := make([]string, len(pool))
+		for i, u := range pool {
+			dials[i] = u.Dial
+		}
+		p.scraper.addTargets(dials...)
+	}
 
 	state.mu.Lock()
 	defer state.mu.Unlock()
@@ -420,36 +484,13 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 			break
 		}
 	}
-	adapter := ""
-	if p.adapters[req.Model] {
-		adapter = req.Model
-	}
+	adapter := p.adapterOf(req.Model, pool, now)
 	for i, u := range pool {
-		us := states[i]
-		hp := p.profile(u.Dial)
-		free := -1
-		if hp.KVCapacityTokens > 0 {
-			free = max(0, hp.KVCapacityTokens-us.kvTokens)
-		}
-		c := scorer.Candidate{
-			Name:                   u.Dial,
-			Available:              u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
-			Draining:               drains.IsDraining(u.Dial),
-			MatchedTokens:          min(depths[us.id]*bt, req.PromptTokens),
-			QueuedPrefillTokens:    max(0, us.queuedPrefill),
-			QueuedDecodeTokens:     max(0, us.queuedDecode),
-			InFlight:               us.inFlight,
-			Waiting:                -1,
-			PrefillTokensPerSecond: hp.PrefillTokensPerSecond,
-			DecodeTokensPerSecond:  hp.DecodeTokensPerSecond,
-			FreeKVTokens:           free,
-			KVCapacityTokens:       hp.KVCapacityTokens,
-			Adapter:                scorer.AdapterResident,
-		}
-		if adapter != "" && !slices.Contains(us.adapters, adapter) {
-			c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, time.Duration(p.AdapterLoadRemote).Seconds()
-		}
-		cands[i] = c
+		cands[i] = p.candidate(u, states[i], now, candidateInput{
+			matched:   min(depths[states[i].id]*bt, req.PromptTokens),
+			available: u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
+			adapter:   adapter,
+		})
 	}
 	sreq := scorer.Request{
 		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
@@ -465,7 +506,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	a.endFlight = drains.Begin(us.dial, st.cutForDrain)
 	st.current = a
 	if adapter != "" {
-		us.useAdapter(adapter, p.MaxLoras)
+		us.useAdapter(adapter)
 	}
 	state.index.Insert(us.id, req.Hashes)
 	st.decision = decisionRecord{upstream: us.dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: c.MatchedTokens}

@@ -1,0 +1,138 @@
+package integration
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// direct sends requests straight to a replica, bypassing the router (as
+// another router or client would), until ctx ends.
+func direct(ctx context.Context, t *testing.T, r *replica, n, promptBytes, maxTokens int, wg *sync.WaitGroup) {
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "max_tokens": maxTokens,
+				"prompt": text(fmt.Sprintf("direct %s %d", r.name, i), promptBytes)})
+			req, _ := http.NewRequestWithContext(ctx, "POST", r.http.URL+"/v1/completions", strings.NewReader(string(body)))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}(i)
+	}
+}
+
+func engineRunning(t *testing.T, r *replica) int {
+	resp, err := http.Get(r.http.URL + "/kvsim/state")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st struct {
+		Running int `json:"running"`
+	}
+	json.NewDecoder(resp.Body).Decode(&st)
+	return st.Running
+}
+
+// TestKVFullSkipsLongPrompt: a replica whose KV is nearly full (with work
+// the router did not send) is skipped for a long prompt, while a short
+// prompt still goes there.
+func TestKVFullSkipsLongPrompt(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{NumGPUBlocks: 2048}) // 32,768 tokens of KV
+	a, b := fleet[0], fleet[1]
+	// B is slow at prefill, so A wins every cold request it can hold.
+	startCaddy(t, caddyfile(fleet, "", fmt.Sprintf(`scrape_interval 100ms
+			output_estimate max_tokens
+			upstream %s {
+				prefill_rate 100000
+			}
+			upstream %s {
+				prefill_rate 1000
+			}`, a.dial(), b.dial()), ""))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	direct(ctx, t, a, 2, 48_000, 1000, &wg) // two 12k-token prompts: ~24k of 32k tokens used
+	eventually(t, 5*time.Second, "A's KV filling up", func() bool { return engineRunning(t, a) == 2 })
+	time.Sleep(1500 * time.Millisecond) // prefill done and scraped
+
+	long := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("long", 40_000), "max_tokens": 16})
+	if long.status != 200 || long.replica != b.name {
+		t.Fatalf("long prompt went to %q (%d, %s), want B: A's KV is nearly full", long.replica, long.status, long.explain)
+	}
+	short := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("short", 1600), "max_tokens": 16})
+	if short.status != 200 || short.replica != a.name {
+		t.Fatalf("short prompt went to %q (%d, %s), want A", short.replica, short.status, short.explain)
+	}
+}
+
+// TestDirectLoadChangesDecisions: load sent to an engine directly,
+// bypassing the router, moves the router's decisions within two scrape
+// intervals.
+func TestDirectLoadChangesDecisions(t *testing.T) {
+	// Four sequences at a time: most of the direct load waits in A's queue.
+	fleet := startFleet(t, 2, 1, kvsim.Config{MaxNumSeqs: 4})
+	a, b := fleet[0], fleet[1]
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms", ""))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	direct(ctx, t, a, 24, 2000, 1000, &wg)
+	eventually(t, 5*time.Second, "A busy", func() bool { return engineRunning(t, a) == 4 })
+	time.Sleep(200 * time.Millisecond) // two scrape intervals
+	for i := 0; i < 6; i++ {
+		c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("routed", i), 1000), "max_tokens": 8})
+		if c.replica != b.name {
+			t.Fatalf("request %d went to the busy replica %q (%s)", i, c.replica, c.explain)
+		}
+	}
+}
+
+// TestLoRAReplicatesOnce: a tenant's requests go to the replica holding
+// its adapter until that replica's queue outweighs the load cost, then
+// exactly one more replica loads it. The adapter is learned from the
+// engines' /v1/models (it has a parent), not configured.
+func TestLoRAReplicatesOnce(t *testing.T) {
+	// Loading costs 1 s: a burst that queues less than that on two
+	// replicas needs no third.
+	fleet := startFleet(t, 3, 1, kvsim.Config{Adapters: []string{"tenant-a"}, LoRAStorageLoad: time.Second})
+	startCaddy(t, caddyfile(fleet, "", `scrape_interval 100ms
+			models_interval 100ms
+			output_estimate max_tokens
+			adapter_load_remote 1s`, ""))
+	time.Sleep(300 * time.Millisecond) // model lists scraped
+	first := post(t, "/v1/completions", map[string]any{"model": "tenant-a", "prompt": text("tenant first", 4000), "max_tokens": 60})
+	if first.status != 200 || !strings.Contains(first.explain, "reason=adapter") {
+		t.Fatalf("first tenant request: %d %q %s", first.status, first.explain, first.body)
+	}
+	count := map[string]int{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i := 0; i < 14; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			c := post(t, "/v1/completions", map[string]any{"model": "tenant-a", "prompt": text(fmt.Sprint("tenant q", i), 4000), "max_tokens": 60})
+			mu.Lock()
+			count[c.replica]++
+			mu.Unlock()
+		}(i)
+	}
+	wg.Wait()
+	t.Logf("holder %s, burst %v", first.replica, count)
+	if count[first.replica] < 7 {
+		t.Fatalf("the holder took only %d of 14: %v", count[first.replica], count)
+	}
+	if len(count) != 2 {
+		t.Fatalf("the adapter went to %d replicas (%v), want the holder and exactly one more", len(count), count)
+	}
+}
