@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 func init() {
@@ -207,6 +208,8 @@ type requestState struct {
 	tried    []string
 	shed     *shedding
 	decision decisionRecord
+	// explanation is the last decision's, when debug logging is on.
+	explanation *scorer.Explanation
 
 	// cancel cuts the current attempt; cut records that a drain did.
 	cancel context.CancelCauseFunc

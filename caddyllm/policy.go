@@ -496,7 +496,14 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: output, Model: req.Model, Adapter: adapter,
 	}
-	d := scorer.Choose(sreq, cands, p.opts, p.rng, nil)
+	// The full explanation (top candidates, filter reasons) costs
+	// allocations, so it is built only when debug logs are on.
+	var ex *scorer.Explanation
+	if p.logger.Core().Enabled(zapcore.DebugLevel) {
+		ex = new(scorer.Explanation)
+	}
+	d := scorer.Choose(sreq, cands, p.opts, p.rng, ex)
+	st.explanation = ex
 	if d.Chosen < 0 {
 		return nil, d, state.changed
 	}
@@ -551,8 +558,45 @@ func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decis
 		c.Write(zap.String("upstream", rec.upstream), zap.String("reason", rec.reason),
 			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", st.req.PromptTokens),
 			zap.Int("blocks", len(st.req.Hashes)), zap.Float64("estimated_ttft_s", rec.estimate),
-			zap.Int("eligible", d.Eligible), zap.Int("attempt", len(st.tried)+1))
+			zap.Int("eligible", d.Eligible), zap.Int("attempt", len(st.tried)+1),
+			zap.Array("top", explainedCandidates{st.explanation}), zap.Array("filtered", excludedCandidates{st.explanation}))
 	}
+}
+
+// explainedCandidates logs the best candidates' features (no prompt text).
+type explainedCandidates struct{ ex *scorer.Explanation }
+
+// MarshalLogArray implements zapcore.ArrayMarshaler.
+func (e explainedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
+	if e.ex == nil {
+		return nil
+	}
+	for _, c := range e.ex.Top {
+		enc.AppendObject(zapcore.ObjectMarshalerFunc(func(o zapcore.ObjectEncoder) error {
+			o.AddString("upstream", c.Name)
+			o.AddFloat64("cost", c.Cost)
+			o.AddFloat64("ttft_s", c.TTFTSeconds)
+			o.AddInt("matched_tokens", c.MatchedTokens)
+			o.AddInt("queued_tokens", c.QueuedTokens)
+			o.AddString("adapter", c.Adapter.String())
+			return nil
+		}))
+	}
+	return nil
+}
+
+// excludedCandidates logs the filtered candidates and why.
+type excludedCandidates struct{ ex *scorer.Explanation }
+
+// MarshalLogArray implements zapcore.ArrayMarshaler.
+func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
+	if e.ex == nil {
+		return nil
+	}
+	for _, c := range e.ex.Filtered {
+		enc.AppendString(c.Name + ":" + c.Reason.String())
+	}
+	return nil
 }
 
 // selectFallback balances requests without parsed content.

@@ -223,14 +223,32 @@ func (t *tokenRecorder) complete() bool {
 	if t.sse {
 		return t.done
 	}
-	var body struct {
-		Usage *usage `json:"usage"`
+	u, ok := usageOfBody(t.body.Bytes())
+	if ok {
+		t.usage = u
 	}
-	if t.body.Len() == 0 || json.Unmarshal(t.body.Bytes(), &body) != nil || body.Usage == nil {
-		return false
+	return ok
+}
+
+// usageOfBody reads the usage object of a complete JSON completion body.
+// Decoding the whole body (the generated text) to reach it was the most
+// expensive thing the router did per request, so only the object after
+// the last "usage" key is decoded; the body must still end its object.
+func usageOfBody(body []byte) (*usage, bool) {
+	body = bytes.TrimSpace(body)
+	i := bytes.LastIndex(body, []byte(`"usage"`))
+	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
+		return nil, false
 	}
-	t.usage = body.Usage
-	return true
+	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return nil, false
+	}
+	var u usage
+	if err := json.NewDecoder(bytes.NewReader(rest[1:])).Decode(&u); err != nil {
+		return nil, false
+	}
+	return &u, true
 }
 
 // completionTokens is the output length: the usage's when reported, else

@@ -57,3 +57,22 @@ func TestTokenRecorderJSONUsage(t *testing.T) {
 		t.Fatal("a non-JSON body counted as complete")
 	}
 }
+
+func TestUsageOfBody(t *testing.T) {
+	for _, tc := range []struct {
+		body   string
+		ok     bool
+		tokens int
+	}{
+		{`{"choices":[{"text":"a \"usage\": 5"}],"usage":{"prompt_tokens":3,"completion_tokens":9}}`, true, 9},
+		{`{"usage": {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}, "id": "x"}`, true, 4},
+		{`{"choices":[],"usage":{"completion_tokens":4`, false, 0},
+		{`{"choices":[]}`, false, 0},
+		{`not json "usage":{}`, false, 0},
+	} {
+		u, ok := usageOfBody([]byte(tc.body))
+		if ok != tc.ok || (ok && u.CompletionTokens != tc.tokens) {
+			t.Errorf("%s: ok=%v usage=%+v", tc.body, ok, u)
+		}
+	}
+}

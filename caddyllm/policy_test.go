@@ -1,0 +1,121 @@
+package caddyllm
+
+import (
+	"context"
+	"encoding/json"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+)
+
+// testPolicy is a policy set up as Provision would, without a Caddy
+// context.
+func testPolicy(logger *zap.Logger) *Policy {
+	p := &Policy{
+		OutputEstimate: OutputAverage, OutputTokens: 100, QueueTimeout: caddy.Duration(0),
+		ShedStatus: 503, MaxLoras: 4, ExplainHeader: true,
+	}
+	p.opts = scorer.Options{Strategy: scorer.TTFT}
+	p.adapters = map[string]bool{}
+	p.rng = newLockedRand()
+	p.logger = logger
+	return p
+}
+
+func selectFor(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body string) (*reverseproxy.Upstream, *httptest.ResponseRecorder) {
+	t.Helper()
+	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	req, err := pr.parse(EndpointChatCompletions, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.BlockTokens = prefixindex.DefaultBlockTokens
+	st := &requestState{req: req, body: []byte(body), origBody: []byte(body)}
+	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
+	caddyhttp.SetVar(ctx, varKey, st)
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	w := httptest.NewRecorder()
+	up := p.Select(pool, r, w)
+	t.Cleanup(func() { state.release(st.current) })
+	return up, w
+}
+
+// TestDebugLogExplainsWithoutPromptText: the debug log of a decision
+// carries the top candidates' features and the filter reasons, and never
+// the prompt.
+func TestDebugLogExplainsWithoutPromptText(t *testing.T) {
+	core, logs := observer.New(zapcore.DebugLevel)
+	p := testPolicy(zap.New(core))
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: "debuglog-a:1"},
+		{Host: new(reverseproxy.Host), Dial: "debuglog-b:1"},
+	}
+	drains.Drain("debuglog-b:1", 0, "test")
+	defer drains.Undrain("debuglog-b:1", "test")
+	secret := strings.Repeat("the secret prompt ", 100)
+	body, _ := json.Marshal(map[string]any{"model": "m", "messages": []map[string]string{{"role": "user", "content": secret}}})
+	up, w := selectFor(t, p, pool, string(body))
+	if up == nil || up.Dial != "debuglog-a:1" {
+		t.Fatalf("chose %v", up)
+	}
+	if h := w.Header().Get("X-LLM-Affinity"); !strings.Contains(h, "upstream=debuglog-a:1") || !strings.Contains(h, "reason=cold") {
+		t.Fatalf("explain header %q", h)
+	}
+	entries := logs.FilterMessage("routed").All()
+	if len(entries) != 1 {
+		t.Fatalf("%d routed log entries", len(entries))
+	}
+	enc := zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig())
+	buf, err := enc.EncodeEntry(entries[0].Entry, entries[0].Context)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line := buf.String()
+	if strings.Contains(line, "secret") {
+		t.Fatalf("log carries prompt text: %s", line)
+	}
+	for _, want := range []string{`"top":[{"upstream":"debuglog-a:1"`, `"filtered":["debuglog-b:1:draining"]`, `"prompt_tokens":`} {
+		if !strings.Contains(line, want) {
+			t.Errorf("log lacks %s: %s", want, line)
+		}
+	}
+}
+
+// TestRetryAvoidsTriedUpstream: a second Select for the same request
+// releases the first attempt's charge and picks another upstream.
+func TestRetryAvoidsTriedUpstream(t *testing.T) {
+	p := testPolicy(zap.NewNop())
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: "retry-a:1"},
+		{Host: new(reverseproxy.Host), Dial: "retry-b:1"},
+	}
+	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 2000) + `"}]}`
+	req, _ := pr.parse(EndpointChatCompletions, []byte(body))
+	req.BlockTokens = 64
+	st := &requestState{req: req, body: []byte(body), origBody: []byte(body)}
+	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
+	caddyhttp.SetVar(ctx, varKey, st)
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	first := p.Select(pool, r, httptest.NewRecorder())
+	second := p.Select(pool, r, httptest.NewRecorder())
+	defer state.release(st.current)
+	if first == nil || second == nil || first.Dial == second.Dial {
+		t.Fatalf("first %v second %v", first, second)
+	}
+	state.mu.Lock()
+	defer state.mu.Unlock()
+	if u := state.upstreams[first.Dial]; u.inFlight != 0 || u.queuedPrefill != 0 || u.kvTokens != 0 {
+		t.Fatalf("the first attempt's charge was not released: %+v", u)
+	}
+}
