@@ -389,7 +389,9 @@ func (run *simRun) expectedOutput(r *Request) int {
 // retryGateway routes again the waiting requests that may now fit on replica j, which just
 // released work, in arrival order, and sheds those whose deadline passed. Only j's free KV
 // grew, so a request that fitted nowhere before can fit only there: checking j alone gives
-// the decisions the plugin's wake-everyone retry gives, at a fraction of the cost.
+// the plugin's wake-everyone retry at a fraction of the cost. (One difference: a waiter whose
+// output estimate fell since its last try is retried at the next release of a replica it
+// fits, not at once.)
 func (run *simRun) retryGateway(now time.Duration, j int) {
 	if len(run.gateway) == 0 {
 		return

@@ -322,6 +322,8 @@ func (p *progressBar) update(done, total int) {
 			progressbar.OptionShowCount(),
 			progressbar.OptionSetWidth(30),
 			progressbar.OptionThrottle(200*time.Millisecond),
+			progressbar.OptionSetPredictTime(false),
+			progressbar.OptionSetElapsedTime(false),
 			progressbar.OptionClearOnFinish(),
 		)
 	}
