@@ -52,9 +52,9 @@ const (
 // The first token releases the prefill charge, each token decays the decode charge by one,
 // the finish releases the rest and teaches the output estimate. A candidate's free KV is its
 // capacity minus the KV charged to it; the adapters it holds are the last max_loras adapters
-// sent there. A request that fits nowhere waits at the gateway, retried whenever a charge is
-// released, and is shed after QueueTimeout. Engine metrics are not read, as the plugin reads
-// none.
+// sent there (older ones remembered are taken as in host memory). A request that fits nowhere
+// waits at the gateway, retried whenever a charge is released, and is shed after QueueTimeout.
+// Engine metrics are not read: this is the plugin with scrape_interval off, its default.
 type Sim struct {
 	Config
 	// QueueTimeout is how long a request that fits nowhere waits at the gateway before it is
@@ -479,18 +479,22 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		rep.queuedDecode += f.decodeCharge
 		rep.kvTokens += f.kvCharge
 		if r.Model != "" {
-			rep.useAdapter(r.Model, run.cfg.MaxLoRAs)
+			rep.useAdapter(r.Model)
 		}
 		run.index.Insert(rep.id, wt.hashes)
 	}
 }
 
-// useAdapter records that adapter was sent to rep, which the plugin then presumes resident.
-func (rep *simReplica) useAdapter(adapter string, maxLoras int) {
+// rememberedAdapters is how many adapters the plugin remembers per upstream, most recent first.
+const rememberedAdapters = 16
+
+// useAdapter records that adapter was sent to rep: the plugin presumes the last max_loras
+// adapters sent somewhere resident, and older ones in its host memory.
+func (rep *simReplica) useAdapter(adapter string) {
 	rep.adapters = slices.DeleteFunc(rep.adapters, func(a string) bool { return a == adapter })
 	rep.adapters = slices.Insert(rep.adapters, 0, adapter)
-	if len(rep.adapters) > maxLoras {
-		rep.adapters = rep.adapters[:maxLoras]
+	if len(rep.adapters) > rememberedAdapters {
+		rep.adapters = rep.adapters[:rememberedAdapters]
 	}
 }
 
@@ -533,8 +537,14 @@ func (run *simRun) chooseAffinity(r *Request, hashes []uint64, output int) (int,
 			KVCapacityTokens:       rep.capacityTokens,
 			Adapter:                scorer.AdapterResident,
 		}
-		if r.Model != "" && !slices.Contains(rep.adapters, r.Model) {
-			c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, run.cfg.LoRAStorageLoad.Seconds()
+		if r.Model != "" {
+			switch i := slices.Index(rep.adapters, r.Model); {
+			case i >= 0 && i < run.cfg.MaxLoRAs:
+			case i >= 0:
+				c.Adapter, c.AdapterLoadSeconds = scorer.AdapterHost, run.cfg.LoRAHostLoad.Seconds()
+			default:
+				c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, run.cfg.LoRAStorageLoad.Seconds()
+			}
 		}
 	}
 	d := scorer.Choose(req, run.cands, run.opts, run.rng, nil)
