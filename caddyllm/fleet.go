@@ -27,9 +27,10 @@ type fleet struct {
 	// requests the router sees only as counts in engine metrics.
 	meanPrompt runningMean
 
-	// changed is closed and replaced whenever work is released, waking
-	// requests that wait at the gateway for capacity.
+	// changed is closed and replaced when work is released while some
+	// request waits at the gateway for capacity (waiting says so).
 	changed chan struct{}
+	waiting bool
 }
 
 // upstreamState is one upstream's router-side accounting. Guarded by
@@ -107,8 +108,18 @@ func (f *fleet) upstream(dial string, now time.Time) *upstreamState {
 // wake tells waiting requests that capacity may have freed. Caller holds
 // f.mu.
 func (f *fleet) wake() {
-	close(f.changed)
-	f.changed = make(chan struct{})
+	if f.waiting {
+		close(f.changed)
+		f.changed = make(chan struct{})
+		f.waiting = false
+	}
+}
+
+// waitChannel returns the channel closed at the next release. Caller
+// holds f.mu.
+func (f *fleet) waitChannel() <-chan struct{} {
+	f.waiting = true
+	return f.changed
 }
 
 // expire forgets upstreams idle since before cutoff with nothing in

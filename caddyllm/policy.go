@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -166,12 +167,13 @@ type Policy struct {
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
 
-	scraper  *scraper
-	fallback reverseproxy.Selector
-	opts     scorer.Options
-	adapters map[string]bool
-	logger   *zap.Logger
-	rng      *lockedRand
+	scraper    *scraper
+	capacities *sync.Map // capacityKey → struct{}: index capacities applied
+	fallback   reverseproxy.Selector
+	opts       scorer.Options
+	adapters   map[string]bool
+	logger     *zap.Logger
+	rng        *lockedRand
 }
 
 // HardwareProfile describes what an upstream can do, for the time
@@ -262,6 +264,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// The parent's upstreams and health checks are provisioned after this
 	// policy, so the health watcher starts with the first request.
 	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
+	p.capacities = new(sync.Map)
 	if p.ScrapeInterval > 0 {
 		p.scraper = newScraper(scrapeConfig{
 			Interval:       time.Duration(p.ScrapeInterval),
@@ -362,6 +365,12 @@ func (p *Policy) applyCapacity(dial string, blockTokens int) {
 	if capacity <= 0 {
 		return
 	}
+	// Most requests find the capacity unchanged; skip the locks then.
+	key := capacityKey{dial, capacity, blockTokens}
+	if _, done := p.capacities.Load(key); done {
+		return
+	}
+	defer p.capacities.Store(key, struct{}{})
 	state.mu.Lock()
 	u := state.upstream(dial, time.Now())
 	u.capacityTokens = capacity
@@ -370,6 +379,12 @@ func (p *Policy) applyCapacity(dial string, blockTokens int) {
 	if state.index.Capacity(u.id) != want {
 		state.index.SetCapacity(u.id, want)
 	}
+}
+
+// capacityKey records an index capacity applied to an upstream.
+type capacityKey struct {
+	dial                  string
+	capacity, blockTokens int
 }
 
 // Select implements reverseproxy.Selector. It runs once per attempt: a
@@ -505,7 +520,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	d := scorer.Choose(sreq, cands, p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Chosen < 0 {
-		return nil, d, state.changed
+		return nil, d, state.waitChannel()
 	}
 	us, c := states[d.Chosen], &cands[d.Chosen]
 	a := state.charge(us, req.PromptTokens-c.MatchedTokens, output, req.PromptTokens+output, now)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -28,6 +29,7 @@ func testPolicy(logger *zap.Logger) *Policy {
 	p.opts = scorer.Options{Strategy: scorer.TTFT}
 	p.adapters = map[string]bool{}
 	p.rng = newLockedRand()
+	p.capacities = new(sync.Map)
 	p.logger = logger
 	return p
 }
@@ -117,5 +119,30 @@ func TestRetryAvoidsTriedUpstream(t *testing.T) {
 	defer state.mu.Unlock()
 	if u := state.upstreams[first.Dial]; u.inFlight != 0 || u.queuedPrefill != 0 || u.kvTokens != 0 {
 		t.Fatalf("the first attempt's charge was not released: %+v", u)
+	}
+}
+
+// BenchmarkSelect is one decision with charge and release, as a request
+// sees it, across 4 upstreams.
+func BenchmarkSelect(b *testing.B) {
+	p := testPolicy(zap.NewNop())
+	p.ExplainHeader = false
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: "bench-a:1"}, {Host: new(reverseproxy.Host), Dial: "bench-b:1"},
+		{Host: new(reverseproxy.Host), Dial: "bench-c:1"}, {Host: new(reverseproxy.Host), Dial: "bench-d:1"},
+	}
+	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	body := []byte(`{"model":"m","prompt":"` + strings.Repeat("abcd", 150) + `","max_tokens":16}`)
+	w := httptest.NewRecorder()
+	b.ReportAllocs()
+	for b.Loop() {
+		req, _ := pr.parse(EndpointCompletions, body)
+		req.BlockTokens = 64
+		st := &requestState{req: req, body: body, origBody: body}
+		ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
+		caddyhttp.SetVar(ctx, varKey, st)
+		r := httptest.NewRequest("POST", "/v1/completions", nil).WithContext(ctx)
+		p.Select(pool, r, w)
+		state.release(st.current)
 	}
 }
