@@ -67,7 +67,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
 	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
 	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
-	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length); the router takes it as the expected output (0 = exactly the output length, as SGLang's and LMCache's clients send)")
+	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "sim, llm_affinity: how long a request that fits no replica (KV charged there + its own > KV capacity) waits at the gateway before it is shed; negative = shed at once (the plugin's queue_timeout)")
