@@ -164,10 +164,17 @@ func bench(o options, stdout, stderr io.Writer) error {
 	if o.replicas < 1 {
 		return usageError{fmt.Errorf("--replicas must be at least 1")}
 	}
+	// The runner reports progress to whichever policy's bar is current.
+	var bar *progressBar
 	cfg := llmbench.Config{
 		Replicas: o.replicas,
 		Engine:   kvsim.Config{NumGPUBlocks: o.kvBlocks, MaxNumSeqs: o.maxNumSeqs},
 		Seed:     o.seed,
+		Progress: func(done, total int) {
+			if bar != nil {
+				bar.update(done, total)
+			}
+		},
 	}
 	var runner llmbench.Runner
 	switch o.mode {
@@ -236,10 +243,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 	defer stop()
 	var sums []llmbench.Summary
 	for _, policy := range policies {
-		var bar *progressBar
+		bar = nil
 		if o.progress {
 			bar = newProgressBar(stderr, policy)
-			setProgress(runner, bar.update)
 		}
 		res, err := runner.Replay(ctx, w, policy)
 		bar.finish()
@@ -275,12 +281,6 @@ func shortName(workload string) string {
 		return workload[i+1:]
 	}
 	return workload
-}
-
-func setProgress(r llmbench.Runner, f func(done, total int)) {
-	if sim, ok := r.(*llmbench.Sim); ok {
-		sim.Progress = f
-	}
 }
 
 func writeFile(path string, write func(io.Writer) error) error {
