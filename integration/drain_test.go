@@ -147,29 +147,40 @@ func drainPhase(t *testing.T, dial string) string {
 	return "active"
 }
 
-func requestBodies(n int, tag string) []struct {
+// apiRequest is a request body and the path it goes to.
+type apiRequest struct {
 	path string
 	body map[string]any
-} {
-	var out []struct {
-		path string
-		body map[string]any
-	}
+}
+
+// requestBodies returns n requests of 120 output tokens, alternating
+// completions and chat.
+func requestBodies(n int, tag string) []apiRequest {
+	var out []apiRequest
 	for i := 0; i < n; i++ {
 		if i%2 == 0 {
-			out = append(out, struct {
-				path string
-				body map[string]any
-			}{"/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprintf("%s completion %d", tag, i), 3000), "max_tokens": 120}})
+			out = append(out, apiRequest{"/v1/completions", map[string]any{"model": kvsim.DefaultModel,
+				"prompt": text(fmt.Sprintf("%s completion %d", tag, i), 3000), "max_tokens": 120}})
 		} else {
-			out = append(out, struct {
-				path string
-				body map[string]any
-			}{"/v1/chat/completions", map[string]any{"model": kvsim.DefaultModel, "max_tokens": 120, "messages": []msg{
-				{"system", text(fmt.Sprintf("%s chat %d", tag, i), 3000)}, {"user", "go on"}}}})
+			out = append(out, apiRequest{"/v1/chat/completions", map[string]any{"model": kvsim.DefaultModel, "max_tokens": 120,
+				"messages": []msg{{"system", text(fmt.Sprintf("%s chat %d", tag, i), 3000)}, {"user", "go on"}}}})
 		}
 	}
 	return out
+}
+
+// streamAll starts every request's stream; wait returns when all ended.
+func streamAll(reqs []apiRequest) (results []streamResult, errs []error, wait func()) {
+	var wg sync.WaitGroup
+	results, errs = make([]streamResult, len(reqs)), make([]error, len(reqs))
+	for i, rq := range reqs {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			results[i], errs[i] = stream(context.Background(), rq.path, rq.body)
+		}(i)
+	}
+	return results, errs, wg.Wait
 }
 
 // TestDrainLongDeadline: every in-flight request completes, no client
@@ -180,16 +191,7 @@ func TestDrainLongDeadline(t *testing.T) {
 	a, b := fleet[0], fleet[1]
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain") // everything to A first
 	reqs := requestBodies(4, "long")
-	var wg sync.WaitGroup
-	results := make([]streamResult, len(reqs))
-	errs := make([]error, len(reqs))
-	for i, rq := range reqs {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			results[i], errs[i] = stream(context.Background(), rq.path, rq.body)
-		}(i)
-	}
+	results, errs, wait := streamAll(reqs)
 	eventually(t, 5*time.Second, "four streams in flight on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=30s")
@@ -202,7 +204,7 @@ func TestDrainLongDeadline(t *testing.T) {
 			t.Fatalf("new request while A drains went to %q (%d)", c.replica, c.status)
 		}
 	}
-	wg.Wait()
+	wait()
 	for i, res := range results {
 		if errs[i] != nil || res.status != 200 || !res.done || res.errEvent || res.completion != 120 || res.replica != a.name {
 			t.Fatalf("stream %d: %v %+v", i, errs[i], res)
@@ -223,21 +225,12 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 	a, b := fleet[0], fleet[1]
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	reqs := requestBodies(4, "short")
-	var wg sync.WaitGroup
-	results := make([]streamResult, len(reqs))
-	errs := make([]error, len(reqs))
-	for i, rq := range reqs {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			results[i], errs[i] = stream(context.Background(), rq.path, rq.body)
-		}(i)
-	}
+	results, errs, wait := streamAll(reqs)
 	eventually(t, 5*time.Second, "four requests on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
 	time.Sleep(300 * time.Millisecond) // let the running two stream some tokens
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
-	wg.Wait()
+	wait()
 	for i, res := range results {
 		want, wantPrompt := reference(t, b, reqs[i].path, reqs[i].body)
 		if errs[i] != nil || res.status != 200 || !res.done || res.errEvent {
