@@ -7,8 +7,8 @@ import (
 
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
-	_ "github.com/llmaffinity/caddy-llm-affinity/caddyllm"
-	_ "github.com/llmaffinity/caddy-llm-affinity/kvsim/caddykvsim"
+	// The module root registers the plugin's modules, as xcaddy's build does.
+	_ "github.com/llmaffinity/caddy-llm-affinity"
 )
 
 func main() {
