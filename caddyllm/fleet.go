@@ -283,7 +283,9 @@ func (f *fleet) markOf(dial string) chargeMark {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if u := f.upstreams[dial]; u != nil {
-		return u.charged
+		m := u.charged
+		m.InFlight = u.inFlight
+		return m
 	}
 	return chargeMark{}
 }

@@ -191,6 +191,10 @@ type chargeMark struct {
 	Requests uint64
 	// KVTokens sums the KV tokens charged for them.
 	KVTokens uint64
+	// InFlight is how many of them were unfinished at the time, so that
+	// the engine's request counts can be split into the router's own and
+	// foreign ones.
+	InFlight int
 }
 
 // since returns the charges made between old and m, for

@@ -49,17 +49,21 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		KVCapacityTokens:       hp.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
 	}
-	sig, fresh := p.engineSignals(u.Dial, us, now)
+	raw, sig, fresh := p.engineSignals(u.Dial, us, now)
 	if fresh {
 		if capacity := sig.KVCapacityTokens(); capacity > 0 {
 			c.KVCapacityTokens = capacity
 		}
 		c.Waiting = sig.Waiting
 		c.Models = sig.ModelIDs()
-		if foreign := max(0, sig.Running+sig.Waiting-us.inFlight); sig.Running >= 0 && sig.Waiting >= 0 && foreign > 0 {
-			prompt, output := state.meanPrompt.value, p.meanOutputLocked()
-			c.QueuedPrefillTokens += int(float64(min(foreign, sig.Waiting)) * prompt)
-			c.QueuedDecodeTokens += int(float64(foreign) * output)
+		// Foreign requests: what the engine had at the scrape beyond what
+		// the router had in flight there at that moment.
+		if raw.Running >= 0 && raw.Waiting >= 0 {
+			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight; foreign > 0 {
+				prompt, output := state.meanPrompt.value, p.meanOutputLocked()
+				c.QueuedPrefillTokens += int(float64(min(foreign, raw.Waiting)) * prompt)
+				c.QueuedDecodeTokens += int(float64(foreign) * output)
+			}
 		}
 	}
 	if c.KVCapacityTokens > 0 {
@@ -71,23 +75,24 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		}
 	}
 	if in.adapter != "" {
-		c.Adapter, c.AdapterLoadSeconds = p.adapterCost(in.adapter, us, sig, fresh)
+		c.Adapter, c.AdapterLoadSeconds = p.adapterCost(in.adapter, us, raw, fresh)
 	}
 	return c
 }
 
-// engineSignals returns u's scraped signals with the charges the router
-// made since the scrape added, and whether they are fresh.
-func (p *Policy) engineSignals(dial string, us *upstreamState, now time.Time) (EngineSignals, bool) {
+// engineSignals returns u's scraped signals as scraped and with the
+// charges the router made since the scrape added, and whether they are
+// fresh.
+func (p *Policy) engineSignals(dial string, us *upstreamState, now time.Time) (raw, current EngineSignals, fresh bool) {
 	if p.scraper == nil {
-		return EngineSignals{}, false
+		return raw, current, false
 	}
-	sig, ok := p.scraper.signals(dial, now, time.Duration(p.ScrapeMaxAge))
-	if !ok {
-		return EngineSignals{}, false
+	raw, fresh = p.scraper.signals(dial, now, time.Duration(p.ScrapeMaxAge))
+	if !fresh {
+		return raw, current, false
 	}
-	requests, kv := us.charged.since(sig.Mark)
-	return sig.plusRouted(requests, kv), true
+	requests, kv := us.charged.since(raw.Mark)
+	return raw, raw.plusRouted(requests, kv), true
 }
 
 // adapterCost says where u has adapter and what making it resident costs.

@@ -136,3 +136,19 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 		t.Fatalf("the adapter went to %d replicas (%v), want the holder and exactly one more", len(count), count)
 	}
 }
+
+// TestFinishedWorkIsNotForeign: requests the router routed and that
+// finished since the last scrape are not mistaken for load from elsewhere,
+// so turn 2 of a conversation still lands warm between scrapes.
+func TestFinishedWorkIsNotForeign(t *testing.T) {
+	fleet := startFleet(t, 4, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 10s", ""))
+	time.Sleep(300 * time.Millisecond) // the first scrape, before any request
+	convo := []msg{{"system", text("scraped conversation", 12_000)}, {"user", "hi"}}
+	first := post(t, "/v1/chat/completions", chat(convo, 8))
+	convo = append(convo, msg{"assistant", "hello"}, msg{"user", "more"})
+	second := post(t, "/v1/chat/completions", chat(convo, 8))
+	if first.status != 200 || second.replica != first.replica || !strings.Contains(second.explain, "reason=warm") {
+		t.Fatalf("turn 1 on %s, turn 2 on %s (%s)", first.replica, second.replica, second.explain)
+	}
+}
