@@ -29,9 +29,16 @@ type Config struct {
 	Progress func(done, total int)
 }
 
-// HTTPRunner builds the runner of --mode http. It is nil until a package that can start a
-// Caddy with the llm_affinity plugin in front of kvsim servers sets it.
-var HTTPRunner func(cfg Config) (Runner, error)
+// HTTPRunner builds the runner of --mode http. Its settings are a [Sim]'s (the replicas, the
+// engine, the seed, the progress callback and the llm_affinity options: queue timeout, output
+// estimate, scorer rates and tuning), so that both modes configure the router alike.
+// timeScale runs the kvsim engines that many times faster than wall clock (0 means 1): requests
+// are sent at arrival/timeScale wall seconds and times are reported in simulated seconds.
+//
+// It is nil until a package that can start a Caddy with the llm_affinity plugin in front of
+// kvsim servers sets it (llmbench/httprun, which the llmbench command imports), so that this
+// package stays free of Caddy.
+var HTTPRunner func(settings *Sim, timeScale float64) (Runner, error)
 
 // RequestResult is what one request measured. Times are seconds of the replay's clock:
 // virtual in sim mode, wall clock (times the speed factor) in http mode.

@@ -21,6 +21,8 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+	// --mode http: a real Caddy with the llm_affinity plugin in front of kvsim servers.
+	_ "github.com/llmaffinity/caddy-llm-affinity/llmbench/httprun"
 )
 
 // progressDelay is how long a replay runs before a progress bar appears, so quick runs stay
@@ -33,6 +35,7 @@ type options struct {
 	replicas       int
 	policies       string
 	speed          float64
+	timeScale      float64
 	requests       int
 	rate           float64
 	seed           uint64
@@ -57,11 +60,12 @@ func main() {
 func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("llmbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.mode, "mode", "sim", "`sim`: virtual-time simulation (router code + kvsim engine models, no network); http: a real Caddy in front of kvsim servers")
+	fs.StringVar(&o.mode, "mode", "sim", "`sim`: virtual-time simulation (router code + kvsim engine models, no network); http: a real in-process Caddy (the llm_affinity plugin, or Caddy's own lb_policy) in front of kvsim servers on loopback ports, each request streamed at its arrival time (see --time-scale)")
 	fs.StringVar(&o.workload, "workload", "gsp", "a generator (gsp, mrqa, lora, noprefix) or the `path` of a Mooncake-format JSONL trace")
 	fs.IntVar(&o.replicas, "replicas", 8, "number of engine replicas")
 	fs.StringVar(&o.policies, "policies", "all", "comma-separated `list` of policies: "+strings.Join(llmbench.Policies(), ", ")+"; all = every one")
-	fs.Float64Var(&o.speed, "speed", 1, "replay `factor`: arrival times are divided by it (2 = twice as fast); applies to traces and generators")
+	fs.Float64Var(&o.speed, "speed", 1, "replay `factor`: arrival times are divided by it (2 = twice as fast, twice the load); applies to traces and generators, in both modes")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "http: run the kvsim engines `N` times faster than wall clock: requests are sent at arrival/N wall seconds, the router's rates and timeouts are scaled to match, and times are reported in simulated seconds (wall × N), so they compare with sim mode; the workload and its load are unchanged (that is --speed). High values add HTTP and timer noise")
 	fs.IntVar(&o.requests, "requests", 0, "keep only the first `N` requests of the workload (0 = all)")
 	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 64, mrqa 24, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
@@ -70,11 +74,11 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
-	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "sim, llm_affinity: how long a request that fits no replica (KV charged there + its own > KV capacity) waits at the gateway before it is shed; negative = shed at once (the plugin's queue_timeout)")
-	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "sim, llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
-	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "sim, llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
-	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "sim: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
-	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "sim: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
+	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "llm_affinity: how long a request that fits no replica (KV charged there + its own > KV capacity) waits at the gateway before it is shed; negative = shed at once (the plugin's queue_timeout)")
+	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
+	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
+	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
+	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
 
 	fs.IntVar(&o.gen.GSP.Groups, "gsp-groups", 64, "gsp: number of shared system prompts")
@@ -112,8 +116,13 @@ hashes the request's session (mrqa: user, lora: tenant, a trace's "session" fiel
 one, the id of the first prompt block (Mooncake: hash_ids[0], the same for every request of the
 conversation trace).
 
+In http mode each policy gets fresh replicas and a fresh in-process Caddy on 127.0.0.1 (no
+admin endpoint, no HTTPS); the llm_affinity policy is configured as sim mode configures its
+mirror of it. Times are simulated seconds in both modes.
+
 Example:
   llmbench --mode sim --workload gsp --replicas 8 --json out.json --svg ttft.svg
+  llmbench --mode http --workload gsp --replicas 4 --requests 200 --time-scale 2
   llmbench --workload /path/mooncake_conversation_trace.jsonl --policies llm_affinity/ttft,round_robin
 
 Flags:
@@ -176,23 +185,28 @@ func bench(o options, stdout, stderr io.Writer) error {
 			}
 		},
 	}
+	// Both modes configure the llm_affinity policy from the same settings.
+	settings := &llmbench.Sim{
+		Config:                 cfg,
+		QueueTimeout:           o.queueTimeout,
+		OutputEstimate:         o.outputEstimate,
+		OutputTokens:           o.outputTokens,
+		PrefillTokensPerSecond: o.prefillRate,
+		DecodeTokensPerSecond:  o.decodeRate,
+	}
 	var runner llmbench.Runner
 	switch o.mode {
 	case "sim":
-		runner = &llmbench.Sim{
-			Config:                 cfg,
-			QueueTimeout:           o.queueTimeout,
-			OutputEstimate:         o.outputEstimate,
-			OutputTokens:           o.outputTokens,
-			PrefillTokensPerSecond: o.prefillRate,
-			DecodeTokensPerSecond:  o.decodeRate,
-		}
+		runner = settings
 	case "http":
 		if llmbench.HTTPRunner == nil {
-			fmt.Fprintln(stderr, "http mode needs the caddyllm plugin; not yet available")
+			fmt.Fprintln(stderr, "http mode needs the caddyllm plugin, which this build lacks")
 			return errHTTPUnavailable
 		}
-		if runner, err = llmbench.HTTPRunner(cfg); err != nil {
+		if o.timeScale <= 0 || math.IsNaN(o.timeScale) || math.IsInf(o.timeScale, 0) {
+			return usageError{fmt.Errorf("--time-scale must be a positive number, got %v", o.timeScale)}
+		}
+		if runner, err = llmbench.HTTPRunner(settings, o.timeScale); err != nil {
 			return err
 		}
 	default:
@@ -228,13 +242,14 @@ func bench(o options, stdout, stderr io.Writer) error {
 		}
 		params[k] = v
 	}
-	if sim, ok := runner.(*llmbench.Sim); ok {
-		prefill, decode := sim.Rates(w)
-		params["queue_timeout_s"] = o.queueTimeout.Seconds()
-		params["output_estimate"] = o.outputEstimate
-		params["output_tokens"] = o.outputTokens
-		params["prefill_tokens_per_s"] = prefill
-		params["decode_tokens_per_s"] = decode
+	prefill, decode := settings.Rates(w)
+	params["queue_timeout_s"] = o.queueTimeout.Seconds()
+	params["output_estimate"] = o.outputEstimate
+	params["output_tokens"] = o.outputTokens
+	params["prefill_tokens_per_s"] = prefill
+	params["decode_tokens_per_s"] = decode
+	if o.mode == "http" {
+		params["time_scale"] = o.timeScale
 	}
 	fmt.Fprintf(stderr, "llmbench: %s, %d requests over %.1fs (prompt mean %.0f, output mean %.0f tokens), %d replicas, %s mode\n",
 		o.workload, st.Requests, st.DurationSeconds, st.MeanPromptTokens, st.MeanOutputTokens, o.replicas, o.mode)
