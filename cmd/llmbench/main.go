@@ -118,7 +118,8 @@ conversation trace).
 
 In http mode each policy gets fresh replicas and a fresh in-process Caddy on 127.0.0.1 (no
 admin endpoint, no HTTPS); the llm_affinity policy is configured as sim mode configures its
-mirror of it. Times are simulated seconds in both modes.
+mirror of it, and header hashes an X-Session-Id header the client sets to the routing key above.
+Times are simulated seconds in both modes.
 
 Example:
   llmbench --mode sim --workload gsp --replicas 8 --json out.json --svg ttft.svg

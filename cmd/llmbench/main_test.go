@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
 )
 
 func TestHelpDocumentsEveryFlag(t *testing.T) {
@@ -33,12 +35,52 @@ func TestHelpDocumentsEveryFlag(t *testing.T) {
 }
 
 func TestHTTPModeUnavailable(t *testing.T) {
+	saved := llmbench.HTTPRunner
+	llmbench.HTTPRunner = nil
+	t.Cleanup(func() { llmbench.HTTPRunner = saved })
 	var stdout, stderr bytes.Buffer
 	if code := run([]string{"--mode", "http"}, &stdout, &stderr); code != 2 {
 		t.Fatalf("exit %d, want 2", code)
 	}
-	if got := strings.TrimSpace(stderr.String()); got != "http mode needs the caddyllm plugin; not yet available" {
+	if got := strings.TrimSpace(stderr.String()); got != "http mode needs the caddyllm plugin, which this build lacks" {
 		t.Errorf("stderr %q", got)
+	}
+}
+
+func TestHTTPRunWritesReport(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and kvsim servers")
+	}
+	jsonPath := filepath.Join(t.TempDir(), "out.json")
+	var stdout, stderr bytes.Buffer
+	code := run([]string{"--mode", "http", "--time-scale", "4", "--workload", "gsp", "--gsp-groups", "4",
+		"--gsp-prompts-per-group", "4", "--gsp-system-len", "512", "--gsp-output-len", "8", "--replicas", "2",
+		"--policies", "llm_affinity/ttft,header", "--json", jsonPath}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	raw, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct {
+		Parameters map[string]any `json:"parameters"`
+		Policies   []struct {
+			Policy    string `json:"policy"`
+			Completed int    `json:"completed"`
+			Errors    int    `json:"errors"`
+		} `json:"policies"`
+	}
+	if err := json.Unmarshal(raw, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if rep.Parameters["mode"] != "http" || rep.Parameters["time_scale"] != 4.0 || len(rep.Policies) != 2 {
+		t.Fatalf("report %s", raw)
+	}
+	for _, p := range rep.Policies {
+		if p.Completed != 16 || p.Errors != 0 {
+			t.Errorf("%s: %d completed, %d errors", p.Policy, p.Completed, p.Errors)
+		}
 	}
 }
 
@@ -78,6 +120,7 @@ func TestBadArguments(t *testing.T) {
 	for _, args := range [][]string{
 		{"--policies", "bogus"},
 		{"--mode", "carrier-pigeon"},
+		{"--mode", "http", "--time-scale", "0"},
 		{"--workload", "llmbench/testdata/none.jsonl", "--rate", "5"},
 		{"--replicas", "0"},
 		{"stray"},

@@ -1,0 +1,112 @@
+package httprun
+
+import (
+	"context"
+	"testing"
+
+	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+)
+
+// replayHTTP replays w under policy and checks that every request completed.
+func replayHTTP(t *testing.T, r *Runner, w *llmbench.Workload, policy string) llmbench.Summary {
+	t.Helper()
+	res, err := r.Replay(context.Background(), w, policy)
+	if err != nil {
+		t.Fatalf("%s: %v", policy, err)
+	}
+	s := llmbench.Summarize(res)
+	if s.Completed != len(w.Requests) || s.Shed != 0 || s.Errors != 0 {
+		for _, q := range res.Requests {
+			if q.Err != "" {
+				t.Logf("request %d: %s", q.Index, q.Err)
+				break
+			}
+		}
+		t.Fatalf("%s: %d completed, %d shed, %d errors of %d", policy, s.Completed, s.Shed, s.Errors, len(w.Requests))
+	}
+	sent := 0
+	var queries uint64
+	for _, rep := range res.Replicas {
+		sent += rep.Requests
+		queries += rep.PrefixQueries
+	}
+	if sent != len(w.Requests) || queries == 0 {
+		t.Errorf("%s: replicas saw %d of %d requests, %d prefix queries", policy, sent, len(w.Requests), queries)
+	}
+	for _, q := range res.Requests {
+		if q.Replica < 0 || q.TTFT <= 0 || q.E2E < q.TTFT || q.OutputTokens != w.Requests[q.Index].OutputTokens {
+			t.Fatalf("%s: implausible request %+v", policy, q)
+		}
+	}
+	return s
+}
+
+func TestHTTPAffinityBeatsRoundRobinOnGSP(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and kvsim servers")
+	}
+	w, err := llmbench.Generate("gsp", llmbench.GeneratorOptions{Seed: 1, Rate: 40, GSP: llmbench.GSPParams{
+		Groups: 5, PromptsPerGroup: 8, SystemTokens: 1024, QuestionTokens: 64, OutputTokens: 16,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls, last int
+	settings := &llmbench.Sim{Config: llmbench.Config{Replicas: 2, Seed: 1, Progress: func(done, total int) {
+		calls++
+		last = done
+		if total != len(w.Requests) {
+			t.Errorf("progress total %d", total)
+		}
+	}}}
+	r, err := New(settings, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ttft := replayHTTP(t, r, w, "llm_affinity/ttft")
+	if calls != len(w.Requests) || last != len(w.Requests) {
+		t.Errorf("progress called %d times, last done %d, want %d", calls, last, len(w.Requests))
+	}
+	rr := replayHTTP(t, r, w, "round_robin")
+	t.Logf("hit rate: llm_affinity/ttft %.3f, round_robin %.3f; TTFT p50 %.3fs, %.3fs",
+		ttft.HitRate, rr.HitRate, ttft.TTFTP50, rr.TTFTP50)
+	if ttft.HitRate < rr.HitRate {
+		t.Errorf("llm_affinity/ttft hit rate %.3f is below round_robin's %.3f", ttft.HitRate, rr.HitRate)
+	}
+}
+
+// TestHTTPAdaptersAndHeader runs a LoRA workload, whose adapter names are renamed per pass,
+// under the plugin and under Caddy's header policy (session header set by the client).
+func TestHTTPAdaptersAndHeader(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and kvsim servers")
+	}
+	w, err := llmbench.Generate("lora", llmbench.GeneratorOptions{Seed: 3, Rate: 30, LoRA: llmbench.LoRAParams{
+		Adapters: 4, Requests: 24, SystemTokens: 256, QuestionTokens: 64, OutputTokens: 8, ZipfExponent: 1,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(&llmbench.Sim{Config: llmbench.Config{Replicas: 2, Seed: 1}}, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replayHTTP(t, r, w, "llm_affinity/llmd")
+	replayHTTP(t, r, w, "header")
+}
+
+func TestNewRejectsBadSettings(t *testing.T) {
+	for _, tc := range []struct {
+		settings  *llmbench.Sim
+		timeScale float64
+	}{
+		{nil, 1},
+		{&llmbench.Sim{Config: llmbench.Config{Replicas: 1}}, -1},
+		{&llmbench.Sim{Config: llmbench.Config{Replicas: 0}}, 1},
+		{&llmbench.Sim{Config: llmbench.Config{Replicas: 1}, OutputEstimate: "guess"}, 1},
+	} {
+		if _, err := New(tc.settings, tc.timeScale); err == nil {
+			t.Errorf("New(%+v, %v) accepted", tc.settings, tc.timeScale)
+		}
+	}
+}
