@@ -288,6 +288,13 @@ var engineFamilies = map[string]bool{
 	sglangCacheConfig: true, sglangHitRate: true, sglangLoRASlots: true,
 }
 
+// textParsers recycles Prometheus text parsers: TextToMetricFamilies
+// resets one for each input and keeps its read buffer.
+var textParsers = sync.Pool{New: func() any {
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	return &p
+}}
+
 // expositionBuffers recycles the buffers expositions are read into.
 var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 
@@ -315,7 +322,8 @@ func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 	if _, err := buf.ReadFrom(r); err != nil {
 		return EngineSignals{}, fmt.Errorf("reading metrics exposition: %w", err)
 	}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
+	parser := textParsers.Get().(*expfmt.TextParser)
+	defer textParsers.Put(parser)
 	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes())))
 	if err != nil {
 		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
