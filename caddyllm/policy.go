@@ -134,7 +134,9 @@ type Policy struct {
 	// Default 30s.
 	DrainDeadline caddy.Duration `json:"drain_deadline,omitempty"`
 
-	// Drain lists dial addresses to drain when this config loads.
+	// Drain lists dial addresses to drain when this config loads. A
+	// later config that no longer lists one of its upstreams undrains it
+	// (drains made through the admin API or by health stay).
 	Drain []string `json:"drain,omitempty"`
 
 	// ScrapeInterval turns on scraping of each upstream's engine metrics
@@ -258,12 +260,19 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.DrainDeadline = caddy.Duration(defaultDrainDeadline)
 	}
 	adminDrainDeadline.Store(int64(p.DrainDeadline))
-	for _, dial := range p.Drain {
-		drains.Drain(dial, time.Duration(p.DrainDeadline), drain.ByConfig)
-	}
 	// The parent's upstreams and health checks are provisioned after this
 	// policy, so the health watcher starts with the first request.
 	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
+	for _, dial := range p.Drain {
+		drains.Drain(dial, time.Duration(p.DrainDeadline), drain.ByConfig)
+	}
+	// An upstream a previous config drained and this one no longer lists
+	// returns to service.
+	for _, u := range p.parent() {
+		if !slices.Contains(p.Drain, u.Dial) {
+			drains.Undrain(u.Dial, drain.ByConfig)
+		}
+	}
 	p.capacities = new(sync.Map)
 	if p.ScrapeInterval > 0 {
 		p.scraper = newScraper(scrapeConfig{

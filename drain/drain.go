@@ -35,8 +35,8 @@ func (p Phase) String() string {
 	return "active"
 }
 
-// Cause says who started a drain; an undrain by health only lifts a drain
-// that health started.
+// Cause says who started a drain; an undrain by health or config only
+// lifts a drain it started.
 type Cause string
 
 // Causes.
@@ -121,8 +121,9 @@ func (r *Registry) Drain(key string, deadline time.Duration, cause Cause) {
 	r.settle(key, u)
 }
 
-// Undrain returns key to active. With cause ByHealth it only lifts a drain
-// that health started. It reports whether the upstream is now active.
+// Undrain returns key to active. An admin undrain lifts any drain; health
+// and config only lift the drains they started. It reports whether the
+// upstream is now active.
 func (r *Registry) Undrain(key string, cause Cause) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -130,7 +131,7 @@ func (r *Registry) Undrain(key string, cause Cause) bool {
 	if u == nil || u.phase == Active {
 		return true
 	}
-	if cause == ByHealth && u.cause != ByHealth {
+	if cause != ByAdmin && u.cause != cause {
 		return false
 	}
 	if u.timer != nil {

@@ -79,15 +79,15 @@ func TestUndrainBeforeDeadlineCutsNothing(t *testing.T) {
 	end()
 }
 
-func TestHealthOnlyLiftsItsOwnDrain(t *testing.T) {
+func TestCausesOnlyLiftTheirOwnDrains(t *testing.T) {
 	r := New(Events{})
 	r.Drain("a", time.Hour, ByAdmin)
 	if r.Undrain("a", ByHealth) || !r.IsDraining("a") {
 		t.Fatal("health lifted an admin drain")
 	}
 	r.Drain("b", time.Hour, ByHealth)
-	if !r.Undrain("b", ByHealth) || r.IsDraining("b") {
-		t.Fatal("health did not lift its own drain")
+	if r.Undrain("b", ByConfig) || !r.Undrain("b", ByHealth) || r.IsDraining("b") {
+		t.Fatal("health's drain not lifted by health alone")
 	}
 }
 

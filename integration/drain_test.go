@@ -335,3 +335,26 @@ func TestBrokenStreamContinues(t *testing.T) {
 		t.Error("no continued stream counted")
 	}
 }
+
+// TestConfigDrainList: an upstream listed under drain takes no requests;
+// a reload that no longer lists it puts it back in service.
+func TestConfigDrainList(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	a, b := fleet[0], fleet[1]
+	tester := startCaddy(t, caddyfile(fleet, "", "drain "+a.dial(), ""))
+	for i := 0; i < 4; i++ {
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("cfg", i), 400), "max_tokens": 2}); c.replica != b.name {
+			t.Fatalf("request %d went to %q while A is drained by config", i, c.replica)
+		}
+	}
+	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", "", "")))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := tester.Client.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("reload: %v %v", err, resp)
+	}
+	resp.Body.Close()
+	if p := drainPhase(t, a.dial()); p != "active" {
+		t.Fatalf("A is %s after the config stopped listing it", p)
+	}
+}
