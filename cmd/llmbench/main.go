@@ -6,6 +6,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -39,6 +40,7 @@ type options struct {
 	requests       int
 	rate           float64
 	seed           uint64
+	routerSeed     uint64
 	jsonPath       string
 	svgPath        string
 	maxTokens      int
@@ -69,6 +71,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.requests, "requests", 0, "keep only the first `N` requests of the workload (0 = all)")
 	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 64, mrqa 24, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
+	fs.Uint64Var(&o.routerSeed, "router-seed", 0, "sim: `seed` of the router's random choices alone (ties, random, least_conn), to see how much they matter with the workload fixed (0 = --seed); http mode's routers use their own random sources")
 	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
 	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
@@ -179,7 +182,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	cfg := llmbench.Config{
 		Replicas: o.replicas,
 		Engine:   kvsim.Config{NumGPUBlocks: o.kvBlocks, MaxNumSeqs: o.maxNumSeqs},
-		Seed:     o.seed,
+		Seed:     cmp.Or(o.routerSeed, o.seed),
 		Progress: func(done, total int) {
 			if bar != nil {
 				bar.update(done, total)
@@ -236,6 +239,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		"speed": o.speed, "requests": st.Requests, "duration_s": st.DurationSeconds,
 		"mean_prompt_tokens": st.MeanPromptTokens, "mean_output_tokens": st.MeanOutputTokens,
 		"max_tokens": o.maxTokens, "kv_blocks": o.kvBlocks, "max_num_seqs": o.maxNumSeqs,
+		"router_seed": cmp.Or(o.routerSeed, o.seed),
 	}
 	for k, v := range w.Params {
 		if f, ok := v.(float64); ok && math.IsInf(f, 0) {
