@@ -9,9 +9,10 @@
 // A [Runner] replays a workload under one policy and returns [Results], one [RequestResult]
 // per request and one [ReplicaResult] per replica. [Sim] is the runner that needs no network:
 // it drives the router's own decision code (prefixindex, scorer) and N kvsim engine models
-// from one virtual-time event loop. An HTTP runner, which replays against a real Caddy in
-// front of kvsim servers, plugs in through [HTTPRunner] and shares everything after the
-// replay: [Summarize], [WriteTable], [WriteJSON] and [WriteSVG].
+// from one virtual-time event loop. The HTTP runner (package llmbench/httprun), which replays
+// against a real Caddy in front of kvsim servers, plugs in through [HTTPRunner], so that this
+// package needs no Caddy, and shares everything after the replay: [Summarize], [WriteTable],
+// [WriteJSON] and [WriteSVG].
 //
 // Prompt text is never printed: reports carry counts and times only.
 package llmbench

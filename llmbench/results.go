@@ -41,7 +41,7 @@ type Config struct {
 var HTTPRunner func(settings *Sim, timeScale float64) (Runner, error)
 
 // RequestResult is what one request measured. Times are seconds of the replay's clock:
-// virtual in sim mode, wall clock (times the speed factor) in http mode.
+// virtual in sim mode, wall clock times the time scale in http mode.
 type RequestResult struct {
 	// Index is the request's position in the workload.
 	Index int `json:"index"`
