@@ -57,8 +57,10 @@ type upstreamState struct {
 	// Observed figures, for the admin API and metrics.
 	completed      int64
 	lastTTFT       time.Duration
-	lastEstimate   float64
-	capacityTokens int // as last configured, for display
+	lastEstimate   float64 // estimated TTFT of the last request routed here
+	capacityTokens int     // KV capacity in tokens as last applied
+	healthSeen     bool    // healthy holds Caddy's verdict at the last decision
+	healthy        bool
 
 	// adapters are the LoRA adapters routed here, most recent first: the
 	// first max_loras are presumed on the GPU, the rest in host memory.

@@ -136,17 +136,26 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 // UpstreamSnapshot is one upstream's live state, for the admin API and
 // metrics.
 type UpstreamSnapshot struct {
-	Dial                string   `json:"dial"`
-	QueuedPrefillTokens int      `json:"queued_prefill_tokens"`
-	QueuedDecodeTokens  int      `json:"queued_decode_tokens"`
-	KVTokensInFlight    int      `json:"kv_tokens_in_flight"`
-	InFlight            int      `json:"in_flight"`
-	IndexBlocks         int      `json:"index_blocks"`
-	IndexCapacity       int      `json:"index_capacity_blocks"`
-	Completed           int64    `json:"completed"`
-	LastTTFTSeconds     float64  `json:"last_ttft_seconds"`
-	Adapters            []string `json:"adapters,omitempty"`
-	IdleSeconds         float64  `json:"idle_seconds"`
+	Dial                string  `json:"dial"`
+	QueuedPrefillTokens int     `json:"queued_prefill_tokens"`
+	QueuedDecodeTokens  int     `json:"queued_decode_tokens"`
+	KVTokensInFlight    int     `json:"kv_tokens_in_flight"`
+	InFlight            int     `json:"in_flight"`
+	IndexBlocks         int     `json:"index_blocks"`
+	IndexCapacity       int     `json:"index_capacity_blocks"`
+	Completed           int64   `json:"completed"`
+	LastTTFTSeconds     float64 `json:"last_ttft_seconds"`
+	// LastEstimatedTTFTSeconds is the estimate made for the last request
+	// routed here, to compare with LastTTFTSeconds.
+	LastEstimatedTTFTSeconds float64 `json:"last_estimated_ttft_seconds"`
+	// KVCapacityTokens is the KV capacity the index and filter use, 0
+	// when unknown.
+	KVCapacityTokens int `json:"kv_capacity_tokens"`
+	// Healthy is Caddy's health verdict at the last decision (absent
+	// before the first).
+	Healthy     *bool    `json:"healthy,omitempty"`
+	Adapters    []string `json:"adapters,omitempty"`
+	IdleSeconds float64  `json:"idle_seconds"`
 	// Engine is what the engine last reported, when scraping is on.
 	Engine *EngineView `json:"engine,omitempty"`
 	// Drain is the drain phase: active, draining or drained.
@@ -171,9 +180,14 @@ func snapshotUpstreams() []UpstreamSnapshot {
 			KVTokensInFlight: u.kvTokens, InFlight: u.inFlight,
 			IndexBlocks: state.index.Blocks(u.id), IndexCapacity: state.index.Capacity(u.id),
 			Completed: u.completed, LastTTFTSeconds: u.lastTTFT.Seconds(),
+			LastEstimatedTTFTSeconds: u.lastEstimate, KVCapacityTokens: u.capacityTokens,
 			Adapters: append([]string(nil), u.adapters...), IdleSeconds: time.Since(u.lastUsed).Seconds(),
 			Drain: "active", Engine: engines[u.dial],
 		})
+		if u.healthSeen {
+			healthy := u.healthy
+			out[len(out)-1].Healthy = &healthy
+		}
 		if d, ok := drainOf[u.dial]; ok {
 			s := &out[len(out)-1]
 			s.Drain, s.DrainCause, s.DrainDeadline = d.Phase, string(d.Cause), d.Deadline

@@ -497,6 +497,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	states := make([]*upstreamState, len(pool))
 	for i, u := range pool {
 		states[i] = state.upstream(u.Dial, now)
+		states[i].healthSeen, states[i].healthy = true, u.Healthy()
 	}
 	// Match after registering, so every upstream has a slot in depths.
 	depths := state.index.Match(req.Hashes, nil)
@@ -534,6 +535,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	us, c := states[d.Chosen], &cands[d.Chosen]
 	a := state.charge(us, req.PromptTokens-c.MatchedTokens, output, req.PromptTokens+output, now)
 	a.estimate = d.EstimatedTTFTSeconds
+	us.lastEstimate = d.EstimatedTTFTSeconds
 	a.endFlight = drains.Begin(us.dial, st.cutForDrain)
 	st.current = a
 	if adapter != "" {
