@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -8,12 +9,14 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -311,6 +314,21 @@ var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 // themselves are still parsed by the Prometheus library. A malformed line
 // in a family it does not read is therefore not an error.
 func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
+	return parseEngineMetricsSkipping(r, now, false)
+}
+
+// staticFamilies describe an engine's configuration, which does not change
+// while it runs. Their long label sets made vLLM's cache_config_info about
+// half of every parse, so the scraper reads them on a slower cadence
+// (staticRefresh) and carries their figures over in between.
+var staticFamilies = map[string]bool{vllmCacheConfig: true}
+
+// staticRefresh is how often static families are re-read.
+const staticRefresh = 10 * time.Second
+
+// parseEngineMetricsSkipping is parseEngineMetrics, leaving out the
+// static families when skipStatic is set.
+func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipStatic bool) (EngineSignals, error) {
 	buf := expositionBuffers.Get().(*bytes.Buffer)
 	defer func() {
 		if buf.Cap() <= 1<<20 { // do not keep the rare huge one
@@ -324,7 +342,7 @@ func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 	}
 	parser := textParsers.Get().(*expfmt.TextParser)
 	defer textParsers.Put(parser)
-	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes())))
+	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes(), skipStatic)))
 	if err != nil {
 		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
 	}
@@ -333,7 +351,7 @@ func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 
 // keepEngineLines compacts text in place to the lines that belong to the
 // families in engineFamilies, and returns them.
-func keepEngineLines(text []byte) []byte {
+func keepEngineLines(text []byte, skipStatic bool) []byte {
 	out := text[:0]
 	for len(text) > 0 {
 		line := text
@@ -341,7 +359,7 @@ func keepEngineLines(text []byte) []byte {
 		if i := bytes.IndexByte(text, '\n'); i >= 0 {
 			line, next = text[:i+1], i+1
 		}
-		if engineLine(line) {
+		if engineLine(line, skipStatic) {
 			out = append(out, line...) // never overtakes the reading position
 		}
 		text = text[next:]
@@ -354,7 +372,7 @@ func keepEngineLines(text []byte) []byte {
 // comments are dropped; lines whose name is quoted (UTF-8 names) are
 // kept, for the parser to judge. It runs on every line of every scrape,
 // so it avoids anything slower than a byte loop.
-func engineLine(line []byte) bool {
+func engineLine(line []byte, skipStatic bool) bool {
 	line = skipBlanks(line)
 	if len(line) > 0 && line[0] == '#' {
 		line = skipBlanks(line[1:])
@@ -383,7 +401,8 @@ func engineLine(line []byte) bool {
 		}
 		end++
 	}
-	return engineFamilies[string(line[:end])]
+	name := line[:end]
+	return engineFamilies[string(name)] && !(skipStatic && staticFamilies[string(name)])
 }
 
 // skipBlanks drops leading spaces and tabs.
@@ -792,6 +811,15 @@ type scrapeTarget struct {
 	dial       string
 	metricsURL string
 	modelsURL  string
+	// metricsRequest is the metrics GET as sent on a kept-alive
+	// connection (plain HTTP only); nil to go through the http.Client.
+	metricsRequest []byte
+
+	// conn is the target's own kept-alive connection for metrics, used
+	// by one fetch at a time (busy), closed when the target goes.
+	connMu sync.Mutex
+	conn   *bufferedConn
+	closed bool
 
 	// latest is the last successful scrape, read without locks.
 	latest atomic.Pointer[EngineSignals]
@@ -804,6 +832,10 @@ type scrapeTarget struct {
 	modelsAt  time.Time
 	modelsDue time.Time
 	seq       uint64
+	// static holds the figures of the static families last read, until
+	// staticDue.
+	static    EngineSignals
+	staticDue time.Time
 }
 
 // scraper polls the engines' metrics (and model lists) of a set of
@@ -862,8 +894,9 @@ func (s *scraper) setTargets(dials []string) {
 		keep[d] = true
 		added = s.addLocked(d) || added
 	}
-	for d := range s.targets {
+	for d, t := range s.targets {
 		if !keep[d] {
+			t.closeConn()
 			delete(s.targets, d)
 		}
 	}
@@ -908,8 +941,13 @@ func (s *scraper) addLocked(d string) bool {
 		return false
 	}
 	base := s.cfg.Scheme + "://" + d
-	s.targets[d] = &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
+	t := &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
 		modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
+	if s.cfg.Scheme == "http" && s.ownsClient {
+		t.metricsRequest = []byte("GET " + s.cfg.MetricsPath + " HTTP/1.1\r\nHost: " + d +
+			"\r\nAccept: " + scrapeAcceptHeader + "\r\nUser-Agent: caddy-llm-affinity\r\n\r\n")
+	}
+	s.targets[d] = t
 	return true
 }
 
@@ -960,6 +998,11 @@ func (s *scraper) run(ctx context.Context) {
 		if s.ownsClient {
 			s.client.CloseIdleConnections()
 		}
+		s.mu.RLock()
+		for _, t := range s.targets {
+			t.closeConn()
+		}
+		s.mu.RUnlock()
 	}()
 
 	ticker := time.NewTicker(s.cfg.Interval)
@@ -1010,7 +1053,16 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		mark = s.cfg.Mark(t.dial)
 	}
 	start := time.Now()
-	sig, err := s.fetchMetrics(ctx, t.metricsURL, start)
+	t.mu.Lock()
+	skipStatic := t.static.NumGPUBlocks > 0 && start.Before(t.staticDue)
+	t.mu.Unlock()
+	var sig EngineSignals
+	var err error
+	if t.metricsRequest != nil {
+		sig, err = s.fetchMetricsKeptAlive(ctx, t, start, skipStatic)
+	} else {
+		sig, err = s.fetchMetrics(ctx, t.metricsURL, start, skipStatic)
+	}
 	if err != nil && ctx.Err() != nil {
 		t.mu.Lock()
 		t.busy = false
@@ -1060,6 +1112,12 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		}
 	}
 
+	if skipStatic {
+		sig.BlockSize, sig.NumGPUBlocks = t.static.BlockSize, t.static.NumGPUBlocks
+	} else if sig.NumGPUBlocks > 0 {
+		t.static.BlockSize, t.static.NumGPUBlocks = sig.BlockSize, sig.NumGPUBlocks
+		t.staticDue = start.Add(staticRefresh)
+	}
 	sig.Latency = time.Since(start)
 	sig.Mark = mark
 	sig.Models, sig.ModelsAt = t.models, t.modelsAt
@@ -1089,14 +1147,116 @@ func hitRateSince(prev, cur EngineSignals) float64 {
 }
 
 // fetchMetrics GETs and parses one metrics exposition.
-func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time) (EngineSignals, error) {
+func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipStatic bool) (EngineSignals, error) {
 	var sig EngineSignals
 	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
 		var err error
-		sig, err = parseEngineMetrics(r, now)
+		sig, err = parseEngineMetricsSkipping(r, now, skipStatic)
 		return err
 	})
 	return sig, err
+}
+
+// fetchMetricsKeptAlive GETs t's metrics over the target's own kept-alive
+// connection, reading the response with net/http's own parser
+// (http.ReadResponse) on the calling goroutine. At 640 scrapes a second
+// the http.Client's per-request machinery (a request and context, hand-
+// offs to its connection goroutines) cost about as much as parsing the
+// exposition; this path skips it. A reused connection the engine closed
+// meanwhile is redialled once.
+func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, now time.Time, skipStatic bool) (EngineSignals, error) {
+	for attempt := 0; ; attempt++ {
+		bc, reused, err := t.takeConn(ctx, s.cfg.Timeout)
+		if err != nil {
+			return EngineSignals{}, err
+		}
+		sig, keep, err := s.fetchOn(bc, t, now, skipStatic)
+		if keep {
+			t.putConn(bc)
+		} else {
+			bc.Close()
+		}
+		if err != nil && reused && attempt == 0 && ctx.Err() == nil && errors.Is(err, errStaleConn) {
+			continue
+		}
+		return sig, err
+	}
+}
+
+// errStaleConn says a kept-alive connection was closed before the
+// response began.
+var errStaleConn = errors.New("connection closed before the response")
+
+// fetchOn sends the metrics request on bc and parses the response. keep
+// says the connection can carry the next request.
+func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, now time.Time, skipStatic bool) (sig EngineSignals, keep bool, err error) {
+	if err := bc.SetDeadline(time.Now().Add(s.cfg.Timeout)); err != nil {
+		return sig, false, err
+	}
+	if _, err := bc.Write(t.metricsRequest); err != nil {
+		return sig, false, errStaleConn
+	}
+	resp, err := http.ReadResponse(bc.r, nil)
+	if err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
+			err = errStaleConn
+		}
+		return sig, false, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
+		return sig, false, fmt.Errorf("GET %s: status %d", t.metricsURL, resp.StatusCode)
+	}
+	// parseEngineMetrics reads to EOF, so on success the body is consumed
+	// and the connection is ready for the next request.
+	sig, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, skipStatic)
+	return sig, err == nil && !resp.Close, err
+}
+
+// bufferedConn is a connection with its read buffer.
+type bufferedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+// takeConn returns the target's idle connection, or dials a new one;
+// reused says which.
+func (t *scrapeTarget) takeConn(ctx context.Context, timeout time.Duration) (bc *bufferedConn, reused bool, err error) {
+	t.connMu.Lock()
+	bc, t.conn = t.conn, nil
+	t.connMu.Unlock()
+	if bc != nil {
+		return bc, true, nil
+	}
+	d := net.Dialer{Timeout: timeout}
+	c, err := d.DialContext(ctx, "tcp", t.dial)
+	if err != nil {
+		return nil, false, err
+	}
+	return &bufferedConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10)}, false, nil
+}
+
+// putConn keeps bc for the next fetch, unless the target is gone.
+func (t *scrapeTarget) putConn(bc *bufferedConn) {
+	t.connMu.Lock()
+	defer t.connMu.Unlock()
+	if t.closed || t.conn != nil {
+		bc.Close()
+		return
+	}
+	t.conn = bc
+}
+
+// closeConn closes the idle connection and refuses later ones.
+func (t *scrapeTarget) closeConn() {
+	t.connMu.Lock()
+	defer t.connMu.Unlock()
+	t.closed = true
+	if t.conn != nil {
+		t.conn.Close()
+		t.conn = nil
+	}
 }
 
 // fetchModels GETs and parses one models list.

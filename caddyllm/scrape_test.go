@@ -391,6 +391,13 @@ func TestScrapeKvsim(t *testing.T) {
 		sig, _ = s.signals(dial, time.Now(), time.Second)
 		return sig.Seq > seq && sig.PrefixQueries > 0
 	})
+	// Later scrapes skip the static cache_config_info and carry it over.
+	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 {
+		t.Fatalf("static figures not carried over: block size %d, blocks %d", sig.BlockSize, sig.NumGPUBlocks)
+	}
+	if kept := keepEngineLines([]byte("vllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true); string(kept) != "vllm:num_requests_running 3\n" {
+		t.Fatalf("kept %q when skipping static families", kept)
+	}
 
 	// The server goes away: the signals age and become stale, promptly.
 	srv.CloseClientConnections()
