@@ -68,9 +68,9 @@ type Handler struct {
 	// prompt cannot stall the router. Default 131072.
 	MaxPrefixTokens int `json:"max_prefix_tokens,omitempty"`
 
-	// Salt is mixed into every block hash; requests with different salts
-	// never share prefixes (for example, per tenant when set from a
-	// placeholder is not supported; a fixed salt isolates this route).
+	// Salt is mixed into every block hash, so routes with different salts
+	// never share prefixes in the index (for example, to keep two tenants'
+	// identical system prompts apart). It is a fixed string.
 	Salt string `json:"salt,omitempty"`
 
 	parser parser
