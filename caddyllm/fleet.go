@@ -44,8 +44,8 @@ type upstreamState struct {
 	// queuedDecode is expected output tokens routed here and not yet
 	// streamed back.
 	queuedDecode int
-	// kvTokens is the KV the in-flight requests occupy (prompt plus
-	// expected output), for the KV-fit filter.
+	// kvTokens is the new KV the in-flight requests occupy (uncached
+	// prompt plus expected output), for the KV-fit filter.
 	kvTokens int
 	inFlight int
 	lastUsed time.Time

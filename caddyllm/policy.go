@@ -533,7 +533,11 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 		return nil, d, state.waitChannel()
 	}
 	us, c := states[d.Chosen], &cands[d.Chosen]
-	a := state.charge(us, req.PromptTokens-c.MatchedTokens, output, req.PromptTokens+output, now)
+	// KV: only the uncached prompt and the output need new blocks; the
+	// matched prefix is already in the engine's cache, shared, and
+	// charging it per request over-counts popular prefixes many times.
+	uncached := req.PromptTokens - c.MatchedTokens
+	a := state.charge(us, uncached, output, uncached+output, now)
 	a.estimate = d.EstimatedTTFTSeconds
 	us.lastEstimate = d.EstimatedTTFTSeconds
 	a.endFlight = drains.Begin(us.dial, st.cutForDrain)

@@ -474,7 +474,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 	run.inflight[&f.kreq] = f
 	rep.inFlight++
 	if run.affinity {
-		f.prefillCharge, f.decodeCharge, f.kvCharge = prefillCharge, output, r.PromptTokens+output
+		f.prefillCharge, f.decodeCharge, f.kvCharge = prefillCharge, output, prefillCharge+output
 		rep.queuedPrefill += f.prefillCharge
 		rep.queuedDecode += f.decodeCharge
 		rep.kvTokens += f.kvCharge
