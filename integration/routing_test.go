@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -89,7 +90,9 @@ func TestHotPrefixSpills(t *testing.T) {
 		go func(i int) {
 			defer wg.Done()
 			c := post(t, "/v1/completions", map[string]any{
-				"model": kvsim.DefaultModel, "prompt": prefix + text(" question", 400+i), "max_tokens": 200,
+				// Each brings 2k tokens of its own: the warm replica's
+				// queue grows by 0.13 s a request against 1.07 s saved.
+				"model": kvsim.DefaultModel, "prompt": prefix + text(fmt.Sprint(" question ", i), 8000), "max_tokens": 200,
 			})
 			mu.Lock()
 			defer mu.Unlock()
@@ -103,7 +106,7 @@ func TestHotPrefixSpills(t *testing.T) {
 	}
 	wg.Wait()
 	t.Logf("replicas %v reasons %v", count, reasons)
-	if count[warm.replica] < 10 {
+	if count[warm.replica] < 6 {
 		t.Fatalf("warm replica %s took only %d of %d", warm.replica, count[warm.replica], n)
 	}
 	if len(count) < 2 || reasons["spill"] == 0 {

@@ -164,17 +164,36 @@ func servesModel(models []string, req *Request) bool {
 
 // EstimateTTFT is the ttft strategy's cost: the seconds until c would emit
 // the first token of req.
+//
+// Engines batch continuously with chunked prefill, so a new prompt waits
+// for the prefill queued ahead of it, not for the others' generations:
+// the running sequences share every step with the prefill, one token
+// each. Queued seconds are therefore the queued prefill at the prefill
+// rate, plus, for each step until this prompt starts (the queued prefill
+// in chunks, and one), a token for every request in flight at the batch's
+// decode rate. (Dividing all queued output by the decode rate, as if
+// generations ran one after another, made warm replicas look busy and
+// spilled prefixes needlessly: see BENCHMARKS.md.)
 func EstimateTTFT(req *Request, c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	decode := rate(c.DecodeTokensPerSecond, 2_000)
-	queued := float64(c.QueuedPrefillTokens)/prefill + float64(c.QueuedDecodeTokens)/decode
-	uncached := float64(max(0, req.PromptTokens-c.MatchedTokens)) / prefill
-	est := queued + uncached
+	est := QueuedSeconds(c) + float64(max(0, req.PromptTokens-c.MatchedTokens))/prefill
 	if req.Adapter != "" && c.Adapter != AdapterResident {
 		est += c.AdapterLoadSeconds
 	}
 	return est
 }
+
+// QueuedSeconds is how long c's queue delays a new prompt's prefill.
+func QueuedSeconds(c *Candidate) float64 {
+	prefill := rate(c.PrefillTokensPerSecond, 10_000)
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	steps := 1 + float64(c.QueuedPrefillTokens)/PrefillChunkTokens
+	return float64(c.QueuedPrefillTokens)/prefill + steps*float64(c.InFlight)/decode
+}
+
+// PrefillChunkTokens is the prefill one engine step carries (vLLM's
+// max_num_batched_tokens default).
+const PrefillChunkTokens = 8192
 
 func rate(r, fallback float64) float64 {
 	if r > 0 {

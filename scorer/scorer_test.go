@@ -77,9 +77,9 @@ func TestToleranceRule(t *testing.T) {
 		k := r.IntN(prompt + 1)
 		warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
 		warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
+		warm.InFlight, cold.InFlight = r.IntN(100), r.IntN(100)
 		rate := 10_000.0
-		qWarm := float64(warm.QueuedPrefillTokens)/rate + float64(warm.QueuedDecodeTokens)/2000
-		qCold := float64(cold.QueuedPrefillTokens)/rate + float64(cold.QueuedDecodeTokens)/2000
+		qWarm, qCold := QueuedSeconds(&warm), QueuedSeconds(&cold)
 		tPrefill := float64(k) / rate
 		diff := qWarm - qCold - tPrefill
 		if diff > -1e-6 && diff < 1e-6 {
@@ -136,7 +136,7 @@ func TestHotPrefixSpills(t *testing.T) {
 	warm, cold := cand("warm", 8000, 0), cand("cold", 0, 0)
 	rq := req(8200) // 8000 cached tokens save 0.8 s of prefill on warm
 	var reasons []Reason
-	for i := 0; i < 20; i++ {
+	for i := 0; i < 40; i++ {
 		d := Choose(rq, []Candidate{warm, cold}, Options{}, nil, nil)
 		reasons = append(reasons, d.Reason)
 		if d.Chosen == 1 {
@@ -146,15 +146,17 @@ func TestHotPrefixSpills(t *testing.T) {
 			if d.Reason != Spill {
 				t.Fatalf("reason %s, want spill", d.Reason)
 			}
-			// Each warm request queued 200 uncached tokens plus 100 of
-			// output: 0.02 + 0.05 s. It spills once that passes 0.8 s.
-			if i < 10 || i > 13 {
-				t.Fatalf("spilled after %d requests, want about 11", i)
+			// Each warm request queues its 200 uncached tokens (0.02 s)
+			// and one more sequence in flight (0.5 ms a step): it spills
+			// once that passes 0.8 s, after about 38.
+			if i < 35 || i > 40 {
+				t.Fatalf("spilled after %d requests, want about 38", i)
 			}
 			return
 		}
 		warm.QueuedPrefillTokens += 200
 		warm.QueuedDecodeTokens += 100
+		warm.InFlight++
 	}
 	t.Fatalf("never spilled: %v", reasons)
 }
