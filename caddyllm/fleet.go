@@ -55,12 +55,13 @@ type upstreamState struct {
 	charged chargeMark
 
 	// Observed figures, for the admin API and metrics.
-	completed      int64
-	lastTTFT       time.Duration
-	lastEstimate   float64 // estimated TTFT of the last request routed here
-	capacityTokens int     // KV capacity in tokens as last applied
-	healthSeen     bool    // healthy holds Caddy's verdict at the last decision
-	healthy        bool
+	completed        int64
+	lastTTFT         time.Duration
+	lastEstimate     float64 // estimated TTFT of the last request routed here
+	capacityTokens   int     // KV capacity in tokens as last applied to the index
+	indexBlockTokens int     // block size that capacity was applied with
+	healthSeen       bool    // healthy holds Caddy's verdict at the last decision
+	healthy          bool
 
 	// adapters are the LoRA adapters routed here, most recent first: the
 	// first max_loras are presumed on the GPU, the rest in host memory.

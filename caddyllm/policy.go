@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -169,13 +168,12 @@ type Policy struct {
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
 
-	scraper    *scraper
-	capacities *sync.Map // capacityKey → struct{}: index capacities applied
-	fallback   reverseproxy.Selector
-	opts       scorer.Options
-	adapters   map[string]bool
-	logger     *zap.Logger
-	rng        *lockedRand
+	scraper  *scraper
+	fallback reverseproxy.Selector
+	opts     scorer.Options
+	adapters map[string]bool
+	logger   *zap.Logger
+	rng      *lockedRand
 }
 
 // HardwareProfile describes what an upstream can do, for the time
@@ -273,7 +271,6 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			drains.Undrain(u.Dial, drain.ByConfig)
 		}
 	}
-	p.capacities = new(sync.Map)
 	if p.ScrapeInterval > 0 {
 		p.scraper = newScraper(scrapeConfig{
 			Interval:       time.Duration(p.ScrapeInterval),
@@ -297,10 +294,6 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		registerScraper(p.scraper)
 	}
 	p.rng = newLockedRand()
-	// Size the index for the upstreams whose KV capacity is configured.
-	for dial := range p.Upstreams {
-		p.applyCapacity(dial, defaultBlockTokensForCapacity)
-	}
 	registerMetrics(ctx)
 	startJanitor()
 	return nil
@@ -338,10 +331,6 @@ func mapValues[K comparable, V any](m map[K]V) []V {
 	return out
 }
 
-// defaultBlockTokensForCapacity sizes index capacity before the handler's
-// block size is seen; requests re-apply it with their own.
-const defaultBlockTokensForCapacity = 64
-
 // profile returns the hardware profile of dial with defaults filled in.
 func (p *Policy) profile(dial string) HardwareProfile {
 	hp := HardwareProfile{PrefillTokensPerSecond: defaultPrefillPerSecond, DecodeTokensPerSecond: defaultDecodePerSecond}
@@ -360,40 +349,6 @@ func (p *Policy) profile(dial string) HardwareProfile {
 		}
 	}
 	return hp
-}
-
-// applyCapacity sizes dial's index to its KV capacity.
-func (p *Policy) applyCapacity(dial string, blockTokens int) {
-	capacity := p.profile(dial).KVCapacityTokens
-	if p.scraper != nil {
-		// The engine's own figure (num_gpu_blocks × block_size) wins.
-		if sig, ok := p.scraper.signals(dial, time.Now(), time.Duration(p.ScrapeMaxAge)); ok && sig.KVCapacityTokens() > 0 {
-			capacity = sig.KVCapacityTokens()
-		}
-	}
-	if capacity <= 0 {
-		return
-	}
-	// Most requests find the capacity unchanged; skip the locks then.
-	key := capacityKey{dial, capacity, blockTokens}
-	if _, done := p.capacities.Load(key); done {
-		return
-	}
-	defer p.capacities.Store(key, struct{}{})
-	state.mu.Lock()
-	u := state.upstream(dial, time.Now())
-	u.capacityTokens = capacity
-	state.mu.Unlock()
-	want := max(1, capacity/max(1, blockTokens))
-	if state.index.Capacity(u.id) != want {
-		state.index.SetCapacity(u.id, want)
-	}
-}
-
-// capacityKey records an index capacity applied to an upstream.
-type capacityKey struct {
-	dial                  string
-	capacity, blockTokens int
 }
 
 // Select implements reverseproxy.Selector. It runs once per attempt: a
@@ -478,21 +433,16 @@ func blockedReason(d scorer.Decision) string {
 func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reverseproxy.Upstream, scorer.Decision, <-chan struct{}) {
 	req := st.req
 	bt := max(1, req.BlockTokens)
-	for _, u := range pool {
-		p.applyCapacity(u.Dial, bt)
-	}
 	now := time.Now()
-	output := p.expectedOutput(req)
 	if p.scraper != nil {
-		dials := make([]string, len(pool))
-		for i, u := range pool {
-			dials[i] = u.Dial
+		for _, u := range pool {
+			p.scraper.addTargets(u.Dial) // cheap when known: dynamic upstreams
 		}
-		p.scraper.addTargets(dials...)
 	}
 
 	state.mu.Lock()
 	defer state.mu.Unlock()
+	output := p.expectedOutput(req)
 	cands := make([]scorer.Candidate, len(pool))
 	states := make([]*upstreamState, len(pool))
 	for i, u := range pool {
@@ -512,9 +462,10 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	adapter := p.adapterOf(req.Model, pool, now)
 	for i, u := range pool {
 		cands[i] = p.candidate(u, states[i], now, candidateInput{
-			matched:   min(depths[states[i].id]*bt, req.PromptTokens),
-			available: u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
-			adapter:   adapter,
+			matched:     min(depths[states[i].id]*bt, req.PromptTokens),
+			available:   u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
+			adapter:     adapter,
+			blockTokens: bt,
 		})
 	}
 	sreq := scorer.Request{
@@ -552,7 +503,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	return pool[d.Chosen], d, nil
 }
 
-// expectedOutput estimates req's output length.
+// expectedOutput estimates req's output length. Caller holds state.mu.
 func (p *Policy) expectedOutput(req *Request) int {
 	switch p.OutputEstimate {
 	case OutputFixed:
@@ -563,9 +514,7 @@ func (p *Policy) expectedOutput(req *Request) int {
 		}
 		return p.OutputTokens
 	}
-	state.mu.Lock()
 	mean, ok := state.meanOutput(req.Model)
-	state.mu.Unlock()
 	est := p.OutputTokens
 	if ok {
 		est = int(math.Round(mean))

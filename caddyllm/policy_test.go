@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -29,7 +28,6 @@ func testPolicy(logger *zap.Logger) *Policy {
 	p.opts = scorer.Options{Strategy: scorer.TTFT}
 	p.adapters = map[string]bool{}
 	p.rng = newLockedRand()
-	p.capacities = new(sync.Map)
 	p.logger = logger
 	return p
 }

@@ -15,9 +15,10 @@ import (
 
 // candidateInput is what decide computed for one upstream.
 type candidateInput struct {
-	matched   int
-	available bool
-	adapter   string
+	matched     int
+	available   bool
+	adapter     string
+	blockTokens int
 }
 
 // candidate describes upstream u to the scorer. Caller holds state.mu.
@@ -67,6 +68,7 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		}
 	}
 	if c.KVCapacityTokens > 0 {
+		sizeIndex(us, c.KVCapacityTokens, in.blockTokens)
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-us.kvTokens)
 		if fresh {
 			if engineFree := sig.FreeKVTokens(); engineFree >= 0 {
@@ -78,6 +80,16 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		c.Adapter, c.AdapterLoadSeconds = p.adapterCost(in.adapter, us, raw, fresh)
 	}
 	return c
+}
+
+// sizeIndex gives us's prefix index the capacity of its KV cache, when
+// that changed. Caller holds state.mu.
+func sizeIndex(us *upstreamState, capacityTokens, blockTokens int) {
+	if us.capacityTokens == capacityTokens && us.indexBlockTokens == blockTokens {
+		return
+	}
+	us.capacityTokens, us.indexBlockTokens = capacityTokens, blockTokens
+	state.index.SetCapacity(us.id, max(1, capacityTokens/max(1, blockTokens)))
 }
 
 // engineSignals returns u's scraped signals as scraped and with the
