@@ -11,6 +11,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -96,9 +97,10 @@ const (
 	defaultScrapeInterval  = time.Second
 	minScrapeInterval      = 100 * time.Millisecond
 	defaultModelsInterval  = 10 * time.Second
+	defaultSlowInterval    = 10 * time.Second
 	defaultMetricsPath     = "/metrics"
 	defaultModelsPath      = "/v1/models"
-	defaultScrapeWorkers   = 16
+	defaultScrapeWorkers   = 64
 	maxExpositionBytes     = 8 << 20 // real vLLM expositions are ~100-300 KB
 	maxModelsBytes         = 4 << 20
 	scrapeAcceptHeader     = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
@@ -167,7 +169,8 @@ type EngineSignals struct {
 	PrefixQueries, PrefixHits float64
 	// PrefixHitRate is the recent prefix cache hit rate, 0..1, or -1 when
 	// unknown: SGLang's cache_hit_rate gauge, or for vLLM the ratio of the
-	// counters' increase since the previous scrape (set by the scraper).
+	// counters' increase between the last two scrapes that read them
+	// (set by the scraper).
 	PrefixHitRate float64
 	// Models are the models the engine serves, from /v1/models; nil when
 	// not fetched yet (then any model is assumed servable).
@@ -305,30 +308,72 @@ var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 // vLLM or SGLang and returns its signals, stamped now. It fails on a
 // malformed exposition and on one with no engine metrics.
 //
-// Only the families it reads reach the Prometheus text parser: the
-// exposition is first cut into lines, and HELP lines and the TYPE and
-// sample lines of other families (histogram buckets, process and runtime metrics, the
-// bulk of the text) are dropped by metric name. That makes a scrape cost
-// a scan of the bytes plus the parse of a few dozen lines, instead of the
-// parse (and thousands of allocations) of everything; the figures
-// themselves are still parsed by the Prometheus library. A malformed line
-// in a family it does not read is therefore not an error.
+// Only the sample lines of the families it reads reach the Prometheus
+// text parser: the exposition is first cut into lines, comments (HELP
+// and TYPE) are dropped, and so are the samples of other families
+// (histogram buckets, process and runtime metrics, the bulk of a whole
+// exposition), by metric name. That makes a scrape cost a scan of the
+// bytes plus the parse of a few lines, instead of the parse (and
+// thousands of allocations) of everything; the figures themselves are
+// still parsed by the Prometheus library. A malformed line in a family it
+// does not read is therefore not an error.
 func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 	return parseEngineMetricsSkipping(r, now, false)
 }
 
-// staticFamilies describe an engine's configuration, which does not change
-// while it runs. Their long label sets made vLLM's cache_config_info about
-// half of every parse, so the scraper reads them on a slower cadence
-// (staticRefresh) and carries their figures over in between.
-var staticFamilies = map[string]bool{vllmCacheConfig: true}
+// slowFamilies are not read on every scrape: the
+// engine's configuration, which does not change while it runs (the long
+// label sets of vLLM's cache_config_info made it about half of every
+// parse), and the prefix cache counters, which only feed the hit rate
+// shown by the admin API. The scraper reads them every
+// scrapeConfig.SlowInterval and carries their figures over in between. What the policy routes by (queues, KV usage, adapters) is
+// read every scrape.
+var slowFamilies = map[string]bool{
+	vllmCacheConfig: true, vllmPrefixQueries: true, vllmPrefixHits: true, sglangHitRate: true,
+}
 
-// staticRefresh is how often static families are re-read.
-const staticRefresh = 10 * time.Second
+// metricsQuery says which families a metrics request asks for.
+//
+// vLLM and SGLang serve /metrics with the Python Prometheus client, which
+// answers a name[] query with only the series named; Go's promhttp (and
+// so kvsim) does the same by family name, which for gauges and counters
+// is the same name. Asking for the dozen families read cuts a vLLM
+// exposition of 100-300 KB, mostly histogram buckets, to about a
+// kilobyte: less for the engine to render and send, and for the router
+// to read. A server that ignores the query sends everything, which
+// parseEngineMetrics filters anyway; one that answers it without engine
+// metrics is asked for everything from then on (scrapeTarget.unfiltered).
+type metricsQuery int
+
+const (
+	queryEngine     metricsQuery = iota // the families in engineFamilies
+	queryFrequent                       // the same without slowFamilies
+	queryUnfiltered                     // no name[] query: for servers that filter by other names
+	numMetricsQueries
+)
+
+// path returns the metrics path with the query's name[] parameters.
+func (q metricsQuery) path(metricsPath string) string {
+	if q == queryUnfiltered {
+		return metricsPath
+	}
+	names := make([]string, 0, len(engineFamilies))
+	for name := range engineFamilies {
+		if q == queryEngine || !slowFamilies[name] {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	sep := "?"
+	if strings.Contains(metricsPath, "?") {
+		sep = "&"
+	}
+	return metricsPath + sep + url.Values{"name[]": names}.Encode()
+}
 
 // parseEngineMetricsSkipping is parseEngineMetrics, leaving out the
-// static families when skipStatic is set.
-func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipStatic bool) (EngineSignals, error) {
+// slow families when skipSlow is set.
+func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (EngineSignals, error) {
 	buf := expositionBuffers.Get().(*bytes.Buffer)
 	defer func() {
 		if buf.Cap() <= 1<<20 { // do not keep the rare huge one
@@ -342,7 +387,7 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipStatic bool) (En
 	}
 	parser := textParsers.Get().(*expfmt.TextParser)
 	defer textParsers.Put(parser)
-	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes(), skipStatic)))
+	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes(), skipSlow)))
 	if err != nil {
 		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
 	}
@@ -351,7 +396,7 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipStatic bool) (En
 
 // keepEngineLines compacts text in place to the lines that belong to the
 // families in engineFamilies, and returns them.
-func keepEngineLines(text []byte, skipStatic bool) []byte {
+func keepEngineLines(text []byte, skipSlow bool) []byte {
 	out := text[:0]
 	for len(text) > 0 {
 		line := text
@@ -359,7 +404,7 @@ func keepEngineLines(text []byte, skipStatic bool) []byte {
 		if i := bytes.IndexByte(text, '\n'); i >= 0 {
 			line, next = text[:i+1], i+1
 		}
-		if engineLine(line, skipStatic) {
+		if engineLine(line, skipSlow) {
 			out = append(out, line...) // never overtakes the reading position
 		}
 		text = text[next:]
@@ -367,21 +412,17 @@ func keepEngineLines(text []byte, skipStatic bool) []byte {
 	return out
 }
 
-// engineLine says whether an exposition line belongs to a family in
-// engineFamilies: its TYPE comment or one of its samples. HELP and other
-// comments are dropped; lines whose name is quoted (UTF-8 names) are
-// kept, for the parser to judge. It runs on every line of every scrape,
+// engineLine says whether an exposition line is a sample of a family in
+// engineFamilies. Comments are dropped; lines whose name is quoted
+// (UTF-8 names) are kept, for the parser to judge. It runs on every line of every scrape,
 // so it avoids anything slower than a byte loop.
-func engineLine(line []byte, skipStatic bool) bool {
+func engineLine(line []byte, skipSlow bool) bool {
 	line = skipBlanks(line)
 	if len(line) > 0 && line[0] == '#' {
-		line = skipBlanks(line[1:])
-		// HELP lines are optional and the longest; TYPE lines are kept so
-		// the families keep their types.
-		if len(line) < 5 || string(line[:4]) != "TYPE" || (line[4] != ' ' && line[4] != '\t') {
-			return false
-		}
-		line = skipBlanks(line[5:])
+		// HELP and TYPE lines: every family read is a gauge or a counter,
+		// whose values read the same untyped, and without TYPE lines the
+		// parser has a third less text to go through.
+		return false
 	}
 	if len(line) == 0 {
 		return false
@@ -402,7 +443,7 @@ func engineLine(line []byte, skipStatic bool) bool {
 		end++
 	}
 	name := line[:end]
-	return engineFamilies[string(name)] && !(skipStatic && staticFamilies[string(name)])
+	return engineFamilies[string(name)] && !(skipSlow && slowFamilies[string(name)])
 }
 
 // skipBlanks drops leading spaces and tabs.
@@ -462,7 +503,7 @@ func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
 
 	// Capacity: one cache_config_info series per engine, the figures in
 	// its labels. num_gpu_blocks is "None" before the engine profiled.
-	capacity := make(map[string]float64) // tokens by rank
+	var capacity map[string]float64 // tokens by rank; none when cache_config_info was skipped
 	for _, m := range metricsOf(families[vllmCacheConfig]) {
 		bs := labelInt(m, "block_size")
 		tokens := labelInt(m, "num_gpu_blocks") * bs
@@ -474,6 +515,9 @@ func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
 		}
 		sig.BlockSize = max(sig.BlockSize, bs)
 		rank := labelValue(m, vllmRankLabel)
+		if capacity == nil {
+			capacity = map[string]float64{}
+		}
 		capacity[rank] = max(capacity[rank], float64(tokens))
 	}
 	setCapacity(sig, capacity)
@@ -560,8 +604,16 @@ func setCapacity(sig *EngineSignals, capacity map[string]float64) {
 // name and a data parallel rank.
 type groupKey struct{ model, rank string }
 
-// groups holds one value per engine instance.
-type groups map[groupKey]float64
+// groups holds one value per engine instance. A slice rather than a map:
+// an exposition has a handful of instances, usually one, and this runs
+// for every family of every scrape.
+type groups []groupValue
+
+// groupValue is one engine instance's value.
+type groupValue struct {
+	groupKey
+	value float64
+}
 
 // rankGroups reduces f's series to one value per (model_name, rank):
 // the maximum, since series of the same rank that differ in other labels
@@ -574,12 +626,11 @@ func rankGroups(f *dto.MetricFamily, rankLabel string) groups {
 		if !ok {
 			continue
 		}
-		if g == nil {
-			g = make(groups, 1)
-		}
 		k := groupKey{model: labelValue(m, "model_name"), rank: labelValue(m, rankLabel)}
-		if old, seen := g[k]; !seen || v > old {
-			g[k] = v
+		if i := slices.IndexFunc(g, func(gv groupValue) bool { return gv.groupKey == k }); i >= 0 {
+			g[i].value = max(g[i].value, v)
+		} else {
+			g = append(g, groupValue{k, v})
 		}
 	}
 	return g
@@ -588,8 +639,8 @@ func rankGroups(f *dto.MetricFamily, rankLabel string) groups {
 // sum adds the instances' values.
 func (g groups) sum() float64 {
 	var s float64
-	for _, v := range g {
-		s += v
+	for _, gv := range g {
+		s += gv.value
 	}
 	return s
 }
@@ -597,8 +648,8 @@ func (g groups) sum() float64 {
 // max returns the largest instance value.
 func (g groups) max() float64 {
 	m := math.Inf(-1)
-	for _, v := range g {
-		m = max(m, v)
+	for _, gv := range g {
+		m = max(m, gv.value)
 	}
 	return m
 }
@@ -606,8 +657,8 @@ func (g groups) max() float64 {
 // byRank returns the values by rank, keeping the largest per rank.
 func (g groups) byRank() map[string]float64 {
 	out := make(map[string]float64, len(g))
-	for k, v := range g {
-		out[k.rank] = max(out[k.rank], v)
+	for _, gv := range g {
+		out[gv.rank] = max(out[gv.rank], gv.value)
 	}
 	return out
 }
@@ -616,20 +667,20 @@ func (g groups) byRank() map[string]float64 {
 // by its rank's weight when every rank has one, else equally.
 func (g groups) weightedMean(weights map[string]float64) float64 {
 	var num, den float64
-	for k, v := range g {
-		w, ok := weights[k.rank]
+	for _, gv := range g {
+		w, ok := weights[gv.rank]
 		if !ok || w <= 0 {
 			num, den = 0, 0
 			break
 		}
-		num += v * w
+		num += gv.value * w
 		den += w
 	}
 	if den > 0 {
 		return num / den
 	}
-	for _, v := range g {
-		num += v
+	for _, gv := range g {
+		num += gv.value
 		den++
 	}
 	if den == 0 {
@@ -735,13 +786,18 @@ type scrapeConfig struct {
 	// ModelsInterval is the time between fetches of /v1/models. Default
 	// 10s; negative disables them.
 	ModelsInterval time.Duration
+	// SlowInterval is the time between reads of slowFamilies. Default
+	// 10s, never less than Interval.
+	SlowInterval time.Duration
 	// MetricsPath is the metrics endpoint's path. Default /metrics.
 	MetricsPath string
 	// ModelsPath is the models endpoint's path. Default /v1/models.
 	ModelsPath string
 	// Scheme is the URL scheme of the targets. Default http.
 	Scheme string
-	// Workers bounds the fetches in flight at once. Default 16.
+	// Workers bounds the fetches in flight at once. Default 64: a round's
+	// fetches in flight together cost less CPU each than one after
+	// another, since the runtime's network poller wakes for many at once.
 	Workers int
 	// Client makes the requests. Default: a client of its own that keeps
 	// connections alive, ignores proxy environment variables and does not
@@ -768,6 +824,10 @@ func (c scrapeConfig) withDefaults() scrapeConfig {
 	if c.ModelsInterval == 0 {
 		c.ModelsInterval = defaultModelsInterval
 	}
+	if c.SlowInterval <= 0 {
+		c.SlowInterval = defaultSlowInterval
+	}
+	c.SlowInterval = max(c.SlowInterval, c.Interval)
 	if c.MetricsPath == "" {
 		c.MetricsPath = defaultMetricsPath
 	}
@@ -808,12 +868,14 @@ type scrapeStatus struct {
 
 // scrapeTarget is one upstream being scraped.
 type scrapeTarget struct {
-	dial       string
-	metricsURL string
-	modelsURL  string
-	// metricsRequest is the metrics GET as sent on a kept-alive
-	// connection (plain HTTP only); nil to go through the http.Client.
-	metricsRequest []byte
+	dial      string
+	modelsURL string
+	// metricsURLs are the metrics URLs of each metricsQuery.
+	metricsURLs [numMetricsQueries]string
+	// metricsRequests are the metrics GETs of each metricsQuery as sent
+	// on a kept-alive connection (plain HTTP only); nil to go through the
+	// http.Client.
+	metricsRequests [numMetricsQueries][]byte
 
 	// conn is the target's own kept-alive connection for metrics, used
 	// by one fetch at a time (busy), closed when the target goes.
@@ -832,10 +894,14 @@ type scrapeTarget struct {
 	modelsAt  time.Time
 	modelsDue time.Time
 	seq       uint64
-	// static holds the figures of the static families last read, until
-	// staticDue.
-	static    EngineSignals
-	staticDue time.Time
+	// unfiltered is set once an engine answered a name[] query without
+	// engine metrics but the whole exposition had them: its server
+	// filters by other names, so it is asked for everything.
+	unfiltered bool
+	// slow holds the figures of the slow families last read, until
+	// slowDue.
+	slow    EngineSignals
+	slowDue time.Time
 }
 
 // scraper polls the engines' metrics (and model lists) of a set of
@@ -941,11 +1007,14 @@ func (s *scraper) addLocked(d string) bool {
 		return false
 	}
 	base := s.cfg.Scheme + "://" + d
-	t := &scrapeTarget{dial: d, metricsURL: base + s.cfg.MetricsPath,
-		modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
-	if s.cfg.Scheme == "http" && s.ownsClient {
-		t.metricsRequest = []byte("GET " + s.cfg.MetricsPath + " HTTP/1.1\r\nHost: " + d +
-			"\r\nAccept: " + scrapeAcceptHeader + "\r\nUser-Agent: caddy-llm-affinity\r\n\r\n")
+	t := &scrapeTarget{dial: d, modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
+	for q := range metricsQuery(numMetricsQueries) {
+		path := q.path(s.cfg.MetricsPath)
+		t.metricsURLs[q] = base + path
+		if s.cfg.Scheme == "http" && s.ownsClient {
+			t.metricsRequests[q] = []byte("GET " + path + " HTTP/1.1\r\nHost: " + d +
+				"\r\nAccept: " + scrapeAcceptHeader + "\r\nUser-Agent: caddy-llm-affinity\r\n\r\n")
+		}
 	}
 	s.targets[d] = t
 	return true
@@ -1054,14 +1123,26 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	}
 	start := time.Now()
 	t.mu.Lock()
-	skipStatic := t.static.NumGPUBlocks > 0 && start.Before(t.staticDue)
+	skipSlow := t.slow.NumGPUBlocks > 0 && start.Before(t.slowDue)
+	query := queryEngine
+	if skipSlow {
+		query = queryFrequent
+	}
+	if t.unfiltered {
+		query = queryUnfiltered
+	}
 	t.mu.Unlock()
-	var sig EngineSignals
-	var err error
-	if t.metricsRequest != nil {
-		sig, err = s.fetchMetricsKeptAlive(ctx, t, start, skipStatic)
-	} else {
-		sig, err = s.fetchMetrics(ctx, t.metricsURL, start, skipStatic)
+	sig, err := s.fetchMetricsQuery(ctx, t, query, start, skipSlow)
+	if errors.Is(err, errNoEngineMetrics) && query != queryUnfiltered {
+		// The server answered the name[] query without the engine's
+		// metrics; see whether the whole exposition has them.
+		if sig, err = s.fetchMetricsQuery(ctx, t, queryUnfiltered, start, skipSlow); err == nil {
+			t.mu.Lock()
+			t.unfiltered = true
+			t.mu.Unlock()
+			s.cfg.Logger.Debug("engine ignores the metric name filter; scraping its whole exposition",
+				zap.String("upstream", t.dial))
+		}
 	}
 	if err != nil && ctx.Err() != nil {
 		t.mu.Lock()
@@ -1112,21 +1193,28 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		}
 	}
 
-	if skipStatic {
-		sig.BlockSize, sig.NumGPUBlocks = t.static.BlockSize, t.static.NumGPUBlocks
-	} else if sig.NumGPUBlocks > 0 {
-		t.static.BlockSize, t.static.NumGPUBlocks = sig.BlockSize, sig.NumGPUBlocks
-		t.staticDue = start.Add(staticRefresh)
+	if skipSlow {
+		sig.carrySlow(t.slow)
+	} else {
+		if sig.Engine == engineVLLM && t.slow.Engine == engineVLLM {
+			sig.PrefixHitRate = hitRateSince(t.slow, sig)
+		}
+		t.slow = sig
+		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
 	sig.Latency = time.Since(start)
 	sig.Mark = mark
 	sig.Models, sig.ModelsAt = t.models, t.modelsAt
 	t.seq++
 	sig.Seq = t.seq
-	if prev := t.latest.Load(); prev != nil && sig.Engine == engineVLLM {
-		sig.PrefixHitRate = hitRateSince(*prev, sig)
-	}
 	t.latest.Store(&sig)
+}
+
+// carrySlow copies the figures of the slow families from slow, the last
+// scrape that read them.
+func (s *EngineSignals) carrySlow(slow EngineSignals) {
+	s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
+	s.PrefixQueries, s.PrefixHits, s.PrefixHitRate = slow.PrefixQueries, slow.PrefixHits, slow.PrefixHitRate
 }
 
 // hitRateSince returns vLLM's prefix cache hit rate between two scrapes:
@@ -1146,12 +1234,21 @@ func hitRateSince(prev, cur EngineSignals) float64 {
 	return clamp01(dh / dq)
 }
 
+// fetchMetricsQuery fetches t's metrics with query, on the target's
+// kept-alive connection when it has one.
+func (s *scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (EngineSignals, error) {
+	if t.metricsRequests[query] != nil {
+		return s.fetchMetricsKeptAlive(ctx, t, query, now, skipSlow)
+	}
+	return s.fetchMetrics(ctx, t.metricsURLs[query], now, skipSlow)
+}
+
 // fetchMetrics GETs and parses one metrics exposition.
-func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipStatic bool) (EngineSignals, error) {
+func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (EngineSignals, error) {
 	var sig EngineSignals
 	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
 		var err error
-		sig, err = parseEngineMetricsSkipping(r, now, skipStatic)
+		sig, err = parseEngineMetricsSkipping(r, now, skipSlow)
 		return err
 	})
 	return sig, err
@@ -1164,13 +1261,13 @@ func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, s
 // offs to its connection goroutines) cost about as much as parsing the
 // exposition; this path skips it. A reused connection the engine closed
 // meanwhile is redialled once.
-func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, now time.Time, skipStatic bool) (EngineSignals, error) {
+func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (EngineSignals, error) {
 	for attempt := 0; ; attempt++ {
 		bc, reused, err := t.takeConn(ctx, s.cfg.Timeout)
 		if err != nil {
 			return EngineSignals{}, err
 		}
-		sig, keep, err := s.fetchOn(bc, t, now, skipStatic)
+		sig, keep, err := s.fetchOn(bc, t, query, now, skipSlow)
 		if keep {
 			t.putConn(bc)
 		} else {
@@ -1189,11 +1286,11 @@ var errStaleConn = errors.New("connection closed before the response")
 
 // fetchOn sends the metrics request on bc and parses the response. keep
 // says the connection can carry the next request.
-func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, now time.Time, skipStatic bool) (sig EngineSignals, keep bool, err error) {
+func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (sig EngineSignals, keep bool, err error) {
 	if err := bc.SetDeadline(time.Now().Add(s.cfg.Timeout)); err != nil {
 		return sig, false, err
 	}
-	if _, err := bc.Write(t.metricsRequest); err != nil {
+	if _, err := bc.Write(t.metricsRequests[query]); err != nil {
 		return sig, false, errStaleConn
 	}
 	resp, err := http.ReadResponse(bc.r, nil)
@@ -1206,11 +1303,11 @@ func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, now time.Time, skip
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
-		return sig, false, fmt.Errorf("GET %s: status %d", t.metricsURL, resp.StatusCode)
+		return sig, false, fmt.Errorf("GET %s: status %d", t.metricsURLs[query], resp.StatusCode)
 	}
 	// parseEngineMetrics reads to EOF, so on success the body is consumed
 	// and the connection is ready for the next request.
-	sig, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, skipStatic)
+	sig, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, skipSlow)
 	return sig, err == nil && !resp.Close, err
 }
 

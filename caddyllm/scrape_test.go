@@ -11,12 +11,14 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -184,16 +186,15 @@ func TestParseLoRANewestWins(t *testing.T) {
 
 func TestParseMalformed(t *testing.T) {
 	for name, text := range map[string]string{
-		"empty":              "",
-		"no engine metrics":  "# TYPE up gauge\nup 1\n",
-		"garbage":            "this is not an exposition\n",
-		"unclosed labels":    "vllm:num_requests_running{engine=\"0\" 1\n",
-		"bad value":          "vllm:num_requests_waiting{engine=\"0\"} many\n",
-		"second TYPE":        "# TYPE vllm:num_requests_waiting gauge\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n",
-		"binary":             "\x00\x01\x02\xff\xfe{{{}}}\n",
-		"truncated":          "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\",model_na",
-		"histogram mismatch": "# TYPE vllm:num_requests_waiting histogram\nvllm:num_requests_waiting 1\n",
-		"json":               `{"object":"list","data":[]}`,
+		"empty":             "",
+		"no engine metrics": "# TYPE up gauge\nup 1\n",
+		"garbage":           "this is not an exposition\n",
+		"unclosed labels":   "vllm:num_requests_running{engine=\"0\" 1\n",
+		"bad value":         "vllm:num_requests_waiting{engine=\"0\"} many\n",
+		"binary":            "\x00\x01\x02\xff\xfe{{{}}}\n",
+		"truncated":         "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\",model_na",
+		"two values":        "vllm:num_requests_waiting{engine=\"0\"} 1 2 3\n",
+		"json":              `{"object":"list","data":[]}`,
 	} {
 		t.Run(name, func(t *testing.T) {
 			sig, err := parseEngineMetrics(strings.NewReader(text), time.Now())
@@ -207,8 +208,15 @@ func TestParseMalformed(t *testing.T) {
 			}
 		})
 	}
-	// Values that parse but are not finite are ignored, not trusted.
+	// Comments are not read, so a family's declared type does not matter:
+	// the families read are gauges and counters, both plain values.
 	sig, err := parseEngineMetrics(strings.NewReader(
+		"# TYPE vllm:num_requests_waiting histogram\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 4\n"), time.Now())
+	if err != nil || sig.Waiting != 4 {
+		t.Fatalf("declared types: %+v, %v", sig, err)
+	}
+	// Values that parse but are not finite are ignored, not trusted.
+	sig, err = parseEngineMetrics(strings.NewReader(
 		"vllm:num_requests_waiting{engine=\"0\"} NaN\nvllm:kv_cache_usage_perc{engine=\"0\"} +Inf\nvllm:num_requests_running 2\n"), time.Now())
 	if err != nil || sig.Waiting != -1 || sig.KVKnown || sig.Running != 2 {
 		t.Fatalf("non-finite values: %+v, %v", sig, err)
@@ -356,7 +364,7 @@ func TestScrapeKvsim(t *testing.T) {
 	var marks atomic.Uint64
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond,
+	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond, SlowInterval: 300 * time.Millisecond,
 		Mark: func(string) chargeMark { n := marks.Add(1); return chargeMark{Requests: n, KVTokens: 10 * n} }})
 	s.setTargets([]string{dial, "unix//tmp/not-scraped.sock"})
 	s.start(ctx)
@@ -391,12 +399,26 @@ func TestScrapeKvsim(t *testing.T) {
 		sig, _ = s.signals(dial, time.Now(), time.Second)
 		return sig.Seq > seq && sig.PrefixQueries > 0
 	})
-	// Later scrapes skip the static cache_config_info and carry it over.
-	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 {
-		t.Fatalf("static figures not carried over: block size %d, blocks %d", sig.BlockSize, sig.NumGPUBlocks)
+	if sig.PrefixHitRate < 0 || sig.PrefixHitRate > 1 {
+		t.Fatalf("prefix hit rate %v", sig.PrefixHitRate)
+	}
+	// Scrapes between the slow ones skip cache_config_info and the prefix
+	// counters, and carry them over.
+	waitFor(t, "a scrape without the slow families", 5*time.Second, func() bool {
+		s.mu.RLock()
+		t := s.targets[dial]
+		s.mu.RUnlock()
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		latest := t.latest.Load()
+		return latest != nil && latest.Seq > sig.Seq && latest.ScrapedAt.After(t.slow.ScrapedAt)
+	})
+	sig, _ = s.signals(dial, time.Now(), time.Second)
+	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.PrefixQueries <= 0 {
+		t.Fatalf("slow figures not carried over: block size %d, blocks %d, prefix queries %v", sig.BlockSize, sig.NumGPUBlocks, sig.PrefixQueries)
 	}
 	if kept := keepEngineLines([]byte("vllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true); string(kept) != "vllm:num_requests_running 3\n" {
-		t.Fatalf("kept %q when skipping static families", kept)
+		t.Fatalf("kept %q when skipping slow families", kept)
 	}
 
 	// The server goes away: the signals age and become stale, promptly.
@@ -568,17 +590,17 @@ func TestScrapeRejectsOversizedBody(t *testing.T) {
 	}
 }
 
-// kvsimExposition returns what a kvsim replica serves on /metrics after
-// some traffic, so its histograms have series too.
-func kvsimExposition(tb testing.TB) []byte {
+// startKvsim starts a kvsim replica with an adapter and sends it some
+// traffic, so its histograms have series too. It returns the replica's
+// base URL.
+func startKvsim(tb testing.TB) string {
 	tb.Helper()
 	sim, err := kvsim.NewServer(kvsim.ServerConfig{Engine: kvsim.Config{Adapters: []string{"sql-lora"}}, Speed: 100})
 	if err != nil {
 		tb.Fatal(err)
 	}
-	defer sim.Close()
 	srv := httptest.NewServer(sim)
-	defer srv.Close()
+	tb.Cleanup(func() { srv.Close(); sim.Close() })
 	for i := range 3 {
 		resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
 			strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"request `+string(rune('a'+i))+`","max_tokens":2}`))
@@ -588,7 +610,20 @@ func kvsimExposition(tb testing.TB) []byte {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 	}
-	resp, err := http.Get(srv.URL + "/metrics")
+	return srv.URL
+}
+
+// kvsimExposition returns what a kvsim replica serves on /metrics after
+// some traffic.
+func kvsimExposition(tb testing.TB) []byte {
+	tb.Helper()
+	return getBody(tb, startKvsim(tb)+"/metrics")
+}
+
+// getBody GETs url and returns the body of a 200 response.
+func getBody(tb testing.TB, url string) []byte {
+	tb.Helper()
+	resp, err := http.Get(url)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -596,6 +631,9 @@ func kvsimExposition(tb testing.TB) []byte {
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
 		tb.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		tb.Fatalf("GET %s: %s: %s", url, resp.Status, b)
 	}
 	return b
 }
@@ -639,36 +677,40 @@ func cpuTimes(tb testing.TB) (user, sys time.Duration) {
 	return time.Duration(ru.Utime.Nano()), time.Duration(ru.Stime.Nano())
 }
 
-// Environment of the upstreams helper process.
-const (
-	helperEnvBody  = "CADDYLLM_SCRAPE_HELPER_BODY"
-	helperEnvCount = "CADDYLLM_SCRAPE_HELPER_COUNT"
-)
+// helperEnvCount, in the environment of the upstreams helper process,
+// is the number of replicas it starts.
+const helperEnvCount = "CADDYLLM_SCRAPE_HELPER_COUNT"
 
 // TestScrapeHelperUpstreams is not a test: run by BenchmarkScrape64 in a
-// child process, it serves the exposition in $CADDYLLM_SCRAPE_HELPER_BODY
-// from $CADDYLLM_SCRAPE_HELPER_COUNT listeners, prints "ADDR host:port"
-// for each, and exits when its stdin closes. Serving from another process
-// keeps the servers' CPU out of the benchmark's measurement.
+// child process, it starts $CADDYLLM_SCRAPE_HELPER_COUNT listeners that
+// serve what one kvsim replica answers to each path and query (fetched
+// once, then replayed), prints "ADDR host:port" for each, and exits when
+// its stdin closes. Serving from another process keeps the upstreams'
+// CPU out of the benchmark's measurement; replaying keeps it small, as
+// it would be on a machine of their own.
 func TestScrapeHelperUpstreams(t *testing.T) {
-	path := os.Getenv(helperEnvBody)
-	if path == "" {
+	count := os.Getenv(helperEnvCount)
+	if count == "" {
 		t.Skip("helper process for BenchmarkScrape64")
 	}
-	body, err := os.ReadFile(path)
+	n, err := strconv.Atoi(count)
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := strconv.Atoi(os.Getenv(helperEnvCount))
-	if err != nil {
-		t.Fatal(err)
-	}
+	replica := startKvsim(t)
+	var mu sync.Mutex
+	answers := map[string][]byte{}
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/v1/models" {
-			_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"`+kvsim.DefaultModel+`","root":"`+kvsim.DefaultModel+`"}]}`)
-			return
+		mu.Lock()
+		body, ok := answers[r.URL.RequestURI()]
+		if !ok {
+			body = getBody(t, replica+r.URL.RequestURI())
+			answers[r.URL.RequestURI()] = body
 		}
-		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		mu.Unlock()
+		if r.URL.Path == defaultMetricsPath {
+			w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		}
 		_, _ = w.Write(body)
 	})
 	for range n {
@@ -679,16 +721,12 @@ func TestScrapeHelperUpstreams(t *testing.T) {
 	_, _ = io.Copy(io.Discard, os.Stdin)
 }
 
-// startUpstreams starts n metrics servers in a child process and returns
-// their dial addresses.
-func startUpstreams(b *testing.B, body []byte, n int) []string {
+// startUpstreams starts n replayed kvsim replicas in a child process and
+// returns their dial addresses.
+func startUpstreams(b *testing.B, n int) []string {
 	b.Helper()
-	path := filepath.Join(b.TempDir(), "exposition.prom")
-	if err := os.WriteFile(path, body, 0o600); err != nil {
-		b.Fatal(err)
-	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestScrapeHelperUpstreams$", "-test.count=1")
-	cmd.Env = append(os.Environ(), helperEnvBody+"="+path, helperEnvCount+"="+strconv.Itoa(n))
+	cmd.Env = append(os.Environ(), helperEnvCount+"="+strconv.Itoa(n))
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		b.Fatal(err)
@@ -727,31 +765,44 @@ func startUpstreams(b *testing.B, body []byte, n int) []string {
 }
 
 // BenchmarkScrape64 measures the CPU the scraper costs the router: 64
-// upstreams serving kvsim's exposition (from a child process, so their
-// CPU is not counted), scraped for 3 s every 100 ms (10× the default
+// upstreams answering as kvsim does (from a child process, so their CPU
+// is not counted), scraped for 3 s every 100 ms (10× the default
 // rate) and, for comparison, every second (the default). Reported as a
-// percentage of one core, of which system time, and CPU per scrape. Run
-// with -benchtime=1x.
+// percentage of one core, of which system time, and CPU per scrape; and
+// every 100 ms again with the whole exposition asked for. Run with
+// -benchtime=1x.
 func BenchmarkScrape64(b *testing.B) {
 	const upstreams = 64
-	body := kvsimExposition(b)
-	dials := startUpstreams(b, body, upstreams)
+	dials := startUpstreams(b, upstreams)
+	whole := getBody(b, "http://"+dials[0]+defaultMetricsPath)
+	asked := getBody(b, "http://"+dials[0]+queryFrequent.path(defaultMetricsPath))
 	for _, interval := range []time.Duration{100 * time.Millisecond, time.Second} {
 		b.Run("every_"+interval.String(), func(b *testing.B) {
-			benchmarkScrape(b, dials, interval, 3*time.Second)
-			b.ReportMetric(float64(len(body)), "exposition_bytes")
+			benchmarkScrape(b, dials, interval, 3*time.Second, false)
+			b.ReportMetric(float64(len(whole)), "exposition_bytes")
+			b.ReportMetric(float64(len(asked)), "scraped_bytes")
 		})
 	}
+	// Engines that ignore the name[] query send their whole exposition.
+	b.Run("every_100ms_whole_exposition", func(b *testing.B) {
+		benchmarkScrape(b, dials, 100*time.Millisecond, 3*time.Second, true)
+		b.ReportMetric(float64(len(whole)), "scraped_bytes")
+	})
 }
 
 // benchmarkScrape scrapes dials every interval for window, b.N times,
 // and reports the CPU it took.
-func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duration) {
+// With whole, it asks for the whole exposition, as from engines that
+// ignore the name[] query.
+func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duration, whole bool) {
 	var pct, sysPct, perScrape, rate, failures float64
 	for range b.N {
 		ctx, cancel := context.WithCancel(context.Background())
 		s := newScraper(scrapeConfig{Interval: interval})
 		s.setTargets(dials)
+		for _, t := range s.targets {
+			t.unfiltered = whole
+		}
 		s.start(ctx)
 		// Warm up: connections open, every target scraped once.
 		deadline := time.Now().Add(5 * time.Second)
@@ -796,4 +847,82 @@ func scrapeTotal(s *scraper, dials []string) uint64 {
 		n += s.scrapeSeq(d)
 	}
 	return n
+}
+
+// TestScrapeAsksForEngineFamilies checks the name[] query: every scrape
+// asks for the families read, the slow ones only every SlowInterval; and
+// an engine that answers the query without its engine metrics is asked
+// for everything from then on.
+func TestScrapeAsksForEngineFamilies(t *testing.T) {
+	const exposition = "# TYPE up gauge\nup 1\n" +
+		"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
+		"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
+	for _, filtersOtherNames := range []bool{false, true} {
+		t.Run(fmt.Sprintf("filters by other names %v", filtersOtherNames), func(t *testing.T) {
+			var mu sync.Mutex
+			var queries []url.Values
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != defaultMetricsPath {
+					http.NotFound(w, r)
+					return
+				}
+				mu.Lock()
+				queries = append(queries, r.URL.Query())
+				mu.Unlock()
+				if filtersOtherNames && r.URL.RawQuery != "" {
+					// A server filtering by other names: nothing matches.
+					_, _ = io.WriteString(w, "# TYPE up gauge\nup 1\n")
+					return
+				}
+				_, _ = io.WriteString(w, exposition) // the query ignored
+			}))
+			defer srv.Close()
+			dial := hostOf(srv)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
+			s.setTargets([]string{dial})
+			s.start(ctx)
+			waitFor(t, "six scrapes", 5*time.Second, func() bool { return s.scrapeSeq(dial) >= 6 })
+			cancel()
+			<-s.stopped()
+			sig, ok := s.signals(dial, time.Now(), time.Hour)
+			if !ok || sig.Waiting != 2 || sig.NumGPUBlocks != 100 || sig.BlockSize != 16 {
+				t.Fatalf("signals %+v", sig)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if filtersOtherNames {
+				// The first scrape asks with the filter, then again without;
+				// every later one without.
+				if len(queries[0]["name[]"]) == 0 {
+					t.Fatalf("first query %v", queries[0])
+				}
+				for i, q := range queries[1:] {
+					if len(q) != 0 {
+						t.Fatalf("query %d after the fallback: %v", i+1, q)
+					}
+				}
+				return
+			}
+			full := 0
+			for i, q := range queries {
+				names := q["name[]"]
+				if !slices.Contains(names, vllmWaiting) || !slices.Contains(names, sglangRunning) || !slices.Contains(names, vllmLoRAInfo) {
+					t.Fatalf("query %d asks for %v", i, names)
+				}
+				if slices.Contains(names, vllmCacheConfig) {
+					full++
+					if !slices.Contains(names, vllmPrefixQueries) {
+						t.Fatalf("query %d reads the configuration without the prefix counters: %v", i, names)
+					}
+				} else if slices.Contains(names, vllmPrefixQueries) || slices.Contains(names, sglangHitRate) {
+					t.Fatalf("query %d asks for some slow families: %v", i, names)
+				}
+			}
+			if !(full >= 1 && full < len(queries)) {
+				t.Fatalf("%d of %d scrapes read the slow families", full, len(queries))
+			}
+		})
+	}
 }

@@ -339,6 +339,7 @@ func (rs *responder) streamSSE() {
 		}
 		return map[string]any{"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model, "choices": []any{choice}}
 	}
+	finishSent := false // on the chunk of the last token
 	for {
 		evs, ok := rs.next()
 		if !ok {
@@ -353,6 +354,7 @@ func (rs *responder) streamSSE() {
 				var finish any
 				if i+1 < len(evs) && evs[i+1].Kind == EventFinished {
 					finish = evs[i+1].FinishReason
+					finishSent = true
 				}
 				if !send(chunk(string(ev.Text), false, finish)) {
 					return
@@ -363,6 +365,11 @@ func (rs *responder) streamSSE() {
 					return
 				}
 			case EventFinished:
+				// The last token came in an earlier batch: the finish
+				// reason goes in a chunk of its own, as vLLM sends it.
+				if !finishSent && !send(chunk("", false, ev.FinishReason)) {
+					return
+				}
 				if rs.p.IncludeUsage {
 					send(map[string]any{"id": rs.req.ID, "object": object, "created": rs.created,
 						"model": rs.model, "choices": []any{}, "usage": usageOf(ev)})

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -414,5 +415,41 @@ func TestConcurrentRequestsAndCancels(t *testing.T) {
 	}
 	if st := sim.State(); st.Finished+st.Aborted == 0 || st.PrefixHits == 0 {
 		t.Fatalf("state %+v", st)
+	}
+}
+
+// TestMetricsNameFilter checks that /metrics answers name[] queries, as
+// vLLM's does, with only the families named (the router's scraper asks
+// for the dozen it reads).
+func TestMetricsNameFilter(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	families := func(query string) []string {
+		t.Helper()
+		resp, err := http.Get(srv.URL + "/metrics" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		parser := expfmt.NewTextParser(model.UTF8Validation)
+		parsed, err := parser.TextToMetricFamilies(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		names := make([]string, 0, len(parsed))
+		for name := range parsed {
+			names = append(names, name)
+		}
+		slices.Sort(names)
+		return names
+	}
+	if all := families(""); len(all) < 20 || !slices.Contains(all, "go_goroutines") {
+		t.Fatalf("unfiltered exposition has %d families: %v", len(all), all)
+	}
+	got := families("?name[]=vllm:num_requests_running&name%5B%5D=vllm%3Aprefix_cache_hits_total&name[]=no_such_metric")
+	if want := []string{"vllm:num_requests_running", "vllm:prefix_cache_hits_total"}; !slices.Equal(got, want) {
+		t.Fatalf("filtered families %v, want %v", got, want)
+	}
+	if got := families("?name[]=no_such_metric"); len(got) != 0 {
+		t.Fatalf("families %v for an unknown name", got)
 	}
 }
