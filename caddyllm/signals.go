@@ -178,7 +178,9 @@ func registerScraper(s *scraper) {
 }
 
 // EngineView is what the scrapers last saw of an upstream's engine, for
-// the admin API.
+// the admin API. Counts the engine did not report are -1; so is the
+// prefix cache hit rate until known (vLLM's is measured between the
+// scrapes that read its counters, 10 s apart).
 type EngineView struct {
 	Engine          string   `json:"engine"`
 	AgeSeconds      float64  `json:"age_seconds"`
@@ -186,6 +188,7 @@ type EngineView struct {
 	Waiting         int      `json:"waiting"`
 	KVUsage         float64  `json:"kv_usage"`
 	KVCapacity      int      `json:"kv_capacity_tokens"`
+	PrefixHitRate   float64  `json:"prefix_hit_rate"`
 	RunningAdapters []string `json:"running_adapters,omitempty"`
 	Models          []string `json:"models,omitempty"`
 	Errors          uint64   `json:"scrape_errors"`
@@ -200,13 +203,14 @@ func engineViews(now time.Time) map[string]*EngineView {
 		for _, st := range s.statuses() {
 			v := out[st.Dial]
 			if v == nil {
-				v = &EngineView{Running: -1, Waiting: -1}
+				v = &EngineView{Running: -1, Waiting: -1, PrefixHitRate: -1}
 				out[st.Dial] = v
 			}
 			v.Errors, v.LastError = st.Errors, st.LastError
 			if sig, ok := s.signals(st.Dial, now, time.Hour); ok && (v.Engine == "" || now.Sub(sig.ScrapedAt).Seconds() < v.AgeSeconds) {
 				v.Engine, v.AgeSeconds = sig.Engine, now.Sub(sig.ScrapedAt).Seconds()
 				v.Running, v.Waiting, v.KVUsage, v.KVCapacity = sig.Running, sig.Waiting, sig.KVUsage, sig.KVCapacityTokens()
+				v.PrefixHitRate = sig.PrefixHitRate
 				v.RunningAdapters, v.Models = sig.RunningAdapters, sig.ModelIDs()
 			}
 		}

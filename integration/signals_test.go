@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -95,6 +96,36 @@ func TestDirectLoadChangesDecisions(t *testing.T) {
 			t.Fatalf("request %d went to the busy replica %q (%s)", i, c.replica, c.explain)
 		}
 	}
+	// The admin API shows what the router saw of A's engine (no prefix
+	// hit rate yet: that takes two reads of the counters, 10 s apart).
+	view := engineView(t, a.dial())
+	if view == nil || view.Engine != "vllm" || view.Running != 4 || view.Waiting < 1 || view.KVCapacity <= 0 ||
+		view.PrefixHitRate != -1 || view.AgeSeconds > 1 {
+		t.Fatalf("engine view of A: %+v", view)
+	}
+}
+
+// engineView returns the admin API's engine view of dial.
+func engineView(t *testing.T, dial string) *caddyllm.EngineView {
+	t.Helper()
+	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list []struct {
+		Dial   string               `json:"dial"`
+		Engine *caddyllm.EngineView `json:"engine"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range list {
+		if u.Dial == dial {
+			return u.Engine
+		}
+	}
+	return nil
 }
 
 // TestLoRAReplicatesOnce: a tenant's requests go to the replica holding
