@@ -24,6 +24,8 @@ func TestPolicyCaddyfile(t *testing.T) {
 		shed_status 429
 		sglang 0.3 64 1.5
 		llmd_weights 1 2 3
+		tie 0.005
+		imposed_delay_weight 0.25
 		explain_header
 		fallback first
 	}`)
@@ -35,7 +37,8 @@ func TestPolicyCaddyfile(t *testing.T) {
 		p.Hardware.PrefillTokensPerSecond != 15000 || p.Hardware.KVCapacityTokens != 131072 ||
 		p.Upstreams["10.0.0.2:8000"].PrefillTokensPerSecond != 20000 || len(p.Adapters) != 2 ||
 		time.Duration(p.QueueTimeout) != 2*time.Second || p.ShedStatus != 429 ||
-		p.SGLangBalanceAbs != 64 || p.LLMDWeights[2] != 3 || !p.ExplainHeader {
+		p.SGLangBalanceAbs != 64 || p.LLMDWeights[2] != 3 || !p.ExplainHeader ||
+		p.TieSeconds != 0.005 || p.ImposedDelayWeight != 0.25 {
 		t.Fatalf("parsed %+v", p)
 	}
 	var fb map[string]any
@@ -56,6 +59,8 @@ func TestCaddyfileErrors(t *testing.T) {
 		`llm_affinity { sglang 0.5 32 }`,
 		`llm_affinity extra`,
 		`llm_affinity { queue_timeout soon }`,
+		`llm_affinity { imposed_delay_weight }`,
+		`llm_affinity { imposed_delay_weight heavy }`,
 	} {
 		var p Policy
 		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(in)); err == nil {

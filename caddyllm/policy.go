@@ -113,6 +113,14 @@ type Policy struct {
 	// of two random choices. Default 2ms.
 	TieSeconds float64 `json:"tie_seconds,omitempty"`
 
+	// ImposedDelayWeight is how much the delay a request's prefill would
+	// impose on the requests already running on an upstream (its uncached
+	// prompt's prefill time, once for each of them) counts against its own
+	// time to first token, in the ttft strategy. It keeps a shared prefix
+	// from being copied to every replica whose queue is momentarily
+	// shorter. Default 0.1; a negative value turns it off.
+	ImposedDelayWeight float64 `json:"imposed_delay_weight,omitempty"`
+
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
 	// the sglang strategy (defaults 0.5, 32, 1.0001).
 	SGLangCacheThreshold float64 `json:"sglang_cache_threshold,omitempty"`
@@ -209,9 +217,10 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		return err
 	}
 	p.opts = scorer.Options{
-		Strategy:       strategy,
-		TieSeconds:     p.TieSeconds,
-		KVMarginTokens: p.KVMarginTokens,
+		Strategy:           strategy,
+		TieSeconds:         p.TieSeconds,
+		KVMarginTokens:     p.KVMarginTokens,
+		ImposedDelayWeight: p.ImposedDelayWeight,
 		SGLang: scorer.SGLangOptions{
 			CacheThreshold:      p.SGLangCacheThreshold,
 			BalanceAbsThreshold: p.SGLangBalanceAbs,

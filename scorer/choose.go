@@ -17,6 +17,11 @@ type Options struct {
 	// KVMarginTokens is the headroom the KV-fit filter keeps beyond the
 	// uncached prompt and the expected output. Default 0.
 	KVMarginTokens int
+	// ImposedDelayWeight is how much the delay a request's prefill imposes
+	// on the requests already on a replica (ImposedDelaySeconds) counts
+	// against its own time to first token, in the ttft strategy. Default
+	// DefaultImposedDelayWeight; negative turns the term off.
+	ImposedDelayWeight float64
 	// SGLang tunes the sglang strategy.
 	SGLang SGLangOptions
 	// LLMD tunes the llmd strategy.
@@ -183,6 +188,26 @@ func EstimateTTFT(req *Request, c *Candidate) float64 {
 	return est
 }
 
+// ImposedDelaySeconds is the delay that placing req on c adds to the
+// requests already there, summed over them: its uncached prompt lengthens
+// the engine steps they share by its prefill time. It is what a copy of a
+// prefix costs everyone else. A request that only minimised its own first
+// token would copy a hot prefix onto a replica whose queue is momentarily
+// shorter, and the copies' prefill slows every generation on that replica
+// and lowers the fleet's hit rate; see BENCHMARKS.md.
+func ImposedDelaySeconds(req *Request, c *Candidate) float64 {
+	prefill := rate(c.PrefillTokensPerSecond, 10_000)
+	return float64(max(0, req.PromptTokens-c.MatchedTokens)) / prefill * float64(c.InFlight)
+}
+
+// DefaultImposedDelayWeight is the default Options.ImposedDelayWeight: a
+// second of delay spread over the others' generations counts a tenth of a
+// second of this request's wait for its first token. Measured with
+// llmbench in BENCHMARKS.md: 0.05 to 0.25 all raise the hit rate of
+// shared-prefix workloads to the concentrating policies' level while
+// keeping the tails low; 1 starts to pile load up.
+const DefaultImposedDelayWeight = 0.1
+
 // QueuedSeconds is how long c's queue delays a new prompt's prefill.
 func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
@@ -213,12 +238,20 @@ type coster struct {
 	opts     Options
 	strategy Strategy
 	llmd     llmdScale
+	// imposedWeight weighs ImposedDelaySeconds in the ttft cost.
+	imposedWeight float64
 }
 
 func newCoster(req *Request, cands []Candidate, opts Options) coster {
 	k := coster{req: req, cands: cands, opts: opts, strategy: opts.Strategy}
 	if k.strategy == "" {
 		k.strategy = TTFT
+	}
+	switch {
+	case opts.ImposedDelayWeight == 0:
+		k.imposedWeight = DefaultImposedDelayWeight
+	case opts.ImposedDelayWeight > 0:
+		k.imposedWeight = opts.ImposedDelayWeight
 	}
 	if k.strategy == LLMD {
 		k.llmd = newLLMDScale(req, cands, opts)
@@ -240,7 +273,11 @@ func (k *coster) cost(i int) float64 {
 	case LeastWork:
 		return float64(queuedTokens(c))
 	}
-	return EstimateTTFT(k.req, c)
+	cost := EstimateTTFT(k.req, c)
+	if k.imposedWeight > 0 {
+		cost += k.imposedWeight * ImposedDelaySeconds(k.req, c)
+	}
+	return cost
 }
 
 // tolerance is how close to the best cost counts as a tie.

@@ -69,30 +69,44 @@ func TestShedWhenNothingFits(t *testing.T) {
 
 // TestToleranceRule is the property: with two candidates, ttft picks the
 // warm one exactly when Q_warm − Q_cold < t_prefill(k).
+// TestToleranceRule checks the rule "stay warm iff Q_warm − Q_cold <
+// t_prefill(k)" on random pairs of replicas, alone (ImposedDelayWeight
+// off) and with the delay each choice imposes on the requests already
+// there: then warm wins iff Q_warm − Q_cold < t_prefill(k) + w·(I_cold −
+// I_warm).
 func TestToleranceRule(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	opts := Options{TieSeconds: 1e-9}
-	for trial := 0; trial < 5000; trial++ {
-		prompt := 64 + r.IntN(20_000)
-		k := r.IntN(prompt + 1)
-		warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
-		warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
-		warm.InFlight, cold.InFlight = r.IntN(100), r.IntN(100)
-		rate := 10_000.0
-		qWarm, qCold := QueuedSeconds(&warm), QueuedSeconds(&cold)
-		tPrefill := float64(k) / rate
-		diff := qWarm - qCold - tPrefill
-		if diff > -1e-6 && diff < 1e-6 {
-			continue // too close to call in floating point
+	for _, weight := range []float64{-1, 0, 0.5} {
+		opts := Options{TieSeconds: 1e-9, ImposedDelayWeight: weight}
+		w := max(0, weight)
+		if weight == 0 {
+			w = DefaultImposedDelayWeight
 		}
-		cands := []Candidate{warm, cold}
-		if trial%2 == 1 {
-			cands[0], cands[1] = cands[1], cands[0]
-		}
-		d := Choose(req(prompt), cands, opts, nil, nil)
-		gotWarm := cands[d.Chosen].Name == "warm"
-		if wantWarm := qWarm-qCold < tPrefill; gotWarm != wantWarm {
-			t.Fatalf("trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f: chose %s", trial, prompt, k, qWarm, qCold, tPrefill, cands[d.Chosen].Name)
+		for trial := 0; trial < 5000; trial++ {
+			prompt := 64 + r.IntN(20_000)
+			k := r.IntN(prompt + 1)
+			warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
+			warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
+			warm.InFlight, cold.InFlight = r.IntN(100), r.IntN(100)
+			rate := 10_000.0
+			qWarm, qCold := QueuedSeconds(&warm), QueuedSeconds(&cold)
+			tPrefill := float64(k) / rate
+			imposedWarm := float64(prompt-k) / rate * float64(warm.InFlight)
+			imposedCold := float64(prompt) / rate * float64(cold.InFlight)
+			margin := tPrefill + w*(imposedCold-imposedWarm)
+			if diff := qWarm - qCold - margin; diff > -1e-6 && diff < 1e-6 {
+				continue // too close to call in floating point
+			}
+			cands := []Candidate{warm, cold}
+			if trial%2 == 1 {
+				cands[0], cands[1] = cands[1], cands[0]
+			}
+			d := Choose(req(prompt), cands, opts, nil, nil)
+			gotWarm := cands[d.Chosen].Name == "warm"
+			if wantWarm := qWarm-qCold < margin; gotWarm != wantWarm {
+				t.Fatalf("weight %v trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f Iw %.4f Ic %.4f: chose %s",
+					weight, trial, prompt, k, qWarm, qCold, tPrefill, imposedWarm, imposedCold, cands[d.Chosen].Name)
+			}
 		}
 	}
 }
@@ -129,36 +143,55 @@ func TestFilteredNeverChosen(t *testing.T) {
 	}
 }
 
-// TestHotPrefixSpills replays a stream of requests sharing one long
-// prefix against two replicas: the warm one takes them until its queue
-// outweighs the prefill it saves, then the cold one gets one (spill).
-func TestHotPrefixSpills(t *testing.T) {
+// hotPrefixSpillsAfter replays a stream of requests sharing one long
+// prefix against a warm and a cold replica that already run others'
+// requests: each goes to warm, adding its 200 uncached tokens to warm's
+// queue, until the first goes to cold. It returns how many went to warm.
+func hotPrefixSpillsAfter(t *testing.T, opts Options, othersInFlight int) int {
+	t.Helper()
 	warm, cold := cand("warm", 8000, 0), cand("cold", 0, 0)
+	warm.InFlight, cold.InFlight = othersInFlight, othersInFlight
 	rq := req(8200) // 8000 cached tokens save 0.8 s of prefill on warm
-	var reasons []Reason
-	for i := 0; i < 40; i++ {
-		d := Choose(rq, []Candidate{warm, cold}, Options{}, nil, nil)
-		reasons = append(reasons, d.Reason)
+	for i := 0; i < 1000; i++ {
+		d := Choose(rq, []Candidate{warm, cold}, opts, nil, nil)
 		if d.Chosen == 1 {
-			if i == 0 {
-				t.Fatal("spilled with an empty warm queue")
-			}
 			if d.Reason != Spill {
 				t.Fatalf("reason %s, want spill", d.Reason)
 			}
-			// Each warm request queues its 200 uncached tokens (0.02 s)
-			// and one more sequence in flight (0.5 ms a step): it spills
-			// once that passes 0.8 s, after about 38.
-			if i < 35 || i > 40 {
-				t.Fatalf("spilled after %d requests, want about 38", i)
-			}
-			return
+			return i
 		}
 		warm.QueuedPrefillTokens += 200
 		warm.QueuedDecodeTokens += 100
 		warm.InFlight++
 	}
-	t.Fatalf("never spilled: %v", reasons)
+	t.Fatal("never spilled")
+	return 0
+}
+
+// TestHotPrefixSpills: the warm replica takes a hot prefix's requests
+// until its queue outweighs the prefill it saves, then the cold one gets
+// one (spill).
+func TestHotPrefixSpills(t *testing.T) {
+	// Without the imposed delay: each warm request queues its 200
+	// uncached tokens (0.02 s) and one more sequence in flight (0.5 ms a
+	// step), so it spills once that passes 0.8 s, after about 39.
+	if n := hotPrefixSpillsAfter(t, Options{ImposedDelayWeight: -1}, 0); n < 35 || n > 40 {
+		t.Fatalf("spilled after %d requests, want about 39", n)
+	}
+	// Two idle replicas: copying the prefix to cold delays nobody there,
+	// while each request on warm delays the ones before it a little.
+	if n := hotPrefixSpillsAfter(t, Options{}, 0); n < 30 || n > 38 {
+		t.Fatalf("idle replicas: spilled after %d requests, want about 35", n)
+	}
+	// Both replicas run 30 other requests: copying the 8,200-token prompt
+	// to cold would slow each of them by 0.82 s, 2.46 s at weight 0.1, so
+	// warm keeps the prefix far longer (131 requests).
+	if n := hotPrefixSpillsAfter(t, Options{}, 30); n < 100 {
+		t.Fatalf("busy replicas: spilled after %d requests, want over 100", n)
+	}
+	if n := hotPrefixSpillsAfter(t, Options{ImposedDelayWeight: -1}, 30); n > 40 {
+		t.Fatalf("busy replicas, no imposed delay: spilled after %d requests", n)
+	}
 }
 
 func TestSameSeedSameDecisions(t *testing.T) {
