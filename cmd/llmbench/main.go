@@ -22,6 +22,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 	// --mode http: a real Caddy with the llm_affinity plugin in front of kvsim servers.
 	_ "github.com/llmaffinity/caddy-llm-affinity/llmbench/httprun"
 )
@@ -51,6 +52,7 @@ type options struct {
 	outputTokens   int
 	prefillRate    float64
 	decodeRate     float64
+	imposedWeight  float64
 	progress       bool
 	gen            llmbench.GeneratorOptions
 }
@@ -81,6 +83,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
 	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
+	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
 
@@ -197,6 +200,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,
 		DecodeTokensPerSecond:  o.decodeRate,
+		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight},
 	}
 	var runner llmbench.Runner
 	switch o.mode {
@@ -253,6 +257,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["output_tokens"] = o.outputTokens
 	params["prefill_tokens_per_s"] = prefill
 	params["decode_tokens_per_s"] = decode
+	params["imposed_delay_weight"] = o.imposedWeight
 	if o.mode == "http" {
 		params["time_scale"] = o.timeScale
 	}

@@ -408,6 +408,9 @@ func (p *pass) selectionPolicy() map[string]any {
 	if o.Dynamo.OverlapWeight > 0 {
 		sel["dynamo_overlap_weight"] = o.Dynamo.OverlapWeight
 	}
+	if o.ImposedDelayWeight != 0 { // a ratio of seconds: no time scaling
+		sel["imposed_delay_weight"] = o.ImposedDelayWeight
+	}
 	return sel
 }
 
