@@ -112,6 +112,10 @@ const (
 // SGLang's metrics.
 var errNoEngineMetrics = errors.New("no vllm: or sglang: engine metrics in the exposition")
 
+// errMalformedExposition says the Prometheus text parser rejected an
+// exposition (after it was read whole).
+var errMalformedExposition = errors.New("parsing metrics exposition")
+
 // errExpositionTooLarge says a response body exceeded its size cap.
 var errExpositionTooLarge = errors.New("response body too large")
 
@@ -318,7 +322,8 @@ var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 // still parsed by the Prometheus library. A malformed line in a family it
 // does not read is therefore not an error.
 func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
-	return parseEngineMetricsSkipping(r, now, false)
+	sig, _, err := parseEngineMetricsSkipping(r, now, false)
+	return sig, err
 }
 
 // slowFamilies are not read on every scrape: the
@@ -332,48 +337,81 @@ var slowFamilies = map[string]bool{
 	vllmCacheConfig: true, vllmPrefixQueries: true, vllmPrefixHits: true, sglangHitRate: true,
 }
 
-// metricsQuery says which families a metrics request asks for.
+// metricsMode is how a target's metrics are asked for.
 //
-// vLLM and SGLang serve /metrics with the Python Prometheus client, which
-// answers a name[] query with only the series named; Go's promhttp (and
-// so kvsim) does the same by family name, which for gauges and counters
-// is the same name. Asking for the dozen families read cuts a vLLM
-// exposition of 100-300 KB, mostly histogram buckets, to about a
-// kilobyte: less for the engine to render and send, and for the router
-// to read. A server that ignores the query sends everything, which
-// parseEngineMetrics filters anyway; one that answers it without engine
-// metrics is asked for everything from then on (scrapeTarget.unfiltered).
-type metricsQuery int
+// The Python Prometheus client that vLLM and SGLang serve /metrics with
+// answers a name[] query with only the series named (as Prometheus's
+// federation endpoint does), and so does Go's promhttp, by family name,
+// which for gauges and counters is the same name. Asking for the dozen
+// families read cuts an exposition of tens of kilobytes, mostly histogram
+// buckets, to under one: less for the engine to render and send, and for
+// the router to read. But engines differ:
+//
+//   - vLLM answers /metrics itself from a handler that ignores the query,
+//     and passes the paths below it (/metrics/) to the Prometheus client's
+//     app, which honours it;
+//   - SGLang, and vLLM with several API server processes, use a
+//     multiprocess registry whose filtered answer is empty.
+//
+// So a target starts with modeNamed; an engine that answers with more
+// than was asked for is asked at the path below once (modeNamedBelow),
+// and one whose answers cannot be used is asked for everything
+// (modeWhole). Whatever comes back, parseEngineMetrics keeps only what it
+// reads.
+type metricsMode uint8
 
 const (
-	queryEngine     metricsQuery = iota // the families in engineFamilies
-	queryFrequent                       // the same without slowFamilies
-	queryUnfiltered                     // no name[] query: for servers that filter by other names
-	numMetricsQueries
+	modeNamed      metricsMode = iota // metrics_path?name[]=…
+	modeNamedBelow                    // metrics_path/?name[]=…
+	modeWhole                         // metrics_path
+	numMetricsModes
 )
 
-// path returns the metrics path with the query's name[] parameters.
+// metricsQuery is one metrics request: a mode, and whether it leaves out
+// the slow families.
+type metricsQuery struct {
+	mode     metricsMode
+	skipSlow bool
+}
+
+// index numbers the queries, for the tables of prepared requests.
+func (q metricsQuery) index() int {
+	i := int(q.mode) * 2
+	if q.skipSlow {
+		i++
+	}
+	return i
+}
+
+// numMetricsQueries is the number of distinct metricsQuery values.
+const numMetricsQueries = int(numMetricsModes) * 2
+
+// path returns the request path of q, under metricsPath.
 func (q metricsQuery) path(metricsPath string) string {
-	if q == queryUnfiltered {
+	if q.mode == modeWhole {
 		return metricsPath
+	}
+	path, query, hasQuery := strings.Cut(metricsPath, "?")
+	if q.mode == modeNamedBelow && !strings.HasSuffix(path, "/") {
+		path += "/"
 	}
 	names := make([]string, 0, len(engineFamilies))
 	for name := range engineFamilies {
-		if q == queryEngine || !slowFamilies[name] {
+		if !q.skipSlow || !slowFamilies[name] {
 			names = append(names, name)
 		}
 	}
 	slices.Sort(names)
-	sep := "?"
-	if strings.Contains(metricsPath, "?") {
-		sep = "&"
+	if hasQuery {
+		query += "&"
 	}
-	return metricsPath + sep + url.Values{"name[]": names}.Encode()
+	return path + "?" + query + url.Values{"name[]": names}.Encode()
 }
 
 // parseEngineMetricsSkipping is parseEngineMetrics, leaving out the
-// slow families when skipSlow is set.
-func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (EngineSignals, error) {
+// slow families when skipSlow is set. dropped counts the sample lines it
+// left out: more than a name[] query asked for says the server ignored it.
+func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig EngineSignals, dropped int, err error) {
 	buf := expositionBuffers.Get().(*bytes.Buffer)
 	defer func() {
 		if buf.Cap() <= 1<<20 { // do not keep the rare huge one
@@ -383,20 +421,23 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (Engi
 	}()
 	buf.Reset()
 	if _, err := buf.ReadFrom(r); err != nil {
-		return EngineSignals{}, fmt.Errorf("reading metrics exposition: %w", err)
+		return EngineSignals{}, 0, fmt.Errorf("reading metrics exposition: %w", err)
 	}
+	kept, dropped := keepEngineLines(buf.Bytes(), skipSlow)
 	parser := textParsers.Get().(*expfmt.TextParser)
 	defer textParsers.Put(parser)
-	families, err := parser.TextToMetricFamilies(bytes.NewReader(keepEngineLines(buf.Bytes(), skipSlow)))
+	families, err := parser.TextToMetricFamilies(bytes.NewReader(kept))
 	if err != nil {
-		return EngineSignals{}, fmt.Errorf("parsing metrics exposition: %w", err)
+		return EngineSignals{}, dropped, fmt.Errorf("%w: %w", errMalformedExposition, err)
 	}
-	return signalsFromFamilies(families, now)
+	sig, err = signalsFromFamilies(families, now)
+	return sig, dropped, err
 }
 
-// keepEngineLines compacts text in place to the lines that belong to the
-// families in engineFamilies, and returns them.
-func keepEngineLines(text []byte, skipSlow bool) []byte {
+// keepEngineLines compacts text in place to the sample lines of the
+// families in engineFamilies, and returns them and how many other sample
+// lines it dropped.
+func keepEngineLines(text []byte, skipSlow bool) (kept []byte, dropped int) {
 	out := text[:0]
 	for len(text) > 0 {
 		line := text
@@ -404,36 +445,46 @@ func keepEngineLines(text []byte, skipSlow bool) []byte {
 		if i := bytes.IndexByte(text, '\n'); i >= 0 {
 			line, next = text[:i+1], i+1
 		}
-		if engineLine(line, skipSlow) {
+		switch engineLine(line, skipSlow) {
+		case lineKept:
 			out = append(out, line...) // never overtakes the reading position
+		case lineDropped:
+			dropped++
 		}
 		text = text[next:]
 	}
-	return out
+	return out, dropped
 }
 
+// lineKind is what keepEngineLines does with a line.
+type lineKind uint8
+
+const (
+	lineKept    lineKind = iota // a sample of a family read
+	lineDropped                 // a sample of another family
+	lineComment                 // a comment or a blank line
+)
+
 // engineLine says whether an exposition line is a sample of a family in
-// engineFamilies. Comments are dropped; lines whose name is quoted
-// (UTF-8 names) are kept, for the parser to judge. It runs on every line of every scrape,
-// so it avoids anything slower than a byte loop.
-func engineLine(line []byte, skipSlow bool) bool {
+// engineFamilies, a sample of another family or a comment. Lines whose
+// name is quoted (UTF-8 names) are kept, for the parser to judge. It runs
+// on every line of every scrape, so it avoids anything slower than a
+// byte loop.
+func engineLine(line []byte, skipSlow bool) lineKind {
 	line = skipBlanks(line)
-	if len(line) > 0 && line[0] == '#' {
+	if len(line) == 0 || line[0] == '#' || line[0] == '\n' || line[0] == '\r' {
 		// HELP and TYPE lines: every family read is a gauge or a counter,
 		// whose values read the same untyped, and without TYPE lines the
 		// parser has a third less text to go through.
-		return false
-	}
-	if len(line) == 0 {
-		return false
+		return lineComment
 	}
 	if line[0] == '"' || line[0] == '{' {
-		return true
+		return lineKept
 	}
 	// Every name read starts with "vllm:" or "sglang:": reject the rest
 	// (runtime, process, router metrics) before the map lookup.
 	if !bytes.HasPrefix(line, []byte("vllm:")) && !bytes.HasPrefix(line, []byte("sglang:")) {
-		return false
+		return lineDropped
 	}
 	end := 0
 	for end < len(line) {
@@ -443,7 +494,10 @@ func engineLine(line []byte, skipSlow bool) bool {
 		end++
 	}
 	name := line[:end]
-	return engineFamilies[string(name)] && !(skipSlow && slowFamilies[string(name)])
+	if engineFamilies[string(name)] && !(skipSlow && slowFamilies[string(name)]) {
+		return lineKept
+	}
+	return lineDropped
 }
 
 // skipBlanks drops leading spaces and tabs.
@@ -870,11 +924,11 @@ type scrapeStatus struct {
 type scrapeTarget struct {
 	dial      string
 	modelsURL string
-	// metricsURLs are the metrics URLs of each metricsQuery.
+	// metricsURLs are the metrics URLs of each metricsQuery, by index.
 	metricsURLs [numMetricsQueries]string
-	// metricsRequests are the metrics GETs of each metricsQuery as sent
-	// on a kept-alive connection (plain HTTP only); nil to go through the
-	// http.Client.
+	// metricsRequests are the metrics GETs of each metricsQuery, by index,
+	// as sent on a kept-alive connection (plain HTTP only); nil to go
+	// through the http.Client.
 	metricsRequests [numMetricsQueries][]byte
 
 	// conn is the target's own kept-alive connection for metrics, used
@@ -894,10 +948,8 @@ type scrapeTarget struct {
 	modelsAt  time.Time
 	modelsDue time.Time
 	seq       uint64
-	// unfiltered is set once an engine answered a name[] query without
-	// engine metrics but the whole exposition had them: its server
-	// filters by other names, so it is asked for everything.
-	unfiltered bool
+	// mode is how the metrics are asked for; see metricsMode.
+	mode metricsMode
 	// slow holds the figures of the slow families last read, until
 	// slowDue.
 	slow    EngineSignals
@@ -1008,12 +1060,15 @@ func (s *scraper) addLocked(d string) bool {
 	}
 	base := s.cfg.Scheme + "://" + d
 	t := &scrapeTarget{dial: d, modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
-	for q := range metricsQuery(numMetricsQueries) {
-		path := q.path(s.cfg.MetricsPath)
-		t.metricsURLs[q] = base + path
-		if s.cfg.Scheme == "http" && s.ownsClient {
-			t.metricsRequests[q] = []byte("GET " + path + " HTTP/1.1\r\nHost: " + d +
-				"\r\nAccept: " + scrapeAcceptHeader + "\r\nUser-Agent: caddy-llm-affinity\r\n\r\n")
+	for mode := range numMetricsModes {
+		for _, skipSlow := range []bool{false, true} {
+			q := metricsQuery{mode, skipSlow}
+			path := q.path(s.cfg.MetricsPath)
+			t.metricsURLs[q.index()] = base + path
+			if s.cfg.Scheme == "http" && s.ownsClient {
+				t.metricsRequests[q.index()] = []byte("GET " + path + " HTTP/1.1\r\nHost: " + d +
+					"\r\nAccept: " + scrapeAcceptHeader + "\r\nUser-Agent: caddy-llm-affinity\r\n\r\n")
+			}
 		}
 	}
 	s.targets[d] = t
@@ -1124,26 +1179,9 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	start := time.Now()
 	t.mu.Lock()
 	skipSlow := t.slow.NumGPUBlocks > 0 && start.Before(t.slowDue)
-	query := queryEngine
-	if skipSlow {
-		query = queryFrequent
-	}
-	if t.unfiltered {
-		query = queryUnfiltered
-	}
+	mode := t.mode
 	t.mu.Unlock()
-	sig, err := s.fetchMetricsQuery(ctx, t, query, start, skipSlow)
-	if errors.Is(err, errNoEngineMetrics) && query != queryUnfiltered {
-		// The server answered the name[] query without the engine's
-		// metrics; see whether the whole exposition has them.
-		if sig, err = s.fetchMetricsQuery(ctx, t, queryUnfiltered, start, skipSlow); err == nil {
-			t.mu.Lock()
-			t.unfiltered = true
-			t.mu.Unlock()
-			s.cfg.Logger.Debug("engine ignores the metric name filter; scraping its whole exposition",
-				zap.String("upstream", t.dial))
-		}
-	}
+	sig, err := s.fetchMetricsMode(ctx, t, mode, start, skipSlow)
 	if err != nil && ctx.Err() != nil {
 		t.mu.Lock()
 		t.busy = false
@@ -1193,9 +1231,14 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		}
 	}
 
-	if skipSlow {
+	switch {
+	case skipSlow && sig.Engine == t.slow.Engine:
 		sig.carrySlow(t.slow)
-	} else {
+	case skipSlow:
+		// Another engine answers on this dial now: read everything from
+		// it next time.
+		t.slow = EngineSignals{}
+	default:
 		if sig.Engine == engineVLLM && t.slow.Engine == engineVLLM {
 			sig.PrefixHitRate = hitRateSince(t.slow, sig)
 		}
@@ -1211,10 +1254,13 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 }
 
 // carrySlow copies the figures of the slow families from slow, the last
-// scrape that read them.
+// scrape of the same engine that read them.
 func (s *EngineSignals) carrySlow(slow EngineSignals) {
-	s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
-	s.PrefixQueries, s.PrefixHits, s.PrefixHitRate = slow.PrefixQueries, slow.PrefixHits, slow.PrefixHitRate
+	if s.Engine == engineVLLM { // SGLang's capacity is read every scrape
+		s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
+		s.PrefixQueries, s.PrefixHits = slow.PrefixQueries, slow.PrefixHits
+	}
+	s.PrefixHitRate = slow.PrefixHitRate
 }
 
 // hitRateSince returns vLLM's prefix cache hit rate between two scrapes:
@@ -1234,24 +1280,59 @@ func hitRateSince(prev, cur EngineSignals) float64 {
 	return clamp01(dh / dq)
 }
 
+// fetchMetricsMode fetches t's metrics asking as mode says, and moves the
+// target to another mode when the answer says so (see metricsMode): on
+// to modeNamedBelow when the engine sent more than was asked for, and to
+// modeWhole, asking again at once, when the filtered answer had no engine
+// metrics or the path below failed.
+func (s *scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, now time.Time, skipSlow bool) (EngineSignals, error) {
+	for {
+		sig, dropped, err := s.fetchMetricsQuery(ctx, t, metricsQuery{mode, skipSlow}, now)
+		next := mode
+		switch {
+		case mode == modeWhole || ctx.Err() != nil:
+		case err == nil && dropped > 0:
+			// The engine ignored the query: a usable answer, but the
+			// next scrape asks one level down (or for everything).
+			next++
+		case err == nil:
+		case mode == modeNamedBelow || errors.Is(err, errNoEngineMetrics):
+			next = modeWhole
+		}
+		if next != mode {
+			t.mu.Lock()
+			t.mode = next
+			t.mu.Unlock()
+			s.cfg.Logger.Debug("engine metrics: asking differently", zap.String("upstream", t.dial),
+				zap.String("path", metricsQuery{next, skipSlow}.path(s.cfg.MetricsPath)))
+		}
+		if next == modeWhole && err != nil && mode != modeWhole {
+			mode = next
+			continue // ask again for everything, now
+		}
+		return sig, err
+	}
+}
+
 // fetchMetricsQuery fetches t's metrics with query, on the target's
 // kept-alive connection when it has one.
-func (s *scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (EngineSignals, error) {
-	if t.metricsRequests[query] != nil {
-		return s.fetchMetricsKeptAlive(ctx, t, query, now, skipSlow)
+func (s *scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (EngineSignals, int, error) {
+	if t.metricsRequests[query.index()] != nil {
+		return s.fetchMetricsKeptAlive(ctx, t, query, now)
 	}
-	return s.fetchMetrics(ctx, t.metricsURLs[query], now, skipSlow)
+	return s.fetchMetrics(ctx, t.metricsURLs[query.index()], now, query.skipSlow)
 }
 
 // fetchMetrics GETs and parses one metrics exposition.
-func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (EngineSignals, error) {
+func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (EngineSignals, int, error) {
 	var sig EngineSignals
+	var dropped int
 	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
 		var err error
-		sig, err = parseEngineMetricsSkipping(r, now, skipSlow)
+		sig, dropped, err = parseEngineMetricsSkipping(r, now, skipSlow)
 		return err
 	})
-	return sig, err
+	return sig, dropped, err
 }
 
 // fetchMetricsKeptAlive GETs t's metrics over the target's own kept-alive
@@ -1261,13 +1342,13 @@ func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, s
 // offs to its connection goroutines) cost about as much as parsing the
 // exposition; this path skips it. A reused connection the engine closed
 // meanwhile is redialled once.
-func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (EngineSignals, error) {
+func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (EngineSignals, int, error) {
 	for attempt := 0; ; attempt++ {
 		bc, reused, err := t.takeConn(ctx, s.cfg.Timeout)
 		if err != nil {
-			return EngineSignals{}, err
+			return EngineSignals{}, 0, err
 		}
-		sig, keep, err := s.fetchOn(bc, t, query, now, skipSlow)
+		sig, dropped, keep, err := s.fetchOn(bc, t, query, now)
 		if keep {
 			t.putConn(bc)
 		} else {
@@ -1276,7 +1357,7 @@ func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, qu
 		if err != nil && reused && attempt == 0 && ctx.Err() == nil && errors.Is(err, errStaleConn) {
 			continue
 		}
-		return sig, err
+		return sig, dropped, err
 	}
 }
 
@@ -1286,29 +1367,31 @@ var errStaleConn = errors.New("connection closed before the response")
 
 // fetchOn sends the metrics request on bc and parses the response. keep
 // says the connection can carry the next request.
-func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time, skipSlow bool) (sig EngineSignals, keep bool, err error) {
+func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time) (sig EngineSignals, dropped int, keep bool, err error) {
 	if err := bc.SetDeadline(time.Now().Add(s.cfg.Timeout)); err != nil {
-		return sig, false, err
+		return sig, 0, false, err
 	}
-	if _, err := bc.Write(t.metricsRequests[query]); err != nil {
-		return sig, false, errStaleConn
+	if _, err := bc.Write(t.metricsRequests[query.index()]); err != nil {
+		return sig, 0, false, errStaleConn
 	}
 	resp, err := http.ReadResponse(bc.r, nil)
 	if err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
 			err = errStaleConn
 		}
-		return sig, false, err
+		return sig, 0, false, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
-		return sig, false, fmt.Errorf("GET %s: status %d", t.metricsURLs[query], resp.StatusCode)
+		// A short error body read to its end leaves the connection usable.
+		_, err := io.CopyN(io.Discard, resp.Body, 4<<10)
+		return sig, 0, err == io.EOF && !resp.Close, fmt.Errorf("GET %s: status %d", t.metricsURLs[query.index()], resp.StatusCode)
 	}
-	// parseEngineMetrics reads to EOF, so on success the body is consumed
-	// and the connection is ready for the next request.
-	sig, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, skipSlow)
-	return sig, err == nil && !resp.Close, err
+	// parseEngineMetrics reads to EOF before it parses, so unless reading
+	// failed the connection is ready for the next request.
+	sig, dropped, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, query.skipSlow)
+	read := err == nil || errors.Is(err, errNoEngineMetrics) || errors.Is(err, errMalformedExposition)
+	return sig, dropped, read && !resp.Close, err
 }
 
 // bufferedConn is a connection with its read buffer.

@@ -417,8 +417,9 @@ func TestScrapeKvsim(t *testing.T) {
 	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.PrefixQueries <= 0 {
 		t.Fatalf("slow figures not carried over: block size %d, blocks %d, prefix queries %v", sig.BlockSize, sig.NumGPUBlocks, sig.PrefixQueries)
 	}
-	if kept := keepEngineLines([]byte("vllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true); string(kept) != "vllm:num_requests_running 3\n" {
-		t.Fatalf("kept %q when skipping slow families", kept)
+	kept, dropped := keepEngineLines([]byte("# TYPE up gauge\nup 1\nvllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true)
+	if string(kept) != "vllm:num_requests_running 3\n" || dropped != 2 {
+		t.Fatalf("kept %q, dropped %d lines when skipping slow families", kept, dropped)
 	}
 
 	// The server goes away: the signals age and become stale, promptly.
@@ -775,7 +776,7 @@ func BenchmarkScrape64(b *testing.B) {
 	const upstreams = 64
 	dials := startUpstreams(b, upstreams)
 	whole := getBody(b, "http://"+dials[0]+defaultMetricsPath)
-	asked := getBody(b, "http://"+dials[0]+queryFrequent.path(defaultMetricsPath))
+	asked := getBody(b, "http://"+dials[0]+metricsQuery{modeNamedBelow, true}.path(defaultMetricsPath))
 	for _, interval := range []time.Duration{100 * time.Millisecond, time.Second} {
 		b.Run("every_"+interval.String(), func(b *testing.B) {
 			benchmarkScrape(b, dials, interval, 3*time.Second, false)
@@ -800,8 +801,10 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 		ctx, cancel := context.WithCancel(context.Background())
 		s := newScraper(scrapeConfig{Interval: interval})
 		s.setTargets(dials)
-		for _, t := range s.targets {
-			t.unfiltered = whole
+		if whole {
+			for _, t := range s.targets {
+				t.mode = modeWhole
+			}
 		}
 		s.start(ctx)
 		// Warm up: connections open, every target scraped once.
@@ -849,33 +852,89 @@ func scrapeTotal(s *scraper, dials []string) uint64 {
 	return n
 }
 
-// TestScrapeAsksForEngineFamilies checks the name[] query: every scrape
-// asks for the families read, the slow ones only every SlowInterval; and
-// an engine that answers the query without its engine metrics is asked
-// for everything from then on.
+// TestScrapeAsksForEngineFamilies checks how the metrics are asked for,
+// against servers that honour a name[] query at /metrics (Go's
+// promhttp), only below it (vLLM), nowhere, or answer it with nothing
+// (SGLang), and one with no engine metrics at all.
 func TestScrapeAsksForEngineFamilies(t *testing.T) {
 	const exposition = "# TYPE up gauge\nup 1\n" +
 		"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
 		"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
-	for _, filtersOtherNames := range []bool{false, true} {
-		t.Run(fmt.Sprintf("filters by other names %v", filtersOtherNames), func(t *testing.T) {
+	// filtered answers a name[] query as the Prometheus client does.
+	filtered := func(q url.Values) string {
+		var b strings.Builder
+		for _, line := range strings.SplitAfter(exposition, "\n") {
+			name, _, _ := strings.Cut(line, "{")
+			if name != "" && slices.Contains(q["name[]"], name) {
+				b.WriteString(line)
+			}
+		}
+		return b.String()
+	}
+	type request struct {
+		path  string
+		names []string
+	}
+	for _, tc := range []struct {
+		name  string
+		serve func(w http.ResponseWriter, r *http.Request)
+		// wantPath is the path asked from the third scrape on; wantNames
+		// whether those requests name families.
+		wantPath  string
+		wantNames bool
+		engine    bool
+	}{
+		{"honours at /metrics", func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			if q := r.URL.Query(); len(q["name[]"]) > 0 {
+				_, _ = io.WriteString(w, filtered(q))
+				return
+			}
+			_, _ = io.WriteString(w, exposition)
+		}, "/metrics", true, true},
+		{"honours below /metrics, like vLLM", func(w http.ResponseWriter, r *http.Request) {
+			if q := r.URL.Query(); r.URL.Path == "/metrics/" && len(q["name[]"]) > 0 {
+				_, _ = io.WriteString(w, filtered(q))
+				return
+			}
+			_, _ = io.WriteString(w, exposition) // /metrics ignores the query
+		}, "/metrics/", true, true},
+		{"ignores the query", func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			_, _ = io.WriteString(w, exposition)
+		}, "/metrics", false, true},
+		{"answers the query with nothing, like SGLang", func(w http.ResponseWriter, r *http.Request) {
+			if len(r.URL.Query()["name[]"]) > 0 {
+				return
+			}
+			_, _ = io.WriteString(w, exposition)
+		}, "/metrics", false, true},
+		{"no engine metrics", func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.WriteString(w, "# TYPE up gauge\nup 1\n")
+		}, "/metrics", false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			var mu sync.Mutex
-			var queries []url.Values
-			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.URL.Path != defaultMetricsPath {
-					http.NotFound(w, r)
-					return
-				}
+			var requests []request
+			var conns atomic.Int32
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				mu.Lock()
-				queries = append(queries, r.URL.Query())
+				requests = append(requests, request{r.URL.Path, r.URL.Query()["name[]"]})
 				mu.Unlock()
-				if filtersOtherNames && r.URL.RawQuery != "" {
-					// A server filtering by other names: nothing matches.
-					_, _ = io.WriteString(w, "# TYPE up gauge\nup 1\n")
-					return
-				}
-				_, _ = io.WriteString(w, exposition) // the query ignored
+				tc.serve(w, r)
 			}))
+			srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+				if state == http.StateNew {
+					conns.Add(1)
+				}
+			}
+			srv.Start()
 			defer srv.Close()
 			dial := hostOf(srv)
 			ctx, cancel := context.WithCancel(context.Background())
@@ -883,45 +942,55 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
 			s.setTargets([]string{dial})
 			s.start(ctx)
-			waitFor(t, "six scrapes", 5*time.Second, func() bool { return s.scrapeSeq(dial) >= 6 })
+			waitFor(t, "six scrapes", 5*time.Second, func() bool {
+				st, _ := s.status(dial)
+				return st.Scrapes+st.Errors >= 6
+			})
 			cancel()
 			<-s.stopped()
+			st, _ := s.status(dial)
 			sig, ok := s.signals(dial, time.Now(), time.Hour)
-			if !ok || sig.Waiting != 2 || sig.NumGPUBlocks != 100 || sig.BlockSize != 16 {
-				t.Fatalf("signals %+v", sig)
+			if tc.engine && (!ok || sig.Waiting != 2 || sig.NumGPUBlocks != 100 || sig.BlockSize != 16 || st.Errors != 0) {
+				t.Fatalf("signals %+v, status %+v", sig, st)
+			}
+			if !tc.engine && (ok || st.Scrapes != 0) {
+				t.Fatalf("signals %+v from a server without engine metrics", sig)
 			}
 			mu.Lock()
 			defer mu.Unlock()
-			if filtersOtherNames {
-				// The first scrape asks with the filter, then again without;
-				// every later one without.
-				if len(queries[0]["name[]"]) == 0 {
-					t.Fatalf("first query %v", queries[0])
-				}
-				for i, q := range queries[1:] {
-					if len(q) != 0 {
-						t.Fatalf("query %d after the fallback: %v", i+1, q)
-					}
-				}
-				return
+			// The first two scrapes settle the mode, with at most one
+			// extra request each; every later scrape is one request, on
+			// the same connection.
+			scrapes := int(st.Scrapes + st.Errors)
+			if len(requests) > scrapes+2 {
+				t.Fatalf("%d requests for %d scrapes: %v", len(requests), scrapes, requests)
 			}
+			if n := conns.Load(); n != 1 {
+				t.Fatalf("%d connections for %d scrapes", n, scrapes)
+			}
+			later := requests[len(requests)-(scrapes-2):]
 			full := 0
-			for i, q := range queries {
-				names := q["name[]"]
-				if !slices.Contains(names, vllmWaiting) || !slices.Contains(names, sglangRunning) || !slices.Contains(names, vllmLoRAInfo) {
-					t.Fatalf("query %d asks for %v", i, names)
+			for i, r := range later {
+				if r.path != tc.wantPath || (len(r.names) > 0) != tc.wantNames {
+					t.Fatalf("later request %d: %s %v, want %s named=%v (all: %v)", i, r.path, r.names, tc.wantPath, tc.wantNames, requests)
 				}
-				if slices.Contains(names, vllmCacheConfig) {
+				if !tc.wantNames {
+					continue
+				}
+				if !slices.Contains(r.names, vllmWaiting) || !slices.Contains(r.names, sglangRunning) || !slices.Contains(r.names, vllmLoRAInfo) {
+					t.Fatalf("request %d asks for %v", i, r.names)
+				}
+				if slices.Contains(r.names, vllmCacheConfig) {
 					full++
-					if !slices.Contains(names, vllmPrefixQueries) {
-						t.Fatalf("query %d reads the configuration without the prefix counters: %v", i, names)
+					if !slices.Contains(r.names, vllmPrefixQueries) {
+						t.Fatalf("request %d reads the configuration without the prefix counters: %v", i, r.names)
 					}
-				} else if slices.Contains(names, vllmPrefixQueries) || slices.Contains(names, sglangHitRate) {
-					t.Fatalf("query %d asks for some slow families: %v", i, names)
+				} else if slices.Contains(r.names, vllmPrefixQueries) || slices.Contains(r.names, sglangHitRate) {
+					t.Fatalf("request %d asks for some slow families: %v", i, r.names)
 				}
 			}
-			if !(full >= 1 && full < len(queries)) {
-				t.Fatalf("%d of %d scrapes read the slow families", full, len(queries))
+			if tc.wantNames && full == len(later) {
+				t.Fatalf("every later request read the slow families: %v", later)
 			}
 		})
 	}

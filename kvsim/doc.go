@@ -30,8 +30,9 @@ package kvsim
 //	POST /v1/load_lora_adapter    {"lora_name":..., "lora_path":...}: registers the adapter in host memory
 //	POST /v1/unload_lora_adapter  {"lora_name":...}
 //	GET  /health                  200, or 503 with the unhealthy fault
-//	GET  /metrics                 vLLM metric names, labels model_name and engine="0";
-//	                              name[]=... restricts it to the families named, as in vLLM
+//	GET  /metrics                 vLLM metric names, labels model_name and engine="0"
+//	GET  /metrics/                the same; a name[]=... query keeps only the families named
+//	                              (as in vLLM, /metrics itself ignores the query)
 //	GET  /kvsim/state             queue, KV and adapter state as JSON ([State])
 //	GET  /kvsim/faults            the injected faults ([Faults])
 //	POST /kvsim/faults            fields present in the JSON body replace the current faults

@@ -99,7 +99,16 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
 	s.mux.HandleFunc("GET /health", s.handleHealth)
-	s.mux.Handle("GET /metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{}))
+	// As in vLLM, /metrics itself ignores a name[] query (vLLM answers it
+	// from a handler that renders everything) and the paths below it honour
+	// one (vLLM's mounted Prometheus app).
+	exposition := promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})
+	s.mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		r = r.Clone(r.Context())
+		r.URL.RawQuery = ""
+		exposition.ServeHTTP(w, r)
+	})
+	s.mux.Handle("GET /metrics/", exposition)
 	s.mux.HandleFunc("GET /kvsim/state", s.handleState)
 	s.mux.HandleFunc("GET /kvsim/faults", s.handleFaults)
 	s.mux.HandleFunc("POST /kvsim/faults", s.handleFaults)

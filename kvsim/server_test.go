@@ -418,14 +418,14 @@ func TestConcurrentRequestsAndCancels(t *testing.T) {
 	}
 }
 
-// TestMetricsNameFilter checks that /metrics answers name[] queries, as
-// vLLM's does, with only the families named (the router's scraper asks
-// for the dozen it reads).
+// TestMetricsNameFilter checks that /metrics/ answers name[] queries, as
+// vLLM's does, with only the families named, and that /metrics ignores
+// them, as vLLM's does too.
 func TestMetricsNameFilter(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
-	families := func(query string) []string {
+	families := func(pathAndQuery string) []string {
 		t.Helper()
-		resp, err := http.Get(srv.URL + "/metrics" + query)
+		resp, err := http.Get(srv.URL + pathAndQuery)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -442,14 +442,18 @@ func TestMetricsNameFilter(t *testing.T) {
 		slices.Sort(names)
 		return names
 	}
-	if all := families(""); len(all) < 20 || !slices.Contains(all, "go_goroutines") {
-		t.Fatalf("unfiltered exposition has %d families: %v", len(all), all)
+	all := families("/metrics")
+	if len(all) < 20 || !slices.Contains(all, "go_goroutines") || !slices.Contains(all, "vllm:num_requests_running") {
+		t.Fatalf("exposition has %d families: %v", len(all), all)
 	}
-	got := families("?name[]=vllm:num_requests_running&name%5B%5D=vllm%3Aprefix_cache_hits_total&name[]=no_such_metric")
-	if want := []string{"vllm:num_requests_running", "vllm:prefix_cache_hits_total"}; !slices.Equal(got, want) {
+	const query = "?name[]=vllm:num_requests_running&name%5B%5D=vllm%3Aprefix_cache_hits_total&name[]=no_such_metric"
+	if got := families("/metrics" + query); !slices.Equal(got, all) {
+		t.Fatalf("/metrics with a name[] query: %v", got)
+	}
+	if got, want := families("/metrics/"+query), []string{"vllm:num_requests_running", "vllm:prefix_cache_hits_total"}; !slices.Equal(got, want) {
 		t.Fatalf("filtered families %v, want %v", got, want)
 	}
-	if got := families("?name[]=no_such_metric"); len(got) != 0 {
+	if got := families("/metrics/?name[]=no_such_metric"); len(got) != 0 {
 		t.Fatalf("families %v for an unknown name", got)
 	}
 }
