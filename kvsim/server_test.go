@@ -457,3 +457,82 @@ func TestMetricsNameFilter(t *testing.T) {
 		t.Fatalf("families %v for an unknown name", got)
 	}
 }
+
+// TestStreamFinishInLaterBatch: when the last token and the Finished
+// event reach the responder in different batches, the finish reason
+// still goes out, in a chunk of its own (as vLLM sends one), before the
+// usage chunk and [DONE].
+func TestStreamFinishInLaterBatch(t *testing.T) {
+	sim, err := NewServer(ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	for _, endpoint := range []Endpoint{EndpointCompletions, EndpointChatCompletions} {
+		stream := &Stream{notify: make(chan struct{}, 1)}
+		rec := httptest.NewRecorder()
+		rs := &responder{s: sim, w: rec, r: httptest.NewRequest("POST", "/v1/completions", nil),
+			p: &ParsedRequest{Endpoint: endpoint, Stream: true, IncludeUsage: true}, req: &Request{ID: "r1"},
+			model: DefaultModel, stream: stream, created: 1}
+		done := make(chan struct{})
+		go func() { rs.streamSSE(); close(done) }()
+		stream.push(Event{Kind: EventFirstToken, Text: []byte(" a"), PromptTokens: 3, GeneratedTokens: 1})
+		stream.push(Event{Kind: EventToken, Text: []byte(" b"), PromptTokens: 3, GeneratedTokens: 2})
+		// Finished only once the responder took the tokens.
+		for deadline := time.Now().Add(5 * time.Second); ; {
+			stream.mu.Lock()
+			taken := len(stream.events) == 0
+			stream.mu.Unlock()
+			if taken {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("tokens never taken")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		stream.push(Event{Kind: EventFinished, PromptTokens: 3, GeneratedTokens: 2, FinishReason: "length"})
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatal("stream never ended")
+		}
+		var finishes []string
+		var sawUsage, sawDone bool
+		for _, line := range strings.Split(rec.Body.String(), "\n") {
+			data, ok := strings.CutPrefix(line, "data: ")
+			if !ok {
+				continue
+			}
+			if data == "[DONE]" {
+				sawDone = true
+				continue
+			}
+			var chunk struct {
+				Choices []struct {
+					FinishReason *string `json:"finish_reason"`
+				} `json:"choices"`
+				Usage *struct {
+					CompletionTokens int `json:"completion_tokens"`
+				} `json:"usage"`
+			}
+			if err := json.Unmarshal([]byte(data), &chunk); err != nil {
+				t.Fatalf("%v: bad chunk %q: %v", endpoint, data, err)
+			}
+			if sawUsage {
+				t.Fatalf("%v: chunk after the usage chunk: %q", endpoint, data)
+			}
+			for _, c := range chunk.Choices {
+				if c.FinishReason != nil {
+					finishes = append(finishes, *c.FinishReason)
+				}
+			}
+			if chunk.Usage != nil {
+				sawUsage = chunk.Usage.CompletionTokens == 2
+			}
+		}
+		if !slices.Equal(finishes, []string{"length"}) || !sawUsage || !sawDone {
+			t.Fatalf("%v: finish reasons %q, usage %v, [DONE] %v in:\n%s", endpoint, finishes, sawUsage, sawDone, rec.Body.String())
+		}
+	}
+}
