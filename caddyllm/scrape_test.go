@@ -995,3 +995,55 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 		})
 	}
 }
+
+// TestScrapeEngineSwapCarriesNothing: when another engine starts
+// answering on a dial, nothing read from the old one (capacity, prefix
+// counters, hit rate) is carried into the new one's signals.
+func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
+	vllm, sglang := readTestdata(t, "vllm.prom"), readTestdata(t, "sglang.prom")
+	var swapped atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if swapped.Load() {
+			_, _ = w.Write(sglang)
+			return
+		}
+		_, _ = w.Write(vllm)
+	}))
+	defer srv.Close()
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// A long slow interval: after the first scrape every one skips the
+	// slow families, as long as the engine stays the same.
+	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+	s.setTargets([]string{dial})
+	s.start(ctx)
+	var sig EngineSignals
+	waitFor(t, "two vLLM scrapes", 5*time.Second, func() bool {
+		var ok bool
+		sig, ok = s.signals(dial, time.Now(), time.Hour)
+		return ok && sig.Seq >= 2
+	})
+	vllmCapacity := sig.KVCapacityTokens()
+	if sig.Engine != engineVLLM || vllmCapacity <= 0 || sig.PrefixQueries <= 0 {
+		t.Fatalf("vLLM signals %+v", sig)
+	}
+	swapped.Store(true)
+	seq := sig.Seq
+	var seen []EngineSignals
+	waitFor(t, "SGLang's hit rate", 5*time.Second, func() bool {
+		sig, _ = s.signals(dial, time.Now(), time.Hour)
+		if sig.Seq > seq && sig.Engine == engineSGLang {
+			seen = append(seen, sig)
+		}
+		return sig.Engine == engineSGLang && sig.PrefixHitRate >= 0
+	})
+	for _, sg := range seen {
+		if sg.KVCapacityTokens() != 200_000 || sg.BlockSize != 1 || sg.PrefixQueries != -1 || sg.PrefixHits != -1 {
+			t.Fatalf("SGLang signals with vLLM's figures: %+v", sg)
+		}
+		if sg.PrefixHitRate != -1 && (sg.PrefixHitRate < 0.37 || sg.PrefixHitRate > 0.38) {
+			t.Fatalf("SGLang hit rate %v, want the mean of 0.5 and 0.25", sg.PrefixHitRate)
+		}
+	}
+}
