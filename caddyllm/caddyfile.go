@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"math"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -281,8 +282,8 @@ func floatArg(d *caddyfile.Dispenser, dst *float64) error {
 		return d.ArgErr()
 	}
 	v, err := strconv.ParseFloat(d.Val(), 64)
-	if err != nil {
-		return d.Errf("not a number: %q", d.Val())
+	if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
+		return d.Errf("not a finite number: %q", d.Val())
 	}
 	*dst = v
 	return nil

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"encoding/json"
+	"math"
 	"testing"
 	"time"
 
@@ -61,6 +62,8 @@ func TestCaddyfileErrors(t *testing.T) {
 		`llm_affinity { queue_timeout soon }`,
 		`llm_affinity { imposed_delay_weight }`,
 		`llm_affinity { imposed_delay_weight heavy }`,
+		`llm_affinity { imposed_delay_weight NaN }`,
+		`llm_affinity { tie Inf }`,
 	} {
 		var p Policy
 		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(in)); err == nil {
@@ -86,6 +89,9 @@ func TestPolicyValidate(t *testing.T) {
 		{OutputEstimate: OutputAverage, ShedStatus: 200},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, LLMDWeights: []float64{1}},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, Hardware: &HardwareProfile{KVCapacityTokens: -1}},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: 1e308},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: math.NaN()},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, TieSeconds: math.Inf(1)},
 	} {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%+v validated", p)

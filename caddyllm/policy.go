@@ -118,7 +118,7 @@ type Policy struct {
 	// prompt's prefill time, once for each of them) counts against its own
 	// time to first token, in the ttft strategy. It keeps a shared prefix
 	// from being copied to every replica whose queue is momentarily
-	// shorter. Default 0.1; a negative value turns it off.
+	// shorter. Default 0.1, at most 100; a negative value turns it off.
 	ImposedDelayWeight float64 `json:"imposed_delay_weight,omitempty"`
 
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
@@ -208,6 +208,10 @@ func (Policy) CaddyModule() caddy.ModuleInfo {
 		New: func() caddy.Module { return new(Policy) },
 	}
 }
+
+// maxImposedDelayWeight bounds ImposedDelayWeight: beyond it the term
+// alone decides, and costs can overflow.
+const maxImposedDelayWeight = 100
 
 // Provision sets defaults and loads the fallback policy.
 func (p *Policy) Provision(ctx caddy.Context) error {
@@ -320,6 +324,16 @@ func (p *Policy) Validate() error {
 	}
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
+	}
+	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
+		p.SGLangBalanceRel, p.DynamoOverlapWeight}, p.LLMDWeights...)
+	for _, v := range floats {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("tuning values must be finite numbers, got %v", v)
+		}
+	}
+	if p.ImposedDelayWeight > maxImposedDelayWeight {
+		return fmt.Errorf("imposed_delay_weight must be at most %v, got %v", maxImposedDelayWeight, p.ImposedDelayWeight)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)

@@ -326,6 +326,10 @@ func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
 	return sig, err
 }
 
+// wholeProbeIntervals is how many slow intervals a target asked for its
+// whole exposition waits before the filtered query is tried again.
+const wholeProbeIntervals = 6
+
 // slowFamilies are not read on every scrape: the
 // engine's configuration, which does not change while it runs (the long
 // label sets of vLLM's cache_config_info made it about half of every
@@ -948,8 +952,10 @@ type scrapeTarget struct {
 	modelsAt  time.Time
 	modelsDue time.Time
 	seq       uint64
-	// mode is how the metrics are asked for; see metricsMode.
-	mode metricsMode
+	// mode is how the metrics are asked for; see metricsMode. In
+	// modeWhole the filtered query is tried again from probeDue on.
+	mode     metricsMode
+	probeDue time.Time
 	// slow holds the figures of the slow families last read, until
 	// slowDue.
 	slow    EngineSignals
@@ -1172,16 +1178,20 @@ func (s *scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
 // scrape fetches t's metrics (and models when due) and records the
 // outcome.
 func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
-	var mark chargeMark
-	if s.cfg.Mark != nil {
-		mark = s.cfg.Mark(t.dial)
-	}
 	start := time.Now()
 	t.mu.Lock()
 	skipSlow := t.slow.NumGPUBlocks > 0 && start.Before(t.slowDue)
 	mode := t.mode
+	if mode == modeWhole && !start.Before(t.probeDue) {
+		// Now and then ask for less again: the engine behind the dial may
+		// have changed.
+		mode, t.mode, t.probeDue = modeNamed, modeNamed, start.Add(wholeProbeIntervals*s.cfg.SlowInterval)
+	}
 	t.mu.Unlock()
-	sig, err := s.fetchMetricsMode(ctx, t, mode, start, skipSlow)
+	sig, err := s.fetchMetricsMode(ctx, t, mode, skipSlow)
+	if err == nil {
+		start = sig.ScrapedAt
+	}
 	if err != nil && ctx.Err() != nil {
 		t.mu.Lock()
 		t.busy = false
@@ -1246,7 +1256,6 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
 	sig.Latency = time.Since(start)
-	sig.Mark = mark
 	sig.Models, sig.ModelsAt = t.models, t.modelsAt
 	t.seq++
 	sig.Seq = t.seq
@@ -1281,14 +1290,22 @@ func hitRateSince(prev, cur EngineSignals) float64 {
 }
 
 // fetchMetricsMode fetches t's metrics asking as mode says, and moves the
-// target to another mode when the answer says so (see metricsMode): on
-// to modeNamedBelow when the engine sent more than was asked for, and to
-// modeWhole, asking again at once, when the filtered answer had no engine
-// metrics or the path below failed.
-func (s *scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, now time.Time, skipSlow bool) (EngineSignals, error) {
+// target to another mode when the engine's answer says so (see
+// metricsMode): on to modeNamedBelow when it sent more than was asked for
+// or redirected, and to modeWhole, asking again at once, when the
+// filtered answer had no engine metrics or the path below was refused.
+// Network errors, timeouts and 5xx answers say nothing about the query
+// and change nothing. Each attempt takes its own charge mark and time.
+func (s *scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, skipSlow bool) (EngineSignals, error) {
 	for {
-		sig, dropped, err := s.fetchMetricsQuery(ctx, t, metricsQuery{mode, skipSlow}, now)
+		var mark chargeMark
+		if s.cfg.Mark != nil {
+			mark = s.cfg.Mark(t.dial)
+		}
+		sig, dropped, err := s.fetchMetricsQuery(ctx, t, metricsQuery{mode, skipSlow}, time.Now())
+		sig.Mark = mark
 		next := mode
+		var status *statusError
 		switch {
 		case mode == modeWhole || ctx.Err() != nil:
 		case err == nil && dropped > 0:
@@ -1296,23 +1313,37 @@ func (s *scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode me
 			// next scrape asks one level down (or for everything).
 			next++
 		case err == nil:
-		case mode == modeNamedBelow || errors.Is(err, errNoEngineMetrics):
+		case mode == modeNamed && errors.As(err, &status) && status.code/100 == 3:
+			next = modeNamedBelow // /metrics redirects to /metrics/
+		case errors.Is(err, errNoEngineMetrics) || errors.Is(err, errMalformedExposition),
+			mode == modeNamedBelow && errors.As(err, &status) && status.code/100 != 5:
 			next = modeWhole
 		}
 		if next != mode {
 			t.mu.Lock()
 			t.mode = next
+			if next == modeWhole {
+				t.probeDue = time.Now().Add(wholeProbeIntervals * s.cfg.SlowInterval)
+			}
 			t.mu.Unlock()
 			s.cfg.Logger.Debug("engine metrics: asking differently", zap.String("upstream", t.dial),
 				zap.String("path", metricsQuery{next, skipSlow}.path(s.cfg.MetricsPath)))
-		}
-		if next == modeWhole && err != nil && mode != modeWhole {
-			mode = next
-			continue // ask again for everything, now
+			if err != nil {
+				mode = next
+				continue // ask again, now
+			}
 		}
 		return sig, err
 	}
 }
+
+// statusError is a metrics answer other than 200.
+type statusError struct {
+	url  string
+	code int
+}
+
+func (e *statusError) Error() string { return fmt.Sprintf("GET %s: status %d", e.url, e.code) }
 
 // fetchMetricsQuery fetches t's metrics with query, on the target's
 // kept-alive connection when it has one.
@@ -1374,18 +1405,27 @@ func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery,
 	if _, err := bc.Write(t.metricsRequests[query.index()]); err != nil {
 		return sig, 0, false, errStaleConn
 	}
-	resp, err := http.ReadResponse(bc.r, nil)
-	if err != nil {
-		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
-			err = errStaleConn
+	var resp *http.Response
+	for {
+		resp, err = http.ReadResponse(bc.r, nil)
+		if err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
+				err = errStaleConn
+			}
+			return sig, 0, false, err
 		}
-		return sig, 0, false, err
+		// Informational answers (103 Early Hints) precede the real one.
+		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
+			break
+		}
+		resp.Body.Close()
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		// A short error body read to its end leaves the connection usable.
 		_, err := io.CopyN(io.Discard, resp.Body, 4<<10)
-		return sig, 0, err == io.EOF && !resp.Close, fmt.Errorf("GET %s: status %d", t.metricsURLs[query.index()], resp.StatusCode)
+		keep := err == io.EOF && !resp.Close && resp.StatusCode >= 200
+		return sig, 0, keep, &statusError{t.metricsURLs[query.index()], resp.StatusCode}
 	}
 	// parseEngineMetrics reads to EOF before it parses, so unless reading
 	// failed the connection is ready for the next request.
@@ -1471,7 +1511,7 @@ func (s *scraper) get(ctx context.Context, url, accept string, limit int64, read
 		_ = resp.Body.Close()
 	}()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("GET %s: status %d", url, resp.StatusCode)
+		return &statusError{url, resp.StatusCode}
 	}
 	return read(&capReader{r: resp.Body, left: limit})
 }

@@ -1047,3 +1047,92 @@ func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestScrapeModeChanges: how the way metrics are asked for follows the
+// engine's answers, and does not follow failures that say nothing about
+// the query.
+func TestScrapeModeChanges(t *testing.T) {
+	const exposition = "# TYPE up gauge\nup 1\n" +
+		"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
+		"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
+	filtered := func(q url.Values) string {
+		var b strings.Builder
+		for _, line := range strings.SplitAfter(exposition, "\n") {
+			if name, _, _ := strings.Cut(line, "{"); name != "" && slices.Contains(q["name[]"], name) {
+				b.WriteString(line)
+			}
+		}
+		return b.String()
+	}
+	var phase atomic.Int32 // advanced by each case's script
+	for _, tc := range []struct {
+		name string
+		// serve answers in the current phase.
+		serve func(w http.ResponseWriter, r *http.Request, phase int32)
+		// phases are how long each phase lasts.
+		phases []time.Duration
+		// want is the mode at the end.
+		want metricsMode
+	}{
+		{"a 503 below /metrics changes nothing", func(w http.ResponseWriter, r *http.Request, phase int32) {
+			switch {
+			case phase == 1:
+				http.Error(w, "busy", http.StatusServiceUnavailable)
+			case r.URL.Path == "/metrics/":
+				_, _ = io.WriteString(w, filtered(r.URL.Query()))
+			default:
+				_, _ = io.WriteString(w, exposition)
+			}
+		}, []time.Duration{500 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond}, modeNamedBelow},
+		{"a redirect from /metrics asks below", func(w http.ResponseWriter, r *http.Request, _ int32) {
+			if r.URL.Path == "/metrics" {
+				http.Redirect(w, r, "/metrics/?"+r.URL.RawQuery, http.StatusTemporaryRedirect)
+				return
+			}
+			_, _ = io.WriteString(w, filtered(r.URL.Query()))
+		}, []time.Duration{time.Second}, modeNamedBelow},
+		{"early hints are skipped", func(w http.ResponseWriter, r *http.Request, _ int32) {
+			w.Header().Set("Link", "</style.css>; rel=preload")
+			w.WriteHeader(http.StatusEarlyHints)
+			_, _ = io.WriteString(w, filtered(r.URL.Query()))
+		}, []time.Duration{time.Second}, modeNamed},
+		{"an engine that learns to filter is asked for less again", func(w http.ResponseWriter, r *http.Request, phase int32) {
+			if q := r.URL.Query(); len(q["name[]"]) > 0 {
+				if phase == 1 {
+					_, _ = io.WriteString(w, filtered(q))
+				}
+				return // phase 0: an empty answer, as SGLang gives
+			}
+			_, _ = io.WriteString(w, exposition)
+		}, []time.Duration{500 * time.Millisecond, 1500 * time.Millisecond}, modeNamed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			phase.Store(0)
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				tc.serve(w, r, phase.Load())
+			}))
+			defer srv.Close()
+			dial := hostOf(srv)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
+			s.setTargets([]string{dial})
+			s.start(ctx)
+			for i, d := range tc.phases {
+				phase.Store(int32(i))
+				time.Sleep(d)
+			}
+			s.mu.RLock()
+			target := s.targets[dial]
+			s.mu.RUnlock()
+			target.mu.Lock()
+			mode := target.mode
+			target.mu.Unlock()
+			sig, ok := s.signals(dial, time.Now(), 300*time.Millisecond)
+			if mode != tc.want || !ok || sig.Waiting != 2 {
+				st, _ := s.status(dial)
+				t.Fatalf("mode %d (want %d), fresh signals %v %+v, status %+v", mode, tc.want, ok, sig, st)
+			}
+		})
+	}
+}

@@ -61,7 +61,7 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		// the router had in flight there at that moment.
 		if raw.Running >= 0 && raw.Waiting >= 0 {
 			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight; foreign > 0 {
-				c.InFlight += foreign // they share the engine's steps too
+				c.ForeignInFlight = foreign // they share the engine's steps too
 				prompt, output := state.meanPrompt.value, p.meanOutputLocked()
 				c.QueuedPrefillTokens += int(float64(min(foreign, raw.Waiting)) * prompt)
 				c.QueuedDecodeTokens += int(float64(foreign) * output)

@@ -197,8 +197,11 @@ func EstimateTTFT(req *Request, c *Candidate) float64 {
 // and lowers the fleet's hit rate; see BENCHMARKS.md.
 func ImposedDelaySeconds(req *Request, c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	return float64(max(0, req.PromptTokens-c.MatchedTokens)) / prefill * float64(c.InFlight)
+	return float64(max(0, req.PromptTokens-c.MatchedTokens)) / prefill * float64(inFlight(c))
 }
+
+// inFlight counts every request on c's engine, the router's and others'.
+func inFlight(c *Candidate) int { return c.InFlight + max(0, c.ForeignInFlight) }
 
 // DefaultImposedDelayWeight is the default Options.ImposedDelayWeight: a
 // second of delay spread over the others' generations counts a tenth of a
@@ -213,7 +216,7 @@ func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
 	decode := rate(c.DecodeTokensPerSecond, 2_000)
 	steps := 1 + float64(c.QueuedPrefillTokens)/PrefillChunkTokens
-	return float64(c.QueuedPrefillTokens)/prefill + steps*float64(c.InFlight)/decode
+	return float64(c.QueuedPrefillTokens)/prefill + steps*float64(inFlight(c))/decode
 }
 
 // PrefillChunkTokens is the prefill one engine step carries (vLLM's
@@ -263,7 +266,16 @@ func (k *coster) eligible(i int) bool {
 	return filter(k.req, &k.cands[i], k.opts.KVMarginTokens) == NotFiltered
 }
 
+// cost is the strategy's cost of candidate i; NaN (from extreme inputs)
+// counts as +Inf, so that it never wins and comparisons stay ordered.
 func (k *coster) cost(i int) float64 {
+	if c := k.rawCost(i); !math.IsNaN(c) {
+		return c
+	}
+	return math.Inf(1)
+}
+
+func (k *coster) rawCost(i int) float64 {
 	c := &k.cands[i]
 	switch k.strategy {
 	case LLMD:
@@ -301,7 +313,9 @@ func pickLowest(k *coster, rng Rand) int {
 		if !k.eligible(i) {
 			continue
 		}
-		if c := k.cost(i); c < bestCost {
+		// The first eligible candidate stands even if every cost is
+		// infinite.
+		if c := k.cost(i); best < 0 || c < bestCost {
 			best, bestCost = i, c
 		}
 	}

@@ -113,6 +113,11 @@ type Candidate struct {
 	QueuedDecodeTokens int
 	// InFlight is the number of requests routed there and not finished.
 	InFlight int
+	// ForeignInFlight is the number of requests the engine reported beyond
+	// the router's own (another router's, direct clients'), 0 when unknown.
+	// The ttft strategy counts them with InFlight; the strategies that
+	// mirror other routers see only their own traffic, as those do.
+	ForeignInFlight int
 	// Waiting is the engine's waiting queue length, or -1 when unknown.
 	Waiting int
 	// PrefillTokensPerSecond is its prefill throughput.

@@ -2,6 +2,7 @@ package scorer
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"testing"
 )
@@ -67,8 +68,6 @@ func TestShedWhenNothingFits(t *testing.T) {
 	}
 }
 
-// TestToleranceRule is the property: with two candidates, ttft picks the
-// warm one exactly when Q_warm − Q_cold < t_prefill(k).
 // TestToleranceRule checks the rule "stay warm iff Q_warm − Q_cold <
 // t_prefill(k)" on random pairs of replicas, alone (ImposedDelayWeight
 // off) and with the delay each choice imposes on the requests already
@@ -315,5 +314,36 @@ func BenchmarkChoose(b *testing.B) {
 				Choose(rq, cands, Options{}, r, nil)
 			}
 		})
+	}
+}
+
+// TestExtremeCostsStillChoose: costs that overflow to +Inf (a huge
+// imposed-delay weight) or turn NaN still leave a choice among the
+// eligible candidates, never a panic.
+func TestExtremeCostsStillChoose(t *testing.T) {
+	busy, idle := cand("busy", 0, 1000), cand("idle", 0, 0)
+	busy.InFlight, idle.InFlight = 50, 10
+	for _, w := range []float64{1e308, math.Inf(1), math.NaN()} {
+		for _, cands := range [][]Candidate{{busy, idle}, {idle, busy}} {
+			d := Choose(req(4000), cands, Options{ImposedDelayWeight: w}, rand.New(rand.NewPCG(1, 1)), nil)
+			if d.Chosen < 0 || d.Chosen >= len(cands) {
+				t.Fatalf("weight %v: chose %d", w, d.Chosen)
+			}
+		}
+	}
+}
+
+// TestForeignRequestsCountForTTFT: requests the engine reported beyond
+// the router's own slow a new prompt (ttft) but are invisible to the
+// strategies that mirror routers without engine metrics (sglang).
+func TestForeignRequestsCountForTTFT(t *testing.T) {
+	a, b := cand("a", 0, 0), cand("b", 0, 0)
+	a.ForeignInFlight = 200
+	if d := Choose(req(1000), []Candidate{a, b}, Options{}, nil, nil); d.Chosen != 1 {
+		t.Fatalf("ttft chose the replica with 200 foreign requests")
+	}
+	b.InFlight = 1
+	if d := Choose(req(1000), []Candidate{a, b}, Options{Strategy: SGLang}, nil, nil); d.Chosen != 0 {
+		t.Fatalf("sglang counted foreign requests")
 	}
 }

@@ -192,6 +192,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 			}
 		},
 	}
+	if math.IsNaN(o.imposedWeight) || math.IsInf(o.imposedWeight, 0) {
+		return usageError{fmt.Errorf("--imposed-delay-weight must be a finite number, got %v", o.imposedWeight)}
+	}
 	// Both modes configure the llm_affinity policy from the same settings.
 	settings := &llmbench.Sim{
 		Config:                 cfg,
