@@ -191,6 +191,13 @@ type EngineSignals struct {
 	Mark chargeMark
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
+
+	// kvByRank and rankCapacity are the KV usage and capacity (tokens) of
+	// each data parallel rank, so that a scrape without the capacity
+	// (vLLM's slow cache_config_info) can weight the ranks as the last one
+	// with it did.
+	kvByRank     groups
+	rankCapacity map[string]float64
 }
 
 // chargeMark is a snapshot of the router's cumulative charges to one
@@ -586,6 +593,7 @@ func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
 	}
 	if usage != nil {
 		sig.KVUsage, sig.KVKnown = clamp01(usage.weightedMean(capacity)), true
+		sig.kvByRank, sig.rankCapacity = usage, capacity
 	}
 
 	// LoRA: the series' value is the time it was set; the newest wins.
@@ -1268,6 +1276,10 @@ func (s *EngineSignals) carrySlow(slow EngineSignals) {
 	if s.Engine == engineVLLM { // SGLang's capacity is read every scrape
 		s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
 		s.PrefixQueries, s.PrefixHits = slow.PrefixQueries, slow.PrefixHits
+		if s.KVKnown && len(slow.rankCapacity) > 0 {
+			s.rankCapacity = slow.rankCapacity
+			s.KVUsage = clamp01(s.kvByRank.weightedMean(s.rankCapacity))
+		}
 	}
 	s.PrefixHitRate = slow.PrefixHitRate
 }

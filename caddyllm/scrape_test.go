@@ -1136,3 +1136,28 @@ func TestScrapeModeChanges(t *testing.T) {
 		})
 	}
 }
+
+// TestScrapeKeepsRankWeights: data parallel ranks of unequal capacity
+// weigh KV usage by capacity on the scrapes that skip cache_config_info
+// too, not only on the ones that read it.
+func TestScrapeKeepsRankWeights(t *testing.T) {
+	body := readTestdata(t, "vllm_dp2.prom") // ranks of 1,000 and 3,000 blocks at 20% and 60%
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }))
+	defer srv.Close()
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+	s.setTargets([]string{dial})
+	s.start(ctx)
+	for seq := uint64(1); seq <= 3; seq++ {
+		var sig EngineSignals
+		waitFor(t, fmt.Sprint("scrape ", seq), 5*time.Second, func() bool {
+			sig, _ = s.signals(dial, time.Now(), time.Hour)
+			return sig.Seq >= seq
+		})
+		if math.Abs(sig.KVUsage-0.5) > 1e-9 || sig.NumGPUBlocks != 4000 {
+			t.Fatalf("scrape %d: KV usage %v over %d blocks, want 0.5 over 4000", sig.Seq, sig.KVUsage, sig.NumGPUBlocks)
+		}
+	}
+}
