@@ -106,6 +106,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		kv_margin           <tokens>
 //		tie                 <seconds>
 //		imposed_delay_weight <w>
+//		decode_weight       <w>
 //		sglang              <cache_threshold> <balance_abs> <balance_rel>
 //		llmd_weights        <prefix> <queue> <kv>
 //		dynamo_overlap_weight <w>
@@ -201,14 +202,14 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				"scrape_interval": &p.ScrapeInterval, "scrape_max_age": &p.ScrapeMaxAge,
 				"models_interval": &p.ModelsInterval,
 			}[opt] = caddy.Duration(dur)
-		case "tie", "dynamo_overlap_weight", "imposed_delay_weight":
+		case "tie", "dynamo_overlap_weight", "imposed_delay_weight", "decode_weight":
 			var v float64
 			if err := floatArg(d, &v); err != nil {
 				return err
 			}
 			*map[string]*float64{
 				"tie": &p.TieSeconds, "dynamo_overlap_weight": &p.DynamoOverlapWeight,
-				"imposed_delay_weight": &p.ImposedDelayWeight,
+				"imposed_delay_weight": &p.ImposedDelayWeight, "decode_weight": &p.DecodeWeight,
 			}[opt] = v
 		case "sglang", "llmd_weights":
 			var v [3]float64

@@ -27,6 +27,7 @@ func TestPolicyCaddyfile(t *testing.T) {
 		llmd_weights 1 2 3
 		tie 0.005
 		imposed_delay_weight 0.25
+		decode_weight 0.2
 		explain_header
 		fallback first
 	}`)
@@ -39,7 +40,7 @@ func TestPolicyCaddyfile(t *testing.T) {
 		p.Upstreams["10.0.0.2:8000"].PrefillTokensPerSecond != 20000 || len(p.Adapters) != 2 ||
 		time.Duration(p.QueueTimeout) != 2*time.Second || p.ShedStatus != 429 ||
 		p.SGLangBalanceAbs != 64 || p.LLMDWeights[2] != 3 || !p.ExplainHeader ||
-		p.TieSeconds != 0.005 || p.ImposedDelayWeight != 0.25 {
+		p.TieSeconds != 0.005 || p.ImposedDelayWeight != 0.25 || p.DecodeWeight != 0.2 {
 		t.Fatalf("parsed %+v", p)
 	}
 	var fb map[string]any
@@ -90,6 +91,7 @@ func TestPolicyValidate(t *testing.T) {
 		{OutputEstimate: OutputAverage, ShedStatus: 503, LLMDWeights: []float64{1}},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, Hardware: &HardwareProfile{KVCapacityTokens: -1}},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: 1e308},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, DecodeWeight: 101},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: math.NaN()},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, TieSeconds: math.Inf(1)},
 	} {

@@ -121,6 +121,14 @@ type Policy struct {
 	// shorter. Default 0.1, at most 100; a negative value turns it off.
 	ImposedDelayWeight float64 `json:"imposed_delay_weight,omitempty"`
 
+	// DecodeWeight is how much a request's own generation time on an
+	// upstream (its expected output at the decode rate it would share
+	// with every request in flight there) counts against its time to
+	// first token, in the ttft strategy. It keeps a few hot prefixes from
+	// piling generations onto the replicas that hold them. Default 0.1, at
+	// most 100; a negative value turns it off.
+	DecodeWeight float64 `json:"decode_weight,omitempty"`
+
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
 	// the sglang strategy (defaults 0.5, 32, 1.0001).
 	SGLangCacheThreshold float64 `json:"sglang_cache_threshold,omitempty"`
@@ -209,9 +217,9 @@ func (Policy) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// maxImposedDelayWeight bounds ImposedDelayWeight: beyond it the term
-// alone decides, and costs can overflow.
-const maxImposedDelayWeight = 100
+// maxCostWeight bounds ImposedDelayWeight and DecodeWeight: beyond it a
+// term alone decides, and costs can overflow.
+const maxCostWeight = 100
 
 // Provision sets defaults and loads the fallback policy.
 func (p *Policy) Provision(ctx caddy.Context) error {
@@ -225,6 +233,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		TieSeconds:         p.TieSeconds,
 		KVMarginTokens:     p.KVMarginTokens,
 		ImposedDelayWeight: p.ImposedDelayWeight,
+		DecodeWeight:       p.DecodeWeight,
 		SGLang: scorer.SGLangOptions{
 			CacheThreshold:      p.SGLangCacheThreshold,
 			BalanceAbsThreshold: p.SGLangBalanceAbs,
@@ -325,15 +334,16 @@ func (p *Policy) Validate() error {
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
 	}
-	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
+	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.DecodeWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
 		p.SGLangBalanceRel, p.DynamoOverlapWeight}, p.LLMDWeights...)
 	for _, v := range floats {
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return fmt.Errorf("tuning values must be finite numbers, got %v", v)
 		}
 	}
-	if p.ImposedDelayWeight > maxImposedDelayWeight {
-		return fmt.Errorf("imposed_delay_weight must be at most %v, got %v", maxImposedDelayWeight, p.ImposedDelayWeight)
+	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight {
+		return fmt.Errorf("imposed_delay_weight and decode_weight must be at most %v, got %v and %v",
+			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)

@@ -22,6 +22,11 @@ type Options struct {
 	// against its own time to first token, in the ttft strategy. Default
 	// DefaultImposedDelayWeight; negative turns the term off.
 	ImposedDelayWeight float64
+	// DecodeWeight is how much the request's own generation time on a
+	// replica (GenerationSeconds) counts against its time to first token,
+	// in the ttft strategy. Default DefaultDecodeWeight; negative turns the
+	// term off.
+	DecodeWeight float64
 	// SGLang tunes the sglang strategy.
 	SGLang SGLangOptions
 	// LLMD tunes the llmd strategy.
@@ -211,6 +216,26 @@ func inFlight(c *Candidate) int { return c.InFlight + max(0, c.ForeignInFlight) 
 // keeping the tails low; 1 starts to pile load up.
 const DefaultImposedDelayWeight = 0.1
 
+// GenerationSeconds is how long req would take to generate its expected
+// output on c once started: every engine step carries one token of each
+// request in flight, so a crowded replica decodes each of them slower.
+// The first token does not see this (a new prompt shares the steps, see
+// QueuedSeconds); the rest of the response does, and a router that looked
+// only at the first token piled up generations on replicas holding a few
+// hot prefixes (BENCHMARKS.md §6).
+func GenerationSeconds(req *Request, c *Candidate) float64 {
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	return float64(max(0, req.OutputTokens)) * float64(inFlight(c)+1) / decode
+}
+
+// DefaultDecodeWeight is the default Options.DecodeWeight: a second of
+// generation counts a tenth of a second of waiting for the first token.
+// Measured with llmbench in BENCHMARKS.md §6: it removes the pile-ups of
+// a few hot prefixes (gsp with 4 to 16 groups on 8 replicas, E2E p99 up
+// to 7.8 s down to 3.8–4.3 s) for a few points of hit rate at most;
+// larger weights trade more first-token time for them.
+const DefaultDecodeWeight = 0.1
+
 // QueuedSeconds is how long c's queue delays a new prompt's prefill.
 func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
@@ -241,8 +266,21 @@ type coster struct {
 	opts     Options
 	strategy Strategy
 	llmd     llmdScale
-	// imposedWeight weighs ImposedDelaySeconds in the ttft cost.
-	imposedWeight float64
+	// imposedWeight and decodeWeight weigh ImposedDelaySeconds and
+	// GenerationSeconds in the ttft cost.
+	imposedWeight, decodeWeight float64
+}
+
+// weight resolves a configured weight: 0 means the default, a negative
+// value (or NaN) turns the term off.
+func weight(configured, fallback float64) float64 {
+	switch {
+	case configured == 0:
+		return fallback
+	case configured > 0:
+		return configured
+	}
+	return 0
 }
 
 func newCoster(req *Request, cands []Candidate, opts Options) coster {
@@ -250,12 +288,8 @@ func newCoster(req *Request, cands []Candidate, opts Options) coster {
 	if k.strategy == "" {
 		k.strategy = TTFT
 	}
-	switch {
-	case opts.ImposedDelayWeight == 0:
-		k.imposedWeight = DefaultImposedDelayWeight
-	case opts.ImposedDelayWeight > 0:
-		k.imposedWeight = opts.ImposedDelayWeight
-	}
+	k.imposedWeight = weight(opts.ImposedDelayWeight, DefaultImposedDelayWeight)
+	k.decodeWeight = weight(opts.DecodeWeight, DefaultDecodeWeight)
 	if k.strategy == LLMD {
 		k.llmd = newLLMDScale(req, cands, opts)
 	}
@@ -288,6 +322,9 @@ func (k *coster) rawCost(i int) float64 {
 	cost := EstimateTTFT(k.req, c)
 	if k.imposedWeight > 0 {
 		cost += k.imposedWeight * ImposedDelaySeconds(k.req, c)
+	}
+	if k.decodeWeight > 0 {
+		cost += k.decodeWeight * GenerationSeconds(k.req, c)
 	}
 	return cost
 }

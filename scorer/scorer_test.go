@@ -69,30 +69,31 @@ func TestShedWhenNothingFits(t *testing.T) {
 }
 
 // TestToleranceRule checks the rule "stay warm iff Q_warm − Q_cold <
-// t_prefill(k)" on random pairs of replicas, alone (ImposedDelayWeight
-// off) and with the delay each choice imposes on the requests already
-// there: then warm wins iff Q_warm − Q_cold < t_prefill(k) + w·(I_cold −
-// I_warm).
+// t_prefill(k)" on random pairs of replicas, alone (the other terms off)
+// and with the delay each choice imposes on the requests already there
+// (I) and the request's own generation time (G): then warm wins iff
+// Q_warm − Q_cold < t_prefill(k) + w·(I_cold − I_warm) + d·(G_cold − G_warm).
 func TestToleranceRule(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	for _, weight := range []float64{-1, 0, 0.5} {
-		opts := Options{TieSeconds: 1e-9, ImposedDelayWeight: weight}
-		w := max(0, weight)
-		if weight == 0 {
-			w = DefaultImposedDelayWeight
-		}
+	for _, weights := range [][2]float64{{-1, -1}, {0, -1}, {0.5, -1}, {-1, 0}, {0, 0}, {0.3, 0.7}} {
+		opts := Options{TieSeconds: 1e-9, ImposedDelayWeight: weights[0], DecodeWeight: weights[1]}
+		w := weight(weights[0], DefaultImposedDelayWeight)
+		d := weight(weights[1], DefaultDecodeWeight)
 		for trial := 0; trial < 5000; trial++ {
 			prompt := 64 + r.IntN(20_000)
 			k := r.IntN(prompt + 1)
 			warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
 			warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
 			warm.InFlight, cold.InFlight = r.IntN(100), r.IntN(100)
-			rate := 10_000.0
+			rq := req(prompt)
+			rate, decode := 10_000.0, 2_000.0
 			qWarm, qCold := QueuedSeconds(&warm), QueuedSeconds(&cold)
 			tPrefill := float64(k) / rate
 			imposedWarm := float64(prompt-k) / rate * float64(warm.InFlight)
 			imposedCold := float64(prompt) / rate * float64(cold.InFlight)
-			margin := tPrefill + w*(imposedCold-imposedWarm)
+			genWarm := float64(rq.OutputTokens) * float64(warm.InFlight+1) / decode
+			genCold := float64(rq.OutputTokens) * float64(cold.InFlight+1) / decode
+			margin := tPrefill + w*(imposedCold-imposedWarm) + d*(genCold-genWarm)
 			if diff := qWarm - qCold - margin; diff > -1e-6 && diff < 1e-6 {
 				continue // too close to call in floating point
 			}
@@ -100,11 +101,11 @@ func TestToleranceRule(t *testing.T) {
 			if trial%2 == 1 {
 				cands[0], cands[1] = cands[1], cands[0]
 			}
-			d := Choose(req(prompt), cands, opts, nil, nil)
-			gotWarm := cands[d.Chosen].Name == "warm"
+			dec := Choose(rq, cands, opts, nil, nil)
+			gotWarm := cands[dec.Chosen].Name == "warm"
 			if wantWarm := qWarm-qCold < margin; gotWarm != wantWarm {
-				t.Fatalf("weight %v trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f Iw %.4f Ic %.4f: chose %s",
-					weight, trial, prompt, k, qWarm, qCold, tPrefill, imposedWarm, imposedCold, cands[d.Chosen].Name)
+				t.Fatalf("weights %v trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f Iw %.4f Ic %.4f: chose %s",
+					weights, trial, prompt, k, qWarm, qCold, tPrefill, imposedWarm, imposedCold, cands[dec.Chosen].Name)
 			}
 		}
 	}
@@ -171,25 +172,32 @@ func hotPrefixSpillsAfter(t *testing.T, opts Options, othersInFlight int) int {
 // until its queue outweighs the prefill it saves, then the cold one gets
 // one (spill).
 func TestHotPrefixSpills(t *testing.T) {
-	// Without the imposed delay: each warm request queues its 200
-	// uncached tokens (0.02 s) and one more sequence in flight (0.5 ms a
-	// step), so it spills once that passes 0.8 s, after about 39.
-	if n := hotPrefixSpillsAfter(t, Options{ImposedDelayWeight: -1}, 0); n < 35 || n > 40 {
+	ttftOnly := Options{ImposedDelayWeight: -1, DecodeWeight: -1}
+	// First token only: each warm request queues its 200 uncached tokens
+	// (0.02 s) and one more sequence in flight (0.5 ms a step), so it
+	// spills once that passes 0.8 s, after about 39.
+	if n := hotPrefixSpillsAfter(t, ttftOnly, 0); n < 35 || n > 40 {
 		t.Fatalf("spilled after %d requests, want about 39", n)
 	}
 	// Two idle replicas: copying the prefix to cold delays nobody there,
-	// while each request on warm delays the ones before it a little.
-	if n := hotPrefixSpillsAfter(t, Options{}, 0); n < 30 || n > 38 {
+	// while each request on warm delays the ones before it a little, and
+	// generates a little slower (0.1 × 100 tokens at 2,000 tokens/s per
+	// request in flight): it spills sooner.
+	if n := hotPrefixSpillsAfter(t, Options{DecodeWeight: -1}, 0); n < 30 || n > 38 {
 		t.Fatalf("idle replicas: spilled after %d requests, want about 35", n)
+	}
+	if n := hotPrefixSpillsAfter(t, Options{}, 0); n < 26 || n > 34 {
+		t.Fatalf("idle replicas, with generation time: spilled after %d requests, want about 29", n)
 	}
 	// Both replicas run 30 other requests: copying the 8,200-token prompt
 	// to cold would slow each of them by 0.82 s, 2.46 s at weight 0.1, so
-	// warm keeps the prefix far longer (131 requests).
-	if n := hotPrefixSpillsAfter(t, Options{}, 30); n < 100 {
-		t.Fatalf("busy replicas: spilled after %d requests, want over 100", n)
+	// warm keeps the prefix far longer; its own crowding brings that in a
+	// little (110 requests, 131 without it).
+	if n := hotPrefixSpillsAfter(t, Options{}, 30); n < 80 {
+		t.Fatalf("busy replicas: spilled after %d requests, want over 80", n)
 	}
-	if n := hotPrefixSpillsAfter(t, Options{ImposedDelayWeight: -1}, 30); n > 40 {
-		t.Fatalf("busy replicas, no imposed delay: spilled after %d requests", n)
+	if n := hotPrefixSpillsAfter(t, ttftOnly, 30); n > 40 {
+		t.Fatalf("busy replicas, first token only: spilled after %d requests", n)
 	}
 }
 

@@ -53,6 +53,7 @@ type options struct {
 	prefillRate    float64
 	decodeRate     float64
 	imposedWeight  float64
+	decodeWeight   float64
 	progress       bool
 	gen            llmbench.GeneratorOptions
 }
@@ -83,6 +84,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
 	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
+	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
@@ -192,8 +194,10 @@ func bench(o options, stdout, stderr io.Writer) error {
 			}
 		},
 	}
-	if math.IsNaN(o.imposedWeight) || math.IsInf(o.imposedWeight, 0) {
-		return usageError{fmt.Errorf("--imposed-delay-weight must be a finite number, got %v", o.imposedWeight)}
+	for name, w := range map[string]float64{"imposed-delay-weight": o.imposedWeight, "decode-weight": o.decodeWeight} {
+		if math.IsNaN(w) || math.IsInf(w, 0) {
+			return usageError{fmt.Errorf("--%s must be a finite number, got %v", name, w)}
+		}
 	}
 	// Both modes configure the llm_affinity policy from the same settings.
 	settings := &llmbench.Sim{
@@ -203,7 +207,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,
 		DecodeTokensPerSecond:  o.decodeRate,
-		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight},
+		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight},
 	}
 	var runner llmbench.Runner
 	switch o.mode {
@@ -261,6 +265,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["prefill_tokens_per_s"] = prefill
 	params["decode_tokens_per_s"] = decode
 	params["imposed_delay_weight"] = o.imposedWeight
+	params["decode_weight"] = o.decodeWeight
 	if o.mode == "http" {
 		params["time_scale"] = o.timeScale
 	}

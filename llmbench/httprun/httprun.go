@@ -408,8 +408,11 @@ func (p *pass) selectionPolicy() map[string]any {
 	if o.Dynamo.OverlapWeight > 0 {
 		sel["dynamo_overlap_weight"] = o.Dynamo.OverlapWeight
 	}
-	if o.ImposedDelayWeight != 0 { // a ratio of seconds: no time scaling
+	if o.ImposedDelayWeight != 0 { // ratios of seconds: no time scaling
 		sel["imposed_delay_weight"] = o.ImposedDelayWeight
+	}
+	if o.DecodeWeight != 0 {
+		sel["decode_weight"] = o.DecodeWeight
 	}
 	return sel
 }
