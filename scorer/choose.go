@@ -217,23 +217,31 @@ func inFlight(c *Candidate) int { return c.InFlight + max(0, c.ForeignInFlight) 
 const DefaultImposedDelayWeight = 0.1
 
 // GenerationSeconds is how long req would take to generate its expected
-// output on c once started: every engine step carries one token of each
-// request in flight, so a crowded replica decodes each of them slower.
-// The first token does not see this (a new prompt shares the steps, see
-// QueuedSeconds); the rest of the response does, and a router that looked
-// only at the first token piled up generations on replicas holding a few
-// hot prefixes (BENCHMARKS.md §6).
+// output on c once started, up to GenerationHorizonTokens: every engine
+// step carries one token of each request in flight, so a crowded replica
+// decodes each of them slower. The first token does not see this (a new
+// prompt shares the steps, see QueuedSeconds); the rest of the response
+// does, and a router that looked only at the first token piled up
+// generations on replicas holding a few hot prefixes (BENCHMARKS.md §7).
 func GenerationSeconds(req *Request, c *Candidate) float64 {
 	decode := rate(c.DecodeTokensPerSecond, 2_000)
-	return float64(max(0, req.OutputTokens)) * float64(inFlight(c)+1) / decode
+	tokens := min(max(0, req.OutputTokens), GenerationHorizonTokens)
+	return float64(tokens) * float64(inFlight(c)+1) / decode
 }
+
+// GenerationHorizonTokens caps the output GenerationSeconds counts. The
+// requests in flight now finish within a few hundred tokens, so the
+// crowding seen now says nothing about a generation's later steps; and
+// without the cap a client's max_tokens of 100,000 (with output_estimate
+// max_tokens) made the term outweigh any cached prefix.
+const GenerationHorizonTokens = 1024
 
 // DefaultDecodeWeight is the default Options.DecodeWeight: a second of
 // generation counts a tenth of a second of waiting for the first token.
-// Measured with llmbench in BENCHMARKS.md §6: it removes the pile-ups of
-// a few hot prefixes (gsp with 4 to 16 groups on 8 replicas, E2E p99 up
-// to 7.8 s down to 3.8–4.3 s) for a few points of hit rate at most;
-// larger weights trade more first-token time for them.
+// Measured with llmbench in BENCHMARKS.md §7: it removes the pile-ups of
+// a few hot prefixes (gsp with 4 or 8 groups on 8 replicas, E2E p99 7.3–
+// 7.8 s down to 3.8–4.0 s) for a few tenths of a point of hit rate;
+// larger weights trade first-token time for more.
 const DefaultDecodeWeight = 0.1
 
 // QueuedSeconds is how long c's queue delays a new prompt's prefill.

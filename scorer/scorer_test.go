@@ -71,29 +71,36 @@ func TestShedWhenNothingFits(t *testing.T) {
 // TestToleranceRule checks the rule "stay warm iff Q_warm − Q_cold <
 // t_prefill(k)" on random pairs of replicas, alone (the other terms off)
 // and with the delay each choice imposes on the requests already there
-// (I) and the request's own generation time (G): then warm wins iff
+// (I) and the request's own generation time (G, its output capped at
+// 1,024 tokens): then warm wins iff
 // Q_warm − Q_cold < t_prefill(k) + w·(I_cold − I_warm) + d·(G_cold − G_warm).
 func TestToleranceRule(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	for _, weights := range [][2]float64{{-1, -1}, {0, -1}, {0.5, -1}, {-1, 0}, {0, 0}, {0.3, 0.7}} {
-		opts := Options{TieSeconds: 1e-9, ImposedDelayWeight: weights[0], DecodeWeight: weights[1]}
-		w := weight(weights[0], DefaultImposedDelayWeight)
-		d := weight(weights[1], DefaultDecodeWeight)
+	// Configured weights, and the weights they mean (0: the defaults,
+	// 0.1 each; negative: off).
+	for _, weights := range []struct{ imposed, decode, w, d float64 }{
+		{-1, -1, 0, 0}, {0, -1, 0.1, 0}, {0.5, -1, 0.5, 0}, {-1, 0, 0, 0.1}, {0, 0, 0.1, 0.1}, {0.3, 0.7, 0.3, 0.7},
+	} {
+		opts := Options{TieSeconds: 1e-9, ImposedDelayWeight: weights.imposed, DecodeWeight: weights.decode}
 		for trial := 0; trial < 5000; trial++ {
 			prompt := 64 + r.IntN(20_000)
 			k := r.IntN(prompt + 1)
 			warm, cold := cand("warm", k, r.IntN(40_000)), cand("cold", 0, r.IntN(40_000))
 			warm.QueuedDecodeTokens, cold.QueuedDecodeTokens = r.IntN(5000), r.IntN(5000)
 			warm.InFlight, cold.InFlight = r.IntN(100), r.IntN(100)
+			warm.ForeignInFlight, cold.ForeignInFlight = r.IntN(3)*r.IntN(50), r.IntN(3)*r.IntN(50)
 			rq := req(prompt)
+			rq.OutputTokens = []int{0, 1, 100, 1024, 5000, 100_000}[r.IntN(6)]
+			nWarm, nCold := warm.InFlight+warm.ForeignInFlight, cold.InFlight+cold.ForeignInFlight
 			rate, decode := 10_000.0, 2_000.0
 			qWarm, qCold := QueuedSeconds(&warm), QueuedSeconds(&cold)
 			tPrefill := float64(k) / rate
-			imposedWarm := float64(prompt-k) / rate * float64(warm.InFlight)
-			imposedCold := float64(prompt) / rate * float64(cold.InFlight)
-			genWarm := float64(rq.OutputTokens) * float64(warm.InFlight+1) / decode
-			genCold := float64(rq.OutputTokens) * float64(cold.InFlight+1) / decode
-			margin := tPrefill + w*(imposedCold-imposedWarm) + d*(genCold-genWarm)
+			imposedWarm := float64(prompt-k) / rate * float64(nWarm)
+			imposedCold := float64(prompt) / rate * float64(nCold)
+			out := float64(min(rq.OutputTokens, 1024))
+			genWarm := out * float64(nWarm+1) / decode
+			genCold := out * float64(nCold+1) / decode
+			margin := tPrefill + weights.w*(imposedCold-imposedWarm) + weights.d*(genCold-genWarm)
 			if diff := qWarm - qCold - margin; diff > -1e-6 && diff < 1e-6 {
 				continue // too close to call in floating point
 			}
@@ -104,8 +111,8 @@ func TestToleranceRule(t *testing.T) {
 			dec := Choose(rq, cands, opts, nil, nil)
 			gotWarm := cands[dec.Chosen].Name == "warm"
 			if wantWarm := qWarm-qCold < margin; gotWarm != wantWarm {
-				t.Fatalf("weights %v trial %d: prompt %d k %d Qw %.4f Qc %.4f tp %.4f Iw %.4f Ic %.4f: chose %s",
-					weights, trial, prompt, k, qWarm, qCold, tPrefill, imposedWarm, imposedCold, cands[dec.Chosen].Name)
+				t.Fatalf("weights %+v trial %d: prompt %d k %d output %d Qw %.4f Qc %.4f tp %.4f Iw %.4f Ic %.4f Gw %.4f Gc %.4f: chose %s",
+					weights, trial, prompt, k, rq.OutputTokens, qWarm, qCold, tPrefill, imposedWarm, imposedCold, genWarm, genCold, cands[dec.Chosen].Name)
 			}
 		}
 	}
@@ -193,8 +200,9 @@ func TestHotPrefixSpills(t *testing.T) {
 	// to cold would slow each of them by 0.82 s, 2.46 s at weight 0.1, so
 	// warm keeps the prefix far longer; its own crowding brings that in a
 	// little (110 requests, 131 without it).
-	if n := hotPrefixSpillsAfter(t, Options{}, 30); n < 80 {
-		t.Fatalf("busy replicas: spilled after %d requests, want over 80", n)
+	withoutGeneration := hotPrefixSpillsAfter(t, Options{DecodeWeight: -1}, 30)
+	if n := hotPrefixSpillsAfter(t, Options{}, 30); n < 100 || n > 120 || n >= withoutGeneration {
+		t.Fatalf("busy replicas: spilled after %d requests, want about 110 (%d without generation time)", n, withoutGeneration)
 	}
 	if n := hotPrefixSpillsAfter(t, ttftOnly, 30); n > 40 {
 		t.Fatalf("busy replicas, first token only: spilled after %d requests", n)
