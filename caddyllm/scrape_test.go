@@ -852,25 +852,44 @@ func scrapeTotal(s *scraper, dials []string) uint64 {
 	return n
 }
 
+// modeTestExposition is what the servers of the mode tests expose: one
+// foreign family and two engine ones.
+const modeTestExposition = "# TYPE up gauge\nup 1\n" +
+	"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
+	"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
+
+// filteredExposition answers a name[] query on modeTestExposition as the
+// Prometheus client does: only the series named.
+func filteredExposition(q url.Values) string {
+	var b strings.Builder
+	for _, line := range strings.SplitAfter(modeTestExposition, "\n") {
+		if name, _, _ := strings.Cut(line, "{"); name != "" && slices.Contains(q["name[]"], name) {
+			b.WriteString(line)
+		}
+	}
+	return b.String()
+}
+
+// scrapeServer serves handler and scrapes it with cfg until the test
+// ends.
+func scrapeServer(t *testing.T, handler http.Handler, cfg scrapeConfig) (s *scraper, dial string) {
+	t.Helper()
+	srv := httptest.NewServer(handler)
+	t.Cleanup(srv.Close)
+	ctx, cancel := context.WithCancel(context.Background())
+	s = newScraper(cfg)
+	dial = hostOf(srv)
+	s.setTargets([]string{dial})
+	s.start(ctx)
+	t.Cleanup(func() { cancel(); <-s.stopped() })
+	return s, dial
+}
+
 // TestScrapeAsksForEngineFamilies checks how the metrics are asked for,
 // against servers that honour a name[] query at /metrics (Go's
 // promhttp), only below it (vLLM), nowhere, or answer it with nothing
 // (SGLang), and one with no engine metrics at all.
 func TestScrapeAsksForEngineFamilies(t *testing.T) {
-	const exposition = "# TYPE up gauge\nup 1\n" +
-		"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
-		"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
-	// filtered answers a name[] query as the Prometheus client does.
-	filtered := func(q url.Values) string {
-		var b strings.Builder
-		for _, line := range strings.SplitAfter(exposition, "\n") {
-			name, _, _ := strings.Cut(line, "{")
-			if name != "" && slices.Contains(q["name[]"], name) {
-				b.WriteString(line)
-			}
-		}
-		return b.String()
-	}
 	type request struct {
 		path  string
 		names []string
@@ -890,30 +909,30 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 				return
 			}
 			if q := r.URL.Query(); len(q["name[]"]) > 0 {
-				_, _ = io.WriteString(w, filtered(q))
+				_, _ = io.WriteString(w, filteredExposition(q))
 				return
 			}
-			_, _ = io.WriteString(w, exposition)
+			_, _ = io.WriteString(w, modeTestExposition)
 		}, "/metrics", true, true},
 		{"honours below /metrics, like vLLM", func(w http.ResponseWriter, r *http.Request) {
 			if q := r.URL.Query(); r.URL.Path == "/metrics/" && len(q["name[]"]) > 0 {
-				_, _ = io.WriteString(w, filtered(q))
+				_, _ = io.WriteString(w, filteredExposition(q))
 				return
 			}
-			_, _ = io.WriteString(w, exposition) // /metrics ignores the query
+			_, _ = io.WriteString(w, modeTestExposition) // /metrics ignores the query
 		}, "/metrics/", true, true},
 		{"ignores the query", func(w http.ResponseWriter, r *http.Request) {
 			if r.URL.Path != "/metrics" {
 				http.NotFound(w, r)
 				return
 			}
-			_, _ = io.WriteString(w, exposition)
+			_, _ = io.WriteString(w, modeTestExposition)
 		}, "/metrics", false, true},
 		{"answers the query with nothing, like SGLang", func(w http.ResponseWriter, r *http.Request) {
 			if len(r.URL.Query()["name[]"]) > 0 {
 				return
 			}
-			_, _ = io.WriteString(w, exposition)
+			_, _ = io.WriteString(w, modeTestExposition)
 		}, "/metrics", false, true},
 		{"no engine metrics", func(w http.ResponseWriter, r *http.Request) {
 			_, _ = io.WriteString(w, "# TYPE up gauge\nup 1\n")
@@ -1002,22 +1021,15 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 	vllm, sglang := readTestdata(t, "vllm.prom"), readTestdata(t, "sglang.prom")
 	var swapped atomic.Bool
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	// A long slow interval: after the first scrape every one skips the
+	// slow families, as long as the engine stays the same.
+	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if swapped.Load() {
 			_, _ = w.Write(sglang)
 			return
 		}
 		_, _ = w.Write(vllm)
-	}))
-	defer srv.Close()
-	dial := hostOf(srv)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	// A long slow interval: after the first scrape every one skips the
-	// slow families, as long as the engine stays the same.
-	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
-	s.setTargets([]string{dial})
-	s.start(ctx)
+	}), scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
 	var sig EngineSignals
 	waitFor(t, "two vLLM scrapes", 5*time.Second, func() bool {
 		var ok bool
@@ -1052,18 +1064,6 @@ func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 // engine's answers, and does not follow failures that say nothing about
 // the query.
 func TestScrapeModeChanges(t *testing.T) {
-	const exposition = "# TYPE up gauge\nup 1\n" +
-		"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
-		"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
-	filtered := func(q url.Values) string {
-		var b strings.Builder
-		for _, line := range strings.SplitAfter(exposition, "\n") {
-			if name, _, _ := strings.Cut(line, "{"); name != "" && slices.Contains(q["name[]"], name) {
-				b.WriteString(line)
-			}
-		}
-		return b.String()
-	}
 	var phase atomic.Int32 // advanced by each case's script
 	for _, tc := range []struct {
 		name string
@@ -1079,9 +1079,9 @@ func TestScrapeModeChanges(t *testing.T) {
 			case phase == 1:
 				http.Error(w, "busy", http.StatusServiceUnavailable)
 			case r.URL.Path == "/metrics/":
-				_, _ = io.WriteString(w, filtered(r.URL.Query()))
+				_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
 			default:
-				_, _ = io.WriteString(w, exposition)
+				_, _ = io.WriteString(w, modeTestExposition)
 			}
 		}, []time.Duration{500 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond}, modeNamedBelow},
 		{"a redirect from /metrics asks below", func(w http.ResponseWriter, r *http.Request, _ int32) {
@@ -1089,35 +1089,28 @@ func TestScrapeModeChanges(t *testing.T) {
 				http.Redirect(w, r, "/metrics/?"+r.URL.RawQuery, http.StatusTemporaryRedirect)
 				return
 			}
-			_, _ = io.WriteString(w, filtered(r.URL.Query()))
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
 		}, []time.Duration{time.Second}, modeNamedBelow},
 		{"early hints are skipped", func(w http.ResponseWriter, r *http.Request, _ int32) {
 			w.Header().Set("Link", "</style.css>; rel=preload")
 			w.WriteHeader(http.StatusEarlyHints)
-			_, _ = io.WriteString(w, filtered(r.URL.Query()))
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
 		}, []time.Duration{time.Second}, modeNamed},
 		{"an engine that learns to filter is asked for less again", func(w http.ResponseWriter, r *http.Request, phase int32) {
 			if q := r.URL.Query(); len(q["name[]"]) > 0 {
 				if phase == 1 {
-					_, _ = io.WriteString(w, filtered(q))
+					_, _ = io.WriteString(w, filteredExposition(q))
 				}
 				return // phase 0: an empty answer, as SGLang gives
 			}
-			_, _ = io.WriteString(w, exposition)
+			_, _ = io.WriteString(w, modeTestExposition)
 		}, []time.Duration{500 * time.Millisecond, 1500 * time.Millisecond}, modeNamed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			phase.Store(0)
-			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tc.serve(w, r, phase.Load())
-			}))
-			defer srv.Close()
-			dial := hostOf(srv)
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
-			s.setTargets([]string{dial})
-			s.start(ctx)
+			}), scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
 			for i, d := range tc.phases {
 				phase.Store(int32(i))
 				time.Sleep(d)
@@ -1142,14 +1135,8 @@ func TestScrapeModeChanges(t *testing.T) {
 // too, not only on the ones that read it.
 func TestScrapeKeepsRankWeights(t *testing.T) {
 	body := readTestdata(t, "vllm_dp2.prom") // ranks of 1,000 and 3,000 blocks at 20% and 60%
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }))
-	defer srv.Close()
-	dial := hostOf(srv)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
-	s.setTargets([]string{dial})
-	s.start(ctx)
+	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }),
+		scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
 	for seq := uint64(1); seq <= 3; seq++ {
 		var sig EngineSignals
 		waitFor(t, fmt.Sprint("scrape ", seq), 5*time.Second, func() bool {

@@ -129,20 +129,8 @@ func adminDo(t *testing.T, method, path string) {
 
 func drainPhase(t *testing.T, dial string) string {
 	t.Helper()
-	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var list []struct {
-		Dial  string `json:"dial"`
-		Drain string `json:"drain"`
-	}
-	json.NewDecoder(resp.Body).Decode(&list)
-	for _, u := range list {
-		if u.Dial == dial {
-			return u.Drain
-		}
+	if u := upstreamView(t, dial); u != nil {
+		return u.Drain
 	}
 	return "active"
 }

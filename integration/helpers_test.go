@@ -16,7 +16,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddytest"
 
-	_ "github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -187,4 +187,25 @@ func text(s string, n int) string {
 type msg struct {
 	Role    string `json:"role"`
 	Content string `json:"content"`
+}
+
+// upstreamView returns the admin API's view of dial, nil when it lists
+// no such upstream.
+func upstreamView(t *testing.T, dial string) *caddyllm.UpstreamSnapshot {
+	t.Helper()
+	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list []caddyllm.UpstreamSnapshot
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
+		t.Fatal(err)
+	}
+	for i := range list {
+		if list[i].Dial == dial {
+			return &list[i]
+		}
+	}
+	return nil
 }

@@ -108,22 +108,8 @@ func TestDirectLoadChangesDecisions(t *testing.T) {
 // engineView returns the admin API's engine view of dial.
 func engineView(t *testing.T, dial string) *caddyllm.EngineView {
 	t.Helper()
-	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var list []struct {
-		Dial   string               `json:"dial"`
-		Engine *caddyllm.EngineView `json:"engine"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
-		t.Fatal(err)
-	}
-	for _, u := range list {
-		if u.Dial == dial {
-			return u.Engine
-		}
+	if u := upstreamView(t, dial); u != nil {
+		return u.Engine
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 )
@@ -46,10 +48,10 @@ func post(t *testing.T, url, body string) (*http.Response, string) {
 	return resp, string(b)
 }
 
-// scrape returns the value of a metric (first series) from /metrics.
-func scrape(t *testing.T, url, name string) float64 {
+// metricFamilies GETs url and parses the exposition.
+func metricFamilies(t *testing.T, url string) map[string]*dto.MetricFamily {
 	t.Helper()
-	resp, err := http.Get(url + "/metrics")
+	resp, err := http.Get(url)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +61,13 @@ func scrape(t *testing.T, url, name string) float64 {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mf, ok := families[name]
+	return families
+}
+
+// scrape returns the value of a metric (first series) from /metrics.
+func scrape(t *testing.T, url, name string) float64 {
+	t.Helper()
+	mf, ok := metricFamilies(t, url+"/metrics")[name]
 	if !ok || len(mf.GetMetric()) == 0 {
 		t.Fatalf("metric %s missing", name)
 	}
@@ -425,22 +433,7 @@ func TestMetricsNameFilter(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
 	families := func(pathAndQuery string) []string {
 		t.Helper()
-		resp, err := http.Get(srv.URL + pathAndQuery)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		parser := expfmt.NewTextParser(model.UTF8Validation)
-		parsed, err := parser.TextToMetricFamilies(resp.Body)
-		if err != nil {
-			t.Fatal(err)
-		}
-		names := make([]string, 0, len(parsed))
-		for name := range parsed {
-			names = append(names, name)
-		}
-		slices.Sort(names)
-		return names
+		return slices.Sorted(maps.Keys(metricFamilies(t, srv.URL+pathAndQuery)))
 	}
 	all := families("/metrics")
 	if len(all) < 20 || !slices.Contains(all, "go_goroutines") || !slices.Contains(all, "vllm:num_requests_running") {
