@@ -23,7 +23,10 @@ type Strategy string
 
 // Strategies.
 const (
-	// TTFT minimises the estimated time to first token (the default).
+	// TTFT minimises the estimated time to first token plus a tenth of
+	// the delay its prefill imposes on the requests already on a replica
+	// and a tenth of its own generation time there (the default; see
+	// Options.ImposedDelayWeight and Options.DecodeWeight).
 	TTFT Strategy = "ttft"
 	// SGLang is SGLang router's cache_aware policy.
 	SGLang Strategy = "sglang"
