@@ -213,7 +213,6 @@ type Stats struct {
 	DurationSeconds  float64
 	MeanPromptTokens float64
 	MeanOutputTokens float64
-	MaxContextTokens int
 }
 
 // Stats returns the workload's size and mean lengths.
@@ -228,7 +227,6 @@ func (w *Workload) Stats() Stats {
 		r := &w.Requests[i]
 		in += float64(r.PromptTokens)
 		out += float64(r.OutputTokens)
-		st.MaxContextTokens = max(st.MaxContextTokens, r.PromptTokens+r.MaxTokens)
 	}
 	st.MeanPromptTokens = in / float64(st.Requests)
 	st.MeanOutputTokens = out / float64(st.Requests)

@@ -12,7 +12,8 @@ type Options struct {
 	// Strategy is the decision rule; empty means TTFT.
 	Strategy Strategy
 	// TieSeconds: ttft costs within this many seconds of the best are
-	// ties, broken by power of two random choices. Default 0.002.
+	// ties, broken by power of two random choices. Default
+	// DefaultTieSeconds.
 	TieSeconds float64
 	// KVMarginTokens is the headroom the KV-fit filter keeps beyond the
 	// uncached prompt and the expected output. Default 0.
@@ -34,6 +35,9 @@ type Options struct {
 	// Dynamo tunes the dynamo strategy.
 	Dynamo DynamoOptions
 }
+
+// DefaultTieSeconds is the default Options.TieSeconds.
+const DefaultTieSeconds = 0.002
 
 // Rand is the random source for tie-breaks; *math/rand/v2.Rand satisfies
 // it. Inject a seeded one for deterministic decisions.
@@ -343,7 +347,7 @@ func (k *coster) tolerance(best float64) float64 {
 		if k.opts.TieSeconds > 0 {
 			return k.opts.TieSeconds
 		}
-		return 0.002
+		return DefaultTieSeconds
 	}
 	return 1e-9 * math.Max(1, math.Abs(best))
 }

@@ -27,6 +27,7 @@ package httprun
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -46,6 +47,7 @@ import (
 	_ "github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 func init() {
@@ -61,9 +63,6 @@ func init() {
 // SessionHeader is the request header Caddy's header policy hashes; the client sets it to
 // [llmbench.HeaderKey] of each request.
 const SessionHeader = "X-Session-Id"
-
-// defaultTieSeconds is the scorer's default ttft tie, scaled to wall clock with the rest.
-const defaultTieSeconds = 0.002
 
 // Runner replays workloads over HTTP. It implements [llmbench.Runner].
 type Runner struct {
@@ -93,9 +92,6 @@ func New(settings *llmbench.Sim, timeScale float64) (*Runner, error) {
 	}
 	return &Runner{settings: *settings, timeScale: timeScale}, nil
 }
-
-// TimeScale returns how many times faster than wall clock the replicas run.
-func (r *Runner) TimeScale() float64 { return r.timeScale }
 
 var (
 	// caddyMu serialises passes: Caddy runs one config per process.
@@ -368,7 +364,7 @@ func (p *pass) selectionPolicy() map[string]any {
 	}
 	tie := s.Scorer.TieSeconds
 	if tie <= 0 {
-		tie = defaultTieSeconds
+		tie = scorer.DefaultTieSeconds
 	}
 	sel := map[string]any{
 		"policy":   "llm_affinity",
@@ -378,8 +374,8 @@ func (p *pass) selectionPolicy() map[string]any {
 			"decode_tokens_per_second":  decode * p.timeScale,
 			"kv_capacity_tokens":        cfg.NumGPUBlocks * cfg.BlockSize,
 		},
-		"output_estimate":     cmpOr(s.OutputEstimate, llmbench.OutputAverage),
-		"output_tokens":       cmpOr(s.OutputTokens, llmbench.DefaultOutputTokens),
+		"output_estimate":     cmp.Or(s.OutputEstimate, llmbench.OutputAverage),
+		"output_tokens":       cmp.Or(s.OutputTokens, llmbench.DefaultOutputTokens),
 		"queue_timeout":       int64(queueTimeout),
 		"max_loras":           cfg.MaxLoRAs,
 		"adapter_load_host":   int64(max(p.wall(cfg.LoRAHostLoad), 1)),
@@ -415,14 +411,6 @@ func (p *pass) selectionPolicy() map[string]any {
 		sel["decode_weight"] = o.DecodeWeight
 	}
 	return sel
-}
-
-func cmpOr[T comparable](v, fallback T) T {
-	var zero T
-	if v == zero {
-		return fallback
-	}
-	return v
 }
 
 // replay sends every request at its arrival time, each in its own goroutine, and waits for
@@ -559,7 +547,7 @@ func errorMessage(resp *http.Response) string {
 	}
 	msg := ""
 	if json.Unmarshal(b, &e) == nil {
-		msg = cmpOr(e.Message, e.Error.Message)
+		msg = cmp.Or(e.Message, e.Error.Message)
 	}
 	if len(msg) > 200 {
 		msg = msg[:200]
