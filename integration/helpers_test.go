@@ -135,32 +135,34 @@ func postRaw(t *testing.T, path string, raw []byte) completion {
 	return c
 }
 
-// upstreamState reads the plugin's admin API.
-type upstreamState struct {
-	Dial          string `json:"dial"`
-	QueuedPrefill int    `json:"queued_prefill_tokens"`
-	QueuedDecode  int    `json:"queued_decode_tokens"`
-	KVTokens      int    `json:"kv_tokens_in_flight"`
-	InFlight      int    `json:"in_flight"`
-	IndexBlocks   int    `json:"index_blocks"`
-}
-
-func upstreams(t *testing.T) map[string]upstreamState {
+// upstreams reads the plugin's admin API: every upstream's state, by dial.
+func upstreams(t *testing.T) map[string]caddyllm.UpstreamSnapshot {
 	t.Helper()
 	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var list []upstreamState
+	var list []caddyllm.UpstreamSnapshot
 	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
 		t.Fatal(err)
 	}
-	out := map[string]upstreamState{}
+	out := make(map[string]caddyllm.UpstreamSnapshot, len(list))
 	for _, u := range list {
 		out[u.Dial] = u
 	}
 	return out
+}
+
+// upstream is dial's state in the admin API; the test fails if the API
+// does not list it, so that checks on it cannot pass on a zero value.
+func upstream(t *testing.T, dial string) caddyllm.UpstreamSnapshot {
+	t.Helper()
+	u, ok := upstreams(t)[dial]
+	if !ok {
+		t.Fatalf("the admin API does not list %s", dial)
+	}
+	return u
 }
 
 // eventually polls cond until it holds or the timeout passes.
@@ -187,25 +189,4 @@ func text(s string, n int) string {
 type msg struct {
 	Role    string `json:"role"`
 	Content string `json:"content"`
-}
-
-// upstreamView returns the admin API's view of dial, nil when it lists
-// no such upstream.
-func upstreamView(t *testing.T, dial string) *caddyllm.UpstreamSnapshot {
-	t.Helper()
-	resp, err := http.Get(adminURL + "/llm_affinity/upstreams")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var list []caddyllm.UpstreamSnapshot
-	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
-		t.Fatal(err)
-	}
-	for i := range list {
-		if list[i].Dial == dial {
-			return &list[i]
-		}
-	}
-	return nil
 }

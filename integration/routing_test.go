@@ -262,14 +262,14 @@ func TestClientAbortReleasesQueue(t *testing.T) {
 		t.Fatal(err)
 	}
 	dial := fleet[0].dial()
-	if u := upstreams(t)[dial]; u.InFlight != 1 || u.QueuedDecode == 0 {
+	if u := upstream(t, dial); u.InFlight != 1 || u.QueuedDecodeTokens == 0 {
 		t.Fatalf("mid-stream state %+v, want one in flight with decode queued", u)
 	}
 	cancel()
 	resp.Body.Close()
 	eventually(t, 5*time.Second, "queued tokens return to zero", func() bool {
-		u := upstreams(t)[dial]
-		return u.InFlight == 0 && u.QueuedPrefill == 0 && u.QueuedDecode == 0 && u.KVTokens == 0
+		u := upstream(t, dial)
+		return u.InFlight == 0 && u.QueuedPrefillTokens == 0 && u.QueuedDecodeTokens == 0 && u.KVTokensInFlight == 0
 	})
 }
 
@@ -299,7 +299,7 @@ func TestOpenAIClientStreamsThroughRouter(t *testing.T) {
 	}
 	eventually(t, 2*time.Second, "the stream's charge is released", func() bool {
 		for _, r := range fleet {
-			if u := upstreams(t)[r.dial()]; u.InFlight != 0 || u.QueuedDecode != 0 {
+			if u := upstream(t, r.dial()); u.InFlight != 0 || u.QueuedDecodeTokens != 0 {
 				return false
 			}
 		}

@@ -108,10 +108,7 @@ func TestDirectLoadChangesDecisions(t *testing.T) {
 // engineView returns the admin API's engine view of dial.
 func engineView(t *testing.T, dial string) *caddyllm.EngineView {
 	t.Helper()
-	if u := upstreamView(t, dial); u != nil {
-		return u.Engine
-	}
-	return nil
+	return upstream(t, dial).Engine
 }
 
 // TestLoRAReplicatesOnce: a tenant's requests go to the replica holding
