@@ -180,7 +180,7 @@ func TestDrainLongDeadline(t *testing.T) {
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain") // everything to A first
 	reqs := requestBodies(4, "long")
 	results, errs, wait := streamAll(reqs)
-	eventually(t, 5*time.Second, "four streams in flight on A", func() bool { return upstream(t, a.dial()).InFlight == 4 })
+	eventually(t, 5*time.Second, "four streams in flight on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=30s")
 	if p := drainPhase(t, a.dial()); p != "draining" {
@@ -214,7 +214,7 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	reqs := requestBodies(4, "short")
 	results, errs, wait := streamAll(reqs)
-	eventually(t, 5*time.Second, "four requests on A", func() bool { return upstream(t, a.dial()).InFlight == 4 })
+	eventually(t, 5*time.Second, "four requests on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
 	time.Sleep(300 * time.Millisecond) // let the running two stream some tokens
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
