@@ -251,8 +251,10 @@ func (ix *Index) Clear(id UpstreamID) {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	for s := l.entries[0].next; s != 0; s = l.entries[s].next {
-		g.clearBit(l.entries[s].hash, bit)
+	if len(l.entries) > 0 { // nothing was ever inserted, or cleared already
+		for s := l.entries[0].next; s != 0; s = l.entries[s].next {
+			g.clearBit(l.entries[s].hash, bit)
+		}
 	}
 	capacity := l.capacity
 	*l = lru{capacity: capacity}

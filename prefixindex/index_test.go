@@ -125,6 +125,15 @@ func TestRemoveAndReuseHandle(t *testing.T) {
 	if ix.Blocks(b) != 0 || ix.Match(c, nil)[b] != 0 {
 		t.Fatal("Clear left blocks")
 	}
+	// Clearing twice, and removing an upstream that never held a block
+	// (the fleet registers every pool member, inserts only for the chosen
+	// one), must not panic.
+	ix.Clear(b)
+	never := ix.Register("never:1")
+	ix.Remove(never)
+	if _, ok := ix.Lookup("never:1"); ok {
+		t.Fatal("removed upstream still registered")
+	}
 }
 
 func TestConcurrentUse(t *testing.T) {
