@@ -803,7 +803,7 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 		s.setTargets(dials)
 		if whole {
 			for _, t := range s.targets {
-				t.mode = modeWhole
+				t.mode, t.probeDue = modeWhole, time.Now().Add(time.Hour) // and no re-probe
 			}
 		}
 		s.start(ctx)
@@ -827,6 +827,13 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 			failures += float64(st.Errors)
 			if st.Errors > st.Scrapes/10 {
 				b.Fatalf("%s: %d scrape errors in %d, last %s", st.Dial, st.Errors, st.Scrapes, st.LastError)
+			}
+		}
+		if whole {
+			for _, t := range s.targets {
+				if t.mode != modeWhole {
+					b.Fatalf("%s left the whole exposition for mode %d", t.dial, t.mode)
+				}
 			}
 		}
 		cpu, sys := (user1-user0)+(sys1-sys0), sys1-sys0
