@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // fleet is the routing state that must outlive any one config: the prefix
@@ -31,6 +32,13 @@ type fleet struct {
 	// request waits at the gateway for capacity (waiting says so).
 	changed chan struct{}
 	waiting bool
+
+	// Scratch space of decisions, which all run under mu: the candidates,
+	// their states and the matched depths, reused instead of allocated
+	// for every request.
+	scratchCands  []scorer.Candidate
+	scratchStates []*upstreamState
+	scratchDepths []int
 }
 
 // upstreamState is one upstream's router-side accounting. Guarded by

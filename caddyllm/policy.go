@@ -476,14 +476,16 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	state.mu.Lock()
 	defer state.mu.Unlock()
 	output := p.expectedOutput(req)
-	cands := make([]scorer.Candidate, len(pool))
-	states := make([]*upstreamState, len(pool))
+	cands := slices.Grow(state.scratchCands[:0], len(pool))[:len(pool)]
+	states := slices.Grow(state.scratchStates[:0], len(pool))[:len(pool)]
+	state.scratchCands, state.scratchStates = cands, states
 	for i, u := range pool {
 		states[i] = state.upstream(u.Dial, now)
 		states[i].healthSeen, states[i].healthy = true, u.Healthy()
 	}
 	// Match after registering, so every upstream has a slot in depths.
-	depths := state.index.Match(req.Hashes, nil)
+	depths := state.index.Match(req.Hashes, state.scratchDepths)
+	state.scratchDepths = depths
 	// Upstreams already tried are avoided while any other is available.
 	avoidTried := false
 	for _, u := range pool {
