@@ -37,6 +37,10 @@ type tokenRecorder struct {
 	line        []byte
 	skipLine    bool
 	tokens      int // text-bearing chunks sent to the client
+	// unreported counts the tokens of the Write being scanned, reported
+	// to the fleet once per Write: the fleet lock is the one decisions
+	// take, and one acquisition per streamed token contended with them.
+	unreported int
 	body        bytes.Buffer
 	usage       *usage
 
@@ -145,6 +149,7 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 // scan splits p into SSE lines and handles each; when rewrite is set it
 // writes the (rewritten) lines itself.
 func (t *tokenRecorder) scan(p []byte, rewrite bool) error {
+	defer t.reportTokens()
 	for len(p) > 0 {
 		i := bytes.IndexByte(p, '\n')
 		if i < 0 {
@@ -213,9 +218,17 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	if text != "" {
 		t.tokens++
 		t.generated.WriteString(text)
-		t.st.progress(1)
+		t.unreported++
 	}
 	return line
+}
+
+// reportTokens passes the tokens scanned so far to the fleet's accounting.
+func (t *tokenRecorder) reportTokens() {
+	if t.unreported > 0 {
+		t.st.progress(t.unreported)
+		t.unreported = 0
+	}
 }
 
 // complete reports whether the response ended normally.
