@@ -8,7 +8,6 @@ import (
 	"math"
 	"net/http"
 	"slices"
-	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -423,7 +422,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
-			return p.shed(w, st, d)
+			return p.shed(st, d)
 		}
 		// Health changes do not wake us, so look again now and then.
 		timer := time.NewTimer(min(wait, 250*time.Millisecond))
@@ -440,14 +439,14 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 
 // shed gives up on st: the handler answers with the status and
 // Retry-After.
-func (p *Policy) shed(w http.ResponseWriter, st *requestState, d scorer.Decision) *reverseproxy.Upstream {
+func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
 	retry := int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
-	st.shed = &shedding{status: p.ShedStatus, retryAfterSeconds: retry, reason: blockedReason(d)}
-	w.Header().Set("Retry-After", strconv.Itoa(retry))
+	reason := blockedReason(d)
+	st.shed = &shedding{status: p.ShedStatus, retryAfterSeconds: retry, reason: reason}
 	metricDecisions.WithLabelValues(string(scorer.Shed)).Inc()
-	metricShed.WithLabelValues(blockedReason(d)).Inc()
+	metricShed.WithLabelValues(reason).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
-		c.Write(zap.String("blocked_by", blockedReason(d)), zap.Int("prompt_tokens", st.req.PromptTokens),
+		c.Write(zap.String("blocked_by", reason), zap.Int("prompt_tokens", st.req.PromptTokens),
 			zap.Int("eligible", d.Eligible))
 	}
 	return nil
