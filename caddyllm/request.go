@@ -49,11 +49,10 @@ func endpointOf(method, path string) Endpoint {
 type Request struct {
 	Endpoint Endpoint
 	// Model is the requested model name as sent; with an adapter this is
-	// the adapter's name (vLLM serves adapters as models).
+	// the adapter's name (vLLM serves adapters as models), so it alone
+	// seeds the hash chain: an adapter's blocks never match its base
+	// model's. The policy works out whether it names an adapter.
 	Model string
-	// Adapter is the LoRA adapter the request names, if the model is one
-	// of the configured adapters; empty for a base model.
-	Adapter string
 	// PromptTokens is the estimated prompt length in tokens (exact when
 	// the prompt was given as token ids).
 	PromptTokens int
@@ -105,8 +104,6 @@ type parser struct {
 	hasher        prefixindex.Hasher
 	bytesPerToken int
 	salt          string
-	// adapters maps a model name to itself when it names a LoRA adapter.
-	adapters map[string]bool
 }
 
 // parse reads body for endpoint. It never panics; errors are
@@ -125,16 +122,13 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		return nil, badRequestf("invalid JSON body: %v", err)
 	}
 	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
-	if p.adapters[raw.Model] {
-		req.Adapter = raw.Model
-	}
 	switch {
 	case raw.MaxTokens != nil:
 		req.MaxTokens = max(0, *raw.MaxTokens)
 	case raw.MaxCompletionTokens != nil:
 		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
 	}
-	seed := prefixindex.Seed(req.Model, req.Adapter, p.salt)
+	seed := prefixindex.Seed(req.Model, "", p.salt)
 	switch endpoint {
 	case EndpointCompletions:
 		if err := p.hashPrompt(req, seed, raw.Prompt); err != nil {

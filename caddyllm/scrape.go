@@ -179,13 +179,9 @@ type EngineSignals struct {
 	// Models are the models the engine serves, from /v1/models; nil when
 	// not fetched yet (then any model is assumed servable).
 	Models []ModelInfo
-	// ModelsAt is when Models were fetched.
-	ModelsAt time.Time
 	// ScrapedAt is when the metrics request was sent: the snapshot
 	// includes the work routed before it and not the work routed after.
 	ScrapedAt time.Time
-	// Latency is how long the metrics fetch and parse took.
-	Latency time.Duration
 	// Mark is what the scraper's Mark function returned for this dial
 	// just before the request was sent (zero without one).
 	Mark chargeMark
@@ -957,9 +953,7 @@ type scrapeTarget struct {
 	busy      bool // a fetch is in flight
 	status    scrapeStatus
 	models    []ModelInfo
-	modelsAt  time.Time
 	modelsDue time.Time
-	seq       uint64
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -1245,7 +1239,7 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 			st.ModelsError = truncate(modelsErr.Error(), maxScrapeErrorMessages)
 		} else {
 			st.ModelsError = ""
-			t.models, t.modelsAt = models, start
+			t.models = models
 		}
 	}
 
@@ -1263,10 +1257,8 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.slow = sig
 		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
-	sig.Latency = time.Since(start)
-	sig.Models, sig.ModelsAt = t.models, t.modelsAt
-	t.seq++
-	sig.Seq = t.seq
+	sig.Models = t.models
+	sig.Seq = st.Scrapes
 	t.latest.Store(&sig)
 }
 
