@@ -357,37 +357,47 @@ func (k *coster) tolerance(best float64) float64 {
 // and the one with less queued work wins (power of two choices), so equal
 // replicas do not herd.
 func pickLowest(k *coster, rng Rand) int {
+	// Each eligible candidate's cost, computed once; NaN marks the
+	// ineligible (cost never returns NaN). On the stack for usual pools.
+	var stack [64]float64
+	costs := stack[:0]
+	if len(k.cands) > len(stack) {
+		costs = make([]float64, 0, len(k.cands))
+	}
 	best, bestCost := -1, math.Inf(1)
 	for i := range k.cands {
-		if !k.eligible(i) {
-			continue
+		c := math.NaN()
+		if k.eligible(i) {
+			c = k.cost(i)
+			// The first eligible candidate stands even if every cost is
+			// infinite.
+			if best < 0 || c < bestCost {
+				best, bestCost = i, c
+			}
 		}
-		// The first eligible candidate stands even if every cost is
-		// infinite.
-		if c := k.cost(i); best < 0 || c < bestCost {
-			best, bestCost = i, c
-		}
+		costs = append(costs, c)
 	}
 	limit := bestCost + k.tolerance(bestCost)
 	ties := 0
-	for i := range k.cands {
-		if k.eligible(i) && k.cost(i) <= limit {
+	for _, c := range costs {
+		if c <= limit { // false for NaN
 			ties++
 		}
 	}
 	if ties < 2 || rng == nil {
 		return best
 	}
-	a, b := k.nthTie(limit, rng.IntN(ties)), k.nthTie(limit, rng.IntN(ties))
+	a, b := nthTie(costs, limit, rng.IntN(ties)), nthTie(costs, limit, rng.IntN(ties))
 	if queuedTokens(&k.cands[b]) < queuedTokens(&k.cands[a]) {
 		return b
 	}
 	return a
 }
 
-func (k *coster) nthTie(limit float64, n int) int {
-	for i := range k.cands {
-		if k.eligible(i) && k.cost(i) <= limit {
+// nthTie returns the index of the nth cost within limit.
+func nthTie(costs []float64, limit float64, n int) int {
+	for i, c := range costs {
+		if c <= limit {
 			if n == 0 {
 				return i
 			}
