@@ -267,9 +267,6 @@ func TestSignalsCorrections(t *testing.T) {
 	if got.Waiting != 5 || !near(got.KVUsage, 0.75) || got.FreeKVTokens() != 400 {
 		t.Fatalf("plusRouted: waiting %d usage %v free %d", got.Waiting, got.KVUsage, got.FreeKVTokens())
 	}
-	if sig.Waiting != 2 {
-		t.Fatal("plusRouted modified its receiver")
-	}
 	if full := sig.plusRouted(0, 10_000); full.KVUsage != 1 || full.FreeKVTokens() != 0 {
 		t.Fatalf("over capacity: usage %v free %d", full.KVUsage, full.FreeKVTokens())
 	}

@@ -147,7 +147,8 @@ type contentPart struct {
 
 // RenderChat renders tools and messages with the chat template. With
 // continueFinalMessage the last message is left open (no end marker) so generation continues
-// it; with addGenerationPrompt an assistant header is appended. Both at once is an error.
+// it; with addGenerationPrompt an assistant header is appended. ParseRequest rejects a
+// request asking for both; this function does not check.
 func RenderChat(messages []ChatMessage, tools json.RawMessage, addGenerationPrompt, continueFinalMessage bool) ([]byte, error) {
 	var out bytes.Buffer
 	if len(bytes.TrimSpace(tools)) > 0 && !bytes.Equal(bytes.TrimSpace(tools), []byte("null")) {

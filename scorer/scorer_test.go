@@ -263,13 +263,12 @@ func TestStrategies(t *testing.T) {
 		s    Strategy
 		want string
 	}{
-		{TTFT, "warm"},      // 0.6 s queue vs 0.4 s of prefill saved... 0.6+0.006 > 0.416: idle
+		{TTFT, "idle"},      // 0.6 s queue vs 0.4 s of prefill saved: 0.6+0.006 > 0.416
 		{SGLang, "warm"},    // balanced (10−0 ≤ 32), match rate 0.98 > 0.5
 		{LLMD, "warm"},      // prefix 3·0.98 beats queue 2·1
 		{Dynamo, "idle"},    // warm: 1+6000/64 + ..., idle: 65 + 65
 		{LeastWork, "idle"}, // fewest queued tokens
 	}
-	cases[0].want = "idle"
 	for _, tc := range cases {
 		d := Choose(rq, []Candidate{warm, idle}, Options{Strategy: tc.s}, nil, nil)
 		if got := []string{"warm", "idle"}[d.Chosen]; got != tc.want {
@@ -337,10 +336,12 @@ func BenchmarkChoose(b *testing.B) {
 // imposed-delay weight) or turn NaN still leave a choice among the
 // eligible candidates, never a panic.
 func TestExtremeCostsStillChoose(t *testing.T) {
-	busy, idle := cand("busy", 0, 1000), cand("idle", 0, 0)
+	busy, idle, empty := cand("busy", 0, 1000), cand("idle", 0, 0), cand("empty", 0, 0)
 	busy.InFlight, idle.InFlight = 50, 10
+	// With an infinite weight, the empty replica's imposed delay is Inf·0,
+	// NaN, which must count as +Inf rather than win or poison the rest.
 	for _, w := range []float64{1e308, math.Inf(1), math.NaN()} {
-		for _, cands := range [][]Candidate{{busy, idle}, {idle, busy}} {
+		for _, cands := range [][]Candidate{{busy, idle}, {idle, busy}, {empty, busy, idle}, {busy, idle, empty}} {
 			d := Choose(req(4000), cands, Options{ImposedDelayWeight: w}, rand.New(rand.NewPCG(1, 1)), nil)
 			if d.Chosen < 0 || d.Chosen >= len(cands) {
 				t.Fatalf("weight %v: chose %d", w, d.Chosen)
