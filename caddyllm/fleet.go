@@ -39,6 +39,8 @@ type fleet struct {
 	scratchCands  []scorer.Candidate
 	scratchStates []*upstreamState
 	scratchDepths []int
+	// scratchEngines is written by Policy.scrapedSignals.
+	scratchEngines []scraped
 }
 
 // upstreamState is one upstream's router-side accounting. Guarded by

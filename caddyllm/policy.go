@@ -493,9 +493,12 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 			break
 		}
 	}
-	adapter := p.adapterOf(req.Model, pool, now)
+	engines := p.scrapedSignals(state.scratchEngines, pool, now)
+	state.scratchEngines = engines
+	adapter := p.adapterOf(req.Model, engines)
 	for i, u := range pool {
 		cands[i] = p.candidate(u, states[i], now, candidateInput{
+			engine:      engines[i],
 			matched:     min(depths[states[i].id]*bt, req.PromptTokens),
 			available:   u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
 			adapter:     adapter,

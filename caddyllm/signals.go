@@ -19,6 +19,27 @@ type candidateInput struct {
 	available   bool
 	adapter     string
 	blockTokens int
+	engine      scraped
+}
+
+// scraped is an upstream's last scraped engine signals, as scraped, and
+// whether they are fresh; looked up once per upstream and decision.
+type scraped struct {
+	sig   EngineSignals
+	fresh bool
+}
+
+// scrapedSignals looks up the scraped signals of every upstream of pool
+// into dst (zero values without a scraper).
+func (p *Policy) scrapedSignals(dst []scraped, pool reverseproxy.UpstreamPool, now time.Time) []scraped {
+	dst = slices.Grow(dst[:0], len(pool))[:len(pool)]
+	for i, u := range pool {
+		dst[i] = scraped{}
+		if p.scraper != nil {
+			dst[i].sig, dst[i].fresh = p.scraper.signals(u.Dial, now, time.Duration(p.ScrapeMaxAge))
+		}
+	}
+	return dst
 }
 
 // candidate describes upstream u to the scorer. Caller holds state.mu.
@@ -50,7 +71,7 @@ func (p *Policy) candidate(u *reverseproxy.Upstream, us *upstreamState, now time
 		KVCapacityTokens:       hp.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
 	}
-	raw, sig, fresh := p.engineSignals(u.Dial, us, now)
+	raw, sig, fresh := engineSignals(in.engine, us)
 	if fresh {
 		if capacity := sig.KVCapacityTokens(); capacity > 0 {
 			c.KVCapacityTokens = capacity
@@ -93,19 +114,15 @@ func sizeIndex(us *upstreamState, capacityTokens, blockTokens int) {
 	state.index.SetCapacity(us.id, max(1, capacityTokens/max(1, blockTokens)))
 }
 
-// engineSignals returns u's scraped signals as scraped and with the
-// charges the router made since the scrape added, and whether they are
-// fresh.
-func (p *Policy) engineSignals(dial string, us *upstreamState, now time.Time) (raw, current EngineSignals, fresh bool) {
-	if p.scraper == nil {
-		return raw, current, false
+// engineSignals returns an upstream's scraped signals as scraped and
+// with the charges the router made since the scrape added, and whether
+// they are fresh.
+func engineSignals(s scraped, us *upstreamState) (raw, current EngineSignals, fresh bool) {
+	if !s.fresh {
+		return s.sig, current, false
 	}
-	raw, fresh = p.scraper.signals(dial, now, time.Duration(p.ScrapeMaxAge))
-	if !fresh {
-		return raw, current, false
-	}
-	requests, kv := us.charged.since(raw.Mark)
-	return raw, raw.plusRouted(requests, kv), true
+	requests, kv := us.charged.since(s.sig.Mark)
+	return s.sig, s.sig.plusRouted(requests, kv), true
 }
 
 // adapterCost says where u has adapter and what making it resident costs.
@@ -130,19 +147,15 @@ func (p *Policy) adapterCost(adapter string, us *upstreamState, sig EngineSignal
 
 // adapterOf returns model when it names a LoRA adapter: configured in
 // Adapters, or listed with a parent in some upstream's /v1/models.
-func (p *Policy) adapterOf(model string, pool reverseproxy.UpstreamPool, now time.Time) string {
+func (p *Policy) adapterOf(model string, engines []scraped) string {
 	if model == "" {
 		return ""
 	}
 	if p.adapters[model] {
 		return model
 	}
-	if p.scraper == nil {
-		return ""
-	}
-	for _, u := range pool {
-		sig, ok := p.scraper.signals(u.Dial, now, time.Duration(p.ScrapeMaxAge))
-		if ok && slices.ContainsFunc(sig.Models, func(m ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
+	for _, e := range engines {
+		if e.fresh && slices.ContainsFunc(e.sig.Models, func(m ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
 			return model
 		}
 	}
