@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
 )
@@ -68,12 +67,8 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
 		drains.Drain(dial, deadline, drain.ByAdmin)
-		metricDrainTransitions.WithLabelValues("draining").Inc()
-		drainLogger().Info("drain requested", zap.String("upstream", dial), zap.Duration("deadline", deadline))
 	case http.MethodDelete:
 		drains.Undrain(dial, drain.ByAdmin)
-		metricDrainTransitions.WithLabelValues("undrained").Inc()
-		drainLogger().Info("undrain requested", zap.String("upstream", dial))
 	default:
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST or DELETE", r.Method)}
 	}

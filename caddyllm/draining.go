@@ -18,6 +18,15 @@ const defaultDrainDeadline = 30 * time.Second
 // drains is the drain state of every upstream, keyed by dial address; it
 // lives at package level so a drain survives config reloads.
 var drains = drain.New(drain.Events{
+	Draining: func(dial string, cause drain.Cause, deadline time.Duration) {
+		metricDrainTransitions.WithLabelValues("draining").Inc()
+		drainLogger().Info("upstream draining", zap.String("upstream", dial),
+			zap.String("cause", string(cause)), zap.Duration("deadline", deadline))
+	},
+	Undrained: func(dial string, cause drain.Cause) {
+		metricDrainTransitions.WithLabelValues("undrained").Inc()
+		drainLogger().Info("upstream undrained", zap.String("upstream", dial), zap.String("cause", string(cause)))
+	},
 	Drained: func(dial string) {
 		metricDrainTransitions.WithLabelValues("drained").Inc()
 		drainLogger().Info("upstream drained", zap.String("upstream", dial))
@@ -62,15 +71,9 @@ func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reve
 			healthy := u.Healthy()
 			switch phase := drains.Phase(u.Dial); {
 			case !healthy && phase == drain.Active:
-				p.logger.Info("upstream unhealthy; draining", zap.String("upstream", u.Dial),
-					zap.Duration("deadline", time.Duration(p.DrainDeadline)))
 				drains.Drain(u.Dial, time.Duration(p.DrainDeadline), drain.ByHealth)
-				metricDrainTransitions.WithLabelValues("draining").Inc()
 			case healthy && phase != drain.Active:
-				if drains.Undrain(u.Dial, drain.ByHealth) {
-					p.logger.Info("upstream healthy again; undrained", zap.String("upstream", u.Dial))
-					metricDrainTransitions.WithLabelValues("undrained").Inc()
-				}
+				drains.Undrain(u.Dial, drain.ByHealth)
 			}
 		}
 	}

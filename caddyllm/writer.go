@@ -41,8 +41,8 @@ type tokenRecorder struct {
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
 	unreported int
-	body        bytes.Buffer
-	usage       *usage
+	body       bytes.Buffer
+	usage      *usage
 
 	// Identity and text of the stream, for continuing it elsewhere.
 	streamID      string

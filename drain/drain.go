@@ -59,6 +59,11 @@ type Status struct {
 
 // Events receives lifecycle notices, for logs and metrics. Any may be nil.
 type Events struct {
+	// Draining is called when an active upstream starts draining.
+	Draining func(key string, cause Cause, deadline time.Duration)
+	// Undrained is called when a draining or drained upstream returns to
+	// active.
+	Undrained func(key string, cause Cause)
 	// Drained is called when a draining upstream has nothing in flight.
 	Drained func(key string)
 	// DeadlineCut is called with how many requests the deadline cut.
@@ -112,6 +117,9 @@ func (r *Registry) Drain(key string, deadline time.Duration, cause Cause) {
 	}
 	if u.phase == Active {
 		u.cut = 0
+		if r.events.Draining != nil {
+			go r.events.Draining(key, cause, deadline)
+		}
 	}
 	u.phase, u.cause, u.deadline = Draining, cause, at
 	if u.timer != nil {
@@ -140,6 +148,9 @@ func (r *Registry) Undrain(key string, cause Cause) bool {
 	}
 	u.phase, u.cause, u.deadline = Active, "", time.Time{}
 	r.prune(key, u)
+	if r.events.Undrained != nil {
+		go r.events.Undrained(key, cause)
+	}
 	return true
 }
 

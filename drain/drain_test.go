@@ -1,6 +1,7 @@
 package drain
 
 import (
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -99,5 +100,49 @@ func TestEarlierDeadlineWins(t *testing.T) {
 	s := r.Snapshot()[0]
 	if time.Until(s.Deadline) > time.Second || s.Cause != ByAdmin {
 		t.Fatalf("later drain replaced an earlier deadline: %+v", s)
+	}
+}
+
+// TestTransitionEvents: Draining and Undrained fire on real changes of
+// phase only, whatever asked for them.
+func TestTransitionEvents(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	r := New(Events{
+		Draining: func(key string, cause Cause, _ time.Duration) {
+			mu.Lock()
+			got = append(got, "draining "+key+" "+string(cause))
+			mu.Unlock()
+		},
+		Undrained: func(key string, cause Cause) {
+			mu.Lock()
+			got = append(got, "undrained "+key+" "+string(cause))
+			mu.Unlock()
+		},
+	})
+	r.Undrain("a", ByAdmin) // already active
+	r.Drain("a", time.Hour, ByConfig)
+	r.Drain("a", time.Minute, ByAdmin) // already draining: no event
+	r.Undrain("a", ByHealth)           // not health's drain: stays
+	r.Undrain("a", ByAdmin)
+	r.Undrain("a", ByAdmin) // already active
+	want := []string{"draining a config", "undrained a admin"}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		mu.Lock()
+		n := len(got)
+		mu.Unlock()
+		if n >= len(want) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // let any stray event arrive
+	mu.Lock()
+	defer mu.Unlock()
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("events %q, want %q", got, want)
 	}
 }
