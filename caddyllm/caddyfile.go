@@ -120,8 +120,37 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	// Options that take one duration or one number, by name.
+	durations := map[string]*caddy.Duration{
+		"adapter_load_host": &p.AdapterLoadHost, "adapter_load_remote": &p.AdapterLoadRemote,
+		"queue_timeout": &p.QueueTimeout, "drain_deadline": &p.DrainDeadline,
+		"scrape_interval": &p.ScrapeInterval, "scrape_max_age": &p.ScrapeMaxAge,
+		"models_interval": &p.ModelsInterval,
+	}
+	numbers := map[string]*float64{
+		"tie": &p.TieSeconds, "dynamo_overlap_weight": &p.DynamoOverlapWeight,
+		"imposed_delay_weight": &p.ImposedDelayWeight, "decode_weight": &p.DecodeWeight,
+	}
 	for d.NextBlock(0) {
-		switch opt := d.Val(); opt {
+		opt := d.Val()
+		if dst, ok := durations[opt]; ok {
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(d.Val())
+			if err != nil {
+				return d.Errf("parsing %s: %v", opt, err)
+			}
+			*dst = caddy.Duration(dur)
+			continue
+		}
+		if dst, ok := numbers[opt]; ok {
+			if err := floatArg(d, dst); err != nil {
+				return err
+			}
+			continue
+		}
+		switch opt {
 		case "strategy", "output_estimate":
 			if !d.NextArg() {
 				return d.ArgErr()
@@ -187,30 +216,6 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			p.MetricsPath = d.Val()
-		case "adapter_load_host", "adapter_load_remote", "queue_timeout", "drain_deadline",
-			"scrape_interval", "scrape_max_age", "models_interval":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
-			if err != nil {
-				return d.Errf("parsing %s: %v", opt, err)
-			}
-			*map[string]*caddy.Duration{
-				"adapter_load_host": &p.AdapterLoadHost, "adapter_load_remote": &p.AdapterLoadRemote,
-				"queue_timeout": &p.QueueTimeout, "drain_deadline": &p.DrainDeadline,
-				"scrape_interval": &p.ScrapeInterval, "scrape_max_age": &p.ScrapeMaxAge,
-				"models_interval": &p.ModelsInterval,
-			}[opt] = caddy.Duration(dur)
-		case "tie", "dynamo_overlap_weight", "imposed_delay_weight", "decode_weight":
-			var v float64
-			if err := floatArg(d, &v); err != nil {
-				return err
-			}
-			*map[string]*float64{
-				"tie": &p.TieSeconds, "dynamo_overlap_weight": &p.DynamoOverlapWeight,
-				"imposed_delay_weight": &p.ImposedDelayWeight, "decode_weight": &p.DecodeWeight,
-			}[opt] = v
 		case "sglang", "llmd_weights":
 			var v [3]float64
 			for i := range v {
