@@ -136,6 +136,10 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 		go func(i int) {
 			defer wg.Done()
 			c := post(t, "/v1/completions", map[string]any{"model": "tenant-a", "prompt": text(fmt.Sprint("tenant q", i), 4000), "max_tokens": 60})
+			if c.status != 200 {
+				t.Errorf("tenant request %d: %d %s", i, c.status, c.body)
+				return
+			}
 			mu.Lock()
 			count[c.replica]++
 			mu.Unlock()
