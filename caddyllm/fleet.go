@@ -214,6 +214,23 @@ func (f *fleet) release(a *attempt) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.releaseLocked(a)
+}
+
+// complete releases a's charges after a completed response of model with
+// outputTokens generated, which it learns, under one acquisition of f.mu.
+func (f *fleet) complete(a *attempt, model string, outputTokens int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.learnOutput(model, outputTokens)
+	if a.up != nil {
+		a.up.completed++
+	}
+	f.releaseLocked(a)
+}
+
+// releaseLocked is release; caller holds f.mu.
+func (f *fleet) releaseLocked(a *attempt) {
 	if a.up == nil {
 		return
 	}
@@ -252,9 +269,8 @@ func (f *fleet) progress(a *attempt, n int, now time.Time) {
 }
 
 // learnOutput feeds an observed output length into the model's estimate.
+// Caller holds f.mu.
 func (f *fleet) learnOutput(model string, tokens int) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
 	m := f.outputs[model]
 	if m == nil {
 		m = &runningMean{}

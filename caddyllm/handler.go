@@ -296,16 +296,15 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	if a == nil {
 		return
 	}
-	completed := rec.status == http.StatusOK && rec.complete()
-	if completed {
-		if drains.IsDraining(a.dial) {
-			metricDrainCompleted.Inc()
-		}
-		out := rec.completionTokens()
-		state.learnOutput(st.req.Model, out)
-		observeCompletion(a, st, rec)
+	if rec.status != http.StatusOK || !rec.complete() {
+		state.release(a)
+		return
 	}
-	state.release(a)
+	if drains.IsDraining(a.dial) {
+		metricDrainCompleted.Inc()
+	}
+	observeCompletion(a, st, rec)
+	state.complete(a, st.req.Model, rec.completionTokens())
 }
 
 // Interface guards

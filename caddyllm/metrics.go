@@ -89,11 +89,6 @@ func observeCompletion(a *attempt, st *requestState, rec *tokenRecorder) {
 			metricCachedTokens.WithLabelValues("cached").Add(float64(c))
 		}
 	}
-	state.mu.Lock()
-	if a.up != nil {
-		a.up.completed++
-	}
-	state.mu.Unlock()
 }
 
 // fleetCollector exports each upstream's live state at scrape time.
