@@ -38,6 +38,19 @@ func replayHTTP(t *testing.T, r *Runner, w *llmbench.Workload, policy string) ll
 			t.Fatalf("%s: implausible request %+v", policy, q)
 		}
 	}
+	if policy == "header" {
+		// Caddy's header policy hashes the X-Session-Id the client sets:
+		// every key stays on one replica (without the header it would
+		// pick at random).
+		where := map[string]int{}
+		for _, q := range res.Requests {
+			key := llmbench.HeaderKey(&w.Requests[q.Index])
+			if prev, ok := where[key]; ok && prev != q.Replica {
+				t.Fatalf("header split key %s over replicas %d and %d", key, prev, q.Replica)
+			}
+			where[key] = q.Replica
+		}
+	}
 	return s
 }
 
