@@ -8,6 +8,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // fleet is the routing state that must outlive any one config: the prefix
@@ -62,7 +63,7 @@ type upstreamState struct {
 	// charged counts every request routed here and the KV tokens charged
 	// for them; it only grows, so engine scrapes can tell which charges
 	// came after their snapshot.
-	charged chargeMark
+	charged scrape.Mark
 
 	// Observed figures, for the admin API and metrics.
 	completed        int64
@@ -308,7 +309,7 @@ func (l *lockedRand) IntN(n int) int {
 
 // markOf returns the cumulative charges routed to dial, for the scraper's
 // snapshots.
-func (f *fleet) markOf(dial string) chargeMark {
+func (f *fleet) markOf(dial string) scrape.Mark {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if u := f.upstreams[dial]; u != nil {
@@ -316,5 +317,5 @@ func (f *fleet) markOf(dial string) chargeMark {
 		m.InFlight = u.inFlight
 		return m
 	}
-	return chargeMark{}
+	return scrape.Mark{}
 }

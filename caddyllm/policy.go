@@ -19,6 +19,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // Output estimates.
@@ -183,7 +184,7 @@ type Policy struct {
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
 
-	scraper  *scraper
+	scraper  *scrape.Scraper
 	fallback reverseproxy.Selector
 	opts     scorer.Options
 	adapters map[string]bool
@@ -293,7 +294,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 	}
 	if p.ScrapeInterval > 0 {
-		p.scraper = newScraper(scrapeConfig{
+		p.scraper = scrape.New(scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
@@ -310,8 +311,8 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		for _, u := range p.parent() {
 			dials = append(dials, u.Dial)
 		}
-		p.scraper.setTargets(dials)
-		p.scraper.start(ctx)
+		p.scraper.SetTargets(dials)
+		p.scraper.Start(ctx)
 		registerScraper(p.scraper)
 	}
 	p.rng = newLockedRand()
@@ -327,8 +328,8 @@ func (p *Policy) Validate() error {
 	default:
 		return fmt.Errorf("output_estimate must be average, max_tokens or fixed, got %q", p.OutputEstimate)
 	}
-	if p.ScrapeInterval > 0 && time.Duration(p.ScrapeInterval) < minScrapeInterval {
-		return fmt.Errorf("scrape_interval must be at least %v", minScrapeInterval)
+	if p.ScrapeInterval > 0 && time.Duration(p.ScrapeInterval) < scrape.MinInterval {
+		return fmt.Errorf("scrape_interval must be at least %v", scrape.MinInterval)
 	}
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
@@ -468,7 +469,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	now := time.Now()
 	if p.scraper != nil {
 		for _, u := range pool {
-			p.scraper.addTargets(u.Dial) // cheap when known: dynamic upstreams
+			p.scraper.AddTargets(u.Dial) // cheap when known: dynamic upstreams
 		}
 	}
 

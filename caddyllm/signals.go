@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // This file turns the router's own accounting and, when scraping is on,
@@ -25,7 +26,7 @@ type candidateInput struct {
 // scraped is an upstream's last scraped engine signals, as scraped, and
 // whether they are fresh; looked up once per upstream and decision.
 type scraped struct {
-	sig   EngineSignals
+	sig   scrape.Signals
 	fresh bool
 }
 
@@ -36,7 +37,7 @@ func (p *Policy) scrapedSignals(dst []scraped, pool reverseproxy.UpstreamPool, n
 	for i, u := range pool {
 		dst[i] = scraped{}
 		if p.scraper != nil {
-			dst[i].sig, dst[i].fresh = p.scraper.signals(u.Dial, now, time.Duration(p.ScrapeMaxAge))
+			dst[i].sig, dst[i].fresh = p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge))
 		}
 	}
 	return dst
@@ -117,12 +118,12 @@ func sizeIndex(us *upstreamState, capacityTokens, blockTokens int) {
 // engineSignals returns an upstream's scraped signals as scraped and
 // with the charges the router made since the scrape added, and whether
 // they are fresh.
-func engineSignals(s scraped, us *upstreamState) (raw, current EngineSignals, fresh bool) {
+func engineSignals(s scraped, us *upstreamState) (raw, current scrape.Signals, fresh bool) {
 	if !s.fresh {
 		return s.sig, current, false
 	}
-	requests, kv := us.charged.since(s.sig.Mark)
-	return s.sig, s.sig.plusRouted(requests, kv), true
+	requests, kv := us.charged.Since(s.sig.Mark)
+	return s.sig, s.sig.PlusRouted(requests, kv), true
 }
 
 // adapterCost says where u has adapter and what making it resident costs.
@@ -134,7 +135,7 @@ func engineSignals(s scraped, us *upstreamState) (raw, current EngineSignals, fr
 // loaded. The cost is finite, so a busy replica holding the adapter loses
 // to an idle one once its queue outweighs the load, and the second
 // replica then holds it too: adapters replicate as far as the load needs.
-func (p *Policy) adapterCost(adapter string, us *upstreamState, sig EngineSignals, fresh bool) (scorer.AdapterState, float64) {
+func (p *Policy) adapterCost(adapter string, us *upstreamState, sig scrape.Signals, fresh bool) (scorer.AdapterState, float64) {
 	running := fresh && sig.AdaptersKnown && slices.Contains(sig.RunningAdapters, adapter)
 	switch i := slices.Index(us.adapters, adapter); {
 	case running || (i >= 0 && i < p.MaxLoras):
@@ -155,7 +156,7 @@ func (p *Policy) adapterOf(model string, engines []scraped) string {
 		return model
 	}
 	for _, e := range engines {
-		if e.fresh && slices.ContainsFunc(e.sig.Models, func(m ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
+		if e.fresh && slices.ContainsFunc(e.sig.Models, func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
 			return model
 		}
 	}
@@ -180,13 +181,13 @@ func (p *Policy) meanOutputLocked() float64 {
 }
 
 // liveScrapers are the scrapers of the loaded configs, for the admin API.
-var liveScrapers sync.Map // *scraper → struct{}
+var liveScrapers sync.Map // *scrape.Scraper → struct{}
 
 // registerScraper lists s until it stops with its config.
-func registerScraper(s *scraper) {
+func registerScraper(s *scrape.Scraper) {
 	liveScrapers.Store(s, struct{}{})
 	go func() {
-		<-s.stopped()
+		<-s.Stopped()
 		liveScrapers.Delete(s)
 	}()
 }
@@ -213,15 +214,15 @@ type EngineView struct {
 func engineViews(now time.Time) map[string]*EngineView {
 	out := map[string]*EngineView{}
 	liveScrapers.Range(func(k, _ any) bool {
-		s := k.(*scraper)
-		for _, st := range s.statuses() {
+		s := k.(*scrape.Scraper)
+		for _, st := range s.Statuses() {
 			v := out[st.Dial]
 			if v == nil {
 				v = &EngineView{Running: -1, Waiting: -1, PrefixHitRate: -1}
 				out[st.Dial] = v
 			}
 			v.Errors, v.LastError = st.Errors, st.LastError
-			if sig, ok := s.signals(st.Dial, now, time.Hour); ok && (v.Engine == "" || now.Sub(sig.ScrapedAt).Seconds() < v.AgeSeconds) {
+			if sig, ok := s.Latest(st.Dial, now, time.Hour); ok && (v.Engine == "" || now.Sub(sig.ScrapedAt).Seconds() < v.AgeSeconds) {
 				v.Engine, v.AgeSeconds = sig.Engine, now.Sub(sig.ScrapedAt).Seconds()
 				v.Running, v.Waiting, v.KVUsage, v.KVCapacity = sig.Running, sig.Waiting, sig.KVUsage, sig.KVCapacityTokens()
 				v.PrefixHitRate = sig.PrefixHitRate

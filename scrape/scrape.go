@@ -1,4 +1,30 @@
-package caddyllm
+// Package scrape reads the engines' own view of their load: the queue, the
+// running batch, KV memory in use and its size, resident LoRA adapters and
+// prefix cache hits, from vLLM's or SGLang's Prometheus /metrics, and the
+// served models from /v1/models. The router's own accounting (package router)
+// knows only what it routed; the engine also sees work that came another
+// way (another router replica, a direct client) and what it actually holds.
+//
+// How the policy combines the two, without counting anything twice: a
+// scrape is a snapshot of the engine at (about) EngineSignals.ScrapedAt,
+// the moment the request was sent. Work the router charged before that
+// moment is in the snapshot (it reached the engine, or finished); work it
+// charged since is not. So the current estimate is the snapshot plus the
+// charges made since ScrapedAt (EngineSignals.plusRouted). Comparing
+// times works; cumulative counters work without clocks: give the scraper
+// a Mark function returning the router's cumulative charges to a dial
+// (requests and KV tokens, a chargeMark), which it samples just before
+// each request, and the charges since the scrape are the current counters
+// minus EngineSignals.Mark (chargeMark.since). Either way the window in
+// which a request can be counted twice (routed after the request was
+// sent, and rendered into the exposition) is one scrape latency,
+// milliseconds.
+//
+// Failures never block routing: signals reads an atomic pointer, fetches
+// run on the scraper's own goroutines with a timeout, and a target that
+// fails simply ages until signals reports it stale, at which point the
+// policy falls back to its own tracking.
+package scrape
 
 import (
 	"bufio"
@@ -24,36 +50,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 	"go.uber.org/zap"
-
-	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
-
-// This file scrapes the engines' own view of their load: the queue, the
-// running batch, KV memory in use and its size, resident LoRA adapters and
-// prefix cache hits, from vLLM's or SGLang's Prometheus /metrics, and the
-// served models from /v1/models. The router's own accounting (fleet.go)
-// knows only what it routed; the engine also sees work that came another
-// way (another router replica, a direct client) and what it actually holds.
-//
-// How the policy combines the two, without counting anything twice: a
-// scrape is a snapshot of the engine at (about) EngineSignals.ScrapedAt,
-// the moment the request was sent. Work the router charged before that
-// moment is in the snapshot (it reached the engine, or finished); work it
-// charged since is not. So the current estimate is the snapshot plus the
-// charges made since ScrapedAt (EngineSignals.plusRouted). Comparing
-// times works; cumulative counters work without clocks: give the scraper
-// a Mark function returning the router's cumulative charges to a dial
-// (requests and KV tokens, a chargeMark), which it samples just before
-// each request, and the charges since the scrape are the current counters
-// minus EngineSignals.Mark (chargeMark.since). Either way the window in
-// which a request can be counted twice (routed after the request was
-// sent, and rendered into the exposition) is one scrape latency,
-// milliseconds.
-//
-// Failures never block routing: signals reads an atomic pointer, fetches
-// run on the scraper's own goroutines with a timeout, and a target that
-// fails simply ages until signals reports it stale, at which point the
-// policy falls back to its own tracking.
 
 // Engines whose metrics are understood.
 const (
@@ -95,7 +92,7 @@ const (
 // Scraper defaults and bounds.
 const (
 	defaultScrapeInterval  = time.Second
-	minScrapeInterval      = 100 * time.Millisecond
+	MinInterval            = 100 * time.Millisecond
 	defaultModelsInterval  = 10 * time.Second
 	defaultSlowInterval    = 10 * time.Second
 	defaultMetricsPath     = "/metrics"
@@ -131,12 +128,12 @@ type ModelInfo struct {
 	Root string `json:"root,omitempty"`
 }
 
-// EngineSignals is one engine's state as its /metrics (and /v1/models)
+// Signals is one engine's state as its /metrics (and /v1/models)
 // reported it. Counts are summed over data parallel ranks (vLLM's engine
 // label, SGLang's dp_rank) and model names; a figure the engine did not
 // report is -1 (counts) or flagged unknown. The slices are shared between
 // readers and must not be modified.
-type EngineSignals struct {
+type Signals struct {
 	// Engine is "vllm" or "sglang".
 	Engine string
 	// Running is the number of requests in the running batch, -1 when not
@@ -184,7 +181,7 @@ type EngineSignals struct {
 	ScrapedAt time.Time
 	// Mark is what the scraper's Mark function returned for this dial
 	// just before the request was sent (zero without one).
-	Mark chargeMark
+	Mark Mark
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
 
@@ -196,10 +193,10 @@ type EngineSignals struct {
 	rankCapacity map[string]float64
 }
 
-// chargeMark is a snapshot of the router's cumulative charges to one
+// Mark is a snapshot of the router's cumulative charges to one
 // upstream: every request it routed there and the KV tokens (prompt plus
 // expected output) it charged for them. Both only grow.
-type chargeMark struct {
+type Mark struct {
 	// Requests counts the requests routed to the upstream.
 	Requests uint64
 	// KVTokens sums the KV tokens charged for them.
@@ -210,9 +207,9 @@ type chargeMark struct {
 	InFlight int
 }
 
-// since returns the charges made between old and m, for
+// Since returns the charges made between old and m, for
 // EngineSignals.plusRouted.
-func (m chargeMark) since(old chargeMark) (requests, kvTokens int) {
+func (m Mark) Since(old Mark) (requests, kvTokens int) {
 	if m.Requests >= old.Requests {
 		requests = int(min(m.Requests-old.Requests, math.MaxInt32))
 	}
@@ -224,7 +221,7 @@ func (m chargeMark) since(old chargeMark) (requests, kvTokens int) {
 
 // KVCapacityTokens returns the engine's KV cache size in tokens, 0 when
 // unknown.
-func (s EngineSignals) KVCapacityTokens() int {
+func (s Signals) KVCapacityTokens() int {
 	if s.BlockSize <= 0 || s.NumGPUBlocks <= 0 {
 		return 0
 	}
@@ -233,7 +230,7 @@ func (s EngineSignals) KVCapacityTokens() int {
 
 // FreeKVTokens returns the engine's free KV cache in tokens, or -1 when
 // its usage or capacity is unknown (scorer.Candidate.FreeKVTokens).
-func (s EngineSignals) FreeKVTokens() int {
+func (s Signals) FreeKVTokens() int {
 	c := s.KVCapacityTokens()
 	if !s.KVKnown || c == 0 {
 		return -1
@@ -243,7 +240,7 @@ func (s EngineSignals) FreeKVTokens() int {
 
 // ModelIDs returns the IDs of the served models, nil when unknown
 // (scorer.Candidate.Models).
-func (s EngineSignals) ModelIDs() []string {
+func (s Signals) ModelIDs() []string {
 	if s.Models == nil {
 		return nil
 	}
@@ -254,36 +251,13 @@ func (s EngineSignals) ModelIDs() []string {
 	return ids
 }
 
-// adapterState says where the engine has adapter, and whether it knows:
-// resident when a running request uses it; host when it is registered
-// (listed in /v1/models, or queued by a waiting request) but not seen
-// running, so loading it needs no fetch from storage; remote when the
-// model list is known and does not list it. ok is false when the engine
-// reports neither adapters nor models; the caller then keeps its own
-// guess.
-func (s EngineSignals) adapterState(adapter string) (state scorer.AdapterState, ok bool) {
-	if s.AdaptersKnown && slices.Contains(s.RunningAdapters, adapter) {
-		return scorer.AdapterResident, true
-	}
-	if s.AdaptersKnown && slices.Contains(s.WaitingAdapters, adapter) {
-		return scorer.AdapterHost, true
-	}
-	if s.Models != nil {
-		if slices.ContainsFunc(s.Models, func(m ModelInfo) bool { return m.ID == adapter }) {
-			return scorer.AdapterHost, true
-		}
-		return scorer.AdapterRemote, true
-	}
-	return scorer.AdapterUnknown, false
-}
-
-// plusRouted returns s corrected for the work the router sent since the
+// PlusRouted returns s corrected for the work the router sent since the
 // scrape: requests more requests waiting and kvTokens more KV in use. The
 // caller counts only charges made at or after s.ScrapedAt (or since
 // s.Mark), which the snapshot cannot contain, so nothing is counted twice;
 // requests that also finished since make the estimate pessimistic until
 // the next scrape, never optimistic.
-func (s EngineSignals) plusRouted(requests, kvTokens int) EngineSignals {
+func (s Signals) PlusRouted(requests, kvTokens int) Signals {
 	if s.Waiting >= 0 && requests > 0 {
 		s.Waiting += requests
 	}
@@ -324,7 +298,7 @@ var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 // thousands of allocations) of everything; the figures themselves are
 // still parsed by the Prometheus library. A malformed line in a family it
 // does not read is therefore not an error.
-func parseEngineMetrics(r io.Reader, now time.Time) (EngineSignals, error) {
+func parseEngineMetrics(r io.Reader, now time.Time) (Signals, error) {
 	sig, _, err := parseEngineMetricsSkipping(r, now, false)
 	return sig, err
 }
@@ -418,7 +392,7 @@ func (q metricsQuery) path(metricsPath string) string {
 // parseEngineMetricsSkipping is parseEngineMetrics, leaving out the
 // slow families when skipSlow is set. dropped counts the sample lines it
 // left out: more than a name[] query asked for says the server ignored it.
-func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig EngineSignals, dropped int, err error) {
+func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig Signals, dropped int, err error) {
 	buf := expositionBuffers.Get().(*bytes.Buffer)
 	defer func() {
 		if buf.Cap() <= 1<<20 { // do not keep the rare huge one
@@ -428,14 +402,14 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig 
 	}()
 	buf.Reset()
 	if _, err := buf.ReadFrom(r); err != nil {
-		return EngineSignals{}, 0, fmt.Errorf("reading metrics exposition: %w", err)
+		return Signals{}, 0, fmt.Errorf("reading metrics exposition: %w", err)
 	}
 	kept, dropped := keepEngineLines(buf.Bytes(), skipSlow)
 	parser := textParsers.Get().(*expfmt.TextParser)
 	defer textParsers.Put(parser)
 	families, err := parser.TextToMetricFamilies(bytes.NewReader(kept))
 	if err != nil {
-		return EngineSignals{}, dropped, fmt.Errorf("%w: %w", errMalformedExposition, err)
+		return Signals{}, dropped, fmt.Errorf("%w: %w", errMalformedExposition, err)
 	}
 	sig, err = signalsFromFamilies(families, now)
 	return sig, dropped, err
@@ -517,7 +491,7 @@ func skipBlanks(b []byte) []byte {
 
 // signalsFromFamilies extracts the signals of whichever engine the
 // families come from.
-func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (EngineSignals, error) {
+func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (Signals, error) {
 	// An engine is recognised by a usable value (a gauge, counter or
 	// untyped series with a finite value) in one of its core families.
 	has := func(names ...string) bool {
@@ -530,7 +504,7 @@ func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (
 		}
 		return false
 	}
-	sig := EngineSignals{
+	sig := Signals{
 		Running: -1, Waiting: -1, PrefixQueries: -1, PrefixHits: -1, PrefixHitRate: -1,
 		ScrapedAt: now,
 	}
@@ -542,13 +516,13 @@ func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (
 		sig.Engine = engineSGLang
 		sglangSignals(families, &sig)
 	default:
-		return EngineSignals{}, errNoEngineMetrics
+		return Signals{}, errNoEngineMetrics
 	}
 	return sig, nil
 }
 
 // vllmSignals fills sig from vLLM's families.
-func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
+func vllmSignals(families map[string]*dto.MetricFamily, sig *Signals) {
 	if g := rankGroups(families[vllmRunning], vllmRankLabel); g != nil {
 		sig.Running = int(g.sum())
 	}
@@ -610,7 +584,7 @@ func vllmSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
 }
 
 // sglangSignals fills sig from SGLang's families.
-func sglangSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
+func sglangSignals(families map[string]*dto.MetricFamily, sig *Signals) {
 	if g := rankGroups(families[sglangRunning], sglangRankLabel); g != nil {
 		sig.Running = int(g.sum())
 	}
@@ -650,7 +624,7 @@ func sglangSignals(families map[string]*dto.MetricFamily, sig *EngineSignals) {
 }
 
 // setCapacity sets NumGPUBlocks from the per-rank capacities in tokens.
-func setCapacity(sig *EngineSignals, capacity map[string]float64) {
+func setCapacity(sig *Signals, capacity map[string]float64) {
 	if sig.BlockSize <= 0 || len(capacity) == 0 {
 		sig.BlockSize = 0
 		return
@@ -838,8 +812,8 @@ func parseModels(r io.Reader) ([]ModelInfo, error) {
 	return body.Data, nil
 }
 
-// scrapeConfig configures a scraper. Zero values mean the defaults.
-type scrapeConfig struct {
+// Config configures a scraper. Zero values mean the defaults.
+type Config struct {
 	// Interval is the time between scrapes of each target. Default 1s,
 	// minimum 100ms.
 	Interval time.Duration
@@ -869,17 +843,17 @@ type scrapeConfig struct {
 	// request is sent; its result is stored in EngineSignals.Mark. The
 	// policy passes its cumulative charges to the dial, so that the
 	// charges made since the scrape are now.since(sig.Mark).
-	Mark func(dial string) chargeMark
+	Mark func(dial string) Mark
 	// Logger receives scrape failures and recoveries at debug level.
 	Logger *zap.Logger
 }
 
 // withDefaults returns c with defaults filled in and bounds applied.
-func (c scrapeConfig) withDefaults() scrapeConfig {
+func (c Config) withDefaults() Config {
 	if c.Interval <= 0 {
 		c.Interval = defaultScrapeInterval
 	}
-	c.Interval = max(c.Interval, minScrapeInterval)
+	c.Interval = max(c.Interval, MinInterval)
 	if c.Timeout <= 0 {
 		c.Timeout = c.Interval
 	}
@@ -908,8 +882,8 @@ func (c scrapeConfig) withDefaults() scrapeConfig {
 	return c
 }
 
-// scrapeStatus is a target's scrape health, for the admin API and logs.
-type scrapeStatus struct {
+// Status is a target's scrape health, for the admin API and logs.
+type Status struct {
 	// Dial is the target's dial address.
 	Dial string `json:"dial"`
 	// Scrapes counts successful metrics scrapes.
@@ -946,12 +920,12 @@ type scrapeTarget struct {
 	closed bool
 
 	// latest is the last successful scrape, read without locks.
-	latest atomic.Pointer[EngineSignals]
+	latest atomic.Pointer[Signals]
 
 	// mu guards the fields below.
 	mu        sync.Mutex
 	busy      bool // a fetch is in flight
-	status    scrapeStatus
+	status    Status
 	models    []ModelInfo
 	modelsDue time.Time
 	// mode is how the metrics are asked for; see metricsMode. In
@@ -960,19 +934,19 @@ type scrapeTarget struct {
 	probeDue time.Time
 	// slow holds the figures of the slow families last read, until
 	// slowDue.
-	slow    EngineSignals
+	slow    Signals
 	slowDue time.Time
 }
 
-// scraper polls the engines' metrics (and model lists) of a set of
+// Scraper polls the engines' metrics (and model lists) of a set of
 // upstreams in the background and keeps the latest EngineSignals of
 // each. One scraper belongs to one policy instance: the policy creates it
 // in Provision, gives it its static upstreams with setTargets, starts it
 // with the caddy.Context (it stops when the config is unloaded) and reads
 // signals while routing. A reload builds a new scraper, which scrapes at
 // once; until its first results the policy uses its own tracking.
-type scraper struct {
-	cfg        scrapeConfig
+type Scraper struct {
+	cfg        Config
 	client     *http.Client
 	ownsClient bool
 
@@ -984,11 +958,11 @@ type scraper struct {
 	started atomic.Bool
 }
 
-// newScraper returns a scraper with cfg (defaults filled in). It does
+// New returns a scraper with cfg (defaults filled in). It does
 // nothing until start.
-func newScraper(cfg scrapeConfig) *scraper {
+func New(cfg Config) *Scraper {
 	cfg = cfg.withDefaults()
-	s := &scraper{
+	s := &Scraper{
 		cfg:     cfg,
 		client:  cfg.Client,
 		targets: make(map[string]*scrapeTarget),
@@ -1009,10 +983,10 @@ func newScraper(cfg scrapeConfig) *scraper {
 	return s
 }
 
-// setTargets replaces the set of dials scraped. New dials are scraped at
+// SetTargets replaces the set of dials scraped. New dials are scraped at
 // once; dropped ones are forgotten with their signals. Dials that are not
 // host:port addresses (unix sockets) are skipped.
-func (s *scraper) setTargets(dials []string) {
+func (s *Scraper) SetTargets(dials []string) {
 	s.mu.Lock()
 	keep := make(map[string]bool, len(dials))
 	added := false
@@ -1032,11 +1006,11 @@ func (s *scraper) setTargets(dials []string) {
 	}
 }
 
-// addTargets adds dials not scraped yet and scrapes them at once, leaving
+// AddTargets adds dials not scraped yet and scrapes them at once, leaving
 // the others alone. It is cheap when every dial is already a target, so
 // the policy may call it with each pool it sees (dynamic upstreams);
 // only setTargets removes targets.
-func (s *scraper) addTargets(dials ...string) {
+func (s *Scraper) AddTargets(dials ...string) {
 	s.mu.RLock()
 	missing := false
 	for _, d := range dials {
@@ -1062,12 +1036,12 @@ func (s *scraper) addTargets(dials ...string) {
 
 // addLocked adds dial as a target if it is new and scrapable, and says
 // whether it did. Caller holds s.mu for writing.
-func (s *scraper) addLocked(d string) bool {
+func (s *Scraper) addLocked(d string) bool {
 	if _, ok := s.targets[d]; ok || !scrapable(d) {
 		return false
 	}
 	base := s.cfg.Scheme + "://" + d
-	t := &scrapeTarget{dial: d, modelsURL: base + s.cfg.ModelsPath, status: scrapeStatus{Dial: d}}
+	t := &scrapeTarget{dial: d, modelsURL: base + s.cfg.ModelsPath, status: Status{Dial: d}}
 	for mode := range numMetricsModes {
 		for _, skipSlow := range []bool{false, true} {
 			q := metricsQuery{mode, skipSlow}
@@ -1090,30 +1064,30 @@ func scrapable(dial string) bool {
 }
 
 // poke asks the run loop for a round now.
-func (s *scraper) poke() {
+func (s *Scraper) poke() {
 	select {
 	case s.kick <- struct{}{}:
 	default:
 	}
 }
 
-// start runs the scraper in the background until ctx is done. Calling it
+// Start runs the scraper in the background until ctx is done. Calling it
 // again does nothing.
-func (s *scraper) start(ctx context.Context) {
+func (s *Scraper) Start(ctx context.Context) {
 	if !s.started.CompareAndSwap(false, true) {
 		return
 	}
 	go s.run(ctx)
 }
 
-// stopped returns a channel closed once the scraper has stopped and its
+// Stopped returns a channel closed once the scraper has stopped and its
 // fetches have returned.
-func (s *scraper) stopped() <-chan struct{} { return s.done }
+func (s *Scraper) Stopped() <-chan struct{} { return s.done }
 
 // run is the scraper's loop: a round at start, then one per interval
 // (and whenever targets are added), each handing the idle targets to a
 // fixed pool of workers.
-func (s *scraper) run(ctx context.Context) {
+func (s *Scraper) run(ctx context.Context) {
 	defer close(s.done)
 	jobs := make(chan *scrapeTarget)
 	var wg sync.WaitGroup
@@ -1151,7 +1125,7 @@ func (s *scraper) run(ctx context.Context) {
 }
 
 // round hands every target without a fetch in flight to the workers.
-func (s *scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
+func (s *Scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
 	s.mu.RLock()
 	ts := make([]*scrapeTarget, 0, len(s.targets))
 	for _, t := range s.targets {
@@ -1179,7 +1153,7 @@ func (s *scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
 
 // scrape fetches t's metrics (and models when due) and records the
 // outcome.
-func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
+func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	start := time.Now()
 	t.mu.Lock()
 	skipSlow := t.slow.NumGPUBlocks > 0 && start.Before(t.slowDue)
@@ -1249,7 +1223,7 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	case skipSlow:
 		// Another engine answers on this dial now: read everything from
 		// it next time.
-		t.slow = EngineSignals{}
+		t.slow = Signals{}
 	default:
 		if sig.Engine == engineVLLM && t.slow.Engine == engineVLLM {
 			sig.PrefixHitRate = hitRateSince(t.slow, sig)
@@ -1264,7 +1238,7 @@ func (s *scraper) scrape(ctx context.Context, t *scrapeTarget) {
 
 // carrySlow copies the figures of the slow families from slow, the last
 // scrape of the same engine that read them.
-func (s *EngineSignals) carrySlow(slow EngineSignals) {
+func (s *Signals) carrySlow(slow Signals) {
 	if s.Engine == engineVLLM { // SGLang's capacity is read every scrape
 		s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
 		s.PrefixQueries, s.PrefixHits = slow.PrefixQueries, slow.PrefixHits
@@ -1279,7 +1253,7 @@ func (s *EngineSignals) carrySlow(slow EngineSignals) {
 // hitRateSince returns vLLM's prefix cache hit rate between two scrapes:
 // the previous rate when no tokens were queried in between, -1 when the
 // counters are missing or were reset.
-func hitRateSince(prev, cur EngineSignals) float64 {
+func hitRateSince(prev, cur Signals) float64 {
 	if prev.PrefixQueries < 0 || cur.PrefixQueries < 0 || prev.PrefixHits < 0 || cur.PrefixHits < 0 {
 		return -1
 	}
@@ -1300,9 +1274,9 @@ func hitRateSince(prev, cur EngineSignals) float64 {
 // filtered answer had no engine metrics or the path below was refused.
 // Network errors, timeouts and 5xx answers say nothing about the query
 // and change nothing. Each attempt takes its own charge mark and time.
-func (s *scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, skipSlow bool) (EngineSignals, error) {
+func (s *Scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, skipSlow bool) (Signals, error) {
 	for {
-		var mark chargeMark
+		var mark Mark
 		if s.cfg.Mark != nil {
 			mark = s.cfg.Mark(t.dial)
 		}
@@ -1351,7 +1325,7 @@ func (e *statusError) Error() string { return fmt.Sprintf("GET %s: status %d", e
 
 // fetchMetricsQuery fetches t's metrics with query, on the target's
 // kept-alive connection when it has one.
-func (s *scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (EngineSignals, int, error) {
+func (s *Scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
 	if t.metricsRequests[query.index()] != nil {
 		return s.fetchMetricsKeptAlive(ctx, t, query, now)
 	}
@@ -1359,8 +1333,8 @@ func (s *scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query 
 }
 
 // fetchMetrics GETs and parses one metrics exposition.
-func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (EngineSignals, int, error) {
-	var sig EngineSignals
+func (s *Scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (Signals, int, error) {
+	var sig Signals
 	var dropped int
 	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
 		var err error
@@ -1377,11 +1351,11 @@ func (s *scraper) fetchMetrics(ctx context.Context, url string, now time.Time, s
 // offs to its connection goroutines) cost about as much as parsing the
 // exposition; this path skips it. A reused connection the engine closed
 // meanwhile is redialled once.
-func (s *scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (EngineSignals, int, error) {
+func (s *Scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
 	for attempt := 0; ; attempt++ {
 		bc, reused, err := t.takeConn(ctx, s.cfg.Timeout)
 		if err != nil {
-			return EngineSignals{}, 0, err
+			return Signals{}, 0, err
 		}
 		sig, dropped, keep, err := s.fetchOn(bc, t, query, now)
 		if keep {
@@ -1402,7 +1376,7 @@ var errStaleConn = errors.New("connection closed before the response")
 
 // fetchOn sends the metrics request on bc and parses the response. keep
 // says the connection can carry the next request.
-func (s *scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time) (sig EngineSignals, dropped int, keep bool, err error) {
+func (s *Scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time) (sig Signals, dropped int, keep bool, err error) {
 	if err := bc.SetDeadline(time.Now().Add(s.cfg.Timeout)); err != nil {
 		return sig, 0, false, err
 	}
@@ -1484,7 +1458,7 @@ func (t *scrapeTarget) closeConn() {
 }
 
 // fetchModels GETs and parses one models list.
-func (s *scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, error) {
+func (s *Scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, error) {
 	var models []ModelInfo
 	err := s.get(ctx, url, "application/json", maxModelsBytes, func(r io.Reader) error {
 		var err error
@@ -1496,7 +1470,7 @@ func (s *scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, err
 
 // get fetches url within the timeout and hands at most limit bytes of a
 // 200 response to read.
-func (s *scraper) get(ctx context.Context, url, accept string, limit int64, read func(io.Reader) error) error {
+func (s *Scraper) get(ctx context.Context, url, accept string, limit int64, read func(io.Reader) error) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
@@ -1553,23 +1527,23 @@ func truncate(s string, n int) string {
 	return s[:n]
 }
 
-// signals returns dial's latest signals. ok is false when there are none
+// Latest returns dial's latest signals. ok is false when there are none
 // or they are older than maxAge at now (maxAge ≤ 0 means three scrape
 // intervals); the caller then relies on its own tracking. It never
 // blocks on a fetch.
-func (s *scraper) signals(dial string, now time.Time, maxAge time.Duration) (EngineSignals, bool) {
+func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Signals, bool) {
 	if s == nil {
-		return EngineSignals{}, false
+		return Signals{}, false
 	}
 	s.mu.RLock()
 	t := s.targets[dial]
 	s.mu.RUnlock()
 	if t == nil {
-		return EngineSignals{}, false
+		return Signals{}, false
 	}
 	p := t.latest.Load()
 	if p == nil {
-		return EngineSignals{}, false
+		return Signals{}, false
 	}
 	if maxAge <= 0 {
 		maxAge = defaultStaleIntervals * s.cfg.Interval
@@ -1580,9 +1554,9 @@ func (s *scraper) signals(dial string, now time.Time, maxAge time.Duration) (Eng
 	return *p, true
 }
 
-// scrapeSeq returns how many successful scrapes of dial there have been,
+// Seq returns how many successful scrapes of dial there have been,
 // 0 when none: a cheap way to see that new signals arrived.
-func (s *scraper) scrapeSeq(dial string) uint64 {
+func (s *Scraper) Seq(dial string) uint64 {
 	if s == nil {
 		return 0
 	}
@@ -1598,24 +1572,24 @@ func (s *scraper) scrapeSeq(dial string) uint64 {
 	return 0
 }
 
-// status returns dial's scrape health.
-func (s *scraper) status(dial string) (scrapeStatus, bool) {
+// StatusOf returns dial's scrape health.
+func (s *Scraper) StatusOf(dial string) (Status, bool) {
 	if s == nil {
-		return scrapeStatus{}, false
+		return Status{}, false
 	}
 	s.mu.RLock()
 	t := s.targets[dial]
 	s.mu.RUnlock()
 	if t == nil {
-		return scrapeStatus{}, false
+		return Status{}, false
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.status, true
 }
 
-// statuses returns every target's scrape health, ordered by dial.
-func (s *scraper) statuses() []scrapeStatus {
+// Statuses returns every target's scrape health, ordered by dial.
+func (s *Scraper) Statuses() []Status {
 	if s == nil {
 		return nil
 	}
@@ -1625,12 +1599,12 @@ func (s *scraper) statuses() []scrapeStatus {
 		ts = append(ts, t)
 	}
 	s.mu.RUnlock()
-	out := make([]scrapeStatus, 0, len(ts))
+	out := make([]Status, 0, len(ts))
 	for _, t := range ts {
 		t.mu.Lock()
 		out = append(out, t.status)
 		t.mu.Unlock()
 	}
-	slices.SortFunc(out, func(a, b scrapeStatus) int { return strings.Compare(a.Dial, b.Dial) })
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Dial, b.Dial) })
 	return out
 }

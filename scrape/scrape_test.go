@@ -1,4 +1,4 @@
-package caddyllm
+package scrape
 
 import (
 	"bufio"
@@ -25,7 +25,6 @@ import (
 	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
-	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // readTestdata returns a file of testdata/.
@@ -39,7 +38,7 @@ func readTestdata(t testing.TB, name string) []byte {
 }
 
 // parseFile parses a testdata exposition, failing the test on error.
-func parseFile(t *testing.T, name string) EngineSignals {
+func parseFile(t *testing.T, name string) Signals {
 	t.Helper()
 	now := time.Unix(1_700_000_000, 0)
 	sig, err := parseEngineMetrics(bytes.NewReader(readTestdata(t, name)), now)
@@ -262,52 +261,34 @@ func TestParseModels(t *testing.T) {
 }
 
 func TestSignalsCorrections(t *testing.T) {
-	sig := EngineSignals{Waiting: 2, KVKnown: true, KVUsage: 0.5, BlockSize: 16, NumGPUBlocks: 100}
-	got := sig.plusRouted(3, 400)
+	sig := Signals{Waiting: 2, KVKnown: true, KVUsage: 0.5, BlockSize: 16, NumGPUBlocks: 100}
+	got := sig.PlusRouted(3, 400)
 	if got.Waiting != 5 || !near(got.KVUsage, 0.75) || got.FreeKVTokens() != 400 {
 		t.Fatalf("plusRouted: waiting %d usage %v free %d", got.Waiting, got.KVUsage, got.FreeKVTokens())
 	}
-	if full := sig.plusRouted(0, 10_000); full.KVUsage != 1 || full.FreeKVTokens() != 0 {
+	if full := sig.PlusRouted(0, 10_000); full.KVUsage != 1 || full.FreeKVTokens() != 0 {
 		t.Fatalf("over capacity: usage %v free %d", full.KVUsage, full.FreeKVTokens())
 	}
-	unknown := EngineSignals{Waiting: -1}
-	if u := unknown.plusRouted(3, 100); u.Waiting != -1 || u.KVKnown || u.FreeKVTokens() != -1 {
+	unknown := Signals{Waiting: -1}
+	if u := unknown.PlusRouted(3, 100); u.Waiting != -1 || u.KVKnown || u.FreeKVTokens() != -1 {
 		t.Fatalf("unknown stays unknown: %+v", u)
 	}
 }
 
 func TestSignalsChargeMark(t *testing.T) {
-	old := chargeMark{Requests: 10, KVTokens: 5000}
-	if r, kv := (chargeMark{Requests: 13, KVTokens: 6500}).since(old); r != 3 || kv != 1500 {
+	old := Mark{Requests: 10, KVTokens: 5000}
+	if r, kv := (Mark{Requests: 13, KVTokens: 6500}).Since(old); r != 3 || kv != 1500 {
 		t.Fatalf("since: %d %d", r, kv)
 	}
 	// Counters that went backwards (a fresh fleet after a restart) give
 	// no correction rather than a negative one.
-	if r, kv := (chargeMark{Requests: 2, KVTokens: 100}).since(old); r != 0 || kv != 0 {
+	if r, kv := (Mark{Requests: 2, KVTokens: 100}).Since(old); r != 0 || kv != 0 {
 		t.Fatalf("backwards: %d %d", r, kv)
 	}
 }
 
-func TestSignalsAdapterState(t *testing.T) {
-	sig := EngineSignals{AdaptersKnown: true, RunningAdapters: []string{"a"}, WaitingAdapters: []string{"b"},
-		Models: []ModelInfo{{ID: "base"}, {ID: "a", Parent: "base"}, {ID: "c", Parent: "base"}}}
-	for adapter, want := range map[string]scorer.AdapterState{
-		"a": scorer.AdapterResident, "b": scorer.AdapterHost, "c": scorer.AdapterHost, "d": scorer.AdapterRemote,
-	} {
-		if got, ok := sig.adapterState(adapter); !ok || got != want {
-			t.Errorf("%s: %v %v, want %v", adapter, got, ok, want)
-		}
-	}
-	if _, ok := (EngineSignals{}).adapterState("a"); ok {
-		t.Error("nothing reported, yet the state is known")
-	}
-	if ids := sig.ModelIDs(); !slices.Equal(ids, []string{"base", "a", "c"}) {
-		t.Errorf("model ids %v", ids)
-	}
-}
-
 func TestScrapeHitRate(t *testing.T) {
-	prev := EngineSignals{PrefixQueries: 100, PrefixHits: 40, PrefixHitRate: 0.4}
+	prev := Signals{PrefixQueries: 100, PrefixHits: 40, PrefixHitRate: 0.4}
 	for _, tc := range []struct {
 		q, h, want float64
 	}{
@@ -316,19 +297,19 @@ func TestScrapeHitRate(t *testing.T) {
 		{50, 10, -1},     // counters reset: unknown
 		{-1, -1, -1},     // not reported
 	} {
-		if got := hitRateSince(prev, EngineSignals{PrefixQueries: tc.q, PrefixHits: tc.h}); !near(got, tc.want) {
+		if got := hitRateSince(prev, Signals{PrefixQueries: tc.q, PrefixHits: tc.h}); !near(got, tc.want) {
 			t.Errorf("queries %v hits %v: rate %v, want %v", tc.q, tc.h, got, tc.want)
 		}
 	}
 }
 
 func TestScrapeConfigDefaults(t *testing.T) {
-	c := scrapeConfig{Interval: time.Millisecond}.withDefaults()
-	if c.Interval != minScrapeInterval || c.Timeout != minScrapeInterval || c.ModelsInterval != defaultModelsInterval ||
+	c := Config{Interval: time.Millisecond}.withDefaults()
+	if c.Interval != MinInterval || c.Timeout != MinInterval || c.ModelsInterval != defaultModelsInterval ||
 		c.MetricsPath != "/metrics" || c.ModelsPath != "/v1/models" || c.Workers != defaultScrapeWorkers {
 		t.Fatalf("%+v", c)
 	}
-	if c := (scrapeConfig{}).withDefaults(); c.Interval != time.Second || c.Timeout != time.Second {
+	if c := (Config{}).withDefaults(); c.Interval != time.Second || c.Timeout != time.Second {
 		t.Fatalf("%+v", c)
 	}
 }
@@ -361,15 +342,15 @@ func TestScrapeKvsim(t *testing.T) {
 	var marks atomic.Uint64
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond, SlowInterval: 300 * time.Millisecond,
-		Mark: func(string) chargeMark { n := marks.Add(1); return chargeMark{Requests: n, KVTokens: 10 * n} }})
-	s.setTargets([]string{dial, "unix//tmp/not-scraped.sock"})
-	s.start(ctx)
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond, SlowInterval: 300 * time.Millisecond,
+		Mark: func(string) Mark { n := marks.Add(1); return Mark{Requests: n, KVTokens: 10 * n} }})
+	s.SetTargets([]string{dial, "unix//tmp/not-scraped.sock"})
+	s.Start(ctx)
 
-	var sig EngineSignals
+	var sig Signals
 	waitFor(t, "signals", 5*time.Second, func() bool {
 		var ok bool
-		sig, ok = s.signals(dial, time.Now(), time.Second)
+		sig, ok = s.Latest(dial, time.Now(), time.Second)
 		return ok
 	})
 	if sig.Engine != engineVLLM || sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.MaxLoRAs != 4 ||
@@ -379,12 +360,12 @@ func TestScrapeKvsim(t *testing.T) {
 	if !slices.Equal(sig.ModelIDs(), []string{kvsim.DefaultModel, "sql-lora"}) || sig.Models[1].Parent != kvsim.DefaultModel {
 		t.Fatalf("models %+v", sig.Models)
 	}
-	if st, _ := s.status(dial); st.Scrapes < 1 || st.ConsecutiveErrors != 0 {
+	if st, _ := s.StatusOf(dial); st.Scrapes < 1 || st.ConsecutiveErrors != 0 {
 		t.Fatalf("status %+v", st)
 	}
 
 	// Work on the engine shows up in the next scrapes.
-	seq := s.scrapeSeq(dial)
+	seq := s.Seq(dial)
 	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
 		strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"`+strings.Repeat("shared prefix ", 100)+`","max_tokens":2}`))
 	if err != nil {
@@ -393,7 +374,7 @@ func TestScrapeKvsim(t *testing.T) {
 	_, _ = io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
 	waitFor(t, "prefix queries", 5*time.Second, func() bool {
-		sig, _ = s.signals(dial, time.Now(), time.Second)
+		sig, _ = s.Latest(dial, time.Now(), time.Second)
 		return sig.Seq > seq && sig.PrefixQueries > 0
 	})
 	if sig.PrefixHitRate < 0 || sig.PrefixHitRate > 1 {
@@ -410,7 +391,7 @@ func TestScrapeKvsim(t *testing.T) {
 		latest := t.latest.Load()
 		return latest != nil && latest.Seq > sig.Seq && latest.ScrapedAt.After(t.slow.ScrapedAt)
 	})
-	sig, _ = s.signals(dial, time.Now(), time.Second)
+	sig, _ = s.Latest(dial, time.Now(), time.Second)
 	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.PrefixQueries <= 0 {
 		t.Fatalf("slow figures not carried over: block size %d, blocks %d, prefix queries %v", sig.BlockSize, sig.NumGPUBlocks, sig.PrefixQueries)
 	}
@@ -424,26 +405,26 @@ func TestScrapeKvsim(t *testing.T) {
 	srv.Close()
 	stoppedAt := time.Now()
 	waitFor(t, "stale signals", 5*time.Second, func() bool {
-		_, ok := s.signals(dial, time.Now(), 300*time.Millisecond)
+		_, ok := s.Latest(dial, time.Now(), 300*time.Millisecond)
 		return !ok
 	})
 	if waited := time.Since(stoppedAt); waited > 2*time.Second {
 		t.Fatalf("signals stayed fresh %v after the server stopped", waited)
 	}
 	waitFor(t, "recorded errors", 5*time.Second, func() bool {
-		st, _ := s.status(dial)
+		st, _ := s.StatusOf(dial)
 		return st.Errors > 0 && st.ConsecutiveErrors > 0 && st.LastError != ""
 	})
-	if _, ok := s.signals("unix//tmp/not-scraped.sock", time.Now(), time.Hour); ok {
+	if _, ok := s.Latest("unix//tmp/not-scraped.sock", time.Now(), time.Hour); ok {
 		t.Fatal("a unix socket dial has signals")
 	}
-	if len(s.statuses()) != 1 {
-		t.Fatalf("statuses %+v", s.statuses())
+	if len(s.Statuses()) != 1 {
+		t.Fatalf("statuses %+v", s.Statuses())
 	}
 
 	cancel()
 	select {
-	case <-s.stopped():
+	case <-s.Stopped():
 	case <-time.After(5 * time.Second):
 		t.Fatal("scraper did not stop with its context")
 	}
@@ -487,16 +468,16 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 	defer cancel()
 	// One worker: the hung target holds it for a whole timeout each round,
 	// and the others must still be served between.
-	s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, Workers: 1})
+	s := New(Config{Interval: 100 * time.Millisecond, Workers: 1})
 	dials := []string{hostOf(hung), hostOf(broken), hostOf(garbage), refused, hostOf(healthy)}
-	s.setTargets(dials)
-	s.start(ctx)
+	s.SetTargets(dials)
+	s.Start(ctx)
 
 	// Reads never wait for fetches.
 	start := time.Now()
 	for range 1000 {
 		for _, d := range dials[:4] {
-			if _, ok := s.signals(d, time.Now(), 0); ok {
+			if _, ok := s.Latest(d, time.Now(), 0); ok {
 				t.Fatalf("%s has signals", d)
 			}
 		}
@@ -506,25 +487,25 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 	}
 
 	waitFor(t, "healthy signals", 5*time.Second, func() bool {
-		_, ok := s.signals(hostOf(healthy), time.Now(), 0)
+		_, ok := s.Latest(hostOf(healthy), time.Now(), 0)
 		return ok
 	})
 	waitFor(t, "errors on every failing target", 5*time.Second, func() bool {
 		for _, d := range dials[:4] {
-			if st, _ := s.status(d); st.Errors == 0 {
+			if st, _ := s.StatusOf(d); st.Errors == 0 {
 				return false
 			}
 		}
 		return true
 	})
 	for _, d := range dials[:4] {
-		if _, ok := s.signals(d, time.Now(), time.Hour); ok {
+		if _, ok := s.Latest(d, time.Now(), time.Hour); ok {
 			t.Fatalf("failing target %s has signals", d)
 		}
 	}
 	// The models fetch failed, the metrics did not: signals without models.
-	sig, _ := s.signals(hostOf(healthy), time.Now(), 0)
-	st, _ := s.status(hostOf(healthy))
+	sig, _ := s.Latest(hostOf(healthy), time.Now(), 0)
+	st, _ := s.StatusOf(hostOf(healthy))
 	if sig.Models != nil || st.ModelsError == "" || st.ConsecutiveErrors != 0 {
 		t.Fatalf("models %v status %+v", sig.Models, st)
 	}
@@ -533,7 +514,7 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 	// cancels it.
 	cancel()
 	select {
-	case <-s.stopped():
+	case <-s.Stopped():
 	case <-time.After(2 * time.Second):
 		t.Fatal("scraper did not stop")
 	}
@@ -546,33 +527,33 @@ func TestScrapeSetTargets(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	// A long interval: the first scrape of a new target must not wait for it.
-	s := newScraper(scrapeConfig{Interval: time.Hour, ModelsInterval: -1})
-	s.start(ctx)
-	s.setTargets([]string{hostOf(srv)})
+	s := New(Config{Interval: time.Hour, ModelsInterval: -1})
+	s.Start(ctx)
+	s.SetTargets([]string{hostOf(srv)})
 	waitFor(t, "first scrape of a new target", 2*time.Second, func() bool {
-		_, ok := s.signals(hostOf(srv), time.Now(), 0)
+		_, ok := s.Latest(hostOf(srv), time.Now(), 0)
 		return ok
 	})
 	// addTargets leaves existing targets (and their signals) alone.
-	s.addTargets(hostOf(srv), "unix//x.sock", "")
-	if _, ok := s.signals(hostOf(srv), time.Now(), 0); !ok || len(s.statuses()) != 1 {
-		t.Fatalf("addTargets disturbed the targets: %+v", s.statuses())
+	s.AddTargets(hostOf(srv), "unix//x.sock", "")
+	if _, ok := s.Latest(hostOf(srv), time.Now(), 0); !ok || len(s.Statuses()) != 1 {
+		t.Fatalf("addTargets disturbed the targets: %+v", s.Statuses())
 	}
-	s.setTargets(nil)
-	if _, ok := s.signals(hostOf(srv), time.Now(), 0); ok {
+	s.SetTargets(nil)
+	if _, ok := s.Latest(hostOf(srv), time.Now(), 0); ok {
 		t.Fatal("a dropped target still has signals")
 	}
-	if s.scrapeSeq(hostOf(srv)) != 0 {
+	if s.Seq(hostOf(srv)) != 0 {
 		t.Fatal("a dropped target still has a sequence")
 	}
 	// A dial added from a pool is scraped at once too.
-	s.addTargets(hostOf(srv))
+	s.AddTargets(hostOf(srv))
 	waitFor(t, "first scrape of an added target", 2*time.Second, func() bool {
-		_, ok := s.signals(hostOf(srv), time.Now(), 0)
+		_, ok := s.Latest(hostOf(srv), time.Now(), 0)
 		return ok
 	})
-	var nilScraper *scraper
-	if _, ok := nilScraper.signals("x", time.Now(), 0); ok || nilScraper.statuses() != nil {
+	var nilScraper *Scraper
+	if _, ok := nilScraper.Latest("x", time.Now(), 0); ok || nilScraper.Statuses() != nil {
 		t.Fatal("nil scraper")
 	}
 }
@@ -796,17 +777,17 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 	var pct, sysPct, perScrape, rate, failures float64
 	for range b.N {
 		ctx, cancel := context.WithCancel(context.Background())
-		s := newScraper(scrapeConfig{Interval: interval})
-		s.setTargets(dials)
+		s := New(Config{Interval: interval})
+		s.SetTargets(dials)
 		if whole {
 			for _, t := range s.targets {
 				t.mode, t.probeDue = modeWhole, time.Now().Add(time.Hour) // and no re-probe
 			}
 		}
-		s.start(ctx)
+		s.Start(ctx)
 		// Warm up: connections open, every target scraped once.
 		deadline := time.Now().Add(5 * time.Second)
-		for time.Now().Before(deadline) && slices.ContainsFunc(dials, func(d string) bool { return s.scrapeSeq(d) == 0 }) {
+		for time.Now().Before(deadline) && slices.ContainsFunc(dials, func(d string) bool { return s.Seq(d) == 0 }) {
 			time.Sleep(5 * time.Millisecond)
 		}
 		seq0 := scrapeTotal(s, dials)
@@ -817,10 +798,10 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 		wall := time.Since(wall0)
 		scrapes := scrapeTotal(s, dials) - seq0
 		cancel()
-		<-s.stopped()
+		<-s.Stopped()
 		// A timeout now and then on a busy machine is fine; mostly
 		// failing scrapes would make the figure meaningless.
-		for _, st := range s.statuses() {
+		for _, st := range s.Statuses() {
 			failures += float64(st.Errors)
 			if st.Errors > st.Scrapes/10 {
 				b.Fatalf("%s: %d scrape errors in %d, last %s", st.Dial, st.Errors, st.Scrapes, st.LastError)
@@ -848,10 +829,10 @@ func benchmarkScrape(b *testing.B, dials []string, interval, window time.Duratio
 }
 
 // scrapeTotal sums the successful scrapes of dials.
-func scrapeTotal(s *scraper, dials []string) uint64 {
+func scrapeTotal(s *Scraper, dials []string) uint64 {
 	var n uint64
 	for _, d := range dials {
-		n += s.scrapeSeq(d)
+		n += s.Seq(d)
 	}
 	return n
 }
@@ -876,16 +857,16 @@ func filteredExposition(q url.Values) string {
 
 // scrapeServer serves handler and scrapes it with cfg until the test
 // ends.
-func scrapeServer(t *testing.T, handler http.Handler, cfg scrapeConfig) (s *scraper, dial string) {
+func scrapeServer(t *testing.T, handler http.Handler, cfg Config) (s *Scraper, dial string) {
 	t.Helper()
 	srv := httptest.NewServer(handler)
 	t.Cleanup(srv.Close)
 	ctx, cancel := context.WithCancel(context.Background())
-	s = newScraper(cfg)
+	s = New(cfg)
 	dial = hostOf(srv)
-	s.setTargets([]string{dial})
-	s.start(ctx)
-	t.Cleanup(func() { cancel(); <-s.stopped() })
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	t.Cleanup(func() { cancel(); <-s.Stopped() })
 	return s, dial
 }
 
@@ -962,17 +943,17 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			dial := hostOf(srv)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			s := newScraper(scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
-			s.setTargets([]string{dial})
-			s.start(ctx)
+			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
+			s.SetTargets([]string{dial})
+			s.Start(ctx)
 			waitFor(t, "six scrapes", 5*time.Second, func() bool {
-				st, _ := s.status(dial)
+				st, _ := s.StatusOf(dial)
 				return st.Scrapes+st.Errors >= 6
 			})
 			cancel()
-			<-s.stopped()
-			st, _ := s.status(dial)
-			sig, ok := s.signals(dial, time.Now(), time.Hour)
+			<-s.Stopped()
+			st, _ := s.StatusOf(dial)
+			sig, ok := s.Latest(dial, time.Now(), time.Hour)
 			if tc.engine && (!ok || sig.Waiting != 2 || sig.NumGPUBlocks != 100 || sig.BlockSize != 16 || st.Errors != 0) {
 				t.Fatalf("signals %+v, status %+v", sig, st)
 			}
@@ -1033,11 +1014,11 @@ func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 			return
 		}
 		_, _ = w.Write(vllm)
-	}), scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
-	var sig EngineSignals
+	}), Config{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+	var sig Signals
 	waitFor(t, "two vLLM scrapes", 5*time.Second, func() bool {
 		var ok bool
-		sig, ok = s.signals(dial, time.Now(), time.Hour)
+		sig, ok = s.Latest(dial, time.Now(), time.Hour)
 		return ok && sig.Seq >= 2
 	})
 	vllmCapacity := sig.KVCapacityTokens()
@@ -1046,9 +1027,9 @@ func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 	}
 	swapped.Store(true)
 	seq := sig.Seq
-	var seen []EngineSignals
+	var seen []Signals
 	waitFor(t, "SGLang's hit rate", 5*time.Second, func() bool {
-		sig, _ = s.signals(dial, time.Now(), time.Hour)
+		sig, _ = s.Latest(dial, time.Now(), time.Hour)
 		if sig.Seq > seq && sig.Engine == engineSGLang {
 			seen = append(seen, sig)
 		}
@@ -1114,7 +1095,7 @@ func TestScrapeModeChanges(t *testing.T) {
 			phase.Store(0)
 			s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tc.serve(w, r, phase.Load())
-			}), scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
+			}), Config{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
 			for i, d := range tc.phases {
 				phase.Store(int32(i))
 				time.Sleep(d)
@@ -1125,9 +1106,9 @@ func TestScrapeModeChanges(t *testing.T) {
 			target.mu.Lock()
 			mode := target.mode
 			target.mu.Unlock()
-			sig, ok := s.signals(dial, time.Now(), 300*time.Millisecond)
+			sig, ok := s.Latest(dial, time.Now(), 300*time.Millisecond)
 			if mode != tc.want || !ok || sig.Waiting != 2 {
-				st, _ := s.status(dial)
+				st, _ := s.StatusOf(dial)
 				t.Fatalf("mode %d (want %d), fresh signals %v %+v, status %+v", mode, tc.want, ok, sig, st)
 			}
 		})
@@ -1140,11 +1121,11 @@ func TestScrapeModeChanges(t *testing.T) {
 func TestScrapeKeepsRankWeights(t *testing.T) {
 	body := readTestdata(t, "vllm_dp2.prom") // ranks of 1,000 and 3,000 blocks at 20% and 60%
 	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }),
-		scrapeConfig{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+		Config{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
 	for seq := uint64(1); seq <= 3; seq++ {
-		var sig EngineSignals
+		var sig Signals
 		waitFor(t, fmt.Sprint("scrape ", seq), 5*time.Second, func() bool {
-			sig, _ = s.signals(dial, time.Now(), time.Hour)
+			sig, _ = s.Latest(dial, time.Now(), time.Hour)
 			return sig.Seq >= seq
 		})
 		if math.Abs(sig.KVUsage-0.5) > 1e-9 || sig.NumGPUBlocks != 4000 {
