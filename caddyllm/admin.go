@@ -24,8 +24,11 @@ func init() {
 //	POST   /llm_affinity/upstreams/{dial}/drain      drain; deadline in ?deadline=30s or {"deadline":"30s"}
 //	DELETE /llm_affinity/upstreams/{dial}/drain      undrain
 //
-// It is a thin view over package-level state: Caddy re-creates admin
-// modules on every config load and never cleans them up.
+// It is a thin view over the state the loaded policies share (see pool):
+// Caddy re-creates admin modules on every config load and never cleans
+// them up, so they hold no reference of their own. A drain's default
+// deadline is the longest drain_deadline of the policies naming the
+// upstream.
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -48,7 +51,10 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	ups := snapshotUpstreams()
+	var ups []UpstreamSnapshot
+	if sh := lookupShared(); sh != nil {
+		ups = sh.snapshot()
+	}
 	slices.SortFunc(ups, func(a, b UpstreamSnapshot) int { return strings.Compare(a.Dial, b.Dial) })
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(ups)
@@ -60,24 +66,29 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 	if !ok || dial == "" || strings.Contains(dial, "/") {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_affinity/upstreams/{dial}/drain")}
 	}
-	switch r.Method {
-	case http.MethodPost:
-		deadline, err := drainDeadlineOf(r)
+	if r.Method != http.MethodPost && r.Method != http.MethodDelete {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST or DELETE", r.Method)}
+	}
+	sh := lookupShared()
+	if sh == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no llm_affinity policy is loaded")}
+	}
+	if r.Method == http.MethodPost {
+		deadline, err := drainDeadlineOf(r, sh.adminDrainDeadline(dial))
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
-		drains.Drain(dial, deadline, drain.ByAdmin)
-	case http.MethodDelete:
-		drains.Undrain(dial, drain.ByAdmin)
-	default:
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST or DELETE", r.Method)}
+		sh.drains.Drain(dial, deadline, drain.Admin)
+	} else {
+		sh.drains.Undrain(dial, drain.Admin)
 	}
 	w.Header().Set("Content-Type", "application/json")
-	return json.NewEncoder(w).Encode(map[string]string{"dial": dial, "drain": drains.Phase(dial).String()})
+	return json.NewEncoder(w).Encode(map[string]string{"dial": dial, "drain": sh.drains.Phase(dial).String()})
 }
 
-// drainDeadlineOf reads the deadline from the query or a JSON body.
-func drainDeadlineOf(r *http.Request) (time.Duration, error) {
+// drainDeadlineOf reads the deadline from the query or a JSON body;
+// without one it is byDefault.
+func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, error) {
 	raw := r.URL.Query().Get("deadline")
 	if raw == "" && r.Body != nil && r.ContentLength != 0 {
 		var body struct {
@@ -89,7 +100,7 @@ func drainDeadlineOf(r *http.Request) (time.Duration, error) {
 		raw = body.Deadline
 	}
 	if raw == "" {
-		return time.Duration(adminDrainDeadline.Load()), nil
+		return byDefault, nil
 	}
 	d, err := caddy.ParseDuration(raw)
 	if err != nil || d < 0 {

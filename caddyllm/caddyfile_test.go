@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 func TestPolicyCaddyfile(t *testing.T) {
@@ -47,8 +49,8 @@ func TestPolicyCaddyfile(t *testing.T) {
 	if err := json.Unmarshal(p.FallbackRaw, &fb); err != nil || fb["policy"] != "first" {
 		t.Fatalf("fallback %s", p.FallbackRaw)
 	}
-	hp := p.profile("10.0.0.2:8000")
-	if hp.PrefillTokensPerSecond != 20000 || hp.DecodeTokensPerSecond != defaultDecodePerSecond || hp.KVCapacityTokens != 262144 {
+	hp := p.hardware("10.0.0.2:8000").WithDefaults()
+	if hp.PrefillTokensPerSecond != 20000 || hp.DecodeTokensPerSecond != router.DefaultDecodeTokensPerSecond || hp.KVCapacityTokens != 262144 {
 		t.Fatalf("profile %+v", hp)
 	}
 }
@@ -98,26 +100,5 @@ func TestPolicyValidate(t *testing.T) {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%+v validated", p)
 		}
-	}
-}
-
-func TestIdleUpstreamsExpire(t *testing.T) {
-	f := newFleet()
-	now := time.Now()
-	f.mu.Lock()
-	idle := f.upstream("10.0.0.1:8000", now.Add(-2*time.Hour))
-	busy := f.upstream("10.0.0.2:8000", now.Add(-2*time.Hour))
-	f.charge(busy, 100, 10, 110, now.Add(-2*time.Hour))
-	fresh := f.upstream("10.0.0.3:8000", now)
-	f.mu.Unlock()
-	f.index.Insert(idle.id, []uint64{1, 2, 3})
-	if n := f.expire(now.Add(-time.Hour)); n != 1 {
-		t.Fatalf("expired %d, want 1", n)
-	}
-	if _, ok := f.upstreams["10.0.0.1:8000"]; ok || f.index.Blocks(idle.id) != 0 {
-		t.Fatal("idle upstream kept its state")
-	}
-	if f.upstreams["10.0.0.2:8000"] == nil || f.upstreams["10.0.0.3:8000"] != fresh {
-		t.Fatal("busy or fresh upstream expired")
 	}
 }

@@ -48,7 +48,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		if cut {
 			cause = "drain"
 		}
-		outcome := func(o string) { metricMovedRequests.WithLabelValues(cause, o).Inc() }
+		outcome := func(o string) { st.countMove(cause, o) }
 		switch {
 		case moves >= maxRedispatch:
 			outcome("cut")

@@ -206,6 +206,8 @@ type requestState struct {
 	origBody []byte // what the client sent
 	current  *attempt
 	tried    []string
+	// sh is the routing state of the policy that routed the request.
+	sh       *shared
 	shed     *shedding
 	decision decisionRecord
 	// explanation is the last decision's, when debug logging is on.
@@ -283,7 +285,18 @@ func (st *requestState) progress(n int) {
 	a := st.current
 	st.mu.Unlock()
 	if a != nil {
-		state.progress(a, n, time.Now())
+		a.sh.fleet.Progress(a.charge, n, time.Now())
+	}
+}
+
+// countMove counts a request moved off its upstream (by cause) and what
+// became of it.
+func (st *requestState) countMove(cause, outcome string) {
+	st.mu.Lock()
+	sh := st.sh
+	st.mu.Unlock()
+	if sh != nil {
+		sh.metrics.movedRequests.WithLabelValues(cause, outcome).Inc()
 	}
 }
 
@@ -297,14 +310,15 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		return
 	}
 	if rec.status != http.StatusOK || !rec.complete() {
-		state.release(a)
+		a.release()
 		return
 	}
-	if drains.IsDraining(a.dial) {
-		metricDrainCompleted.Inc()
+	a.endFlight()
+	if a.sh.drains.IsDraining(a.charge.Dial()) {
+		a.sh.metrics.drainCompleted.Inc()
 	}
-	observeCompletion(a, st, rec)
-	state.complete(a, st.req.Model, rec.completionTokens())
+	a.sh.metrics.observeCompletion(a.charge, st, rec)
+	a.sh.fleet.Complete(a.charge, st.req.Model, rec.completionTokens(), time.Now())
 }
 
 // Interface guards

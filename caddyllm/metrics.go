@@ -9,67 +9,82 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
-// Collectors are package-level so their values survive reloads; each
-// Provision registers them with that config's fresh registry. Label sets
-// are bounded: reasons are a fixed set, upstreams are the configured ones.
-var (
-	metricDecisions = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "decisions_total",
-		Help: "Routing decisions by reason (warm, cold, spill, adapter, fallback, shed).",
-	}, []string{"reason"})
-	metricShed = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
-		Help: "Requests shed after waiting at the gateway, by what blocked them.",
-	}, []string{"blocked_by"})
-	metricQueued = prometheus.NewCounter(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "gateway_queued_total",
-		Help: "Requests that had to wait at the gateway because no upstream fit.",
-	})
-	metricMatchedTokens = prometheus.NewHistogram(prometheus.HistogramOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "matched_tokens",
-		Help:    "Prompt tokens the chosen upstream was expected to hold in its prefix cache.",
-		Buckets: prometheus.ExponentialBuckets(64, 2, 12),
-	})
-	metricTTFT = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "ttft_seconds",
-		Help:    "Time to first token of streamed responses: estimated at routing and observed.",
-		Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
-	}, []string{"kind"})
-	metricCachedTokens = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "prompt_tokens_total",
-		Help: "Prompt tokens of completed requests as the engines reported them, and how many were cached.",
-	}, []string{"kind"})
-
-	metricDrainCompleted = prometheus.NewCounter(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_completed_total",
-		Help: "Requests that completed on an upstream while it was draining.",
-	})
-	metricMovedRequests = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "moved_requests_total",
-		Help: "Requests cut off their upstream (cause: drain deadline or upstream_error), by outcome: redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
-	}, []string{"cause", "outcome"})
-	metricDrainTransitions = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",
-		Help: "Upstream drain state changes (draining, drained, undrained).",
-	}, []string{"to"})
-)
-
-var collectors = []prometheus.Collector{
-	metricDrainCompleted, metricMovedRequests, metricDrainTransitions,
-	metricDecisions, metricShed, metricQueued, metricMatchedTokens, metricTTFT, metricCachedTokens,
-	newFleetCollector(),
+// metrics are the plugin's collectors. They live in the shared host, so
+// their values survive reloads; each Provision registers them with that
+// config's fresh registry. Label sets are bounded: reasons are a fixed
+// set, upstreams are the configured ones.
+type metrics struct {
+	decisions        *prometheus.CounterVec
+	shed             *prometheus.CounterVec
+	queued           prometheus.Counter
+	matchedTokens    prometheus.Histogram
+	ttft             *prometheus.HistogramVec
+	cachedTokens     *prometheus.CounterVec
+	drainCompleted   prometheus.Counter
+	movedRequests    *prometheus.CounterVec
+	drainTransitions *prometheus.CounterVec
+	collectors       []prometheus.Collector
 }
 
-// registerMetrics registers the collectors with ctx's registry, ignoring
-// the ones it already has.
-func registerMetrics(ctx caddy.Context) {
+func newMetrics(sh *shared) *metrics {
+	m := &metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "decisions_total",
+			Help: "Routing decisions by reason (warm, cold, spill, adapter, fallback, shed).",
+		}, []string{"reason"}),
+		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
+			Help: "Requests shed after waiting at the gateway, by what blocked them.",
+		}, []string{"blocked_by"}),
+		queued: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "gateway_queued_total",
+			Help: "Requests that had to wait at the gateway because no upstream fit.",
+		}),
+		matchedTokens: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "matched_tokens",
+			Help:    "Prompt tokens the chosen upstream was expected to hold in its prefix cache.",
+			Buckets: prometheus.ExponentialBuckets(64, 2, 12),
+		}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "ttft_seconds",
+			Help:    "Time to first token of streamed responses: estimated at routing and observed.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+		}, []string{"kind"}),
+		cachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "prompt_tokens_total",
+			Help: "Prompt tokens of completed requests as the engines reported them, and how many were cached.",
+		}, []string{"kind"}),
+		drainCompleted: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_completed_total",
+			Help: "Requests that completed on an upstream while it was draining.",
+		}),
+		movedRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "moved_requests_total",
+			Help: "Requests cut off their upstream (cause: drain deadline or upstream_error), by outcome: redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
+		}, []string{"cause", "outcome"}),
+		drainTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",
+			Help: "Upstream drain state changes (draining, drained, undrained).",
+		}, []string{"to"}),
+	}
+	m.collectors = []prometheus.Collector{
+		m.decisions, m.shed, m.queued, m.matchedTokens, m.ttft, m.cachedTokens,
+		m.drainCompleted, m.movedRequests, m.drainTransitions, newFleetCollector(sh),
+	}
+	return m
+}
+
+// register registers the collectors with ctx's registry, ignoring the ones
+// it already has.
+func (m *metrics) register(ctx caddy.Context) {
 	reg := ctx.GetMetricsRegistry()
 	if reg == nil {
 		return
 	}
-	for _, c := range collectors {
+	for _, c := range m.collectors {
 		var already prometheus.AlreadyRegisteredError
 		if err := reg.Register(c); err != nil && !errors.As(err, &already) {
 			ctx.Logger().Warn("registering metric", zap.Error(err))
@@ -78,26 +93,28 @@ func registerMetrics(ctx caddy.Context) {
 }
 
 // observeCompletion records a finished response's figures.
-func observeCompletion(a *attempt, st *requestState, rec *tokenRecorder) {
-	if !a.firstByte.IsZero() && st.req.Stream {
-		metricTTFT.WithLabelValues("estimated").Observe(a.estimate)
-		metricTTFT.WithLabelValues("observed").Observe(a.firstByte.Sub(a.started).Seconds())
+func (m *metrics) observeCompletion(c *router.Charge, st *requestState, rec *tokenRecorder) {
+	if !c.FirstToken.IsZero() && st.req.Stream {
+		m.ttft.WithLabelValues("estimated").Observe(c.Estimate)
+		m.ttft.WithLabelValues("observed").Observe(c.FirstToken.Sub(c.Started).Seconds())
 	}
 	if rec.usage != nil {
-		metricCachedTokens.WithLabelValues("prompt").Add(float64(rec.usage.PromptTokens))
-		if c := rec.cachedTokens(); c > 0 {
-			metricCachedTokens.WithLabelValues("cached").Add(float64(c))
+		m.cachedTokens.WithLabelValues("prompt").Add(float64(rec.usage.PromptTokens))
+		if n := rec.cachedTokens(); n > 0 {
+			m.cachedTokens.WithLabelValues("cached").Add(float64(n))
 		}
 	}
 }
 
 // fleetCollector exports each upstream's live state at scrape time.
 type fleetCollector struct {
+	sh                                 *shared
 	queued, inFlight, blocks, draining *prometheus.Desc
 }
 
-func newFleetCollector() *fleetCollector {
+func newFleetCollector(sh *shared) *fleetCollector {
 	return &fleetCollector{
+		sh: sh,
 		queued: prometheus.NewDesc("caddy_llm_affinity_upstream_queued_tokens",
 			"Tokens routed to the upstream and not yet processed, by phase.", []string{"upstream", "phase"}, nil),
 		inFlight: prometheus.NewDesc("caddy_llm_affinity_upstream_in_flight",
@@ -119,7 +136,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, u := range snapshotUpstreams() {
+	for _, u := range c.sh.snapshot() {
 		ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedPrefillTokens), u.Dial, "prefill")
 		ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedDecodeTokens), u.Dial, "decode")
 		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(u.InFlight), u.Dial)
@@ -159,38 +176,36 @@ type UpstreamSnapshot struct {
 	DrainDeadline time.Time `json:"drain_deadline,omitzero"`
 }
 
-// snapshotUpstreams copies the fleet's state.
-func snapshotUpstreams() []UpstreamSnapshot {
-	engines := engineViews(time.Now())
+// snapshot copies the state of every upstream the router knows: those it
+// holds routing state for, and those drained before it ever routed there.
+func (sh *shared) snapshot() []UpstreamSnapshot {
+	now := time.Now()
+	engines := sh.engineViews(now)
 	drainOf := map[string]drain.Status{}
-	for _, s := range drains.Snapshot() {
+	for _, s := range sh.drains.Snapshot() {
 		drainOf[s.Key] = s
 	}
-	state.mu.Lock()
-	defer state.mu.Unlock()
-	out := make([]UpstreamSnapshot, 0, len(state.upstreams))
-	for _, u := range state.upstreams {
-		out = append(out, UpstreamSnapshot{
-			Dial: u.dial, QueuedPrefillTokens: u.queuedPrefill, QueuedDecodeTokens: u.queuedDecode,
-			KVTokensInFlight: u.kvTokens, InFlight: u.inFlight,
-			IndexBlocks: state.index.Blocks(u.id), IndexCapacity: state.index.Capacity(u.id),
-			Completed: u.completed, LastTTFTSeconds: u.lastTTFT.Seconds(),
-			LastEstimatedTTFTSeconds: u.lastEstimate, KVCapacityTokens: u.capacityTokens,
-			Adapters: append([]string(nil), u.adapters...), IdleSeconds: time.Since(u.lastUsed).Seconds(),
-			Drain: "active", Engine: engines[u.dial],
-		})
-		if u.healthSeen {
-			healthy := u.healthy
-			out[len(out)-1].Healthy = &healthy
+	states := sh.fleet.Snapshot(now)
+	out := make([]UpstreamSnapshot, 0, len(states))
+	known := make(map[string]bool, len(states))
+	for _, u := range states {
+		known[u.Dial] = true
+		s := UpstreamSnapshot{
+			Dial: u.Dial, QueuedPrefillTokens: u.QueuedPrefillTokens, QueuedDecodeTokens: u.QueuedDecodeTokens,
+			KVTokensInFlight: u.KVTokensInFlight, InFlight: u.InFlight,
+			IndexBlocks: u.IndexBlocks, IndexCapacity: u.IndexCapacityBlocks,
+			Completed: u.Completed, LastTTFTSeconds: u.LastTTFT.Seconds(),
+			LastEstimatedTTFTSeconds: u.LastEstimatedTTFTSeconds, KVCapacityTokens: u.KVCapacityTokens,
+			Healthy: u.Healthy, Adapters: u.Adapters, IdleSeconds: u.Idle.Seconds(),
+			Drain: "active", Engine: engines[u.Dial],
 		}
-		if d, ok := drainOf[u.dial]; ok {
-			s := &out[len(out)-1]
+		if d, ok := drainOf[u.Dial]; ok {
 			s.Drain, s.DrainCause, s.DrainDeadline = d.Phase, string(d.Cause), d.Deadline
 		}
+		out = append(out, s)
 	}
-	// Upstreams drained before the router ever routed to them.
 	for dial, d := range drainOf {
-		if state.upstreams[dial] == nil {
+		if !known[dial] && d.Phase != "active" {
 			out = append(out, UpstreamSnapshot{Dial: dial, Drain: d.Phase, DrainCause: string(d.Cause), DrainDeadline: d.Deadline})
 		}
 	}

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -18,29 +20,20 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
-// Output estimates.
+// Output estimates (the engine's router.OutputAverage and the others).
 const (
 	// OutputMaxTokens expects each request to generate its max_tokens.
-	OutputMaxTokens = "max_tokens"
+	OutputMaxTokens = router.OutputMaxTokens
 	// OutputAverage expects the running average of observed outputs for
 	// the model, bounded by max_tokens.
-	OutputAverage = "average"
+	OutputAverage = router.OutputAverage
 	// OutputFixed expects OutputTokens for every request.
-	OutputFixed = "fixed"
-)
-
-// Defaults of the policy's options.
-const (
-	defaultOutputTokens     = 256
-	defaultQueueTimeout     = 5 * time.Second
-	defaultPrefillPerSecond = 12_000
-	defaultDecodePerSecond  = 2_500
-	defaultHostLoad         = 30 * time.Millisecond
-	defaultRemoteLoad       = 2 * time.Second
+	OutputFixed = router.OutputFixed
 )
 
 // Policy is the llm_affinity selection policy for reverse_proxy. It sends
@@ -184,12 +177,19 @@ type Policy struct {
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
 
+	// sh is the shared routing state; site names this policy as the
+	// owner of its drains there; named lists the upstreams it references.
+	sh    *shared
+	site  string
+	named []string
+
 	scraper  *scrape.Scraper
 	fallback reverseproxy.Selector
-	opts     scorer.Options
-	adapters map[string]bool
+	opts     router.Options
 	logger   *zap.Logger
 	rng      *lockedRand
+	// scratch holds the slices a decision fills, reused across requests.
+	scratch *sync.Pool
 }
 
 // HardwareProfile describes what an upstream can do, for the time
@@ -221,14 +221,15 @@ func (Policy) CaddyModule() caddy.ModuleInfo {
 // term alone decides, and costs can overflow.
 const maxCostWeight = 100
 
-// Provision sets defaults and loads the fallback policy.
+// Provision sets defaults, loads the fallback policy and takes its share
+// of the routing state.
 func (p *Policy) Provision(ctx caddy.Context) error {
 	p.logger = ctx.Logger()
 	strategy, err := scorer.ParseStrategy(p.Strategy)
 	if err != nil {
 		return err
 	}
-	p.opts = scorer.Options{
+	sopts := scorer.Options{
 		Strategy:           strategy,
 		TieSeconds:         p.TieSeconds,
 		KVMarginTokens:     p.KVMarginTokens,
@@ -242,32 +243,26 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		Dynamo: scorer.DynamoOptions{OverlapWeight: p.DynamoOverlapWeight},
 	}
 	if len(p.LLMDWeights) == 3 {
-		p.opts.LLMD = scorer.LLMDOptions{PrefixWeight: p.LLMDWeights[0], QueueWeight: p.LLMDWeights[1], KVWeight: p.LLMDWeights[2]}
+		sopts.LLMD = scorer.LLMDOptions{PrefixWeight: p.LLMDWeights[0], QueueWeight: p.LLMDWeights[1], KVWeight: p.LLMDWeights[2]}
 	}
-	if p.OutputEstimate == "" {
-		p.OutputEstimate = OutputAverage
+	p.opts = router.Options{
+		Scorer:            sopts,
+		OutputEstimate:    p.OutputEstimate,
+		OutputTokens:      p.OutputTokens,
+		MaxLoras:          p.MaxLoras,
+		AdapterLoadHost:   time.Duration(p.AdapterLoadHost),
+		AdapterLoadRemote: time.Duration(p.AdapterLoadRemote),
+		Adapters:          make(map[string]bool, len(p.Adapters)),
+	}.WithDefaults()
+	for _, a := range p.Adapters {
+		p.opts.Adapters[a] = true
 	}
-	if p.OutputTokens <= 0 {
-		p.OutputTokens = defaultOutputTokens
-	}
+	p.OutputEstimate, p.OutputTokens = p.opts.OutputEstimate, p.opts.OutputTokens
 	if p.QueueTimeout == 0 {
-		p.QueueTimeout = caddy.Duration(defaultQueueTimeout)
+		p.QueueTimeout = caddy.Duration(router.DefaultQueueTimeout)
 	}
 	if p.ShedStatus == 0 {
 		p.ShedStatus = http.StatusServiceUnavailable
-	}
-	if p.MaxLoras <= 0 {
-		p.MaxLoras = 4
-	}
-	if p.AdapterLoadHost <= 0 {
-		p.AdapterLoadHost = caddy.Duration(defaultHostLoad)
-	}
-	if p.AdapterLoadRemote <= 0 {
-		p.AdapterLoadRemote = caddy.Duration(defaultRemoteLoad)
-	}
-	p.adapters = make(map[string]bool, len(p.Adapters))
-	for _, a := range p.Adapters {
-		p.adapters[a] = true
 	}
 	if p.FallbackRaw != nil {
 		mod, err := ctx.LoadModule(p, "FallbackRaw")
@@ -279,54 +274,65 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	if p.DrainDeadline <= 0 {
 		p.DrainDeadline = caddy.Duration(defaultDrainDeadline)
 	}
-	adminDrainDeadline.Store(int64(p.DrainDeadline))
 	// The parent's upstreams and health checks are provisioned after this
-	// policy, so the health watcher starts with the first request.
+	// policy, so the health watcher starts with the first request; the
+	// static upstreams' dials are known now (read in the parent's own
+	// Provision, so without a race).
 	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
-	for _, dial := range p.Drain {
-		drains.Drain(dial, time.Duration(p.DrainDeadline), drain.ByConfig)
-	}
-	// An upstream a previous config drained and this one no longer lists
-	// returns to service.
 	for _, u := range p.parent() {
-		if !slices.Contains(p.Drain, u.Dial) {
-			drains.Undrain(u.Dial, drain.ByConfig)
-		}
+		p.named = append(p.named, u.Dial)
+	}
+	for dial := range p.Upstreams {
+		p.named = append(p.named, dial)
+	}
+	p.named = append(p.named, p.Drain...)
+	slices.Sort(p.named)
+	p.named = slices.Compact(p.named)
+
+	p.sh = acquireShared()
+	p.sh.nameUpstreams(p.named)
+	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named)
+	for _, dial := range p.Drain {
+		p.sh.drains.Drain(dial, time.Duration(p.DrainDeadline), drain.Hold{Cause: drain.ByConfig, Owner: p.site})
 	}
 	if p.ScrapeInterval > 0 {
 		p.scraper = scrape.New(scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
-			Mark:           state.markOf,
+			Mark:           p.sh.fleet.MarkOf,
 			Logger:         p.logger.Named("scrape"),
 		})
-		// The parent's static upstreams are known now (read here, in the
-		// parent's own Provision, so without a race); dynamic ones are
-		// added as requests see them.
-		dials := make([]string, 0, len(p.Upstreams))
-		for dial := range p.Upstreams {
-			dials = append(dials, dial)
-		}
-		for _, u := range p.parent() {
-			dials = append(dials, u.Dial)
-		}
-		p.scraper.SetTargets(dials)
+		// Dynamic upstreams are added as requests see them.
+		p.scraper.SetTargets(p.named)
 		p.scraper.Start(ctx)
-		registerScraper(p.scraper)
+		p.sh.addScraper(p.scraper)
 	}
-	p.rng = newLockedRand()
-	registerMetrics(ctx)
-	startJanitor()
+	p.rng, p.scratch = newLockedRand(), newScratchPool()
+	p.sh.metrics.register(ctx)
+	return nil
+}
+
+// Cleanup gives back the policy's share of the routing state: its drains
+// are lifted, and the upstreams no other loaded config names are
+// forgotten once idle.
+func (p *Policy) Cleanup() error {
+	if p.sh == nil {
+		return nil
+	}
+	if p.scraper != nil {
+		p.sh.removeScraper(p.scraper)
+	}
+	p.sh.removeSite(p.site)
+	releaseUpstreams(p.named)
+	releaseShared()
 	return nil
 }
 
 // Validate checks the options.
 func (p *Policy) Validate() error {
-	switch p.OutputEstimate {
-	case OutputAverage, OutputMaxTokens, OutputFixed:
-	default:
-		return fmt.Errorf("output_estimate must be average, max_tokens or fixed, got %q", p.OutputEstimate)
+	if err := (router.Options{OutputEstimate: p.OutputEstimate}).Validate(); err != nil {
+		return err
 	}
 	if p.ScrapeInterval > 0 && time.Duration(p.ScrapeInterval) < scrape.MinInterval {
 		return fmt.Errorf("scrape_interval must be at least %v", scrape.MinInterval)
@@ -364,24 +370,25 @@ func mapValues[K comparable, V any](m map[K]V) []V {
 	return out
 }
 
-// profile returns the hardware profile of dial with defaults filled in.
-func (p *Policy) profile(dial string) HardwareProfile {
-	hp := HardwareProfile{PrefillTokensPerSecond: defaultPrefillPerSecond, DecodeTokensPerSecond: defaultDecodePerSecond}
+// hardware returns the hardware profile of dial: its own over the
+// policy's default (unset values take the engine's defaults).
+func (p *Policy) hardware(dial string) router.Hardware {
+	var hw router.Hardware
 	for _, src := range []*HardwareProfile{p.Hardware, p.Upstreams[dial]} {
 		if src == nil {
 			continue
 		}
 		if src.PrefillTokensPerSecond > 0 {
-			hp.PrefillTokensPerSecond = src.PrefillTokensPerSecond
+			hw.PrefillTokensPerSecond = src.PrefillTokensPerSecond
 		}
 		if src.DecodeTokensPerSecond > 0 {
-			hp.DecodeTokensPerSecond = src.DecodeTokensPerSecond
+			hw.DecodeTokensPerSecond = src.DecodeTokensPerSecond
 		}
 		if src.KVCapacityTokens > 0 {
-			hp.KVCapacityTokens = src.KVCapacityTokens
+			hw.KVCapacityTokens = src.KVCapacityTokens
 		}
 	}
-	return hp
+	return hw
 }
 
 // Select implements reverseproxy.Selector. It runs once per attempt: a
@@ -401,9 +408,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		return nil
 	}
 	if a := st.current; a != nil {
-		st.tried = append(st.tried, a.dial)
+		st.tried = append(st.tried, a.charge.Dial())
 		st.current = nil
-		state.release(a)
+		a.release()
 	}
 	// Never read r.Body here: install a fresh reader of the bytes the
 	// handler kept, so a retry resends the full body.
@@ -412,23 +419,23 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 
 	var deadline time.Time
 	for {
-		up, d, wake := p.decide(pool, st)
+		up, d := p.decide(pool, st)
 		if up != nil {
-			p.explain(w, st, d)
+			p.explain(w, st, d.Decision)
 			return up
 		}
 		if deadline.IsZero() {
 			deadline = time.Now().Add(time.Duration(p.QueueTimeout))
-			metricQueued.Inc()
+			p.sh.metrics.queued.Inc()
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
-			return p.shed(st, d)
+			return p.shed(st, d.Decision)
 		}
 		// Health changes do not wake us, so look again now and then.
 		timer := time.NewTimer(min(wait, 250*time.Millisecond))
 		select {
-		case <-wake:
+		case <-d.Wake:
 		case <-timer.C:
 		case <-r.Context().Done():
 			timer.Stop()
@@ -444,8 +451,8 @@ func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstrea
 	retry := int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
 	reason := blockedReason(d)
 	st.shed = &shedding{status: p.ShedStatus, retryAfterSeconds: retry, reason: reason}
-	metricDecisions.WithLabelValues(string(scorer.Shed)).Inc()
-	metricShed.WithLabelValues(reason).Inc()
+	p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
+	p.sh.metrics.shed.WithLabelValues(reason).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
 		c.Write(zap.String("blocked_by", reason), zap.Int("prompt_tokens", st.req.PromptTokens),
 			zap.Int("eligible", d.Eligible))
@@ -460,107 +467,66 @@ func blockedReason(d scorer.Decision) string {
 	return "none"
 }
 
-// decide builds the candidates, chooses, and charges the choice, all
-// under the fleet lock. It returns the channel that closes when work is
-// next released, for waiting when nothing fits.
-func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reverseproxy.Upstream, scorer.Decision, <-chan struct{}) {
+// decisionScratch is the space one decision fills, pooled across requests.
+type decisionScratch struct {
+	members []router.Member
+	engines []scrape.Signals
+}
+
+func newScratchPool() *sync.Pool {
+	return &sync.Pool{New: func() any { return new(decisionScratch) }}
+}
+
+// decide asks the decision engine where st goes among pool and, when it
+// chose, registers the attempt with the drain registry. Without a choice
+// the decision's Wake channel says when to try again.
+func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reverseproxy.Upstream, router.Decision) {
 	req := st.req
-	bt := max(1, req.BlockTokens)
 	now := time.Now()
 	if p.scraper != nil {
 		for _, u := range pool {
 			p.scraper.AddTargets(u.Dial) // cheap when known: dynamic upstreams
 		}
 	}
-
-	state.mu.Lock()
-	defer state.mu.Unlock()
-	output := p.expectedOutput(req)
-	cands := slices.Grow(state.scratchCands[:0], len(pool))[:len(pool)]
-	states := slices.Grow(state.scratchStates[:0], len(pool))[:len(pool)]
-	state.scratchCands, state.scratchStates = cands, states
-	for i, u := range pool {
-		states[i] = state.upstream(u.Dial, now)
-		states[i].healthSeen, states[i].healthy = true, u.Healthy()
-	}
-	// Match after registering, so every upstream has a slot in depths.
-	depths := state.index.Match(req.Hashes, state.scratchDepths)
-	state.scratchDepths = depths
-	// Upstreams already tried are avoided while any other is available.
-	avoidTried := false
-	for _, u := range pool {
-		if u.Available() && !slices.Contains(st.tried, u.Dial) {
-			avoidTried = true
-			break
-		}
-	}
-	engines := p.scrapedSignals(state.scratchEngines, pool, now)
-	state.scratchEngines = engines
-	adapter := p.adapterOf(req.Model, engines)
-	for i, u := range pool {
-		cands[i] = p.candidate(u, states[i], now, candidateInput{
-			engine:      engines[i],
-			matched:     min(depths[states[i].id]*bt, req.PromptTokens),
-			available:   u.Available() && !(avoidTried && slices.Contains(st.tried, u.Dial)),
-			adapter:     adapter,
-			blockTokens: bt,
-		})
-	}
-	sreq := scorer.Request{
-		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
-		OutputTokens: output, Model: req.Model, Adapter: adapter,
-	}
+	scratch := p.scratch.Get().(*decisionScratch)
+	defer p.scratch.Put(scratch)
+	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, now)
 	// The full explanation (top candidates, filter reasons) costs
 	// allocations, so it is built only when debug logs are on.
 	var ex *scorer.Explanation
 	if p.logger.Core().Enabled(zapcore.DebugLevel) {
 		ex = new(scorer.Explanation)
 	}
-	d := scorer.Choose(sreq, cands, p.opts, p.rng, ex)
+	d := p.sh.fleet.Decide(now, router.Request{
+		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
+		MaxTokens: req.MaxTokens, Model: req.Model,
+	}, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
-	if d.Chosen < 0 {
-		return nil, d, state.waitChannel()
+	if d.Charge == nil {
+		return nil, d
 	}
-	us, c := states[d.Chosen], &cands[d.Chosen]
-	// KV: only the uncached prompt and the output need new blocks; the
-	// matched prefix is already in the engine's cache, shared, and
-	// charging it per request over-counts popular prefixes many times.
-	uncached := req.PromptTokens - c.MatchedTokens
-	a := state.charge(us, uncached, output, uncached+output, now)
-	a.estimate = d.EstimatedTTFTSeconds
-	us.lastEstimate = d.EstimatedTTFTSeconds
-	a.endFlight = drains.Begin(us.dial, st.cutForDrain)
-	st.current = a
-	if adapter != "" {
-		us.useAdapter(adapter)
-	}
-	state.index.Insert(us.id, req.Hashes)
-	st.decision = decisionRecord{upstream: us.dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: c.MatchedTokens}
-	metricDecisions.WithLabelValues(string(d.Reason)).Inc()
-	metricMatchedTokens.Observe(float64(c.MatchedTokens))
-	return pool[d.Chosen], d, nil
+	dial := d.Charge.Dial()
+	st.sh = p.sh
+	st.current = &attempt{sh: p.sh, charge: d.Charge, endFlight: p.sh.drains.Begin(dial, st.cutForDrain)}
+	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens}
+	p.sh.metrics.decisions.WithLabelValues(string(d.Reason)).Inc()
+	p.sh.metrics.matchedTokens.Observe(float64(d.MatchedTokens))
+	return pool[d.Chosen], d
 }
 
-// expectedOutput estimates req's output length. Caller holds state.mu.
-func (p *Policy) expectedOutput(req *Request) int {
-	switch p.OutputEstimate {
-	case OutputFixed:
-		return p.OutputTokens
-	case OutputMaxTokens:
-		if req.MaxTokens > 0 {
-			return req.MaxTokens
-		}
-		return p.OutputTokens
-	}
-	mean, ok := state.meanOutput(req.Model)
-	est := p.OutputTokens
-	if ok {
-		est = int(math.Round(mean))
-	}
-	if req.MaxTokens > 0 {
-		est = min(est, req.MaxTokens)
-	}
-	return est
+// attempt is one routing of a request to an upstream: the engine's charge
+// there and the request's registration with the drain registry.
+type attempt struct {
+	sh        *shared
+	charge    *router.Charge
+	endFlight func()
+}
+
+// release gives back what the attempt holds, for a response that did not
+// complete. Safe to call twice.
+func (a *attempt) release() {
+	a.endFlight()
+	a.sh.fleet.Release(a.charge, time.Now())
 }
 
 // explain logs the decision at debug level and, when enabled, sets the
@@ -618,23 +584,18 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
-	metricDecisions.WithLabelValues("fallback").Inc()
+	p.sh.metrics.decisions.WithLabelValues("fallback").Inc()
 	if p.fallback != nil {
 		return p.fallback.Select(pool, r, w)
 	}
 	// Least queued work, then fewest requests, then random.
-	state.mu.Lock()
-	defer state.mu.Unlock()
 	var best *reverseproxy.Upstream
 	bestWork, ties := math.MaxInt, 0
 	for _, u := range pool {
 		if !u.Available() {
 			continue
 		}
-		work := u.NumRequests()
-		if us := state.upstreams[u.Dial]; us != nil {
-			work += us.queuedPrefill + us.queuedDecode
-		}
+		work := u.NumRequests() + p.sh.fleet.QueuedTokens(u.Dial)
 		switch {
 		case work < bestWork:
 			best, bestWork, ties = u, work, 1
@@ -654,9 +615,27 @@ func requestStateOf(r *http.Request) *requestState {
 	return st
 }
 
+// lockedRand is a random source safe for concurrent Selects.
+type lockedRand struct {
+	mu sync.Mutex
+	r  *rand.Rand
+}
+
+func newLockedRand() *lockedRand {
+	return &lockedRand{r: rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))}
+}
+
+// IntN returns a random int in [0, n).
+func (l *lockedRand) IntN(n int) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.r.IntN(n)
+}
+
 // Interface guards
 var (
 	_ caddy.Provisioner     = (*Policy)(nil)
+	_ caddy.CleanerUpper    = (*Policy)(nil)
 	_ caddy.Validator       = (*Policy)(nil)
 	_ reverseproxy.Selector = (*Policy)(nil)
 )

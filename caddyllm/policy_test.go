@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -14,21 +15,22 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // testPolicy is a policy set up as Provision would, without a Caddy
-// context.
-func testPolicy(logger *zap.Logger) *Policy {
-	p := &Policy{
-		OutputEstimate: OutputAverage, OutputTokens: 100, QueueTimeout: caddy.Duration(0),
-		ShedStatus: 503, MaxLoras: 4, ExplainHeader: true,
-	}
-	p.opts = scorer.Options{Strategy: scorer.TTFT}
-	p.adapters = map[string]bool{}
-	p.rng = newLockedRand()
+// context, with routing state of its own.
+func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
+	p := &Policy{QueueTimeout: caddy.Duration(0), ShedStatus: 503, ExplainHeader: true}
+	p.opts = router.Options{Scorer: scorer.Options{Strategy: scorer.TTFT}, OutputTokens: 100}.WithDefaults()
+	p.rng, p.scratch = newLockedRand(), newScratchPool()
 	p.logger = logger
+	p.sh = newShared()
+	p.site = p.sh.addSite(defaultDrainDeadline, nil)
+	tb.Cleanup(func() { p.sh.Destruct() })
 	return p
 }
 
@@ -46,7 +48,11 @@ func selectFor(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body str
 	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
 	w := httptest.NewRecorder()
 	up := p.Select(pool, r, w)
-	t.Cleanup(func() { state.release(st.current) })
+	t.Cleanup(func() {
+		if st.current != nil {
+			st.current.release()
+		}
+	})
 	return up, w
 }
 
@@ -55,13 +61,12 @@ func selectFor(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body str
 // the prompt.
 func TestDebugLogExplainsWithoutPromptText(t *testing.T) {
 	core, logs := observer.New(zapcore.DebugLevel)
-	p := testPolicy(zap.New(core))
+	p := testPolicy(t, zap.New(core))
 	pool := reverseproxy.UpstreamPool{
 		{Host: new(reverseproxy.Host), Dial: "debuglog-a:1"},
 		{Host: new(reverseproxy.Host), Dial: "debuglog-b:1"},
 	}
-	drains.Drain("debuglog-b:1", 0, "test")
-	defer drains.Undrain("debuglog-b:1", "test")
+	p.sh.drains.Drain("debuglog-b:1", 0, drain.Admin)
 	secret := strings.Repeat("the secret prompt ", 100)
 	body, _ := json.Marshal(map[string]any{"model": "m", "messages": []map[string]string{{"role": "user", "content": secret}}})
 	up, w := selectFor(t, p, pool, string(body))
@@ -94,7 +99,7 @@ func TestDebugLogExplainsWithoutPromptText(t *testing.T) {
 // TestRetryAvoidsTriedUpstream: a second Select for the same request
 // releases the first attempt's charge and picks another upstream.
 func TestRetryAvoidsTriedUpstream(t *testing.T) {
-	p := testPolicy(zap.NewNop())
+	p := testPolicy(t, zap.NewNop())
 	pool := reverseproxy.UpstreamPool{
 		{Host: new(reverseproxy.Host), Dial: "retry-a:1"},
 		{Host: new(reverseproxy.Host), Dial: "retry-b:1"},
@@ -109,21 +114,21 @@ func TestRetryAvoidsTriedUpstream(t *testing.T) {
 	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
 	first := p.Select(pool, r, httptest.NewRecorder())
 	second := p.Select(pool, r, httptest.NewRecorder())
-	defer state.release(st.current)
+	defer st.current.release()
 	if first == nil || second == nil || first.Dial == second.Dial {
 		t.Fatalf("first %v second %v", first, second)
 	}
-	state.mu.Lock()
-	defer state.mu.Unlock()
-	if u := state.upstreams[first.Dial]; u.inFlight != 0 || u.queuedPrefill != 0 || u.kvTokens != 0 {
-		t.Fatalf("the first attempt's charge was not released: %+v", u)
+	for _, u := range p.sh.fleet.Snapshot(time.Now()) {
+		if u.Dial == first.Dial && (u.InFlight != 0 || u.QueuedPrefillTokens != 0 || u.KVTokensInFlight != 0) {
+			t.Fatalf("the first attempt's charge was not released: %+v", u)
+		}
 	}
 }
 
 // BenchmarkSelect is one decision with charge and release, as a request
 // sees it, across 4 upstreams.
 func BenchmarkSelect(b *testing.B) {
-	p := testPolicy(zap.NewNop())
+	p := testPolicy(b, zap.NewNop())
 	p.ExplainHeader = false
 	pool := reverseproxy.UpstreamPool{
 		{Host: new(reverseproxy.Host), Dial: "bench-a:1"}, {Host: new(reverseproxy.Host), Dial: "bench-b:1"},
@@ -141,6 +146,6 @@ func BenchmarkSelect(b *testing.B) {
 		caddyhttp.SetVar(ctx, varKey, st)
 		r := httptest.NewRequest("POST", "/v1/completions", nil).WithContext(ctx)
 		p.Select(pool, r, w)
-		state.release(st.current)
+		st.current.release()
 	}
 }

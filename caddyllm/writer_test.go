@@ -5,16 +5,19 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 func TestTokenRecorderCountsSSE(t *testing.T) {
 	st := &requestState{req: &Request{Model: "m"}}
-	f := state
-	f.mu.Lock()
-	u := f.upstream("writer-test:1", time.Now())
-	st.current = f.charge(u, 500, 10, 510, time.Now())
-	f.mu.Unlock()
-	defer f.release(st.current)
+	sh := newShared()
+	defer sh.Destruct()
+	opts := router.Options{OutputEstimate: router.OutputFixed, OutputTokens: 10}.WithDefaults()
+	d := sh.fleet.Decide(time.Now(), router.Request{PromptTokens: 500, Model: "m"},
+		[]router.Member{{Dial: "w:1", Available: true}}, &opts, newLockedRand(), nil)
+	st.current = &attempt{sh: sh, charge: d.Charge, endFlight: func() {}}
+	defer st.current.release()
 
 	w := httptest.NewRecorder()
 	rec := newTokenRecorder(w, st)
@@ -35,10 +38,8 @@ func TestTokenRecorderCountsSSE(t *testing.T) {
 	if rec.tokens != 3 || !rec.complete() || rec.completionTokens() != 3 || rec.cachedTokens() != 1500 {
 		t.Fatalf("events %d complete %v tokens %d cached %d", rec.tokens, rec.complete(), rec.completionTokens(), rec.cachedTokens())
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if u.queuedPrefill != 0 || u.queuedDecode != 7 {
-		t.Fatalf("after 3 tokens: prefill %d decode %d, want 0 and 7", u.queuedPrefill, u.queuedDecode)
+	if u := sh.fleet.Snapshot(time.Now())[0]; u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 7 {
+		t.Fatalf("after 3 tokens: prefill %d decode %d, want 0 and 7", u.QueuedPrefillTokens, u.QueuedDecodeTokens)
 	}
 }
 

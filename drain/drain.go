@@ -4,6 +4,13 @@
 // with a cancel function, so that at the deadline whatever is left can be
 // cut and moved elsewhere by the caller. It knows nothing of HTTP or
 // Caddy; upstreams are keyed by dial address.
+//
+// An upstream drains while anything holds it: an operator (admin), a
+// loaded configuration that lists it under drain, or a site whose health
+// checks find it down. Each hold names its owner, and each owner lifts
+// only its own holds, so two sites sharing an upstream never lift each
+// other's drains, and their health verdicts cannot make it flap. An
+// admin undrain lifts every hold.
 package drain
 
 import (
@@ -35,8 +42,7 @@ func (p Phase) String() string {
 	return "active"
 }
 
-// Cause says who started a drain; an undrain by health or config only
-// lifts a drain it started.
+// Cause says what kind of hold keeps an upstream draining.
 type Cause string
 
 // Causes.
@@ -46,10 +52,21 @@ const (
 	ByHealth Cause = "health"
 )
 
+// Hold is one reason an upstream drains: its cause and its owner (the
+// site, for config and health holds; empty for the admin).
+type Hold struct {
+	Cause Cause
+	Owner string
+}
+
+// Admin is the operator's hold.
+var Admin = Hold{Cause: ByAdmin}
+
 // Status is a snapshot of one upstream's drain state.
 type Status struct {
-	Key      string    `json:"dial"`
-	Phase    string    `json:"phase"`
+	Key   string `json:"dial"`
+	Phase string `json:"phase"`
+	// Cause lists the causes of the holds, sorted and comma-separated.
 	Cause    Cause     `json:"cause,omitempty"`
 	Deadline time.Time `json:"deadline,omitzero"`
 	InFlight int       `json:"in_flight"`
@@ -57,7 +74,9 @@ type Status struct {
 	CutAtDeadline int `json:"cut_at_deadline"`
 }
 
-// Events receives lifecycle notices, for logs and metrics. Any may be nil.
+// Events receives lifecycle notices, for logs and metrics, in the order
+// the transitions happened, on the goroutine that caused them and without
+// the registry's lock held (they must not block for long). Any may be nil.
 type Events struct {
 	// Draining is called when an active upstream starts draining.
 	Draining func(key string, cause Cause, deadline time.Duration)
@@ -78,11 +97,16 @@ type Registry struct {
 	nextID    uint64
 	events    Events
 	now       func() time.Time
+
+	// delivering is taken before mu is released and held while events
+	// are delivered, so they arrive in the order of the transitions.
+	delivering sync.Mutex
+	pending    []func()
 }
 
 type upstream struct {
 	phase    Phase
-	cause    Cause
+	holds    []Hold
 	deadline time.Time
 	timer    *time.Timer
 	flights  map[uint64]func()
@@ -94,6 +118,28 @@ func New(events Events) *Registry {
 	return &Registry{upstreams: make(map[string]*upstream), events: events, now: time.Now}
 }
 
+// lock takes the registry's lock; unlock releases it and delivers the
+// events queued meanwhile, in order.
+func (r *Registry) lock() { r.mu.Lock() }
+
+func (r *Registry) unlock() {
+	if len(r.pending) == 0 {
+		r.mu.Unlock()
+		return
+	}
+	events := r.pending
+	r.pending = nil
+	r.delivering.Lock()
+	r.mu.Unlock()
+	defer r.delivering.Unlock()
+	for _, e := range events {
+		e()
+	}
+}
+
+// emit queues an event for delivery at unlock. Caller holds r.mu.
+func (r *Registry) emit(e func()) { r.pending = append(r.pending, e) }
+
 func (r *Registry) get(key string) *upstream {
 	u := r.upstreams[key]
 	if u == nil {
@@ -103,25 +149,28 @@ func (r *Registry) get(key string) *upstream {
 	return u
 }
 
-// Drain closes key to new work; requests in flight there are cut at now +
-// deadline (a deadline of 0 or less cuts them at once). Draining an
-// upstream that is already draining keeps the earlier deadline if it
-// comes first.
-func (r *Registry) Drain(key string, deadline time.Duration, cause Cause) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+// Drain adds hold to key, closing it to new work; requests in flight there
+// are cut at now + deadline (a deadline of 0 or less cuts them at once).
+// An upstream already draining keeps the earlier deadline.
+func (r *Registry) Drain(key string, deadline time.Duration, hold Hold) {
+	r.lock()
+	defer r.unlock()
 	u := r.get(key)
+	if !slices.Contains(u.holds, hold) {
+		u.holds = append(u.holds, hold)
+	}
 	at := r.now().Add(max(0, deadline))
-	if u.phase != Active && !u.deadline.IsZero() && u.deadline.Before(at) {
+	if u.phase != Active && !u.deadline.IsZero() && !at.Before(u.deadline) {
 		return
 	}
 	if u.phase == Active {
 		u.cut = 0
-		if r.events.Draining != nil {
-			go r.events.Draining(key, cause, deadline)
+		if e := r.events.Draining; e != nil {
+			r.emit(func() { e(key, hold.Cause, deadline) })
 		}
+		u.phase = Draining
 	}
-	u.phase, u.cause, u.deadline = Draining, cause, at
+	u.deadline = at
 	if u.timer != nil {
 		u.timer.Stop()
 	}
@@ -129,43 +178,104 @@ func (r *Registry) Drain(key string, deadline time.Duration, cause Cause) {
 	r.settle(key, u)
 }
 
-// Undrain returns key to active. An admin undrain lifts any drain; health
-// and config only lift the drains they started. It reports whether the
-// upstream is now active.
-func (r *Registry) Undrain(key string, cause Cause) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+// Undrain lifts hold from key; the admin's hold lifts every hold. It
+// reports whether the upstream is now active.
+func (r *Registry) Undrain(key string, hold Hold) bool {
+	r.lock()
+	defer r.unlock()
 	u := r.upstreams[key]
 	if u == nil || u.phase == Active {
 		return true
 	}
-	if cause != ByAdmin && u.cause != cause {
-		return false
+	if hold.Cause == ByAdmin {
+		u.holds = u.holds[:0]
+	} else {
+		u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool { return h == hold })
+	}
+	r.activateIfFree(key, u, hold.Cause)
+	return u.phase == Active
+}
+
+// Held reports whether hold is among key's holds.
+func (r *Registry) Held(key string, hold Hold) bool {
+	r.lock()
+	defer r.unlock()
+	u := r.upstreams[key]
+	return u != nil && slices.Contains(u.holds, hold)
+}
+
+// ReleaseOwner lifts every hold owner has on any upstream (its site was
+// unloaded).
+func (r *Registry) ReleaseOwner(owner string) {
+	r.lock()
+	defer r.unlock()
+	for key, u := range r.upstreams {
+		var lifted Cause
+		u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool {
+			mine := h.Owner == owner && h.Cause != ByAdmin
+			if mine {
+				lifted = h.Cause
+			}
+			return mine
+		})
+		if lifted != "" {
+			r.activateIfFree(key, u, lifted)
+		}
+	}
+}
+
+// Forget lifts every hold on key, the admin's too: no configuration lists
+// the upstream any more. Requests in flight there are still tracked.
+func (r *Registry) Forget(key string) {
+	r.lock()
+	defer r.unlock()
+	if u := r.upstreams[key]; u != nil {
+		u.holds = u.holds[:0]
+		r.activateIfFree(key, u, "removed")
+	}
+}
+
+// activateIfFree returns a draining upstream without holds to active.
+// Caller holds r.mu.
+func (r *Registry) activateIfFree(key string, u *upstream, cause Cause) {
+	if len(u.holds) > 0 || u.phase == Active {
+		return
 	}
 	if u.timer != nil {
 		u.timer.Stop()
 		u.timer = nil
 	}
-	u.phase, u.cause, u.deadline = Active, "", time.Time{}
+	u.phase, u.deadline = Active, time.Time{}
 	r.prune(key, u)
-	if r.events.Undrained != nil {
-		go r.events.Undrained(key, cause)
+	if e := r.events.Undrained; e != nil {
+		r.emit(func() { e(key, cause) })
 	}
-	return true
+}
+
+// cause lists u's hold causes, sorted and comma-separated.
+func (u *upstream) cause() Cause {
+	causes := make([]string, 0, len(u.holds))
+	for _, h := range u.holds {
+		if !slices.Contains(causes, string(h.Cause)) {
+			causes = append(causes, string(h.Cause))
+		}
+	}
+	slices.Sort(causes)
+	return Cause(strings.Join(causes, ","))
 }
 
 // IsDraining reports whether key takes no new work (draining or drained).
 func (r *Registry) IsDraining(key string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.lock()
+	defer r.unlock()
 	u := r.upstreams[key]
 	return u != nil && u.phase != Active
 }
 
 // Phase returns key's phase.
 func (r *Registry) Phase(key string) Phase {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.lock()
+	defer r.unlock()
 	if u := r.upstreams[key]; u != nil {
 		return u.phase
 	}
@@ -176,8 +286,8 @@ func (r *Registry) Phase(key string) Phase {
 // it; call the returned end function when the request finishes there
 // (also after it was cut). cut runs without the registry's lock held.
 func (r *Registry) Begin(key string, cut func()) (end func()) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.lock()
+	defer r.unlock()
 	u := r.get(key)
 	r.nextID++
 	id := r.nextID
@@ -185,8 +295,8 @@ func (r *Registry) Begin(key string, cut func()) (end func()) {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			r.mu.Lock()
-			defer r.mu.Unlock()
+			r.lock()
+			defer r.unlock()
 			delete(u.flights, id)
 			r.settle(key, u)
 			r.prune(key, u)
@@ -196,10 +306,10 @@ func (r *Registry) Begin(key string, cut func()) (end func()) {
 
 // expire runs at a drain's deadline and cuts what is left.
 func (r *Registry) expire(key string, at time.Time) {
-	r.mu.Lock()
+	r.lock()
 	u := r.upstreams[key]
 	if u == nil || u.phase != Draining || !u.deadline.Equal(at) {
-		r.mu.Unlock()
+		r.unlock()
 		return
 	}
 	cuts := make([]func(), 0, len(u.flights))
@@ -207,10 +317,10 @@ func (r *Registry) expire(key string, at time.Time) {
 		cuts = append(cuts, c)
 	}
 	u.cut += len(cuts)
-	r.mu.Unlock()
-	if len(cuts) > 0 && r.events.DeadlineCut != nil {
-		r.events.DeadlineCut(key, len(cuts))
+	if e := r.events.DeadlineCut; e != nil && len(cuts) > 0 {
+		r.emit(func() { e(key, len(cuts)) })
 	}
+	r.unlock()
 	for _, c := range cuts {
 		c()
 	}
@@ -221,8 +331,8 @@ func (r *Registry) expire(key string, at time.Time) {
 func (r *Registry) settle(key string, u *upstream) {
 	if u.phase == Draining && len(u.flights) == 0 {
 		u.phase = Drained
-		if r.events.Drained != nil {
-			go r.events.Drained(key)
+		if e := r.events.Drained; e != nil {
+			r.emit(func() { e(key) })
 		}
 	}
 }
@@ -238,11 +348,11 @@ func (r *Registry) prune(key string, u *upstream) {
 // Snapshot lists the upstreams that are draining, drained, or have
 // requests registered, sorted by key.
 func (r *Registry) Snapshot() []Status {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.lock()
+	defer r.unlock()
 	out := make([]Status, 0, len(r.upstreams))
 	for k, u := range r.upstreams {
-		s := Status{Key: k, Phase: u.phase.String(), Cause: u.cause, InFlight: len(u.flights), CutAtDeadline: u.cut}
+		s := Status{Key: k, Phase: u.phase.String(), Cause: u.cause(), InFlight: len(u.flights), CutAtDeadline: u.cut}
 		if u.phase != Active {
 			s.Deadline = u.deadline
 		}

@@ -16,7 +16,7 @@ func TestLifecycle(t *testing.T) {
 	}
 	end1 := r.Begin("a", func() {})
 	end2 := r.Begin("a", func() {})
-	r.Drain("a", time.Hour, ByAdmin)
+	r.Drain("a", time.Hour, Admin)
 	if !r.IsDraining("a") || r.Phase("a") != Draining {
 		t.Fatal("not draining")
 	}
@@ -36,7 +36,7 @@ func TestLifecycle(t *testing.T) {
 	if drained.Load() != 1 {
 		t.Fatal("Drained event not delivered")
 	}
-	if !r.Undrain("a", ByAdmin) || r.IsDraining("a") {
+	if !r.Undrain("a", Admin) || r.IsDraining("a") {
 		t.Fatal("undrain failed")
 	}
 }
@@ -51,7 +51,7 @@ func TestDeadlineCutsWhatIsLeft(t *testing.T) {
 		ends = append(ends, r.Begin("a", cut.Done))
 	}
 	other := r.Begin("b", func() { t.Error("cut a request on another upstream") })
-	r.Drain("a", 20*time.Millisecond, ByAdmin)
+	r.Drain("a", 20*time.Millisecond, Admin)
 	done := make(chan struct{})
 	go func() { cut.Wait(); close(done) }()
 	select {
@@ -74,75 +74,151 @@ func TestDeadlineCutsWhatIsLeft(t *testing.T) {
 func TestUndrainBeforeDeadlineCutsNothing(t *testing.T) {
 	r := New(Events{})
 	end := r.Begin("a", func() { t.Error("cut after undrain") })
-	r.Drain("a", 30*time.Millisecond, ByConfig)
-	r.Undrain("a", ByAdmin)
-	time.Sleep(60 * time.Millisecond)
+	r.Drain("a", 30*time.Millisecond, Hold{Cause: ByConfig, Owner: "site-a"})
+	r.Undrain("a", Admin)
+	// The deadline's timer was stopped: expire finds nothing to cut even
+	// when called for that deadline.
+	r.expire("a", time.Now())
 	end()
 }
 
-func TestCausesOnlyLiftTheirOwnDrains(t *testing.T) {
+var (
+	healthA = Hold{Cause: ByHealth, Owner: "site-a"}
+	healthB = Hold{Cause: ByHealth, Owner: "site-b"}
+	configA = Hold{Cause: ByConfig, Owner: "site-a"}
+	configB = Hold{Cause: ByConfig, Owner: "site-b"}
+)
+
+func TestOwnersOnlyLiftTheirOwnHolds(t *testing.T) {
 	r := New(Events{})
-	r.Drain("a", time.Hour, ByAdmin)
-	if r.Undrain("a", ByHealth) || !r.IsDraining("a") {
+	r.Drain("a", time.Hour, Admin)
+	if r.Undrain("a", healthA) || !r.IsDraining("a") {
 		t.Fatal("health lifted an admin drain")
 	}
-	r.Drain("b", time.Hour, ByHealth)
-	if r.Undrain("b", ByConfig) || !r.Undrain("b", ByHealth) || r.IsDraining("b") {
-		t.Fatal("health's drain not lifted by health alone")
+	r.Drain("b", time.Hour, healthA)
+	if r.Undrain("b", configA) || r.Undrain("b", healthB) || !r.IsDraining("b") {
+		t.Fatal("another cause or another site lifted site a's health drain")
+	}
+	if !r.Undrain("b", healthA) || r.IsDraining("b") {
+		t.Fatal("site a's health drain not lifted by site a")
+	}
+	// Two sites hold: the upstream drains until both let go.
+	r.Drain("c", time.Hour, configA)
+	r.Drain("c", time.Hour, healthB)
+	if r.Undrain("c", configA) || !r.IsDraining("c") {
+		t.Fatal("site b's hold was lifted with site a's")
+	}
+	if s := r.Snapshot(); s[len(s)-1].Cause != ByHealth {
+		t.Fatalf("causes %q after site a let go", s[len(s)-1].Cause)
+	}
+	if !r.Held("c", healthB) || r.Held("c", configA) {
+		t.Fatal("Held disagrees with the holds")
+	}
+	r.ReleaseOwner("site-b")
+	if r.IsDraining("c") {
+		t.Fatal("ReleaseOwner left site b's hold")
+	}
+	// ReleaseOwner never lifts the admin's hold; Forget lifts all.
+	r.Drain("d", time.Hour, Admin)
+	r.Drain("d", time.Hour, configA)
+	r.ReleaseOwner("site-a")
+	if !r.IsDraining("d") {
+		t.Fatal("ReleaseOwner lifted the admin's hold")
+	}
+	r.Forget("d")
+	if r.IsDraining("d") || slices.ContainsFunc(r.Snapshot(), func(s Status) bool { return s.Key == "d" }) {
+		t.Fatalf("Forget left %+v", r.Snapshot())
+	}
+}
+
+// TestHealthVerdictsDoNotFlap: site a finds the upstream down, site b
+// finds it up; b's watcher undrains with its own hold on every poll and
+// the upstream stays draining, with one transition.
+func TestHealthVerdictsDoNotFlap(t *testing.T) {
+	var transitions int
+	r := New(Events{
+		Draining:  func(string, Cause, time.Duration) { transitions++ },
+		Undrained: func(string, Cause) { transitions++ },
+	})
+	for range 10 {
+		if !r.Held("x", healthA) {
+			r.Drain("x", time.Hour, healthA)
+		}
+		r.Undrain("x", healthB)
+	}
+	if !r.IsDraining("x") || transitions != 1 {
+		t.Fatalf("draining %v after %d transitions", r.IsDraining("x"), transitions)
 	}
 }
 
 func TestEarlierDeadlineWins(t *testing.T) {
 	r := New(Events{})
 	r.Begin("a", func() {})
-	r.Drain("a", 10*time.Millisecond, ByAdmin)
-	r.Drain("a", time.Hour, ByHealth)
+	r.Drain("a", 10*time.Millisecond, Admin)
+	r.Drain("a", time.Hour, healthA)
 	s := r.Snapshot()[0]
-	if time.Until(s.Deadline) > time.Second || s.Cause != ByAdmin {
+	if time.Until(s.Deadline) > time.Second || s.Cause != "admin,health" {
 		t.Fatalf("later drain replaced an earlier deadline: %+v", s)
 	}
 }
 
 // TestTransitionEvents: Draining and Undrained fire on real changes of
-// phase only, whatever asked for them.
+// phase only, whatever asked for them, in order, before the call returns.
 func TestTransitionEvents(t *testing.T) {
-	var mu sync.Mutex
 	var got []string
 	r := New(Events{
 		Draining: func(key string, cause Cause, _ time.Duration) {
-			mu.Lock()
 			got = append(got, "draining "+key+" "+string(cause))
-			mu.Unlock()
 		},
 		Undrained: func(key string, cause Cause) {
-			mu.Lock()
 			got = append(got, "undrained "+key+" "+string(cause))
-			mu.Unlock()
 		},
+		Drained: func(key string) { got = append(got, "drained "+key) },
 	})
-	r.Undrain("a", ByAdmin) // already active
-	r.Drain("a", time.Hour, ByConfig)
-	r.Drain("a", time.Minute, ByAdmin) // already draining: no event
-	r.Undrain("a", ByHealth)           // not health's drain: stays
-	r.Undrain("a", ByAdmin)
-	r.Undrain("a", ByAdmin) // already active
-	want := []string{"draining a config", "undrained a admin"}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		mu.Lock()
-		n := len(got)
-		mu.Unlock()
-		if n >= len(want) || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(20 * time.Millisecond) // let any stray event arrive
-	mu.Lock()
-	defer mu.Unlock()
-	slices.Sort(got)
-	slices.Sort(want)
+	r.Undrain("a", Admin) // already active
+	r.Drain("a", time.Hour, configA)
+	r.Drain("a", time.Minute, Admin) // already draining: no event
+	r.Undrain("a", healthA)          // not this hold: stays
+	r.Undrain("a", Admin)
+	r.Undrain("a", Admin) // already active
+	end := r.Begin("b", func() {})
+	r.Drain("b", time.Hour, configB)
+	end()
+	r.ReleaseOwner("site-b")
+	want := []string{"draining a config", "drained a", "undrained a admin",
+		"draining b config", "drained b", "undrained b config"}
 	if !slices.Equal(got, want) {
 		t.Fatalf("events %q, want %q", got, want)
+	}
+}
+
+// TestEventsInOrderAcrossGoroutines: concurrent drains and undrains of
+// one upstream deliver alternating events, never two of a kind in a row.
+func TestEventsInOrderAcrossGoroutines(t *testing.T) {
+	var mu sync.Mutex
+	var got []string
+	record := func(s string) {
+		mu.Lock()
+		got = append(got, s)
+		mu.Unlock()
+	}
+	r := New(Events{
+		Draining:  func(string, Cause, time.Duration) { record("draining") },
+		Undrained: func(string, Cause) { record("undrained") },
+	})
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for range 200 {
+				r.Drain("a", time.Hour, Admin)
+				r.Undrain("a", Admin)
+			}
+		})
+	}
+	wg.Wait()
+	for i := 1; i < len(got); i++ {
+		if got[i] == got[i-1] {
+			t.Fatalf("event %d repeats %q: delivered out of order", i, got[i])
+		}
 	}
 }

@@ -147,7 +147,12 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 	return d
 }
 
-// filter applies the hard filters in order of how fundamental they are.
+// Filter says whether Choose would consider c for req (NotFiltered) or
+// why it would not: the hard filters in order of how fundamental they are.
+func Filter(req Request, c *Candidate, opts Options) FilterReason {
+	return filter(&req, c, opts.KVMarginTokens)
+}
+
 func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	if c.Models != nil && !servesModel(c.Models, req) {
 		return FilteredModel

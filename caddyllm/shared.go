@@ -1,0 +1,233 @@
+package caddyllm
+
+import (
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+// pool holds the state every loaded llm_affinity policy shares, the way
+// Caddy's reverse proxy shares its hosts: reference-counted, created by the
+// first Provision and destroyed by the last Cleanup. Caddy provisions a new
+// config before it cleans up the old one, so the state survives reloads.
+//
+// It holds the shared host (sharedKey) and one entry per upstream that a
+// loaded config names (namedKey): when the last config naming an upstream
+// is unloaded, its routing and drain state go.
+var pool = caddy.NewUsagePool()
+
+// sharedKey is the pool key of the shared host.
+const sharedKey = "llm_affinity"
+
+// namedKey is the pool key of an upstream named by a loaded config.
+type namedKey string
+
+// idleExpiry is how long an upstream no config names (a dynamic one) keeps
+// its state once idle.
+const idleExpiry = time.Hour
+
+// shared is the routing state of the process: the fleet (by dial address),
+// the drain registry, the metrics, the live scrapers and the loaded sites.
+type shared struct {
+	fleet   *router.Fleet
+	drains  *drain.Registry
+	metrics *metrics
+	logger  *zap.Logger
+	stop    chan struct{}
+
+	mu       sync.Mutex
+	sites    map[string]*site
+	scrapers map[*scrape.Scraper]bool
+	nextSite uint64
+}
+
+// site is one provisioned policy: the owner of its config and health
+// drains, and the upstreams it names.
+type site struct {
+	drainDeadline time.Duration
+	dials         []string
+}
+
+// acquireShared returns the shared host, creating it; each call must be
+// matched by a releaseShared.
+func acquireShared() *shared {
+	v, _, _ := pool.LoadOrNew(sharedKey, func() (caddy.Destructor, error) { return newShared(), nil })
+	return v.(*shared)
+}
+
+func releaseShared() { pool.Delete(sharedKey) }
+
+// lookupShared returns the shared host if any policy is loaded, for the
+// admin API (whose modules Caddy never cleans up, so they hold no
+// reference).
+func lookupShared() *shared {
+	var sh *shared
+	pool.Range(func(k, v any) bool {
+		if k == sharedKey {
+			sh = v.(*shared)
+			return false
+		}
+		return true
+	})
+	return sh
+}
+
+func newShared() *shared {
+	sh := &shared{
+		fleet:    router.New(),
+		logger:   caddy.Log().Named("llm_affinity"),
+		stop:     make(chan struct{}),
+		sites:    make(map[string]*site),
+		scrapers: make(map[*scrape.Scraper]bool),
+	}
+	sh.metrics = newMetrics(sh)
+	sh.drains = drain.New(sh.drainEvents())
+	go sh.janitor()
+	return sh
+}
+
+// Destruct stops the janitor; the last policy is gone.
+func (sh *shared) Destruct() error {
+	close(sh.stop)
+	return nil
+}
+
+// janitor forgets idle dynamic upstreams until the host is destroyed.
+func (sh *shared) janitor() {
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-sh.stop:
+			return
+		case now := <-t.C:
+			sh.fleet.Expire(now.Add(-idleExpiry))
+		}
+	}
+}
+
+// addSite registers a provisioned policy naming dials and returns its
+// owner name.
+func (sh *shared) addSite(drainDeadline time.Duration, dials []string) string {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.nextSite++
+	owner := "site-" + strconv.FormatUint(sh.nextSite, 10)
+	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials}
+	return owner
+}
+
+func (sh *shared) removeSite(owner string) {
+	sh.mu.Lock()
+	delete(sh.sites, owner)
+	sh.mu.Unlock()
+	sh.drains.ReleaseOwner(owner)
+}
+
+// adminDrainDeadline is the deadline of an admin drain of dial that gives
+// none: the longest drain_deadline of the sites naming dial (or of all
+// sites, when none names it), so no site's requests are cut sooner than
+// its config allows.
+func (sh *shared) adminDrainDeadline(dial string) time.Duration {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	var naming, any time.Duration
+	for _, s := range sh.sites {
+		any = max(any, s.drainDeadline)
+		if slices.Contains(s.dials, dial) {
+			naming = max(naming, s.drainDeadline)
+		}
+	}
+	switch {
+	case naming > 0:
+		return naming
+	case any > 0:
+		return any
+	}
+	return defaultDrainDeadline
+}
+
+// nameUpstreams takes a reference on each of dials for a config naming
+// them; releaseUpstreams gives them back.
+func (sh *shared) nameUpstreams(dials []string) {
+	now := time.Now()
+	for _, d := range dials {
+		pool.LoadOrNew(namedKey(d), func() (caddy.Destructor, error) { return &namedUpstream{dial: d, sh: sh}, nil })
+		sh.fleet.Name(d, now)
+	}
+}
+
+func releaseUpstreams(dials []string) {
+	for _, d := range dials {
+		pool.Delete(namedKey(d))
+	}
+}
+
+// namedUpstream is the pool entry of an upstream a loaded config names.
+type namedUpstream struct {
+	dial string
+	sh   *shared
+}
+
+// Destruct forgets the upstream: the last config naming it is unloaded.
+// Its routing state goes once nothing is in flight there, and every
+// drain on it is lifted (nothing can route to it any more).
+func (n *namedUpstream) Destruct() error {
+	n.sh.fleet.Forget(n.dial)
+	n.sh.drains.Forget(n.dial)
+	return nil
+}
+
+func (sh *shared) addScraper(s *scrape.Scraper) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.scrapers[s] = true
+}
+
+func (sh *shared) removeScraper(s *scrape.Scraper) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	delete(sh.scrapers, s)
+}
+
+// liveScrapers lists the scrapers of the loaded configs.
+func (sh *shared) liveScrapers() []*scrape.Scraper {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	out := make([]*scrape.Scraper, 0, len(sh.scrapers))
+	for s := range sh.scrapers {
+		out = append(out, s)
+	}
+	return out
+}
+
+// drainEvents logs and counts drain transitions.
+func (sh *shared) drainEvents() drain.Events {
+	logger := sh.logger.Named("drain")
+	return drain.Events{
+		Draining: func(dial string, cause drain.Cause, deadline time.Duration) {
+			sh.metrics.drainTransitions.WithLabelValues("draining").Inc()
+			logger.Info("upstream draining", zap.String("upstream", dial),
+				zap.String("cause", string(cause)), zap.Duration("deadline", deadline))
+		},
+		Undrained: func(dial string, cause drain.Cause) {
+			sh.metrics.drainTransitions.WithLabelValues("undrained").Inc()
+			logger.Info("upstream undrained", zap.String("upstream", dial), zap.String("cause", string(cause)))
+		},
+		Drained: func(dial string) {
+			sh.metrics.drainTransitions.WithLabelValues("drained").Inc()
+			logger.Info("upstream drained", zap.String("upstream", dial))
+		},
+		DeadlineCut: func(dial string, n int) {
+			logger.Info("drain deadline passed; moving requests", zap.String("upstream", dial), zap.Int("requests", n))
+		},
+	}
+}

@@ -1,0 +1,105 @@
+package router
+
+import "time"
+
+// Charge is the work one routed request put on its upstream, from the
+// decision until Complete or Release. Its methods are not safe for
+// concurrent use on the same Charge; the fleet's are.
+type Charge struct {
+	up   *upstream
+	dial string
+	// Estimate is the ttft estimate made at the decision, in seconds.
+	Estimate float64
+	prefill  int // uncached prompt tokens still charged
+	decode   int // expected output tokens still charged
+	kv       int
+	// Started is when the request was charged, FirstToken when its first
+	// output token came back (zero until then).
+	Started    time.Time
+	FirstToken time.Time
+	// Tokens counts the output tokens reported by Progress.
+	Tokens int
+}
+
+// Dial is the upstream the charge is on.
+func (c *Charge) Dial() string { return c.dial }
+
+// charge records a new request on u. Caller holds f.mu.
+func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Charge {
+	u.queuedPrefill += prefill
+	u.queuedDecode += decode
+	u.kvTokens += kv
+	u.inFlight++
+	u.lastUsed = now
+	f.meanPrompt.add(float64(prefill))
+	u.charged.Requests++
+	u.charged.KVTokens += uint64(max(0, kv))
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now}
+}
+
+// Progress records n more output tokens of c's response at now: the first
+// one ends the prefill charge, each one lowers the decode charge.
+func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if c.up == nil || n <= 0 {
+		return
+	}
+	u := c.up
+	if c.FirstToken.IsZero() {
+		c.FirstToken = now
+		u.lastTTFT = now.Sub(c.Started)
+		u.queuedPrefill -= c.prefill
+		c.prefill = 0
+	}
+	c.Tokens += n
+	d := min(n, c.decode)
+	u.queuedDecode -= d
+	c.decode -= d
+}
+
+// Complete ends c after a response of model that generated outputTokens,
+// which the output estimate learns, and releases what c still holds.
+func (f *Fleet) Complete(c *Charge, model string, outputTokens int, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	m := f.outputs[model]
+	if m == nil {
+		m = &runningMean{}
+		f.outputs[model] = m
+	}
+	m.add(float64(outputTokens))
+	if c.up != nil {
+		c.up.completed++
+	}
+	f.release(c, now)
+}
+
+// Release returns what c still holds, for a response that failed or was
+// abandoned (nothing is learned). Releasing twice does nothing.
+func (f *Fleet) Release(c *Charge, now time.Time) {
+	if c == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.release(c, now)
+}
+
+// release is Release; caller holds f.mu.
+func (f *Fleet) release(c *Charge, now time.Time) {
+	u := c.up
+	if u == nil {
+		return
+	}
+	u.queuedPrefill -= c.prefill
+	u.queuedDecode -= c.decode
+	u.kvTokens -= c.kv
+	u.inFlight--
+	u.lastUsed = now
+	c.up, c.prefill, c.decode, c.kv = nil, 0, 0, 0
+	if u.inFlight == 0 && !u.named && f.upstreams[u.dial] == u && u.forgotten {
+		f.remove(u)
+	}
+	f.wake()
+}

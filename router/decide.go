@@ -1,0 +1,289 @@
+package router
+
+import (
+	"math"
+	"slices"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+// Request is what the decision needs of a request.
+type Request struct {
+	// Hashes are the prompt's chained block hashes (package prefixindex).
+	Hashes []uint64
+	// BlockTokens is the number of tokens in one hashed block.
+	BlockTokens int
+	// PromptTokens is the prompt's (estimated) length in tokens.
+	PromptTokens int
+	// MaxTokens is the request's output limit, 0 when it sets none.
+	MaxTokens int
+	// Model is the request's model field: a base model or an adapter.
+	Model string
+}
+
+// Member is one upstream the request may go to, as the caller sees it now.
+type Member struct {
+	// Dial is the upstream's address, the key of its state.
+	Dial string
+	// Available is false when the upstream is down or full.
+	Available bool
+	// Healthy is the caller's health verdict, kept for the admin view.
+	Healthy bool
+	// Tried says an earlier attempt of this request went here: it is
+	// avoided while any untried member is available.
+	Tried bool
+	// Draining upstreams take no new requests.
+	Draining bool
+	// Hardware is its profile; unset rates take the defaults.
+	Hardware Hardware
+	// Engine is what its engine last reported, nil when not scraped or
+	// stale: then only the router's own accounting counts.
+	Engine *scrape.Signals
+}
+
+// Decision is the outcome of Decide.
+type Decision struct {
+	scorer.Decision
+	// MatchedTokens is the prompt prefix the chosen upstream is expected
+	// to hold in cache.
+	MatchedTokens int
+	// Charge is the work charged to the chosen upstream, nil when none
+	// was chosen; pass it to Progress, Complete or Release.
+	Charge *Charge
+	// Wake, when nothing was chosen, is closed at the next release of
+	// work anywhere in the fleet: the moment to try again.
+	Wake <-chan struct{}
+}
+
+// Decide chooses where req goes among members, at now, and charges the
+// choice: its uncached prompt as queued prefill, its expected output as
+// queued decode and both as KV in use; its blocks join the chosen
+// upstream's prefix index. rng breaks ties; explain, when non-nil, is
+// filled in.
+func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) Decision {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sreq, cands, states := f.candidates(now, req, members, opts)
+	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
+	d := Decision{Decision: sd}
+	if sd.Chosen < 0 {
+		d.Wake = f.waitChannel()
+		return d
+	}
+	u, c := states[sd.Chosen], &cands[sd.Chosen]
+	d.MatchedTokens = c.MatchedTokens
+	// Only the uncached prompt and the output need new KV blocks: the
+	// matched prefix is in the engine's cache already, shared, and
+	// charging it per request over-counts popular prefixes many times.
+	uncached := req.PromptTokens - c.MatchedTokens
+	d.Charge = f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
+	d.Charge.Estimate = sd.EstimatedTTFTSeconds
+	u.lastEstimate = sd.EstimatedTTFTSeconds
+	if sreq.Adapter != "" {
+		u.useAdapter(sreq.Adapter)
+	}
+	f.index.Insert(u.id, req.Hashes)
+	return d
+}
+
+// Fits reports whether req passes the decision's filters on m at now,
+// without deciding: a caller holding requests that fitted nowhere can ask
+// which may fit now that m released work.
+func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	sreq, cands, _ := f.candidates(now, req, []Member{m}, opts)
+	return scorer.Filter(sreq, &cands[0], opts.Scorer) == scorer.NotFiltered
+}
+
+// candidates builds the scorer's view of req and of every member, in
+// scratch space reused across decisions. Caller holds f.mu.
+func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options) (scorer.Request, []scorer.Candidate, []*upstream) {
+	bt := max(1, req.BlockTokens)
+	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]
+	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
+	f.scratchCands, f.scratchStates = cands, states
+	avoidTried := false
+	for i := range members {
+		m := &members[i]
+		states[i] = f.upstream(m.Dial, now)
+		states[i].healthSeen, states[i].healthy = true, m.Healthy
+		avoidTried = avoidTried || (m.Available && !m.Tried)
+	}
+	// Match after registering, so every upstream has a slot in depths.
+	depths := f.index.Match(req.Hashes, f.scratchDepths)
+	f.scratchDepths = depths
+	adapter := opts.adapterOf(req.Model, members)
+	sreq := scorer.Request{
+		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
+		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
+	}
+	for i := range members {
+		m, u := &members[i], states[i]
+		cands[i] = f.candidate(m, u, opts, adapter, bt)
+		cands[i].MatchedTokens = min(depths[u.id]*bt, req.PromptTokens)
+		cands[i].Available = m.Available && !(avoidTried && m.Tried)
+	}
+	return sreq, cands, states
+}
+
+// candidate describes member m to the scorer. Caller holds f.mu.
+//
+// Without engine signals it uses what the router itself knows: the work
+// it charged there and the configured hardware. With them:
+//   - KV capacity is the engine's, and free KV the smaller of what the
+//     engine reports (plus what the router charged since the scrape) and
+//     what the router's own charges leave;
+//   - requests the engine has that the router did not send (another
+//     router, direct clients) add to the queue, at the mean prompt and
+//     output lengths the router has seen;
+//   - the model list filters models, and the engine's running adapters say
+//     which adapters are resident.
+func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
+	hw := m.Hardware.WithDefaults()
+	c := scorer.Candidate{
+		Name:                   m.Dial,
+		Draining:               m.Draining,
+		QueuedPrefillTokens:    max(0, u.queuedPrefill),
+		QueuedDecodeTokens:     max(0, u.queuedDecode),
+		InFlight:               u.inFlight,
+		Waiting:                -1,
+		PrefillTokensPerSecond: hw.PrefillTokensPerSecond,
+		DecodeTokensPerSecond:  hw.DecodeTokensPerSecond,
+		FreeKVTokens:           -1,
+		KVCapacityTokens:       hw.KVCapacityTokens,
+		Adapter:                scorer.AdapterResident,
+	}
+	var now scrape.Signals
+	if raw := m.Engine; raw != nil {
+		requests, kv := u.charged.Since(raw.Mark)
+		now = raw.PlusRouted(requests, kv)
+		if capacity := now.KVCapacityTokens(); capacity > 0 {
+			c.KVCapacityTokens = capacity
+		}
+		c.Waiting = now.Waiting
+		c.Models = now.ModelIDs()
+		// Foreign requests: what the engine had at the scrape beyond what
+		// the router had in flight there at that moment.
+		if raw.Running >= 0 && raw.Waiting >= 0 {
+			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight; foreign > 0 {
+				c.ForeignInFlight = foreign // they share the engine's steps too
+				c.QueuedPrefillTokens += int(float64(min(foreign, raw.Waiting)) * f.meanPrompt.value)
+				c.QueuedDecodeTokens += int(float64(foreign) * f.meanOutputAnyModel(opts))
+			}
+		}
+	}
+	if c.KVCapacityTokens > 0 {
+		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
+		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
+		if m.Engine != nil {
+			if engineFree := now.FreeKVTokens(); engineFree >= 0 {
+				c.FreeKVTokens = min(c.FreeKVTokens, engineFree)
+			}
+		}
+	}
+	if adapter != "" {
+		c.Adapter, c.AdapterLoadSeconds = opts.adapterCost(adapter, u, m.Engine)
+	}
+	return c
+}
+
+// sizeIndex gives u's prefix index the capacity of its KV cache, when that
+// changed or a smaller block size appeared. Caller holds f.mu.
+func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int) {
+	if u.indexBlockTokens > 0 && blockTokens > u.indexBlockTokens {
+		blockTokens = u.indexBlockTokens
+	}
+	if u.capacityTokens == capacityTokens && u.indexBlockTokens == blockTokens {
+		return
+	}
+	u.capacityTokens, u.indexBlockTokens = capacityTokens, blockTokens
+	f.index.SetCapacity(u.id, max(1, capacityTokens/max(1, blockTokens)))
+}
+
+// adapterOf returns model when it names a LoRA adapter: listed in
+// Adapters, or listed with a parent in some member's /v1/models.
+func (o *Options) adapterOf(model string, members []Member) string {
+	if model == "" {
+		return ""
+	}
+	if o.Adapters[model] {
+		return model
+	}
+	for i := range members {
+		if e := members[i].Engine; e != nil && slices.ContainsFunc(e.Models, func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
+			return model
+		}
+	}
+	return ""
+}
+
+// adapterCost says where u has adapter and what making it resident costs.
+// Resident: a running request uses it on the engine, or it is among the
+// last MaxLoras adapters the router sent there (vLLM keeps recently used
+// adapters in its GPU slots). Host: the router sent it there earlier, so
+// the engine likely holds it in host memory. Otherwise it must be fetched
+// from storage: being listed in /v1/models does not mean it was ever
+// loaded. The cost is finite, so a busy replica holding the adapter loses
+// to an idle one once its queue outweighs the load, and the second
+// replica then holds it too: adapters replicate as far as the load needs.
+func (o *Options) adapterCost(adapter string, u *upstream, engine *scrape.Signals) (scorer.AdapterState, float64) {
+	running := engine != nil && engine.AdaptersKnown && slices.Contains(engine.RunningAdapters, adapter)
+	switch i := slices.Index(u.adapters, adapter); {
+	case running || (i >= 0 && i < o.MaxLoras):
+		return scorer.AdapterResident, 0
+	case i >= 0:
+		return scorer.AdapterHost, o.AdapterLoadHost.Seconds()
+	}
+	return scorer.AdapterRemote, o.AdapterLoadRemote.Seconds()
+}
+
+// useAdapter records that adapter was charged to u. Caller holds f.mu.
+func (u *upstream) useAdapter(adapter string) {
+	u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == adapter })
+	u.adapters = slices.Insert(u.adapters, 0, adapter)
+	if len(u.adapters) > maxRememberedAdapters {
+		u.adapters = u.adapters[:maxRememberedAdapters]
+	}
+}
+
+// expectedOutput estimates req's output length. Caller holds f.mu.
+func (f *Fleet) expectedOutput(req Request, opts *Options) int {
+	switch opts.OutputEstimate {
+	case OutputFixed:
+		return opts.OutputTokens
+	case OutputMaxTokens:
+		if req.MaxTokens > 0 {
+			return req.MaxTokens
+		}
+		return opts.OutputTokens
+	}
+	est := opts.OutputTokens
+	if m := f.outputs[req.Model]; m != nil && m.n > 0 {
+		est = int(math.Round(m.value))
+	}
+	if req.MaxTokens > 0 {
+		est = min(est, req.MaxTokens)
+	}
+	return est
+}
+
+// meanOutputAnyModel is the expected output of a request of unknown model,
+// for sizing foreign load: the mean of the models' learned means. Caller
+// holds f.mu.
+func (f *Fleet) meanOutputAnyModel(opts *Options) float64 {
+	var sum float64
+	var n int
+	for _, m := range f.outputs {
+		if m.n > 0 {
+			sum += m.value
+			n++
+		}
+	}
+	if n == 0 {
+		return float64(opts.OutputTokens)
+	}
+	return sum / float64(n)
+}

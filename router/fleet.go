@@ -1,0 +1,266 @@
+// Package router is llm_affinity's decision engine. A Fleet holds what
+// the router knows of every upstream it routes to, keyed by dial address:
+// the prefix index of the prompts it sent there, the work it charged there
+// and not yet saw finish, the output lengths it learned per model and the
+// LoRA adapters it presumes resident. Decide turns a request and the
+// upstreams it may go to into a choice (calling package scorer) and
+// charges it; Progress, Complete and Release account for the response.
+//
+// It knows nothing of Caddy or HTTP, and time is always an argument: the
+// Caddy policy (package caddyllm) drives it with the wall clock, the
+// benchmark's simulator (package llmbench) in virtual time, through the
+// very same functions.
+package router
+
+import (
+	"sync"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+// Fleet is the routing state of a set of upstreams. It is safe for
+// concurrent use: one mutex serialises decisions with the charges they
+// make, so two concurrent requests never both see an idle upstream.
+type Fleet struct {
+	mu        sync.Mutex
+	index     *prefixindex.Index
+	upstreams map[string]*upstream
+	outputs   map[string]*runningMean // observed output tokens by model
+	// meanPrompt is the running mean of charged (uncached) prompt
+	// lengths, for sizing requests the router sees only as counts in
+	// engine metrics.
+	meanPrompt runningMean
+
+	// changed is closed and replaced when work is released while some
+	// request waits for capacity (waiting says so).
+	changed chan struct{}
+	waiting bool
+
+	// Scratch space of decisions, which all run under mu.
+	scratchCands  []scorer.Candidate
+	scratchStates []*upstream
+	scratchDepths []int
+}
+
+// upstream is one upstream's accounting. Guarded by Fleet.mu.
+type upstream struct {
+	dial string
+	id   prefixindex.UpstreamID
+	// queuedPrefill is uncached prompt tokens charged here whose first
+	// token has not come back yet.
+	queuedPrefill int
+	// queuedDecode is expected output tokens charged here and not yet
+	// generated.
+	queuedDecode int
+	// kvTokens is the new KV the charged requests occupy (uncached prompt
+	// plus expected output), for the KV-fit filter.
+	kvTokens int
+	inFlight int
+	lastUsed time.Time
+	// charged counts every request charged here and its KV tokens; it
+	// only grows, so engine scrapes can tell which charges came after
+	// their snapshot.
+	charged scrape.Mark
+	// named says a loaded configuration lists the upstream (see Name);
+	// forgotten that the last one naming it was unloaded, so its state
+	// goes with its last request in flight.
+	named, forgotten bool
+
+	completed    int64
+	lastTTFT     time.Duration
+	lastEstimate float64 // estimated TTFT of the last request charged here
+	healthSeen   bool    // healthy holds the caller's verdict at the last decision
+	healthy      bool
+
+	// capacityTokens is the KV capacity the index was sized for, and
+	// indexBlockTokens the block size: the smallest any request routed
+	// here used, so sites hashing with different block sizes never shrink
+	// each other's share of the index.
+	capacityTokens   int
+	indexBlockTokens int
+
+	// adapters are the LoRA adapters charged here, most recent first:
+	// the first MaxLoras are presumed on the GPU, the rest in host memory.
+	adapters []string
+}
+
+// New returns an empty fleet.
+func New() *Fleet {
+	return &Fleet{
+		index:     prefixindex.New(0),
+		upstreams: make(map[string]*upstream),
+		outputs:   make(map[string]*runningMean),
+		changed:   make(chan struct{}),
+	}
+}
+
+// upstream returns the state of dial, creating it. Caller holds f.mu.
+func (f *Fleet) upstream(dial string, now time.Time) *upstream {
+	u, ok := f.upstreams[dial]
+	if !ok {
+		u = &upstream{dial: dial, id: f.index.Register(dial)}
+		f.upstreams[dial] = u
+	}
+	u.lastUsed = now
+	return u
+}
+
+// remove forgets u and its index entries. Caller holds f.mu.
+func (f *Fleet) remove(u *upstream) {
+	f.index.Remove(u.id)
+	delete(f.upstreams, u.dial)
+}
+
+// Name records that a loaded configuration lists dial, so its state stays
+// while idle. The caller counts references (Caddy's usage pool) and calls
+// Forget when the last configuration naming dial is unloaded.
+func (f *Fleet) Name(dial string, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstream(dial, now)
+	u.named, u.forgotten = true, false
+}
+
+// Forget undoes Name: dial's state goes now if nothing is in flight
+// there, else when its last request is released.
+func (f *Fleet) Forget(dial string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams[dial]
+	if u == nil {
+		return
+	}
+	u.named, u.forgotten = false, true
+	if u.inFlight == 0 {
+		f.remove(u)
+	}
+}
+
+// Expire forgets the unnamed upstreams (dynamic ones, which no
+// configuration lists) idle since before cutoff with nothing in flight.
+// It returns how many it dropped.
+func (f *Fleet) Expire(cutoff time.Time) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, u := range f.upstreams {
+		if !u.named && u.inFlight == 0 && u.lastUsed.Before(cutoff) {
+			f.remove(u)
+			n++
+		}
+	}
+	return n
+}
+
+// Known reports whether the fleet holds state for dial.
+func (f *Fleet) Known(dial string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.upstreams[dial] != nil
+}
+
+// wake tells waiting callers that capacity may have freed. Caller holds
+// f.mu.
+func (f *Fleet) wake() {
+	if f.waiting {
+		close(f.changed)
+		f.changed = make(chan struct{})
+		f.waiting = false
+	}
+}
+
+// waitChannel returns the channel closed at the next release. Caller
+// holds f.mu.
+func (f *Fleet) waitChannel() <-chan struct{} {
+	f.waiting = true
+	return f.changed
+}
+
+// MarkOf returns the cumulative charges made to dial and how many are in
+// flight, for the scraper's snapshots (scrape.Config.Mark).
+func (f *Fleet) MarkOf(dial string) scrape.Mark {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		m := u.charged
+		m.InFlight = u.inFlight
+		return m
+	}
+	return scrape.Mark{}
+}
+
+// QueuedTokens returns the prompt and output tokens charged to dial and
+// not yet processed, 0 when unknown.
+func (f *Fleet) QueuedTokens(dial string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		return max(0, u.queuedPrefill) + max(0, u.queuedDecode)
+	}
+	return 0
+}
+
+// UpstreamState is one upstream's accounting as a snapshot, for the admin
+// API and metrics.
+type UpstreamState struct {
+	Dial                string
+	QueuedPrefillTokens int
+	QueuedDecodeTokens  int
+	KVTokensInFlight    int
+	InFlight            int
+	IndexBlocks         int
+	IndexCapacityBlocks int
+	Completed           int64
+	LastTTFT            time.Duration
+	// LastEstimatedTTFTSeconds is the estimate made for the last request
+	// charged here, to compare with LastTTFT.
+	LastEstimatedTTFTSeconds float64
+	// KVCapacityTokens is the KV capacity the index and filter use, 0
+	// when unknown.
+	KVCapacityTokens int
+	// Healthy is the caller's health verdict at the last decision, nil
+	// before the first.
+	Healthy  *bool
+	Adapters []string
+	Idle     time.Duration
+	Named    bool
+}
+
+// Snapshot copies every upstream's state.
+func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make([]UpstreamState, 0, len(f.upstreams))
+	for _, u := range f.upstreams {
+		s := UpstreamState{
+			Dial: u.dial, QueuedPrefillTokens: u.queuedPrefill, QueuedDecodeTokens: u.queuedDecode,
+			KVTokensInFlight: u.kvTokens, InFlight: u.inFlight,
+			IndexBlocks: f.index.Blocks(u.id), IndexCapacityBlocks: f.index.Capacity(u.id),
+			Completed: u.completed, LastTTFT: u.lastTTFT, LastEstimatedTTFTSeconds: u.lastEstimate,
+			KVCapacityTokens: u.capacityTokens, Adapters: append([]string(nil), u.adapters...),
+			Idle: now.Sub(u.lastUsed), Named: u.named,
+		}
+		if u.healthSeen {
+			healthy := u.healthy
+			s.Healthy = &healthy
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// runningMean is an exponentially weighted mean, so an estimate follows a
+// changing workload: a plain mean of the first 20 values, then each new
+// value weighs 5%.
+type runningMean struct {
+	value float64
+	n     int
+}
+
+func (m *runningMean) add(x float64) {
+	m.n++
+	m.value += max(0.05, 1/float64(m.n)) * (x - m.value)
+}
