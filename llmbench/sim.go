@@ -1,29 +1,33 @@
 package llmbench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net/http"
 	"slices"
 	"strconv"
 	"time"
 
-	"github.com/zeebo/xxh3"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
-// Router-side settings the simulation shares with the Caddy plugin's defaults.
+// Router-side settings: the Caddy plugin's defaults, from the packages that define them.
 const (
 	// RouterBlockTokens is the router's hash block size in tokens.
-	RouterBlockTokens = 64
+	RouterBlockTokens = prefixindex.DefaultBlockTokens
 	// DefaultQueueTimeout is how long a request that fits nowhere waits at the gateway.
-	DefaultQueueTimeout = 5 * time.Second
+	DefaultQueueTimeout = router.DefaultQueueTimeout
 	// DefaultOutputTokens is the output estimate before any output was observed.
-	DefaultOutputTokens = 256
+	DefaultOutputTokens = router.DefaultOutputTokens
 	// decodeRateBatch is the batch size at which the derived decode rate is taken.
 	decodeRateBatch = 64
 )
@@ -32,29 +36,29 @@ const (
 const (
 	// OutputAverage expects the running average of observed outputs of the model, bounded
 	// by max_tokens (the plugin's default).
-	OutputAverage = "average"
+	OutputAverage = router.OutputAverage
 	// OutputMaxTokens expects max_tokens.
-	OutputMaxTokens = "max_tokens"
+	OutputMaxTokens = router.OutputMaxTokens
 	// OutputFixed expects OutputTokens.
-	OutputFixed = "fixed"
+	OutputFixed = router.OutputFixed
 )
 
-// Sim replays a workload through the router's own decision code (prefixindex and scorer) and
-// Replicas kvsim engine models in virtual time: one event loop, no HTTP, no goroutine per
-// request. It implements [Runner].
+// Sim replays a workload through the router's own decision engine (package router, which the
+// Caddy plugin calls too) and Replicas kvsim engine models in virtual time: one event loop, no
+// HTTP, no goroutine per request. It implements [Runner].
 //
-// The router side mirrors the Caddy plugin's llm_affinity policy: on arrival it hashes the
-// prompt (64-token blocks, 4 bytes a token, seeded by model and adapter), matches it against
-// the shared index, builds a scorer.Candidate per replica and calls scorer.Choose; it then
-// charges the chosen replica with the uncached prompt tokens (queued prefill), the expected
-// output (queued decode) and the prompt plus expected output (KV in use), and inserts the
-// prompt's blocks into that replica's index (capacity: the engine's KV in 64-token blocks).
-// The first token releases the prefill charge, each token decays the decode charge by one,
-// the finish releases the rest and teaches the output estimate. A candidate's free KV is its
-// capacity minus the KV charged to it; the adapters it holds are the last max_loras adapters
-// sent there (older ones remembered are taken as in host memory). A request that fits nowhere
-// waits at the gateway, retried whenever a charge is released, and is shed after QueueTimeout.
-// Engine metrics are not read: this is the plugin with scrape_interval off, its default.
+// For an llm_affinity policy, on arrival it hashes the prompt (64-token blocks, 4 bytes a
+// token, seeded by model and adapter) and asks router.Fleet.Decide, as the plugin does, with
+// one member per replica (its hardware profile: the rates of [Sim.Rates] and the engine's KV
+// capacity); each output token is router.Fleet.Progress, the finish router.Fleet.Complete. A
+// request that fits nowhere waits at the gateway, retried whenever a replica it may now fit
+// on (router.Fleet.Fits) releases work, and is shed after QueueTimeout. Engine metrics are not
+// read: this is the plugin with scrape_interval off, its default.
+//
+// Caddy's own policies are Caddy's selection policy types themselves (round_robin,
+// least_conn, random, first, header), choosing among reverseproxy.Upstreams whose request
+// counts the simulation keeps as Caddy's proxy would. random and least_conn's ties draw from
+// Caddy's own (unseeded) random source, so their results vary from run to run.
 type Sim struct {
 	Config
 	// QueueTimeout is how long a request that fits nowhere waits at the gateway before it is
@@ -98,29 +102,21 @@ func (s *Sim) Rates(w *Workload) (prefill, decode float64) {
 type simReplica struct {
 	name   string
 	engine *kvsim.Engine
-	id     prefixindex.UpstreamID
 
-	// Router-local accounting, as the plugin keeps it.
-	queuedPrefill int
-	queuedDecode  int
-	kvTokens      int
-	inFlight      int
-	adapters      []string // the last max_loras adapters sent here, most recent first
+	// upstream is the replica as Caddy's selection policies see it.
+	upstream *reverseproxy.Upstream
 
-	heapPos        int
-	result         *ReplicaResult
-	capacityTokens int
+	heapPos int
+	result  *ReplicaResult
 }
 
 // inflight is a request sent to an engine and not finished.
 type inflight struct {
-	req           *Request
-	res           *RequestResult
-	replica       int
-	prefillCharge int
-	decodeCharge  int
-	kvCharge      int
-	kreq          kvsim.Request
+	req     *Request
+	res     *RequestResult
+	replica int
+	charge  *router.Charge // llm_affinity's charge, nil under Caddy's policies
+	kreq    kvsim.Request
 }
 
 // waiter is a request waiting at the gateway for a replica that fits.
@@ -131,48 +127,41 @@ type waiter struct {
 	deadline time.Duration
 }
 
-// runningMean is the plugin's output estimate: a plain mean at first, then an exponentially
-// weighted one, so it follows a changing workload.
-type runningMean struct {
-	value float64
-	n     int
-}
-
-func (m *runningMean) add(x float64) {
-	m.n++
-	m.value += max(0.05, 1/float64(m.n)) * (x - m.value)
-}
-
 // simRun is the state of one replay.
 type simRun struct {
 	sim      *Sim
 	policy   string
-	strategy scorer.Strategy
 	affinity bool
-	opts     scorer.Options
 	cfg      kvsim.Config
 	rng      *rand.Rand
 
 	replicas     []simReplica
 	heap         engineHeap
-	index        *prefixindex.Index
 	hasher       prefixindex.Hasher
-	prefill      float64
-	decode       float64
 	queueTimeout time.Duration
-	outputs      map[string]*runningMean
+
+	// The llm_affinity side: the plugin's decision engine, its options and one member per
+	// replica. Caddy's policies: the selector and its upstream pool.
+	fleet    *router.Fleet
+	ropts    router.Options
+	members  []router.Member
+	selector reverseproxy.Selector
+	pool     reverseproxy.UpstreamPool
+	httpReq  *http.Request
 
 	inflight map[*kvsim.Request]*inflight
 	gateway  []waiter
 	released bool // a charge was released since the gateway was last retried
 	results  *Results
 	events   []kvsim.Event
-	matched  []int
-	cands    []scorer.Candidate
 	seeds    map[string]uint64
-	robin    int
 	done     int
 }
+
+// simEpoch is the wall-clock instant virtual time 0 stands for, for the decision engine.
+var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func at(t time.Duration) time.Time { return simEpoch.Add(t) }
 
 // Replay runs the workload under policy and returns what every request measured.
 func (s *Sim) Replay(ctx context.Context, w *Workload, policy string) (*Results, error) {
@@ -200,10 +189,8 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 	if !ValidPolicy(policy) {
 		return nil, fmt.Errorf("unknown policy %q", policy)
 	}
-	switch s.OutputEstimate {
-	case "", OutputAverage, OutputMaxTokens, OutputFixed:
-	default:
-		return nil, fmt.Errorf("output estimate must be average, max_tokens or fixed, got %q", s.OutputEstimate)
+	if err := (router.Options{OutputEstimate: s.OutputEstimate}).Validate(); err != nil {
+		return nil, err
 	}
 	cfg := s.Engine.WithDefaults()
 	cfg.Adapters = append(append([]string(nil), cfg.Adapters...), w.Adapters...)
@@ -218,17 +205,8 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		hasher:       prefixindex.Hasher{BlockTokens: RouterBlockTokens, BytesPerToken: BytesPerToken},
 		inflight:     make(map[*kvsim.Request]*inflight),
 		seeds:        make(map[string]uint64),
-		outputs:      make(map[string]*runningMean),
-		queueTimeout: s.QueueTimeout,
+		queueTimeout: cmp.Or(s.QueueTimeout, DefaultQueueTimeout),
 	}
-	if run.queueTimeout == 0 {
-		run.queueTimeout = DefaultQueueTimeout
-	}
-	run.strategy, run.affinity = AffinityStrategy(policy)
-	run.opts = s.Scorer
-	run.opts.Strategy = run.strategy
-	run.prefill, run.decode = s.Rates(w)
-
 	run.results = &Results{
 		Policy:   policy,
 		Replicas: make([]ReplicaResult, s.Replicas),
@@ -238,8 +216,6 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		r := &w.Requests[i]
 		run.results.Requests[i] = RequestResult{Index: r.Index, Replica: -1, Arrival: r.Arrival, PromptTokens: r.PromptTokens}
 	}
-	capacityTokens := cfg.NumGPUBlocks * cfg.BlockSize
-	run.index = prefixindex.New(capacityTokens / RouterBlockTokens)
 	run.replicas = make([]simReplica, s.Replicas)
 	for i := range run.replicas {
 		eng, err := kvsim.NewEngine(cfg)
@@ -249,16 +225,72 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		rep := &run.replicas[i]
 		rep.name = "replica-" + strconv.Itoa(i)
 		rep.engine = eng
-		rep.id = run.index.Register(rep.name)
-		run.index.SetCapacity(rep.id, capacityTokens/RouterBlockTokens)
-		rep.capacityTokens = capacityTokens
+		rep.upstream = &reverseproxy.Upstream{Dial: rep.name, Host: new(reverseproxy.Host)}
 		rep.result = &run.results.Replicas[i]
 		rep.result.Name = rep.name
+		run.pool = append(run.pool, rep.upstream)
 	}
 	run.heap.init(run.replicas)
-	run.cands = make([]scorer.Candidate, s.Replicas)
+
+	strategy, affinity := AffinityStrategy(policy)
+	run.affinity = affinity
+	if !affinity {
+		sel, err := caddySelector(policy)
+		if err != nil {
+			return nil, err
+		}
+		run.selector, run.httpReq = sel, &http.Request{Header: http.Header{}}
+		return run, nil
+	}
+	run.fleet = router.New()
+	run.ropts = router.Options{
+		Scorer:            s.Scorer,
+		OutputEstimate:    s.OutputEstimate,
+		OutputTokens:      s.OutputTokens,
+		Adapters:          make(map[string]bool),
+		MaxLoras:          cfg.MaxLoRAs,
+		AdapterLoadHost:   cfg.LoRAHostLoad,
+		AdapterLoadRemote: cfg.LoRAStorageLoad,
+	}.WithDefaults()
+	run.ropts.Scorer.Strategy = strategy
+	for _, a := range cfg.Adapters {
+		run.ropts.Adapters[a] = true
+	}
+	prefill, decode := s.Rates(w)
+	hw := router.Hardware{PrefillTokensPerSecond: prefill, DecodeTokensPerSecond: decode, KVCapacityTokens: cfg.NumGPUBlocks * cfg.BlockSize}
+	for i := range run.replicas {
+		run.members = append(run.members, router.Member{Dial: run.replicas[i].name, Available: true, Healthy: true, Hardware: hw})
+	}
 	return run, nil
 }
+
+// caddySelector returns Caddy's own selection policy of that name, provisioned as Caddy
+// would.
+func caddySelector(policy string) (reverseproxy.Selector, error) {
+	switch policy {
+	case "round_robin":
+		return new(reverseproxy.RoundRobinSelection), nil
+	case "least_conn":
+		return reverseproxy.LeastConnSelection{}, nil
+	case "random":
+		return reverseproxy.RandomSelection{}, nil
+	case "first":
+		return reverseproxy.FirstSelection{}, nil
+	case "header":
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		defer cancel()
+		sel := &reverseproxy.HeaderHashSelection{Field: SessionHeader}
+		if err := sel.Provision(ctx); err != nil {
+			return nil, fmt.Errorf("provisioning Caddy's header policy: %w", err)
+		}
+		return sel, nil
+	}
+	return nil, fmt.Errorf("unknown policy %q", policy)
+}
+
+// SessionHeader is the request header Caddy's header policy hashes; the benchmark's clients
+// set it to [HeaderKey] of each request.
+const SessionHeader = "X-Session-Id"
 
 // loop is the discrete-event loop: the next thing to happen is an engine's step end or an
 // arrival, the engine first on equal times, so that a router deciding at time t sees every
@@ -314,25 +346,22 @@ func (run *simRun) handle(ev *kvsim.Event) {
 	case kvsim.EventFirstToken, kvsim.EventToken:
 		if ev.Kind == kvsim.EventFirstToken {
 			f.res.TTFT = max(ev.Time-f.req.Arrival, 1)
-			rep.queuedPrefill -= f.prefillCharge
-			f.prefillCharge = 0
 		}
-		if f.decodeCharge > 0 {
-			f.decodeCharge--
-			rep.queuedDecode--
+		if f.charge != nil {
+			run.fleet.Progress(f.charge, 1, at(ev.Time))
 		}
 	case kvsim.EventFinished:
-		rep.queuedPrefill -= f.prefillCharge
-		rep.queuedDecode -= f.decodeCharge
-		rep.kvTokens -= f.kvCharge
-		rep.inFlight--
+		if f.charge != nil {
+			run.fleet.Complete(f.charge, run.modelName(f.req), ev.GeneratedTokens, at(ev.Time))
+		} else {
+			countRequest(rep.upstream.Host, -1)
+		}
 		run.released = true
 		f.res.E2E = max(ev.Time-f.req.Arrival, 1)
 		f.res.PromptTokens = ev.PromptTokens
 		f.res.CachedTokens = ev.CachedTokens
 		f.res.OutputTokens = ev.GeneratedTokens
 		rep.result.OutputTokens += int64(ev.GeneratedTokens)
-		run.learnOutput(f.req, ev.GeneratedTokens)
 		delete(run.inflight, ev.Request)
 		run.progress()
 	}
@@ -358,40 +387,21 @@ func (run *simRun) modelName(r *Request) string {
 	return run.cfg.Model
 }
 
-func (run *simRun) learnOutput(r *Request, tokens int) {
-	m := run.outputs[run.modelName(r)]
-	if m == nil {
-		m = &runningMean{}
-		run.outputs[run.modelName(r)] = m
+// routerRequest is what the decision engine sees of a waiting request.
+func (run *simRun) routerRequest(wt *waiter) router.Request {
+	r := wt.req
+	return router.Request{
+		Hashes: wt.hashes, BlockTokens: RouterBlockTokens, PromptTokens: r.PromptTokens,
+		MaxTokens: r.MaxTokens, Model: run.modelName(r),
 	}
-	m.add(float64(tokens))
-}
-
-// expectedOutput is the plugin's output estimate for r.
-func (run *simRun) expectedOutput(r *Request) int {
-	fallback := run.sim.OutputTokens
-	if fallback <= 0 {
-		fallback = DefaultOutputTokens
-	}
-	switch run.sim.OutputEstimate {
-	case OutputFixed:
-		return fallback
-	case OutputMaxTokens:
-		return r.MaxTokens
-	}
-	est := fallback
-	if m := run.outputs[run.modelName(r)]; m != nil && m.n > 0 {
-		est = int(math.Round(m.value))
-	}
-	return min(est, r.MaxTokens)
 }
 
 // retryGateway routes again the waiting requests that may now fit on replica j, which just
 // released work, in arrival order, and sheds those whose deadline passed. Only j's free KV
-// grew, so a request that fitted nowhere before can fit only there: checking j alone gives
-// the plugin's wake-everyone retry at a fraction of the cost. (One difference: a waiter whose
-// output estimate fell since its last try is retried at the next release of a replica it
-// fits, not at once.)
+// grew, so a request that fitted nowhere before can fit only there: asking the engine about
+// j alone gives the plugin's wake-everyone retry at a fraction of the cost. (One difference:
+// a waiter whose output estimate fell since its last try is retried at the next release of
+// a replica it fits, not at once.)
 func (run *simRun) retryGateway(now time.Duration, j int) {
 	if len(run.gateway) == 0 {
 		return
@@ -402,29 +412,12 @@ func (run *simRun) retryGateway(now time.Duration, j int) {
 		switch {
 		case now > wt.deadline:
 			run.shed(wt.req)
-		case run.mayFit(wt, j):
+		case run.fleet.Fits(at(now), run.routerRequest(&wt), run.members[j], &run.ropts):
 			run.arrive(wt, now)
 		default:
 			run.gateway = append(run.gateway, wt)
 		}
 	}
-}
-
-// mayFit reports whether the waiting request passes the scorer's KV filter on replica j.
-func (run *simRun) mayFit(wt waiter, j int) bool {
-	rep := &run.replicas[j]
-	free := rep.capacityTokens - rep.kvTokens
-	r := wt.req
-	fixed := run.expectedOutput(r) + run.opts.KVMarginTokens
-	switch {
-	case r.PromptTokens+fixed <= free:
-		return true
-	case fixed > free:
-		return false
-	}
-	run.matched = run.index.Match(wt.hashes, run.matched)
-	matched := min(run.matched[rep.id]*RouterBlockTokens, r.PromptTokens)
-	return r.PromptTokens-matched+fixed <= free
 }
 
 // arrive routes a request at time now and submits it to the chosen engine. When no replica
@@ -433,17 +426,16 @@ func (run *simRun) mayFit(wt waiter, j int) bool {
 func (run *simRun) arrive(wt waiter, now time.Duration) {
 	r, text := wt.req, wt.text
 	res := &run.results.Requests[r.Index]
-	output := r.MaxTokens
-	var choice, prefillCharge int
+	var choice int
+	var charge *router.Charge
 	if run.affinity {
 		if wt.hashes == nil {
 			wt.hashes = run.hasher.HashBytes(nil, run.seed(r), text)
 		}
-		output = run.expectedOutput(r)
-		choice, prefillCharge = run.chooseAffinity(r, wt.hashes, output)
+		d := run.fleet.Decide(at(now), run.routerRequest(&wt), run.members, &run.ropts, run.rng, nil)
+		choice, charge = d.Chosen, d.Charge
 	} else {
 		choice = run.chooseCaddy(r)
-		prefillCharge = r.PromptTokens
 	}
 	if choice < 0 {
 		if run.queueTimeout > 0 {
@@ -454,7 +446,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		return
 	}
 	rep := &run.replicas[choice]
-	f := &inflight{req: r, res: res, replica: choice}
+	f := &inflight{req: r, res: res, replica: choice, charge: charge}
 	f.kreq = kvsim.Request{
 		ID:            strconv.Itoa(r.Index),
 		Adapter:       r.Model,
@@ -467,35 +459,17 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 	rep.result.PromptTokens += int64(r.PromptTokens)
 	if err := rep.engine.Submit(&f.kreq, now); err != nil {
 		res.Err = err.Error()
+		if charge != nil {
+			run.fleet.Release(charge, at(now))
+		}
 		run.progress()
 		return
 	}
+	if charge == nil {
+		countRequest(rep.upstream.Host, 1)
+	}
 	run.heap.fix(choice)
 	run.inflight[&f.kreq] = f
-	rep.inFlight++
-	if run.affinity {
-		f.prefillCharge, f.decodeCharge, f.kvCharge = prefillCharge, output, prefillCharge+output
-		rep.queuedPrefill += f.prefillCharge
-		rep.queuedDecode += f.decodeCharge
-		rep.kvTokens += f.kvCharge
-		if r.Model != "" {
-			rep.useAdapter(r.Model)
-		}
-		run.index.Insert(rep.id, wt.hashes)
-	}
-}
-
-// rememberedAdapters is how many adapters the plugin remembers per upstream, most recent first.
-const rememberedAdapters = 16
-
-// useAdapter records that adapter was sent to rep: the plugin presumes the last max_loras
-// adapters sent somewhere resident, and older ones in its host memory.
-func (rep *simReplica) useAdapter(adapter string) {
-	rep.adapters = slices.DeleteFunc(rep.adapters, func(a string) bool { return a == adapter })
-	rep.adapters = slices.Insert(rep.adapters, 0, adapter)
-	if len(rep.adapters) > rememberedAdapters {
-		rep.adapters = rep.adapters[:rememberedAdapters]
-	}
 }
 
 func (run *simRun) seed(r *Request) uint64 {
@@ -507,85 +481,19 @@ func (run *simRun) seed(r *Request) uint64 {
 	return s
 }
 
-// chooseAffinity is the llm_affinity selection: hash, match, build candidates, Choose. It
-// returns the chosen replica (-1 when none fits) and the uncached prompt tokens there.
-func (run *simRun) chooseAffinity(r *Request, hashes []uint64, output int) (int, int) {
-	run.matched = run.index.Match(hashes, run.matched)
-	promptTokens := r.PromptTokens
-	req := scorer.Request{
-		PromptTokens: promptTokens,
-		Blocks:       len(hashes),
-		BlockTokens:  RouterBlockTokens,
-		OutputTokens: output,
-		Model:        run.modelName(r),
-		Adapter:      r.Model,
-	}
-	for i := range run.replicas {
-		rep := &run.replicas[i]
-		c := &run.cands[i]
-		*c = scorer.Candidate{
-			Name:                   rep.name,
-			Available:              true,
-			MatchedTokens:          min(run.matched[rep.id]*RouterBlockTokens, promptTokens),
-			QueuedPrefillTokens:    max(rep.queuedPrefill, 0),
-			QueuedDecodeTokens:     max(rep.queuedDecode, 0),
-			InFlight:               rep.inFlight,
-			Waiting:                -1,
-			PrefillTokensPerSecond: run.prefill,
-			DecodeTokensPerSecond:  run.decode,
-			FreeKVTokens:           max(0, rep.capacityTokens-rep.kvTokens),
-			KVCapacityTokens:       rep.capacityTokens,
-			Adapter:                scorer.AdapterResident,
-		}
-		if r.Model != "" {
-			switch i := slices.Index(rep.adapters, r.Model); {
-			case i >= 0 && i < run.cfg.MaxLoRAs:
-			case i >= 0:
-				c.Adapter, c.AdapterLoadSeconds = scorer.AdapterHost, run.cfg.LoRAHostLoad.Seconds()
-			default:
-				c.Adapter, c.AdapterLoadSeconds = scorer.AdapterRemote, run.cfg.LoRAStorageLoad.Seconds()
-			}
-		}
-	}
-	d := scorer.Choose(req, run.cands, run.opts, run.rng, nil)
-	if d.Chosen < 0 {
-		return -1, 0
-	}
-	return d.Chosen, max(0, promptTokens-run.cands[d.Chosen].MatchedTokens)
-}
-
-// chooseCaddy is one of Caddy's own selection policies.
+// chooseCaddy asks Caddy's selection policy, as reverse_proxy would, with the request's
+// routing key in the header the header policy hashes. It returns the replica, -1 for none.
 func (run *simRun) chooseCaddy(r *Request) int {
-	n := len(run.replicas)
-	switch run.policy {
-	case "round_robin":
-		c := run.robin % n
-		run.robin++
-		return c
-	case "least_conn":
-		// Fewest in-flight requests, uniformly random among ties (reservoir sampling, as
-		// Caddy's LeastConnSelection does).
-		best, ties := -1, 0
-		for i := range run.replicas {
-			switch {
-			case best < 0 || run.replicas[i].inFlight < run.replicas[best].inFlight:
-				best, ties = i, 1
-			case run.replicas[i].inFlight == run.replicas[best].inFlight:
-				ties++
-				if run.rng.IntN(ties) == 0 {
-					best = i
-				}
-			}
-		}
-		return best
-	case "random":
-		return run.rng.IntN(n)
-	case "first":
-		return 0
-	case "header":
-		return rendezvous(run.replicas, HeaderKey(r))
+	if key := HeaderKey(r); key != "" {
+		run.httpReq.Header.Set(SessionHeader, key)
+	} else {
+		run.httpReq.Header.Del(SessionHeader)
 	}
-	return 0
+	up := run.selector.Select(run.pool, run.httpReq, nil)
+	if up == nil {
+		return -1
+	}
+	return slices.Index(run.pool, up)
 }
 
 // HeaderKey is the routing key the header policy hashes: the request's session (the user in
@@ -601,18 +509,6 @@ func HeaderKey(r *Request) string {
 		return strconv.FormatUint(r.Segments[0].ID, 16)
 	}
 	return ""
-}
-
-// rendezvous picks the replica of highest hash of name+key, as Caddy's hash-based policies
-// (highest random weight) do.
-func rendezvous(reps []simReplica, key string) int {
-	best, bestHash := 0, uint64(0)
-	for i := range reps {
-		if h := xxh3.HashString(reps[i].name + key); i == 0 || h > bestHash {
-			best, bestHash = i, h
-		}
-	}
-	return best
 }
 
 // engineHeap orders replicas by the time their engine next has something to do; idle

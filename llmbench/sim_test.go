@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -77,7 +79,9 @@ func TestSimEveryPolicyRuns(t *testing.T) {
 func TestSimIsDeterministic(t *testing.T) {
 	w := tinyGSP(t)
 	sim := &Sim{Config: Config{Replicas: 4, Seed: 5}}
-	for _, p := range []string{"llm_affinity/ttft", "least_conn", "random"} {
+	// Caddy's random and least_conn draw from Caddy's unseeded source; the
+	// router's own draws are seeded.
+	for _, p := range []string{"llm_affinity/ttft", "llm_affinity/sglang", "round_robin", "header"} {
 		a, err := sim.Replay(context.Background(), w, p)
 		if err != nil {
 			t.Fatal(err)
@@ -187,5 +191,40 @@ func TestSimLoRAAffinityKeepsAdaptersResident(t *testing.T) {
 	t.Logf("TTFT p90: ttft %.3fs, round_robin %.3fs", ttft.TTFTP90, rr.TTFTP90)
 	if ttft.TTFTMean >= rr.TTFTMean {
 		t.Errorf("mean TTFT: llm_affinity %.3fs, round_robin %.3fs", ttft.TTFTMean, rr.TTFTMean)
+	}
+}
+
+// TestCaddyRequestCounts: the simulation keeps Caddy's own per-host request
+// counts, which its least_conn policy reads, as Caddy's proxy would.
+func TestCaddyRequestCounts(t *testing.T) {
+	u := &reverseproxy.Upstream{Dial: "a", Host: new(reverseproxy.Host)}
+	countRequest(u.Host, 1)
+	countRequest(u.Host, 1)
+	countRequest(u.Host, -1)
+	if u.NumRequests() != 1 {
+		t.Fatalf("Caddy counts %d requests, want 1", u.NumRequests())
+	}
+	idle := &reverseproxy.Upstream{Dial: "b", Host: new(reverseproxy.Host)}
+	pool := reverseproxy.UpstreamPool{u, idle}
+	for range 10 {
+		if got := (reverseproxy.LeastConnSelection{}).Select(pool, nil, nil); got != idle {
+			t.Fatalf("least_conn chose %v over the idle upstream", got.Dial)
+		}
+	}
+}
+
+// TestSimLeastConnSpreads: under Caddy's least_conn every replica gets
+// work, and no replica gets more than twice its share.
+func TestSimLeastConnSpreads(t *testing.T) {
+	w := tinyGSP(t)
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 1}}
+	res, err := sim.Replay(context.Background(), w, "least_conn")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rep := range res.Replicas {
+		if rep.Requests == 0 || rep.Requests > 2*len(w.Requests)/4 {
+			t.Errorf("least_conn sent %d of %d requests to %s", rep.Requests, len(w.Requests), rep.Name)
+		}
 	}
 }

@@ -62,7 +62,7 @@ func init() {
 
 // SessionHeader is the request header Caddy's header policy hashes; the client sets it to
 // [llmbench.HeaderKey] of each request.
-const SessionHeader = "X-Session-Id"
+const SessionHeader = llmbench.SessionHeader
 
 // Runner replays workloads over HTTP. It implements [llmbench.Runner].
 type Runner struct {
