@@ -1,0 +1,279 @@
+package router
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func members(dials ...string) []Member {
+	out := make([]Member, len(dials))
+	for i, d := range dials {
+		out[i] = Member{Dial: d, Available: true, Healthy: true}
+	}
+	return out
+}
+
+func hashes(seed uint64, tokens int) []uint64 {
+	h := prefixindex.Hasher{BlockTokens: 64, BytesPerToken: 4}
+	text := make([]byte, tokens*4)
+	for i := range text {
+		text[i] = byte('a' + (uint64(i)*7+seed)%26)
+	}
+	return h.HashBytes(nil, seed, text)
+}
+
+func rng() scorer.Rand { return rand.New(rand.NewPCG(1, 2)) }
+
+func state(t *testing.T, f *Fleet, dial string) UpstreamState {
+	t.Helper()
+	for _, u := range f.Snapshot(t0) {
+		if u.Dial == dial {
+			return u
+		}
+	}
+	t.Fatalf("no state for %s", dial)
+	return UpstreamState{}
+}
+
+// TestChargeLifecycle: a decision charges the uncached prompt, the
+// expected output and both as KV; the first token ends the prefill
+// charge, tokens lower the decode charge, Complete releases the rest and
+// teaches the output estimate.
+func TestChargeLifecycle(t *testing.T) {
+	f := New()
+	opts := Options{OutputTokens: 50}.WithDefaults()
+	req := Request{Hashes: hashes(1, 1024), BlockTokens: 64, PromptTokens: 1024, MaxTokens: 100, Model: "m"}
+	d := f.Decide(t0, req, members("a"), &opts, rng(), nil)
+	if d.Charge == nil || d.Chosen != 0 || d.Reason != scorer.Cold {
+		t.Fatalf("decision %+v", d)
+	}
+	u := state(t, f, "a")
+	if u.QueuedPrefillTokens != 1024 || u.QueuedDecodeTokens != 50 || u.KVTokensInFlight != 1074 || u.InFlight != 1 || u.IndexBlocks != 16 {
+		t.Fatalf("after the decision: %+v", u)
+	}
+	f.Progress(d.Charge, 1, t0.Add(100*time.Millisecond))
+	f.Progress(d.Charge, 9, t0.Add(200*time.Millisecond))
+	u = state(t, f, "a")
+	if u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 40 || u.LastTTFT != 100*time.Millisecond {
+		t.Fatalf("after 10 tokens: %+v", u)
+	}
+	f.Complete(d.Charge, "m", 20, t0.Add(time.Second))
+	f.Release(d.Charge, t0.Add(time.Second)) // a second release does nothing
+	u = state(t, f, "a")
+	if u.QueuedDecodeTokens != 0 || u.KVTokensInFlight != 0 || u.InFlight != 0 || u.Completed != 1 {
+		t.Fatalf("after Complete: %+v", u)
+	}
+	// The same prompt again: warm, and expected to generate what was
+	// learned (20), not the default.
+	d = f.Decide(t0.Add(2*time.Second), req, members("a", "b"), &opts, rng(), nil)
+	if d.Reason != scorer.Warm || d.MatchedTokens != 1024 || state(t, f, "a").QueuedDecodeTokens != 20 {
+		t.Fatalf("second decision %+v, state %+v", d, state(t, f, "a"))
+	}
+}
+
+// TestExpectedOutput covers the three estimates, including a request
+// without max_tokens (which bounds nothing).
+func TestExpectedOutput(t *testing.T) {
+	f := New()
+	f.outputs["m"] = &runningMean{value: 30, n: 5}
+	for _, tc := range []struct {
+		estimate  string
+		maxTokens int
+		want      int
+	}{
+		{OutputAverage, 0, 30},
+		{OutputAverage, 10, 10},
+		{OutputMaxTokens, 0, 256},
+		{OutputMaxTokens, 77, 77},
+		{OutputFixed, 10, 256},
+	} {
+		opts := Options{OutputEstimate: tc.estimate}.WithDefaults()
+		if got := f.expectedOutput(Request{Model: "m", MaxTokens: tc.maxTokens}, &opts); got != tc.want {
+			t.Errorf("%s with max_tokens %d: %d, want %d", tc.estimate, tc.maxTokens, got, tc.want)
+		}
+	}
+	opts := Options{}.WithDefaults()
+	if got := f.expectedOutput(Request{Model: "new"}, &opts); got != DefaultOutputTokens {
+		t.Errorf("unseen model: %d", got)
+	}
+}
+
+// TestKVFit: a request that does not fit the KV left is not placed; Fits
+// says when it would be.
+func TestKVFit(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 3000
+	big := Request{Hashes: hashes(1, 2000), BlockTokens: 64, PromptTokens: 2000}
+	d := f.Decide(t0, big, ms, &opts, rng(), nil)
+	if d.Charge == nil {
+		t.Fatal("first request did not fit an empty replica")
+	}
+	other := Request{Hashes: hashes(2, 2000), BlockTokens: 64, PromptTokens: 2000}
+	if d2 := f.Decide(t0, other, ms, &opts, rng(), nil); d2.Charge != nil || d2.Blocked != scorer.FilteredKV || d2.Wake == nil {
+		t.Fatalf("second request placed over capacity: %+v", d2)
+	}
+	if f.Fits(t0, other, ms[0], &opts) {
+		t.Fatal("Fits says yes while the KV is taken")
+	}
+	// The same prompt needs only its output: it fits.
+	if !f.Fits(t0, big, ms[0], &opts) {
+		t.Fatal("Fits says no to a prompt the replica holds")
+	}
+	f.Release(d.Charge, t0)
+	if !f.Fits(t0, other, ms[0], &opts) {
+		t.Fatal("Fits says no after the release")
+	}
+}
+
+// TestTriedAvoided: an upstream an earlier attempt went to is avoided
+// while another is available, and used when it is the only one.
+func TestTriedAvoided(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	req := Request{Hashes: hashes(1, 512), BlockTokens: 64, PromptTokens: 512}
+	ms := members("a", "b")
+	ms[0].Tried = true
+	for range 5 {
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Chosen != 1 {
+			t.Fatalf("chose the tried upstream over an untried one")
+		}
+		f.Release(d.Charge, t0)
+	}
+	ms[1].Available = false
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("chose %d; the tried upstream is the only one left", d.Chosen)
+	}
+}
+
+// TestAdapterResidency: the last MaxLoras adapters sent to an upstream
+// are resident, older ones in host memory, others remote; a running
+// adapter the engine reports is resident.
+func TestAdapterResidency(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"l0": true, "l1": true, "l2": true}, MaxLoras: 2}.WithDefaults()
+	ms := members("a")
+	for _, a := range []string{"l0", "l1", "l2"} {
+		d := f.Decide(t0, Request{Model: a, PromptTokens: 10}, ms, &opts, rng(), nil)
+		f.Release(d.Charge, t0)
+	}
+	u := f.upstreams["a"]
+	for adapter, want := range map[string]scorer.AdapterState{"l2": scorer.AdapterResident, "l1": scorer.AdapterResident, "l0": scorer.AdapterHost, "l9": scorer.AdapterRemote} {
+		if got, _ := opts.adapterCost(adapter, u, nil); got != want {
+			t.Errorf("%s: %v, want %v", adapter, got, want)
+		}
+	}
+	sig := &scrape.Signals{AdaptersKnown: true, RunningAdapters: []string{"l9"}}
+	if got, _ := opts.adapterCost("l9", u, sig); got != scorer.AdapterResident {
+		t.Errorf("running adapter: %v", got)
+	}
+	// An adapter known only from an engine's model list is an adapter too.
+	ms[0].Engine = &scrape.Signals{Models: []scrape.ModelInfo{{ID: "l7", Parent: "base"}}}
+	if got := opts.adapterOf("l7", ms); got != "l7" {
+		t.Errorf("adapter from /v1/models: %q", got)
+	}
+	if got := opts.adapterOf("base", ms); got != "" {
+		t.Errorf("base model taken for an adapter: %q", got)
+	}
+}
+
+// TestEngineSignals: fresh engine signals cap the free KV, and requests
+// the engine has that the router did not send count as queued work.
+func TestEngineSignals(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Engine = &scrape.Signals{Running: 3, Waiting: 2, KVKnown: true, KVUsage: 0.5, BlockSize: 16, NumGPUBlocks: 1000}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstream("a", t0)
+	c := f.candidate(&ms[0], u, &opts, "", 64)
+	if c.KVCapacityTokens != 16000 || c.FreeKVTokens != 8000 || c.ForeignInFlight != 5 || c.Waiting != 2 || c.QueuedDecodeTokens != 500 {
+		t.Fatalf("candidate %+v", c)
+	}
+}
+
+// TestIndexSizedForTheSmallestBlock: two sites hashing with different
+// block sizes do not resize an upstream's index back and forth: it keeps
+// the capacity of the smallest block size seen.
+func TestIndexSizedForTheSmallestBlock(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 64 * 1024
+	decide := func(bt int) {
+		d := f.Decide(t0, Request{BlockTokens: bt, PromptTokens: 10}, ms, &opts, rng(), nil)
+		f.Release(d.Charge, t0)
+	}
+	decide(64)
+	decide(256)
+	if got := state(t, f, "a").IndexCapacityBlocks; got != 1024 {
+		t.Fatalf("capacity %d blocks after a 256-token site, want 1024", got)
+	}
+	decide(16)
+	if got := state(t, f, "a").IndexCapacityBlocks; got != 4096 {
+		t.Fatalf("capacity %d blocks after a 16-token site, want 4096", got)
+	}
+}
+
+// TestNamedUpstreamsLifecycle: named upstreams stay while idle; a
+// forgotten one goes at once when idle, or with its last request; unnamed
+// (dynamic) ones expire when idle long enough.
+func TestNamedUpstreamsLifecycle(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	f.Name("named", t0)
+	f.Name("busy", t0)
+	d := f.Decide(t0, Request{PromptTokens: 10}, members("busy"), &opts, rng(), nil)
+	f.Release(f.Decide(t0, Request{PromptTokens: 10}, members("dynamic"), &opts, rng(), nil).Charge, t0)
+	if n := f.Expire(t0.Add(time.Hour)); n != 1 || f.Known("dynamic") || !f.Known("named") {
+		t.Fatalf("expired %d; dynamic known %v, named known %v", n, f.Known("dynamic"), f.Known("named"))
+	}
+	f.Forget("named")
+	if f.Known("named") {
+		t.Fatal("an idle forgotten upstream stayed")
+	}
+	f.Forget("busy")
+	if !f.Known("busy") {
+		t.Fatal("a forgotten upstream went with a request in flight")
+	}
+	f.Release(d.Charge, t0)
+	if f.Known("busy") {
+		t.Fatal("a forgotten upstream stayed after its last request")
+	}
+	// Named again before its last request ends, it stays.
+	f.Name("back", t0)
+	d = f.Decide(t0, Request{PromptTokens: 10}, members("back"), &opts, rng(), nil)
+	f.Forget("back")
+	f.Name("back", t0)
+	f.Release(d.Charge, t0)
+	if !f.Known("back") {
+		t.Fatal("an upstream named again was dropped")
+	}
+}
+
+// BenchmarkDecide is one decision and its release across 64 upstreams.
+func BenchmarkDecide(b *testing.B) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	var ms []Member
+	for i := range 64 {
+		ms = append(ms, Member{Dial: "u" + string(rune('A'+i)), Available: true})
+	}
+	req := Request{Hashes: hashes(1, 2048), BlockTokens: 64, PromptTokens: 2048, MaxTokens: 100}
+	r := rng()
+	b.ReportAllocs()
+	for b.Loop() {
+		d := f.Decide(t0, req, ms, &opts, r, nil)
+		f.Release(d.Charge, t0)
+	}
+}
