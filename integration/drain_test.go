@@ -215,7 +215,11 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 	reqs := requestBodies(4, "short")
 	results, errs, wait := streamAll(reqs)
 	eventually(t, 5*time.Second, "four requests on A", func() bool { return upstreams(t)[a.dial()].InFlight == 4 })
-	time.Sleep(300 * time.Millisecond) // let the running two stream some tokens
+	// The running two have streamed some tokens: A's decode charge (4 ×
+	// 120 expected) went down.
+	eventually(t, 5*time.Second, "tokens streaming from A", func() bool {
+		return upstreams(t)[a.dial()].QueuedDecodeTokens <= 4*120-10
+	})
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
 	wait()

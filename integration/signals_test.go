@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -64,7 +65,12 @@ func TestKVFullSkipsLongPrompt(t *testing.T) {
 	defer func() { cancel(); wg.Wait() }()
 	direct(ctx, t, a, 2, 48_000, 1000, &wg) // two 12k-token prompts: ~24k of 32k tokens used
 	eventually(t, 5*time.Second, "A's KV filling up", func() bool { return engineRunning(t, a) == 2 })
-	time.Sleep(1500 * time.Millisecond) // prefill done and scraped
+	// Both prompts prefilled (their KV allocated), as the router last
+	// scraped A: about 24k of 32k tokens in use.
+	eventually(t, 10*time.Second, "the router seeing A's KV fill", func() bool {
+		v := engineView(t, a.dial())
+		return v != nil && v.Running == 2 && v.KVUsage > 0.7
+	})
 
 	long := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("long", 40_000), "max_tokens": 16})
 	if long.status != 200 || long.replica != b.name {
@@ -89,7 +95,10 @@ func TestDirectLoadChangesDecisions(t *testing.T) {
 	defer func() { cancel(); wg.Wait() }()
 	direct(ctx, t, a, 24, 2000, 1000, &wg)
 	eventually(t, 5*time.Second, "A busy", func() bool { return engineRunning(t, a) == 4 })
-	time.Sleep(200 * time.Millisecond) // two scrape intervals
+	eventually(t, 5*time.Second, "the router seeing A's queue", func() bool {
+		v := engineView(t, a.dial())
+		return v != nil && v.Running == 4 && v.Waiting >= 1
+	})
 	for i := 0; i < 6; i++ {
 		c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("routed", i), 1000), "max_tokens": 8})
 		if c.replica != b.name {
@@ -123,7 +132,14 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 			models_interval 100ms
 			output_estimate max_tokens
 			adapter_load_remote 1s`, ""))
-	time.Sleep(300 * time.Millisecond) // model lists scraped
+	eventually(t, 5*time.Second, "every model list scraped", func() bool {
+		for _, r := range fleet {
+			if v := engineView(t, r.dial()); v == nil || !slices.Contains(v.Models, "tenant-a") {
+				return false
+			}
+		}
+		return true
+	})
 	first := post(t, "/v1/completions", map[string]any{"model": "tenant-a", "prompt": text("tenant first", 4000), "max_tokens": 60})
 	if first.status != 200 || !strings.Contains(first.explain, "reason=adapter") {
 		t.Fatalf("first tenant request: %d %q %s", first.status, first.explain, first.body)
@@ -161,7 +177,14 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 func TestFinishedWorkIsNotForeign(t *testing.T) {
 	fleet := startFleet(t, 4, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 10s", ""))
-	time.Sleep(300 * time.Millisecond) // the first scrape, before any request
+	eventually(t, 5*time.Second, "the first scrape of every engine, before any request", func() bool {
+		for _, r := range fleet {
+			if engineView(t, r.dial()) == nil {
+				return false
+			}
+		}
+		return true
+	})
 	convo := []msg{{"system", text("scraped conversation", 12_000)}, {"user", "hi"}}
 	first := post(t, "/v1/chat/completions", chat(convo, 8))
 	convo = append(convo, msg{"assistant", "hello"}, msg{"user", "more"})
