@@ -271,25 +271,31 @@ func hardwareArg(d *caddyfile.Dispenser, opt string, hp *HardwareProfile) error 
 	return d.Errf("unrecognized hardware option '%s'", opt)
 }
 
+// intArg reads the current option's one integer argument into dst; its
+// errors name the option (the dispenser's current token).
 func intArg(d *caddyfile.Dispenser, dst *int) error {
+	opt := d.Val()
 	if !d.NextArg() {
 		return d.ArgErr()
 	}
 	v, err := strconv.Atoi(d.Val())
 	if err != nil {
-		return d.Errf("%s: not an integer: %q", d.Val(), d.Val())
+		return d.Errf("%s: not an integer: %q", opt, d.Val())
 	}
 	*dst = v
 	return nil
 }
 
+// floatArg reads the current option's one finite number into dst; its
+// errors name the option.
 func floatArg(d *caddyfile.Dispenser, dst *float64) error {
+	opt := d.Val()
 	if !d.NextArg() {
 		return d.ArgErr()
 	}
 	v, err := strconv.ParseFloat(d.Val(), 64)
 	if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
-		return d.Errf("not a finite number: %q", d.Val())
+		return d.Errf("%s: not a finite number: %q", opt, d.Val())
 	}
 	*dst = v
 	return nil

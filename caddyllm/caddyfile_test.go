@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -56,28 +57,36 @@ func TestPolicyCaddyfile(t *testing.T) {
 }
 
 func TestCaddyfileErrors(t *testing.T) {
-	for _, in := range []string{
-		`llm_affinity { bogus }`,
-		"llm_affinity {\n strategy\n}",
-		`llm_affinity { output_tokens many }`,
-		`llm_affinity { sglang 0.5 32 }`,
-		`llm_affinity extra`,
-		`llm_affinity { queue_timeout soon }`,
-		`llm_affinity { imposed_delay_weight }`,
-		`llm_affinity { imposed_delay_weight heavy }`,
-		`llm_affinity { imposed_delay_weight NaN }`,
-		`llm_affinity { tie Inf }`,
+	for _, tc := range []struct{ in, want string }{
+		{`llm_affinity { bogus }`, "unrecognized llm_affinity policy option 'bogus'"},
+		{"llm_affinity {\n strategy\n}", "wrong argument count or unexpected line ending after 'strategy'"},
+		{`llm_affinity { output_tokens many }`, `output_tokens: not an integer: "many"`},
+		{"llm_affinity {\n sglang 0.5 32\n}", "wrong argument count"},
+		{`llm_affinity extra`, "wrong argument count or unexpected line ending after 'extra'"},
+		{`llm_affinity { queue_timeout soon }`, `parsing queue_timeout: time: invalid duration "soon"`},
+		{"llm_affinity {\n imposed_delay_weight\n}", "wrong argument count or unexpected line ending after 'imposed_delay_weight'"},
+		{`llm_affinity { imposed_delay_weight heavy }`, `imposed_delay_weight: not a finite number: "heavy"`},
+		{`llm_affinity { imposed_delay_weight NaN }`, `imposed_delay_weight: not a finite number: "NaN"`},
+		{`llm_affinity { tie Inf }`, `tie: not a finite number: "Inf"`},
+		{"llm_affinity {\n prefill_rate fast\n}", `prefill_rate: not a finite number: "fast"`},
+		{"llm_affinity {\n kv_capacity 1.5\n}", `kv_capacity: not an integer: "1.5"`},
 	} {
 		var p Policy
-		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(in)); err == nil {
-			t.Errorf("%q: no error", in)
+		err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want %q", tc.in, err, tc.want)
+		}
+	}
+	for _, tc := range []struct{ in, want string }{
+		{`llm_affinity { max_body lots }`, "parsing max_body"},
+		{`llm_affinity { block_tokens x }`, `block_tokens: not an integer: "x"`},
+	} {
+		var h Handler
+		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("handler %q: error %v, want %q", tc.in, err, tc.want)
 		}
 	}
 	var h Handler
-	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity { max_body lots }`)); err == nil {
-		t.Error("handler accepted a bad max_body")
-	}
-	h = Handler{}
 	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity {
 		block_tokens 16
 		max_body 1MiB
