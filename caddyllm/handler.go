@@ -1,8 +1,10 @@
 // Package caddyllm is the Caddy glue of llm_affinity: the handler that
 // parses OpenAI-style request bodies once, and the reverse_proxy selection
 // policy that routes each request to the upstream where its first token
-// comes soonest. The routing state lives at package level, keyed by dial
-// address, so it survives config reloads.
+// comes soonest by asking the decision engine (package router). The
+// routing state is keyed by dial address and held in a usage pool that
+// every loaded policy references, so it survives config reloads and goes
+// with the last config that names it.
 package caddyllm
 
 import (
