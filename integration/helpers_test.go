@@ -59,17 +59,21 @@ func dials(fleet []*replica) string {
 	return strings.Join(d, " ")
 }
 
-// caddyfile renders the test config: the handler and reverse_proxy with
-// the policy options given, in front of fleet.
-func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) string {
-	return fmt.Sprintf(`{
+// globalOptions are every test config's: fixed test ports, no trust
+// store, no grace period on reloads.
+const globalOptions = `{
 	skip_install_trust
 	admin localhost:2999
 	http_port 9080
 	https_port 9443
 	grace_period 1ns
 }
-http://localhost:9080 {
+`
+
+// caddyfile renders the test config: the handler and reverse_proxy with
+// the policy options given, in front of fleet.
+func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) string {
+	return globalOptions + fmt.Sprintf(`http://localhost:9080 {
 	llm_affinity {
 		%s
 	}

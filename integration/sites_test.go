@@ -18,14 +18,7 @@ import (
 // proxies to twoDials with twoOpts. Site one comes first, so Caddy
 // provisions its policy before site two's.
 func twoSites(oneDials, oneOpts, twoDials, twoOpts string) string {
-	return fmt.Sprintf(`{
-	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
-	grace_period 1ns
-}
-http://localhost:9080 {
+	return globalOptions + fmt.Sprintf(`http://localhost:9080 {
 	llm_affinity
 	reverse_proxy %s {
 		lb_policy llm_affinity {
