@@ -176,6 +176,7 @@ type Policy struct {
 	ctx      caddy.Context
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
+	health   *healthWatch
 
 	// sh is the shared routing state; site names this policy as the
 	// owner of its drains there; named lists the upstreams it references.
@@ -278,7 +279,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// policy, so the health watcher starts with the first request; the
 	// static upstreams' dials are known now (read in the parent's own
 	// Provision, so without a race).
-	p.ctx, p.parent, p.watching = ctx, parentUpstreams(ctx), new(atomic.Bool)
+	p.ctx, p.parent, p.watching, p.health = ctx, parentUpstreams(ctx), new(atomic.Bool), new(healthWatch)
 	for _, u := range p.parent() {
 		p.named = append(p.named, u.Dial)
 	}
@@ -320,6 +321,7 @@ func (p *Policy) Cleanup() error {
 	if p.sh == nil {
 		return nil
 	}
+	p.health.close()
 	if p.scraper != nil {
 		p.sh.removeScraper(p.scraper)
 	}
