@@ -8,6 +8,12 @@ import "time"
 type Charge struct {
 	up   *upstream
 	dial string
+	// id names the charge in events to peers; peer is the router that
+	// made it, empty for this one's own.
+	id   uint64
+	peer string
+	// adapter and hashes are kept for the routed event.
+	adapter string
 	// Estimate is the ttft estimate made at the decision, in seconds.
 	Estimate float64
 	prefill  int // uncached prompt tokens still charged
@@ -37,14 +43,8 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Cha
 	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now}
 }
 
-// Progress records n more output tokens of c's response at now: the first
-// one ends the prefill charge, each one lowers the decode charge.
-func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if c.up == nil || n <= 0 {
-		return
-	}
+// progress is Progress; caller holds f.mu.
+func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	u := c.up
 	if c.FirstToken.IsZero() {
 		c.FirstToken = now
@@ -58,19 +58,38 @@ func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
 	c.decode -= d
 }
 
-// Complete ends c after a response of model that generated outputTokens,
-// which the output estimate learns, and releases what c still holds.
-func (f *Fleet) Complete(c *Charge, model string, outputTokens int, now time.Time) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
+// learn feeds an observed output length into model's estimate. Caller
+// holds f.mu.
+func (f *Fleet) learn(model string, outputTokens int) {
 	m := f.outputs[model]
 	if m == nil {
 		m = &runningMean{}
 		f.outputs[model] = m
 	}
 	m.add(float64(outputTokens))
+}
+
+// Progress records n more output tokens of c's response at now: the first
+// one ends the prefill charge, each one lowers the decode charge.
+func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if c.up == nil || n <= 0 {
+		return
+	}
+	f.progress(c, n, now)
+	f.publish(Event{Kind: EventProgressed, ID: c.id, Tokens: c.Tokens})
+}
+
+// Complete ends c after a response of model that generated outputTokens,
+// which the output estimate learns, and releases what c still holds.
+func (f *Fleet) Complete(c *Charge, model string, outputTokens int, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.learn(model, outputTokens)
 	if c.up != nil {
 		c.up.completed++
+		f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: outputTokens})
 	}
 	f.release(c, now)
 }
@@ -83,6 +102,9 @@ func (f *Fleet) Release(c *Charge, now time.Time) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if c.up != nil {
+		f.publish(Event{Kind: EventReleased, ID: c.id})
+	}
 	f.release(c, now)
 }
 

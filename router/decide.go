@@ -72,19 +72,26 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		d.Wake = f.waitChannel()
 		return d
 	}
-	u, c := states[sd.Chosen], &cands[sd.Chosen]
-	d.MatchedTokens = c.MatchedTokens
+	u, cand := states[sd.Chosen], &cands[sd.Chosen]
+	d.MatchedTokens = cand.MatchedTokens
 	// Only the uncached prompt and the output need new KV blocks: the
 	// matched prefix is in the engine's cache already, shared, and
 	// charging it per request over-counts popular prefixes many times.
-	uncached := req.PromptTokens - c.MatchedTokens
-	d.Charge = f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
-	d.Charge.Estimate = sd.EstimatedTTFTSeconds
+	uncached := req.PromptTokens - cand.MatchedTokens
+	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
+	f.nextID++
+	c.id, c.adapter = f.nextID, sreq.Adapter
+	c.Estimate = sd.EstimatedTTFTSeconds
 	u.lastEstimate = sd.EstimatedTTFTSeconds
 	if sreq.Adapter != "" {
 		u.useAdapter(sreq.Adapter)
 	}
 	f.index.Insert(u.id, req.Hashes)
+	f.publish(Event{
+		Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(req),
+		Prefill: c.prefill, Decode: c.decode, KV: c.kv, Adapter: sreq.Adapter,
+	})
+	d.Charge = c
 	return d
 }
 
@@ -100,8 +107,11 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 
 // candidates builds the scorer's view of req and of every member, in
 // scratch space reused across decisions. Caller holds f.mu.
+// blockTokensOf is req's block size, at least 1.
+func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
+
 func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options) (scorer.Request, []scorer.Candidate, []*upstream) {
-	bt := max(1, req.BlockTokens)
+	bt := blockTokensOf(req)
 	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]
 	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
 	f.scratchCands, f.scratchStates = cands, states

@@ -39,6 +39,14 @@ type Fleet struct {
 	changed chan struct{}
 	waiting bool
 
+	// publisher receives the events of this router's own charges; remote
+	// holds the peers' charges applied here, peers when each peer was
+	// last heard from; nextID numbers this router's charges.
+	publisher func(Event)
+	remote    map[remoteKey]*Charge
+	peers     map[string]time.Time
+	nextID    uint64
+
 	// Scratch space of decisions, which all run under mu.
 	scratchCands  []scorer.Candidate
 	scratchStates []*upstream
@@ -94,6 +102,8 @@ func New() *Fleet {
 		upstreams: make(map[string]*upstream),
 		outputs:   make(map[string]*runningMean),
 		changed:   make(chan struct{}),
+		remote:    make(map[remoteKey]*Charge),
+		peers:     make(map[string]time.Time),
 	}
 }
 

@@ -1,0 +1,175 @@
+package router
+
+import "time"
+
+// Several routers in front of the same upstreams share one view by telling
+// each other what they charged: each Fleet publishes an Event for every
+// change to its own charges, and applies its peers' events to its state as
+// if it had made those charges itself. The prefix index learns what peers
+// routed, peers' charges count as queued work until released, and their
+// completions teach the output estimate. Events carry hashes and counts,
+// never prompt text. Delivery is best-effort: a lost event is made good by
+// expiry, and a peer that goes silent loses its charges.
+
+// EventKind says what happened to a charge.
+type EventKind uint8
+
+// Event kinds.
+const (
+	// EventRouted: a request was charged to Dial.
+	EventRouted EventKind = iota + 1
+	// EventProgressed: the request's response has produced Tokens output
+	// tokens so far (the first one ends the prefill charge).
+	EventProgressed
+	// EventCompleted: the response completed with Tokens output tokens
+	// for Model; the charge is released.
+	EventCompleted
+	// EventReleased: the request ended without a completed response; the
+	// charge is released.
+	EventReleased
+)
+
+// Event is one change to a router's charges, as its peers learn it.
+type Event struct {
+	Kind EventKind
+	// ID names the charge within the router that made it.
+	ID uint64
+	// Dial, Hashes, BlockTokens, the charges and Adapter describe a
+	// routed request.
+	Dial        string
+	Hashes      []uint64
+	BlockTokens int
+	Prefill     int
+	Decode      int
+	KV          int
+	Adapter     string
+	// Model is a completed request's model field.
+	Model string
+	// Tokens is the output so far (progressed) or in all (completed).
+	Tokens int
+}
+
+// remoteKey names a peer's charge.
+type remoteKey struct {
+	peer string
+	id   uint64
+}
+
+// SetPublisher makes f call publish with every change to its own charges.
+// publish runs under the fleet's lock, in the order of the changes: it
+// must not block (hand the event to a bounded queue), and must copy
+// Hashes if it keeps them beyond the call.
+func (f *Fleet) SetPublisher(publish func(Event)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.publisher = publish
+}
+
+// publish hands ev to the publisher, if any. Caller holds f.mu.
+func (f *Fleet) publish(ev Event) {
+	if f.publisher != nil {
+		f.publisher(ev)
+	}
+}
+
+// Apply applies peer's event at now, as if f had made the change itself,
+// and reports whether it changed anything. Events for upstreams f does
+// not know (no config of this router names them and it never routed
+// there) are ignored, as are events of charges it never saw routed.
+func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.peers[peer] = now
+	key := remoteKey{peer, ev.ID}
+	if ev.Kind == EventRouted {
+		u := f.upstreams[ev.Dial]
+		if u == nil || f.remote[key] != nil {
+			return false
+		}
+		c := f.charge(u, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)
+		c.id, c.peer, c.adapter = ev.ID, peer, ev.Adapter
+		f.remote[key] = c
+		if ev.Adapter != "" {
+			u.useAdapter(ev.Adapter)
+		}
+		if ev.BlockTokens > 0 && u.capacityTokens > 0 {
+			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens)
+		}
+		f.index.Insert(u.id, ev.Hashes)
+		return true
+	}
+	c := f.remote[key]
+	if c == nil {
+		return false
+	}
+	switch ev.Kind {
+	case EventProgressed:
+		if n := ev.Tokens - c.Tokens; n > 0 {
+			f.progress(c, n, now)
+		}
+		return true
+	case EventCompleted:
+		f.learn(ev.Model, ev.Tokens)
+		c.up.completed++
+	case EventReleased:
+	default:
+		return false
+	}
+	delete(f.remote, key)
+	f.release(c, now)
+	return true
+}
+
+// Heard records that peer was alive at now (a heartbeat), so its charges
+// are kept.
+func (f *Fleet) Heard(peer string, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.peers[peer] = now
+}
+
+// ExpirePeers releases the charges of peers not heard from since
+// silentSince (the router died or the network parted: its requests are
+// finished or will never be reported) and peers' charges made before
+// chargedBefore (their release was lost). It returns how many it released.
+func (f *Fleet) ExpirePeers(now, silentSince, chargedBefore time.Time) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for key, c := range f.remote {
+		if f.peers[key.peer].Before(silentSince) || c.Started.Before(chargedBefore) {
+			delete(f.remote, key)
+			f.release(c, now)
+			n++
+		}
+	}
+	for peer, seen := range f.peers {
+		if seen.Before(silentSince) {
+			delete(f.peers, peer)
+		}
+	}
+	return n
+}
+
+// PeerState is what a router knows of one peer, for the admin view.
+type PeerState struct {
+	Name     string
+	LastSeen time.Time
+	// Charges counts the peer's charges in flight here.
+	Charges int
+}
+
+// Peers lists the peers heard from and their charges in flight.
+func (f *Fleet) Peers() []PeerState {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	counts := make(map[string]int, len(f.peers))
+	for key := range f.remote {
+		counts[key.peer]++
+	}
+	out := make([]PeerState, 0, len(f.peers))
+	for name, seen := range f.peers {
+		out = append(out, PeerState{Name: name, LastSeen: seen, Charges: counts[name]})
+	}
+	return out
+}

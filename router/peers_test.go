@@ -1,0 +1,102 @@
+package router
+
+import (
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+)
+
+
+// TestPeersShareTheView: what router a routes, router b's index and
+// queues see; a's completion teaches b's output estimate and releases
+// the charge on b.
+func TestPeersShareTheView(t *testing.T) {
+	a, b := New(), New()
+	for _, f := range []*Fleet{a, b} {
+		f.Name("x", t0)
+		f.Name("y", t0)
+	}
+	var sent []Event
+	a.SetPublisher(func(ev Event) { sent = append(sent, ev) })
+	opts := Options{OutputTokens: 50}.WithDefaults()
+	req := Request{Hashes: hashes(1, 1024), BlockTokens: 64, PromptTokens: 1024, MaxTokens: 100, Model: "m"}
+	d := a.Decide(t0, req, members("x", "y"), &opts, rng(), nil)
+	if len(sent) != 1 || sent[0].Kind != EventRouted || sent[0].Dial != d.Charge.Dial() || len(sent[0].Hashes) != 16 {
+		t.Fatalf("events %+v", sent)
+	}
+	for _, ev := range sent {
+		if !b.Apply("a", ev, t0) {
+			t.Fatalf("b ignored %+v", ev)
+		}
+	}
+	dial := d.Charge.Dial()
+	if u := state(t, b, dial); u.QueuedPrefillTokens != 1024 || u.QueuedDecodeTokens != 50 || u.InFlight != 1 || u.IndexBlocks != 16 {
+		t.Fatalf("b's view of a's charge: %+v", u)
+	}
+	sent = sent[:0]
+	a.Progress(d.Charge, 1, t0.Add(time.Second))
+	a.Progress(d.Charge, 4, t0.Add(time.Second))
+	for _, ev := range sent {
+		b.Apply("a", ev, t0.Add(time.Second))
+	}
+	if u := state(t, b, dial); u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 45 {
+		t.Fatalf("b after a's first 5 tokens: %+v", u)
+	}
+	// Turn 2 through b lands warm where a sent turn 1.
+	d2 := b.Decide(t0, req, members("x", "y"), &opts, rng(), nil)
+	if d2.Charge.Dial() != dial || d2.Reason != scorer.Warm {
+		t.Fatalf("b routed turn 2 to %s (%s), a sent turn 1 to %s", d2.Charge.Dial(), d2.Reason, dial)
+	}
+	b.Release(d2.Charge, t0)
+
+	sent = sent[:0]
+	a.Complete(d.Charge, "m", 20, t0.Add(2*time.Second))
+	for _, ev := range sent {
+		b.Apply("a", ev, t0.Add(2*time.Second))
+	}
+	if u := state(t, b, dial); u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 0 || u.InFlight != 0 || u.Completed != 1 {
+		t.Fatalf("b after a's completion: %+v", u)
+	}
+	if got := b.expectedOutput(Request{Model: "m"}, &opts); got != 20 {
+		t.Fatalf("b learned output %d from a's completion, want 20", got)
+	}
+	if b.Apply("a", Event{Kind: EventReleased, ID: d.Charge.id}, t0) {
+		t.Fatal("a second release of the same charge changed something")
+	}
+}
+
+// TestPeerEventsForUnknownUpstreamsAreIgnored: a peer routing to an
+// upstream this router does not have changes nothing here.
+func TestPeerEventsForUnknownUpstreamsAreIgnored(t *testing.T) {
+	b := New()
+	b.Name("x", t0)
+	if b.Apply("a", Event{Kind: EventRouted, ID: 1, Dial: "elsewhere:1", Prefill: 100}, t0) || b.Known("elsewhere:1") {
+		t.Fatal("applied a charge to an upstream this router does not have")
+	}
+	if b.Apply("a", Event{Kind: EventProgressed, ID: 7, Tokens: 3}, t0) {
+		t.Fatal("applied progress of a charge never routed")
+	}
+}
+
+// TestSilentPeersLoseTheirCharges: a peer that stops talking (it died)
+// leaves no charge behind once its silence passes the limit; a charge
+// whose release was lost expires after the longest a request may take.
+func TestSilentPeersLoseTheirCharges(t *testing.T) {
+	b := New()
+	b.Name("x", t0)
+	b.Apply("dead", Event{Kind: EventRouted, ID: 1, Dial: "x", Prefill: 100, Decode: 10, KV: 110}, t0)
+	b.Apply("alive", Event{Kind: EventRouted, ID: 1, Dial: "x", Prefill: 100, Decode: 10, KV: 110}, t0)
+	b.Apply("alive", Event{Kind: EventRouted, ID: 2, Dial: "x", Prefill: 100, Decode: 10, KV: 110}, t0.Add(50*time.Minute))
+	now := t0.Add(time.Hour)
+	b.Heard("alive", now)
+	if n := b.ExpirePeers(now, now.Add(-30*time.Second), now.Add(-30*time.Minute)); n != 2 {
+		t.Fatalf("released %d charges, want the dead peer's and the alive peer's lost one", n)
+	}
+	if u := state(t, b, "x"); u.InFlight != 1 || u.QueuedPrefillTokens != 100 {
+		t.Fatalf("after expiry: %+v", u)
+	}
+	if ps := b.Peers(); len(ps) != 1 || ps[0].Name != "alive" || ps[0].Charges != 1 {
+		t.Fatalf("peers %+v", ps)
+	}
+}
