@@ -76,6 +76,14 @@ type Sim struct {
 	DecodeTokensPerSecond  float64
 	// Scorer tunes the llm_affinity decision; its Strategy is set from the policy name.
 	Scorer scorer.Options
+	// Routers is how many routers share the replicas (0 means 1). Arrivals go to them in
+	// turn, per request, as an L4 balancer in front of several gateways would spread them;
+	// each router has its own state (for Caddy's policies, its own request counts).
+	Routers int
+	// Sync shares the llm_affinity routers' state: each applies the others' events
+	// (router.Fleet.Apply) SyncDelay after they happened.
+	Sync      bool
+	SyncDelay time.Duration
 }
 
 // Rates returns the prefill and decode rates the scorer is given for workload w: prefill is
@@ -103,9 +111,6 @@ type simReplica struct {
 	name   string
 	engine *kvsim.Engine
 
-	// upstream is the replica as Caddy's selection policies see it.
-	upstream *reverseproxy.Upstream
-
 	heapPos int
 	result  *ReplicaResult
 }
@@ -115,12 +120,30 @@ type inflight struct {
 	req     *Request
 	res     *RequestResult
 	replica int
+	router  *simRouter
 	charge  *router.Charge // llm_affinity's charge, nil under Caddy's policies
 	kreq    kvsim.Request
 }
 
-// waiter is a request waiting at the gateway for a replica that fits.
+// simRouter is one router: llm_affinity's decision engine, or one of Caddy's selection
+// policies with that router's own view of the upstreams (their request counts).
+type simRouter struct {
+	name     string
+	fleet    *router.Fleet
+	selector reverseproxy.Selector
+	pool     reverseproxy.UpstreamPool
+}
+
+// delivery is an event of one router's charges on its way to the others.
+type delivery struct {
+	at   time.Duration
+	from int
+	ev   router.Event
+}
+
+// waiter is a request waiting at a router's gateway for a replica that fits.
 type waiter struct {
+	router   *simRouter
 	req      *Request
 	text     []byte
 	hashes   []uint64 // the prompt's block hashes, computed at arrival
@@ -140,14 +163,15 @@ type simRun struct {
 	hasher       prefixindex.Hasher
 	queueTimeout time.Duration
 
-	// The llm_affinity side: the plugin's decision engine, its options and one member per
-	// replica. Caddy's policies: the selector and its upstream pool.
-	fleet    *router.Fleet
-	ropts    router.Options
-	members  []router.Member
-	selector reverseproxy.Selector
-	pool     reverseproxy.UpstreamPool
-	httpReq  *http.Request
+	// The routers, the llm_affinity options and one member per replica; the events between
+	// routers in flight, in order of delivery; the request Caddy's policies see.
+	routers    []simRouter
+	nextRouter int
+	ropts      router.Options
+	members    []router.Member
+	outbox     []delivery
+	now        time.Duration
+	httpReq    *http.Request
 
 	inflight map[*kvsim.Request]*inflight
 	gateway  []waiter
@@ -225,24 +249,29 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		rep := &run.replicas[i]
 		rep.name = "replica-" + strconv.Itoa(i)
 		rep.engine = eng
-		rep.upstream = &reverseproxy.Upstream{Dial: rep.name, Host: new(reverseproxy.Host)}
 		rep.result = &run.results.Replicas[i]
 		rep.result.Name = rep.name
-		run.pool = append(run.pool, rep.upstream)
 	}
 	run.heap.init(run.replicas)
 
 	strategy, affinity := AffinityStrategy(policy)
 	run.affinity = affinity
+	run.routers = make([]simRouter, max(1, s.Routers))
 	if !affinity {
-		sel, err := caddySelector(policy)
-		if err != nil {
-			return nil, err
+		run.httpReq = &http.Request{Header: http.Header{}}
+		for i := range run.routers {
+			rt := &run.routers[i]
+			sel, err := caddySelector(policy)
+			if err != nil {
+				return nil, err
+			}
+			rt.name, rt.selector = "router-"+strconv.Itoa(i), sel
+			for j := range run.replicas {
+				rt.pool = append(rt.pool, &reverseproxy.Upstream{Dial: run.replicas[j].name, Host: new(reverseproxy.Host)})
+			}
 		}
-		run.selector, run.httpReq = sel, &http.Request{Header: http.Header{}}
 		return run, nil
 	}
-	run.fleet = router.New()
 	run.ropts = router.Options{
 		Scorer:            s.Scorer,
 		OutputEstimate:    s.OutputEstimate,
@@ -261,7 +290,33 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 	for i := range run.replicas {
 		run.members = append(run.members, router.Member{Dial: run.replicas[i].name, Available: true, Healthy: true, Hardware: hw})
 	}
+	for i := range run.routers {
+		rt := &run.routers[i]
+		rt.name, rt.fleet = "router-"+strconv.Itoa(i), router.New()
+		for _, m := range run.members {
+			rt.fleet.Name(m.Dial, at(0))
+		}
+		if s.Sync && len(run.routers) > 1 {
+			rt.fleet.SetPublisher(func(ev router.Event) {
+				run.outbox = append(run.outbox, delivery{at: run.now + max(0, s.SyncDelay), from: i, ev: ev})
+			})
+		}
+	}
 	return run, nil
+}
+
+// deliver applies the next event in flight between routers to every router but its sender.
+func (run *simRun) deliver() {
+	d := run.outbox[0]
+	run.outbox = run.outbox[1:]
+	for i := range run.routers {
+		if i != d.from {
+			run.routers[i].fleet.Apply(run.routers[d.from].name, d.ev, at(d.at))
+		}
+	}
+	if d.ev.Kind == router.EventCompleted || d.ev.Kind == router.EventReleased {
+		run.released = true
+	}
 }
 
 // caddySelector returns Caddy's own selection policy of that name, provisioned as Caddy
@@ -309,15 +364,20 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			tArrive = w.Requests[next].Arrival
 		}
 		tEngine, ei := run.heap.min()
+		tDeliver := never
+		if len(run.outbox) > 0 {
+			tDeliver = run.outbox[0].at
+		}
 		switch {
-		case tArrive == never && tEngine == never:
+		case tArrive == never && tEngine == never && tDeliver == never:
 			// Nothing runs and nothing arrives: whoever still waits can never fit.
 			for _, wt := range run.gateway {
 				run.shed(wt.req)
 			}
 			run.gateway = nil
 			return nil
-		case tEngine <= tArrive:
+		case tEngine <= tArrive && tEngine <= tDeliver:
+			run.now = tEngine
 			run.events = run.replicas[ei].engine.AdvanceTo(tEngine, run.events[:0])
 			for i := range run.events {
 				run.handle(&run.events[i])
@@ -327,10 +387,23 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 				run.released = false
 				run.retryGateway(tEngine, ei)
 			}
+		case tDeliver <= tArrive:
+			run.now = tDeliver
+			run.deliver()
+			if run.released {
+				// A peer's release frees KV as this router sees it: its waiters may fit anywhere.
+				run.released = false
+				for j := range run.replicas {
+					run.retryGateway(tDeliver, j)
+				}
+			}
 		default:
+			run.now = tArrive
 			r := &w.Requests[next]
 			next++
-			run.arrive(waiter{req: r, text: r.AppendPrompt(nil), deadline: tArrive + run.queueTimeout}, tArrive)
+			rt := &run.routers[run.nextRouter%len(run.routers)]
+			run.nextRouter++
+			run.arrive(waiter{router: rt, req: r, text: r.AppendPrompt(nil), deadline: tArrive + run.queueTimeout}, tArrive)
 		}
 	}
 }
@@ -348,13 +421,13 @@ func (run *simRun) handle(ev *kvsim.Event) {
 			f.res.TTFT = max(ev.Time-f.req.Arrival, 1)
 		}
 		if f.charge != nil {
-			run.fleet.Progress(f.charge, 1, at(ev.Time))
+			f.router.fleet.Progress(f.charge, 1, at(ev.Time))
 		}
 	case kvsim.EventFinished:
 		if f.charge != nil {
-			run.fleet.Complete(f.charge, run.modelName(f.req), ev.GeneratedTokens, at(ev.Time))
+			f.router.fleet.Complete(f.charge, run.modelName(f.req), ev.GeneratedTokens, at(ev.Time))
 		} else {
-			countRequest(rep.upstream.Host, -1)
+			countRequest(f.router.pool[f.replica].Host, -1)
 		}
 		run.released = true
 		f.res.E2E = max(ev.Time-f.req.Arrival, 1)
@@ -412,7 +485,7 @@ func (run *simRun) retryGateway(now time.Duration, j int) {
 		switch {
 		case now > wt.deadline:
 			run.shed(wt.req)
-		case run.fleet.Fits(at(now), run.routerRequest(&wt), run.members[j], &run.ropts):
+		case wt.router.fleet.Fits(at(now), run.routerRequest(&wt), run.members[j], &run.ropts):
 			run.arrive(wt, now)
 		default:
 			run.gateway = append(run.gateway, wt)
@@ -424,7 +497,7 @@ func (run *simRun) retryGateway(now time.Duration, j int) {
 // fits, the request waits at the gateway (unless the queue timeout is negative, when it is
 // shed at once).
 func (run *simRun) arrive(wt waiter, now time.Duration) {
-	r, text := wt.req, wt.text
+	r, text, rt := wt.req, wt.text, wt.router
 	res := &run.results.Requests[r.Index]
 	var choice int
 	var charge *router.Charge
@@ -432,10 +505,10 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		if wt.hashes == nil {
 			wt.hashes = run.hasher.HashBytes(nil, run.seed(r), text)
 		}
-		d := run.fleet.Decide(at(now), run.routerRequest(&wt), run.members, &run.ropts, run.rng, nil)
+		d := rt.fleet.Decide(at(now), run.routerRequest(&wt), run.members, &run.ropts, run.rng, nil)
 		choice, charge = d.Chosen, d.Charge
 	} else {
-		choice = run.chooseCaddy(r)
+		choice = run.chooseCaddy(rt, r)
 	}
 	if choice < 0 {
 		if run.queueTimeout > 0 {
@@ -446,7 +519,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		return
 	}
 	rep := &run.replicas[choice]
-	f := &inflight{req: r, res: res, replica: choice, charge: charge}
+	f := &inflight{req: r, res: res, replica: choice, router: rt, charge: charge}
 	f.kreq = kvsim.Request{
 		ID:            strconv.Itoa(r.Index),
 		Adapter:       r.Model,
@@ -460,13 +533,13 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 	if err := rep.engine.Submit(&f.kreq, now); err != nil {
 		res.Err = err.Error()
 		if charge != nil {
-			run.fleet.Release(charge, at(now))
+			rt.fleet.Release(charge, at(now))
 		}
 		run.progress()
 		return
 	}
 	if charge == nil {
-		countRequest(rep.upstream.Host, 1)
+		countRequest(rt.pool[choice].Host, 1)
 	}
 	run.heap.fix(choice)
 	run.inflight[&f.kreq] = f
@@ -483,17 +556,17 @@ func (run *simRun) seed(r *Request) uint64 {
 
 // chooseCaddy asks Caddy's selection policy, as reverse_proxy would, with the request's
 // routing key in the header the header policy hashes. It returns the replica, -1 for none.
-func (run *simRun) chooseCaddy(r *Request) int {
+func (run *simRun) chooseCaddy(rt *simRouter, r *Request) int {
 	if key := HeaderKey(r); key != "" {
 		run.httpReq.Header.Set(SessionHeader, key)
 	} else {
 		run.httpReq.Header.Del(SessionHeader)
 	}
-	up := run.selector.Select(run.pool, run.httpReq, nil)
+	up := rt.selector.Select(rt.pool, run.httpReq, nil)
 	if up == nil {
 		return -1
 	}
-	return slices.Index(run.pool, up)
+	return slices.Index(rt.pool, up)
 }
 
 // HeaderKey is the routing key the header policy hashes: the request's session (the user in

@@ -228,3 +228,35 @@ func TestSimLeastConnSpreads(t *testing.T) {
 		}
 	}
 }
+
+// TestSimRoutersShareTheirView: four routers splitting the arrivals lose
+// hit rate on their own and keep one router's when they share their
+// events; Caddy's own policies run one selector per router.
+func TestSimRoutersShareTheirView(t *testing.T) {
+	w := tinyGSP(t)
+	hit := func(routers int, sync bool, delay time.Duration, policy string) float64 {
+		t.Helper()
+		sim := &Sim{Config: Config{Replicas: 4, Seed: 1}, Routers: routers, Sync: sync, SyncDelay: delay}
+		res, err := sim.Replay(context.Background(), w, policy)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, r := range res.Requests {
+			if r.Shed || r.Err != "" || r.E2E == 0 {
+				t.Fatalf("%s, %d routers: request %d not served: %+v", policy, routers, i, r)
+			}
+		}
+		return Summarize(res).HitRate
+	}
+	one := hit(1, false, 0, "llm_affinity/ttft")
+	apart := hit(4, false, 0, "llm_affinity/ttft")
+	shared := hit(4, true, time.Millisecond, "llm_affinity/ttft")
+	t.Logf("hit rate: one router %.3f, four apart %.3f, four sharing %.3f", one, apart, shared)
+	if apart > one-0.05 {
+		t.Errorf("four routers without sync kept the hit rate (%.3f against %.3f): the test shows nothing", apart, one)
+	}
+	if shared < one-0.02 {
+		t.Errorf("four routers with sync: hit rate %.3f, one router %.3f", shared, one)
+	}
+	hit(4, false, 0, "least_conn")
+}

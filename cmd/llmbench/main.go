@@ -55,6 +55,9 @@ type options struct {
 	imposedWeight  float64
 	decodeWeight   float64
 	progress       bool
+	routers        int
+	sync           string
+	syncDelay      time.Duration
 	gen            llmbench.GeneratorOptions
 }
 
@@ -87,6 +90,9 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
+	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
+	fs.StringVar(&o.sync, "sync", "off", "sim, llm_affinity with --routers > 1: `on` shares the routers' state (each applies the others' routing events, as the plugin's sync option does over NATS), off keeps each router's own view")
+	fs.DurationVar(&o.syncDelay, "sync-delay", 0, "sim with --sync on: how long an event takes to reach the other routers")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
 
 	fs.IntVar(&o.gen.GSP.Groups, "gsp-groups", 64, "gsp: number of shared system prompts")
@@ -199,8 +205,20 @@ func bench(o options, stdout, stderr io.Writer) error {
 			return usageError{fmt.Errorf("--%s must be a finite number, got %v", name, w)}
 		}
 	}
+	if o.routers < 1 || (o.routers > 1 && o.mode != "sim") {
+		return usageError{fmt.Errorf("--routers must be at least 1, and above 1 only in sim mode, got %d", o.routers)}
+	}
+	if o.sync != "on" && o.sync != "off" {
+		return usageError{fmt.Errorf("--sync must be on or off, got %q", o.sync)}
+	}
+	if o.syncDelay < 0 {
+		return usageError{fmt.Errorf("--sync-delay must not be negative, got %v", o.syncDelay)}
+	}
 	// Both modes configure the llm_affinity policy from the same settings.
 	settings := &llmbench.Sim{
+		Routers:                o.routers,
+		Sync:                   o.sync == "on",
+		SyncDelay:              o.syncDelay,
 		Config:                 cfg,
 		QueueTimeout:           o.queueTimeout,
 		OutputEstimate:         o.outputEstimate,
@@ -266,11 +284,14 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["decode_tokens_per_s"] = decode
 	params["imposed_delay_weight"] = o.imposedWeight
 	params["decode_weight"] = o.decodeWeight
+	params["routers"] = o.routers
+	params["sync"] = o.sync
+	params["sync_delay_s"] = o.syncDelay.Seconds()
 	if o.mode == "http" {
 		params["time_scale"] = o.timeScale
 	}
-	fmt.Fprintf(stderr, "llmbench: %s, %d requests over %.1fs (prompt mean %.0f, output mean %.0f tokens), %d replicas, %s mode\n",
-		o.workload, st.Requests, st.DurationSeconds, st.MeanPromptTokens, st.MeanOutputTokens, o.replicas, o.mode)
+	fmt.Fprintf(stderr, "llmbench: %s, %d requests over %.1fs (prompt mean %.0f, output mean %.0f tokens), %d replicas, %d router(s), sync %s, %s mode\n",
+		o.workload, st.Requests, st.DurationSeconds, st.MeanPromptTokens, st.MeanOutputTokens, o.replicas, o.routers, o.sync, o.mode)
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
