@@ -9,7 +9,9 @@ import (
 const DefaultModel = "meta-llama/Llama-3.1-8B-Instruct"
 
 // Config configures one simulated engine. The zero value of every field means its default;
-// the defaults approximate an 8B model on one H100.
+// the defaults approximate an 8B model on one H100. They are documented here only: the Caddy
+// handler (package kvsim/caddykvsim) embeds Config, and its Caddyfile options and cmd/kvsim's
+// flags are built from [Config.Options], under the fields' JSON names.
 type Config struct {
 	// Model is the served base model name. Default: meta-llama/Llama-3.1-8B-Instruct.
 	Model string `json:"model,omitempty"`
@@ -99,6 +101,48 @@ func (c Config) WithDefaults() Config {
 	setDur(&c.LoRAHostLoad, 30*time.Millisecond)
 	setDur(&c.LoRAStorageLoad, 2*time.Second)
 	return c
+}
+
+// An Option is one setting of a [Config] or of [Faults], named for the front ends that set
+// them one at a time: the Caddyfile directive of package kvsim/caddykvsim and the flags of
+// cmd/kvsim. Building both from [Config.Options] and [Faults.Options] keeps their names,
+// their types and, for flags, their defaults those of the struct fields.
+type Option struct {
+	// Name is the field's JSON name, which is also its Caddyfile option; its command-line
+	// flag is Name with dashes for underscores.
+	Name string
+
+	// Usage describes the setting in one line, for flag help. Defaults are documented on
+	// the fields, not here.
+	Usage string
+
+	// Field points at the field: a *string, *int, *bool, *float64, *time.Duration or
+	// *[]string. A []string option is a list: each use of it appends.
+	Field any
+}
+
+// Options returns c's settings, with Field pointing into c.
+func (c *Config) Options() []Option {
+	return []Option{
+		{"model", "served base model name", &c.Model},
+		{"max_model_len", "longest context (prompt plus output tokens) accepted", &c.MaxModelLen},
+		{"block_size", "tokens per KV block", &c.BlockSize},
+		{"num_gpu_blocks", "number of KV blocks (KV capacity = blocks x block size tokens)", &c.NumGPUBlocks},
+		{"max_num_seqs", "maximum number of running sequences", &c.MaxNumSeqs},
+		{"max_num_batched_tokens", "token budget of one engine step (chunked prefill)", &c.MaxNumBatchedTokens},
+		{"bytes_per_token", "pseudo-tokenizer token length in bytes (1..16)", &c.BytesPerToken},
+		{"default_output_tokens", "tokens generated when a request sets neither max_tokens nor kvsim_output_tokens", &c.DefaultOutputTokens},
+		{"disable_prefix_caching", "turn the prefix cache off", &c.DisablePrefixCaching},
+		{"step_overhead", "fixed time of one engine step", &c.StepOverhead},
+		{"per_prefill_token", "step time per prompt token computed", &c.PerPrefillToken},
+		{"per_decode_sequence", "step time per decoding sequence", &c.PerDecodeSequence},
+		{"per_context_token", "step time per context token read by attention", &c.PerContextToken},
+		{"max_loras", "LoRA adapter slots on the GPU", &c.MaxLoRAs},
+		{"max_cpu_loras", "LoRA adapters kept in host memory", &c.MaxCPULoRAs},
+		{"lora_host_load", "time to load an adapter from host memory to the GPU", &c.LoRAHostLoad},
+		{"lora_storage_load", "time to load an adapter from storage", &c.LoRAStorageLoad},
+		{"adapters", "LoRA adapter names known at start (on storage)", &c.Adapters},
+	}
 }
 
 // Validate reports a configuration that cannot run.

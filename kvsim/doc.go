@@ -42,7 +42,7 @@ package kvsim
 // simulated model generates before it stops on its own (finish reason "stop"), so that trace
 // replays reproduce recorded output lengths. The generated length is the smaller of
 // max_tokens (finish reason "length") and kvsim_output_tokens, or the configured default
-// (128) when both are absent. Every response carries the X-Kvsim-Replica header. Latency
+// (Config.DefaultOutputTokens) when both are absent. Every response carries the X-Kvsim-Replica header. Latency
 // histograms are in simulated seconds.
 //
 // KV accounting: vllm:kv_cache_usage_perc counts referenced blocks, as vLLM does; blocks

@@ -36,6 +36,17 @@ type Faults struct {
 	CutAfterTokens int `json:"cut_after_tokens"`
 }
 
+// Options returns f's settings, with Field pointing into f. The Caddyfile and cmd/kvsim name
+// them with a fault_ (fault-) prefix.
+func (f *Faults) Options() []Option {
+	return []Option{
+		{"unhealthy", "answer 503 on /health", &f.Unhealthy},
+		{"error_rate", "probability (0..1) that a generation request fails with 500", &f.ErrorRate},
+		{"stall", "accept requests but produce nothing until unstalled via POST /kvsim/faults", &f.Stall},
+		{"cut_after_tokens", "close each generation response's connection after this many tokens (0: never)", &f.CutAfterTokens},
+	}
+}
+
 // ServerConfig configures a [Server].
 type ServerConfig struct {
 	// Name is the replica name sent in the X-Kvsim-Replica header. Default "kvsim".

@@ -81,6 +81,17 @@ func scrape(t *testing.T, url, name string) float64 {
 	return m.GetHistogram().GetSampleSum()
 }
 
+// waitFor polls cond, which reads state the server exposes, until it holds; it fails the test
+// if that takes more than five seconds.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
 func TestOpenAIClientStreams(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
 	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"))
@@ -151,30 +162,73 @@ func TestOpenAIClientStreams(t *testing.T) {
 	}
 }
 
+// TestPrefixCacheHitsOverHTTP sends two prompts that share a long prefix. The second one
+// must be served from the prefix cache: its usage reports every full block of the shared
+// prefix as cached, the prefix-cache counters grow by exactly its cached and queried tokens,
+// and its time to first token, measured in simulated time (the engine's clock, which a
+// loaded machine cannot skew), is shorter than the cold one.
 func TestPrefixCacheHitsOverHTTP(t *testing.T) {
-	_, srv := newTestServer(t, Config{})
+	cfg := Config{}.WithDefaults()
+	_, srv := newTestServer(t, cfg)
 	prompt := strings.Repeat("You are a helpful assistant with a long system prompt. ", 300)
-	ttft := func(suffix string) time.Duration {
-		body, _ := json.Marshal(map[string]any{"prompt": prompt + suffix, "max_tokens": 1})
-		start := time.Now()
-		resp, _ := post(t, srv.URL+"/v1/completions", string(body))
-		if resp.StatusCode != 200 || resp.Header.Get(ReplicaHeader) != "replica-t" {
-			t.Fatalf("status %d replica %q", resp.StatusCode, resp.Header.Get(ReplicaHeader))
+	type result struct {
+		promptTokens, cachedTokens int
+		hits, queries, ttft        float64 // growth of the counters and of the TTFT sum
+	}
+	// ttftSum is the sum of the TTFT histogram, which has no series before the first token.
+	ttftSum := func() float64 {
+		mf := metricFamilies(t, srv.URL+"/metrics")["vllm:time_to_first_token_seconds"]
+		if mf == nil || len(mf.GetMetric()) == 0 {
+			return 0
 		}
-		return time.Since(start)
+		return mf.GetMetric()[0].GetHistogram().GetSampleSum()
 	}
-	cold := ttft("first question")
-	hitsBefore := scrape(t, srv.URL, "vllm:prefix_cache_hits_total")
-	warm := ttft("second question")
-	hitsAfter := scrape(t, srv.URL, "vllm:prefix_cache_hits_total")
-	if hitsAfter-hitsBefore < 4000 {
-		t.Errorf("prefix cache hits grew by %v, want about the prompt length", hitsAfter-hitsBefore)
+	complete := func(suffix string) result {
+		t.Helper()
+		before := []float64{
+			scrape(t, srv.URL, "vllm:prefix_cache_hits_total"),
+			scrape(t, srv.URL, "vllm:prefix_cache_queries_total"),
+			ttftSum(),
+		}
+		body, _ := json.Marshal(map[string]any{"prompt": prompt + suffix, "max_tokens": 1})
+		resp, out := post(t, srv.URL+"/v1/completions", string(body))
+		if resp.StatusCode != 200 || resp.Header.Get(ReplicaHeader) != "replica-t" {
+			t.Fatalf("status %d replica %q: %s", resp.StatusCode, resp.Header.Get(ReplicaHeader), out)
+		}
+		var r struct {
+			Usage usage `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(out), &r); err != nil {
+			t.Fatal(err)
+		}
+		return result{
+			promptTokens: r.Usage.PromptTokens,
+			cachedTokens: r.Usage.PromptTokensDetails.CachedTokens,
+			hits:         scrape(t, srv.URL, "vllm:prefix_cache_hits_total") - before[0],
+			queries:      scrape(t, srv.URL, "vllm:prefix_cache_queries_total") - before[1],
+			ttft:         ttftSum() - before[2],
+		}
 	}
-	if warm >= cold {
-		t.Errorf("warm request took %v, cold %v", warm, cold)
+	cold := complete("first question")
+	warm := complete("second question")
+
+	// The suffixes differ in their first byte, so the shared tokens are the prompt's whole
+	// tokens, and the cache holds their full blocks.
+	sharedBlocks := len(prompt) / cfg.BytesPerToken / cfg.BlockSize
+	if cold.cachedTokens != 0 || cold.hits != 0 {
+		t.Errorf("cold request: %d cached tokens, %v prefix cache hits", cold.cachedTokens, cold.hits)
 	}
-	if q := scrape(t, srv.URL, "vllm:prefix_cache_queries_total"); q < hitsAfter {
-		t.Errorf("queries %v < hits %v", q, hitsAfter)
+	if want := sharedBlocks * cfg.BlockSize; warm.cachedTokens != want {
+		t.Errorf("warm request: %d cached tokens, want %d (%d shared blocks)", warm.cachedTokens, want, sharedBlocks)
+	}
+	for _, r := range []result{cold, warm} {
+		if r.hits != float64(r.cachedTokens) || r.queries != float64(r.promptTokens) {
+			t.Errorf("prefix cache counters grew by %v hits and %v queries for %d cached of %d prompt tokens",
+				r.hits, r.queries, r.cachedTokens, r.promptTokens)
+		}
+	}
+	if !(warm.ttft > 0 && warm.ttft < cold.ttft) {
+		t.Errorf("simulated time to first token: warm %vs, cold %vs", warm.ttft, cold.ttft)
 	}
 }
 
@@ -196,19 +250,12 @@ func TestClientDisconnectFreesBlocks(t *testing.T) {
 	}
 	cancel()
 	resp.Body.Close()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	waitFor(t, "the blocks to be freed after the disconnect", func() bool {
 		st := sim.State()
-		if st.Running == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0 && st.InFlight == 0 {
-			if st.Aborted != 1 {
-				t.Fatalf("aborted = %d", st.Aborted)
-			}
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("blocks not freed after disconnect: %+v", st)
-		}
-		time.Sleep(10 * time.Millisecond)
+		return st.Running == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0 && st.InFlight == 0
+	})
+	if st := sim.State(); st.Aborted != 1 {
+		t.Fatalf("aborted = %d", st.Aborted)
 	}
 }
 
@@ -327,20 +374,29 @@ func TestFaults(t *testing.T) {
 		t.Fatalf("cut stream: err %v body %q", err, body)
 	}
 
+	waitFor(t, "the cut request to end", func() bool { return sim.State().InFlight == 0 })
 	setFaults(`{"cut_after_tokens":0,"stall":true}`)
+	// A failed check below must not leave the request stalled, or closing the server hangs.
+	t.Cleanup(func() { sim.SetFaults(Faults{}) })
 	done := make(chan string, 1)
 	go func() {
 		_, out := post(t, srv.URL+"/v1/completions", `{"prompt":"x","max_tokens":2}`)
 		done <- out
 	}()
-	time.Sleep(200 * time.Millisecond)
+	// Once the engine holds the request, a stalled replica's simulated clock stands still, so
+	// it generates nothing however long the test waits. The wait only gives a broken stall
+	// time to show: a slow machine lengthens it and cannot make the test fail.
+	waitFor(t, "the stalled replica to accept the request", func() bool { return sim.State().InFlight == 1 || len(done) > 0 })
+	stalled := sim.State()
+	time.Sleep(20 * time.Millisecond) // a simulated second at speed 50, were the clock running
 	select {
 	case <-done:
 		t.Fatal("stalled replica answered")
 	default:
 	}
-	if st := sim.State(); st.InFlight != 1 || !st.Faults.Stall {
-		t.Fatalf("stalled state %+v", st)
+	if st := sim.State(); st.SimulatedSeconds != stalled.SimulatedSeconds || st.GenerationTokens != stalled.GenerationTokens ||
+		st.InFlight != 1 || !st.Faults.Stall {
+		t.Fatalf("state moved while stalled: %+v, then %+v", stalled, st)
 	}
 	setFaults(`{"stall":false}`)
 	select {
@@ -410,17 +466,10 @@ func TestConcurrentRequestsAndCancels(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	waitFor(t, "the engine to be idle after all clients left", func() bool {
 		st := sim.State()
-		if st.InFlight == 0 && st.Running == 0 && st.Waiting == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("engine not idle after all clients left: %+v", st)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return st.InFlight == 0 && st.Running == 0 && st.Waiting == 0 && st.UsedBlocks == 0 && st.ReservedBlocks == 0
+	})
 	if st := sim.State(); st.Finished+st.Aborted == 0 || st.PrefixHits == 0 {
 		t.Fatalf("state %+v", st)
 	}
@@ -472,18 +521,11 @@ func TestStreamFinishInLaterBatch(t *testing.T) {
 		stream.push(Event{Kind: EventFirstToken, Text: []byte(" a"), PromptTokens: 3, GeneratedTokens: 1})
 		stream.push(Event{Kind: EventToken, Text: []byte(" b"), PromptTokens: 3, GeneratedTokens: 2})
 		// Finished only once the responder took the tokens.
-		for deadline := time.Now().Add(5 * time.Second); ; {
+		waitFor(t, "the responder to take the tokens", func() bool {
 			stream.mu.Lock()
-			taken := len(stream.events) == 0
-			stream.mu.Unlock()
-			if taken {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatal("tokens never taken")
-			}
-			time.Sleep(time.Millisecond)
-		}
+			defer stream.mu.Unlock()
+			return len(stream.events) == 0
+		})
 		stream.push(Event{Kind: EventFinished, PromptTokens: 3, GeneratedTokens: 2, FinishReason: "length"})
 		select {
 		case <-done:

@@ -6,12 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
-	"go/parser"
-	"go/token"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -55,8 +52,12 @@ func parseGoMod(t *testing.T, root string) *modfile.File {
 	return f
 }
 
+// kvsimPlugin is the package path of kvsim's Caddy module, relative to the module path.
+const kvsimPlugin = "/kvsim/caddykvsim"
+
 // TestManifestMatchesGoMod checks that xcaddy.json pins the Caddy version that go.mod
-// requires, lists this module as a plugin, and replaces that plugin version with this checkout.
+// requires, lists this module and kvsim's Caddy module as plugins, and replaces this module
+// with this checkout in a way that never sends `go get` to the module proxy for it.
 func TestManifestMatchesGoMod(t *testing.T) {
 	root := repoRoot(t)
 	gomod := parseGoMod(t, root)
@@ -85,71 +86,85 @@ func TestManifestMatchesGoMod(t *testing.T) {
 		t.Errorf("xcaddy.json caddy_version = %q, go.mod requires %s %s", b.CaddyVersion, caddyModule, caddyVersion)
 	}
 
-	var selfVersion string
+	plugins := map[string]string{} // package path => version
 	for _, p := range b.Plugins {
-		if p.PackagePath == self {
-			selfVersion = p.Version
-		} else if strings.HasPrefix(p.PackagePath, self+"/") {
-			// A package path inside this unpublished module makes `go get` ask the
-			// module proxy for the longer path, which fails; the root package
-			// imports every plugin package instead.
-			t.Errorf("plugin %s: list the module path %s, not a package inside it", p.PackagePath, self)
-		}
+		plugins[p.PackagePath] = p.Version
 	}
-	if selfVersion == "" {
-		t.Fatalf("xcaddy.json plugins do not list %s with a version; got %+v", self, b.Plugins)
-	}
-	if err := module.Check(self, selfVersion); err != nil {
+	// Without a version, `go get` asks the module proxy for the latest one, which it does
+	// not have; with one, the replacement below answers.
+	if v, ok := plugins[self]; !ok || v == "" {
+		t.Errorf("xcaddy.json plugins do not list %s with a version; got %+v", self, b.Plugins)
+	} else if err := module.Check(self, v); err != nil {
 		t.Errorf("plugin version: %v", err)
 	}
+	// The quickstart and TestBuild need kvsim, which the root package does not register.
+	if _, ok := plugins[self+kvsimPlugin]; !ok {
+		t.Errorf("xcaddy.json plugins do not list %s%s", self, kvsimPlugin)
+	}
 
-	wantOld := self + "@" + selfVersion
+	// xcaddy skips `go get` only for a plugin under a replaced path: a replacement pinned
+	// to a version (self@v0.0.0) is no such path, and `go get` of a package inside the
+	// module would ask the proxy for the longer paths and fail.
 	var replaced bool
 	for _, r := range b.Replacements {
-		if string(r.Old) == self {
-			t.Errorf("replacement old %q: pin the version (%s), or go get asks the module proxy for %s", r.Old, wantOld, self)
-		}
-		if string(r.Old) != wantOld {
-			continue
-		}
-		replaced = true
-		if string(r.New) != root {
-			t.Errorf("replacement %s => %s, want this checkout %s", r.Old, r.New, root)
-		}
-	}
-	if !replaced {
-		t.Errorf("xcaddy.json has no replacement for %s", wantOld)
-	}
-}
-
-// TestRootPackageImportsPlugins checks that the module's root package, which xcaddy imports
-// for the plugin entry, pulls in the Caddy modules that `list-modules` should show.
-func TestRootPackageImportsPlugins(t *testing.T) {
-	root := repoRoot(t)
-	self := parseGoMod(t, root).Module.Mod.Path
-	pkgs, err := parser.ParseDir(token.NewFileSet(), root, func(fi os.FileInfo) bool {
-		return !strings.HasSuffix(fi.Name(), "_test.go")
-	}, parser.ImportsOnly)
-	if err != nil {
-		t.Fatal(err)
-	}
-	imports := map[string]bool{}
-	for _, p := range pkgs {
-		for _, f := range p.Files {
-			for _, imp := range f.Imports {
-				path, _ := strconv.Unquote(imp.Path.Value)
-				imports[path] = true
+		switch old := string(r.Old); {
+		case strings.HasPrefix(old, self+"@"):
+			t.Errorf("replacement old %q: replace %s without a version, so that the plugins inside it are not fetched", old, self)
+		case old == self:
+			replaced = true
+			if string(r.New) != root {
+				t.Errorf("replacement %s => %s, want this checkout %s", r.Old, r.New, root)
 			}
 		}
 	}
-	if len(pkgs) != 1 {
-		t.Fatalf("want one Go package in the module root (what xcaddy imports), found %d", len(pkgs))
+	if !replaced {
+		t.Errorf("xcaddy.json has no replacement for %s", self)
 	}
-	for _, want := range []string{self + "/caddyllm", self + "/kvsim/caddykvsim"} {
-		if !imports[want] {
-			t.Errorf("root package does not import %s", want)
+}
+
+// TestPluginDependencies checks, with `go list`, that the module's root package, which xcaddy
+// imports for the plugin entry, is a single package that registers the router and pulls in
+// nothing of kvsim, which production builds do not want; and that cmd/caddy, the quickstart's
+// Caddy, adds kvsim's Caddy module itself.
+func TestPluginDependencies(t *testing.T) {
+	root := repoRoot(t)
+	self := parseGoMod(t, root).Module.Mod.Path
+	cmd := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", ".")
+	cmd.Dir = root
+	deps := goList(t, cmd)
+	if !deps[self+"/caddyllm"] {
+		t.Errorf("the root package does not depend on %s/caddyllm", self)
+	}
+	for dep := range deps {
+		if dep == self+"/kvsim" || strings.HasPrefix(dep, self+"/kvsim/") {
+			t.Errorf("the root package depends on %s", dep)
 		}
 	}
+
+	cmd = exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", "./cmd/caddy")
+	cmd.Dir = root
+	deps = goList(t, cmd)
+	for _, want := range []string{self, self + kvsimPlugin} {
+		if !deps[want] {
+			t.Errorf("cmd/caddy does not depend on %s", want)
+		}
+	}
+}
+
+// goList runs a `go list` command that prints one import path per line and returns the set.
+func goList(t *testing.T, cmd *exec.Cmd) map[string]bool {
+	t.Helper()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(cmd.Args, " "), err, stderr.String())
+	}
+	paths := map[string]bool{}
+	for _, line := range strings.Fields(string(out)) {
+		paths[line] = true
+	}
+	return paths
 }
 
 func TestLoadBuilder(t *testing.T) {

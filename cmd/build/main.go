@@ -5,10 +5,17 @@
 // plugin, built with -trimpath and stripped symbols.
 //
 // Relative replacement paths in xcaddy.json are resolved against the directory that holds
-// xcaddy.json, so the entry {"old": "github.com/llmaffinity/caddy-llm-affinity@v0.0.0",
-// "new": "."} builds this checkout. The version v0.0.0 is a placeholder: the module path is not
-// published, and a versioned replacement lets `go get` resolve it locally instead of asking the
-// module proxy.
+// xcaddy.json, so the entry {"old": "github.com/llmaffinity/caddy-llm-affinity", "new": "."}
+// builds this checkout. The module path is not published, so the module proxy must never be
+// asked for it:
+//
+//   - The plugin entry for the module root carries a placeholder version, v0.0.0, which
+//     `go get` resolves through the replacement; without a version it would ask the proxy
+//     for the latest one.
+//   - The replacement has no version, so it covers every package path inside the module, and
+//     xcaddy runs no `go get` for a plugin under a replaced path: that is what lets
+//     xcaddy.json list kvsim's Caddy module, .../kvsim/caddykvsim, as a plugin of its own
+//     (the root package leaves it out of production builds).
 //
 // Usage, from anywhere inside the checkout:
 //

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -32,8 +33,24 @@ func main() {
 	}
 }
 
-func run(args []string) error {
+// settings are the command's flags.
+type settings struct {
+	engine     kvsim.Config
+	faults     kvsim.Faults
+	listen     string
+	replicas   int
+	namePrefix string
+	speed      float64
+	verbose    bool
+}
+
+// newFlags returns the command's flag set, bound to the settings it returns. The engine and
+// fault flags come from kvsim's option tables, named after the fields' JSON names with dashes
+// (fault ones prefixed fault-), and an engine flag defaults to its field's default in
+// kvsim.Config.WithDefaults.
+func newFlags(output io.Writer) (*flag.FlagSet, *settings) {
 	fs := flag.NewFlagSet("kvsim", flag.ContinueOnError)
+	fs.SetOutput(output)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: kvsim [flags]\n\n"+
 			"Runs simulated vLLM-compatible inference engines (OpenAI API, /health, /metrics,\n"+
@@ -41,54 +58,71 @@ func run(args []string) error {
 			"--listen plus i and is named <--name-prefix>i.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
-	var (
-		cfg        kvsim.Config
-		faults     kvsim.Faults
-		listen     = fs.String("listen", "127.0.0.1:9001", "`address` of the first replica; further replicas use the following ports")
-		replicas   = fs.Int("replicas", 1, "number of replicas to run")
-		namePrefix = fs.String("name-prefix", "replica-", "replica names are this prefix followed by the replica index (sent in the X-Kvsim-Replica header)")
-		speed      = fs.Float64("speed", 1, "simulated time runs this many times faster than wall clock")
-		adapters   = fs.String("adapters", "", "comma-separated LoRA adapter names known at start (on storage)")
-		verbose    = fs.Bool("verbose", false, "log every request (never prompt text)")
-	)
-	fs.StringVar(&cfg.Model, "model", kvsim.DefaultModel, "served base model name")
-	fs.IntVar(&cfg.MaxModelLen, "max-model-len", 131072, "longest context (prompt plus output tokens) accepted")
-	fs.IntVar(&cfg.BlockSize, "block-size", 16, "tokens per KV block")
-	fs.IntVar(&cfg.NumGPUBlocks, "num-gpu-blocks", 8192, "number of KV blocks (KV capacity = blocks x block size tokens)")
-	fs.IntVar(&cfg.MaxNumSeqs, "max-num-seqs", 256, "maximum number of running sequences")
-	fs.IntVar(&cfg.MaxNumBatchedTokens, "max-num-batched-tokens", 8192, "token budget of one engine step (chunked prefill)")
-	fs.IntVar(&cfg.BytesPerToken, "bytes-per-token", 4, "pseudo-tokenizer token length in bytes (1..16)")
-	fs.IntVar(&cfg.DefaultOutputTokens, "default-output-tokens", 128, "tokens generated when a request sets neither max_tokens nor kvsim_output_tokens")
-	fs.BoolVar(&cfg.DisablePrefixCaching, "disable-prefix-caching", false, "turn the prefix cache off")
-	fs.DurationVar(&cfg.StepOverhead, "step-overhead", 8*time.Millisecond, "fixed time of one engine step")
-	fs.DurationVar(&cfg.PerPrefillToken, "per-prefill-token", time.Second/15000, "step time per prompt token computed")
-	fs.DurationVar(&cfg.PerDecodeSequence, "per-decode-sequence", 60*time.Microsecond, "step time per decoding sequence")
-	fs.DurationVar(&cfg.PerContextToken, "per-context-token", 40*time.Nanosecond, "step time per context token read by attention")
-	fs.IntVar(&cfg.MaxLoRAs, "max-loras", 4, "LoRA adapter slots on the GPU")
-	fs.IntVar(&cfg.MaxCPULoRAs, "max-cpu-loras", 16, "LoRA adapters kept in host memory")
-	fs.DurationVar(&cfg.LoRAHostLoad, "lora-host-load", 30*time.Millisecond, "time to load an adapter from host memory to the GPU")
-	fs.DurationVar(&cfg.LoRAStorageLoad, "lora-storage-load", 2*time.Second, "time to load an adapter from storage")
-	fs.BoolVar(&faults.Unhealthy, "fault-unhealthy", false, "answer 503 on /health")
-	fs.Float64Var(&faults.ErrorRate, "fault-error-rate", 0, "probability (0..1) that a generation request fails with 500")
-	fs.BoolVar(&faults.Stall, "fault-stall", false, "accept requests but produce nothing until unstalled via POST /kvsim/faults")
-	fs.IntVar(&faults.CutAfterTokens, "fault-cut-after-tokens", 0, "close each generation response's connection after this many tokens (0: never)")
+	s := &settings{engine: kvsim.Config{}.WithDefaults()}
+	fs.StringVar(&s.listen, "listen", "127.0.0.1:9001", "`address` of the first replica; further replicas use the following ports")
+	fs.IntVar(&s.replicas, "replicas", 1, "number of replicas to run")
+	fs.StringVar(&s.namePrefix, "name-prefix", "replica-", "replica names are this prefix followed by the replica index (sent in the X-Kvsim-Replica header)")
+	fs.Float64Var(&s.speed, "speed", 1, "simulated time runs this many times faster than wall clock")
+	fs.BoolVar(&s.verbose, "verbose", false, "log every request (never prompt text)")
+	for _, o := range s.engine.Options() {
+		addFlag(fs, "", o)
+	}
+	for _, o := range s.faults.Options() {
+		addFlag(fs, "fault-", o)
+	}
+	return fs, s
+}
+
+// parseFlags parses the command line.
+func parseFlags(args []string, output io.Writer) (*settings, error) {
+	fs, s := newFlags(output)
 	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if s.replicas < 1 {
+		return nil, errors.New("--replicas must be at least 1")
+	}
+	return s, nil
+}
+
+// addFlag defines the flag of option o, bound to its field, with the field's current value
+// as the default.
+func addFlag(fs *flag.FlagSet, prefix string, o kvsim.Option) {
+	name := prefix + strings.ReplaceAll(o.Name, "_", "-")
+	switch p := o.Field.(type) {
+	case *string:
+		fs.StringVar(p, name, *p, o.Usage)
+	case *int:
+		fs.IntVar(p, name, *p, o.Usage)
+	case *bool:
+		fs.BoolVar(p, name, *p, o.Usage)
+	case *float64:
+		fs.Float64Var(p, name, *p, o.Usage)
+	case *time.Duration:
+		fs.DurationVar(p, name, *p, o.Usage)
+	case *[]string:
+		fs.Func(name, o.Usage+", as a comma-separated `list` (repeatable)", func(v string) error {
+			for _, item := range strings.Split(v, ",") {
+				if item = strings.TrimSpace(item); item != "" {
+					*p = append(*p, item)
+				}
+			}
+			return nil
+		})
+	default:
+		panic(fmt.Sprintf("kvsim option %s has unsupported type %T", o.Name, o.Field))
+	}
+}
+
+func run(args []string) error {
+	s, err := parseFlags(args, os.Stderr)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
 		}
 		return err
 	}
-	if *replicas < 1 {
-		return errors.New("--replicas must be at least 1")
-	}
-	if *adapters != "" {
-		for _, a := range strings.Split(*adapters, ",") {
-			if a = strings.TrimSpace(a); a != "" {
-				cfg.Adapters = append(cfg.Adapters, a)
-			}
-		}
-	}
-	host, portText, err := net.SplitHostPort(*listen)
+	host, portText, err := net.SplitHostPort(s.listen)
 	if err != nil {
 		return fmt.Errorf("--listen: %w", err)
 	}
@@ -97,7 +131,7 @@ func run(args []string) error {
 		return fmt.Errorf("--listen port: %w", err)
 	}
 	logger := zap.NewNop()
-	if *verbose {
+	if s.verbose {
 		if logger, err = zap.NewDevelopment(); err != nil {
 			return err
 		}
@@ -105,11 +139,11 @@ func run(args []string) error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	errc := make(chan error, *replicas)
+	errc := make(chan error, s.replicas)
 	var servers []*http.Server
-	for i := range *replicas {
-		name := *namePrefix + strconv.Itoa(i)
-		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Engine: cfg, Speed: *speed, Faults: faults, Logger: logger.Named(name)})
+	for i := range s.replicas {
+		name := s.namePrefix + strconv.Itoa(i)
+		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Engine: s.engine, Speed: s.speed, Faults: s.faults, Logger: logger.Named(name)})
 		if err != nil {
 			return err
 		}
@@ -121,7 +155,7 @@ func run(args []string) error {
 		}
 		srv := &http.Server{Handler: sim, ReadHeaderTimeout: 10 * time.Second}
 		servers = append(servers, srv)
-		fmt.Fprintf(os.Stderr, "kvsim: %s serving %s on http://%s\n", name, cfg.Model, ln.Addr())
+		fmt.Fprintf(os.Stderr, "kvsim: %s serving %s on http://%s\n", name, s.engine.Model, ln.Addr())
 		go func() { errc <- srv.Serve(ln) }()
 	}
 	select {

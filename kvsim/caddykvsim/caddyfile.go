@@ -2,6 +2,8 @@ package caddykvsim
 
 import (
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -28,8 +30,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //
 //	kvsim [<name>] {
 //	    name                   <name>
-//	    model                  <model>
 //	    speed                  <factor>
+//	    model                  <model>
 //	    max_model_len          <tokens>
 //	    block_size             <tokens>
 //	    num_gpu_blocks         <blocks>
@@ -53,7 +55,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    fault_cut_after_tokens <tokens>
 //	}
 //
-// The optional argument is the replica name. The directive may appear once per route.
+// The optional argument is the replica name. name and speed set the handler's fields of the
+// same names. The engine options, model to adapters, set the kvsim.Config fields of the same
+// JSON names, which document their meaning and defaults; adapters may be repeated, and
+// appends. The fault_ options set the kvsim.Faults fields named after the prefix. The
+// directive may appear once per route.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 	if d.NextArg() {
@@ -62,100 +68,84 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
-	faults := func() *kvsim.Faults {
-		if h.Faults == nil {
-			h.Faults = new(kvsim.Faults)
-		}
-		return h.Faults
+	faults := new(kvsim.Faults)
+	if h.Faults != nil {
+		*faults = *h.Faults
+	}
+	options := map[string]any{"name": &h.Name, "speed": &h.Speed}
+	for _, o := range h.Config.Options() {
+		options[o.Name] = o.Field
+	}
+	for _, o := range faults.Options() {
+		options[faultPrefix+o.Name] = o.Field
 	}
 	for d.NextBlock(0) {
 		option := d.Val()
-		switch option {
-		case "name", "model":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			if option == "name" {
-				h.Name = v
-			} else {
-				h.Model = v
-			}
-		case "speed", "fault_error_rate":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil {
-				return d.Errf("bad %s %q: %v", option, v, err)
-			}
-			if option == "speed" {
-				h.Speed = f
-			} else {
-				faults().ErrorRate = f
-			}
-		case "max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
-			"bytes_per_token", "default_output_tokens", "max_loras", "max_cpu_loras", "fault_cut_after_tokens":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 {
-				return d.Errf("bad %s %q: want a non-negative integer", option, v)
-			}
-			*map[string]*int{
-				"max_model_len":          &h.MaxModelLen,
-				"block_size":             &h.BlockSize,
-				"num_gpu_blocks":         &h.NumGPUBlocks,
-				"max_num_seqs":           &h.MaxNumSeqs,
-				"max_num_batched_tokens": &h.MaxNumBatchedTokens,
-				"bytes_per_token":        &h.BytesPerToken,
-				"default_output_tokens":  &h.DefaultOutputTokens,
-				"max_loras":              &h.MaxLoRAs,
-				"max_cpu_loras":          &h.MaxCPULoRAs,
-				"fault_cut_after_tokens": &faults().CutAfterTokens,
-			}[option] = n
-		case "step_overhead", "per_prefill_token", "per_decode_sequence", "per_context_token",
-			"lora_host_load", "lora_storage_load":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(v)
-			if err != nil {
-				return d.Errf("bad %s %q: %v", option, v, err)
-			}
-			*map[string]*caddy.Duration{
-				"step_overhead":       &h.StepOverhead,
-				"per_prefill_token":   &h.PerPrefillToken,
-				"per_decode_sequence": &h.PerDecodeSequence,
-				"per_context_token":   &h.PerContextToken,
-				"lora_host_load":      &h.LoRAHostLoad,
-				"lora_storage_load":   &h.LoRAStorageLoad,
-			}[option] = caddy.Duration(dur)
-		case "adapters":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			h.Adapters = append(h.Adapters, args...)
-		case "disable_prefix_caching", "fault_unhealthy", "fault_stall":
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			switch option {
-			case "disable_prefix_caching":
-				h.DisablePrefixCaching = true
-			case "fault_unhealthy":
-				faults().Unhealthy = true
-			default:
-				faults().Stall = true
-			}
-		default:
+		field, ok := options[option]
+		if !ok {
 			return d.Errf("unrecognized kvsim option %q", option)
 		}
+		if err := parseOption(d, field); err != nil {
+			return err
+		}
+		// Any fault option makes the handler set the faults at start, even to zero.
+		if strings.HasPrefix(option, faultPrefix) {
+			h.Faults = faults
+		}
+	}
+	return nil
+}
+
+// faultPrefix prefixes the Caddyfile options that set kvsim.Faults fields.
+const faultPrefix = "fault_"
+
+// parseOption parses the arguments of the option under d's cursor into field: none for a
+// *bool, which the option turns on; one or more for a *[]string, which they extend; exactly
+// one for the other types. Integers must not be negative, and durations use Caddy's syntax.
+func parseOption(d *caddyfile.Dispenser, field any) error {
+	option := d.Val()
+	switch p := field.(type) {
+	case *bool:
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		*p = true
+		return nil
+	case *[]string:
+		args := d.RemainingArgs()
+		if len(args) == 0 {
+			return d.ArgErr()
+		}
+		*p = append(*p, args...)
+		return nil
+	}
+	var v string
+	if !d.AllArgs(&v) {
+		return d.ArgErr()
+	}
+	switch p := field.(type) {
+	case *string:
+		*p = v
+	case *int:
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return d.Errf("bad %s %q: want a non-negative integer", option, v)
+		}
+		*p = n
+	case *float64:
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return d.Errf("bad %s %q: %v", option, v, err)
+		}
+		*p = f
+	case *time.Duration:
+		dur, err := caddy.ParseDuration(v)
+		if err != nil {
+			return d.Errf("bad %s %q: %v", option, v, err)
+		}
+		*p = dur
+	default:
+		return d.Errf("kvsim option %s has unsupported type %T", option, field)
 	}
 	return nil
 }

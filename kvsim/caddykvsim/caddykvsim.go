@@ -4,6 +4,7 @@
 package caddykvsim
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -39,72 +40,15 @@ type Handler struct {
 	// identifies the engine across config reloads. Default: "kvsim".
 	Name string `json:"name,omitempty"`
 
-	// Model is the served base model name. Default: meta-llama/Llama-3.1-8B-Instruct.
-	Model string `json:"model,omitempty"`
+	// Config configures the simulated engine. Its fields are inline in the handler's JSON
+	// under their kvsim.Config names (model, max_model_len, num_gpu_blocks, step_overhead,
+	// ...), and each one left unset takes the default documented on kvsim.Config. Durations
+	// are nanoseconds or duration strings such as "8ms", as elsewhere in Caddy.
+	kvsim.Config
 
-	// Speed runs simulated time this many times faster than the wall clock. Default: 1.
+	// Speed runs simulated time this many times faster than the wall clock. Unset, it runs
+	// in real time (see kvsim.ServerConfig).
 	Speed float64 `json:"speed,omitempty"`
-
-	// MaxModelLen is the longest context, prompt plus output tokens, that is accepted.
-	// Default: 131072.
-	MaxModelLen int `json:"max_model_len,omitempty"`
-
-	// BlockSize is the number of tokens in one KV cache block. Default: 16.
-	BlockSize int `json:"block_size,omitempty"`
-
-	// NumGPUBlocks is the number of KV cache blocks; the KV capacity in tokens is
-	// NumGPUBlocks times BlockSize. Default: 8192.
-	NumGPUBlocks int `json:"num_gpu_blocks,omitempty"`
-
-	// MaxNumSeqs is the largest number of sequences that run at once. Default: 256.
-	MaxNumSeqs int `json:"max_num_seqs,omitempty"`
-
-	// MaxNumBatchedTokens is the token budget of one engine step, which chunks long
-	// prefills. Default: 8192.
-	MaxNumBatchedTokens int `json:"max_num_batched_tokens,omitempty"`
-
-	// BytesPerToken is the length of one token of the pseudo-tokenizer, in bytes (1 to 16).
-	// Default: 4.
-	BytesPerToken int `json:"bytes_per_token,omitempty"`
-
-	// DefaultOutputTokens is the number of tokens generated when a request sets neither
-	// max_tokens nor kvsim_output_tokens. Default: 128.
-	DefaultOutputTokens int `json:"default_output_tokens,omitempty"`
-
-	// DisablePrefixCaching turns the prefix cache off, so every prompt is computed in full.
-	DisablePrefixCaching bool `json:"disable_prefix_caching,omitempty"`
-
-	// StepOverhead is the fixed duration of one engine step. Default: 8ms.
-	StepOverhead caddy.Duration `json:"step_overhead,omitempty"`
-
-	// PerPrefillToken is the step time added for each prompt token computed.
-	// Default: 1/15000 of a second (15k prefill tokens per second).
-	PerPrefillToken caddy.Duration `json:"per_prefill_token,omitempty"`
-
-	// PerDecodeSequence is the step time added for each sequence that decodes a token.
-	// Default: 60µs.
-	PerDecodeSequence caddy.Duration `json:"per_decode_sequence,omitempty"`
-
-	// PerContextToken is the step time added for each context token that attention reads.
-	// Default: 40ns.
-	PerContextToken caddy.Duration `json:"per_context_token,omitempty"`
-
-	// MaxLoRAs is the number of LoRA adapter slots on the simulated GPU. Default: 4.
-	MaxLoRAs int `json:"max_loras,omitempty"`
-
-	// MaxCPULoRAs is the number of LoRA adapters kept in host memory. Default: 16.
-	MaxCPULoRAs int `json:"max_cpu_loras,omitempty"`
-
-	// LoRAHostLoad is the time to load an adapter from host memory into a GPU slot.
-	// Default: 30ms.
-	LoRAHostLoad caddy.Duration `json:"lora_host_load,omitempty"`
-
-	// LoRAStorageLoad is the time to load an adapter from storage. Default: 2s.
-	LoRAStorageLoad caddy.Duration `json:"lora_storage_load,omitempty"`
-
-	// Adapters names the LoRA adapters known at start; they start on storage, so the first
-	// request for one pays the storage load time.
-	Adapters []string `json:"adapters,omitempty"`
 
 	// Faults are failures injected from the start; they can be changed at run time with
 	// POST /kvsim/faults.
@@ -122,28 +66,46 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// engineConfig translates the handler's fields into the engine's configuration.
-func (h *Handler) engineConfig() kvsim.Config {
-	return kvsim.Config{
-		Model:                h.Model,
-		MaxModelLen:          h.MaxModelLen,
-		BlockSize:            h.BlockSize,
-		NumGPUBlocks:         h.NumGPUBlocks,
-		MaxNumSeqs:           h.MaxNumSeqs,
-		MaxNumBatchedTokens:  h.MaxNumBatchedTokens,
-		BytesPerToken:        h.BytesPerToken,
-		DefaultOutputTokens:  h.DefaultOutputTokens,
-		DisablePrefixCaching: h.DisablePrefixCaching,
-		StepOverhead:         time.Duration(h.StepOverhead),
-		PerPrefillToken:      time.Duration(h.PerPrefillToken),
-		PerDecodeSequence:    time.Duration(h.PerDecodeSequence),
-		PerContextToken:      time.Duration(h.PerContextToken),
-		MaxLoRAs:             h.MaxLoRAs,
-		MaxCPULoRAs:          h.MaxCPULoRAs,
-		LoRAHostLoad:         time.Duration(h.LoRAHostLoad),
-		LoRAStorageLoad:      time.Duration(h.LoRAStorageLoad),
-		Adapters:             h.Adapters,
+// UnmarshalJSON decodes the handler as Caddy decodes any module, rejecting unknown fields,
+// and accepts the engine's durations as caddy.Duration does: nanoseconds or a duration
+// string. kvsim.Config keeps plain time.Duration fields so that the engine does not depend
+// on Caddy; the strings are parsed here.
+func (h *Handler) UnmarshalJSON(b []byte) error {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(b, &fields); err != nil {
+		return err
 	}
+	type duration struct {
+		name  string
+		field *time.Duration
+		raw   json.RawMessage
+	}
+	var durations []duration
+	for _, o := range h.Config.Options() {
+		if p, ok := o.Field.(*time.Duration); ok {
+			if raw, ok := fields[o.Name]; ok {
+				durations = append(durations, duration{o.Name, p, raw})
+				delete(fields, o.Name)
+			}
+		}
+	}
+	rest, err := json.Marshal(fields)
+	if err != nil {
+		return err
+	}
+	// plain has Handler's fields without this method, so decoding it does not recurse.
+	type plain Handler
+	dec := json.NewDecoder(bytes.NewReader(rest))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode((*plain)(h)); err != nil {
+		return err
+	}
+	for _, d := range durations {
+		if err := (*caddy.Duration)(d.field).UnmarshalJSON(d.raw); err != nil {
+			return fmt.Errorf("kvsim: %s: %w", d.name, err)
+		}
+	}
+	return nil
 }
 
 // pooledServer lets the usage pool stop an engine when no config uses it any more.
@@ -161,16 +123,17 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.Speed < 0 {
 		return fmt.Errorf("kvsim %s: speed must not be negative", h.Name)
 	}
-	cfg := h.engineConfig()
-	if err := cfg.WithDefaults().Validate(); err != nil {
+	h.Config = h.Config.WithDefaults()
+	if err := h.Config.Validate(); err != nil {
 		return fmt.Errorf("kvsim %s: %w", h.Name, err)
 	}
 	// Faults are excluded from the key: they change at run time and must not restart the
-	// engine; they are (re)applied below.
+	// engine; they are (re)applied below. The key is taken after defaults, so spelling a
+	// default out does not restart the engine either.
 	fingerprint, err := json.Marshal(struct {
 		Config kvsim.Config
 		Speed  float64
-	}{cfg, h.Speed})
+	}{h.Config, h.Speed})
 	if err != nil {
 		return err
 	}
@@ -178,7 +141,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.poolKey = h.Name + "/" + hex.EncodeToString(sum[:8])
 	logger := ctx.Logger().With(zap.String("replica", h.Name))
 	value, loaded, err := engines.LoadOrNew(h.poolKey, func() (caddy.Destructor, error) {
-		srv, err := kvsim.NewServer(kvsim.ServerConfig{Name: h.Name, Engine: cfg, Speed: h.Speed, Logger: logger})
+		srv, err := kvsim.NewServer(kvsim.ServerConfig{Name: h.Name, Engine: h.Config, Speed: h.Speed, Logger: logger})
 		if err != nil {
 			return nil, err
 		}
@@ -215,6 +178,7 @@ func (h *Handler) Server() *kvsim.Server { return h.server }
 
 // Interface guards
 var (
+	_ json.Unmarshaler            = (*Handler)(nil)
 	_ caddy.Provisioner           = (*Handler)(nil)
 	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)

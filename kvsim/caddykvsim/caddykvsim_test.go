@@ -3,8 +3,11 @@ package caddykvsim
 import (
 	"context"
 	"encoding/json"
+	"maps"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -42,6 +45,96 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 		var h Handler
 		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(bad)); err == nil {
 			t.Errorf("%q: no error", bad)
+		}
+	}
+}
+
+// TestEmptyBlockTakesConfigDefaults checks that the handler has no defaults of its own for the
+// engine: an empty Caddyfile block, or an empty JSON object, provisions exactly
+// kvsim.Config{}.WithDefaults(), in the handler and in the engine it starts.
+func TestEmptyBlockTakesConfigDefaults(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	var fromCaddyfile, fromJSON Handler
+	if err := fromCaddyfile.UnmarshalCaddyfile(caddyfile.NewTestDispenser("kvsim {\n}")); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal([]byte(`{}`), &fromJSON); err != nil {
+		t.Fatal(err)
+	}
+	want := kvsim.Config{}.WithDefaults()
+	for name, h := range map[string]*Handler{"Caddyfile": &fromCaddyfile, "JSON": &fromJSON} {
+		if !reflect.DeepEqual(*h, Handler{}) {
+			t.Errorf("%s: parsing an empty block set %+v", name, *h)
+		}
+		if err := h.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		defer h.Cleanup()
+		var engine kvsim.Config
+		h.Server().Driver().Do(func(e *kvsim.Engine) { engine = e.Config() })
+		if !reflect.DeepEqual(h.Config, want) || !reflect.DeepEqual(engine, want) {
+			t.Errorf("%s: provisioned handler config\n%+v and engine config\n%+v, want\n%+v", name, h.Config, engine, want)
+		}
+		if h.Name != "kvsim" || h.Speed != 0 || h.Faults != nil {
+			t.Errorf("%s: name %q, speed %v, faults %+v", name, h.Name, h.Speed, h.Faults)
+		}
+	}
+}
+
+// TestJSONNames pins the handler's JSON field names, which existing configs use: they are
+// now kvsim.Config's, inline.
+func TestJSONNames(t *testing.T) {
+	h := Handler{Name: "n", Speed: 1, Faults: &kvsim.Faults{}}
+	for _, o := range h.Config.Options() {
+		switch p := o.Field.(type) {
+		case *string:
+			*p = "x"
+		case *int:
+			*p = 1
+		case *bool:
+			*p = true
+		case *time.Duration:
+			*p = time.Second
+		case *[]string:
+			*p = []string{"x"}
+		}
+	}
+	b, err := json.Marshal(&h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(b, &fields); err != nil {
+		t.Fatal(err)
+	}
+	got := slices.Sorted(maps.Keys(fields))
+	want := []string{"adapters", "block_size", "bytes_per_token", "default_output_tokens", "disable_prefix_caching",
+		"faults", "lora_host_load", "lora_storage_load", "max_cpu_loras", "max_loras", "max_model_len",
+		"max_num_batched_tokens", "max_num_seqs", "model", "name", "num_gpu_blocks", "per_context_token",
+		"per_decode_sequence", "per_prefill_token", "speed", "step_overhead"}
+	if !slices.Equal(got, want) {
+		t.Errorf("JSON fields %q, want %q", got, want)
+	}
+}
+
+// TestUnmarshalJSON checks that durations are accepted as nanoseconds or as duration strings,
+// as caddy.Duration fields accept them, and that the handler stays strict.
+func TestUnmarshalJSON(t *testing.T) {
+	var h Handler
+	err := json.Unmarshal([]byte(`{"name":"r","step_overhead":"1.5ms","lora_storage_load":"1d","per_context_token":250,
+		"num_gpu_blocks":64,"faults":{"stall":true}}`), &h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.Name != "r" || h.StepOverhead != 1500*time.Microsecond || h.LoRAStorageLoad != 24*time.Hour ||
+		h.PerContextToken != 250 || h.NumGPUBlocks != 64 || h.Faults == nil || !h.Faults.Stall {
+		t.Fatalf("decoded %+v", h)
+	}
+	for _, bad := range []string{`{"bogus":1}`, `{"faults":{"bogus":1}}`, `{"step_overhead":"soon"}`, `{"step_overhead":true}`,
+		`{"block_size":"16"}`, `[]`} {
+		if err := json.Unmarshal([]byte(bad), new(Handler)); err == nil {
+			t.Errorf("%s: no error", bad)
 		}
 	}
 }
