@@ -1,0 +1,253 @@
+package fleetsync
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
+)
+
+// The wire format of one batch: a version byte, the sender's name and
+// epoch, then the messages, each a kind byte and its fields. Integers are
+// unsigned varints, strings a length and bytes, block hashes 8 bytes
+// little-endian each. A batch carries hashes and counts only: the fields
+// below are all there is.
+//
+//	batch   = version(1) name epoch count message*
+//	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
+//	progr.  = 2 id tokens
+//	compl.  = 3 id model tokens
+//	release = 4 id
+//	drain   = 16 dial deadlineMillis
+//	undrain = 17 dial
+const wireVersion = 1
+
+// Message kinds beyond the router's events.
+const (
+	kindDrain   = 16
+	kindUndrain = 17
+)
+
+// Bounds a decoder enforces, so a hostile or corrupt batch costs little.
+const (
+	maxString   = 1024
+	maxHashes   = 1 << 16
+	maxMessages = 1 << 16
+)
+
+// Message is one thing a router tells its peers: a change to its charges
+// (Event) or an operator's drain or undrain of an upstream.
+type Message struct {
+	// Event is set for charge changes.
+	Event *router.Event
+	// Drain and Undrain name an upstream an operator drained (with
+	// Deadline) or undrained through this router's admin API.
+	Drain, Undrain string
+	Deadline       time.Duration
+}
+
+// Batch is what one publication carries.
+type Batch struct {
+	// Sender is the router's name, Epoch when it started (unix nanos):
+	// together they tell a restarted router from its earlier self.
+	Sender   string
+	Epoch    uint64
+	Messages []Message
+}
+
+// AppendBatch appends b's encoding to dst.
+func AppendBatch(dst []byte, b *Batch) []byte {
+	dst = append(dst, wireVersion)
+	dst = appendString(dst, b.Sender)
+	dst = binary.AppendUvarint(dst, b.Epoch)
+	dst = binary.AppendUvarint(dst, uint64(len(b.Messages)))
+	for i := range b.Messages {
+		dst = appendMessage(dst, &b.Messages[i])
+	}
+	return dst
+}
+
+func appendMessage(dst []byte, m *Message) []byte {
+	switch {
+	case m.Event != nil:
+		ev := m.Event
+		dst = append(dst, byte(ev.Kind))
+		dst = binary.AppendUvarint(dst, ev.ID)
+		switch ev.Kind {
+		case router.EventRouted:
+			dst = appendString(dst, ev.Dial)
+			for _, n := range []int{ev.BlockTokens, ev.Prefill, ev.Decode, ev.KV} {
+				dst = binary.AppendUvarint(dst, uint64(max(0, n)))
+			}
+			dst = appendString(dst, ev.Adapter)
+			dst = binary.AppendUvarint(dst, uint64(len(ev.Hashes)))
+			for _, h := range ev.Hashes {
+				dst = binary.LittleEndian.AppendUint64(dst, h)
+			}
+		case router.EventProgressed:
+			dst = binary.AppendUvarint(dst, uint64(max(0, ev.Tokens)))
+		case router.EventCompleted:
+			dst = appendString(dst, ev.Model)
+			dst = binary.AppendUvarint(dst, uint64(max(0, ev.Tokens)))
+		}
+	case m.Drain != "":
+		dst = append(dst, kindDrain)
+		dst = appendString(dst, m.Drain)
+		dst = binary.AppendUvarint(dst, uint64(max(0, m.Deadline.Milliseconds())))
+	default:
+		dst = append(dst, kindUndrain)
+		dst = appendString(dst, m.Undrain)
+	}
+	return dst
+}
+
+func appendString(dst []byte, s string) []byte {
+	s = s[:min(len(s), maxString)]
+	dst = binary.AppendUvarint(dst, uint64(len(s)))
+	return append(dst, s...)
+}
+
+// errMalformed is the error of every batch that does not decode.
+var errMalformed = errors.New("fleetsync: malformed batch")
+
+// decoder reads a batch; the first error sticks.
+type decoder struct {
+	b   []byte
+	err error
+}
+
+func (d *decoder) fail(what string) {
+	if d.err == nil {
+		d.err = fmt.Errorf("%w: %s", errMalformed, what)
+	}
+}
+
+func (d *decoder) byte() byte {
+	if d.err != nil || len(d.b) == 0 {
+		d.fail("truncated")
+		return 0
+	}
+	c := d.b[0]
+	d.b = d.b[1:]
+	return c
+}
+
+func (d *decoder) uvarint() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.b)
+	if n <= 0 {
+		d.fail("bad varint")
+		return 0
+	}
+	d.b = d.b[n:]
+	return v
+}
+
+// int reads a count that must fit an int32, as every count here does.
+func (d *decoder) int() int {
+	v := d.uvarint()
+	if v > math.MaxInt32 {
+		d.fail("count out of range")
+		return 0
+	}
+	return int(v)
+}
+
+func (d *decoder) string() string {
+	n := d.uvarint()
+	if d.err != nil {
+		return ""
+	}
+	if n > maxString || n > uint64(len(d.b)) {
+		d.fail("bad string length")
+		return ""
+	}
+	s := string(d.b[:n])
+	d.b = d.b[n:]
+	return s
+}
+
+// DecodeBatch decodes one batch. It never panics; anything malformed is an
+// error and nothing of the batch is returned.
+func DecodeBatch(p []byte) (*Batch, error) {
+	d := &decoder{b: p}
+	if v := d.byte(); d.err == nil && v != wireVersion {
+		return nil, fmt.Errorf("%w: version %d", errMalformed, v)
+	}
+	b := &Batch{Sender: d.string(), Epoch: d.uvarint()}
+	count := d.uvarint()
+	if count > maxMessages || count > uint64(len(d.b)) {
+		d.fail("too many messages")
+	}
+	if d.err != nil {
+		return nil, d.err
+	}
+	b.Messages = make([]Message, 0, count)
+	for range count {
+		m, ok := d.message()
+		if !ok {
+			return nil, d.err
+		}
+		b.Messages = append(b.Messages, m)
+	}
+	if d.err == nil && len(d.b) > 0 {
+		d.fail("trailing bytes")
+	}
+	if d.err != nil {
+		return nil, d.err
+	}
+	return b, nil
+}
+
+func (d *decoder) message() (Message, bool) {
+	var m Message
+	switch kind := d.byte(); kind {
+	case byte(router.EventRouted), byte(router.EventProgressed), byte(router.EventCompleted), byte(router.EventReleased):
+		ev := &router.Event{Kind: router.EventKind(kind), ID: d.uvarint()}
+		switch ev.Kind {
+		case router.EventRouted:
+			ev.Dial = d.string()
+			ev.BlockTokens, ev.Prefill, ev.Decode, ev.KV = d.int(), d.int(), d.int(), d.int()
+			ev.Adapter = d.string()
+			n := d.uvarint()
+			if d.err == nil && (n > maxHashes || n*8 > uint64(len(d.b))) {
+				d.fail("bad hash count")
+			}
+			if d.err == nil {
+				ev.Hashes = make([]uint64, n)
+				for i := range ev.Hashes {
+					ev.Hashes[i] = binary.LittleEndian.Uint64(d.b[8*i:])
+				}
+				d.b = d.b[8*n:]
+			}
+		case router.EventProgressed:
+			ev.Tokens = d.int()
+		case router.EventCompleted:
+			ev.Model, ev.Tokens = d.string(), d.int()
+		}
+		m.Event = ev
+	case kindDrain:
+		m.Drain = d.string()
+		ms := d.uvarint()
+		if ms > uint64(math.MaxInt64/int64(time.Millisecond)) {
+			d.fail("deadline out of range")
+		}
+		m.Deadline = time.Duration(ms) * time.Millisecond
+		if d.err == nil && m.Drain == "" {
+			d.fail("drain without a dial")
+		}
+	case kindUndrain:
+		m.Undrain = d.string()
+		if d.err == nil && m.Undrain == "" {
+			d.fail("undrain without a dial")
+		}
+	default:
+		d.fail(fmt.Sprintf("unknown kind %d", kind))
+	}
+	return m, d.err == nil
+}

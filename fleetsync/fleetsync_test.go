@@ -1,0 +1,198 @@
+package fleetsync
+
+import (
+	"net"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
+)
+
+// startNATS runs a real NATS server in-process on port (-1: any free
+// port); it stops with the test.
+func startNATS(t testing.TB, port int) *server.Server {
+	t.Helper()
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("NATS server not ready")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns
+}
+
+func sampleBatch() *Batch {
+	return &Batch{Sender: "router-1", Epoch: 42, Messages: []Message{
+		{Event: &router.Event{Kind: router.EventRouted, ID: 7, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 1 << 63, 12345},
+			BlockTokens: 64, Prefill: 1000, Decode: 256, KV: 1256, Adapter: "tenant-a"}},
+		{Event: &router.Event{Kind: router.EventProgressed, ID: 7, Tokens: 12}},
+		{Event: &router.Event{Kind: router.EventCompleted, ID: 7, Model: "m", Tokens: 200}},
+		{Event: &router.Event{Kind: router.EventReleased, ID: 8}},
+		{Drain: "10.0.0.2:8000", Deadline: 30 * time.Second},
+		{Undrain: "10.0.0.2:8000"},
+	}}
+}
+
+func TestCodecRoundTrip(t *testing.T) {
+	b := sampleBatch()
+	p := AppendBatch(nil, b)
+	got, err := DecodeBatch(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, b) {
+		t.Fatalf("round trip:\n got %+v\nwant %+v", got, b)
+	}
+	// Every truncation is an error, never a panic or a partial batch.
+	for i := range p {
+		if b, err := DecodeBatch(p[:i]); err == nil {
+			t.Fatalf("truncated at %d decoded: %+v", i, b)
+		}
+	}
+	if _, err := DecodeBatch(append(p, 0)); err == nil {
+		t.Fatal("trailing bytes accepted")
+	}
+}
+
+func FuzzDecodeBatch(f *testing.F) {
+	f.Add(AppendBatch(nil, sampleBatch()))
+	f.Add([]byte{wireVersion, 0, 0, 0})
+	f.Add([]byte{wireVersion, 1, 'a', 1, 1, 1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Fuzz(func(t *testing.T, p []byte) {
+		b, err := DecodeBatch(p)
+		if err != nil {
+			return
+		}
+		// What decodes re-encodes to a batch that decodes the same.
+		again, err := DecodeBatch(AppendBatch(nil, b))
+		if err != nil || !reflect.DeepEqual(again, b) {
+			t.Fatalf("re-encoding %+v: %+v, %v", b, again, err)
+		}
+	})
+}
+
+// received collects what a syncer's peers said.
+type received struct {
+	mu    sync.Mutex
+	msgs  []Message
+	peers map[string]bool
+}
+
+func (r *received) config(c Config) Config {
+	r.peers = map[string]bool{}
+	c.OnMessage = func(peer string, m Message) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.msgs = append(r.msgs, m)
+	}
+	c.OnHeard = func(peer string) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.peers[peer] = true
+	}
+	return c
+}
+
+func (r *received) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.msgs)
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func startSyncer(t *testing.T, c Config) *Syncer {
+	t.Helper()
+	s, err := New(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+// TestPeersExchangeThroughNATS: what one router publishes the other
+// receives, in order, with hashes intact; a router never hears itself.
+func TestPeersExchangeThroughNATS(t *testing.T) {
+	ns := startNATS(t, -1)
+	var ra, rb received
+	a := startSyncer(t, ra.config(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.exchange"}))
+	b := startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.exchange"}))
+	waitFor(t, "both connected", func() bool { return a.Stats().Connected && b.Stats().Connected })
+	// NATS delivers to subscriptions registered when the message is
+	// published: b hears a's heartbeats once its subscription is live.
+	waitFor(t, "b hearing a", func() bool { rb.mu.Lock(); defer rb.mu.Unlock(); return rb.peers[a.Name()] })
+	for _, m := range sampleBatch().Messages {
+		if !a.Publish(m) {
+			t.Fatal("publish dropped on an idle queue")
+		}
+	}
+	waitFor(t, "b receiving a's messages", func() bool { return rb.count() == len(sampleBatch().Messages) })
+	rb.mu.Lock()
+	got := rb.msgs
+	rb.mu.Unlock()
+	if !reflect.DeepEqual(got, sampleBatch().Messages) {
+		t.Fatalf("b got %+v", got)
+	}
+	if ra.count() != 0 {
+		t.Fatalf("a heard its own %d messages", ra.count())
+	}
+	if st := a.Stats(); st.Sent != uint64(len(got)) || st.Dropped != 0 {
+		t.Fatalf("a's stats %+v", st)
+	}
+	if st := b.Stats(); st.Applied != uint64(len(got)) || st.LastReceived.IsZero() {
+		t.Fatalf("b's stats %+v", st)
+	}
+}
+
+// TestNATSOutageNeverBlocks: with the server gone, publishing neither
+// blocks nor errors (it drops and counts); when the server is back on its
+// address the peers exchange again.
+func TestNATSOutageNeverBlocks(t *testing.T) {
+	ns := startNATS(t, -1)
+	port := ns.Addr().(*net.TCPAddr).Port
+	url := ns.ClientURL()
+	var rb received
+	a := startSyncer(t, Config{URLs: []string{url}, Name: "a", Subject: "test.outage", QueueLength: 16})
+	b := startSyncer(t, rb.config(Config{URLs: []string{url}, Name: "b", Subject: "test.outage"}))
+	waitFor(t, "b hearing a", func() bool { rb.mu.Lock(); defer rb.mu.Unlock(); return rb.peers[a.Name()] })
+
+	ns.Shutdown()
+	waitFor(t, "a noticing the loss", func() bool { return !a.Stats().Connected })
+	ev := &router.Event{Kind: router.EventReleased, ID: 1}
+	for range 1000 {
+		a.Publish(Message{Event: ev}) // returns at once whatever happens
+	}
+	waitFor(t, "the outage's events dropped", func() bool { return a.Stats().Dropped > 0 })
+	if a.Stats().Disconnects == 0 {
+		t.Fatal("the loss was not counted")
+	}
+
+	startNATS(t, port) // the same address
+	waitFor(t, "a and b reconnected", func() bool { return a.Stats().Connected && b.Stats().Connected })
+	before := rb.count()
+	waitFor(t, "b receiving a's events again", func() bool {
+		a.Publish(Message{Undrain: "x:1"})
+		time.Sleep(20 * time.Millisecond)
+		return rb.count() > before
+	})
+}

@@ -1,0 +1,316 @@
+// Package fleetsync shares routing events between routers over NATS, so
+// that several gateways in front of the same upstreams share one view:
+// each publishes the changes to its own charges (package router's Event)
+// and operators' drains, in compact batches, and applies its peers'.
+//
+// Nothing here is on a request's path: Publish only queues (bounded; a
+// full queue drops and counts), a goroutine of the Syncer batches and
+// publishes, and NATS delivers peers' batches on its own goroutine. When
+// NATS is unreachable the router keeps routing on its own view, the loss
+// is logged once and counted, and the client reconnects for ever; events
+// of the outage are dropped rather than replayed late. It knows nothing of
+// Caddy.
+package fleetsync
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+)
+
+// Defaults.
+const (
+	DefaultSubject           = "llm_affinity"
+	DefaultFlushInterval     = 2 * time.Millisecond
+	DefaultQueueLength       = 8192
+	DefaultHeartbeatInterval = time.Second
+	// maxBatch is how many messages one publication carries at most.
+	maxBatch = 256
+)
+
+// Config configures a Syncer. Zero values take the defaults.
+type Config struct {
+	// URLs are the NATS servers, nats://host:port (tls:// for TLS).
+	URLs []string
+	// Subject is the NATS subject; routers sharing a subject share a view.
+	// Default DefaultSubject.
+	Subject string
+	// Name identifies this router to its peers. Default: the host name and
+	// process id.
+	Name string
+	// Creds is a NATS credentials file (JWT and seed).
+	Creds string
+	// TLSCA is a PEM file of the certificate authorities that sign the NATS
+	// servers' certificates.
+	TLSCA string
+	// FlushInterval is the longest an event waits to be batched with
+	// others. Default DefaultFlushInterval.
+	FlushInterval time.Duration
+	// QueueLength bounds the messages waiting to be published; a full
+	// queue drops (and counts) new ones. Default DefaultQueueLength.
+	QueueLength int
+	// HeartbeatInterval is how often an idle router tells its peers it is
+	// alive (an empty batch), and how often OnTick runs. Default
+	// DefaultHeartbeatInterval.
+	HeartbeatInterval time.Duration
+	// OnMessage receives each message of a peer's batch, in order, on the
+	// Syncer's receiving goroutine. peer names the sending router
+	// (Name#epoch, so a restarted router is a new peer).
+	OnMessage func(peer string, m Message)
+	// OnHeard receives every batch's sender, before its messages.
+	OnHeard func(peer string)
+	// OnTick runs every HeartbeatInterval (for expiring silent peers).
+	OnTick func(now time.Time)
+	// Logger receives connection losses and recoveries.
+	Logger *zap.Logger
+}
+
+// Stats are a Syncer's counters.
+type Stats struct {
+	Name      string `json:"name"`
+	Subject   string `json:"subject"`
+	Connected bool   `json:"connected"`
+	// Sent counts messages published; Applied, peers' messages received
+	// and handed to OnMessage; Dropped, messages lost to a full queue or
+	// an unreachable NATS; Malformed, batches that did not decode.
+	Sent        uint64 `json:"events_sent"`
+	Applied     uint64 `json:"events_applied"`
+	Dropped     uint64 `json:"events_dropped"`
+	Malformed   uint64 `json:"batches_malformed"`
+	Disconnects uint64 `json:"disconnects"`
+	// LastReceived is when the last peer batch arrived (zero: never).
+	LastReceived time.Time `json:"last_received,omitzero"`
+}
+
+// Syncer publishes this router's messages and receives its peers'.
+type Syncer struct {
+	cfg   Config
+	epoch uint64
+	self  string // Name#epoch
+	nc    *nats.Conn
+	sub   *nats.Subscription
+	queue chan Message
+	stop  chan struct{}
+	done  chan struct{}
+	once  sync.Once
+
+	sent, applied, dropped, malformed, disconnects atomic.Uint64
+	lastReceived                                   atomic.Int64
+}
+
+// New returns a Syncer for cfg; Start connects it.
+func New(cfg Config) (*Syncer, error) {
+	if len(cfg.URLs) == 0 {
+		return nil, fmt.Errorf("fleetsync: no NATS server URL")
+	}
+	if cfg.Subject == "" {
+		cfg.Subject = DefaultSubject
+	}
+	if cfg.Name == "" {
+		host, _ := os.Hostname()
+		cfg.Name = host + "-" + strconv.Itoa(os.Getpid())
+	}
+	if cfg.FlushInterval <= 0 {
+		cfg.FlushInterval = DefaultFlushInterval
+	}
+	if cfg.QueueLength <= 0 {
+		cfg.QueueLength = DefaultQueueLength
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = DefaultHeartbeatInterval
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	epoch := uint64(time.Now().UnixNano())
+	return &Syncer{
+		cfg: cfg, epoch: epoch, self: peerName(cfg.Name, epoch),
+		queue: make(chan Message, cfg.QueueLength),
+		stop:  make(chan struct{}), done: make(chan struct{}),
+	}, nil
+}
+
+func peerName(name string, epoch uint64) string { return name + "#" + strconv.FormatUint(epoch, 10) }
+
+// Name is this router's name as its peers see it.
+func (s *Syncer) Name() string { return s.self }
+
+// Start connects to NATS and starts publishing. An unreachable NATS is not
+// an error: the client keeps trying in the background.
+func (s *Syncer) Start() error {
+	log := s.cfg.Logger
+	opts := []nats.Option{
+		nats.Name("caddy-llm-affinity " + s.cfg.Name),
+		nats.NoEcho(),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(time.Second),
+		nats.RetryOnFailedConnect(true),
+		// Events of an outage are dropped, not replayed late.
+		nats.ReconnectBufSize(-1),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			s.disconnects.Add(1)
+			log.Warn("lost the NATS connection; routing on this router's own view until it is back", zap.Error(err))
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			log.Warn("NATS error", zap.Error(err))
+		}),
+	}
+	if s.cfg.Creds != "" {
+		opts = append(opts, nats.UserCredentials(s.cfg.Creds))
+	}
+	if s.cfg.TLSCA != "" {
+		opts = append(opts, nats.RootCAs(s.cfg.TLSCA))
+	}
+	nc, err := nats.Connect(joinURLs(s.cfg.URLs), opts...)
+	if err != nil {
+		return fmt.Errorf("fleetsync: connecting to NATS: %w", err)
+	}
+	if !nc.IsConnected() {
+		log.Warn("NATS unreachable; routing on this router's own view while the client keeps trying",
+			zap.Strings("servers", s.cfg.URLs))
+	}
+	sub, err := nc.Subscribe(s.cfg.Subject, s.receive)
+	if err != nil {
+		nc.Close()
+		return fmt.Errorf("fleetsync: subscribing to %s: %w", s.cfg.Subject, err)
+	}
+	s.nc, s.sub = nc, sub
+	go s.run()
+	return nil
+}
+
+func joinURLs(urls []string) string { return strings.Join(urls, ",") }
+
+// Publish queues m for this router's peers. It never blocks: it reports
+// false (and counts a drop) when the queue is full. m.Event.Hashes is
+// copied at once.
+func (s *Syncer) Publish(m Message) bool {
+	if m.Event != nil {
+		ev := *m.Event
+		ev.Hashes = append([]uint64(nil), ev.Hashes...)
+		m.Event = &ev
+	}
+	select {
+	case s.queue <- m:
+		return true
+	default:
+		s.dropped.Add(1)
+		return false
+	}
+}
+
+// run batches and publishes queued messages until Close, and sends
+// heartbeats while idle.
+func (s *Syncer) run() {
+	defer close(s.done)
+	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch}
+	var buf []byte
+	flush := time.NewTimer(time.Hour)
+	flush.Stop()
+	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
+	defer heartbeat.Stop()
+	sentSinceBeat := false
+	publish := func() {
+		buf = AppendBatch(buf[:0], &batch)
+		n := uint64(len(batch.Messages))
+		if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
+			s.dropped.Add(n)
+		} else {
+			s.sent.Add(n)
+		}
+		batch.Messages = batch.Messages[:0]
+		sentSinceBeat = true
+	}
+	for {
+		select {
+		case m := <-s.queue:
+			if len(batch.Messages) == 0 {
+				flush.Reset(s.cfg.FlushInterval)
+			}
+			batch.Messages = append(batch.Messages, m)
+			if len(batch.Messages) >= maxBatch {
+				flush.Stop()
+				publish()
+			}
+		case <-flush.C:
+			if len(batch.Messages) > 0 {
+				publish()
+			}
+		case now := <-heartbeat.C:
+			if !sentSinceBeat {
+				publish() // an empty batch: alive
+			}
+			sentSinceBeat = false
+			if s.cfg.OnTick != nil {
+				s.cfg.OnTick(now)
+			}
+		case <-s.stop:
+			if len(batch.Messages) > 0 {
+				publish()
+			}
+			return
+		}
+	}
+}
+
+// receive handles one peer batch.
+func (s *Syncer) receive(msg *nats.Msg) {
+	b, err := DecodeBatch(msg.Data)
+	if err != nil {
+		s.malformed.Add(1)
+		return
+	}
+	peer := peerName(b.Sender, b.Epoch)
+	if peer == s.self {
+		return
+	}
+	s.lastReceived.Store(time.Now().UnixNano())
+	if s.cfg.OnHeard != nil {
+		s.cfg.OnHeard(peer)
+	}
+	for _, m := range b.Messages {
+		if s.cfg.OnMessage != nil {
+			s.cfg.OnMessage(peer, m)
+		}
+		s.applied.Add(1)
+	}
+}
+
+// Close publishes what is queued and disconnects.
+func (s *Syncer) Close() {
+	s.once.Do(func() {
+		if s.nc == nil {
+			return
+		}
+		close(s.stop)
+		<-s.done
+		s.nc.Flush()
+		s.nc.Close()
+	})
+}
+
+// Stats returns the counters.
+func (s *Syncer) Stats() Stats {
+	st := Stats{
+		Name: s.self, Subject: s.cfg.Subject,
+		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
+		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(),
+	}
+	if s.nc != nil {
+		st.Connected = s.nc.IsConnected()
+	}
+	if t := s.lastReceived.Load(); t != 0 {
+		st.LastReceived = time.Unix(0, t)
+	}
+	return st
+}
