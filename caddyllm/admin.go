@@ -23,6 +23,10 @@ func init() {
 //	GET    /llm_affinity/upstreams                   every upstream's state
 //	POST   /llm_affinity/upstreams/{dial}/drain      drain; deadline in ?deadline=30s or {"deadline":"30s"}
 //	DELETE /llm_affinity/upstreams/{dial}/drain      undrain
+//	GET    /llm_affinity/sync                        the sync option's connections and peers
+//
+// With the sync option, drains and undrains made here reach the peer
+// routers too.
 //
 // It is a thin view over the state the loaded policies share (see pool):
 // Caddy re-creates admin modules on every config load and never cleans
@@ -44,6 +48,7 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{
 		{Pattern: "/llm_affinity/upstreams", Handler: caddy.AdminHandlerFunc(handleUpstreams)},
 		{Pattern: "/llm_affinity/upstreams/", Handler: caddy.AdminHandlerFunc(handleDrain)},
+		{Pattern: "/llm_affinity/sync", Handler: caddy.AdminHandlerFunc(handleSync)},
 	}
 }
 
@@ -79,8 +84,10 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
 		sh.drains.Drain(dial, deadline, drain.Admin)
+		sh.publishDrain(dial, deadline)
 	} else {
 		sh.drains.Undrain(dial, drain.Admin)
+		sh.publishDrain(dial, -1)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(map[string]string{"dial": dial, "drain": sh.drains.Phase(dial).String()})

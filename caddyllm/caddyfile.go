@@ -114,6 +114,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		drain               <dial...>
 //		explain_header
 //		fallback <policy> [<args...>]
+//		sync <nats-url...> {
+//			subject <subject>
+//			name    <router name>
+//			creds   <file>
+//			tls_ca  <file>
+//		}
 //	}
 func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume policy name
@@ -230,6 +236,29 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "explain_header":
 			p.ExplainHeader = true
+		case "sync":
+			if p.Sync != nil {
+				return d.Err("sync already specified")
+			}
+			p.Sync = &SyncConfig{URLs: d.RemainingArgs()}
+			if len(p.Sync.URLs) == 0 {
+				return d.ArgErr()
+			}
+			fields := map[string]*string{"subject": &p.Sync.Subject, "name": &p.Sync.Name, "creds": &p.Sync.Creds, "tls_ca": &p.Sync.TLSCA}
+			for nesting := d.Nesting(); d.NextBlock(nesting); {
+				dst, ok := fields[d.Val()]
+				if !ok {
+					return d.Errf("unrecognized sync option '%s'", d.Val())
+				}
+				if !d.NextArg() {
+					return d.ArgErr()
+				}
+				*dst = d.Val()
+				if d.NextArg() {
+					return d.ArgErr()
+				}
+			}
+			continue
 		case "fallback":
 			if !d.NextArg() {
 				return d.ArgErr()

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"math"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -108,6 +109,44 @@ func TestPolicyValidate(t *testing.T) {
 	} {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%+v validated", p)
+		}
+	}
+}
+
+func TestSyncCaddyfile(t *testing.T) {
+	var p Policy
+	if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser("llm_affinity {\n\tsync nats://127.0.0.1:4222\n}")); err != nil {
+		t.Fatal(err)
+	}
+	if p.Sync == nil || len(p.Sync.URLs) != 1 || p.Sync.URLs[0] != "nats://127.0.0.1:4222" || p.Sync.Subject != "" {
+		t.Fatalf("one-line form: %+v", p.Sync)
+	}
+	p = Policy{}
+	if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity {
+		sync nats://nats-1:4222 nats://nats-2:4222 {
+			subject   llm_affinity.pool-a
+			name      router-1
+			creds     /etc/nats/router.creds
+			tls_ca    /etc/nats/ca.pem
+		}
+		explain_header
+	}`)); err != nil {
+		t.Fatal(err)
+	}
+	want := SyncConfig{URLs: []string{"nats://nats-1:4222", "nats://nats-2:4222"}, Subject: "llm_affinity.pool-a",
+		Name: "router-1", Creds: "/etc/nats/router.creds", TLSCA: "/etc/nats/ca.pem"}
+	if p.Sync == nil || !reflect.DeepEqual(*p.Sync, want) || !p.ExplainHeader {
+		t.Fatalf("block form: %+v", p.Sync)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{"llm_affinity {\n\tsync\n}", "wrong argument count"},
+		{"llm_affinity {\n\tsync nats://a:1 {\n\t\tcolour blue\n\t}\n}", "unrecognized sync option 'colour'"},
+		{"llm_affinity {\n\tsync nats://a:1 {\n\t\tsubject\n\t}\n}", "wrong argument count"},
+		{"llm_affinity {\n\tsync nats://a:1\n\tsync nats://b:1\n}", "sync already specified"},
+	} {
+		var p Policy
+		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want %q", tc.in, err, tc.want)
 		}
 	}
 }

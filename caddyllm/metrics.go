@@ -72,7 +72,7 @@ func newMetrics(sh *shared) *metrics {
 	}
 	m.collectors = []prometheus.Collector{
 		m.decisions, m.shed, m.queued, m.matchedTokens, m.ttft, m.cachedTokens,
-		m.drainCompleted, m.movedRequests, m.drainTransitions, newFleetCollector(sh),
+		m.drainCompleted, m.movedRequests, m.drainTransitions, newFleetCollector(sh), newSyncCollector(sh),
 	}
 	return m
 }

@@ -169,6 +169,11 @@ type Policy struct {
 	// the request went and why (no prompt text).
 	ExplainHeader bool `json:"explain_header,omitempty"`
 
+	// Sync shares this router's view with other routers over NATS: each
+	// publishes its routing events and operators' drains, and applies the
+	// others'. Off by default.
+	Sync *SyncConfig `json:"sync,omitempty"`
+
 	// FallbackRaw is the selection policy for requests without parsed
 	// content. Default: the upstream with the least queued work.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
@@ -185,6 +190,7 @@ type Policy struct {
 	named []string
 
 	scraper  *scrape.Scraper
+	syncKey  string
 	fallback reverseproxy.Selector
 	opts     router.Options
 	logger   *zap.Logger
@@ -309,6 +315,13 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.scraper.Start(ctx)
 		p.sh.addScraper(p.scraper)
 	}
+	if p.Sync != nil {
+		key, err := p.sh.acquireSync(*p.Sync, p.logger.Named("sync"))
+		if err != nil {
+			return err
+		}
+		p.syncKey = key
+	}
 	p.rng, p.scratch = newLockedRand(), newScratchPool()
 	p.sh.metrics.register(ctx)
 	return nil
@@ -324,6 +337,9 @@ func (p *Policy) Cleanup() error {
 	p.health.close()
 	if p.scraper != nil {
 		p.sh.removeScraper(p.scraper)
+	}
+	if p.syncKey != "" {
+		p.sh.releaseSync(p.syncKey)
 	}
 	p.sh.removeSite(p.site)
 	releaseUpstreams(p.named)

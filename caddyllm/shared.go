@@ -4,12 +4,14 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
@@ -42,6 +44,10 @@ type shared struct {
 	metrics *metrics
 	logger  *zap.Logger
 	stop    chan struct{}
+
+	// syncers are the NATS connections of the sync option, read by the
+	// fleet's publisher without a lock; written under mu.
+	syncers atomic.Pointer[[]*fleetsync.Syncer]
 
 	mu       sync.Mutex
 	sites    map[string]*site
@@ -90,6 +96,7 @@ func newShared() *shared {
 	}
 	sh.metrics = newMetrics(sh)
 	sh.drains = drain.New(sh.drainEvents())
+	sh.fleet.SetPublisher(sh.publishEvent)
 	go sh.janitor()
 	return sh
 }
@@ -139,9 +146,9 @@ func (sh *shared) removeSite(owner string) {
 func (sh *shared) adminDrainDeadline(dial string) time.Duration {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	var naming, any time.Duration
+	var naming, anySite time.Duration
 	for _, s := range sh.sites {
-		any = max(any, s.drainDeadline)
+		anySite = max(anySite, s.drainDeadline)
 		if slices.Contains(s.dials, dial) {
 			naming = max(naming, s.drainDeadline)
 		}
@@ -149,8 +156,8 @@ func (sh *shared) adminDrainDeadline(dial string) time.Duration {
 	switch {
 	case naming > 0:
 		return naming
-	case any > 0:
-		return any
+	case anySite > 0:
+		return anySite
 	}
 	return defaultDrainDeadline
 }

@@ -1,0 +1,263 @@
+package caddyllm
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
+)
+
+// SyncConfig shares the routing view of several routers (Caddy instances)
+// over NATS; see package fleetsync.
+type SyncConfig struct {
+	// URLs are the NATS servers, nats://host:port or tls://host:port.
+	URLs []string `json:"urls"`
+
+	// Subject is the NATS subject. Routers sharing a subject share a view.
+	// Default llm_affinity.
+	Subject string `json:"subject,omitempty"`
+
+	// Name identifies this router to its peers (logs, the admin view).
+	// Default: the host name and process id.
+	Name string `json:"name,omitempty"`
+
+	// Creds is a NATS credentials file.
+	Creds string `json:"creds,omitempty"`
+
+	// TLSCA is a PEM file of the authorities that sign the NATS servers'
+	// certificates.
+	TLSCA string `json:"tls_ca,omitempty"`
+}
+
+// Timing of peers' state.
+const (
+	// peerSilence is how long a peer may go unheard (it heartbeats every
+	// second) before its charges are released: it died, or the network
+	// parted and this router routes on its own view.
+	peerSilence = 5 * time.Second
+	// peerChargeLife is the longest a peer's charge is kept without its
+	// release (which may have been lost), as Dynamo's routers expire
+	// theirs.
+	peerChargeLife = time.Hour
+)
+
+// syncKey is the pool key of a Syncer: one connection per distinct
+// configuration, shared by every policy that uses it and kept across
+// reloads.
+func syncKey(c SyncConfig) string {
+	b, _ := json.Marshal(c)
+	return "sync\x00" + string(b)
+}
+
+// syncEntry is a Syncer in the pool.
+type syncEntry struct {
+	sh     *shared
+	syncer *fleetsync.Syncer
+}
+
+// Destruct closes the connection: no loaded policy uses it any more.
+func (e *syncEntry) Destruct() error {
+	e.sh.removeSyncer(e.syncer)
+	e.syncer.Close()
+	return nil
+}
+
+// acquireSync takes a reference on the Syncer of c, connecting it when it
+// is new, and returns its pool key for releaseSync.
+func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) {
+	key := syncKey(c)
+	_, _, err := pool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		s, err := fleetsync.New(fleetsync.Config{
+			URLs: c.URLs, Subject: c.Subject, Name: c.Name, Creds: c.Creds, TLSCA: c.TLSCA,
+			OnMessage: sh.applyPeer,
+			OnHeard:   func(peer string) { sh.fleet.Heard(peer, time.Now()) },
+			OnTick: func(now time.Time) {
+				sh.fleet.ExpirePeers(now, now.Add(-peerSilence), now.Add(-peerChargeLife))
+			},
+			Logger: logger,
+		})
+		if err != nil {
+			return nil, err
+		}
+		if err := s.Start(); err != nil {
+			return nil, err
+		}
+		sh.addSyncer(s)
+		return &syncEntry{sh: sh, syncer: s}, nil
+	})
+	if err != nil {
+		return "", fmt.Errorf("sync: %w", err)
+	}
+	return key, nil
+}
+
+func (sh *shared) releaseSync(key string) { pool.Delete(key) }
+
+// addSyncer and removeSyncer keep the list publishing reads without a
+// lock: the fleet publishes under its own lock, on every decision.
+func (sh *shared) addSyncer(s *fleetsync.Syncer) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	list := append(slices.Clone(sh.loadSyncers()), s)
+	sh.syncers.Store(&list)
+}
+
+func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	list := slices.DeleteFunc(slices.Clone(sh.loadSyncers()), func(x *fleetsync.Syncer) bool { return x == s })
+	sh.syncers.Store(&list)
+}
+
+func (sh *shared) loadSyncers() []*fleetsync.Syncer {
+	if p := sh.syncers.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// publishEvent is the fleet's publisher: it hands the event of one of this
+// router's charges to every connection (queued, never blocking).
+func (sh *shared) publishEvent(ev router.Event) {
+	for _, s := range sh.loadSyncers() {
+		s.Publish(fleetsync.Message{Event: &ev})
+	}
+}
+
+// publishDrain tells the peers an operator drained (deadline ≥ 0) or
+// undrained (deadline < 0) dial here.
+func (sh *shared) publishDrain(dial string, deadline time.Duration) {
+	m := fleetsync.Message{Drain: dial, Deadline: deadline}
+	if deadline < 0 {
+		m = fleetsync.Message{Undrain: dial}
+	}
+	for _, s := range sh.loadSyncers() {
+		s.Publish(m)
+	}
+}
+
+// applyPeer applies one message of a peer: its charges to the fleet, its
+// operator's drains to the drain registry as this router's operator's
+// would be. Upstreams this router does not have are ignored.
+func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
+	now := time.Now()
+	switch {
+	case m.Event != nil:
+		sh.fleet.Apply(peer, *m.Event, now)
+	case m.Drain != "" && sh.fleet.Known(m.Drain):
+		sh.drains.Drain(m.Drain, m.Deadline, drain.Admin)
+	case m.Undrain != "" && sh.fleet.Known(m.Undrain):
+		sh.drains.Undrain(m.Undrain, drain.Admin)
+	}
+}
+
+// SyncView is the sync state of the admin API: each connection's counters
+// and the peers heard from.
+type SyncView struct {
+	Connections []fleetsync.Stats `json:"connections"`
+	Peers       []PeerView        `json:"peers"`
+}
+
+// PeerView is one peer router.
+type PeerView struct {
+	Name string `json:"name"`
+	// LastSeenSeconds is how long ago the peer was last heard from.
+	LastSeenSeconds float64 `json:"last_seen_seconds"`
+	// Charges counts the peer's requests in flight that this router
+	// counts as queued work.
+	Charges int `json:"charges"`
+}
+
+func (sh *shared) syncView(now time.Time) SyncView {
+	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}}
+	for _, s := range sh.loadSyncers() {
+		v.Connections = append(v.Connections, s.Stats())
+	}
+	for _, p := range sh.fleet.Peers() {
+		v.Peers = append(v.Peers, PeerView{Name: p.Name, LastSeenSeconds: now.Sub(p.LastSeen).Seconds(), Charges: p.Charges})
+	}
+	slices.SortFunc(v.Peers, func(a, b PeerView) int { return strings.Compare(a.Name, b.Name) })
+	return v
+}
+
+// handleSync serves GET /llm_affinity/sync.
+func handleSync(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}}
+	if sh := lookupShared(); sh != nil {
+		v = sh.syncView(time.Now())
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(v)
+}
+
+// syncCollector exports the connections' counters, summed, at scrape time.
+type syncCollector struct {
+	sh                                         *shared
+	events, connected, peers, disconnects, age *prometheus.Desc
+}
+
+func newSyncCollector(sh *shared) *syncCollector {
+	return &syncCollector{
+		sh: sh,
+		events: prometheus.NewDesc("caddy_llm_affinity_sync_events_total",
+			"Routing events shared with peer routers: sent, applied (received from peers), dropped (queue full or NATS unreachable).", []string{"direction"}, nil),
+		connected: prometheus.NewDesc("caddy_llm_affinity_sync_connected",
+			"NATS connections of the sync option that are up.", nil, nil),
+		peers: prometheus.NewDesc("caddy_llm_affinity_sync_peers",
+			"Peer routers heard from recently.", nil, nil),
+		disconnects: prometheus.NewDesc("caddy_llm_affinity_sync_disconnects_total",
+			"NATS connection losses.", nil, nil),
+		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
+			"Time since the last batch from a peer arrived (absent before the first).", nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.age} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
+	syncers := c.sh.loadSyncers()
+	if len(syncers) == 0 {
+		return
+	}
+	var sent, applied, dropped, disconnects, connected float64
+	var last time.Time
+	for _, s := range syncers {
+		st := s.Stats()
+		sent, applied, dropped = sent+float64(st.Sent), applied+float64(st.Applied), dropped+float64(st.Dropped)
+		disconnects += float64(st.Disconnects)
+		if st.Connected {
+			connected++
+		}
+		if st.LastReceived.After(last) {
+			last = st.LastReceived
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, sent, "sent")
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, applied, "applied")
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, dropped, "dropped")
+	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, connected)
+	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(c.sh.fleet.Peers())))
+	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, disconnects)
+	if !last.IsZero() {
+		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, time.Since(last).Seconds())
+	}
+}
