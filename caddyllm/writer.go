@@ -121,6 +121,13 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		t.status = status
 		t.sse = strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")
 		t.headerSent.Store(true)
+		if status == http.StatusOK && !t.sse {
+			// A non-streaming completion's headers come once the whole
+			// generation is done: its first token is here, its prefill
+			// long over (and peer routers learn so before the client can
+			// send its next turn elsewhere).
+			t.st.progress(1)
+		}
 	}
 	t.ResponseWriterWrapper.WriteHeader(status)
 }

@@ -28,7 +28,6 @@ import (
 // Defaults.
 const (
 	DefaultSubject           = "llm_affinity"
-	DefaultFlushInterval     = 2 * time.Millisecond
 	DefaultQueueLength       = 8192
 	DefaultHeartbeatInterval = time.Second
 	// maxBatch is how many messages one publication carries at most.
@@ -50,9 +49,6 @@ type Config struct {
 	// TLSCA is a PEM file of the certificate authorities that sign the NATS
 	// servers' certificates.
 	TLSCA string
-	// FlushInterval is the longest an event waits to be batched with
-	// others. Default DefaultFlushInterval.
-	FlushInterval time.Duration
 	// QueueLength bounds the messages waiting to be published; a full
 	// queue drops (and counts) new ones. Default DefaultQueueLength.
 	QueueLength int
@@ -116,9 +112,6 @@ func New(cfg Config) (*Syncer, error) {
 	if cfg.Name == "" {
 		host, _ := os.Hostname()
 		cfg.Name = host + "-" + strconv.Itoa(os.Getpid())
-	}
-	if cfg.FlushInterval <= 0 {
-		cfg.FlushInterval = DefaultFlushInterval
 	}
 	if cfg.QueueLength <= 0 {
 		cfg.QueueLength = DefaultQueueLength
@@ -209,14 +202,15 @@ func (s *Syncer) Publish(m Message) bool {
 	}
 }
 
-// run batches and publishes queued messages until Close, and sends
-// heartbeats while idle.
+// run publishes queued messages until Close, and sends heartbeats while
+// idle. A message goes out at once, with whatever queued behind it while
+// the last batch was published: no timer delays an event (a peer deciding
+// a conversation's next turn must already know where its last one went),
+// and under load batches grow by themselves.
 func (s *Syncer) run() {
 	defer close(s.done)
 	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch}
 	var buf []byte
-	flush := time.NewTimer(time.Hour)
-	flush.Stop()
 	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
 	defer heartbeat.Stop()
 	sentSinceBeat := false
@@ -234,18 +228,17 @@ func (s *Syncer) run() {
 	for {
 		select {
 		case m := <-s.queue:
-			if len(batch.Messages) == 0 {
-				flush.Reset(s.cfg.FlushInterval)
-			}
 			batch.Messages = append(batch.Messages, m)
-			if len(batch.Messages) >= maxBatch {
-				flush.Stop()
-				publish()
+		more:
+			for len(batch.Messages) < maxBatch {
+				select {
+				case m := <-s.queue:
+					batch.Messages = append(batch.Messages, m)
+				default:
+					break more
+				}
 			}
-		case <-flush.C:
-			if len(batch.Messages) > 0 {
-				publish()
-			}
+			publish()
 		case now := <-heartbeat.C:
 			if !sentSinceBeat {
 				publish() // an empty batch: alive
@@ -255,9 +248,6 @@ func (s *Syncer) run() {
 				s.cfg.OnTick(now)
 			}
 		case <-s.stop:
-			if len(batch.Messages) > 0 {
-				publish()
-			}
 			return
 		}
 	}

@@ -1,0 +1,355 @@
+package integration
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// A cluster test runs several routers as separate Caddy processes (Caddy
+// holds one config per process): the project's own binary, built once.
+
+var (
+	caddyBinOnce sync.Once
+	caddyBin     string
+	caddyBinErr  error
+)
+
+// buildCaddy builds cmd/caddy into a directory that outlives the test.
+func buildCaddy(t *testing.T) string {
+	t.Helper()
+	caddyBinOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "llm-affinity-caddy")
+		if err != nil {
+			caddyBinErr = err
+			return
+		}
+		caddyBin = filepath.Join(dir, "caddy")
+		out, err := exec.Command("go", "build", "-o", caddyBin, "../cmd/caddy").CombinedOutput()
+		if err != nil {
+			caddyBinErr = fmt.Errorf("go build ./cmd/caddy: %v\n%s", err, out)
+		}
+	})
+	if caddyBinErr != nil {
+		t.Fatal(caddyBinErr)
+	}
+	return caddyBin
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// natsServer runs a real NATS server in this process on port.
+func natsServer(t *testing.T, port int) *server.Server {
+	t.Helper()
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("NATS server not ready")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns
+}
+
+// routerProc is one Caddy process of the cluster.
+type routerProc struct {
+	name  string
+	url   string // its llm_affinity site
+	admin string // its admin endpoint
+}
+
+// startRouter runs the Caddy binary with a config routing to fleet and
+// syncing over natsURL; it stops with the test.
+func startRouter(t *testing.T, bin, name, natsURL string, fleet []*replica) *routerProc {
+	t.Helper()
+	dir := t.TempDir()
+	r := &routerProc{name: name,
+		url:   fmt.Sprintf("http://127.0.0.1:%d", freePort(t)),
+		admin: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)),
+	}
+	config := fmt.Sprintf(`{
+	admin %s
+	persist_config off
+	skip_install_trust
+	grace_period 1ns
+}
+%s {
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			explain_header
+			sync %s {
+				name %s
+			}
+		}
+	}
+}
+`, strings.TrimPrefix(r.admin, "http://"), r.url, dials(fleet), natsURL, name)
+	file := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(file, []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	logFile, err := os.Create(filepath.Join(dir, "caddy.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "run", "--config", file, "--adapter", "caddyfile")
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir, "HOME="+dir)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+		logFile.Close()
+		if t.Failed() {
+			log, _ := os.ReadFile(logFile.Name())
+			t.Logf("%s's log:\n%s", name, log)
+		}
+	})
+	eventually(t, 30*time.Second, name+" listening", func() bool {
+		resp, err := http.Get(r.admin + "/llm_affinity/sync")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
+	return r
+}
+
+func (r *routerProc) sync(t *testing.T) caddyllm.SyncView {
+	t.Helper()
+	var v caddyllm.SyncView
+	getJSON(t, r.admin+"/llm_affinity/sync", &v)
+	return v
+}
+
+func (r *routerProc) upstreams(t *testing.T) map[string]caddyllm.UpstreamSnapshot {
+	t.Helper()
+	var list []caddyllm.UpstreamSnapshot
+	getJSON(t, r.admin+"/llm_affinity/upstreams", &list)
+	out := map[string]caddyllm.UpstreamSnapshot{}
+	for _, u := range list {
+		out[u.Dial] = u
+	}
+	return out
+}
+
+func getJSON(t *testing.T, url string, v any) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+}
+
+// post sends a chat request through the router and returns the replica
+// that served it; any failure fails the test.
+func (r *routerProc) post(t *testing.T, messages []msg) string {
+	t.Helper()
+	raw, _ := json.Marshal(chat(messages, 4))
+	resp, err := http.Post(r.url+"/v1/chat/completions", "application/json", bytes.NewReader(raw))
+	if err != nil {
+		t.Errorf("%s: %v", r.name, err)
+		return ""
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != 200 {
+		t.Errorf("%s: %d %s", r.name, resp.StatusCode, body)
+	}
+	return resp.Header.Get(kvsim.ReplicaHeader)
+}
+
+// allConnected waits until every router is connected and hears the others.
+func allConnected(t *testing.T, routers []*routerProc) {
+	t.Helper()
+	eventually(t, 30*time.Second, "every router connected and hearing its peers", func() bool {
+		for _, r := range routers {
+			v := r.sync(t)
+			if len(v.Connections) != 1 || !v.Connections[0].Connected || len(v.Peers) != len(routers)-1 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// conversations runs n conversations of turns turns, turn k of each sent
+// through router k mod len(routers), the conversations side by side. It
+// returns the share of turns 2 and later served by the replica of turn 1.
+func conversations(t *testing.T, routers []*routerProc, tag string, n, turns int) float64 {
+	t.Helper()
+	var mu sync.Mutex
+	stayed, later := 0, 0
+	var wg sync.WaitGroup
+	for c := range n {
+		wg.Go(func() {
+			convo := []msg{{"system", marker + text(fmt.Sprintf("%s conversation %d", tag, c), 8000)}, {"user", "hello"}}
+			first := ""
+			for k := range turns {
+				got := routers[(k+c)%len(routers)].post(t, convo)
+				convo = append(convo, msg{"assistant", "ok"}, msg{"user", fmt.Sprintf("turn %d", k+1)})
+				if k == 0 {
+					first = got
+					continue
+				}
+				mu.Lock()
+				later++
+				if got == first {
+					stayed++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return float64(stayed) / float64(later)
+}
+
+// marker is prompt text that must never cross the wire.
+const marker = "MARKER-7f3a-never-on-the-wire "
+
+// TestClusterSharesOneView runs three routers (Caddy processes) syncing
+// over a real NATS server in front of one kvsim fleet: conversations whose
+// turns alternate between the routers stay on one replica; an operator's
+// drain on one router reaches all three; losing NATS fails no request and
+// sharing resumes when it is back; no prompt text is ever published.
+func TestClusterSharesOneView(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs three Caddy processes")
+	}
+	bin := buildCaddy(t)
+	natsPort := freePort(t)
+	ns := natsServer(t, natsPort)
+	natsURL := fmt.Sprintf("nats://127.0.0.1:%d", natsPort)
+
+	// Everything published, as a peer sees it.
+	var wireMu sync.Mutex
+	var wire [][]byte
+	spy, err := nats.Connect(natsURL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer spy.Close()
+	if _, err := spy.Subscribe("llm_affinity", func(m *nats.Msg) {
+		wireMu.Lock()
+		wire = append(wire, m.Data)
+		wireMu.Unlock()
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	var routers []*routerProc
+	for i := range 3 {
+		routers = append(routers, startRouter(t, bin, fmt.Sprintf("router-%d", i), natsURL, fleet))
+	}
+	allConnected(t, routers)
+
+	t.Logf("one router: %.2f", conversations(t, routers[:1], "single", 6, 5))
+	if share := conversations(t, routers, "synced", 6, 5); share < 0.9 {
+		for _, r := range routers {
+			t.Logf("%s: sync %+v", r.name, r.sync(t))
+			for d, u := range r.upstreams(t) {
+				t.Logf("%s: %s blocks %d in flight %d completed %d", r.name, d, u.IndexBlocks, u.InFlight, u.Completed)
+			}
+		}
+		t.Fatalf("only %.0f%% of later turns stayed on the first turn's replica", 100*share)
+	}
+
+	// An operator drains replica 0 through router 0: all three stop
+	// sending it new requests.
+	a := fleet[0]
+	req, _ := http.NewRequest("POST", routers[0].admin+"/llm_affinity/upstreams/"+a.dial()+"/drain", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("drain: %v %v", err, resp)
+	}
+	resp.Body.Close()
+	for _, r := range routers {
+		eventually(t, 10*time.Second, r.name+" seeing the drain", func() bool { return r.upstreams(t)[a.dial()].Drain != "active" })
+	}
+	for i := range 6 {
+		if got := routers[i%3].post(t, []msg{{"user", text(fmt.Sprint("while drained ", i), 2000)}}); got == a.name {
+			t.Fatalf("router %d sent a request to the drained replica", i%3)
+		}
+	}
+	req, _ = http.NewRequest("DELETE", routers[2].admin+"/llm_affinity/upstreams/"+a.dial()+"/drain", nil)
+	if resp, err = http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("undrain: %v %v", err, resp)
+	}
+	resp.Body.Close()
+	for _, r := range routers {
+		eventually(t, 10*time.Second, r.name+" seeing the undrain", func() bool { return r.upstreams(t)[a.dial()].Drain == "active" })
+	}
+
+	// NATS goes away: every request still succeeds, each router on its
+	// own view.
+	ns.Shutdown()
+	for _, r := range routers {
+		eventually(t, 10*time.Second, r.name+" noticing the loss", func() bool { return !r.sync(t).Connections[0].Connected })
+	}
+	conversations(t, routers, "partitioned", 3, 3) // fails the test on any error
+	// NATS is back on its address: sharing resumes.
+	natsServer(t, natsPort)
+	allConnected(t, routers)
+	if share := conversations(t, routers, "healed", 6, 5); share < 0.9 {
+		t.Fatalf("after NATS came back only %.0f%% of later turns stayed on the first turn's replica", 100*share)
+	}
+
+	wireMu.Lock()
+	defer wireMu.Unlock()
+	if len(wire) == 0 {
+		t.Fatal("nothing was published")
+	}
+	for _, p := range wire {
+		if bytes.Contains(p, []byte("MARKER")) || bytes.Contains(p, []byte("conversation")) {
+			t.Fatal("prompt text crossed the wire")
+		}
+	}
+	for _, r := range routers {
+		if st := r.sync(t).Connections[0]; st.Sent == 0 || st.Applied == 0 || st.Disconnects == 0 {
+			t.Errorf("%s's counters: %+v", r.name, st)
+		}
+	}
+}
