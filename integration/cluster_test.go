@@ -183,21 +183,22 @@ func getJSON(t *testing.T, url string, v any) {
 }
 
 // post sends a chat request through the router and returns the replica
-// that served it; any failure fails the test.
-func (r *routerProc) post(t *testing.T, messages []msg) string {
+// that served it and the router's explanation; any failure fails the
+// test.
+func (r *routerProc) post(t *testing.T, messages []msg) (replica, explain string) {
 	t.Helper()
 	raw, _ := json.Marshal(chat(messages, 4))
 	resp, err := http.Post(r.url+"/v1/chat/completions", "application/json", bytes.NewReader(raw))
 	if err != nil {
 		t.Errorf("%s: %v", r.name, err)
-		return ""
+		return "", ""
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != 200 {
 		t.Errorf("%s: %d %s", r.name, resp.StatusCode, body)
 	}
-	return resp.Header.Get(kvsim.ReplicaHeader)
+	return resp.Header.Get(kvsim.ReplicaHeader), resp.Header.Get("X-LLM-Affinity")
 }
 
 // allConnected waits until every router is connected and hears the others.
@@ -214,35 +215,42 @@ func allConnected(t *testing.T, routers []*routerProc) {
 	})
 }
 
-// conversations runs n conversations of turns turns, turn k of each sent
-// through router k mod len(routers), the conversations side by side. It
+// thinkTime is how long a client takes between a response and its next
+// turn (see conversations).
+const thinkTime = 20 * time.Millisecond
+
+// conversations runs n conversations of turns turns, one after another,
+// turn k of conversation c sent through router (k+c) mod len(routers). It
 // returns the share of turns 2 and later served by the replica of turn 1.
+// One at a time, so that nothing but the routers' view decides: with the
+// fleet idle, staying warm is always the faster choice, and a router that
+// does not know where turn 1 went picks among idle replicas. Each turn
+// follows the last response after thinkTime: a peer learns of a request's
+// first token over NATS, and a turn sent sooner than that takes (on this
+// loaded test machine, at times a few milliseconds) may be decided
+// without it.
+
 func conversations(t *testing.T, routers []*routerProc, tag string, n, turns int) float64 {
 	t.Helper()
-	var mu sync.Mutex
 	stayed, later := 0, 0
-	var wg sync.WaitGroup
 	for c := range n {
-		wg.Go(func() {
-			convo := []msg{{"system", marker + text(fmt.Sprintf("%s conversation %d", tag, c), 8000)}, {"user", "hello"}}
-			first := ""
-			for k := range turns {
-				got := routers[(k+c)%len(routers)].post(t, convo)
-				convo = append(convo, msg{"assistant", "ok"}, msg{"user", fmt.Sprintf("turn %d", k+1)})
-				if k == 0 {
-					first = got
-					continue
-				}
-				mu.Lock()
+		convo := []msg{{"system", marker + text(fmt.Sprintf("%s conversation %d", tag, c), 8000)}, {"user", "hello"}}
+		first := ""
+		for k := range turns {
+			time.Sleep(thinkTime)
+			got, explain := routers[(k+c)%len(routers)].post(t, convo)
+			convo = append(convo, msg{"assistant", "ok"}, msg{"user", fmt.Sprintf("turn %d", k+1)})
+			switch {
+			case k == 0:
+				first = got
+			case got == first:
+				stayed, later = stayed+1, later+1
+			default:
 				later++
-				if got == first {
-					stayed++
-				}
-				mu.Unlock()
+				t.Logf("%s %d turn %d moved from %s: %s", tag, c, k+1, first, explain)
 			}
-		})
+		}
 	}
-	wg.Wait()
 	return float64(stayed) / float64(later)
 }
 
@@ -286,14 +294,7 @@ func TestClusterSharesOneView(t *testing.T) {
 	}
 	allConnected(t, routers)
 
-	t.Logf("one router: %.2f", conversations(t, routers[:1], "single", 6, 5))
-	if share := conversations(t, routers, "synced", 6, 5); share < 0.9 {
-		for _, r := range routers {
-			t.Logf("%s: sync %+v", r.name, r.sync(t))
-			for d, u := range r.upstreams(t) {
-				t.Logf("%s: %s blocks %d in flight %d completed %d", r.name, d, u.IndexBlocks, u.InFlight, u.Completed)
-			}
-		}
+	if share := conversations(t, routers, "synced", 8, 5); share < 0.9 {
 		t.Fatalf("only %.0f%% of later turns stayed on the first turn's replica", 100*share)
 	}
 
@@ -310,7 +311,7 @@ func TestClusterSharesOneView(t *testing.T) {
 		eventually(t, 10*time.Second, r.name+" seeing the drain", func() bool { return r.upstreams(t)[a.dial()].Drain != "active" })
 	}
 	for i := range 6 {
-		if got := routers[i%3].post(t, []msg{{"user", text(fmt.Sprint("while drained ", i), 2000)}}); got == a.name {
+		if got, _ := routers[i%3].post(t, []msg{{"user", text(fmt.Sprint("while drained ", i), 2000)}}); got == a.name {
 			t.Fatalf("router %d sent a request to the drained replica", i%3)
 		}
 	}
@@ -329,11 +330,12 @@ func TestClusterSharesOneView(t *testing.T) {
 	for _, r := range routers {
 		eventually(t, 10*time.Second, r.name+" noticing the loss", func() bool { return !r.sync(t).Connections[0].Connected })
 	}
-	conversations(t, routers, "partitioned", 3, 3) // fails the test on any error
+	// Any error fails the test; the share is what routers apart achieve.
+	t.Logf("without NATS, %.0f%% of later turns stayed", 100*conversations(t, routers, "partitioned", 4, 4))
 	// NATS is back on its address: sharing resumes.
 	natsServer(t, natsPort)
 	allConnected(t, routers)
-	if share := conversations(t, routers, "healed", 6, 5); share < 0.9 {
+	if share := conversations(t, routers, "healed", 8, 5); share < 0.9 {
 		t.Fatalf("after NATS came back only %.0f%% of later turns stayed on the first turn's replica", 100*share)
 	}
 
