@@ -1,0 +1,234 @@
+package scrape
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// modeTestExposition is what the servers of the mode tests expose: one
+// foreign family and two engine ones.
+const modeTestExposition = "# TYPE up gauge\nup 1\n" +
+	"vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2\n" +
+	"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1\n"
+
+// filteredExposition answers a name[] query on modeTestExposition as the
+// Prometheus client does: only the series named.
+func filteredExposition(q url.Values) string {
+	var b strings.Builder
+	for _, line := range strings.SplitAfter(modeTestExposition, "\n") {
+		if name, _, _ := strings.Cut(line, "{"); name != "" && slices.Contains(q["name[]"], name) {
+			b.WriteString(line)
+		}
+	}
+	return b.String()
+}
+
+// TestScrapeAsksForEngineFamilies checks how the metrics are asked for,
+// against servers that honour a name[] query at /metrics (Go's
+// promhttp), only below it (vLLM), nowhere, or answer it with nothing
+// (SGLang), and one with no engine metrics at all.
+func TestScrapeAsksForEngineFamilies(t *testing.T) {
+	type request struct {
+		path  string
+		names []string
+	}
+	for _, tc := range []struct {
+		name  string
+		serve func(w http.ResponseWriter, r *http.Request)
+		// wantPath is the path asked from the third scrape on; wantNames
+		// whether those requests name families.
+		wantPath  string
+		wantNames bool
+		engine    bool
+	}{
+		{"honours at /metrics", func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			if q := r.URL.Query(); len(q["name[]"]) > 0 {
+				_, _ = io.WriteString(w, filteredExposition(q))
+				return
+			}
+			_, _ = io.WriteString(w, modeTestExposition)
+		}, "/metrics", true, true},
+		{"honours below /metrics, like vLLM", func(w http.ResponseWriter, r *http.Request) {
+			if q := r.URL.Query(); r.URL.Path == "/metrics/" && len(q["name[]"]) > 0 {
+				_, _ = io.WriteString(w, filteredExposition(q))
+				return
+			}
+			_, _ = io.WriteString(w, modeTestExposition) // /metrics ignores the query
+		}, "/metrics/", true, true},
+		{"ignores the query", func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			_, _ = io.WriteString(w, modeTestExposition)
+		}, "/metrics", false, true},
+		{"answers the query with nothing, like SGLang", func(w http.ResponseWriter, r *http.Request) {
+			if len(r.URL.Query()["name[]"]) > 0 {
+				return
+			}
+			_, _ = io.WriteString(w, modeTestExposition)
+		}, "/metrics", false, true},
+		{"no engine metrics", func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.WriteString(w, "# TYPE up gauge\nup 1\n")
+		}, "/metrics", false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			var requests []request
+			var conns atomic.Int32
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				requests = append(requests, request{r.URL.Path, r.URL.Query()["name[]"]})
+				mu.Unlock()
+				tc.serve(w, r)
+			}))
+			srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+				if state == http.StateNew {
+					conns.Add(1)
+				}
+			}
+			srv.Start()
+			defer srv.Close()
+			dial := hostOf(srv)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
+			s.SetTargets([]string{dial})
+			s.Start(ctx)
+			waitFor(t, "six scrapes", 5*time.Second, func() bool {
+				st, _ := s.StatusOf(dial)
+				return st.Scrapes+st.Errors >= 6
+			})
+			cancel()
+			<-s.Stopped()
+			st, _ := s.StatusOf(dial)
+			sig, ok := s.Latest(dial, time.Now(), time.Hour)
+			if tc.engine && (!ok || sig.Waiting != 2 || sig.NumGPUBlocks != 100 || sig.BlockSize != 16 || st.Errors != 0) {
+				t.Fatalf("signals %+v, status %+v", sig, st)
+			}
+			if !tc.engine && (ok || st.Scrapes != 0) {
+				t.Fatalf("signals %+v from a server without engine metrics", sig)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			// The first two scrapes settle the mode, with at most one
+			// extra request each; every later scrape is one request, on
+			// the same connection.
+			scrapes := int(st.Scrapes + st.Errors)
+			if len(requests) > scrapes+2 {
+				t.Fatalf("%d requests for %d scrapes: %v", len(requests), scrapes, requests)
+			}
+			if n := conns.Load(); n != 1 {
+				t.Fatalf("%d connections for %d scrapes", n, scrapes)
+			}
+			later := requests[len(requests)-(scrapes-2):]
+			full := 0
+			for i, r := range later {
+				if r.path != tc.wantPath || (len(r.names) > 0) != tc.wantNames {
+					t.Fatalf("later request %d: %s %v, want %s named=%v (all: %v)", i, r.path, r.names, tc.wantPath, tc.wantNames, requests)
+				}
+				if !tc.wantNames {
+					continue
+				}
+				if !slices.Contains(r.names, vllmWaiting) || !slices.Contains(r.names, sglangRunning) || !slices.Contains(r.names, vllmLoRAInfo) {
+					t.Fatalf("request %d asks for %v", i, r.names)
+				}
+				if slices.Contains(r.names, vllmCacheConfig) {
+					full++
+					if !slices.Contains(r.names, vllmPrefixQueries) {
+						t.Fatalf("request %d reads the configuration without the prefix counters: %v", i, r.names)
+					}
+				} else if slices.Contains(r.names, vllmPrefixQueries) || slices.Contains(r.names, sglangHitRate) {
+					t.Fatalf("request %d asks for some slow families: %v", i, r.names)
+				}
+			}
+			if tc.wantNames && full == len(later) {
+				t.Fatalf("every later request read the slow families: %v", later)
+			}
+		})
+	}
+}
+
+// TestScrapeModeChanges: how the way metrics are asked for follows the
+// engine's answers, and does not follow failures that say nothing about
+// the query.
+func TestScrapeModeChanges(t *testing.T) {
+	var phase atomic.Int32 // advanced by each case's script
+	for _, tc := range []struct {
+		name string
+		// serve answers in the current phase.
+		serve func(w http.ResponseWriter, r *http.Request, phase int32)
+		// phases are how long each phase lasts.
+		phases []time.Duration
+		// want is the mode at the end.
+		want metricsMode
+	}{
+		{"a 503 below /metrics changes nothing", func(w http.ResponseWriter, r *http.Request, phase int32) {
+			switch {
+			case phase == 1:
+				http.Error(w, "busy", http.StatusServiceUnavailable)
+			case r.URL.Path == "/metrics/":
+				_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
+			default:
+				_, _ = io.WriteString(w, modeTestExposition)
+			}
+		}, []time.Duration{500 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond}, modeNamedBelow},
+		{"a redirect from /metrics asks below", func(w http.ResponseWriter, r *http.Request, _ int32) {
+			if r.URL.Path == "/metrics" {
+				http.Redirect(w, r, "/metrics/?"+r.URL.RawQuery, http.StatusTemporaryRedirect)
+				return
+			}
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
+		}, []time.Duration{time.Second}, modeNamedBelow},
+		{"early hints are skipped", func(w http.ResponseWriter, r *http.Request, _ int32) {
+			w.Header().Set("Link", "</style.css>; rel=preload")
+			w.WriteHeader(http.StatusEarlyHints)
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
+		}, []time.Duration{time.Second}, modeNamed},
+		{"an engine that learns to filter is asked for less again", func(w http.ResponseWriter, r *http.Request, phase int32) {
+			if q := r.URL.Query(); len(q["name[]"]) > 0 {
+				if phase == 1 {
+					_, _ = io.WriteString(w, filteredExposition(q))
+				}
+				return // phase 0: an empty answer, as SGLang gives
+			}
+			_, _ = io.WriteString(w, modeTestExposition)
+		}, []time.Duration{500 * time.Millisecond, 1500 * time.Millisecond}, modeNamed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			phase.Store(0)
+			s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				tc.serve(w, r, phase.Load())
+			}), Config{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
+			for i, d := range tc.phases {
+				phase.Store(int32(i))
+				time.Sleep(d)
+			}
+			s.mu.RLock()
+			target := s.targets[dial]
+			s.mu.RUnlock()
+			target.mu.Lock()
+			mode := target.mode
+			target.mu.Unlock()
+			sig, ok := s.Latest(dial, time.Now(), 300*time.Millisecond)
+			if mode != tc.want || !ok || sig.Waiting != 2 {
+				st, _ := s.StatusOf(dial)
+				t.Fatalf("mode %d (want %d), fresh signals %v %+v, status %+v", mode, tc.want, ok, sig, st)
+			}
+		})
+	}
+}
