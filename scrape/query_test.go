@@ -2,6 +2,7 @@ package scrape
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -106,12 +107,31 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			dial := hostOf(srv)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 350 * time.Millisecond, ModelsInterval: -1})
+			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 500 * time.Millisecond, ModelsInterval: -1})
 			s.SetTargets([]string{dial})
 			s.Start(ctx)
-			waitFor(t, "six scrapes", 5*time.Second, func() bool {
+			// Six scrapes and, when the families are named, a later one
+			// that reads the slow families and one that does not. (The
+			// first two scrapes take at most four requests.)
+			waitFor(t, "six scrapes, reading the slow families now and then", 20*time.Second, func() bool {
 				st, _ := s.StatusOf(dial)
-				return st.Scrapes+st.Errors >= 6
+				if st.Scrapes+st.Errors < 6 {
+					return false
+				}
+				if !tc.wantNames {
+					return true
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				slow, fast := false, false
+				for _, r := range requests[min(4, len(requests)):] {
+					if slices.Contains(r.names, vllmCacheConfig) {
+						slow = true
+					} else {
+						fast = true
+					}
+				}
+				return slow && fast
 			})
 			cancel()
 			<-s.Stopped()
@@ -156,8 +176,8 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 					t.Fatalf("request %d asks for some slow families: %v", i, r.names)
 				}
 			}
-			if tc.wantNames && full == len(later) {
-				t.Fatalf("every later request read the slow families: %v", later)
+			if tc.wantNames && (full == len(later) || full == 0) {
+				t.Fatalf("%d of %d later requests read the slow families: %v", full, len(later), later)
 			}
 		})
 	}
@@ -165,15 +185,16 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 
 // TestScrapeModeChanges: how the way metrics are asked for follows the
 // engine's answers, and does not follow failures that say nothing about
-// the query.
+// the query. Each case's script moves the server from phase to phase
+// once the scraper has seen the previous one, by its mode and counters.
 func TestScrapeModeChanges(t *testing.T) {
 	var phase atomic.Int32 // advanced by each case's script
 	for _, tc := range []struct {
 		name string
 		// serve answers in the current phase.
 		serve func(w http.ResponseWriter, r *http.Request, phase int32)
-		// phases are how long each phase lasts.
-		phases []time.Duration
+		// script moves through the phases, waiting for the scraper.
+		script func(w modeWatch)
 		// want is the mode at the end.
 		want metricsMode
 	}{
@@ -186,19 +207,33 @@ func TestScrapeModeChanges(t *testing.T) {
 			default:
 				_, _ = io.WriteString(w, modeTestExposition)
 			}
-		}, []time.Duration{500 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond}, modeNamedBelow},
+		}, func(w modeWatch) {
+			w.mode(modeNamedBelow)
+			phase.Store(1)
+			w.errors(3)
+			w.check(modeNamedBelow)
+			phase.Store(2)
+			w.successes(2)
+		}, modeNamedBelow},
 		{"a redirect from /metrics asks below", func(w http.ResponseWriter, r *http.Request, _ int32) {
 			if r.URL.Path == "/metrics" {
 				http.Redirect(w, r, "/metrics/?"+r.URL.RawQuery, http.StatusTemporaryRedirect)
 				return
 			}
 			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
-		}, []time.Duration{time.Second}, modeNamedBelow},
+		}, func(w modeWatch) {
+			w.mode(modeNamedBelow)
+			w.successes(2)
+			w.noErrors()
+		}, modeNamedBelow},
 		{"early hints are skipped", func(w http.ResponseWriter, r *http.Request, _ int32) {
 			w.Header().Set("Link", "</style.css>; rel=preload")
 			w.WriteHeader(http.StatusEarlyHints)
 			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
-		}, []time.Duration{time.Second}, modeNamed},
+		}, func(w modeWatch) {
+			w.successes(3)
+			w.noErrors()
+		}, modeNamed},
 		{"an engine that learns to filter is asked for less again", func(w http.ResponseWriter, r *http.Request, phase int32) {
 			if q := r.URL.Query(); len(q["name[]"]) > 0 {
 				if phase == 1 {
@@ -207,28 +242,98 @@ func TestScrapeModeChanges(t *testing.T) {
 				return // phase 0: an empty answer, as SGLang gives
 			}
 			_, _ = io.WriteString(w, modeTestExposition)
-		}, []time.Duration{500 * time.Millisecond, 1500 * time.Millisecond}, modeNamed},
+		}, func(w modeWatch) {
+			w.mode(modeWhole)
+			phase.Store(1)
+			w.mode(modeNamed) // after wholeProbeIntervals slow intervals
+			w.successes(2)
+		}, modeNamed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			phase.Store(0)
 			s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tc.serve(w, r, phase.Load())
 			}), Config{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
-			for i, d := range tc.phases {
-				phase.Store(int32(i))
-				time.Sleep(d)
-			}
-			s.mu.RLock()
-			target := s.targets[dial]
-			s.mu.RUnlock()
-			target.mu.Lock()
-			mode := target.mode
-			target.mu.Unlock()
-			sig, ok := s.Latest(dial, time.Now(), 300*time.Millisecond)
-			if mode != tc.want || !ok || sig.Waiting != 2 {
-				st, _ := s.StatusOf(dial)
-				t.Fatalf("mode %d (want %d), fresh signals %v %+v, status %+v", mode, tc.want, ok, sig, st)
+			w := modeWatch{t, s, dial}
+			tc.script(w)
+			w.check(tc.want)
+			if sig, ok := s.Latest(dial, time.Now(), time.Hour); !ok || sig.Waiting != 2 {
+				t.Fatalf("signals %v %+v", ok, sig)
 			}
 		})
+	}
+}
+
+// modeWatch waits for a scraper with one target to reach a state.
+type modeWatch struct {
+	t    *testing.T
+	s    *Scraper
+	dial string
+}
+
+// modeOf returns the target's current metricsMode.
+func (w modeWatch) modeOf() metricsMode {
+	w.s.mu.RLock()
+	target := w.s.targets[w.dial]
+	w.s.mu.RUnlock()
+	target.mu.Lock()
+	defer target.mu.Unlock()
+	return target.mode
+}
+
+// status returns the target's status.
+func (w modeWatch) status() Status {
+	st, _ := w.s.StatusOf(w.dial)
+	return st
+}
+
+// mode waits until the target is asked for its metrics in mode and a
+// scrape has succeeded in it: a scrape sets the mode it tries (a probe)
+// before its outcome can set another, so seeing the mode alone is not
+// enough.
+func (w modeWatch) mode(mode metricsMode) {
+	w.t.Helper()
+	seen, since := false, uint64(0)
+	waitFor(w.t, fmt.Sprint("mode ", mode), 10*time.Second, func() bool {
+		scrapes := w.status().Scrapes // before the mode: a change of mode precedes the count
+		if w.modeOf() != mode {
+			seen = false
+			return false
+		}
+		if !seen {
+			seen, since = true, scrapes
+			return false
+		}
+		return scrapes > since
+	})
+}
+
+// successes waits for n more successful scrapes.
+func (w modeWatch) successes(n uint64) {
+	w.t.Helper()
+	want := w.status().Scrapes + n
+	waitFor(w.t, fmt.Sprint(n, " more successful scrapes"), 10*time.Second, func() bool { return w.status().Scrapes >= want })
+}
+
+// errors waits for n more failed scrapes.
+func (w modeWatch) errors(n uint64) {
+	w.t.Helper()
+	want := w.status().Errors + n
+	waitFor(w.t, fmt.Sprint(n, " more failed scrapes"), 10*time.Second, func() bool { return w.status().Errors >= want })
+}
+
+// check fails the test unless the target is in mode now.
+func (w modeWatch) check(mode metricsMode) {
+	w.t.Helper()
+	if got := w.modeOf(); got != mode {
+		w.t.Fatalf("mode %d, want %d; status %+v", got, mode, w.status())
+	}
+}
+
+// noErrors fails the test if any scrape failed.
+func (w modeWatch) noErrors() {
+	w.t.Helper()
+	if st := w.status(); st.Errors != 0 {
+		w.t.Fatalf("status %+v", st)
 	}
 }
