@@ -5,21 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"slices"
-	"strconv"
 	"sync"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
-)
-
-// Engines whose metrics are understood.
-const (
-	engineVLLM   = "vllm"
-	engineSGLang = "sglang"
 )
 
 // errNoEngineMetrics says an exposition parsed but held neither vLLM's nor
@@ -30,13 +22,25 @@ var errNoEngineMetrics = errors.New("no vllm: or sglang: engine metrics in the e
 // exposition (after it was read whole).
 var errMalformedExposition = errors.New("parsing metrics exposition")
 
-// engineFamilies are the metric families parseEngineMetrics reads.
-var engineFamilies = map[string]bool{
-	vllmRunning: true, vllmWaiting: true, vllmKVUsage: true, vllmKVUsageLegacy: true,
-	vllmPrefixQueries: true, vllmPrefixHits: true, vllmCacheConfig: true, vllmLoRAInfo: true,
-	sglangRunning: true, sglangWaiting: true, sglangKVUsage: true, sglangMaxTokens: true,
-	sglangCacheConfig: true, sglangHitRate: true, sglangLoRASlots: true,
-}
+// engineFamilies maps the name of every metric family read (of every
+// engine's table) to whether it is slow: slow families are not read on
+// every scrape. They are the engine's configuration, which does not
+// change while it runs (the long label sets of vLLM's cache_config_info
+// made it about half of every parse), and the prefix cache figures,
+// which only feed the hit rate shown by the admin API. The scraper reads
+// them every Config.SlowInterval and carries their figures over in
+// between. What the policy routes by (queues, KV usage, adapters) is read
+// every scrape.
+var engineFamilies = familySet()
+
+// enginePrefixes start the names of the families read, one per engine.
+var enginePrefixes = func() [][]byte {
+	var ps [][]byte
+	for _, e := range engines {
+		ps = append(ps, []byte(e.prefix))
+	}
+	return ps
+}()
 
 // textParsers recycles Prometheus text parsers: TextToMetricFamilies
 // resets one for each input and keeps its read buffer.
@@ -64,17 +68,6 @@ var expositionBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
 func parseEngineMetrics(r io.Reader, now time.Time) (Signals, error) {
 	sig, _, err := parseEngineMetricsSkipping(r, now, false)
 	return sig, err
-}
-
-// slowFamilies are not read on every scrape: the
-// engine's configuration, which does not change while it runs (the long
-// label sets of vLLM's cache_config_info made it about half of every
-// parse), and the prefix cache counters, which only feed the hit rate
-// shown by the admin API. The scraper reads them every
-// scrapeConfig.SlowInterval and carries their figures over in between. What the policy routes by (queues, KV usage, adapters) is
-// read every scrape.
-var slowFamilies = map[string]bool{
-	vllmCacheConfig: true, vllmPrefixQueries: true, vllmPrefixHits: true, sglangHitRate: true,
 }
 
 // parseEngineMetricsSkipping is parseEngineMetrics, leaving out the
@@ -150,9 +143,9 @@ func engineLine(line []byte, skipSlow bool) lineKind {
 	if line[0] == '"' || line[0] == '{' {
 		return lineKept
 	}
-	// Every name read starts with "vllm:" or "sglang:": reject the rest
-	// (runtime, process, router metrics) before the map lookup.
-	if !bytes.HasPrefix(line, []byte("vllm:")) && !bytes.HasPrefix(line, []byte("sglang:")) {
+	// Every name read starts with an engine's prefix ("vllm:"): reject
+	// the rest (runtime, process, router metrics) before the map lookup.
+	if !slices.ContainsFunc(enginePrefixes, func(p []byte) bool { return bytes.HasPrefix(line, p) }) {
 		return lineDropped
 	}
 	end := 0
@@ -162,8 +155,7 @@ func engineLine(line []byte, skipSlow bool) lineKind {
 		}
 		end++
 	}
-	name := line[:end]
-	if engineFamilies[string(name)] && !(skipSlow && slowFamilies[string(name)]) {
+	if slow, ok := engineFamilies[string(line[:end])]; ok && !(skipSlow && slow) {
 		return lineKept
 	}
 	return lineDropped
@@ -178,189 +170,21 @@ func skipBlanks(b []byte) []byte {
 }
 
 // signalsFromFamilies extracts the signals of whichever engine the
-// families come from.
+// families come from: the first of engines that an identifying family
+// has a usable value (a gauge, counter or untyped series with a finite
+// value) of.
 func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (Signals, error) {
-	// An engine is recognised by a usable value (a gauge, counter or
-	// untyped series with a finite value) in one of its core families.
-	has := func(names ...string) bool {
-		for _, n := range names {
-			for _, m := range metricsOf(families[n]) {
-				if _, ok := sampleValue(m); ok {
-					return true
-				}
-			}
-		}
-		return false
-	}
-	sig := Signals{
-		Running: -1, Waiting: -1, PrefixQueries: -1, PrefixHits: -1, PrefixHitRate: -1,
-		ScrapedAt: now,
-	}
-	switch {
-	case has(vllmRunning, vllmWaiting, vllmKVUsage, vllmKVUsageLegacy, vllmCacheConfig):
-		sig.Engine = engineVLLM
-		vllmSignals(families, &sig)
-	case has(sglangRunning, sglangWaiting, sglangKVUsage, sglangMaxTokens):
-		sig.Engine = engineSGLang
-		sglangSignals(families, &sig)
-	default:
-		return Signals{}, errNoEngineMetrics
-	}
-	return sig, nil
-}
-
-// setCapacity sets NumGPUBlocks from the per-rank capacities in tokens.
-func setCapacity(sig *Signals, capacity map[string]float64) {
-	if sig.BlockSize <= 0 || len(capacity) == 0 {
-		sig.BlockSize = 0
-		return
-	}
-	var tokens float64
-	for _, c := range capacity {
-		tokens += c
-	}
-	sig.NumGPUBlocks = int(tokens) / sig.BlockSize
-}
-
-// groupKey identifies one engine instance inside an exposition: a model
-// name and a data parallel rank.
-type groupKey struct{ model, rank string }
-
-// groups holds one value per engine instance. A slice rather than a map:
-// an exposition has a handful of instances, usually one, and this runs
-// for every family of every scrape.
-type groups []groupValue
-
-// groupValue is one engine instance's value.
-type groupValue struct {
-	groupKey
-	value float64
-}
-
-// rankGroups reduces f's series to one value per (model_name, rank):
-// the maximum, since series of the same rank that differ in other labels
-// (SGLang's tp_rank) repeat the same figure. It returns nil when f has no
-// usable series.
-func rankGroups(f *dto.MetricFamily, rankLabel string) groups {
-	var g groups
-	for _, m := range metricsOf(f) {
-		v, ok := sampleValue(m)
-		if !ok {
+	for _, e := range engines {
+		if !e.identifies(families) {
 			continue
 		}
-		k := groupKey{model: labelValue(m, "model_name"), rank: labelValue(m, rankLabel)}
-		if i := slices.IndexFunc(g, func(gv groupValue) bool { return gv.groupKey == k }); i >= 0 {
-			g[i].value = max(g[i].value, v)
-		} else {
-			g = append(g, groupValue{k, v})
+		sig := Signals{
+			Engine:  e.name,
+			Running: -1, Waiting: -1, PrefixQueries: -1, PrefixHits: -1, PrefixHitRate: -1,
+			ScrapedAt: now,
 		}
+		e.extract(families, &sig)
+		return sig, nil
 	}
-	return g
-}
-
-// sum adds the instances' values.
-func (g groups) sum() float64 {
-	var s float64
-	for _, gv := range g {
-		s += gv.value
-	}
-	return s
-}
-
-// max returns the largest instance value.
-func (g groups) max() float64 {
-	m := math.Inf(-1)
-	for _, gv := range g {
-		m = max(m, gv.value)
-	}
-	return m
-}
-
-// byRank returns the values by rank, keeping the largest per rank.
-func (g groups) byRank() map[string]float64 {
-	out := make(map[string]float64, len(g))
-	for _, gv := range g {
-		out[gv.rank] = max(out[gv.rank], gv.value)
-	}
-	return out
-}
-
-// weightedMean averages the instances' values (fractions), weighting each
-// by its rank's weight when every rank has one, else equally.
-func (g groups) weightedMean(weights map[string]float64) float64 {
-	var num, den float64
-	for _, gv := range g {
-		w, ok := weights[gv.rank]
-		if !ok || w <= 0 {
-			num, den = 0, 0
-			break
-		}
-		num += gv.value * w
-		den += w
-	}
-	if den > 0 {
-		return num / den
-	}
-	for _, gv := range g {
-		num += gv.value
-		den++
-	}
-	if den == 0 {
-		return 0
-	}
-	return num / den
-}
-
-// metricsOf returns f's series, nil for a nil family.
-func metricsOf(f *dto.MetricFamily) []*dto.Metric {
-	if f == nil {
-		return nil
-	}
-	return f.GetMetric()
-}
-
-// sampleValue returns the value of a gauge, counter or untyped series;
-// false for other types and for NaN or infinite values.
-func sampleValue(m *dto.Metric) (float64, bool) {
-	var v float64
-	switch {
-	case m.GetGauge() != nil:
-		v = m.GetGauge().GetValue()
-	case m.GetCounter() != nil:
-		v = m.GetCounter().GetValue()
-	case m.GetUntyped() != nil:
-		v = m.GetUntyped().GetValue()
-	default:
-		return 0, false
-	}
-	if math.IsNaN(v) || math.IsInf(v, 0) {
-		return 0, false
-	}
-	return v, true
-}
-
-// labelValue returns the value of m's label name, "" when absent.
-func labelValue(m *dto.Metric, name string) string {
-	for _, lp := range m.GetLabel() {
-		if lp.GetName() == name {
-			return lp.GetValue()
-		}
-	}
-	return ""
-}
-
-// labelInt returns m's label name as an integer, 0 when absent or not a
-// number (vLLM renders unset fields as "None").
-func labelInt(m *dto.Metric, name string) int {
-	s := labelValue(m, name)
-	if s == "" {
-		return 0
-	}
-	if n, err := strconv.Atoi(s); err == nil {
-		return n
-	}
-	if f, err := strconv.ParseFloat(s, 64); err == nil && f >= 0 && f < math.MaxInt32 {
-		return int(f)
-	}
-	return 0
+	return Signals{}, errNoEngineMetrics
 }

@@ -240,3 +240,37 @@ func TestParseKvsimExposition(t *testing.T) {
 		t.Fatalf("%+v", sig)
 	}
 }
+
+// TestEngineTables checks what the extraction assumes of the tables.
+func TestEngineTables(t *testing.T) {
+	owner := map[string]string{}
+	for _, e := range engines {
+		capacityAt, usageAt := -1, -1
+		for i, m := range e.metrics {
+			// engineLine keeps only lines with an engine's prefix.
+			if !strings.HasPrefix(m.family, e.prefix) {
+				t.Errorf("%s: %s lacks the prefix %q", e.name, m.family, e.prefix)
+			}
+			if o, ok := owner[m.family]; ok {
+				t.Errorf("%s is read by %s and %s", m.family, o, e.name)
+			}
+			owner[m.family] = e.name
+			switch {
+			case m.into == kvCapacity && capacityAt < 0:
+				capacityAt = i
+			case m.into == kvUsage && usageAt < 0:
+				usageAt = i
+			}
+			if m.by == byRankTokens && m.into != kvCapacity {
+				t.Errorf("%s: %s feeds figure %d by rank tokens", e.name, m.family, m.into)
+			}
+		}
+		// The KV usage is weighed by the capacity read before it.
+		if usageAt >= 0 && capacityAt > usageAt {
+			t.Errorf("%s: KV usage (row %d) before capacity (row %d)", e.name, usageAt, capacityAt)
+		}
+		if engineNamed(e.name) != e {
+			t.Errorf("engineNamed(%q)", e.name)
+		}
+	}
+}

@@ -71,8 +71,8 @@ func (q metricsQuery) path(metricsPath string) string {
 		path += "/"
 	}
 	names := make([]string, 0, len(engineFamilies))
-	for name := range engineFamilies {
-		if !q.skipSlow || !slowFamilies[name] {
+	for name, slow := range engineFamilies {
+		if !q.skipSlow || !slow {
 			names = append(names, name)
 		}
 	}

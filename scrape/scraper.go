@@ -38,8 +38,10 @@ type Config struct {
 	// ModelsInterval is the time between fetches of /v1/models. Default
 	// 10s; negative disables them.
 	ModelsInterval time.Duration
-	// SlowInterval is the time between reads of slowFamilies. Default
-	// 10s, never less than Interval.
+	// SlowInterval is the time between reads of the figures that change
+	// slowly or only feed the admin API (vLLM's cache configuration, the
+	// prefix cache figures), carried over in between. Default 10s, never
+	// less than Interval.
 	SlowInterval time.Duration
 	// MetricsPath is the metrics endpoint's path. Default /metrics.
 	MetricsPath string
@@ -433,15 +435,16 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		}
 	}
 
+	e := engineNamed(sig.Engine)
 	switch {
 	case skipSlow && sig.Engine == t.slow.Engine:
-		sig.carrySlow(t.slow)
+		e.carrySlow(&sig, t.slow)
 	case skipSlow:
 		// Another engine answers on this dial now: read everything from
 		// it next time.
 		t.slow = Signals{}
 	default:
-		if sig.Engine == engineVLLM && t.slow.Engine == engineVLLM {
+		if !e.reads(prefixHitRate) && sig.Engine == t.slow.Engine {
 			sig.PrefixHitRate = hitRateSince(t.slow, sig)
 		}
 		t.slow = sig

@@ -4,6 +4,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
+// engineSGLang is Signals.Engine for SGLang.
+const engineSGLang = "sglang"
+
 // SGLang metric names (python/sglang/srt/metrics/collector.py). Series
 // carry {model_name, engine_type, tp_rank, pp_rank, moe_ep_rank} and, with
 // data parallel attention, dp_rank. Only attention-TP rank 0 reports
@@ -21,42 +24,34 @@ const (
 	sglangRankLabel   = "dp_rank"
 )
 
-// sglangSignals fills sig from SGLang's families.
-func sglangSignals(families map[string]*dto.MetricFamily, sig *Signals) {
-	if g := rankGroups(families[sglangRunning], sglangRankLabel); g != nil {
-		sig.Running = int(g.sum())
-	}
-	if g := rankGroups(families[sglangWaiting], sglangRankLabel); g != nil {
-		sig.Waiting = int(g.sum())
-	}
+// sglangEngine maps SGLang's metrics. The KV capacity is in pages when
+// cache_config_info reports them, else the token pool's size (SGLang's
+// default page size is 1); it is cheap, so read on every scrape.
+var sglangEngine = engine{
+	name:      engineSGLang,
+	prefix:    "sglang:",
+	rankLabel: sglangRankLabel,
+	metrics: []metric{
+		{family: sglangRunning, into: running, by: bySum, identifies: true},
+		{family: sglangWaiting, into: waiting, by: bySum, identifies: true},
+		{family: sglangCacheConfig, into: kvCapacity, labels: sglangPages},
+		{family: sglangMaxTokens, into: kvCapacity, by: byRankTokens, identifies: true},
+		{family: sglangKVUsage, into: kvUsage, by: byCapacity, identifies: true},
+		{family: sglangHitRate, into: prefixHitRate, by: byMean, slow: true},
+		{family: sglangLoRASlots, into: maxLoRAs, by: byMax},
+	},
+}
 
-	// Capacity: pages when cache_config_info reports them, else the token
-	// pool size (SGLang's default page size is 1).
-	capacity := make(map[string]float64)
-	for _, m := range metricsOf(families[sglangCacheConfig]) {
+// sglangPages reads the KV capacity from cache_config_info's labels.
+func sglangPages(x *extraction, series []*dto.Metric) bool {
+	found := false
+	for _, m := range series {
 		ps, pages := labelInt(m, "page_size"), labelInt(m, "num_pages")
 		if ps <= 0 || pages <= 0 {
 			continue
 		}
-		sig.BlockSize = max(sig.BlockSize, ps)
-		rank := labelValue(m, sglangRankLabel)
-		capacity[rank] = max(capacity[rank], float64(ps*pages))
+		x.addCapacity(labelValue(m, sglangRankLabel), ps, ps*pages)
+		found = true
 	}
-	if len(capacity) == 0 {
-		if g := rankGroups(families[sglangMaxTokens], sglangRankLabel); g != nil {
-			sig.BlockSize = 1
-			capacity = g.byRank()
-		}
-	}
-	setCapacity(sig, capacity)
-
-	if g := rankGroups(families[sglangKVUsage], sglangRankLabel); g != nil {
-		sig.KVUsage, sig.KVKnown = clamp01(g.weightedMean(capacity)), true
-	}
-	if g := rankGroups(families[sglangHitRate], sglangRankLabel); g != nil {
-		sig.PrefixHitRate = clamp01(g.weightedMean(nil))
-	}
-	if g := rankGroups(families[sglangLoRASlots], sglangRankLabel); g != nil {
-		sig.MaxLoRAs = int(g.max())
-	}
+	return found
 }

@@ -156,21 +156,8 @@ func (s Signals) PlusRouted(requests, kvTokens int) Signals {
 	return s
 }
 
-// carrySlow copies the figures of the slow families from slow, the last
-// scrape of the same engine that read them.
-func (s *Signals) carrySlow(slow Signals) {
-	if s.Engine == engineVLLM { // SGLang's capacity is read every scrape
-		s.BlockSize, s.NumGPUBlocks = slow.BlockSize, slow.NumGPUBlocks
-		s.PrefixQueries, s.PrefixHits = slow.PrefixQueries, slow.PrefixHits
-		if s.KVKnown && len(slow.rankCapacity) > 0 {
-			s.rankCapacity = slow.rankCapacity
-			s.KVUsage = clamp01(s.kvByRank.weightedMean(s.rankCapacity))
-		}
-	}
-	s.PrefixHitRate = slow.PrefixHitRate
-}
-
-// hitRateSince returns vLLM's prefix cache hit rate between two scrapes:
+// hitRateSince returns the prefix cache hit rate between two scrapes
+// from the counters (vLLM's, which has no hit rate metric):
 // the previous rate when no tokens were queried in between, -1 when the
 // counters are missing or were reset.
 func hitRateSince(prev, cur Signals) float64 {

@@ -7,6 +7,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
+// engineVLLM is Signals.Engine for vLLM.
+const engineVLLM = "vllm"
+
 // vLLM metric names (vllm/v1/metrics/loggers.py). Every per-engine series
 // carries {model_name, engine}, engine being the data parallel rank.
 const (
@@ -21,25 +24,30 @@ const (
 	vllmRankLabel     = "engine"
 )
 
-// vllmSignals fills sig from vLLM's families.
-func vllmSignals(families map[string]*dto.MetricFamily, sig *Signals) {
-	if g := rankGroups(families[vllmRunning], vllmRankLabel); g != nil {
-		sig.Running = int(g.sum())
-	}
-	if g := rankGroups(families[vllmWaiting], vllmRankLabel); g != nil {
-		sig.Waiting = int(g.sum())
-	}
-	if g := rankGroups(families[vllmPrefixQueries], vllmRankLabel); g != nil {
-		sig.PrefixQueries = g.sum()
-	}
-	if g := rankGroups(families[vllmPrefixHits], vllmRankLabel); g != nil {
-		sig.PrefixHits = g.sum()
-	}
+// vllmEngine maps vLLM's metrics. Its prefix cache hit rate is not a
+// metric: the scraper derives it from the counters (hitRateSince).
+var vllmEngine = engine{
+	name:      engineVLLM,
+	prefix:    "vllm:",
+	rankLabel: vllmRankLabel,
+	metrics: []metric{
+		{family: vllmRunning, into: running, by: bySum, identifies: true},
+		{family: vllmWaiting, into: waiting, by: bySum, identifies: true},
+		{family: vllmCacheConfig, into: kvCapacity, labels: vllmBlocks, identifies: true, slow: true},
+		{family: vllmKVUsage, into: kvUsage, by: byCapacity, identifies: true},
+		{family: vllmKVUsageLegacy, into: kvUsage, by: byCapacity, identifies: true},
+		{family: vllmPrefixQueries, into: prefixQueries, by: bySum, slow: true},
+		{family: vllmPrefixHits, into: prefixHits, by: bySum, slow: true},
+		{family: vllmLoRAInfo, into: adapters, labels: vllmAdapters},
+	},
+}
 
-	// Capacity: one cache_config_info series per engine, the figures in
-	// its labels. num_gpu_blocks is "None" before the engine profiled.
-	var capacity map[string]float64 // tokens by rank; none when cache_config_info was skipped
-	for _, m := range metricsOf(families[vllmCacheConfig]) {
+// vllmBlocks reads the KV capacity from cache_config_info: one series
+// per engine, the figures in its labels. num_gpu_blocks is "None" before
+// the engine profiled.
+func vllmBlocks(x *extraction, series []*dto.Metric) bool {
+	found := false
+	for _, m := range series {
 		bs := labelInt(m, "block_size")
 		tokens := labelInt(m, "num_gpu_blocks") * bs
 		if tokens <= 0 {
@@ -48,39 +56,32 @@ func vllmSignals(families map[string]*dto.MetricFamily, sig *Signals) {
 		if bs <= 0 || tokens <= 0 {
 			continue
 		}
-		sig.BlockSize = max(sig.BlockSize, bs)
-		rank := labelValue(m, vllmRankLabel)
-		if capacity == nil {
-			capacity = map[string]float64{}
-		}
-		capacity[rank] = max(capacity[rank], float64(tokens))
+		x.addCapacity(labelValue(m, vllmRankLabel), bs, tokens)
+		found = true
 	}
-	setCapacity(sig, capacity)
+	return found
+}
 
-	usage := rankGroups(families[vllmKVUsage], vllmRankLabel)
-	if usage == nil {
-		usage = rankGroups(families[vllmKVUsageLegacy], vllmRankLabel)
-	}
-	if usage != nil {
-		sig.KVUsage, sig.KVKnown = clamp01(usage.weightedMean(capacity)), true
-		sig.kvByRank, sig.rankCapacity = usage, capacity
-	}
-
-	// LoRA: the series' value is the time it was set; the newest wins.
-	// Only emitted with --enable-lora.
+// vllmAdapters reads the adapters from lora_requests_info, only emitted
+// with --enable-lora. The series' value is the time it was set; the
+// newest wins.
+func vllmAdapters(x *extraction, series []*dto.Metric) bool {
 	var newest *dto.Metric
 	newestAt := math.Inf(-1)
-	for _, m := range metricsOf(families[vllmLoRAInfo]) {
+	for _, m := range series {
 		if v, ok := sampleValue(m); ok && v > newestAt {
 			newest, newestAt = m, v
 		}
 	}
-	if newest != nil {
-		sig.AdaptersKnown = true
-		sig.MaxLoRAs = labelInt(newest, "max_lora")
-		sig.RunningAdapters = splitAdapters(labelValue(newest, "running_lora_adapters"))
-		sig.WaitingAdapters = splitAdapters(labelValue(newest, "waiting_lora_adapters"))
+	if newest == nil {
+		return false
 	}
+	s := x.sig
+	s.AdaptersKnown = true
+	s.MaxLoRAs = labelInt(newest, "max_lora")
+	s.RunningAdapters = splitAdapters(labelValue(newest, "running_lora_adapters"))
+	s.WaitingAdapters = splitAdapters(labelValue(newest, "waiting_lora_adapters"))
+	return true
 }
 
 // splitAdapters splits vLLM's comma-joined adapter list, dropping empty
