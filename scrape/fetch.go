@@ -1,7 +1,6 @@
 package scrape
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,151 +8,99 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"syscall"
+	"net/url"
 	"time"
+)
+
+// Fetch limits and headers.
+const (
+	maxExpositionBytes = 8 << 20 // real vLLM expositions are ~100-300 KB
+	maxModelsBytes     = 4 << 20
+	// maxDrainBytes is how much of an answer left unread (an error page,
+	// JSON's trailing newline) is read and discarded before the body is
+	// closed: a body read to its end leaves the connection to the next
+	// request, one closed before its end closes it.
+	maxDrainBytes      = 4 << 10
+	scrapeAcceptHeader = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+	scrapeUserAgent    = "caddy-llm-affinity"
 )
 
 // errExpositionTooLarge says a response body exceeded its size cap.
 var errExpositionTooLarge = errors.New("response body too large")
 
-// fetchMetricsQuery fetches t's metrics with query, on the target's
-// kept-alive connection when it has one.
-func (s *Scraper) fetchMetricsQuery(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
-	if t.metricsRequests[query.index()] != nil {
-		return s.fetchMetricsKeptAlive(ctx, t, query, now)
+// newTransport returns the transport of a scraper's own client, made
+// for small GETs repeated every interval to a fixed set of hosts: one
+// connection per target kept alive from one scrape to the next, dialled
+// directly (no proxy, as reverse_proxy dials upstreams), HTTP/1.1, no
+// compression (cheaper on both ends at these sizes).
+func newTransport(cfg Config) *http.Transport {
+	var protocols http.Protocols
+	protocols.SetHTTP1(true)
+	return &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: cfg.Timeout, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout: cfg.Timeout,
+		// A target has one fetch in flight at a time (its metrics, then
+		// its models), so one idle connection each; a spare for the
+		// rare overlap with a fetch timing out.
+		MaxIdleConnsPerHost: 2,
+		// Outlasts the wait between two scrapes.
+		IdleConnTimeout:        max(90*time.Second, 3*cfg.Interval),
+		DisableCompression:     true,
+		ReadBufferSize:         64 << 10, // an exposition in a few reads, not dozens
+		MaxResponseHeaderBytes: 64 << 10,
+		Protocols:              &protocols,
 	}
-	return s.fetchMetrics(ctx, t.metricsURLs[query.index()], now, query.skipSlow)
 }
 
-// fetchMetrics GETs and parses one metrics exposition.
-func (s *Scraper) fetchMetrics(ctx context.Context, url string, now time.Time, skipSlow bool) (Signals, int, error) {
+// newGet returns a GET of url asking for accept. Prepared once per
+// target and query: a request is only read when sent, so one fetch after
+// another can send the same one (with its own context).
+func newGet(url, accept string) (*http.Request, error) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", accept)
+	req.Header.Set("User-Agent", scrapeUserAgent)
+	return req, nil
+}
+
+// fetchMetrics GETs and parses t's metrics as query asks. The charge
+// mark and the time the signals are stamped with are taken just before
+// the request is sent.
+func (s *Scraper) fetchMetrics(ctx context.Context, t *scrapeTarget, query metricsQuery) (Signals, int, error) {
+	req := t.metricsRequests[query.index()]
+	if req == nil {
+		return Signals{}, 0, t.requestErr
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	req = req.WithContext(ctx)
+	var mark Mark
+	if s.cfg.Mark != nil {
+		mark = s.cfg.Mark(t.dial)
+	}
+	now := time.Now()
 	var sig Signals
 	var dropped int
-	err := s.get(ctx, url, scrapeAcceptHeader, maxExpositionBytes, func(r io.Reader) error {
+	err := s.get(s.metricsClient, req, maxExpositionBytes, func(r io.Reader) error {
 		var err error
-		sig, dropped, err = parseEngineMetricsSkipping(r, now, skipSlow)
+		sig, dropped, err = parseEngineMetricsSkipping(r, now, query.skipSlow)
 		return err
 	})
+	sig.Mark = mark
 	return sig, dropped, err
 }
 
-// fetchMetricsKeptAlive GETs t's metrics over the target's own kept-alive
-// connection, reading the response with net/http's own parser
-// (http.ReadResponse) on the calling goroutine. At 640 scrapes a second
-// the http.Client's per-request machinery (a request and context, hand-
-// offs to its connection goroutines) cost about as much as parsing the
-// exposition; this path skips it. A reused connection the engine closed
-// meanwhile is redialled once.
-func (s *Scraper) fetchMetricsKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
-	for attempt := 0; ; attempt++ {
-		bc, reused, err := t.takeConn(ctx, s.cfg.Timeout)
-		if err != nil {
-			return Signals{}, 0, err
-		}
-		sig, dropped, keep, err := s.fetchOn(bc, t, query, now)
-		if keep {
-			t.putConn(bc)
-		} else {
-			bc.Close()
-		}
-		if err != nil && reused && attempt == 0 && ctx.Err() == nil && errors.Is(err, errStaleConn) {
-			continue
-		}
-		return sig, dropped, err
+// fetchModels GETs and parses t's models list.
+func (s *Scraper) fetchModels(ctx context.Context, t *scrapeTarget) ([]ModelInfo, error) {
+	if t.modelsRequest == nil {
+		return nil, t.requestErr
 	}
-}
-
-// errStaleConn says a kept-alive connection was closed before the
-// response began.
-var errStaleConn = errors.New("connection closed before the response")
-
-// fetchOn sends the metrics request on bc and parses the response. keep
-// says the connection can carry the next request.
-func (s *Scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery, now time.Time) (sig Signals, dropped int, keep bool, err error) {
-	if err := bc.SetDeadline(time.Now().Add(s.cfg.Timeout)); err != nil {
-		return sig, 0, false, err
-	}
-	if _, err := bc.Write(t.metricsRequests[query.index()]); err != nil {
-		return sig, 0, false, errStaleConn
-	}
-	var resp *http.Response
-	for {
-		resp, err = http.ReadResponse(bc.r, nil)
-		if err != nil {
-			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
-				err = errStaleConn
-			}
-			return sig, 0, false, err
-		}
-		// Informational answers (103 Early Hints) precede the real one.
-		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
-			break
-		}
-		resp.Body.Close()
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		// A short error body read to its end leaves the connection usable.
-		_, err := io.CopyN(io.Discard, resp.Body, 4<<10)
-		keep := err == io.EOF && !resp.Close && resp.StatusCode >= 200
-		return sig, 0, keep, &statusError{t.metricsURLs[query.index()], resp.StatusCode}
-	}
-	// parseEngineMetrics reads to EOF before it parses, so unless reading
-	// failed the connection is ready for the next request.
-	sig, dropped, err = parseEngineMetricsSkipping(&capReader{r: resp.Body, left: maxExpositionBytes}, now, query.skipSlow)
-	read := err == nil || errors.Is(err, errNoEngineMetrics) || errors.Is(err, errMalformedExposition)
-	return sig, dropped, read && !resp.Close, err
-}
-
-// bufferedConn is a connection with its read buffer.
-type bufferedConn struct {
-	net.Conn
-	r *bufio.Reader
-}
-
-// takeConn returns the target's idle connection, or dials a new one;
-// reused says which.
-func (t *scrapeTarget) takeConn(ctx context.Context, timeout time.Duration) (bc *bufferedConn, reused bool, err error) {
-	t.connMu.Lock()
-	bc, t.conn = t.conn, nil
-	t.connMu.Unlock()
-	if bc != nil {
-		return bc, true, nil
-	}
-	d := net.Dialer{Timeout: timeout}
-	c, err := d.DialContext(ctx, "tcp", t.dial)
-	if err != nil {
-		return nil, false, err
-	}
-	return &bufferedConn{Conn: c, r: bufio.NewReaderSize(c, 64<<10)}, false, nil
-}
-
-// putConn keeps bc for the next fetch, unless the target is gone.
-func (t *scrapeTarget) putConn(bc *bufferedConn) {
-	t.connMu.Lock()
-	defer t.connMu.Unlock()
-	if t.closed || t.conn != nil {
-		bc.Close()
-		return
-	}
-	t.conn = bc
-}
-
-// closeConn closes the idle connection and refuses later ones.
-func (t *scrapeTarget) closeConn() {
-	t.connMu.Lock()
-	defer t.connMu.Unlock()
-	t.closed = true
-	if t.conn != nil {
-		t.conn.Close()
-		t.conn = nil
-	}
-}
-
-// fetchModels GETs and parses one models list.
-func (s *Scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
 	var models []ModelInfo
-	err := s.get(ctx, url, "application/json", maxModelsBytes, func(r io.Reader) error {
+	err := s.get(s.client, t.modelsRequest.WithContext(ctx), maxModelsBytes, func(r io.Reader) error {
 		var err error
 		models, err = parseModels(r)
 		return err
@@ -161,31 +108,53 @@ func (s *Scraper) fetchModels(ctx context.Context, url string) ([]ModelInfo, err
 	return models, err
 }
 
-// get fetches url within the timeout and hands at most limit bytes of a
-// 200 response to read.
-func (s *Scraper) get(ctx context.Context, url, accept string, limit int64, read func(io.Reader) error) error {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+// get sends req with client and hands at most limit bytes of a 200
+// answer's body to read. Informational answers (103 Early Hints) are
+// skipped by the transport. Whatever read leaves, and an error answer's
+// body, is drained up to maxDrainBytes so that the connection is kept.
+func (s *Scraper) get(client *http.Client, req *http.Request, limit int64, read func(io.Reader) error) error {
+	resp, err := client.Do(req)
 	if err != nil {
-		return err
-	}
-	req.Header.Set("Accept", accept)
-	req.Header.Set("User-Agent", "caddy-llm-affinity")
-	resp, err := s.client.Do(req)
-	if err != nil {
+		var uerr *url.Error
+		if errors.As(err, &uerr) {
+			// Without the query, which would fill Status.LastError.
+			err = fmt.Errorf("GET %s: %w", shortURL(req.URL), uerr.Err)
+		}
 		return err
 	}
 	defer func() {
-		// Drain a little so the connection can be reused.
-		_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
+		_, _ = io.CopyN(io.Discard, resp.Body, maxDrainBytes)
 		_ = resp.Body.Close()
 	}()
 	if resp.StatusCode != http.StatusOK {
-		return &statusError{url, resp.StatusCode}
+		return &statusError{shortURL(req.URL), resp.StatusCode}
 	}
 	return read(&capReader{r: resp.Body, left: limit})
 }
+
+// statusError is an answer other than 200.
+type statusError struct {
+	url  string
+	code int
+}
+
+// Error implements error.
+func (e *statusError) Error() string { return fmt.Sprintf("GET %s: status %d", e.url, e.code) }
+
+// shortURL returns u without its query, marked by "?…": the names asked
+// for are many and always the same.
+func shortURL(u *url.URL) string {
+	short := *u
+	short.RawQuery, short.ForceQuery = "", false
+	if u.RawQuery != "" {
+		return short.String() + "?…"
+	}
+	return short.String()
+}
+
+// noRedirects makes a client return redirects instead of following them:
+// a redirected metrics query is a sign for nextMode.
+func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // capReader reads at most left bytes and then fails, so an oversized
 // body is an error rather than silently truncated (which could parse).

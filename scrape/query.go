@@ -3,7 +3,6 @@ package scrape
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/url"
 	"slices"
 	"strings"
@@ -87,58 +86,55 @@ func (q metricsQuery) path(metricsPath string) string {
 // whole exposition waits before the filtered query is tried again.
 const wholeProbeIntervals = 6
 
+// nextMode returns the mode to ask in after an answer in mode (see
+// metricsMode): on to the next mode when the engine sent more than was
+// asked for (dropped lines) or, from modeNamed, redirected; to modeWhole
+// when the filtered answer had no engine metrics or was malformed, or
+// the path below was refused. Network errors, timeouts and 5xx answers
+// say nothing about the query and change nothing; modeWhole is left only
+// by the scraper's periodic probe.
+func nextMode(mode metricsMode, dropped int, err error) metricsMode {
+	var status *statusError
+	switch {
+	case mode == modeWhole:
+	case err == nil && dropped > 0:
+		// The engine ignored the query: a usable answer, but the next
+		// scrape asks one level down (or for everything).
+		return mode + 1
+	case err == nil:
+	case mode == modeNamed && errors.As(err, &status) && status.code/100 == 3:
+		return modeNamedBelow // /metrics redirects to /metrics/
+	case errors.Is(err, errNoEngineMetrics) || errors.Is(err, errMalformedExposition),
+		mode == modeNamedBelow && errors.As(err, &status) && status.code/100 != 5:
+		return modeWhole
+	}
+	return mode
+}
+
 // fetchMetricsMode fetches t's metrics asking as mode says, and moves the
-// target to another mode when the engine's answer says so (see
-// metricsMode): on to modeNamedBelow when it sent more than was asked for
-// or redirected, and to modeWhole, asking again at once, when the
-// filtered answer had no engine metrics or the path below was refused.
-// Network errors, timeouts and 5xx answers say nothing about the query
-// and change nothing. Each attempt takes its own charge mark and time.
+// target to the mode nextMode gives, asking again at once in it when the
+// answer was not usable. Each attempt takes its own charge mark and time.
 func (s *Scraper) fetchMetricsMode(ctx context.Context, t *scrapeTarget, mode metricsMode, skipSlow bool) (Signals, error) {
 	for {
-		var mark Mark
-		if s.cfg.Mark != nil {
-			mark = s.cfg.Mark(t.dial)
+		sig, dropped, err := s.fetchMetrics(ctx, t, metricsQuery{mode, skipSlow})
+		if ctx.Err() != nil {
+			return sig, err // shutting down: the answer says nothing
 		}
-		sig, dropped, err := s.fetchMetricsQuery(ctx, t, metricsQuery{mode, skipSlow}, time.Now())
-		sig.Mark = mark
-		next := mode
-		var status *statusError
-		switch {
-		case mode == modeWhole || ctx.Err() != nil:
-		case err == nil && dropped > 0:
-			// The engine ignored the query: a usable answer, but the
-			// next scrape asks one level down (or for everything).
-			next++
-		case err == nil:
-		case mode == modeNamed && errors.As(err, &status) && status.code/100 == 3:
-			next = modeNamedBelow // /metrics redirects to /metrics/
-		case errors.Is(err, errNoEngineMetrics) || errors.Is(err, errMalformedExposition),
-			mode == modeNamedBelow && errors.As(err, &status) && status.code/100 != 5:
-			next = modeWhole
+		next := nextMode(mode, dropped, err)
+		if next == mode {
+			return sig, err
 		}
-		if next != mode {
-			t.mu.Lock()
-			t.mode = next
-			if next == modeWhole {
-				t.probeDue = time.Now().Add(wholeProbeIntervals * s.cfg.SlowInterval)
-			}
-			t.mu.Unlock()
-			s.cfg.Logger.Debug("engine metrics: asking differently", zap.String("upstream", t.dial),
-				zap.String("path", metricsQuery{next, skipSlow}.path(s.cfg.MetricsPath)))
-			if err != nil {
-				mode = next
-				continue // ask again, now
-			}
+		t.mu.Lock()
+		t.mode = next
+		if next == modeWhole {
+			t.probeDue = time.Now().Add(wholeProbeIntervals * s.cfg.SlowInterval)
 		}
-		return sig, err
+		t.mu.Unlock()
+		s.cfg.Logger.Debug("engine metrics: asking differently", zap.String("upstream", t.dial),
+			zap.String("path", metricsQuery{next, skipSlow}.path(s.cfg.MetricsPath)))
+		if err == nil {
+			return sig, nil
+		}
+		mode = next
 	}
 }
-
-// statusError is a metrics answer other than 200.
-type statusError struct {
-	url  string
-	code int
-}
-
-func (e *statusError) Error() string { return fmt.Sprintf("GET %s: status %d", e.url, e.code) }

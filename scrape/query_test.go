@@ -2,6 +2,7 @@ package scrape
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -91,9 +92,14 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			var mu sync.Mutex
 			var requests []request
 			var conns atomic.Int32
+			var marks atomic.Uint64 // charge marks taken
+			var unmarked atomic.Int32
 			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				mu.Lock()
 				requests = append(requests, request{r.URL.Path, r.URL.Query()["name[]"]})
+				if marks.Load() < uint64(len(requests)) {
+					unmarked.Add(1) // sent before its mark was taken
+				}
 				mu.Unlock()
 				tc.serve(w, r)
 			}))
@@ -107,7 +113,8 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			dial := hostOf(srv)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 500 * time.Millisecond, ModelsInterval: -1})
+			s := New(Config{Interval: 100 * time.Millisecond, SlowInterval: 500 * time.Millisecond, ModelsInterval: -1,
+				Mark: func(string) Mark { return Mark{Requests: marks.Add(1)} }})
 			s.SetTargets([]string{dial})
 			s.Start(ctx)
 			// Six scrapes and, when the families are named, a later one
@@ -154,6 +161,15 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			}
 			if n := conns.Load(); n != 1 {
 				t.Fatalf("%d connections for %d scrapes", n, scrapes)
+			}
+			// Every attempt, the second of a scrape too, takes its own
+			// mark before it is sent (one more may have been taken by an
+			// attempt the stop cut off).
+			if n := marks.Load(); n < uint64(len(requests)) || n > uint64(len(requests))+1 || unmarked.Load() != 0 {
+				t.Fatalf("%d marks for %d requests, %d sent before their mark", n, len(requests), unmarked.Load())
+			}
+			if tc.engine && sig.Mark.Requests == 0 {
+				t.Fatalf("signals without their mark: %+v", sig)
 			}
 			later := requests[len(requests)-(scrapes-2):]
 			full := 0
@@ -335,5 +351,37 @@ func (w modeWatch) noErrors() {
 	w.t.Helper()
 	if st := w.status(); st.Errors != 0 {
 		w.t.Fatalf("status %+v", st)
+	}
+}
+
+// TestNextMode is the query mode state machine, answer by answer.
+func TestNextMode(t *testing.T) {
+	status := func(code int) error { return &statusError{"http://e/metrics?…", code} }
+	wrapped := func(err error) error { return fmt.Errorf("reading: %w", err) }
+	for _, tc := range []struct {
+		mode    metricsMode
+		dropped int
+		err     error
+		want    metricsMode
+	}{
+		{modeNamed, 0, nil, modeNamed},
+		{modeNamed, 3, nil, modeNamedBelow}, // the query was ignored
+		{modeNamedBelow, 3, nil, modeWhole},
+		{modeWhole, 3, nil, modeWhole},
+		{modeNamed, 0, status(307), modeNamedBelow},
+		{modeNamed, 0, status(404), modeNamed},
+		{modeNamed, 0, status(503), modeNamed},
+		{modeNamedBelow, 0, status(404), modeWhole},
+		{modeNamedBelow, 0, status(301), modeWhole},
+		{modeNamedBelow, 0, status(503), modeNamedBelow},
+		{modeNamed, 0, wrapped(errNoEngineMetrics), modeWhole},
+		{modeNamedBelow, 0, wrapped(errMalformedExposition), modeWhole},
+		{modeNamed, 0, errors.New("connection refused"), modeNamed},
+		{modeNamed, 0, wrapped(errExpositionTooLarge), modeNamed},
+		{modeWhole, 0, wrapped(errNoEngineMetrics), modeWhole},
+	} {
+		if got := nextMode(tc.mode, tc.dropped, tc.err); got != tc.want {
+			t.Errorf("mode %d, %d dropped, %v: next %d, want %d", tc.mode, tc.dropped, tc.err, got, tc.want)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package scrape
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -186,6 +185,12 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 			t.Fatalf("failing target %s has signals", d)
 		}
 	}
+	// The errors say why, within the length kept.
+	for d, why := range map[string]string{hostOf(broken): "status 500", refused: "refused", hostOf(garbage): "parsing"} {
+		if st, _ := s.StatusOf(d); !strings.Contains(st.LastError, why) {
+			t.Errorf("%s: last error %q, want %q in it", d, st.LastError, why)
+		}
+	}
 	// The models fetch failed, the metrics did not: signals without models.
 	sig, _ := s.Latest(hostOf(healthy), time.Now(), time.Hour)
 	st, _ := s.StatusOf(hostOf(healthy))
@@ -236,17 +241,6 @@ func TestScrapeSetTargets(t *testing.T) {
 	var nilScraper *Scraper
 	if _, ok := nilScraper.Latest("x", time.Now(), 0); ok || nilScraper.Statuses() != nil {
 		t.Fatal("nil scraper")
-	}
-}
-
-func TestScrapeRejectsOversizedBody(t *testing.T) {
-	c := &capReader{r: strings.NewReader("abcdef"), left: 3}
-	if _, err := io.ReadAll(c); !errors.Is(err, errExpositionTooLarge) {
-		t.Fatalf("err %v", err)
-	}
-	c = &capReader{r: strings.NewReader("abc"), left: 3}
-	if b, err := io.ReadAll(c); err != nil || string(b) != "abc" {
-		t.Fatalf("exactly at the limit: %q %v", b, err)
 	}
 }
 

@@ -97,7 +97,7 @@ type Mark struct {
 }
 
 // Since returns the charges made between old and m, for
-// EngineSignals.plusRouted.
+// Signals.PlusRouted.
 func (m Mark) Since(old Mark) (requests, kvTokens int) {
 	if m.Requests >= old.Requests {
 		requests = int(min(m.Requests-old.Requests, math.MaxInt32))

@@ -1,0 +1,149 @@
+package scrape
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestScrapeRejectsOversizedBody(t *testing.T) {
+	c := &capReader{r: strings.NewReader("abcdef"), left: 3}
+	if _, err := io.ReadAll(c); !errors.Is(err, errExpositionTooLarge) {
+		t.Fatalf("err %v", err)
+	}
+	c = &capReader{r: strings.NewReader("abc"), left: 3}
+	if b, err := io.ReadAll(c); err != nil || string(b) != "abc" {
+		t.Fatalf("exactly at the limit: %q %v", b, err)
+	}
+}
+
+// countingServer serves handler until the test ends and counts the
+// connections made to it.
+func countingServer(t *testing.T, handler http.Handler) (srv *httptest.Server, conns *atomic.Int32) {
+	t.Helper()
+	conns = new(atomic.Int32)
+	srv = httptest.NewUnstartedServer(handler)
+	srv.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv, conns
+}
+
+// TestScrapeConnectionReuse: short error answers leave the connection
+// to the next scrape; an oversized body is refused, and its connection
+// closed rather than read to its end.
+func TestScrapeConnectionReuse(t *testing.T) {
+	const (
+		answerOK = iota
+		answerBusy
+		answerHuge // once
+	)
+	var answer atomic.Int32
+	huge := strings.Repeat("# a comment line to pad the exposition out\n", maxExpositionBytes/40)
+	srv, conns := countingServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case answer.Load() == answerBusy:
+			http.Error(w, "busy", http.StatusServiceUnavailable)
+		case answer.CompareAndSwap(answerHuge, answerOK):
+			_, _ = io.WriteString(w, modeTestExposition+huge)
+		default:
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
+		}
+	}))
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	// A timeout the huge answer's 8 MiB arrive within, even under -race.
+	s := New(Config{Interval: 100 * time.Millisecond, Timeout: time.Minute, ModelsInterval: -1})
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	defer func() { cancel(); <-s.Stopped() }()
+	w := modeWatch{t, s, dial}
+
+	w.successes(2)
+	answer.Store(answerBusy)
+	w.errors(3)
+	answer.Store(answerOK)
+	w.successes(2)
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d connections for scrapes with 503s between", n)
+	}
+	answer.Store(answerHuge)
+	waitFor(t, "the huge answer refused", 10*time.Second, func() bool {
+		return strings.Contains(w.status().LastError, errExpositionTooLarge.Error())
+	})
+	w.successes(2)
+	if n := conns.Load(); n != 2 {
+		t.Fatalf("%d connections, want a second one after the huge answer", n)
+	}
+	w.check(modeNamed)
+}
+
+// TestScrapeHungFetch: while a fetch hangs, reading the scraper does not
+// wait for it, and stopping the scraper cancels it rather than waiting
+// for its timeout.
+func TestScrapeHungFetch(t *testing.T) {
+	entered, gone := make(chan struct{}, 1), make(chan struct{}, 1)
+	srv, _ := countingServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+		<-r.Context().Done() // until the client goes
+		select {
+		case gone <- struct{}{}:
+		default:
+		}
+	}))
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// A timeout no test waits for: only the scraper's stop ends the fetch.
+	s := New(Config{Interval: 100 * time.Millisecond, Timeout: time.Hour, ModelsInterval: -1})
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no request")
+	}
+
+	// The fetch is in flight: its handler returns only once the client
+	// has gone.
+	for range 1000 {
+		if _, ok := s.Latest(dial, time.Now(), time.Hour); ok || s.Seq(dial) != 0 {
+			t.Fatal("signals without a scrape")
+		}
+		if st, ok := s.StatusOf(dial); !ok || st.Scrapes+st.Errors != 0 || len(s.Statuses()) != 1 {
+			t.Fatalf("status %+v", st)
+		}
+		s.AddTargets(dial)
+	}
+	select {
+	case <-gone:
+		t.Fatal("the fetch ended before the scraper stopped")
+	default:
+	}
+
+	cancel()
+	select {
+	case <-s.Stopped():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the scraper waits for its hung fetch")
+	}
+	select {
+	case <-gone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hung request was not cancelled")
+	}
+}
