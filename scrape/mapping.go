@@ -58,7 +58,7 @@ const (
 	prefixHitRate               // PrefixHitRate
 	maxLoRAs                    // MaxLoRAs
 	adapters                    // AdaptersKnown, RunningAdapters, WaitingAdapters (and MaxLoRAs)
-	numFigures
+	numFigures                  // the number of figures
 )
 
 // combine is how a figure is made of the values of an engine's

@@ -35,10 +35,10 @@ import (
 type metricsMode uint8
 
 const (
-	modeNamed      metricsMode = iota // metrics_path?name[]=…
-	modeNamedBelow                    // metrics_path/?name[]=…
-	modeWhole                         // metrics_path
-	numMetricsModes
+	modeNamed       metricsMode = iota // metrics_path?name[]=…
+	modeNamedBelow                     // metrics_path/?name[]=…
+	modeWhole                          // metrics_path
+	numMetricsModes                    // the number of modes
 )
 
 // metricsQuery is one metrics request: a mode, and whether it leaves out
