@@ -48,12 +48,15 @@ type Config struct {
 	// fetches in flight together cost less CPU each than one after
 	// another, since the runtime's network poller wakes for many at once.
 	Workers int
-	// Client makes the requests. Default: a client of its own, with a
-	// transport that keeps one connection per target alive, dials
-	// directly (no proxy) over HTTP/1.1 and does not ask for compression
-	// (cheaper on both ends at these sizes). Whichever client, metrics
-	// requests do not follow redirects: a redirect says how to ask next
-	// (see metricsMode).
+	// Client makes the requests. Default: the scraper's own, which
+	// fetches the metrics of plain HTTP targets on a kept connection per
+	// target with an HTTP/1.1 client of its own (cheaper than net/http;
+	// see fetchKeptAlive), and the rest with a transport that
+	// keeps one connection per target alive, dials directly (no proxy)
+	// over HTTP/1.1 and does not ask for compression (cheaper on both
+	// ends at these sizes). Whichever client, metrics requests do not
+	// follow redirects: a redirect says how to ask next (see
+	// metricsMode).
 	Client *http.Client
 	// Mark, when set, is called with the dial just before each metrics
 	// request is sent; its result is stored in Signals.Mark. The policy

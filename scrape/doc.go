@@ -28,6 +28,8 @@
 // exposition down to the families read and parses them; vllm.go and
 // sglang.go map each engine's families to Signals (mapping.go, series.go
 // apply the tables); query.go chooses how metrics are asked for;
-// scraper.go runs the scrapes, fetch.go makes the requests (net/http),
-// config.go and status.go are the scraper's settings and read side.
+// scraper.go runs the scrapes; conn.go fetches plain HTTP metrics on a
+// kept connection per target (a client of its own, cheaper than
+// net/http), fetch.go makes the other requests (net/http); config.go and
+// status.go are the scraper's settings and read side.
 package scrape

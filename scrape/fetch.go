@@ -65,17 +65,15 @@ func newGet(url, accept string) (*http.Request, error) {
 	return req, nil
 }
 
-// fetchMetrics GETs and parses t's metrics as query asks. The charge
-// mark and the time the signals are stamped with are taken just before
-// the request is sent.
+// fetchMetrics GETs and parses t's metrics as query asks, on the
+// target's kept connection when it has one (see fetchKeptAlive), else
+// with metricsClient. The charge mark and the time the signals are
+// stamped with are taken just before the request is sent.
 func (s *Scraper) fetchMetrics(ctx context.Context, t *scrapeTarget, query metricsQuery) (Signals, int, error) {
 	req := t.metricsRequests[query.index()]
 	if req == nil {
 		return Signals{}, 0, t.requestErr
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
-	defer cancel()
-	req = req.WithContext(ctx)
 	var mark Mark
 	if s.cfg.Mark != nil {
 		mark = s.cfg.Mark(t.dial)
@@ -83,11 +81,18 @@ func (s *Scraper) fetchMetrics(ctx context.Context, t *scrapeTarget, query metri
 	now := time.Now()
 	var sig Signals
 	var dropped int
-	err := s.get(s.metricsClient, req, maxExpositionBytes, func(r io.Reader) error {
-		var err error
-		sig, dropped, err = parseEngineMetricsSkipping(r, now, query.skipSlow)
-		return err
-	})
+	var err error
+	if t.rawRequests[query.index()] != nil {
+		sig, dropped, err = s.fetchKeptAlive(ctx, t, query, now)
+	} else {
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+		err = s.get(s.metricsClient, req.WithContext(ctx), maxExpositionBytes, func(r io.Reader) error {
+			var err error
+			sig, dropped, err = parseEngineMetricsSkipping(r, now, query.skipSlow)
+			return err
+		})
+		cancel()
+	}
 	sig.Mark = mark
 	return sig, dropped, err
 }

@@ -20,6 +20,12 @@ type scrapeTarget struct {
 	metricsRequests [numMetricsQueries]*http.Request
 	modelsRequest   *http.Request
 	requestErr      error
+	// rawRequests are the metrics GETs as sent on conn, by query index,
+	// when the scraper's own client fetches them (plain HTTP, no
+	// Config.Client; see fetchKeptAlive); nil otherwise.
+	rawRequests [numMetricsQueries][]byte
+	// conn is the target's kept connection for rawRequests.
+	conn keptConn
 
 	// latest is the last successful scrape, read without locks.
 	latest atomic.Pointer[Signals]
@@ -50,10 +56,14 @@ type scrapeTarget struct {
 type Scraper struct {
 	cfg Config
 	// client fetches the models; metricsClient, the same but for
-	// redirects, the metrics. transport is theirs when the scraper made
-	// it (no Config.Client), closed with it.
+	// redirects, the metrics of https targets and all metrics with a
+	// Config.Client. transport is theirs when the scraper made it (no
+	// Config.Client), closed with it. Plain HTTP metrics with the
+	// scraper's own client go on each target's kept connection instead
+	// (rawRequests).
 	client, metricsClient *http.Client
 	transport             *http.Transport
+	raw                   bool // plain HTTP metrics on kept connections
 
 	mu      sync.RWMutex
 	targets map[string]*scrapeTarget
@@ -77,6 +87,7 @@ func New(cfg Config) *Scraper {
 	if s.client == nil {
 		s.transport = newTransport(cfg)
 		s.client = &http.Client{Transport: s.transport}
+		s.raw = cfg.Scheme == "http"
 	}
 	metrics := *s.client
 	metrics.CheckRedirect = noRedirects
@@ -96,8 +107,9 @@ func (s *Scraper) SetTargets(dials []string) {
 		added = s.addLocked(d) || added
 	}
 	dropped := false
-	for d := range s.targets {
+	for d, t := range s.targets {
 		if !keep[d] {
+			t.conn.close()
 			delete(s.targets, d)
 			dropped = true
 		}
@@ -154,8 +166,11 @@ func (s *Scraper) addLocked(d string) bool {
 		for _, skipSlow := range []bool{false, true} {
 			q := metricsQuery{mode, skipSlow}
 			req, err := newGet(base+q.path(s.cfg.MetricsPath), scrapeAcceptHeader)
+			if err == nil && s.raw {
+				t.rawRequests[q.index()], err = rawRequest(req)
+			}
 			if err != nil {
-				t.requestErr = err
+				t.requestErr, req = err, nil
 			}
 			t.metricsRequests[q.index()] = req
 		}
@@ -211,6 +226,11 @@ func (s *Scraper) run(ctx context.Context) {
 		if s.transport != nil {
 			s.transport.CloseIdleConnections()
 		}
+		s.mu.RLock()
+		for _, t := range s.targets {
+			t.conn.close()
+		}
+		s.mu.RUnlock()
 	}()
 
 	ticker := time.NewTicker(s.cfg.Interval)
