@@ -91,25 +91,44 @@ func TestScrapeConnectionReuse(t *testing.T) {
 
 // TestScrapeHungFetch: while a fetch hangs, reading the scraper does not
 // wait for it, and stopping the scraper cancels it rather than waiting
-// for its timeout.
+// for its timeout, on the scraper's kept connection as with a caller's
+// client.
 func TestScrapeHungFetch(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		client *http.Client
+	}{
+		{"own client", nil},
+		{"caller's client", &http.Client{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testScrapeHungFetch(t, tc.client) })
+	}
+}
+
+func testScrapeHungFetch(t *testing.T, client *http.Client) {
 	entered, gone := make(chan struct{}, 1), make(chan struct{}, 1)
+	release := make(chan struct{}) // a failed test's server can close
 	srv, _ := countingServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		select {
 		case entered <- struct{}{}:
 		default:
 		}
-		<-r.Context().Done() // until the client goes
+		select {
+		case <-r.Context().Done(): // the client went
+		case <-release:
+			return
+		}
 		select {
 		case gone <- struct{}{}:
 		default:
 		}
 	}))
+	t.Cleanup(func() { close(release) }) // before srv.Close
 	dial := hostOf(srv)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	// A timeout no test waits for: only the scraper's stop ends the fetch.
-	s := New(Config{Interval: 100 * time.Millisecond, Timeout: time.Hour, ModelsInterval: -1})
+	s := New(Config{Interval: 100 * time.Millisecond, Timeout: time.Hour, ModelsInterval: -1, Client: client})
 	s.SetTargets([]string{dial})
 	s.Start(ctx)
 	select {
@@ -146,4 +165,39 @@ func TestScrapeHungFetch(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the hung request was not cancelled")
 	}
+}
+
+// TestScrapeNetHTTP: https targets, like any with a caller's client, are
+// fetched with net/http, which does not follow a metrics redirect (it
+// moves the query mode) and names the URL without its query in errors.
+func TestScrapeNetHTTP(t *testing.T) {
+	var busy atomic.Bool
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case busy.Load():
+			http.Error(w, "busy", http.StatusServiceUnavailable)
+		case r.URL.Path == "/metrics":
+			http.Redirect(w, r, "/metrics/?"+r.URL.RawQuery, http.StatusTemporaryRedirect)
+		default:
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
+		}
+	}))
+	defer srv.Close()
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	s := New(Config{Interval: 100 * time.Millisecond, Scheme: "https", Client: srv.Client(), ModelsInterval: -1})
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	defer func() { cancel(); <-s.Stopped() }()
+	w := modeWatch{t, s, dial}
+
+	w.mode(modeNamedBelow)
+	w.successes(2)
+	w.noErrors()
+	busy.Store(true)
+	w.errors(1)
+	if st, want := w.status(), "GET https://"+dial+"/metrics/?…: status 503"; st.LastError != want {
+		t.Fatalf("last error %q, want %q", st.LastError, want)
+	}
+	w.check(modeNamedBelow)
 }

@@ -185,10 +185,16 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 			t.Fatalf("failing target %s has signals", d)
 		}
 	}
-	// The errors say why, within the length kept.
+	// The errors say why, within the length kept; the fetch errors name
+	// the URL without its long query.
 	for d, why := range map[string]string{hostOf(broken): "status 500", refused: "refused", hostOf(garbage): "parsing"} {
 		if st, _ := s.StatusOf(d); !strings.Contains(st.LastError, why) {
 			t.Errorf("%s: last error %q, want %q in it", d, st.LastError, why)
+		}
+	}
+	for _, d := range []string{hostOf(hung), hostOf(broken), refused} {
+		if st, _ := s.StatusOf(d); !strings.HasPrefix(st.LastError, "GET http://"+d+"/metrics?…: ") {
+			t.Errorf("%s: last error %q, want it to name the URL without its query", d, st.LastError)
 		}
 	}
 	// The models fetch failed, the metrics did not: signals without models.
