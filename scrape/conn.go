@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"sync"
@@ -21,6 +22,9 @@ const connReadBuffer = 64 << 10
 // errStaleConn says a kept-alive connection was closed before the
 // response began.
 var errStaleConn = errors.New("connection closed before the response")
+
+// errHeaderTooLarge says an answer's header exceeded maxHeaderBytes.
+var errHeaderTooLarge = errors.New("response header too large")
 
 // fetchKeptAlive GETs and parses t's metrics as query asks, on the
 // target's kept connection, within one timeout from now. A reused
@@ -53,13 +57,14 @@ var errStaleConn = errors.New("connection closed before the response")
 // net/http's own parser (http.ReadResponse) on the fetching goroutine.
 // What net/http gives and this keeps: 1xx answers are skipped, error
 // bodies are drained up to maxDrainBytes so the connection is kept,
-// oversized bodies are refused and their connection closed, a reused
-// connection the engine closed meanwhile is redialled once, and
-// redirects are not followed (a redirect moves the query mode). The
-// fetch has one deadline (Config.Timeout) for the dial, the request and
-// the whole answer, and stopping the scraper (its context) closes the
-// connection, so a hung fetch ends at once. Models lists, https targets
-// and a caller's Config.Client go through net/http (fetch.go).
+// oversized headers and bodies are refused and their connection
+// closed, a reused connection the engine closed meanwhile is redialled
+// once, and redirects are not followed (a redirect moves the query
+// mode). The fetch has one deadline (Config.Timeout) for the dial, the
+// request and the whole answer, and stopping the scraper (its context)
+// closes the connection, so a hung fetch ends at once. Models lists,
+// https targets and a caller's Config.Client go through net/http
+// (fetch.go).
 func (s *Scraper) fetchKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
 	deadline := now.Add(s.cfg.Timeout)
 	for attempt := 0; ; attempt++ {
@@ -99,10 +104,43 @@ type keptConn struct {
 	closed bool // the target is gone: no connection is kept
 }
 
-// bufferedConn is a connection with its read buffer.
+// bufferedConn is a connection with its read buffer, which reads
+// through a budget.
 type bufferedConn struct {
 	net.Conn
-	r *bufio.Reader
+	r      *bufio.Reader
+	budget headerBudget
+}
+
+// headerBudget reads from r at most left more bytes, then fails with
+// errHeaderTooLarge: while a header is read, so that a header without
+// end is refused as net/http's Transport does (MaxResponseHeaderBytes).
+// The body's reader has its own limit.
+type headerBudget struct {
+	r    io.Reader
+	left int
+}
+
+// Read implements io.Reader.
+func (h *headerBudget) Read(p []byte) (int, error) {
+	if h.left <= 0 {
+		return 0, errHeaderTooLarge
+	}
+	if len(p) > h.left {
+		p = p[:h.left]
+	}
+	n, err := h.r.Read(p)
+	h.left -= n
+	return n, err
+}
+
+// readResponse reads the next answer's header from bc. The budget
+// allows maxHeaderBytes and what the read buffer may hold besides.
+func (bc *bufferedConn) readResponse() (*http.Response, error) {
+	bc.budget.left = maxHeaderBytes + connReadBuffer
+	resp, err := http.ReadResponse(bc.r, nil)
+	bc.budget.left = math.MaxInt
+	return resp, err
 }
 
 // take returns the idle connection, or dials dial for a new one; reused
@@ -119,7 +157,9 @@ func (k *keptConn) take(ctx context.Context, dial string, deadline time.Time) (b
 	if err != nil {
 		return nil, false, err
 	}
-	return &bufferedConn{Conn: c, r: bufio.NewReaderSize(c, connReadBuffer)}, false, nil
+	bc = &bufferedConn{Conn: c, budget: headerBudget{r: c}}
+	bc.r = bufio.NewReaderSize(&bc.budget, connReadBuffer)
+	return bc, false, nil
 }
 
 // put keeps bc for the next fetch, unless the target is gone.
@@ -155,7 +195,7 @@ func (s *Scraper) fetchOn(bc *bufferedConn, t *scrapeTarget, query metricsQuery,
 	}
 	var resp *http.Response
 	for {
-		resp, err = http.ReadResponse(bc.r, nil)
+		resp, err = bc.readResponse()
 		if err != nil {
 			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
 				err = fmt.Errorf("%w: %w", errStaleConn, err)

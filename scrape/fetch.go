@@ -20,7 +20,9 @@ const (
 	// JSON's trailing newline) is read and discarded before the body is
 	// closed: a body read to its end leaves the connection to the next
 	// request, one closed before its end closes it.
-	maxDrainBytes      = 4 << 10
+	maxDrainBytes = 4 << 10
+	// maxHeaderBytes bounds an answer's header.
+	maxHeaderBytes     = 64 << 10
 	scrapeAcceptHeader = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 	scrapeUserAgent    = "caddy-llm-affinity"
 )
@@ -47,7 +49,7 @@ func newTransport(cfg Config) *http.Transport {
 		IdleConnTimeout:        max(90*time.Second, 3*cfg.Interval),
 		DisableCompression:     true,
 		ReadBufferSize:         64 << 10, // an exposition in a few reads, not dozens
-		MaxResponseHeaderBytes: 64 << 10,
+		MaxResponseHeaderBytes: maxHeaderBytes,
 		Protocols:              &protocols,
 	}
 }

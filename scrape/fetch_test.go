@@ -41,13 +41,14 @@ func countingServer(t *testing.T, handler http.Handler) (srv *httptest.Server, c
 }
 
 // TestScrapeConnectionReuse: short error answers leave the connection
-// to the next scrape; an oversized body is refused, and its connection
-// closed rather than read to its end.
+// to the next scrape; an oversized body or header is refused, and its
+// connection closed rather than read to its end.
 func TestScrapeConnectionReuse(t *testing.T) {
 	const (
 		answerOK = iota
 		answerBusy
-		answerHuge // once
+		answerHuge       // once
+		answerHugeHeader // once
 	)
 	var answer atomic.Int32
 	huge := strings.Repeat("# a comment line to pad the exposition out\n", maxExpositionBytes/40)
@@ -57,6 +58,9 @@ func TestScrapeConnectionReuse(t *testing.T) {
 			http.Error(w, "busy", http.StatusServiceUnavailable)
 		case answer.CompareAndSwap(answerHuge, answerOK):
 			_, _ = io.WriteString(w, modeTestExposition+huge)
+		case answer.CompareAndSwap(answerHugeHeader, answerOK):
+			w.Header().Set("X-Pad", strings.Repeat("a", 4*maxHeaderBytes))
+			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
 		default:
 			_, _ = io.WriteString(w, filteredExposition(r.URL.Query()))
 		}
@@ -85,6 +89,14 @@ func TestScrapeConnectionReuse(t *testing.T) {
 	w.successes(2)
 	if n := conns.Load(); n != 2 {
 		t.Fatalf("%d connections, want a second one after the huge answer", n)
+	}
+	answer.Store(answerHugeHeader)
+	waitFor(t, "the huge header refused", 10*time.Second, func() bool {
+		return strings.Contains(w.status().LastError, errHeaderTooLarge.Error())
+	})
+	w.successes(2)
+	if n := conns.Load(); n != 3 {
+		t.Fatalf("%d connections, want a third one after the huge header", n)
 	}
 	w.check(modeNamed)
 }
