@@ -44,11 +44,12 @@ var errHeaderTooLarge = errors.New("response header too large")
 // Transport's connection goroutines (a writeLoop and a readLoop per
 // request); calling Transport.RoundTrip directly or dropping the
 // per-fetch context did not change it. Restored here, with the stop
-// closing the connection: 3.6, 4.0 and 3.9 % (57-63 cpu-µs) in three
-// runs; in alternation with net/http, 3.2-4.6 % (50-72 cpu-µs) against
-// 5.0-5.9 % (77-92 cpu-µs), and at the default 1 s interval 0.33-0.39 %
-// against 0.50-0.56 %. Single runs on that machine vary by about a
-// point: 12 runs of this client gave 3.6-5.5 %, median 4.3 %.
+// closing the connection and the header limit: 4.5, 4.6 and 4.0 %
+// (62-72 cpu-µs) in three runs; in alternation with net/http (before
+// the header limit), 3.2-4.6 % (50-72 cpu-µs) against 5.0-5.9 % (77-92
+// cpu-µs), and at the default 1 s interval 0.33-0.39 % against
+// 0.50-0.56 %. Single runs on that machine vary by about a point: 18
+// runs of this client gave 3.2-5.5 %, median 4.3 %.
 //
 // So each plain-HTTP target of a scraper with its own client keeps one
 // connection of its own for its metrics, used by one fetch at a time
