@@ -1,0 +1,368 @@
+package scrape
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// scrapeTarget is one upstream being scraped.
+type scrapeTarget struct {
+	dial string
+	// metricsRequests are the metrics GETs of each metricsQuery, by
+	// index, and modelsRequest the models GET, made once (see newGet).
+	// They are nil, and requestErr says why, when the dial makes no URL.
+	metricsRequests [numMetricsQueries]*http.Request
+	modelsRequest   *http.Request
+	requestErr      error
+	// rawRequests are the metrics GETs as sent on conn, by query index,
+	// when the scraper's own client fetches them (plain HTTP, no
+	// Config.Client; see fetchKeptAlive); nil otherwise.
+	rawRequests [numMetricsQueries][]byte
+	// conn is the target's kept connection for rawRequests.
+	conn keptConn
+
+	// latest is the last successful scrape, read without locks.
+	latest atomic.Pointer[Signals]
+
+	// mu guards the fields below.
+	mu        sync.Mutex
+	busy      bool // a fetch is in flight
+	status    Status
+	models    []ModelInfo
+	modelsDue time.Time
+	// mode is how the metrics are asked for; see metricsMode. In
+	// modeWhole the filtered query is tried again from probeDue on.
+	mode     metricsMode
+	probeDue time.Time
+	// slow holds the figures of the slow families last read, until
+	// slowDue.
+	slow    Signals
+	slowDue time.Time
+}
+
+// Scraper polls the engines' metrics (and model lists) of a set of
+// upstreams in the background and keeps the latest Signals of each.
+// One scraper belongs to one policy instance: the policy creates it in
+// Provision, gives it its static upstreams with SetTargets, starts it
+// with the caddy.Context (it stops when the config is unloaded) and reads
+// signals while routing. A reload builds a new scraper, which scrapes at
+// once; until its first results the policy uses its own tracking.
+type Scraper struct {
+	cfg Config
+	// client fetches the models; metricsClient, the same but for
+	// redirects, the metrics of https targets and all metrics with a
+	// Config.Client. transport is theirs when the scraper made it (no
+	// Config.Client), closed with it. Plain HTTP metrics with the
+	// scraper's own client go on each target's kept connection instead
+	// (rawRequests).
+	client, metricsClient *http.Client
+	transport             *http.Transport
+	raw                   bool // plain HTTP metrics on kept connections
+
+	mu      sync.RWMutex
+	targets map[string]*scrapeTarget
+
+	kick    chan struct{} // asks for a round now
+	done    chan struct{} // closed when the run loop has stopped
+	started atomic.Bool
+}
+
+// New returns a scraper with cfg (defaults filled in). It does
+// nothing until Start.
+func New(cfg Config) *Scraper {
+	cfg = cfg.withDefaults()
+	s := &Scraper{
+		cfg:     cfg,
+		client:  cfg.Client,
+		targets: make(map[string]*scrapeTarget),
+		kick:    make(chan struct{}, 1),
+		done:    make(chan struct{}),
+	}
+	if s.client == nil {
+		s.transport = newTransport(cfg)
+		s.client = &http.Client{Transport: s.transport}
+		s.raw = cfg.Scheme == "http"
+	}
+	metrics := *s.client
+	metrics.CheckRedirect = noRedirects
+	s.metricsClient = &metrics
+	return s
+}
+
+// SetTargets replaces the set of dials scraped. New dials are scraped at
+// once; dropped ones are forgotten with their signals. Dials that are not
+// host:port addresses (unix sockets) are skipped.
+func (s *Scraper) SetTargets(dials []string) {
+	s.mu.Lock()
+	keep := make(map[string]bool, len(dials))
+	added := false
+	for _, d := range dials {
+		keep[d] = true
+		added = s.addLocked(d) || added
+	}
+	dropped := false
+	for d, t := range s.targets {
+		if !keep[d] {
+			t.conn.close()
+			delete(s.targets, d)
+			dropped = true
+		}
+	}
+	s.mu.Unlock()
+	if dropped && s.transport != nil {
+		// The dropped targets' idle connections go; the others' are
+		// dialled again at their next scrape.
+		s.transport.CloseIdleConnections()
+	}
+	if added {
+		s.poke()
+	}
+}
+
+// AddTargets adds dials not scraped yet and scrapes them at once, leaving
+// the others alone. It is cheap when every dial is already a target, so
+// the policy may call it with each pool it sees (dynamic upstreams);
+// only SetTargets removes targets.
+func (s *Scraper) AddTargets(dials ...string) {
+	s.mu.RLock()
+	missing := false
+	for _, d := range dials {
+		if _, ok := s.targets[d]; !ok && scrapable(d) {
+			missing = true
+			break
+		}
+	}
+	s.mu.RUnlock()
+	if !missing {
+		return
+	}
+	s.mu.Lock()
+	added := false
+	for _, d := range dials {
+		added = s.addLocked(d) || added
+	}
+	s.mu.Unlock()
+	if added {
+		s.poke()
+	}
+}
+
+// addLocked adds dial as a target if it is new and scrapable, and says
+// whether it did. Caller holds s.mu for writing.
+func (s *Scraper) addLocked(d string) bool {
+	if _, ok := s.targets[d]; ok || !scrapable(d) {
+		return false
+	}
+	base := s.cfg.Scheme + "://" + d
+	t := &scrapeTarget{dial: d, status: Status{Dial: d}}
+	t.modelsRequest, t.requestErr = newGet(base+s.cfg.ModelsPath, "application/json")
+	for mode := range numMetricsModes {
+		for _, skipSlow := range []bool{false, true} {
+			q := metricsQuery{mode, skipSlow}
+			req, err := newGet(base+q.path(s.cfg.MetricsPath), scrapeAcceptHeader)
+			if err == nil && s.raw {
+				t.rawRequests[q.index()], err = rawRequest(req)
+			}
+			if err != nil {
+				t.requestErr, req = err, nil
+			}
+			t.metricsRequests[q.index()] = req
+		}
+	}
+	s.targets[d] = t
+	return true
+}
+
+// scrapable says whether dial is a host:port the scraper can reach (not
+// empty, not a unix socket).
+func scrapable(dial string) bool {
+	return dial != "" && !strings.Contains(dial, "/")
+}
+
+// poke asks the run loop for a round now.
+func (s *Scraper) poke() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Start runs the scraper in the background until ctx is done. Calling it
+// again does nothing.
+func (s *Scraper) Start(ctx context.Context) {
+	if !s.started.CompareAndSwap(false, true) {
+		return
+	}
+	go s.run(ctx)
+}
+
+// Stopped returns a channel closed once the scraper has stopped and its
+// fetches have returned.
+func (s *Scraper) Stopped() <-chan struct{} { return s.done }
+
+// run is the scraper's loop: a round at start, then one per interval
+// (and whenever targets are added), each handing the idle targets to a
+// fixed pool of workers.
+func (s *Scraper) run(ctx context.Context) {
+	defer close(s.done)
+	jobs := make(chan *scrapeTarget)
+	var wg sync.WaitGroup
+	for range s.cfg.Workers {
+		wg.Go(func() {
+			for t := range jobs {
+				s.scrape(ctx, t)
+			}
+		})
+	}
+	defer func() {
+		close(jobs)
+		wg.Wait()
+		if s.transport != nil {
+			s.transport.CloseIdleConnections()
+		}
+		s.mu.RLock()
+		for _, t := range s.targets {
+			t.conn.close()
+		}
+		s.mu.RUnlock()
+	}()
+
+	ticker := time.NewTicker(s.cfg.Interval)
+	defer ticker.Stop()
+	for {
+		s.round(ctx, jobs)
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		case <-s.kick:
+		}
+	}
+}
+
+// round hands every target without a fetch in flight to the workers.
+func (s *Scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
+	s.mu.RLock()
+	ts := make([]*scrapeTarget, 0, len(s.targets))
+	for _, t := range s.targets {
+		ts = append(ts, t)
+	}
+	s.mu.RUnlock()
+	for _, t := range ts {
+		t.mu.Lock()
+		if t.busy {
+			t.mu.Unlock()
+			continue
+		}
+		t.busy = true
+		t.mu.Unlock()
+		select {
+		case jobs <- t:
+		case <-ctx.Done():
+			t.mu.Lock()
+			t.busy = false
+			t.mu.Unlock()
+			return
+		}
+	}
+}
+
+// scrape fetches t's metrics (and models when due) and records the
+// outcome.
+func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
+	start := time.Now()
+	t.mu.Lock()
+	skipSlow := t.slow.NumGPUBlocks > 0 && start.Before(t.slowDue)
+	mode := t.mode
+	if mode == modeWhole && !start.Before(t.probeDue) {
+		// Now and then ask for less again: the engine behind the dial may
+		// have changed.
+		mode, t.mode, t.probeDue = modeNamed, modeNamed, start.Add(wholeProbeIntervals*s.cfg.SlowInterval)
+	}
+	t.mu.Unlock()
+	sig, err := s.fetchMetricsMode(ctx, t, mode, skipSlow)
+	if err == nil {
+		start = sig.ScrapedAt
+	}
+	if err != nil && ctx.Err() != nil {
+		t.mu.Lock()
+		t.busy = false
+		t.mu.Unlock()
+		return // shutting down: not the upstream's fault
+	}
+
+	t.mu.Lock()
+	modelsDue := err == nil && s.cfg.ModelsInterval > 0 && !start.Before(t.modelsDue)
+	if modelsDue {
+		t.modelsDue = start.Add(s.cfg.ModelsInterval)
+	}
+	t.mu.Unlock()
+
+	var models []ModelInfo
+	var modelsErr error
+	if modelsDue {
+		models, modelsErr = s.fetchModels(ctx, t)
+	}
+
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.busy = false
+	st := &t.status
+	if err != nil {
+		st.Errors++
+		st.ConsecutiveErrors++
+		st.LastError, st.LastErrorAt = truncate(err.Error(), maxScrapeErrorMessages), time.Now()
+		if st.ConsecutiveErrors == 1 {
+			s.cfg.Logger.Debug("engine metrics scrape failing", zap.String("upstream", t.dial), zap.Error(err))
+		}
+		return
+	}
+	if st.ConsecutiveErrors > 0 {
+		s.cfg.Logger.Debug("engine metrics scrape recovered", zap.String("upstream", t.dial),
+			zap.Int("failures", st.ConsecutiveErrors))
+	}
+	st.Scrapes++
+	st.ConsecutiveErrors = 0
+	st.LastSuccess = start
+	if modelsDue {
+		if modelsErr != nil {
+			st.ModelsError = truncate(modelsErr.Error(), maxScrapeErrorMessages)
+		} else {
+			st.ModelsError = ""
+			t.models = models
+		}
+	}
+
+	e := engineNamed(sig.Engine)
+	switch {
+	case skipSlow && sig.Engine == t.slow.Engine:
+		e.carrySlow(&sig, t.slow)
+	case skipSlow:
+		// Another engine answers on this dial now: read everything from
+		// it next time.
+		t.slow = Signals{}
+	default:
+		if !e.reads(prefixHitRate) && sig.Engine == t.slow.Engine {
+			sig.PrefixHitRate = hitRateSince(t.slow, sig)
+		}
+		t.slow = sig
+		t.slowDue = start.Add(s.cfg.SlowInterval)
+	}
+	sig.Models = t.models
+	sig.Seq = st.Scrapes
+	t.latest.Store(&sig)
+}
+
+// truncate shortens s to at most n bytes.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}

@@ -1,0 +1,315 @@
+package scrape
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+func TestScrapeConfigDefaults(t *testing.T) {
+	c := Config{Interval: time.Millisecond}.withDefaults()
+	if c.Interval != MinInterval || c.Timeout != MinInterval || c.ModelsInterval != defaultModelsInterval ||
+		c.MetricsPath != "/metrics" || c.ModelsPath != "/v1/models" || c.Workers != defaultScrapeWorkers {
+		t.Fatalf("%+v", c)
+	}
+	if c := (Config{}).withDefaults(); c.Interval != time.Second || c.Timeout != time.Second {
+		t.Fatalf("%+v", c)
+	}
+}
+
+func TestScrapeKvsim(t *testing.T) {
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Engine: kvsim.Config{Adapters: []string{"sql-lora"}}, Speed: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	srv := httptest.NewServer(sim)
+	defer srv.Close()
+	dial := hostOf(srv)
+
+	var marks atomic.Uint64
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: 200 * time.Millisecond, SlowInterval: 300 * time.Millisecond,
+		Mark: func(string) Mark { n := marks.Add(1); return Mark{Requests: n, KVTokens: 10 * n} }})
+	s.SetTargets([]string{dial, "unix//tmp/not-scraped.sock"})
+	s.Start(ctx)
+
+	var sig Signals
+	waitFor(t, "signals", 10*time.Second, func() bool {
+		var ok bool
+		sig, ok = s.Latest(dial, time.Now(), time.Second)
+		return ok
+	})
+	if sig.Engine != engineVLLM || sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.MaxLoRAs != 4 ||
+		!sig.AdaptersKnown || !sig.KVKnown || sig.Running != 0 || sig.Waiting != 0 || sig.Seq < 1 || sig.Mark.Requests < 1 || sig.Mark.KVTokens != 10*sig.Mark.Requests {
+		t.Fatalf("signals from kvsim: %+v", sig)
+	}
+	if !slices.Equal(sig.ModelIDs(), []string{kvsim.DefaultModel, "sql-lora"}) || sig.Models[1].Parent != kvsim.DefaultModel {
+		t.Fatalf("models %+v", sig.Models)
+	}
+	if st, _ := s.StatusOf(dial); st.Scrapes < 1 || st.ConsecutiveErrors != 0 {
+		t.Fatalf("status %+v", st)
+	}
+
+	// Work on the engine shows up in the next scrapes.
+	seq := s.Seq(dial)
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"`+strings.Repeat("shared prefix ", 100)+`","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	waitFor(t, "prefix queries", 10*time.Second, func() bool {
+		sig, _ = s.Latest(dial, time.Now(), time.Second)
+		return sig.Seq > seq && sig.PrefixQueries > 0
+	})
+	if sig.PrefixHitRate < 0 || sig.PrefixHitRate > 1 {
+		t.Fatalf("prefix hit rate %v", sig.PrefixHitRate)
+	}
+	// Scrapes between the slow ones skip cache_config_info and the prefix
+	// counters, and carry them over.
+	waitFor(t, "a scrape without the slow families", 10*time.Second, func() bool {
+		s.mu.RLock()
+		t := s.targets[dial]
+		s.mu.RUnlock()
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		latest := t.latest.Load()
+		return latest != nil && latest.Seq > sig.Seq && latest.ScrapedAt.After(t.slow.ScrapedAt)
+	})
+	sig, _ = s.Latest(dial, time.Now(), time.Second)
+	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.PrefixQueries <= 0 {
+		t.Fatalf("slow figures not carried over: block size %d, blocks %d, prefix queries %v", sig.BlockSize, sig.NumGPUBlocks, sig.PrefixQueries)
+	}
+	kept, dropped := keepEngineLines([]byte("# TYPE up gauge\nup 1\nvllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true)
+	if string(kept) != "vllm:num_requests_running 3\n" || dropped != 2 {
+		t.Fatalf("kept %q, dropped %d lines when skipping slow families", kept, dropped)
+	}
+
+	// The server goes away: the signals age and become stale, promptly.
+	srv.CloseClientConnections()
+	srv.Close()
+	waitFor(t, "stale signals", 10*time.Second, func() bool {
+		_, ok := s.Latest(dial, time.Now(), 300*time.Millisecond)
+		return !ok
+	})
+	waitFor(t, "recorded errors", 10*time.Second, func() bool {
+		st, _ := s.StatusOf(dial)
+		return st.Errors > 0 && st.ConsecutiveErrors > 0 && st.LastError != ""
+	})
+	if _, ok := s.Latest("unix//tmp/not-scraped.sock", time.Now(), time.Hour); ok {
+		t.Fatal("a unix socket dial has signals")
+	}
+	if len(s.Statuses()) != 1 {
+		t.Fatalf("statuses %+v", s.Statuses())
+	}
+
+	cancel()
+	select {
+	case <-s.Stopped():
+	case <-time.After(5 * time.Second):
+		t.Fatal("scraper did not stop with its context")
+	}
+}
+
+func TestScrapeFailuresDoNotBlock(t *testing.T) {
+	release := make(chan struct{})
+	hung := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer hung.Close()
+	defer close(release)
+	broken := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, "nope", http.StatusInternalServerError)
+	}))
+	defer broken.Close()
+	garbage := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "vllm:num_requests_running{{{\n")
+	}))
+	defer garbage.Close()
+	healthy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer healthy.Close()
+	// A port nothing listens on.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := ln.Addr().String()
+	ln.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// One worker: the hung target holds it for a whole timeout each round,
+	// and the others must still be served between.
+	s := New(Config{Interval: 100 * time.Millisecond, Workers: 1})
+	dials := []string{hostOf(hung), hostOf(broken), hostOf(garbage), refused, hostOf(healthy)}
+	s.SetTargets(dials)
+	s.Start(ctx)
+
+	waitFor(t, "healthy signals", 10*time.Second, func() bool {
+		_, ok := s.Latest(hostOf(healthy), time.Now(), time.Hour)
+		return ok
+	})
+	waitFor(t, "errors on every failing target", 10*time.Second, func() bool {
+		for _, d := range dials[:4] {
+			if st, _ := s.StatusOf(d); st.Errors == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for _, d := range dials[:4] {
+		if _, ok := s.Latest(d, time.Now(), time.Hour); ok {
+			t.Fatalf("failing target %s has signals", d)
+		}
+	}
+	// The errors say why, within the length kept; the fetch errors name
+	// the URL without its long query.
+	for d, why := range map[string]string{hostOf(broken): "status 500", refused: "refused", hostOf(garbage): "parsing"} {
+		if st, _ := s.StatusOf(d); !strings.Contains(st.LastError, why) {
+			t.Errorf("%s: last error %q, want %q in it", d, st.LastError, why)
+		}
+	}
+	for _, d := range []string{hostOf(hung), hostOf(broken), refused} {
+		if st, _ := s.StatusOf(d); !strings.HasPrefix(st.LastError, "GET http://"+d+"/metrics?…: ") {
+			t.Errorf("%s: last error %q, want it to name the URL without its query", d, st.LastError)
+		}
+	}
+	// The models fetch failed, the metrics did not: signals without models.
+	sig, _ := s.Latest(hostOf(healthy), time.Now(), time.Hour)
+	st, _ := s.StatusOf(hostOf(healthy))
+	if sig.Models != nil || st.ModelsError == "" || st.ConsecutiveErrors != 0 {
+		t.Fatalf("models %v status %+v", sig.Models, st)
+	}
+
+	cancel()
+	select {
+	case <-s.Stopped():
+	case <-time.After(10 * time.Second):
+		t.Fatal("scraper did not stop")
+	}
+}
+
+func TestScrapeSetTargets(t *testing.T) {
+	body := readTestdata(t, "vllm.prom")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// A long interval: the first scrape of a new target must not wait for it.
+	s := New(Config{Interval: time.Hour, ModelsInterval: -1})
+	s.Start(ctx)
+	s.SetTargets([]string{hostOf(srv)})
+	waitFor(t, "first scrape of a new target", 10*time.Second, func() bool {
+		_, ok := s.Latest(hostOf(srv), time.Now(), 0)
+		return ok
+	})
+	// addTargets leaves existing targets (and their signals) alone.
+	s.AddTargets(hostOf(srv), "unix//x.sock", "")
+	if _, ok := s.Latest(hostOf(srv), time.Now(), 0); !ok || len(s.Statuses()) != 1 {
+		t.Fatalf("addTargets disturbed the targets: %+v", s.Statuses())
+	}
+	s.SetTargets(nil)
+	if _, ok := s.Latest(hostOf(srv), time.Now(), 0); ok {
+		t.Fatal("a dropped target still has signals")
+	}
+	if s.Seq(hostOf(srv)) != 0 {
+		t.Fatal("a dropped target still has a sequence")
+	}
+	// A dial added from a pool is scraped at once too.
+	s.AddTargets(hostOf(srv))
+	waitFor(t, "first scrape of an added target", 10*time.Second, func() bool {
+		_, ok := s.Latest(hostOf(srv), time.Now(), 0)
+		return ok
+	})
+	var nilScraper *Scraper
+	if _, ok := nilScraper.Latest("x", time.Now(), 0); ok || nilScraper.Statuses() != nil {
+		t.Fatal("nil scraper")
+	}
+}
+
+// TestScrapeEngineSwapCarriesNothing: when another engine starts
+// answering on a dial, nothing read from the old one (capacity, prefix
+// counters, hit rate) is carried into the new one's signals.
+func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
+	vllm, sglang := readTestdata(t, "vllm.prom"), readTestdata(t, "sglang.prom")
+	var swapped atomic.Bool
+	// A long slow interval: after the first scrape every one skips the
+	// slow families, as long as the engine stays the same.
+	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if swapped.Load() {
+			_, _ = w.Write(sglang)
+			return
+		}
+		_, _ = w.Write(vllm)
+	}), Config{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+	var sig Signals
+	waitFor(t, "two vLLM scrapes", 10*time.Second, func() bool {
+		var ok bool
+		sig, ok = s.Latest(dial, time.Now(), time.Hour)
+		return ok && sig.Seq >= 2
+	})
+	vllmCapacity := sig.KVCapacityTokens()
+	if sig.Engine != engineVLLM || vllmCapacity <= 0 || sig.PrefixQueries <= 0 {
+		t.Fatalf("vLLM signals %+v", sig)
+	}
+	swapped.Store(true)
+	seq := sig.Seq
+	var seen []Signals
+	waitFor(t, "SGLang's hit rate", 10*time.Second, func() bool {
+		sig, _ = s.Latest(dial, time.Now(), time.Hour)
+		if sig.Seq > seq && sig.Engine == engineSGLang {
+			seen = append(seen, sig)
+		}
+		return sig.Engine == engineSGLang && sig.PrefixHitRate >= 0
+	})
+	for _, sg := range seen {
+		if sg.KVCapacityTokens() != 200_000 || sg.BlockSize != 1 || sg.PrefixQueries != -1 || sg.PrefixHits != -1 {
+			t.Fatalf("SGLang signals with vLLM's figures: %+v", sg)
+		}
+		if sg.PrefixHitRate != -1 && (sg.PrefixHitRate < 0.37 || sg.PrefixHitRate > 0.38) {
+			t.Fatalf("SGLang hit rate %v, want the mean of 0.5 and 0.25", sg.PrefixHitRate)
+		}
+	}
+}
+
+// TestScrapeKeepsRankWeights: data parallel ranks of unequal capacity
+// weigh KV usage by capacity on the scrapes that skip cache_config_info
+// too, not only on the ones that read it.
+func TestScrapeKeepsRankWeights(t *testing.T) {
+	body := readTestdata(t, "vllm_dp2.prom") // ranks of 1,000 and 3,000 blocks at 20% and 60%
+	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }),
+		Config{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
+	for seq := uint64(1); seq <= 3; seq++ {
+		var sig Signals
+		waitFor(t, fmt.Sprint("scrape ", seq), 10*time.Second, func() bool {
+			sig, _ = s.Latest(dial, time.Now(), time.Hour)
+			return sig.Seq >= seq
+		})
+		if math.Abs(sig.KVUsage-0.5) > 1e-9 || sig.NumGPUBlocks != 4000 {
+			t.Fatalf("scrape %d: KV usage %v over %d blocks, want 0.5 over 4000", sig.Seq, sig.KVUsage, sig.NumGPUBlocks)
+		}
+	}
+}

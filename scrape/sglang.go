@@ -1,0 +1,57 @@
+package scrape
+
+import (
+	dto "github.com/prometheus/client_model/go"
+)
+
+// engineSGLang is Signals.Engine for SGLang.
+const engineSGLang = "sglang"
+
+// SGLang metric names (python/sglang/srt/metrics/collector.py). Series
+// carry {model_name, engine_type, tp_rank, pp_rank, moe_ep_rank} and, with
+// data parallel attention, dp_rank. Only attention-TP rank 0 reports
+// unless --enable-metrics-for-all-schedulers, in which case the other TP
+// ranks repeat the same figures; taking the maximum within a rank, never
+// the sum, keeps them from being counted more than once.
+const (
+	sglangRunning     = "sglang:num_running_reqs"
+	sglangWaiting     = "sglang:num_queue_reqs"
+	sglangKVUsage     = "sglang:token_usage"
+	sglangMaxTokens   = "sglang:max_total_num_tokens"
+	sglangCacheConfig = "sglang:cache_config_info" // {page_size, num_pages}, as llm-d reads it
+	sglangHitRate     = "sglang:cache_hit_rate"
+	sglangLoRASlots   = "sglang:lora_pool_slots_total"
+	sglangRankLabel   = "dp_rank"
+)
+
+// sglangEngine maps SGLang's metrics. The KV capacity is in pages when
+// cache_config_info reports them, else the token pool's size (SGLang's
+// default page size is 1); it is cheap, so read on every scrape.
+var sglangEngine = engine{
+	name:      engineSGLang,
+	prefix:    "sglang:",
+	rankLabel: sglangRankLabel,
+	metrics: []metric{
+		{family: sglangRunning, into: running, by: bySum, identifies: true},
+		{family: sglangWaiting, into: waiting, by: bySum, identifies: true},
+		{family: sglangCacheConfig, into: kvCapacity, labels: sglangPages},
+		{family: sglangMaxTokens, into: kvCapacity, by: byRankTokens, identifies: true},
+		{family: sglangKVUsage, into: kvUsage, by: byCapacity, identifies: true},
+		{family: sglangHitRate, into: prefixHitRate, by: byMean, slow: true},
+		{family: sglangLoRASlots, into: maxLoRAs, by: byMax},
+	},
+}
+
+// sglangPages reads the KV capacity from cache_config_info's labels.
+func sglangPages(x *extraction, series []*dto.Metric) bool {
+	found := false
+	for _, m := range series {
+		ps, pages := labelInt(m, "page_size"), labelInt(m, "num_pages")
+		if ps <= 0 || pages <= 0 {
+			continue
+		}
+		x.addCapacity(labelValue(m, sglangRankLabel), ps, ps*pages)
+		found = true
+	}
+	return found
+}

@@ -1,0 +1,109 @@
+package scrape
+
+import (
+	"slices"
+	"strings"
+	"time"
+)
+
+// Status is a target's scrape health, for the admin API and logs.
+type Status struct {
+	// Dial is the target's dial address.
+	Dial string `json:"dial"`
+	// Scrapes counts successful metrics scrapes.
+	Scrapes uint64 `json:"scrapes"`
+	// Errors counts failed metrics scrapes.
+	Errors uint64 `json:"errors"`
+	// ConsecutiveErrors counts failures since the last success.
+	ConsecutiveErrors int `json:"consecutive_errors"`
+	// LastSuccess is when the last successful scrape was sent.
+	LastSuccess time.Time `json:"last_success,omitzero"`
+	// LastError is the last failure's message (never request content).
+	LastError string `json:"last_error,omitempty"`
+	// LastErrorAt is when the last failure happened.
+	LastErrorAt time.Time `json:"last_error_at,omitzero"`
+	// ModelsError is the last /v1/models failure, cleared by a success.
+	ModelsError string `json:"models_error,omitempty"`
+}
+
+// Latest returns dial's latest signals. ok is false when there are none
+// or they are older than maxAge at now (maxAge ≤ 0 means three scrape
+// intervals); the caller then relies on its own tracking. It never
+// blocks on a fetch.
+func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Signals, bool) {
+	if s == nil {
+		return Signals{}, false
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return Signals{}, false
+	}
+	p := t.latest.Load()
+	if p == nil {
+		return Signals{}, false
+	}
+	if maxAge <= 0 {
+		maxAge = defaultStaleIntervals * s.cfg.Interval
+	}
+	if now.Sub(p.ScrapedAt) > maxAge {
+		return *p, false
+	}
+	return *p, true
+}
+
+// Seq returns how many successful scrapes of dial there have been,
+// 0 when none: a cheap way to see that new signals arrived.
+func (s *Scraper) Seq(dial string) uint64 {
+	if s == nil {
+		return 0
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return 0
+	}
+	if p := t.latest.Load(); p != nil {
+		return p.Seq
+	}
+	return 0
+}
+
+// StatusOf returns dial's scrape health.
+func (s *Scraper) StatusOf(dial string) (Status, bool) {
+	if s == nil {
+		return Status{}, false
+	}
+	s.mu.RLock()
+	t := s.targets[dial]
+	s.mu.RUnlock()
+	if t == nil {
+		return Status{}, false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.status, true
+}
+
+// Statuses returns every target's scrape health, ordered by dial.
+func (s *Scraper) Statuses() []Status {
+	if s == nil {
+		return nil
+	}
+	s.mu.RLock()
+	ts := make([]*scrapeTarget, 0, len(s.targets))
+	for _, t := range s.targets {
+		ts = append(ts, t)
+	}
+	s.mu.RUnlock()
+	out := make([]Status, 0, len(ts))
+	for _, t := range ts {
+		t.mu.Lock()
+		out = append(out, t.status)
+		t.mu.Unlock()
+	}
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Dial, b.Dial) })
+	return out
+}

@@ -1,0 +1,101 @@
+package scrape
+
+import (
+	"math"
+	"strings"
+
+	dto "github.com/prometheus/client_model/go"
+)
+
+// engineVLLM is Signals.Engine for vLLM.
+const engineVLLM = "vllm"
+
+// vLLM metric names (vllm/v1/metrics/loggers.py). Every per-engine series
+// carries {model_name, engine}, engine being the data parallel rank.
+const (
+	vllmRunning       = "vllm:num_requests_running"
+	vllmWaiting       = "vllm:num_requests_waiting"
+	vllmKVUsage       = "vllm:kv_cache_usage_perc"
+	vllmKVUsageLegacy = "vllm:gpu_cache_usage_perc" // before 0.9.2; removed in 0.12
+	vllmPrefixQueries = "vllm:prefix_cache_queries_total"
+	vllmPrefixHits    = "vllm:prefix_cache_hits_total"
+	vllmCacheConfig   = "vllm:cache_config_info"
+	vllmLoRAInfo      = "vllm:lora_requests_info"
+	vllmRankLabel     = "engine"
+)
+
+// vllmEngine maps vLLM's metrics. Its prefix cache hit rate is not a
+// metric: the scraper derives it from the counters (hitRateSince).
+var vllmEngine = engine{
+	name:      engineVLLM,
+	prefix:    "vllm:",
+	rankLabel: vllmRankLabel,
+	metrics: []metric{
+		{family: vllmRunning, into: running, by: bySum, identifies: true},
+		{family: vllmWaiting, into: waiting, by: bySum, identifies: true},
+		{family: vllmCacheConfig, into: kvCapacity, labels: vllmBlocks, identifies: true, slow: true},
+		{family: vllmKVUsage, into: kvUsage, by: byCapacity, identifies: true},
+		{family: vllmKVUsageLegacy, into: kvUsage, by: byCapacity, identifies: true},
+		{family: vllmPrefixQueries, into: prefixQueries, by: bySum, slow: true},
+		{family: vllmPrefixHits, into: prefixHits, by: bySum, slow: true},
+		{family: vllmLoRAInfo, into: adapters, labels: vllmAdapters},
+	},
+}
+
+// vllmBlocks reads the KV capacity from cache_config_info: one series
+// per engine, the figures in its labels. num_gpu_blocks is "None" before
+// the engine profiled.
+func vllmBlocks(x *extraction, series []*dto.Metric) bool {
+	found := false
+	for _, m := range series {
+		bs := labelInt(m, "block_size")
+		tokens := labelInt(m, "num_gpu_blocks") * bs
+		if tokens <= 0 {
+			tokens = labelInt(m, "kv_cache_size_tokens")
+		}
+		if bs <= 0 || tokens <= 0 {
+			continue
+		}
+		x.addCapacity(labelValue(m, vllmRankLabel), bs, tokens)
+		found = true
+	}
+	return found
+}
+
+// vllmAdapters reads the adapters from lora_requests_info, only emitted
+// with --enable-lora. The series' value is the time it was set; the
+// newest wins.
+func vllmAdapters(x *extraction, series []*dto.Metric) bool {
+	var newest *dto.Metric
+	newestAt := math.Inf(-1)
+	for _, m := range series {
+		if v, ok := sampleValue(m); ok && v > newestAt {
+			newest, newestAt = m, v
+		}
+	}
+	if newest == nil {
+		return false
+	}
+	s := x.sig
+	s.AdaptersKnown = true
+	s.MaxLoRAs = labelInt(newest, "max_lora")
+	s.RunningAdapters = splitAdapters(labelValue(newest, "running_lora_adapters"))
+	s.WaitingAdapters = splitAdapters(labelValue(newest, "waiting_lora_adapters"))
+	return true
+}
+
+// splitAdapters splits vLLM's comma-joined adapter list, dropping empty
+// names.
+func splitAdapters(s string) []string {
+	if s == "" {
+		return []string{}
+	}
+	parts := strings.Split(s, ",")
+	out := parts[:0]
+	for _, p := range parts {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
