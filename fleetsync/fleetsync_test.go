@@ -196,3 +196,27 @@ func TestNATSOutageNeverBlocks(t *testing.T) {
 		return rb.count() > before
 	})
 }
+
+// TestCloseWithoutNATS: closing a syncer whose server is gone returns at
+// once (a Caddy reload or shutdown must not wait on NATS).
+func TestCloseWithoutNATS(t *testing.T) {
+	ns := startNATS(t, -1)
+	s, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "connected", func() bool { return s.Stats().Connected })
+	ns.Shutdown()
+	waitFor(t, "the loss noticed", func() bool { return !s.Stats().Connected })
+	s.Publish(Message{Undrain: "x:1"})
+	closed := make(chan struct{})
+	go func() { s.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second): // nats.go's own flush timeout is 10 s
+		t.Fatal("Close waited on the unreachable server")
+	}
+}

@@ -30,6 +30,9 @@ const (
 	DefaultSubject           = "llm_affinity"
 	DefaultQueueLength       = 8192
 	DefaultHeartbeatInterval = time.Second
+	// closeFlushTimeout bounds how long Close waits for buffered
+	// messages to reach the server.
+	closeFlushTimeout = 500 * time.Millisecond
 	// maxBatch is how many messages one publication carries at most.
 	maxBatch = 256
 )
@@ -276,7 +279,8 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 }
 
-// Close publishes what is queued and disconnects.
+// Close stops publishing and disconnects, without waiting on an
+// unreachable server.
 func (s *Syncer) Close() {
 	s.once.Do(func() {
 		if s.nc == nil {
@@ -284,7 +288,11 @@ func (s *Syncer) Close() {
 		}
 		close(s.stop)
 		<-s.done
-		s.nc.Flush()
+		// Flush what is buffered, briefly and only when connected: a
+		// reload or shutdown must not wait on an unreachable NATS.
+		if s.nc.IsConnected() {
+			s.nc.FlushTimeout(closeFlushTimeout)
+		}
 		s.nc.Close()
 	})
 }
