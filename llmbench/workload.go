@@ -1,10 +1,12 @@
 package llmbench
 
 import (
+	"cmp"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"time"
 
@@ -172,6 +174,29 @@ func (w *Workload) finish() {
 		}
 	}
 	slices.Sort(w.Adapters)
+}
+
+// Spread moves each request's arrival forward by a random time below
+// quantum (seeded), then restores arrival order: a trace whose timestamps
+// are rounded (the Mooncake traces put every arrival on a 3-second grid,
+// up to 19 at the same instant) then arrives as the requests it recorded
+// would have. Without it, separate routers see bursts of exactly
+// simultaneous requests, which no sharing can order. quantum 0 does
+// nothing.
+func (w *Workload) Spread(quantum time.Duration, seed uint64) error {
+	if quantum < 0 {
+		return fmt.Errorf("spread must not be negative, got %v", quantum)
+	}
+	if quantum == 0 {
+		return nil
+	}
+	r := rand.New(rand.NewPCG(seed, 0x737072656164))
+	for i := range w.Requests {
+		w.Requests[i].Arrival += time.Duration(r.Int64N(int64(quantum)))
+	}
+	slices.SortStableFunc(w.Requests, func(a, b Request) int { return cmp.Compare(a.Arrival, b.Arrival) })
+	w.finish()
+	return nil
 }
 
 // Truncate keeps the first n requests (all when n <= 0 or n is larger).

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"math"
 	"reflect"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
@@ -215,5 +217,42 @@ func TestLoadWorkload(t *testing.T) {
 	w, err := LoadWorkload(sampleTrace, GeneratorOptions{})
 	if err != nil || len(w.Requests) != 300 {
 		t.Fatalf("trace: %v", err)
+	}
+}
+
+// TestSpread: arrivals move forward by less than the quantum, stay in
+// order, and simultaneous ones come apart; the same seed spreads alike.
+func TestSpread(t *testing.T) {
+	w := &Workload{}
+	for i := range 100 {
+		w.Requests = append(w.Requests, Request{Arrival: time.Duration(i/10) * 3 * time.Second, OutputTokens: 1})
+	}
+	w.finish()
+	before := slices.Clone(w.Requests)
+	if err := w.Spread(3*time.Second, 7); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[time.Duration]bool{}
+	for i, r := range w.Requests {
+		if r.Index != i || (i > 0 && r.Arrival < w.Requests[i-1].Arrival) {
+			t.Fatalf("request %d out of order: %+v", i, r)
+		}
+		seen[r.Arrival] = true
+	}
+	if len(seen) < 95 {
+		t.Fatalf("only %d distinct arrivals out of 100", len(seen))
+	}
+	for i := range before {
+		if d := w.Requests[i].Arrival - before[i].Arrival; i%10 == 0 && (w.Requests[i].Arrival < before[i].Arrival || d >= 6*time.Second) {
+			t.Fatalf("arrival %d moved by %v", i, d)
+		}
+	}
+	again := &Workload{Requests: before}
+	again.Spread(3*time.Second, 7)
+	if !slices.EqualFunc(again.Requests, w.Requests, func(a, b Request) bool { return a.Arrival == b.Arrival }) {
+		t.Fatal("the same seed spread differently")
+	}
+	if err := w.Spread(-1, 1); err == nil {
+		t.Fatal("a negative spread was accepted")
 	}
 }

@@ -56,6 +56,7 @@ type options struct {
 	decodeWeight   float64
 	progress       bool
 	routers        int
+	spread         time.Duration
 	sync           string
 	syncDelay      time.Duration
 	gen            llmbench.GeneratorOptions
@@ -90,6 +91,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
+	fs.DurationVar(&o.spread, "spread", 0, "move each arrival forward by a random time below `d` (seeded by --seed), for traces whose timestamps are rounded (Mooncake's are on a 3s grid: --spread 3s)")
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
 	fs.StringVar(&o.sync, "sync", "off", "sim, llm_affinity with --routers > 1: `on` shares the routers' state (each applies the others' routing events, as the plugin's sync option does over NATS), off keeps each router's own view")
 	fs.DurationVar(&o.syncDelay, "sync-delay", 0, "sim with --sync on: how long an event takes to reach the other routers")
@@ -257,6 +259,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 		return err
 	}
 	w.Truncate(o.requests)
+	if err := w.Spread(o.spread, o.seed); err != nil {
+		return usageError{err}
+	}
 	if err := w.Speedup(o.speed); err != nil {
 		return usageError{err}
 	}
@@ -285,6 +290,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["imposed_delay_weight"] = o.imposedWeight
 	params["decode_weight"] = o.decodeWeight
 	params["routers"] = o.routers
+	params["spread_s"] = o.spread.Seconds()
 	params["sync"] = o.sync
 	params["sync_delay_s"] = o.syncDelay.Seconds()
 	if o.mode == "http" {
