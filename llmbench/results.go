@@ -43,16 +43,16 @@ var HTTPRunner func(settings *Sim, timeScale float64) (Runner, error)
 // RequestResult is what one request measured. Times are seconds of the replay's clock:
 // virtual in sim mode, wall clock times the time scale in http mode.
 type RequestResult struct {
-	// Index is the request's position in the workload.
-	Index int `json:"index"`
-	// Replica is the index of the replica that served it, -1 when none did.
+	// Index is the request's position in the workload; Replica the index
+	// of the replica that served it, -1 when none did.
+	Index   int `json:"index"`
 	Replica int `json:"replica"`
-	// Arrival is when the request arrived, from the start of the workload.
+	// Arrival is when the request arrived, from the start of the workload;
+	// TTFT the time from arrival to the first token (0 when none came) and
+	// E2E to the last (0 when unfinished).
 	Arrival time.Duration `json:"arrival_ns"`
-	// TTFT is the time from arrival to the first token; 0 when none came.
-	TTFT time.Duration `json:"ttft_ns"`
-	// E2E is the time from arrival to the last token; 0 when unfinished.
-	E2E time.Duration `json:"e2e_ns"`
+	TTFT    time.Duration `json:"ttft_ns"`
+	E2E     time.Duration `json:"e2e_ns"`
 	// PromptTokens, CachedTokens (prompt tokens served from the prefix cache, when the engine
 	// says) and OutputTokens (generated) are the engine's counts.
 	PromptTokens int `json:"prompt_tokens"`
