@@ -1,8 +1,12 @@
 package scorer
 
-// The other routers' rules, reimplemented from their sources as summarised
-// in ../shared/research/anchors-sglang-ray-vllm.md (SGLang) and
-// anchors-llmd-dynamo-aibrix.md (llm-d, Dynamo).
+// The other routers' rules, reimplemented from their public sources:
+// SGLang's router (sgl-project/sglang, sgl-model-gateway/src/policies/
+// cache_aware.rs), llm-d's scheduler (llm-d/llm-d-router, the default
+// scheduling profile: prefix-cache-scorer 3, queue-scorer 2,
+// kv-cache-utilization-scorer 2) and NVIDIA Dynamo's KV router
+// (ai-dynamo/dynamo, docs/architecture/kv_cache_routing.md: cost =
+// overlap_score_weight × prefill blocks + decode blocks).
 
 // SGLangOptions tune the sglang strategy. Zero fields take the defaults
 // SGLang released with its router in v0.4 (Dec 2024): 0.5 / 32 / 1.0001.
