@@ -162,6 +162,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	err = h.serve(rec, r, next, st)
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
+		if shed.modelNotFound {
+			// What the engines answer, and the OpenAI API: not a reason to
+			// retry.
+			writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model",
+				fmt.Sprintf("The model `%s` does not exist.", st.req.Model))
+			return nil
+		}
 		w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
 		writeAPIError(w, shed.status, "service_unavailable",
 			"no upstream can take this request now ("+shed.reason+"); retry later")
@@ -188,10 +195,22 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 	return buf.Bytes(), err
 }
 
-// writeAPIError writes an OpenAI-style error body.
+// writeAPIError writes an OpenAI-style error body whose code is the
+// status.
 func writeAPIError(w http.ResponseWriter, status int, typ, msg string) {
+	writeAPIErrorCode(w, status, typ, status, "", msg)
+}
+
+// writeAPIErrorCode writes an OpenAI-style error body with its code (a
+// string such as "model_not_found", or a number) and the parameter at
+// fault (none when empty).
+func writeAPIErrorCode(w http.ResponseWriter, status int, typ string, code any, param, msg string) {
+	var p any
+	if param != "" {
+		p = param
+	}
 	body, _ := json.Marshal(map[string]any{"error": map[string]any{
-		"message": msg, "type": typ, "param": nil, "code": status,
+		"message": msg, "type": typ, "param": p, "code": code,
 	}})
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
@@ -268,11 +287,13 @@ type decisionRecord struct {
 	matched  int
 }
 
-// shedding says the policy gave up on the request.
+// shedding says the policy gave up on the request: for now (status,
+// Retry-After), or for good because no upstream serves its model.
 type shedding struct {
 	status            int
 	retryAfterSeconds int
 	reason            string
+	modelNotFound     bool
 }
 
 func (st *requestState) shedInfo() *shedding {

@@ -442,6 +442,14 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			p.explain(w, st, d.Decision)
 			return up
 		}
+		if d.Unservable {
+			// Every upstream lists its models and none lists this one:
+			// waiting cannot help (the model lists come from scraping).
+			st.shed = &shedding{modelNotFound: true, reason: "model"}
+			p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
+			p.sh.metrics.shed.WithLabelValues("model").Inc()
+			return nil
+		}
 		if deadline.IsZero() {
 			deadline = time.Now().Add(time.Duration(p.QueueTimeout))
 			p.sh.metrics.queued.Inc()

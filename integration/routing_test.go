@@ -306,3 +306,55 @@ func TestOpenAIClientStreamsThroughRouter(t *testing.T) {
 		return true
 	})
 }
+
+// TestUnknownModelAnswersAtOnce: with the engines' model lists scraped, a
+// model no upstream serves gets the OpenAI API's 404 (model_not_found) at
+// once, not a 503 after waiting; without model lists the engine's own 404
+// comes back.
+func TestUnknownModelAnswersAtOnce(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	// A wait for capacity would last the client's whole timeout.
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms\n\t\t\tqueue_timeout 10m", ""))
+	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
+		for _, r := range fleet {
+			if v := engineView(t, r.dial()); v == nil || len(v.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	client := &http.Client{Timeout: 20 * time.Second}
+	for _, path := range []string{"/v1/completions", "/v1/chat/completions"} {
+		body := `{"model":"gpt-4","prompt":"hi","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`
+		resp, err := client.Post(routerURL+path, "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatalf("%s: %v (held instead of answered?)", path, err)
+		}
+		var e struct {
+			Error struct {
+				Type  string `json:"type"`
+				Code  string `json:"code"`
+				Param string `json:"param"`
+			} `json:"error"`
+		}
+		json.NewDecoder(resp.Body).Decode(&e)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNotFound || e.Error.Code != "model_not_found" || e.Error.Type != "invalid_request_error" ||
+			e.Error.Param != "model" || resp.Header.Get("Retry-After") != "" {
+			t.Fatalf("%s: %d %+v Retry-After %q", path, resp.StatusCode, e, resp.Header.Get("Retry-After"))
+		}
+	}
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hi", "max_tokens": 2}); c.status != 200 {
+		t.Fatalf("a served model got %d", c.status)
+	}
+}
+
+// TestUnknownModelWithoutModelLists: without scraping the router cannot
+// know, so the request goes to an engine, whose 404 comes back.
+func TestUnknownModelWithoutModelLists(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	if c := post(t, "/v1/completions", map[string]any{"model": "gpt-4", "prompt": "hi", "max_tokens": 2}); c.status != http.StatusNotFound {
+		t.Fatalf("status %d: %s", c.status, c.body)
+	}
+}

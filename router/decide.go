@@ -55,6 +55,10 @@ type Decision struct {
 	// Wake, when nothing was chosen, is closed at the next release of
 	// work anywhere in the fleet: the moment to try again.
 	Wake <-chan struct{}
+	// Unservable, when nothing was chosen, says no member serves the
+	// request's model (every one lists its models, and none lists it):
+	// waiting cannot help.
+	Unservable bool
 }
 
 // Decide chooses where req goes among members, at now, and charges the
@@ -70,6 +74,10 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	d := Decision{Decision: sd}
 	if sd.Chosen < 0 {
 		d.Wake = f.waitChannel()
+		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
+		for i := range cands {
+			d.Unservable = d.Unservable && scorer.Filter(sreq, &cands[i], opts.Scorer) == scorer.FilteredModel
+		}
 		return d
 	}
 	u, cand := states[sd.Chosen], &cands[sd.Chosen]

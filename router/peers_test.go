@@ -7,7 +7,6 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
-
 // TestPeersShareTheView: what router a routes, router b's index and
 // queues see; a's completion teaches b's output estimate and releases
 // the charge on b.

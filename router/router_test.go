@@ -277,3 +277,26 @@ func BenchmarkDecide(b *testing.B) {
 		f.Release(d.Charge, t0)
 	}
 }
+
+// TestUnservableModel: when every member lists its models and none lists
+// the request's, the decision says waiting cannot help; a member without
+// a model list (unknown) or a full one (KV) only makes the request wait.
+func TestUnservableModel(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "llama"}}}
+	}
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("a model nobody serves: %+v", d)
+	}
+	ms[1].Engine = nil // b's models unknown: it may serve it
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge == nil || d.Chosen != 1 {
+		t.Fatalf("b, whose models are unknown, was not chosen: %+v", d)
+	}
+	ms[1].Available = false
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable {
+		t.Fatalf("an unavailable member that may serve the model made it unservable: %+v", d)
+	}
+}
