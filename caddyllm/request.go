@@ -143,7 +143,8 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 }
 
 // hashPrompt handles a completions prompt: a string, an array of strings
-// (hashed as one canonical text), or an array of token ids.
+// (hashed as one canonical text), an array of token ids, or an array of
+// such arrays.
 func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) error {
 	prompt = bytes.TrimSpace(prompt)
 	if len(prompt) == 0 || string(prompt) == "null" {
@@ -157,7 +158,7 @@ func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) e
 		return nil
 	case '[':
 	default:
-		return badRequestf("invalid request: prompt must be a string, an array of strings or an array of token ids")
+		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
 	}
 	var tokens []int32
 	if err := json.Unmarshal(prompt, &tokens); err == nil {
@@ -167,7 +168,10 @@ func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) e
 	}
 	var parts []json.RawMessage
 	if err := json.Unmarshal(prompt, &parts); err != nil {
-		return badRequestf("invalid request: prompt must be a string, an array of strings or an array of token ids")
+		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	}
+	if len(parts) > 0 && len(bytes.TrimSpace(parts[0])) > 0 && bytes.TrimSpace(parts[0])[0] == '[' {
+		return p.hashTokenBatch(req, seed, parts)
 	}
 	c := p.hasher.NewChain(seed, nil)
 	for i, part := range parts {
@@ -182,6 +186,24 @@ func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) e
 	}
 	req.Hashes = c.Hashes()
 	req.PromptTokens = p.tokens(c.Len())
+	return nil
+}
+
+// hashTokenBatch handles a batch of prompts given as token ids
+// ([[1,2,3],[4,5,6]], one completion each): the engine holds them all, so
+// they are counted together and hashed as one sequence, in order, as an
+// array of strings is.
+func (p *parser) hashTokenBatch(req *Request, seed uint64, parts []json.RawMessage) error {
+	var all []int32
+	for i, part := range parts {
+		var tokens []int32
+		if err := json.Unmarshal(part, &tokens); err != nil {
+			return badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+		}
+		all = append(all, tokens...)
+	}
+	req.Hashes = p.hasher.HashTokens(nil, seed, all)
+	req.PromptTokens = len(all)
 	return nil
 }
 

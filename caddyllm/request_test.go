@@ -65,6 +65,7 @@ func TestCompletionPromptForms(t *testing.T) {
 		{`{"model":"m","prompt":"` + strings.Repeat("a", 64) + `"}`, 16, 4},
 		{`{"model":"m","prompt":["` + strings.Repeat("a", 32) + `","` + strings.Repeat("b", 32) + `"]}`, 17, 4},
 		{`{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}`, 9, 2},
+		{`{"model":"m","prompt":[[1,2,3,4],[5,6,7,8,9]]}`, 9, 2},
 		{`{"model":"m"}`, 0, 0},
 	} {
 		req, err := p.parse(EndpointCompletions, []byte(tc.body))
@@ -88,6 +89,8 @@ func TestParseRejectsBadShapes(t *testing.T) {
 		{EndpointCompletions, `{"prompt": 3}`},
 		{EndpointCompletions, `{"prompt": [1, "a"]}`},
 		{EndpointCompletions, `{"prompt": [{}]}`},
+		{EndpointCompletions, `{"prompt": [[1,2],["a"]]}`},
+		{EndpointCompletions, `{"prompt": [[1,2],"a"]}`},
 		{EndpointCompletions, `{"max_tokens": "x"}`},
 		{EndpointChatCompletions, `{"model":"m"}`},
 		{EndpointChatCompletions, `{"messages": "x"}`},
@@ -124,6 +127,7 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte(`{"model":"m","prompt":"hello world, hello world"}`), false)
 	f.Add([]byte(`{"model":"m","prompt":[1,2,3,4,5]}`), false)
 	f.Add([]byte(`{"model":"m","prompt":["a","b"]}`), false)
+	f.Add([]byte(`{"model":"m","prompt":[[1,2,3],[4,5,6]]}`), false)
 	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}]}`), true)
 	f.Add([]byte(`{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}`), true)
 	f.Add([]byte(`{"prompt":"\u00e9\"\\"}`), false)
