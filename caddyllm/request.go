@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
@@ -92,6 +93,26 @@ func badRequestf(format string, args ...any) error {
 	return errBadRequest{fmt.Sprintf(format, args...)}
 }
 
+// apiType names a Go type of openAIRequest in the API's words, for errors
+// a client can act on ("messages must be an array", not a Go type).
+func apiType(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	case reflect.Pointer:
+		return apiType(t.Elem())
+	}
+	return "a different type"
+}
+
 // Separators keep the canonical form unambiguous: a role can never run
 // into content, so turn n+1 of a chat extends turn n byte for byte.
 const (
@@ -117,7 +138,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		case errors.As(err, &syn):
 			return nil, badRequestf("invalid JSON body at byte %d: %v", syn.Offset, err)
 		case errors.As(err, &typ):
-			return nil, badRequestf("invalid request: field %q must be %s", typ.Field, typ.Type)
+			return nil, badRequestf("invalid request: %s must be %s", typ.Field, apiType(typ.Type))
 		}
 		return nil, badRequestf("invalid JSON body: %v", err)
 	}

@@ -168,3 +168,26 @@ func BenchmarkHandlerParse(b *testing.B) {
 		}
 	})
 }
+
+// TestTypeErrorsInTheAPIsWords: a wrong field type is named as the API
+// documents it, never as a Go type.
+func TestTypeErrorsInTheAPIsWords(t *testing.T) {
+	p := testParser()
+	for _, tc := range []struct {
+		ep         Endpoint
+		body, want string
+	}{
+		{EndpointChatCompletions, `{"messages":"x"}`, "messages must be an array"},
+		{EndpointChatCompletions, `{"messages":["x"]}`, "messages must be an object"},
+		{EndpointChatCompletions, `{"messages":[{"role":7}]}`, "messages.role must be a string"},
+		{EndpointCompletions, `{"model":3}`, "model must be a string"},
+		{EndpointCompletions, `{"max_tokens":"x"}`, "max_tokens must be an integer"},
+		{EndpointCompletions, `{"max_tokens":1.5}`, "max_tokens must be an integer"},
+		{EndpointCompletions, `{"stream":"yes"}`, "stream must be a boolean"},
+	} {
+		_, err := p.parse(tc.ep, []byte(tc.body))
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "caddyllm") || strings.Contains(err.Error(), "int") && !strings.Contains(tc.want, "int") {
+			t.Errorf("%s: %v, want %q", tc.body, err, tc.want)
+		}
+	}
+}
