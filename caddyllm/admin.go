@@ -79,7 +79,7 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no llm_affinity policy is loaded")}
 	}
 	if r.Method == http.MethodPost {
-		if !sh.fleet.Known(dial) {
+		if !sh.fleet.Routable(dial) {
 			// A typo would otherwise sit in the admin view as a drained
 			// upstream that nothing routes to.
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no loaded llm_affinity policy has upstream %s", dial)}

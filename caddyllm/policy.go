@@ -302,6 +302,16 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	for _, dial := range p.Drain {
 		p.sh.drains.Drain(dial, time.Duration(p.DrainDeadline), drain.Hold{Cause: drain.ByConfig, Owner: p.site})
 	}
+	// An upstream some site's health checks drained stays drained under
+	// this site's name until this site's own checks find it healthy: on a
+	// reload the old site lets go of its hold before this site's watcher
+	// (started by the first request) has looked, and the drain must not
+	// lapse, nor its deadline restart, meanwhile.
+	for _, dial := range p.named {
+		if p.sh.drains.HeldBy(dial, drain.ByHealth) {
+			p.sh.drains.Drain(dial, time.Duration(p.DrainDeadline), drain.Hold{Cause: drain.ByHealth, Owner: p.site})
+		}
+	}
 	if p.ScrapeInterval > 0 {
 		p.scraper = scrape.New(scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),

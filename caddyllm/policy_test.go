@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
@@ -147,5 +148,34 @@ func BenchmarkSelect(b *testing.B) {
 		r := httptest.NewRequest("POST", "/v1/completions", nil).WithContext(ctx)
 		p.Select(pool, r, w)
 		st.current.release()
+	}
+}
+
+// TestPeerChargesExpireWithoutSync: peers' charges go when the peer falls
+// silent even after the last sync connection was unloaded (the shared
+// host's janitor expires them, not the connection).
+func TestPeerChargesExpireWithoutSync(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	dial := "peer-expiry:1"
+	sh.fleet.Name(dial, time.Now())
+	sh.applyPeer("peer#1", fleetsync.Message{Event: &router.Event{Kind: router.EventRouted, ID: 1, Dial: dial, Prefill: 1000, Decode: 100, KV: 1100}})
+	inFlight := func() int {
+		for _, u := range sh.fleet.Snapshot(time.Now()) {
+			if u.Dial == dial {
+				return u.InFlight
+			}
+		}
+		return -1
+	}
+	if inFlight() != 1 {
+		t.Fatalf("the peer's charge was not applied: %d in flight", inFlight())
+	}
+	deadline := time.Now().Add(peerSilence + 30*time.Second)
+	for inFlight() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the silent peer's charge stayed")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

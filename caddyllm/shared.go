@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"math/rand/v2"
 	"slices"
 	"strconv"
 	"sync"
@@ -44,6 +45,9 @@ type shared struct {
 	metrics *metrics
 	logger  *zap.Logger
 	stop    chan struct{}
+	// instance names this routing state on the sync connections, so that
+	// two of them never apply each other's events.
+	instance uint64
 
 	// syncers are the NATS connections of the sync option, read by the
 	// fleet's publisher without a lock; written under mu.
@@ -91,6 +95,7 @@ func newShared() *shared {
 		fleet:    router.New(),
 		logger:   caddy.Log().Named("llm_affinity"),
 		stop:     make(chan struct{}),
+		instance: rand.Uint64() | 1,
 		sites:    make(map[string]*site),
 		scrapers: make(map[*scrape.Scraper]bool),
 	}
@@ -107,16 +112,24 @@ func (sh *shared) Destruct() error {
 	return nil
 }
 
-// janitor forgets idle dynamic upstreams until the host is destroyed.
+// janitor releases the charges of silent peers (every second, whether or
+// not a sync connection is still loaded: a reload that drops the sync
+// option must not leave peers' charges behind) and forgets idle dynamic
+// upstreams, until the host is destroyed.
 func (sh *shared) janitor() {
-	t := time.NewTicker(time.Minute)
+	t := time.NewTicker(time.Second)
 	defer t.Stop()
+	lastExpiry := time.Now()
 	for {
 		select {
 		case <-sh.stop:
 			return
 		case now := <-t.C:
-			sh.fleet.Expire(now.Add(-idleExpiry))
+			sh.fleet.ExpirePeers(now, now.Add(-peerSilence), now.Add(-peerChargeLife))
+			if now.Sub(lastExpiry) >= time.Minute {
+				sh.fleet.Expire(now.Add(-idleExpiry))
+				lastExpiry = now
+			}
 		}
 	}
 }

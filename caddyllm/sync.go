@@ -55,6 +55,9 @@ const (
 // configuration, shared by every policy that uses it and kept across
 // reloads.
 func syncKey(c SyncConfig) string {
+	if c.Subject == "" {
+		c.Subject = fleetsync.DefaultSubject
+	}
 	b, _ := json.Marshal(c)
 	return "sync\x00" + string(b)
 }
@@ -81,10 +84,8 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 			URLs: c.URLs, Subject: c.Subject, Name: c.Name, Creds: c.Creds, TLSCA: c.TLSCA,
 			OnMessage: sh.applyPeer,
 			OnHeard:   func(peer string) { sh.fleet.Heard(peer, time.Now()) },
-			OnTick: func(now time.Time) {
-				sh.fleet.ExpirePeers(now, now.Add(-peerSilence), now.Add(-peerChargeLife))
-			},
-			Logger: logger,
+			Instance:  sh.instance,
+			Logger:    logger,
 		})
 		if err != nil {
 			return nil, err
@@ -148,16 +149,19 @@ func (sh *shared) publishDrain(dial string, deadline time.Duration) {
 
 // applyPeer applies one message of a peer: its charges to the fleet, its
 // operator's drains to the drain registry as this router's operator's
-// would be. Upstreams this router does not have are ignored.
+// would be (an undrain lifts the operators' hold only). Upstreams this
+// router does not route to are ignored.
 func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 	now := time.Now()
 	switch {
 	case m.Event != nil:
 		sh.fleet.Apply(peer, *m.Event, now)
-	case m.Drain != "" && sh.fleet.Known(m.Drain):
+	case m.Drain != "" && sh.fleet.Routable(m.Drain):
 		sh.drains.Drain(m.Drain, m.Deadline, drain.Admin)
-	case m.Undrain != "" && sh.fleet.Known(m.Undrain):
-		sh.drains.Undrain(m.Undrain, drain.Admin)
+	case m.Undrain != "" && sh.fleet.Routable(m.Undrain):
+		// Only the operators' hold: this router's own config and
+		// health holds are its own to lift.
+		sh.drains.Lift(m.Undrain, drain.Admin)
 	}
 }
 

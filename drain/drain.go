@@ -76,7 +76,9 @@ type Status struct {
 
 // Events receives lifecycle notices, for logs and metrics, in the order
 // the transitions happened, on the goroutine that caused them and without
-// the registry's lock held (they must not block for long). Any may be nil.
+// the registry's lock held. They must not block for long, and must not
+// call back into the Registry (delivery is serialised; a call from a
+// callback would wait on itself). Any may be nil.
 type Events struct {
 	// Draining is called when an active upstream starts draining.
 	Draining func(key string, cause Cause, deadline time.Duration)
@@ -196,6 +198,29 @@ func (r *Registry) Undrain(key string, hold Hold) bool {
 	return u.phase == Active
 }
 
+// Lift removes exactly hold from key's holds, even the admin's, and
+// reports whether the upstream is now active: a peer router's operator
+// undrained it, which lifts that operator's hold and no one else's.
+func (r *Registry) Lift(key string, hold Hold) bool {
+	r.lock()
+	defer r.unlock()
+	u := r.upstreams[key]
+	if u == nil || u.phase == Active {
+		return true
+	}
+	u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool { return h == hold })
+	r.activateIfFree(key, u, hold.Cause)
+	return u.phase == Active
+}
+
+// HeldBy reports whether any hold of cause is on key.
+func (r *Registry) HeldBy(key string, cause Cause) bool {
+	r.lock()
+	defer r.unlock()
+	u := r.upstreams[key]
+	return u != nil && slices.ContainsFunc(u.holds, func(h Hold) bool { return h.Cause == cause })
+}
+
 // Held reports whether hold is among key's holds.
 func (r *Registry) Held(key string, hold Hold) bool {
 	r.lock()
@@ -292,6 +317,16 @@ func (r *Registry) Begin(key string, cut func()) (end func()) {
 	r.nextID++
 	id := r.nextID
 	u.flights[id] = cut
+	if u.phase == Drained {
+		// A request that was routed just as the upstream drained: it is
+		// in flight there after all, and the deadline applies to it.
+		u.phase = Draining
+		at := u.deadline
+		if u.timer != nil {
+			u.timer.Stop()
+		}
+		u.timer = time.AfterFunc(max(0, at.Sub(r.now())), func() { r.expire(key, at) })
+	}
 	var once sync.Once
 	return func() {
 		once.Do(func() {

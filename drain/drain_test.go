@@ -218,3 +218,42 @@ func TestEventsInOrderAcrossGoroutines(t *testing.T) {
 		}
 	}
 }
+
+// TestBeginOnDrainedIsCut: a request that starts on an upstream already
+// drained (routed as the drain began) is in flight there again, and the
+// deadline still cuts it.
+func TestBeginOnDrainedIsCut(t *testing.T) {
+	r := New(Events{})
+	r.Drain("a", 20*time.Millisecond, Admin) // nothing in flight: drained at once
+	if r.Phase("a") != Drained {
+		t.Fatalf("phase %v", r.Phase("a"))
+	}
+	cut := make(chan struct{})
+	end := r.Begin("a", func() { close(cut) })
+	defer end()
+	if r.Phase("a") != Draining {
+		t.Fatalf("phase %v with a request in flight", r.Phase("a"))
+	}
+	select {
+	case <-cut:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the deadline never cut the late request")
+	}
+}
+
+// TestLiftRemovesOnlyThatHold: a peer operator's undrain lifts the
+// operators' hold and leaves this router's config and health holds.
+func TestLiftRemovesOnlyThatHold(t *testing.T) {
+	r := New(Events{})
+	r.Drain("a", time.Hour, Admin)
+	r.Drain("a", time.Hour, configA)
+	if r.Lift("a", Admin) || !r.IsDraining("a") || !r.Held("a", configA) || r.Held("a", Admin) {
+		t.Fatal("Lift took more than the admin's hold")
+	}
+	if !r.HeldBy("a", ByConfig) || r.HeldBy("a", ByHealth) {
+		t.Fatal("HeldBy disagrees with the holds")
+	}
+	if !r.Lift("a", configA) || r.IsDraining("a") {
+		t.Fatal("the last hold lifted, still draining")
+	}
+}

@@ -16,14 +16,14 @@ import (
 // little-endian each. A batch carries hashes and counts only: the fields
 // below are all there is.
 //
-//	batch   = version(1) name epoch count message*
+//	batch   = version(2) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
 //	compl.  = 3 id model tokens
 //	release = 4 id
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
-const wireVersion = 1
+const wireVersion = 2
 
 // Message kinds beyond the router's events.
 const (
@@ -31,12 +31,23 @@ const (
 	kindUndrain = 17
 )
 
-// Bounds a decoder enforces, so a hostile or corrupt batch costs little.
+// Bounds a decoder enforces, so a hostile or corrupt batch costs little;
+// Publish keeps within them.
 const (
 	maxString   = 1024
 	maxHashes   = 1 << 16
 	maxMessages = 1 << 16
 )
+
+// encodedSize bounds m's encoding, for keeping batches under the NATS
+// payload limit.
+func encodedSize(m *Message) int {
+	n := 32 + len(m.Drain) + len(m.Undrain)
+	if ev := m.Event; ev != nil {
+		n += len(ev.Dial) + len(ev.Adapter) + len(ev.Model) + 8*len(ev.Hashes)
+	}
+	return n
+}
 
 // Message is one thing a router tells its peers: a change to its charges
 // (Event) or an operator's drain or undrain of an upstream.
@@ -53,8 +64,11 @@ type Message struct {
 type Batch struct {
 	// Sender is the router's name, Epoch when it started (unix nanos):
 	// together they tell a restarted router from its earlier self.
+	// Instance is the sending process's, so that two connections of one
+	// process never apply each other's batches.
 	Sender   string
 	Epoch    uint64
+	Instance uint64
 	Messages []Message
 }
 
@@ -63,6 +77,7 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 	dst = append(dst, wireVersion)
 	dst = appendString(dst, b.Sender)
 	dst = binary.AppendUvarint(dst, b.Epoch)
+	dst = binary.AppendUvarint(dst, b.Instance)
 	dst = binary.AppendUvarint(dst, uint64(len(b.Messages)))
 	for i := range b.Messages {
 		dst = appendMessage(dst, &b.Messages[i])
@@ -179,7 +194,7 @@ func DecodeBatch(p []byte) (*Batch, error) {
 	if v := d.byte(); d.err == nil && v != wireVersion {
 		return nil, fmt.Errorf("%w: version %d", errMalformed, v)
 	}
-	b := &Batch{Sender: d.string(), Epoch: d.uvarint()}
+	b := &Batch{Sender: d.string(), Epoch: d.uvarint(), Instance: d.uvarint()}
 	count := d.uvarint()
 	if count > maxMessages || count > uint64(len(d.b)) {
 		d.fail("too many messages")

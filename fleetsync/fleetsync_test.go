@@ -4,6 +4,7 @@ import (
 	"net"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,7 +30,7 @@ func startNATS(t testing.TB, port int) *server.Server {
 }
 
 func sampleBatch() *Batch {
-	return &Batch{Sender: "router-1", Epoch: 42, Messages: []Message{
+	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
 		{Event: &router.Event{Kind: router.EventRouted, ID: 7, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 1 << 63, 12345},
 			BlockTokens: 64, Prefill: 1000, Decode: 256, KV: 1256, Adapter: "tenant-a"}},
 		{Event: &router.Event{Kind: router.EventProgressed, ID: 7, Tokens: 12}},
@@ -218,5 +219,73 @@ func TestCloseWithoutNATS(t *testing.T) {
 	case <-closed:
 	case <-time.After(5 * time.Second): // nats.go's own flush timeout is 10 s
 		t.Fatal("Close waited on the unreachable server")
+	}
+}
+
+// TestLongPromptsNeverLoseReleases: a burst of routed events with long
+// hash lists is cut into publications NATS accepts, so the releases queued
+// among them all arrive.
+func TestLongPromptsNeverLoseReleases(t *testing.T) {
+	ns := startNATS(t, -1)
+	var releases, routed atomic.Int64
+	b := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.big",
+		OnMessage: func(_ string, m Message) {
+			switch {
+			case m.Event == nil:
+			case m.Event.Kind == router.EventReleased:
+				releases.Add(1)
+			case m.Event.Kind == router.EventRouted && len(m.Event.Hashes) == maxEventHashes:
+				routed.Add(1)
+			}
+		}})
+	waitFor(t, "b connected", func() bool { return b.Stats().Connected })
+	b.nc.Flush() // b's subscription is registered with the server
+	a, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.big"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hashes := make([]uint64, 3*maxEventHashes) // capped to maxEventHashes on the wire
+	for i := range 200 {
+		a.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i), Dial: "x:1", Hashes: hashes}})
+		a.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i)}})
+	}
+	if err := a.Start(); err != nil { // the whole burst is queued before the first publication
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	waitFor(t, "every release delivered", func() bool { return releases.Load() == 200 && routed.Load() == 200 })
+	if st := a.Stats(); st.Dropped != 0 {
+		t.Fatalf("dropped %d", st.Dropped)
+	}
+}
+
+// TestOneRoutersConnectionsIgnoreEachOther: two connections of one router
+// (two sync configurations in one process) never apply each other's
+// batches, whatever their names; another router's they do.
+func TestOneRoutersConnectionsIgnoreEachOther(t *testing.T) {
+	ns := startNATS(t, -1)
+	var r1, r2, other received
+	c1 := startSyncer(t, r1.config(Config{URLs: []string{ns.ClientURL()}, Subject: "test.echo", Instance: 7}))
+	c2 := startSyncer(t, r2.config(Config{URLs: []string{ns.ClientURL()}, Name: "gw-1", Subject: "test.echo", Instance: 7}))
+	o := startSyncer(t, other.config(Config{URLs: []string{ns.ClientURL()}, Name: "other", Subject: "test.echo"}))
+	waitFor(t, "the other router hearing both connections", func() bool {
+		other.mu.Lock()
+		defer other.mu.Unlock()
+		return other.peers[c1.Name()] && other.peers[c2.Name()]
+	})
+	waitFor(t, "both connections hearing the other router", func() bool {
+		r1.mu.Lock()
+		h1 := r1.peers[o.Name()]
+		r1.mu.Unlock()
+		r2.mu.Lock()
+		defer r2.mu.Unlock()
+		return h1 && r2.peers[o.Name()]
+	})
+	r1.mu.Lock()
+	defer r1.mu.Unlock()
+	r2.mu.Lock()
+	defer r2.mu.Unlock()
+	if r1.peers[c2.Name()] || r2.peers[c1.Name()] {
+		t.Fatal("one router's connections heard each other")
 	}
 }

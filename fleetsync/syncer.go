@@ -14,6 +14,7 @@ package fleetsync
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"strconv"
 	"strings"
@@ -23,6 +24,8 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // Defaults.
@@ -33,8 +36,16 @@ const (
 	// closeFlushTimeout bounds how long Close waits for buffered
 	// messages to reach the server.
 	closeFlushTimeout = 500 * time.Millisecond
-	// maxBatch is how many messages one publication carries at most.
-	maxBatch = 256
+	// maxBatch is how many messages one publication carries at most, and
+	// maxBatchBytes how many bytes: well under NATS's default payload
+	// limit (1 MB), so a burst of long prompts never makes a publication
+	// fail and take unrelated releases with it.
+	maxBatch      = 256
+	maxBatchBytes = 256 << 10
+	// maxEventHashes caps the block hashes one routed event carries (64
+	// KB; 512k tokens at 64-token blocks): a peer learns the prefix, the
+	// part that matters.
+	maxEventHashes = 8192
 )
 
 // Config configures a Syncer. Zero values take the defaults.
@@ -56,7 +67,7 @@ type Config struct {
 	// queue drops (and counts) new ones. Default DefaultQueueLength.
 	QueueLength int
 	// HeartbeatInterval is how often an idle router tells its peers it is
-	// alive (an empty batch), and how often OnTick runs. Default
+	// alive (an empty batch). Default
 	// DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
 	// OnMessage receives each message of a peer's batch, in order, on the
@@ -65,8 +76,11 @@ type Config struct {
 	OnMessage func(peer string, m Message)
 	// OnHeard receives every batch's sender, before its messages.
 	OnHeard func(peer string)
-	// OnTick runs every HeartbeatInterval (for expiring silent peers).
-	OnTick func(now time.Time)
+	// Instance names the routing state this connection serves: the
+	// connections of one router (several sync configurations in one
+	// process) share it and never apply each other's batches, whatever
+	// their names. Default: a random value of this Syncer's own.
+	Instance uint64
 	// Logger receives connection losses and recoveries.
 	Logger *zap.Logger
 }
@@ -124,6 +138,9 @@ func New(cfg Config) (*Syncer, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
+	}
+	if cfg.Instance == 0 {
+		cfg.Instance = rand.Uint64() | 1
 	}
 	epoch := uint64(time.Now().UnixNano())
 	return &Syncer{
@@ -193,7 +210,7 @@ func joinURLs(urls []string) string { return strings.Join(urls, ",") }
 func (s *Syncer) Publish(m Message) bool {
 	if m.Event != nil {
 		ev := *m.Event
-		ev.Hashes = append([]uint64(nil), ev.Hashes...)
+		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), maxEventHashes)]...)
 		m.Event = &ev
 	}
 	select {
@@ -212,11 +229,15 @@ func (s *Syncer) Publish(m Message) bool {
 // and under load batches grow by themselves.
 func (s *Syncer) run() {
 	defer close(s.done)
-	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch}
+	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch, Instance: s.cfg.Instance}
 	var buf []byte
 	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
 	defer heartbeat.Stop()
 	sentSinceBeat := false
+	// progressAt indexes the batch's progress events by charge: a later
+	// one replaces an earlier (they carry running totals).
+	progressAt := map[uint64]int{}
+	size := 0
 	publish := func() {
 		buf = AppendBatch(buf[:0], &batch)
 		n := uint64(len(batch.Messages))
@@ -225,31 +246,44 @@ func (s *Syncer) run() {
 		} else {
 			s.sent.Add(n)
 		}
-		batch.Messages = batch.Messages[:0]
+		batch.Messages, size = batch.Messages[:0], 0
+		clear(progressAt)
 		sentSinceBeat = true
+	}
+	add := func(m Message) {
+		if ev := m.Event; ev != nil && ev.Kind == router.EventProgressed {
+			if i, ok := progressAt[ev.ID]; ok {
+				batch.Messages[i] = m
+				s.sent.Add(1) // merged into the running total
+				return
+			}
+			progressAt[ev.ID] = len(batch.Messages)
+		}
+		if n := encodedSize(&m); size+n > maxBatchBytes && len(batch.Messages) > 0 {
+			publish()
+		}
+		batch.Messages = append(batch.Messages, m)
+		size += encodedSize(&m)
 	}
 	for {
 		select {
 		case m := <-s.queue:
-			batch.Messages = append(batch.Messages, m)
+			add(m)
 		more:
 			for len(batch.Messages) < maxBatch {
 				select {
 				case m := <-s.queue:
-					batch.Messages = append(batch.Messages, m)
+					add(m)
 				default:
 					break more
 				}
 			}
 			publish()
-		case now := <-heartbeat.C:
+		case <-heartbeat.C:
 			if !sentSinceBeat {
 				publish() // an empty batch: alive
 			}
 			sentSinceBeat = false
-			if s.cfg.OnTick != nil {
-				s.cfg.OnTick(now)
-			}
 		case <-s.stop:
 			return
 		}
@@ -263,10 +297,10 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		s.malformed.Add(1)
 		return
 	}
-	peer := peerName(b.Sender, b.Epoch)
-	if peer == s.self {
-		return
+	if b.Instance == s.cfg.Instance {
+		return // this router's own, from another of its connections
 	}
+	peer := peerName(b.Sender, b.Epoch)
 	s.lastReceived.Store(time.Now().UnixNano())
 	if s.cfg.OnHeard != nil {
 		s.cfg.OnHeard(peer)

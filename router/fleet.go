@@ -165,6 +165,17 @@ func (f *Fleet) Expire(cutoff time.Time) int {
 	return n
 }
 
+// Routable reports whether dial is an upstream requests may still be
+// routed to: a loaded configuration names it, or it is a dynamic one the
+// fleet has seen. An upstream forgotten while requests are in flight
+// there is known but not routable.
+func (f *Fleet) Routable(dial string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams[dial]
+	return u != nil && !u.forgotten
+}
+
 // Known reports whether the fleet holds state for dial.
 func (f *Fleet) Known(dial string) bool {
 	f.mu.Lock()

@@ -74,8 +74,9 @@ func (f *Fleet) publish(ev Event) {
 
 // Apply applies peer's event at now, as if f had made the change itself,
 // and reports whether it changed anything. Events for upstreams f does
-// not know (no config of this router names them and it never routed
-// there) are ignored, as are events of charges it never saw routed.
+// not route to (no config of this router names them, it never routed
+// there, or it forgot them) are ignored, as are events of charges it
+// never saw routed.
 func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -83,7 +84,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
-		if u == nil || f.remote[key] != nil {
+		if u == nil || u.forgotten || f.remote[key] != nil {
 			return false
 		}
 		c := f.charge(u, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)

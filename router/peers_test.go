@@ -99,3 +99,23 @@ func TestSilentPeersLoseTheirCharges(t *testing.T) {
 		t.Fatalf("peers %+v", ps)
 	}
 }
+
+// TestForgottenUpstreamsTakeNoPeerCharges: once no config names an
+// upstream, peers' new charges there are ignored, so their traffic cannot
+// keep it alive; it goes with the last charge it had.
+func TestForgottenUpstreamsTakeNoPeerCharges(t *testing.T) {
+	b := New()
+	b.Name("x", t0)
+	b.Apply("a", Event{Kind: EventRouted, ID: 1, Dial: "x", Prefill: 100}, t0)
+	b.Forget("x")
+	if !b.Known("x") || b.Routable("x") {
+		t.Fatal("a forgotten upstream with a charge in flight: want known, not routable")
+	}
+	if b.Apply("a", Event{Kind: EventRouted, ID: 2, Dial: "x", Prefill: 100}, t0) {
+		t.Fatal("a peer's new charge was applied to a forgotten upstream")
+	}
+	b.Apply("a", Event{Kind: EventReleased, ID: 1}, t0)
+	if b.Known("x") {
+		t.Fatal("the forgotten upstream stayed after its last charge")
+	}
+}
