@@ -130,13 +130,20 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	body, err := h.readBody(r)
 	if err != nil {
+		// The rest of the body is never read: close the connection with
+		// the answer. Otherwise net/http reads it first, to keep the
+		// connection, and a client that holds the body back (Expect:
+		// 100-continue, or a Content-Length it never sends) gets no answer
+		// until Caddy's read idle timeout.
+		w.Header().Set("Connection", "close")
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
-			writeAPIError(w, http.StatusRequestEntityTooLarge, "request_too_large",
+			writeAPIError(w, http.StatusRequestEntityTooLarge, "invalid_request_error",
 				fmt.Sprintf("request body exceeds the limit of %d bytes", h.MaxBodyBytes))
 			return nil
 		}
-		return caddyhttp.Error(http.StatusBadRequest, err)
+		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+		return nil
 	}
 	req, err := h.parser.parse(endpoint, body)
 	if err != nil {

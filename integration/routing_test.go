@@ -1,9 +1,12 @@
 package integration
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -356,5 +359,50 @@ func TestUnknownModelWithoutModelLists(t *testing.T) {
 	startCaddy(t, caddyfile(fleet, "", "", ""))
 	if c := post(t, "/v1/completions", map[string]any{"model": "gpt-4", "prompt": "hi", "max_tokens": 2}); c.status != http.StatusNotFound {
 		t.Fatalf("status %d: %s", c.status, c.body)
+	}
+}
+
+// TestOversizedBodyAnsweredAtOnce: a Content-Length over max_body gets 413
+// with an OpenAI error body at once, and the connection closes, also when
+// the client holds the body back for a 100 Continue; a body shorter than
+// its Content-Length gets a 400 with an OpenAI error body.
+func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
+	fleet := startFleet(t, 1, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "max_body 1MiB", "", ""))
+	send := func(head, body string) (*http.Response, string) {
+		t.Helper()
+		c, err := net.Dial("tcp", "localhost:9080")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.Write([]byte(head + body))
+		if body != "" {
+			c.(*net.TCPConn).CloseWrite() // the body ends short of its length
+		}
+		// Bounds a failure only: an answer held for the body never comes.
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatalf("no answer: %v", err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(b)
+	}
+	head := "POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
+	for _, expect := range []string{"", "Expect: 100-continue\r\n"} {
+		resp, body := send(head+expect+"\r\n", "")
+		var e struct {
+			Error struct{ Type, Message string } `json:"error"`
+		}
+		if resp.StatusCode != http.StatusRequestEntityTooLarge || json.Unmarshal([]byte(body), &e) != nil ||
+			e.Error.Type != "invalid_request_error" || !resp.Close {
+			t.Fatalf("%q: %d close=%v %s", expect, resp.StatusCode, resp.Close, body)
+		}
+	}
+	resp, body := send("POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n", `{"model":"m","prompt":"short"}`)
+	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, `"invalid_request_error"`) {
+		t.Fatalf("short body: %d %s", resp.StatusCode, body)
 	}
 }
