@@ -16,6 +16,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -128,6 +129,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if endpoint == EndpointOther {
 		return next.ServeHTTP(w, r)
 	}
+	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+		// Engines such as vLLM read request bodies uncompressed, and the
+		// prompt must be read to be routed.
+		w.Header().Set("Connection", "close")
+		writeAPIError(w, http.StatusUnsupportedMediaType, "invalid_request_error",
+			fmt.Sprintf("Content-Encoding %q is not supported: send the request body uncompressed", enc))
+		return nil
+	}
 	body, err := h.readBody(r)
 	if err != nil {
 		// The rest of the body is never read: close the connection with
@@ -169,6 +178,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	err = h.serve(rec, r, next, st)
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
+		if shed.tooLong {
+			writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", "context_length_exceeded", "messages",
+				fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens))
+			return nil
+		}
 		if shed.modelNotFound {
 			// What the engines answer, and the OpenAI API: not a reason to
 			// retry.
@@ -301,6 +315,7 @@ type shedding struct {
 	retryAfterSeconds int
 	reason            string
 	modelNotFound     bool
+	tooLong           bool
 }
 
 func (st *requestState) shedInfo() *shedding {

@@ -452,12 +452,17 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			p.explain(w, st, d.Decision)
 			return up
 		}
-		if d.Unservable {
-			// Every upstream lists its models and none lists this one:
-			// waiting cannot help (the model lists come from scraping).
-			st.shed = &shedding{modelNotFound: true, reason: "model"}
+		if d.Unservable || d.TooLong {
+			// Every upstream lists its models and none lists this one, or
+			// the prompt is larger than every upstream's KV cache: waiting
+			// cannot help, and a 503 would tell the client to retry.
+			reason := "model"
+			if !d.Unservable {
+				reason = "context_length"
+			}
+			st.shed = &shedding{modelNotFound: d.Unservable, tooLong: !d.Unservable, reason: reason}
 			p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
-			p.sh.metrics.shed.WithLabelValues("model").Inc()
+			p.sh.metrics.shed.WithLabelValues(reason).Inc()
 			return nil
 		}
 		if deadline.IsZero() {

@@ -406,3 +406,41 @@ func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
 		t.Fatalf("short body: %d %s", resp.StatusCode, body)
 	}
 }
+
+// TestImpossibleRequestsAnsweredAtOnce: a prompt larger than every
+// upstream's KV cache gets 400 context_length_exceeded, and a compressed
+// body 415, at once (a wait for capacity would last the client's
+// timeout); a prompt that fits is served.
+func TestImpossibleRequestsAnsweredAtOnce(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "kv_capacity 4096\n\t\t\tqueue_timeout 10m", ""))
+	client := &http.Client{Timeout: 20 * time.Second}
+	do := func(body, encoding string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", routerURL+"/v1/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		if encoding != "" {
+			req.Header.Set("Content-Encoding", encoding)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("no answer: %v", err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	long, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("long", 40_000), "max_tokens": 4})
+	if code, body := do(string(long), ""); code != http.StatusBadRequest || !strings.Contains(body, `"code":"context_length_exceeded"`) {
+		t.Fatalf("prompt over every KV cache: %d %s", code, body)
+	}
+	for _, enc := range []string{"gzip", "deflate", "zstd"} {
+		if code, body := do(`{"model":"m","prompt":"x"}`, enc); code != http.StatusUnsupportedMediaType || !strings.Contains(body, enc) {
+			t.Fatalf("Content-Encoding %s: %d %s", enc, code, body)
+		}
+	}
+	short, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("short", 4000), "max_tokens": 4})
+	if code, body := do(string(short), ""); code != 200 {
+		t.Fatalf("a prompt that fits: %d %s", code, body)
+	}
+}

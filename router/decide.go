@@ -59,6 +59,10 @@ type Decision struct {
 	// request's model (every one lists its models, and none lists it):
 	// waiting cannot help.
 	Unservable bool
+	// TooLong, when nothing was chosen, says the request's uncached
+	// prompt alone exceeds the KV capacity of every member (each one's
+	// capacity known): it can never run, wherever it waits.
+	TooLong bool
 }
 
 // Decide chooses where req goes among members, at now, and charges the
@@ -75,8 +79,11 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	if sd.Chosen < 0 {
 		d.Wake = f.waitChannel()
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
+		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
 		for i := range cands {
-			d.Unservable = d.Unservable && scorer.Filter(sreq, &cands[i], opts.Scorer) == scorer.FilteredModel
+			c := &cands[i]
+			d.Unservable = d.Unservable && scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
+			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && req.PromptTokens-c.MatchedTokens > c.KVCapacityTokens
 		}
 		return d
 	}

@@ -300,3 +300,28 @@ func TestUnservableModel(t *testing.T) {
 		t.Fatalf("an unavailable member that may serve the model made it unservable: %+v", d)
 	}
 }
+
+// TestTooLong: a prompt larger than every member's KV capacity can never
+// run; one that fits an empty member only waits.
+func TestTooLong(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = 4096
+	}
+	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.Charge != nil || !d.TooLong {
+		t.Fatalf("a 5,000-token prompt against 4,096 tokens of KV: %+v", d)
+	}
+	full := f.Decide(t0, Request{PromptTokens: 4000}, ms, &opts, rng(), nil)
+	full2 := f.Decide(t0, Request{PromptTokens: 4000}, ms, &opts, rng(), nil)
+	if d := f.Decide(t0, Request{PromptTokens: 4000}, ms, &opts, rng(), nil); d.Charge != nil || d.TooLong {
+		t.Fatalf("a prompt that fits an empty member was called too long: %+v", d)
+	}
+	f.Release(full.Charge, t0)
+	f.Release(full2.Charge, t0)
+	ms[1].Hardware.KVCapacityTokens = 0 // unknown: it may hold it
+	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
+		t.Fatalf("with b's capacity unknown: %+v", d)
+	}
+}
