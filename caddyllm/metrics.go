@@ -168,6 +168,9 @@ type UpstreamSnapshot struct {
 	Healthy     *bool    `json:"healthy,omitempty"`
 	Adapters    []string `json:"adapters,omitempty"`
 	IdleSeconds float64  `json:"idle_seconds"`
+	// IndexResets counts the times the upstream's prefixes were forgotten
+	// because its engine restarted (seen by scraping).
+	IndexResets int `json:"index_resets"`
 	// Engine is what the engine last reported, when scraping is on.
 	Engine *EngineView `json:"engine,omitempty"`
 	// Drain is the drain phase: active, draining or drained.
@@ -196,7 +199,7 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 			IndexBlocks: u.IndexBlocks, IndexCapacity: u.IndexCapacityBlocks,
 			Completed: u.Completed, LastTTFTSeconds: u.LastTTFT.Seconds(),
 			LastEstimatedTTFTSeconds: u.LastEstimatedTTFTSeconds, KVCapacityTokens: u.KVCapacityTokens,
-			Healthy: u.Healthy, Adapters: u.Adapters, IdleSeconds: u.Idle.Seconds(),
+			Healthy: u.Healthy, Adapters: u.Adapters, IdleSeconds: u.Idle.Seconds(), IndexResets: u.IndexResets,
 			Drain: "active", Engine: engines[u.Dial],
 		}
 		if d, ok := drainOf[u.Dial]; ok {

@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -191,5 +193,64 @@ func TestFinishedWorkIsNotForeign(t *testing.T) {
 	second := post(t, "/v1/chat/completions", chat(convo, 8))
 	if first.status != 200 || second.replica != first.replica || !strings.Contains(second.explain, "reason=warm") {
 		t.Fatalf("turn 1 on %s, turn 2 on %s (%s)", first.replica, second.replica, second.explain)
+	}
+}
+
+// TestRestartedEngineIsNotWarm: a replica holding a long cached prefix
+// is killed and started again on its address with an empty cache; once the
+// router has scraped it back, it forgets the replica's prefixes, and the
+// next request for that prefix is not sent there as warm.
+func TestRestartedEngineIsNotWarm(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms", ""))
+	convo := []msg{{"system", text("restart conversation", 50_000)}, {"user", "hi"}}
+	first := post(t, "/v1/chat/completions", chat(convo, 4))
+	if first.status != 200 {
+		t.Fatalf("turn 1: %d %s", first.status, first.body)
+	}
+	var victim *replica
+	for _, r := range fleet {
+		if r.name == first.replica {
+			victim = r
+		}
+	}
+	dial := victim.dial()
+	if u := upstream(t, dial); u.IndexBlocks == 0 {
+		t.Fatalf("turn 1's replica holds no blocks in the index: %+v", u)
+	}
+
+	// Kill it, then start a new engine on the same address.
+	victim.http.CloseClientConnections()
+	victim.http.Close()
+	victim.sim.Close()
+	eventually(t, 10*time.Second, "scrapes of the dead replica failing", func() bool {
+		v := engineView(t, dial)
+		return v != nil && v.Errors > 0
+	})
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: victim.name + "-restarted", Speed: 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var l net.Listener
+	eventually(t, 10*time.Second, "the address free again", func() bool {
+		l, err = net.Listen("tcp", dial)
+		return err == nil
+	})
+	hs := httptest.NewUnstartedServer(sim)
+	hs.Listener.Close()
+	hs.Listener = l
+	hs.Start()
+	t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+
+	eventually(t, 10*time.Second, "the router forgetting the restarted engine's prefixes", func() bool {
+		// Decisions apply what the scraper saw; send requests that do not
+		// share the prefix until one has.
+		post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint(time.Now().UnixNano()), 400), "max_tokens": 1})
+		return upstream(t, dial).IndexResets > 0
+	})
+	convo = append(convo, msg{"assistant", "hello"}, msg{"user", "again"})
+	second := post(t, "/v1/chat/completions", chat(convo, 4))
+	if second.status != 200 || (strings.Contains(second.explain, "upstream="+dial) && !strings.Contains(second.explain, "matched=0;")) {
+		t.Fatalf("turn 2 after the restart: %d %s", second.status, second.explain)
 	}
 }

@@ -183,6 +183,14 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	}
 	var now scrape.Signals
 	if raw := m.Engine; raw != nil {
+		// A restarted engine holds none of the prefixes the index says:
+		// forget them. (The count starts again at 0 with a new scraper,
+		// after a reload: only an increase is a restart.)
+		if raw.Restarts > u.engineRestarts {
+			f.index.Clear(u.id)
+			u.indexResets++
+		}
+		u.engineRestarts = raw.Restarts
 		requests, kv := u.charged.Since(raw.Mark)
 		now = raw.PlusRouted(requests, kv)
 		if capacity := now.KVCapacityTokens(); capacity > 0 {

@@ -90,6 +90,12 @@ type upstream struct {
 	capacityTokens   int
 	indexBlockTokens int
 
+	// engineRestarts is the scraper's restart count last seen for the
+	// engine; indexResets counts the times its prefixes were forgotten
+	// because the engine restarted (its cache is empty).
+	engineRestarts uint64
+	indexResets    int
+
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras are presumed on the GPU, the rest in host memory.
 	adapters []string
@@ -248,6 +254,9 @@ type UpstreamState struct {
 	Adapters []string
 	Idle     time.Duration
 	Named    bool
+	// IndexResets counts the times the upstream's prefixes were forgotten
+	// because its engine restarted.
+	IndexResets int
 }
 
 // Snapshot copies every upstream's state.
@@ -262,7 +271,7 @@ func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
 			IndexBlocks: f.index.Blocks(u.id), IndexCapacityBlocks: f.index.Capacity(u.id),
 			Completed: u.completed, LastTTFT: u.lastTTFT, LastEstimatedTTFTSeconds: u.lastEstimate,
 			KVCapacityTokens: u.capacityTokens, Adapters: append([]string(nil), u.adapters...),
-			Idle: now.Sub(u.lastUsed), Named: u.named,
+			Idle: now.Sub(u.lastUsed), Named: u.named, IndexResets: u.indexResets,
 		}
 		if u.healthSeen {
 			healthy := u.healthy

@@ -2,6 +2,8 @@ package scrape
 
 import (
 	"context"
+	"errors"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -14,6 +16,12 @@ import (
 // scrapeTarget is one upstream being scraped.
 type scrapeTarget struct {
 	dial string
+	// restarts counts the engine restarts seen (see Signals.Restarts);
+	// unreachable says the last failures included a refused connection;
+	// prevSlow is the last full read, for its counters. Guarded by mu.
+	restarts    uint64
+	unreachable bool
+	prevSlow    Signals
 	// metricsRequests are the metrics GETs of each metricsQuery, by
 	// index, and modelsRequest the models GET, made once (see newGet).
 	// They are nil, and requestErr says why, when the dial makes no URL.
@@ -315,6 +323,11 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	t.busy = false
 	st := &t.status
 	if err != nil {
+		if refused(err) {
+			// Nothing listens on the engine's port: when it answers
+			// again it is a new process, with an empty prefix cache.
+			t.unreachable = true
+		}
 		st.Errors++
 		st.ConsecutiveErrors++
 		st.LastError, st.LastErrorAt = truncate(err.Error(), maxScrapeErrorMessages), time.Now()
@@ -354,9 +367,30 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.slow = sig
 		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
+	if t.unreachable || (!skipSlow && countersReset(t.prevSlow, sig)) {
+		t.restarts++
+		t.unreachable = false
+	}
+	if !skipSlow {
+		t.prevSlow = sig
+	}
+	sig.Restarts = t.restarts
 	sig.Models = t.models
 	sig.Seq = st.Scrapes
 	t.latest.Store(&sig)
+}
+
+// refused reports whether err is a failure to connect (nothing listening),
+// rather than a slow or failing answer.
+func refused(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
+// countersReset reports whether the engine's cumulative prefix counters
+// went backwards between two reads: the engine restarted.
+func countersReset(prev, cur Signals) bool {
+	return prev.Engine == cur.Engine && prev.PrefixQueries > 0 && cur.PrefixQueries >= 0 && cur.PrefixQueries < prev.PrefixQueries
 }
 
 // truncate shortens s to at most n bytes.

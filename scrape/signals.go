@@ -71,6 +71,11 @@ type Signals struct {
 	// Mark is what the scraper's Mark function returned for this dial
 	// just before the request was sent (zero without one).
 	Mark Mark
+	// Restarts counts the engine restarts this scraper saw on the dial:
+	// its port refused connections and then answered again, or its
+	// cumulative counters went backwards. A restarted engine's prefix
+	// cache is empty.
+	Restarts uint64
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
 
