@@ -74,6 +74,7 @@ func (p *Policy) checkHealth(upstreams []*reverseproxy.Upstream) bool {
 	hold := drain.Hold{Cause: drain.ByHealth, Owner: p.site}
 	for _, u := range upstreams {
 		healthy, held := u.Healthy(), p.sh.drains.Held(u.Dial, hold)
+		p.sh.fleet.SetHealthy(u.Dial, healthy)
 		switch {
 		case !healthy && !held:
 			p.sh.drains.Drain(u.Dial, time.Duration(p.DrainDeadline), hold)

@@ -163,8 +163,8 @@ type UpstreamSnapshot struct {
 	// KVCapacityTokens is the KV capacity the index and filter use, 0
 	// when unknown.
 	KVCapacityTokens int `json:"kv_capacity_tokens"`
-	// Healthy is Caddy's health verdict at the last decision (absent
-	// before the first).
+	// Healthy is Caddy's health verdict, as of the last decision or health
+	// poll (every 250 ms once the policy has routed; absent before).
 	Healthy     *bool    `json:"healthy,omitempty"`
 	Adapters    []string `json:"adapters,omitempty"`
 	IdleSeconds float64  `json:"idle_seconds"`

@@ -269,6 +269,11 @@ func TestHealthDrainsAndUndrains(t *testing.T) {
 	post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2})
 	a.sim.SetFaults(kvsim.Faults{Unhealthy: true})
 	eventually(t, 5*time.Second, "A drained by health", func() bool { return drainPhase(t, a.dial()) != "active" })
+	// The admin view's verdict follows the health checks, not the last
+	// decision (none has been made since).
+	if h := upstream(t, a.dial()).Healthy; h == nil || *h {
+		t.Fatalf("A drained by health shows healthy %v", h)
+	}
 	for i := 0; i < 3; i++ {
 		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("h", 500), "max_tokens": 2}); c.replica == a.name {
 			t.Fatal("a request reached the unhealthy, draining upstream")
@@ -276,6 +281,10 @@ func TestHealthDrainsAndUndrains(t *testing.T) {
 	}
 	a.sim.SetFaults(kvsim.Faults{})
 	eventually(t, 5*time.Second, "A undrained", func() bool { return drainPhase(t, a.dial()) == "active" })
+	eventually(t, 5*time.Second, "A shown healthy", func() bool {
+		h := upstream(t, a.dial()).Healthy
+		return h != nil && *h
+	})
 }
 
 // TestDrainSurvivesReload: a drain set through the admin API holds after

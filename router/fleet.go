@@ -171,6 +171,16 @@ func (f *Fleet) Expire(cutoff time.Time) int {
 	return n
 }
 
+// SetHealthy records the caller's health verdict on dial between
+// decisions (the admin view shows the latest), for upstreams it knows.
+func (f *Fleet) SetHealthy(dial string, healthy bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		u.healthSeen, u.healthy = true, healthy
+	}
+}
+
 // Routable reports whether dial is an upstream requests may still be
 // routed to: a loaded configuration names it, or it is a dynamic one the
 // fleet has seen. An upstream forgotten while requests are in flight
