@@ -183,32 +183,26 @@ func (r *Registry) Drain(key string, deadline time.Duration, hold Hold) {
 // Undrain lifts hold from key; the admin's hold lifts every hold. It
 // reports whether the upstream is now active.
 func (r *Registry) Undrain(key string, hold Hold) bool {
-	r.lock()
-	defer r.unlock()
-	u := r.upstreams[key]
-	if u == nil || u.phase == Active {
-		return true
-	}
-	if hold.Cause == ByAdmin {
-		u.holds = u.holds[:0]
-	} else {
-		u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool { return h == hold })
-	}
-	r.activateIfFree(key, u, hold.Cause)
-	return u.phase == Active
+	return r.lift(key, hold, hold.Cause == ByAdmin)
 }
 
 // Lift removes exactly hold from key's holds, even the admin's, and
 // reports whether the upstream is now active: a peer router's operator
 // undrained it, which lifts that operator's hold and no one else's.
 func (r *Registry) Lift(key string, hold Hold) bool {
+	return r.lift(key, hold, false)
+}
+
+// lift removes hold (every hold when all is set) from key and reports
+// whether the upstream is now active.
+func (r *Registry) lift(key string, hold Hold, all bool) bool {
 	r.lock()
 	defer r.unlock()
 	u := r.upstreams[key]
 	if u == nil || u.phase == Active {
 		return true
 	}
-	u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool { return h == hold })
+	u.holds = slices.DeleteFunc(u.holds, func(h Hold) bool { return all || h == hold })
 	r.activateIfFree(key, u, hold.Cause)
 	return u.phase == Active
 }

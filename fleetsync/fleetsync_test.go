@@ -10,24 +10,13 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 
+	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // startNATS runs a real NATS server in-process on port (-1: any free
 // port); it stops with the test.
-func startNATS(t testing.TB, port int) *server.Server {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("NATS server not ready")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns
-}
+func startNATS(t testing.TB, port int) *server.Server { return natstest.Start(t, port) }
 
 func sampleBatch() *Batch {
 	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{

@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -63,19 +64,7 @@ func freePort(t *testing.T) int {
 }
 
 // natsServer runs a real NATS server in this process on port.
-func natsServer(t *testing.T, port int) *server.Server {
-	t.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("NATS server not ready")
-	}
-	t.Cleanup(ns.Shutdown)
-	return ns
-}
+func natsServer(t *testing.T, port int) *server.Server { return natstest.Start(t, port) }
 
 // routerProc is one Caddy process of the cluster.
 type routerProc struct {
