@@ -130,7 +130,15 @@ func (sh *shared) loadSyncers() []*fleetsync.Syncer {
 // publishEvent is the fleet's publisher: it hands the event of one of this
 // router's charges to every connection (queued, never blocking).
 func (sh *shared) publishEvent(ev router.Event) {
-	for _, s := range sh.loadSyncers() {
+	// Without sync this runs on every decision: return before anything
+	// takes ev's address (which would move it to the heap).
+	if syncers := sh.loadSyncers(); len(syncers) > 0 {
+		publishTo(syncers, ev)
+	}
+}
+
+func publishTo(syncers []*fleetsync.Syncer, ev router.Event) {
+	for _, s := range syncers {
 		s.Publish(fleetsync.Message{Event: &ev})
 	}
 }
