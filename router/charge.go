@@ -8,12 +8,8 @@ import "time"
 type Charge struct {
 	up   *upstream
 	dial string
-	// id names the charge in events to peers; peer is the router that
-	// made it, empty for this one's own.
-	id   uint64
-	peer string
-	// adapter and hashes are kept for the routed event.
-	adapter string
+	// id names the charge in events to peers.
+	id uint64
 	// Estimate is the ttft estimate made at the decision, in seconds.
 	Estimate float64
 	prefill  int // uncached prompt tokens still charged
@@ -120,7 +116,7 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.inFlight--
 	u.lastUsed = now
 	c.up, c.prefill, c.decode, c.kv = nil, 0, 0, 0
-	if u.inFlight == 0 && !u.named && f.upstreams[u.dial] == u && u.forgotten {
+	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}
 	f.wake()

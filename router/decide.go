@@ -95,7 +95,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	uncached := req.PromptTokens - cand.MatchedTokens
 	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
 	f.nextID++
-	c.id, c.adapter = f.nextID, sreq.Adapter
+	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
 	u.lastEstimate = sd.EstimatedTTFTSeconds
 	if sreq.Adapter != "" {
@@ -120,11 +120,11 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	return scorer.Filter(sreq, &cands[0], opts.Scorer) == scorer.NotFiltered
 }
 
-// candidates builds the scorer's view of req and of every member, in
-// scratch space reused across decisions. Caller holds f.mu.
 // blockTokensOf is req's block size, at least 1.
 func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
 
+// candidates builds the scorer's view of req and of every member, in
+// scratch space reused across decisions. Caller holds f.mu.
 func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options) (scorer.Request, []scorer.Candidate, []*upstream) {
 	bt := blockTokensOf(req)
 	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]

@@ -88,7 +88,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 			return false
 		}
 		c := f.charge(u, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)
-		c.id, c.peer, c.adapter = ev.ID, peer, ev.Adapter
+		c.id = ev.ID
 		f.remote[key] = c
 		if ev.Adapter != "" {
 			u.useAdapter(ev.Adapter)
