@@ -9,6 +9,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -178,21 +179,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	err = h.serve(rec, r, next, st)
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
-		if shed.tooLong {
-			writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", "context_length_exceeded", "messages",
-				fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens))
-			return nil
+		if shed.retryAfterSeconds > 0 {
+			w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
 		}
-		if shed.modelNotFound {
-			// What the engines answer, and the OpenAI API: not a reason to
-			// retry.
-			writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model",
-				fmt.Sprintf("The model `%s` does not exist.", st.req.Model))
-			return nil
-		}
-		w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
-		writeAPIError(w, shed.status, "service_unavailable",
-			"no upstream can take this request now ("+shed.reason+"); retry later")
+		writeAPIErrorCode(w, shed.status, cmp.Or(shed.typ, "invalid_request_error"), shed.code, shed.param, shed.message)
 		return nil
 	}
 	return err
@@ -308,14 +298,17 @@ type decisionRecord struct {
 	matched  int
 }
 
-// shedding says the policy gave up on the request: for now (status,
-// Retry-After), or for good because no upstream serves its model.
+// shedding is the policy's answer to a request it gave up on: for now (a
+// 503 with Retry-After), or for good (no upstream serves its model, or can
+// ever hold its prompt). The handler writes it as an OpenAI-style error.
 type shedding struct {
 	status            int
-	retryAfterSeconds int
-	reason            string
-	modelNotFound     bool
-	tooLong           bool
+	typ               string // default invalid_request_error
+	code              any    // the error's code: a string, or the status
+	param             string
+	message           string
+	retryAfterSeconds int    // 0: no Retry-After
+	reason            string // the metric label and log field
 }
 
 func (st *requestState) shedInfo() *shedding {

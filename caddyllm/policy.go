@@ -452,18 +452,17 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			p.explain(w, st, d.Decision)
 			return up
 		}
-		if d.Unservable || d.TooLong {
-			// Every upstream lists its models and none lists this one, or
-			// the prompt is larger than every upstream's KV cache: waiting
-			// cannot help, and a 503 would tell the client to retry.
-			reason := "model"
-			if !d.Unservable {
-				reason = "context_length"
-			}
-			st.shed = &shedding{modelNotFound: d.Unservable, tooLong: !d.Unservable, reason: reason}
-			p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
-			p.sh.metrics.shed.WithLabelValues(reason).Inc()
-			return nil
+		// Waiting cannot help a model no upstream serves, or a prompt
+		// larger than every upstream's KV cache; a 503 would tell the
+		// client to retry.
+		switch {
+		case d.Unservable:
+			return p.refuse(st, d.Decision, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
+				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model"})
+		case d.TooLong:
+			return p.refuse(st, d.Decision, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: "messages",
+				message: fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens),
+				reason:  "context_length"})
 		}
 		if deadline.IsZero() {
 			deadline = time.Now().Add(time.Duration(p.QueueTimeout))
@@ -486,17 +485,27 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 }
 
-// shed gives up on st: the handler answers with the status and
+// shed gives up on st for now: the handler answers with ShedStatus and
 // Retry-After.
 func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
-	retry := int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
 	reason := blockedReason(d)
-	st.shed = &shedding{status: p.ShedStatus, retryAfterSeconds: retry, reason: reason}
+	return p.refuse(st, d, &shedding{
+		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
+		message:           "no upstream can take this request now (" + reason + "); retry later",
+		retryAfterSeconds: int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds()))),
+		reason:            reason,
+	})
+}
+
+// refuse gives up on st with answer, which the handler writes, and counts
+// it by its reason.
+func (p *Policy) refuse(st *requestState, d scorer.Decision, answer *shedding) *reverseproxy.Upstream {
+	st.shed = answer
 	p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
-	p.sh.metrics.shed.WithLabelValues(reason).Inc()
+	p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
-		c.Write(zap.String("blocked_by", reason), zap.Int("prompt_tokens", st.req.PromptTokens),
-			zap.Int("eligible", d.Eligible))
+		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
+			zap.Int("prompt_tokens", st.req.PromptTokens), zap.Int("eligible", d.Eligible))
 	}
 	return nil
 }
