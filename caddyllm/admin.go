@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 )
 
 func init() {
@@ -89,10 +90,10 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
 		sh.drains.Drain(dial, deadline, drain.Admin)
-		sh.publishDrain(dial, deadline)
+		sh.publish(fleetsync.Message{Drain: dial, Deadline: deadline})
 	} else {
 		sh.drains.Undrain(dial, drain.Admin)
-		sh.publishDrain(dial, -1)
+		sh.publish(fleetsync.Message{Undrain: dial})
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(map[string]string{"dial": dial, "drain": sh.drains.Phase(dial).String()})

@@ -132,24 +132,20 @@ func (sh *shared) loadSyncers() []*fleetsync.Syncer {
 func (sh *shared) publishEvent(ev router.Event) {
 	// Without sync this runs on every decision: return before anything
 	// takes ev's address (which would move it to the heap).
-	if syncers := sh.loadSyncers(); len(syncers) > 0 {
-		publishTo(syncers, ev)
+	if len(sh.loadSyncers()) > 0 {
+		sh.publishCharge(ev)
 	}
 }
 
-func publishTo(syncers []*fleetsync.Syncer, ev router.Event) {
-	for _, s := range syncers {
-		s.Publish(fleetsync.Message{Event: &ev})
-	}
+// publishCharge is publishEvent's slow path, a function of its own so that
+// ev escapes only here.
+func (sh *shared) publishCharge(ev router.Event) {
+	sh.publish(fleetsync.Message{Event: &ev})
 }
 
-// publishDrain tells the peers an operator drained (deadline ≥ 0) or
-// undrained (deadline < 0) dial here.
-func (sh *shared) publishDrain(dial string, deadline time.Duration) {
-	m := fleetsync.Message{Drain: dial, Deadline: deadline}
-	if deadline < 0 {
-		m = fleetsync.Message{Undrain: dial}
-	}
+// publish hands m to every connection: a charge's event, or an operator's
+// drain or undrain made here.
+func (sh *shared) publish(m fleetsync.Message) {
 	for _, s := range sh.loadSyncers() {
 		s.Publish(m)
 	}

@@ -184,7 +184,7 @@ func (s *Syncer) Start() error {
 	if s.cfg.TLSCA != "" {
 		opts = append(opts, nats.RootCAs(s.cfg.TLSCA))
 	}
-	nc, err := nats.Connect(joinURLs(s.cfg.URLs), opts...)
+	nc, err := nats.Connect(strings.Join(s.cfg.URLs, ","), opts...)
 	if err != nil {
 		return fmt.Errorf("fleetsync: connecting to NATS: %w", err)
 	}
@@ -201,8 +201,6 @@ func (s *Syncer) Start() error {
 	go s.run()
 	return nil
 }
-
-func joinURLs(urls []string) string { return strings.Join(urls, ",") }
 
 // Publish queues m for this router's peers. It never blocks: it reports
 // false (and counts a drop) when the queue is full. m.Event.Hashes is
