@@ -193,8 +193,12 @@ type Policy struct {
 	syncKey  string
 	fallback reverseproxy.Selector
 	opts     router.Options
-	logger   *zap.Logger
-	rng      *lockedRand
+	// hardwareByDial and defaultHardware are the merged profiles, made
+	// once in Provision rather than per decision.
+	hardwareByDial  map[string]router.Hardware
+	defaultHardware router.Hardware
+	logger          *zap.Logger
+	rng             *lockedRand
 	// scratch holds the slices a decision fills, reused across requests.
 	scratch *sync.Pool
 }
@@ -265,6 +269,11 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.opts.Adapters[a] = true
 	}
 	p.OutputEstimate, p.OutputTokens = p.opts.OutputEstimate, p.opts.OutputTokens
+	p.defaultHardware = p.hardware("")
+	p.hardwareByDial = make(map[string]router.Hardware, len(p.Upstreams))
+	for dial := range p.Upstreams {
+		p.hardwareByDial[dial] = p.hardware(dial)
+	}
 	if p.QueueTimeout == 0 {
 		p.QueueTimeout = caddy.Duration(router.DefaultQueueTimeout)
 	}

@@ -19,12 +19,16 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 	// Room for every engine up front: members point into it.
 	dst, engines = dst[:0], slices.Grow(engines[:0], len(pool))
 	for _, u := range pool {
+		healthy := u.Healthy()
 		m := router.Member{
 			Dial:      u.Dial,
-			Available: u.Available(),
-			Healthy:   u.Healthy(),
+			Available: healthy && !u.Full(), // u.Available(), asking Healthy once
+			Healthy:   healthy,
 			Draining:  p.sh.drains.IsDraining(u.Dial),
-			Hardware:  p.hardware(u.Dial),
+			Hardware:  p.defaultHardware,
+		}
+		if hw, ok := p.hardwareByDial[u.Dial]; ok {
+			m.Hardware = hw
 		}
 		for _, t := range tried {
 			m.Tried = m.Tried || t == u.Dial
