@@ -263,7 +263,6 @@ type UpstreamState struct {
 	Healthy  *bool
 	Adapters []string
 	Idle     time.Duration
-	Named    bool
 	// IndexResets counts the times the upstream's prefixes were forgotten
 	// because its engine restarted.
 	IndexResets int
@@ -281,7 +280,7 @@ func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
 			IndexBlocks: f.index.Blocks(u.id), IndexCapacityBlocks: f.index.Capacity(u.id),
 			Completed: u.completed, LastTTFT: u.lastTTFT, LastEstimatedTTFTSeconds: u.lastEstimate,
 			KVCapacityTokens: u.capacityTokens, Adapters: append([]string(nil), u.adapters...),
-			Idle: now.Sub(u.lastUsed), Named: u.named, IndexResets: u.indexResets,
+			Idle: now.Sub(u.lastUsed), IndexResets: u.indexResets,
 		}
 		if u.healthSeen {
 			healthy := u.healthy
