@@ -258,8 +258,8 @@ type UpstreamState struct {
 	// KVCapacityTokens is the KV capacity the index and filter use, 0
 	// when unknown.
 	KVCapacityTokens int
-	// Healthy is the caller's health verdict at the last decision, nil
-	// before the first.
+	// Healthy is the caller's latest health verdict (at a decision or
+	// SetHealthy), nil before any.
 	Healthy  *bool
 	Adapters []string
 	Idle     time.Duration

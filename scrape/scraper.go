@@ -256,13 +256,7 @@ func (s *Scraper) run(ctx context.Context) {
 
 // round hands every target without a fetch in flight to the workers.
 func (s *Scraper) round(ctx context.Context, jobs chan<- *scrapeTarget) {
-	s.mu.RLock()
-	ts := make([]*scrapeTarget, 0, len(s.targets))
-	for _, t := range s.targets {
-		ts = append(ts, t)
-	}
-	s.mu.RUnlock()
-	for _, t := range ts {
+	for _, t := range s.targetList() {
 		t.mu.Lock()
 		if t.busy {
 			t.mu.Unlock()

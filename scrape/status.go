@@ -26,17 +26,33 @@ type Status struct {
 	ModelsError string `json:"models_error,omitempty"`
 }
 
+// target returns dial's target, nil when it is none (or s is nil).
+func (s *Scraper) target(dial string) *scrapeTarget {
+	if s == nil {
+		return nil
+	}
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.targets[dial]
+}
+
+// targetList returns the targets, for walking them without s.mu held.
+func (s *Scraper) targetList() []*scrapeTarget {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	ts := make([]*scrapeTarget, 0, len(s.targets))
+	for _, t := range s.targets {
+		ts = append(ts, t)
+	}
+	return ts
+}
+
 // Latest returns dial's latest signals. ok is false when there are none
 // or they are older than maxAge at now (maxAge ≤ 0 means three scrape
 // intervals); the caller then relies on its own tracking. It never
 // blocks on a fetch.
 func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Signals, bool) {
-	if s == nil {
-		return Signals{}, false
-	}
-	s.mu.RLock()
-	t := s.targets[dial]
-	s.mu.RUnlock()
+	t := s.target(dial)
 	if t == nil {
 		return Signals{}, false
 	}
@@ -56,12 +72,7 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 // Seq returns how many successful scrapes of dial there have been,
 // 0 when none: a cheap way to see that new signals arrived.
 func (s *Scraper) Seq(dial string) uint64 {
-	if s == nil {
-		return 0
-	}
-	s.mu.RLock()
-	t := s.targets[dial]
-	s.mu.RUnlock()
+	t := s.target(dial)
 	if t == nil {
 		return 0
 	}
@@ -73,12 +84,7 @@ func (s *Scraper) Seq(dial string) uint64 {
 
 // StatusOf returns dial's scrape health.
 func (s *Scraper) StatusOf(dial string) (Status, bool) {
-	if s == nil {
-		return Status{}, false
-	}
-	s.mu.RLock()
-	t := s.targets[dial]
-	s.mu.RUnlock()
+	t := s.target(dial)
 	if t == nil {
 		return Status{}, false
 	}
@@ -92,12 +98,7 @@ func (s *Scraper) Statuses() []Status {
 	if s == nil {
 		return nil
 	}
-	s.mu.RLock()
-	ts := make([]*scrapeTarget, 0, len(s.targets))
-	for _, t := range s.targets {
-		ts = append(ts, t)
-	}
-	s.mu.RUnlock()
+	ts := s.targetList()
 	out := make([]Status, 0, len(ts))
 	for _, t := range ts {
 		t.mu.Lock()
