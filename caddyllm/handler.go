@@ -331,8 +331,8 @@ func (st *requestState) shedInfo() *shedding {
 }
 
 // progress records output tokens streaming back. The request's first
-// token is measured: its TTFT, the estimate's error and the admin view's
-// recent TTFTs.
+// token is measured: its TTFT and, for a stream, the estimate's error and
+// the admin view's recent TTFTs.
 func (st *requestState) progress(n int) {
 	st.mu.Lock()
 	a := st.current
@@ -348,9 +348,14 @@ func (st *requestState) progress(n int) {
 	now := time.Now()
 	a.sh.fleet.Progress(a.charge, n, now)
 	if first {
-		sinceDecision := now.Sub(a.charge.Started)
-		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived), sinceDecision, a.charge.Estimate)
-		a.sh.metrics.recordTTFT(dec.upstream, sinceDecision.Seconds(), a.charge.Estimate)
+		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
+		if st.req.Stream {
+			// A non-streaming response's headers come after the whole
+			// generation: no measure of the estimate.
+			sinceDecision := now.Sub(a.charge.Started).Seconds()
+			a.sh.metrics.observeEstimateError(dec.upstream, dec.reason, sinceDecision-a.charge.Estimate)
+			a.sh.metrics.recordTTFT(dec.upstream, sinceDecision, a.charge.Estimate)
+		}
 		st.setPlaceholder("ttft", now.Sub(st.arrived).Seconds())
 	}
 }

@@ -105,7 +105,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"reason"}),
 		estimateError: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "ttft_estimate_error_seconds",
-			Help:    "Observed minus estimated time to first token, both from the decision; negative when the token came sooner than estimated (signed buckets; _sum may fall).",
+			Help:    "Observed minus estimated time to first token of streamed responses, both from the decision; negative when the token came sooner than estimated (signed buckets; _sum may fall).",
 			Buckets: estimateErrorBuckets,
 		}, []string{"upstream", "reason"}),
 		prefixMatch: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -192,12 +192,16 @@ func (m *metrics) observeDecision(dial, reason string, matched, prompt int) {
 	}
 }
 
-// observeFirstToken records a request's first token: its time to first
-// token since arrival, and the error of the decision's estimate.
-func (m *metrics) observeFirstToken(dial, reason string, sinceArrival, sinceDecision time.Duration, estimate float64) {
-	up := m.upstreamLabel(dial)
-	m.timeToFirstToken.WithLabelValues(up, reason).Observe(sinceArrival.Seconds())
-	m.estimateError.WithLabelValues(up, reason).Observe(sinceDecision.Seconds() - estimate)
+// observeFirstToken records a request's time to first token since its
+// arrival.
+func (m *metrics) observeFirstToken(dial, reason string, sinceArrival time.Duration) {
+	m.timeToFirstToken.WithLabelValues(m.upstreamLabel(dial), reason).Observe(sinceArrival.Seconds())
+}
+
+// observeEstimateError records a streamed request's observed minus
+// estimated TTFT, both from the decision, in seconds.
+func (m *metrics) observeEstimateError(dial, reason string, seconds float64) {
+	m.estimateError.WithLabelValues(m.upstreamLabel(dial), reason).Observe(seconds)
 }
 
 // observeCompletion records a finished response's figures.
@@ -210,8 +214,8 @@ func (m *metrics) observeCompletion(rec *tokenRecorder) {
 	}
 }
 
-// recentTTFTs is how many of an upstream's recent first tokens the admin
-// view keeps, for the status page's chart.
+// recentTTFTs is how many of an upstream's recent first tokens (of
+// streamed responses) the admin view keeps, for the status page's chart.
 const recentTTFTs = 60
 
 // ttftRing holds an upstream's last recentTTFTs observed and estimated

@@ -19,7 +19,8 @@ func TestLatencyLabelsBounded(t *testing.T) {
 	m.name("a:1")
 	m.observeDecision("a:1", "warm", 50, 100)
 	m.observeDecision("dyn:9", "cold", 0, 100)
-	m.observeFirstToken("a:1", "warm", 300*time.Millisecond, 200*time.Millisecond, 0.5)
+	m.observeFirstToken("a:1", "warm", 300*time.Millisecond)
+	m.observeEstimateError("a:1", "warm", 0.2-0.5)
 	m.recordTTFT("a:1", 0.2, 0.5)
 	m.recordTTFT("dyn:9", 0.2, 0.5)
 

@@ -1,13 +1,14 @@
 package caddyllm
 
 import (
+	"crypto/sha256"
 	"embed"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io/fs"
 	"net/http"
 	"net/url"
-	"path"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -25,50 +26,51 @@ var statusFiles embed.FS
 // statusPrefix is where the page lives, on the admin API and on a site.
 const statusPrefix = "/llm_affinity/"
 
+// statusPage is the page with its style and script inlined, and the
+// Content-Security-Policy that allows exactly those two. They cannot be
+// files of their own: a browser loads <script src> and stylesheets in
+// no-cors mode, which Caddy's admin API refuses.
+var statusPage, statusCSP = func() ([]byte, string) {
+	read := func(name string) string {
+		b, err := fs.ReadFile(statusFiles, "statuspage/"+name)
+		if err != nil {
+			panic(err)
+		}
+		return string(b)
+	}
+	style, script := read("status.css"), read("status.js")
+	hash := func(s string) string {
+		sum := sha256.Sum256([]byte(s))
+		return "'sha256-" + base64.StdEncoding.EncodeToString(sum[:]) + "'"
+	}
+	page := strings.NewReplacer("{{STYLE}}", style, "{{SCRIPT}}", script).Replace(read("index.html"))
+	csp := "default-src 'none'; connect-src 'self'; img-src data:; style-src " + hash(style) +
+		"; script-src " + hash(script) + "; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+	return []byte(page), csp
+}()
+
 func init() {
 	caddy.RegisterModule(StatusHandler{})
 	httpcaddyfile.RegisterHandlerDirective("llm_affinity_status", parseStatusCaddyfile)
 	httpcaddyfile.RegisterDirectiveOrder("llm_affinity_status", httpcaddyfile.Before, "respond")
 }
 
-// handleStatusPage serves the status page (GET /llm_affinity/) and its
-// static files (/llm_affinity/static/...). The page's scripts fetch
-// upstreams and drain relative to it, so they reach the same origin's
-// /llm_affinity/upstreams endpoints.
+// handleStatusPage serves the status page, GET /llm_affinity/. Its script
+// fetches upstreams and drain relative to it, so they reach the same
+// origin's /llm_affinity/upstreams endpoints.
 func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
+	if r.URL.Path != statusPrefix {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no such page: %s", r.URL.Path)}
+	}
 	if r.Method != http.MethodGet && r.Method != http.MethodHead {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
-	rest, ok := strings.CutPrefix(r.URL.Path, statusPrefix)
-	if !ok {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("not found")}
-	}
-	name := "index.html"
-	if rest != "" {
-		static, ok := strings.CutPrefix(rest, "static/")
-		if !ok || static == "" || path.Clean(static) != static || strings.Contains(static, "/") {
-			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no such page: %s", r.URL.Path)}
-		}
-		name = static
-	}
-	b, err := fs.ReadFile(statusFiles, "statuspage/"+name)
-	if err != nil || name == "index.html" && rest != "" {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no such page: %s", r.URL.Path)}
-	}
 	h := w.Header()
-	switch path.Ext(name) {
-	case ".html":
-		h.Set("Content-Type", "text/html; charset=utf-8")
-	case ".css":
-		h.Set("Content-Type", "text/css; charset=utf-8")
-	case ".js":
-		h.Set("Content-Type", "text/javascript; charset=utf-8")
-	}
-	// The page runs only its own files; it must not be framed elsewhere.
-	h.Set("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
+	h.Set("Content-Type", "text/html; charset=utf-8")
+	h.Set("Content-Security-Policy", statusCSP)
 	h.Set("X-Content-Type-Options", "nosniff")
 	h.Set("Cache-Control", "no-cache")
-	_, err = w.Write(b)
+	_, err := w.Write(statusPage)
 	return err
 }
 

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -42,23 +44,60 @@ const placeholderLog = `
 	header >X-LLM-Reason {http.llm_affinity.reason}
 `
 
-// observedConfig is the router with the placeholders in its access log,
-// the debug log captured in a file, and the status page on the site.
-func observedConfig(fleet []*replica, dir string) string {
-	return fmt.Sprintf(`{
-	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
-	grace_period 1ns
-	log {
-		output file %s
-		format json
-		level DEBUG
-	}
+// router is a Caddy process on free ports: its admin API and its site.
+type router struct {
+	admin, site string // http://localhost:port
 }
-http://localhost:9080 {
+
+// startObserved runs the built Caddy with globals (extra global options) and
+// site (the site block's body) on free ports; its admin API and site
+// answer when it returns. Tests of this file run their own processes
+// rather than caddytest's fixed ports, which other test runs on the same
+// machine may hold.
+func startObserved(t *testing.T, name, globals, site string) router {
+	t.Helper()
+	adminAddr := fmt.Sprintf("localhost:%d", freePort(t))
+	r := router{admin: "http://" + adminAddr, site: fmt.Sprintf("http://localhost:%d", freePort(t))}
+	config := fmt.Sprintf(`{
+	admin %s
+	persist_config off
+	skip_install_trust
+	grace_period 1ns
 	%s
+}
+%s {
+	%s
+}
+`, adminAddr, globals, r.site, site)
+	runCaddy(t, buildCaddy(t), name, config, adminAddr)
+	eventually(t, 30*time.Second, "the site answering", func() bool {
+		resp, err := http.Get(r.site + "/llm_affinity/upstreams")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return true
+	})
+	return r
+}
+
+// phase is dial's drain phase in r's admin API.
+func (r router) phase(t *testing.T, dial string) string {
+	t.Helper()
+	var list []caddyllm.UpstreamSnapshot
+	getJSON(t, r.admin+"/llm_affinity/upstreams", &list)
+	for _, u := range list {
+		if u.Dial == dial {
+			return u.Drain
+		}
+	}
+	return "active"
+}
+
+// observedSite is the router's site with the placeholders in its access
+// log and the status page.
+func observedSite(fleet []*replica, dir string) string {
+	return fmt.Sprintf(`%s
 	# What used to print the request's state, prompt included.
 	log_append vars_state {http.vars.llm_affinity}
 	log_append vars_key llm_affinity
@@ -71,9 +110,30 @@ http://localhost:9080 {
 		lb_policy llm_affinity {
 			explain_header
 		}
-	}
+	}`, fmt.Sprintf(placeholderLog, filepath.Join(dir, "access.log")), dials(fleet))
 }
-`, filepath.Join(dir, "caddy.log"), fmt.Sprintf(placeholderLog, filepath.Join(dir, "access.log")), dials(fleet))
+
+// debugLog is the global option that writes Caddy's log, debug level,
+// to dir/caddy.log.
+func debugLog(dir string) string {
+	return fmt.Sprintf(`log {
+		output file %s
+		format json
+		level DEBUG
+	}`, filepath.Join(dir, "caddy.log"))
+}
+
+// postTo posts body as JSON to url.
+func postTo(t *testing.T, url string, body any) (int, http.Header, string) {
+	t.Helper()
+	raw, _ := json.Marshal(body)
+	resp, err := http.Post(url, "application/json", bytes.NewReader(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(b)
 }
 
 // readJSONLines reads a JSON log file.
@@ -104,29 +164,23 @@ func readJSONLines(t *testing.T, file string) (lines []string, entries []map[str
 func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	dir := t.TempDir()
-	startCaddy(t, observedConfig(fleet, dir))
+	r := startObserved(t, "placeholders", debugLog(dir), observedSite(fleet, dir))
 
 	system := strings.Repeat("You are the "+promptMarker+" assistant. ", 100)
 	first := []msg{{"system", system}, {"user", "Where is my order " + promptMarker + "?"}}
-	c := post(t, "/v1/chat/completions", map[string]any{"model": testModel, "max_tokens": 4, "messages": first})
-	if c.status != 200 || c.header.Get("X-LLM-Reason") != "cold" {
-		t.Fatalf("status %d reason %q: %s", c.status, c.header.Get("X-LLM-Reason"), c.body)
+	status, h1, body := postTo(t, r.site+"/v1/chat/completions", map[string]any{"model": testModel, "max_tokens": 4, "messages": first})
+	if status != 200 || h1.Get("X-LLM-Reason") != "cold" {
+		t.Fatalf("status %d reason %q: %s", status, h1.Get("X-LLM-Reason"), body)
 	}
-	body, _ := json.Marshal(map[string]any{"model": testModel, "max_tokens": 4, "stream": true,
+	status, h2, body := postTo(t, r.site+"/v1/chat/completions", map[string]any{"model": testModel, "max_tokens": 4, "stream": true,
 		"messages": append(first, msg{"assistant", "Looking."}, msg{"user", "Order " + promptMarker})})
-	resp, err := http.Post(routerURL+"/v1/chat/completions", "application/json", strings.NewReader(string(body)))
-	if err != nil {
-		t.Fatal(err)
+	if status != 200 || h2.Get("X-LLM-Reason") != "warm" {
+		t.Fatalf("streamed turn: status %d reason %q: %.300s", status, h2.Get("X-LLM-Reason"), body)
 	}
-	io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != 200 || resp.Header.Get("X-LLM-Reason") != "warm" {
-		t.Fatalf("streamed turn: status %d reason %q", resp.StatusCode, resp.Header.Get("X-LLM-Reason"))
-	}
-	if v := c.header.Get("X-LLM-Vars"); v != "" {
+	if v := h1.Get("X-LLM-Vars"); v != "" {
 		t.Errorf("{http.vars.llm_affinity} = %q, want nothing", v)
 	}
-	for _, h := range []http.Header{c.header, resp.Header} {
+	for _, h := range []http.Header{h1, h2} {
 		for name, v := range h {
 			if strings.Contains(strings.Join(v, " "), promptMarker) {
 				t.Errorf("header %s carries the prompt's marker", name)
@@ -137,8 +191,14 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 	// The access log is written once the handlers return.
 	var lines []string
 	var entries []map[string]any
-	eventually(t, 10*time.Second, "two access log lines", func() bool {
-		lines, entries = readJSONLines(t, filepath.Join(dir, "access.log"))
+	eventually(t, 10*time.Second, "two completions in the access log", func() bool {
+		all, allEntries := readJSONLines(t, filepath.Join(dir, "access.log"))
+		lines, entries = nil, nil
+		for i, e := range allEntries {
+			if req, _ := e["request"].(map[string]any); req["uri"] == "/v1/chat/completions" {
+				lines, entries = append(lines, all[i]), append(entries, e)
+			}
+		}
 		return len(entries) >= 2
 	})
 	for i, e := range entries[:2] {
@@ -198,41 +258,40 @@ func do(t *testing.T, method, url string, header map[string]string) (int, string
 // site handler.
 func TestStatusPageOrigins(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, observedConfig(fleet, t.TempDir()))
+	r := startObserved(t, "origins", "", observedSite(fleet, t.TempDir()))
 	dial := fleet[0].dial()
 	fromPage := func(origin string) map[string]string {
 		return map[string]string{"Origin": origin, "Sec-Fetch-Mode": "cors", "Sec-Fetch-Site": "same-origin"}
 	}
-	for _, base := range []string{adminURL, routerURL} {
-		if code, body := do(t, "GET", base+"/llm_affinity/", nil); code != 200 || !strings.Contains(body, "static/status.js") {
+	for _, base := range []string{r.admin, r.site} {
+		// One document, its script inline: Caddy's admin API refuses the
+		// no-cors requests of <script src>.
+		if code, body := do(t, "GET", base+"/llm_affinity/", nil); code != 200 || !strings.Contains(body, `fetch("upstreams"`) {
 			t.Fatalf("GET %s/llm_affinity/: %d %.200s", base, code, body)
 		}
-		if code, body := do(t, "GET", base+"/llm_affinity/static/status.js", nil); code != 200 || !strings.Contains(body, "drain") {
-			t.Fatalf("GET %s/llm_affinity/static/status.js: %d", base, code)
-		}
-		if code, _ := do(t, "GET", base+"/llm_affinity/static/../index.html", nil); code == 200 {
-			t.Fatalf("%s serves a path outside static/", base)
+		if code, _ := do(t, "GET", base+"/llm_affinity/index.html", nil); code != 404 {
+			t.Fatalf("GET %s/llm_affinity/index.html: %d, want 404", base, code)
 		}
 		drainURL := base + "/llm_affinity/upstreams/" + dial + "/drain"
 		if code, body := do(t, "POST", drainURL, fromPage("http://evil.example")); code != 403 {
 			t.Fatalf("%s: a drain from another origin got %d %s", base, code, body)
 		}
-		if phase := drainPhase(t, dial); phase != "active" {
+		if phase := r.phase(t, dial); phase != "active" {
 			t.Fatalf("%s: a refused drain changed the phase to %s", base, phase)
 		}
-		origin := strings.Replace(base, "127.0.0.1", "localhost", 1)
-		if code, body := do(t, "POST", drainURL, fromPage(origin)); code != 200 || drainPhase(t, dial) == "active" {
+		origin := base
+		if code, body := do(t, "POST", drainURL, fromPage(origin)); code != 200 || r.phase(t, dial) == "active" {
 			t.Fatalf("%s: the page's drain got %d %s", base, code, body)
 		}
-		if code, body := do(t, "DELETE", drainURL, fromPage(origin)); code != 200 || drainPhase(t, dial) != "active" {
+		if code, body := do(t, "DELETE", drainURL, fromPage(origin)); code != 200 || r.phase(t, dial) != "active" {
 			t.Fatalf("%s: the page's undrain got %d %s", base, code, body)
 		}
 	}
 	navigate := map[string]string{"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Site": "none", "Sec-Fetch-User": "?1"}
-	if code, _ := do(t, "GET", routerURL+"/llm_affinity/", navigate); code != 200 {
+	if code, _ := do(t, "GET", r.site+"/llm_affinity/", navigate); code != 200 {
 		t.Fatalf("a browser navigation to the site's page got %d", code)
 	}
-	if code, _ := do(t, "GET", adminURL+"/llm_affinity/", navigate); code != 403 {
+	if code, _ := do(t, "GET", r.admin+"/llm_affinity/", navigate); code != 403 {
 		t.Logf("Caddy's admin API now lets a browser navigate to it (%d): the README's advice to use the site handler can be relaxed", code)
 	}
 }

@@ -195,7 +195,7 @@ func TestQuickstartMetrics(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				up := sendChat(t, url, map[string]any{"model": model, "max_tokens": 8, "stream": i%2 == 0,
+				up := sendChat(t, url, map[string]any{"model": model, "max_tokens": 8, "stream": true,
 					"messages": []msg{{"user", text(fmt.Sprintf("spread-%d-%d", round, i), 4000)}}})
 				mu.Lock()
 				seen[up] = true

@@ -68,8 +68,14 @@ function row(u) {
   if (u.engine) kv += " (engine " + (100 * u.engine.kv_usage).toFixed(1) + "%)";
   cell(tr, kv, "kv");
   cell(tr, pct(u.index_blocks, u.index_capacity_blocks), "index");
-  cell(tr, u.engine ? (100 * u.engine.prefix_hit_rate).toFixed(1) + "%" : "–", "hits");
-  cell(tr, fmtSec(u.last_estimated_ttft_seconds) + " / " + fmtSec(u.last_ttft_seconds), "ttft");
+  // A negative rate: the engine's prefix counters are not read yet.
+  const hits = u.engine && u.engine.prefix_hit_rate >= 0 ? (100 * u.engine.prefix_hit_rate).toFixed(1) + "%" : "–";
+  cell(tr, hits, "hits");
+  // The last streamed request's, when there is one: a non-streaming
+  // response's "first token" is its headers, after the whole generation.
+  const obs = u.recent_ttft_seconds || [], est = u.recent_estimated_ttft_seconds || [];
+  const last = obs.length ? [est[est.length - 1], obs[obs.length - 1]] : [u.last_estimated_ttft_seconds, u.last_ttft_seconds];
+  cell(tr, fmtSec(last[0]) + " / " + fmtSec(last[1]), "ttft");
   cell(tr, spark(u.recent_ttft_seconds, u.recent_estimated_ttft_seconds), "chart");
   const b = document.createElement("button");
   const draining = u.drain !== "active";
