@@ -49,11 +49,12 @@ const (
 // Handler parses OpenAI-style requests (POST .../completions and
 // .../chat/completions) once: it reads the body up to a limit, puts it
 // back on the request, computes the chained block hashes of the prompt and
-// hands them to the llm_affinity selection policy through a request
-// variable. It wraps the response writer to count the tokens streaming
+// hands them to the llm_affinity selection policy through the request's
+// context. It wraps the response writer to count the tokens streaming
 // back, and releases the request's charge on the upstream when the
 // response ends, also when the client goes away. Other requests pass
-// through untouched.
+// through untouched. It and the policy set the {http.llm_affinity.*}
+// placeholders (see placeholders.go), which carry no prompt text.
 //
 // A body that is not valid JSON gets 400 with an OpenAI-style error; a
 // body over the limit gets 413. Prompt text is never logged.
@@ -340,7 +341,7 @@ func (st *requestState) progress(n int) {
 	if first {
 		st.sawFirstToken = true
 	}
-	dec := st.decision
+	dec, stream := st.decision, st.req.Stream
 	st.mu.Unlock()
 	if a == nil {
 		return
@@ -349,7 +350,7 @@ func (st *requestState) progress(n int) {
 	a.sh.fleet.Progress(a.charge, n, now)
 	if first {
 		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
-		if st.req.Stream {
+		if stream {
 			// A non-streaming response's headers come after the whole
 			// generation: no measure of the estimate.
 			sinceDecision := now.Sub(a.charge.Started).Seconds()
