@@ -79,6 +79,14 @@ func runCaddy(t *testing.T, bin, name, config, adminAddr string) *caddyProc {
 // router's URL and the replicas' dial addresses.
 func quickstart(t *testing.T) (proc *caddyProc, routerURL string, dials []string) {
 	t.Helper()
+	proc, routerURL, _, dials = quickstartWithStatus(t)
+	return proc, routerURL, dials
+}
+
+// quickstartWithStatus is quickstart, and also returns the status page's
+// site.
+func quickstartWithStatus(t *testing.T) (proc *caddyProc, routerURL, statusURL string, dials []string) {
+	t.Helper()
 	raw, err := os.ReadFile("../caddyfile-examples/quickstart.Caddyfile")
 	if err != nil {
 		t.Fatal(err)
@@ -94,6 +102,8 @@ func quickstart(t *testing.T) (proc *caddyProc, routerURL string, dials []string
 	}
 	replace("admin localhost:2019", "admin "+adminAddr, 1)
 	replace(":8080 {", fmt.Sprintf(":%d {", site), 1)
+	status := freePort(t)
+	replace("localhost:2020", fmt.Sprintf("localhost:%d", status), 2) // the comment and the site
 	for i := 1; i <= 4; i++ {
 		port := freePort(t)
 		replace(fmt.Sprintf(":900%d", i), fmt.Sprintf(":%d", port), 2) // the upstream and the replica's site
@@ -101,6 +111,7 @@ func quickstart(t *testing.T) (proc *caddyProc, routerURL string, dials []string
 	}
 	proc = runCaddy(t, buildCaddy(t), "quickstart", config, adminAddr)
 	routerURL = fmt.Sprintf("http://127.0.0.1:%d", site)
+	statusURL = fmt.Sprintf("http://localhost:%d/llm_affinity/", status)
 	// The admin API starts before the sites.
 	for _, u := range append([]string{routerURL + "/v1/models"}, dials...) {
 		if !strings.HasPrefix(u, "http") {
@@ -115,7 +126,7 @@ func quickstart(t *testing.T) (proc *caddyProc, routerURL string, dials []string
 			return resp.StatusCode == 200
 		})
 	}
-	return proc, routerURL, dials
+	return proc, routerURL, statusURL, dials
 }
 
 // metricFamilies fetches and parses a Prometheus text exposition.
@@ -177,7 +188,10 @@ func sendChat(t *testing.T, url string, body map[string]any) string {
 // Every metric the Grafana dashboard queries is exported, by the router or
 // by the kvsim engines.
 func TestQuickstartMetrics(t *testing.T) {
-	proc, url, dials := quickstart(t)
+	proc, url, statusURL, dials := quickstartWithStatus(t)
+	if code, body := do(t, "GET", statusURL, map[string]string{"Sec-Fetch-Mode": "navigate"}); code != 200 || !strings.Contains(body, "llm_affinity") {
+		t.Fatalf("the quickstart's status page: %d %.200s", code, body)
+	}
 	const model = "meta-llama/Llama-3.1-8B-Instruct"
 	sys := strings.Repeat("You are a helpful assistant for the ACME support desk. ", 150)
 	turn1 := []msg{{"system", sys}, {"user", "My order is late."}}

@@ -36,7 +36,9 @@ function spark(observed, estimated) {
   const x = (i) => obs.length === 1 ? 60 : (i * 118) / (obs.length - 1) + 1;
   const y = (v) => 26 - (v / top) * 24;
   const line = document.createElementNS(ns, "polyline");
-  line.setAttribute("points", obs.map((v, i) => x(i).toFixed(1) + "," + y(v).toFixed(1)).join(" "));
+  // One sample is drawn as a flat line across the chart.
+  const pts = obs.length === 1 ? [[1, obs[0]], [119, obs[0]]] : obs.map((v, i) => [x(i), v]);
+  line.setAttribute("points", pts.map(([px, v]) => px.toFixed(1) + "," + y(v).toFixed(1)).join(" "));
   svg.append(line);
   est.forEach((v, i) => {
     const c = document.createElementNS(ns, "circle");
