@@ -48,13 +48,16 @@ func engineRunning(t *testing.T, r *replica) int {
 }
 
 // TestKVFullSkipsLongPrompt: a replica whose KV is nearly full (with work
-// the router did not send) is skipped for a long prompt, while a short
-// prompt still goes there.
+// the router did not send) is skipped for a long prompt that may not wait
+// for its KV to free (queue_timeout 1ms), while a short prompt still goes
+// there. (With time to wait, the request may queue there: see
+// router.TestKVWaitProperties and the issue-14 table in errors_test.go.)
 func TestKVFullSkipsLongPrompt(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{NumGPUBlocks: 2048}) // 32,768 tokens of KV
 	a, b := fleet[0], fleet[1]
 	// B is slow at prefill, so A wins every cold request it can hold.
 	startCaddy(t, caddyfile(fleet, "", fmt.Sprintf(`scrape_interval 100ms
+			queue_timeout 1ms
 			output_estimate max_tokens
 			upstream %s {
 				prefill_rate 100000
