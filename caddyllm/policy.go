@@ -326,13 +326,23 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 	}
 	if p.ScrapeInterval > 0 {
-		p.scraper = scrape.New(scrape.Config{
+		cfg := scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
 			Mark:           p.sh.fleet.MarkOf,
 			Logger:         p.logger.Named("scrape"),
-		})
+		}
+		// Engines behind TLS are scraped over https with the proxy's own
+		// TLS settings; plain HTTP ones keep the scraper's cheaper client.
+		t := parentTLSTransport(ctx)
+		if t != nil {
+			cfg.Scheme, cfg.Client = "https", &http.Client{Transport: t}
+		}
+		p.scraper = scrape.New(cfg)
+		if t != nil {
+			go func() { <-p.scraper.Stopped(); t.CloseIdleConnections() }()
+		}
 		// Dynamic upstreams are added as requests see them.
 		p.scraper.SetTargets(p.named)
 		p.scraper.Start(ctx)
