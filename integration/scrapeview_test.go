@@ -45,3 +45,20 @@ func TestAdminShowsLatestScrape(t *testing.T) {
 		t.Errorf("the failures' count was lost: %+v", v)
 	}
 }
+
+// TestLastTTFTNonStreaming: a non-streaming completion's first token is
+// taken to come with its response headers, so the admin view's
+// last_ttft_seconds is set by it (it was 0 for such requests once).
+func TestLastTTFTNonStreaming(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("ttft", 4000), "max_tokens": 8}); c.status != 200 {
+		t.Fatalf("completion: %d %s", c.status, c.body)
+	}
+	eventually(t, 5*time.Second, "the request's end in the admin view", func() bool {
+		return upstream(t, fleet[0].dial()).Completed == 1
+	})
+	if u := upstream(t, fleet[0].dial()); u.LastTTFTSeconds <= 0 {
+		t.Fatalf("last_ttft_seconds = %v after a non-streaming completion", u.LastTTFTSeconds)
+	}
+}
