@@ -88,8 +88,21 @@ func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) stri
 `, handlerOpts, dials(fleet), policyOpts, proxyOpts)
 }
 
+// caddyStarted says this process started the Caddy the tests share.
+var caddyStarted bool
+
 func startCaddy(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
+	// caddytest loads the config into whatever Caddy answers on the admin
+	// port, so tests run by another process at the same time (another
+	// checkout's) would be served by that process's code.
+	if !caddyStarted {
+		if resp, err := http.Get(adminURL + "/config/"); err == nil {
+			resp.Body.Close()
+			t.Fatalf("a Caddy of another process answers on %s: two processes' integration tests cannot share its fixed ports", adminURL)
+		}
+		caddyStarted = true
+	}
 	tester := caddytest.NewTester(t)
 	tester.InitServer(config, "caddyfile")
 	return tester

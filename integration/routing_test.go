@@ -118,14 +118,16 @@ func TestHotPrefixSpills(t *testing.T) {
 }
 
 // TestShedWhenNothingFits: with every replica's KV full of stalled
-// requests, a new one waits at the gateway, then gets 503 with
-// Retry-After; nothing is parked on a replica that cannot hold it.
+// requests that will not free it within queue_timeout (at 1,000 prefill
+// tokens/s, their queued prefill alone takes 18 s), a new one waits at the
+// gateway, then gets 503 with Retry-After; nothing is parked on a replica
+// that cannot start it in time.
 func TestShedWhenNothingFits(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	for _, r := range fleet {
 		r.sim.SetFaults(kvsim.Faults{Stall: true})
 	}
-	startCaddy(t, caddyfile(fleet, "", "kv_capacity 20000\n\t\t\tqueue_timeout 1s\n\t\t\toutput_estimate max_tokens", ""))
+	startCaddy(t, caddyfile(fleet, "", "kv_capacity 20000\n\t\t\tprefill_rate 1000\n\t\t\tqueue_timeout 1s\n\t\t\toutput_estimate max_tokens", ""))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	// Two 9k-token requests per replica fill its 20k tokens.
