@@ -12,6 +12,10 @@
 // is the tolerance rule "route to A iff Q_A − Q_B < t_prefill(k)": affinity
 // is worth more for long prefixes and less under load, and a hot prefix
 // spills to a cold replica, which then becomes warm.
+//
+// A replica whose free KV cannot hold the request now is filtered out
+// unless its KV is expected to free within Request.MaxKVWaitSeconds; that
+// wait (KVWaitSeconds) is then part of its estimate.
 package scorer
 
 import "fmt"
