@@ -146,7 +146,7 @@ func TestAnswers(t *testing.T) {
 			output_estimate max_tokens
 			queue_timeout %s`, answersQueueTimeout), ""))
 	eventually(t, 10*time.Second, "the engine's model list and KV scraped", func() bool {
-		v := engineView(t, r.dial())
+		v := listedEngine(t, r.dial())
 		return v != nil && len(v.Models) > 0 && v.KVCapacity == 16_384
 	})
 	model := kvsim.DefaultModel
@@ -236,7 +236,8 @@ func TestAnswers(t *testing.T) {
 		answered <- answer{resp, b, err}
 	}()
 	eventually(t, 10*time.Second, "the request routed beside the occupying one", func() bool {
-		return upstream(t, r.dial()).InFlight == 2
+		u, ok := upstreams(t)[r.dial()]
+		return ok && u.InFlight == 2
 	})
 	select {
 	case err := <-occupier:

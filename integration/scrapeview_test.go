@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -33,12 +34,12 @@ func TestAdminShowsLatestScrape(t *testing.T) {
 	startCaddy(t, caddyfile([]*replica{r}, "", "scrape_interval 100ms", ""))
 
 	eventually(t, 10*time.Second, "the failing scrape in the admin view", func() bool {
-		v := engineView(t, r.dial())
+		v := listedEngine(t, r.dial())
 		return v != nil && v.Errors > 0 && strings.Contains(v.LastError, "500")
 	})
 	failing.Store(false)
 	eventually(t, 10*time.Second, "a successful scrape clearing the error", func() bool {
-		v := engineView(t, r.dial())
+		v := listedEngine(t, r.dial())
 		return v != nil && v.LastError == "" && v.KVCapacity > 0
 	})
 	if v := engineView(t, r.dial()); v.Errors == 0 {
@@ -56,9 +57,20 @@ func TestLastTTFTNonStreaming(t *testing.T) {
 		t.Fatalf("completion: %d %s", c.status, c.body)
 	}
 	eventually(t, 5*time.Second, "the request's end in the admin view", func() bool {
-		return upstream(t, fleet[0].dial()).Completed == 1
+		u, ok := upstreams(t)[fleet[0].dial()]
+		return ok && u.Completed == 1
 	})
 	if u := upstream(t, fleet[0].dial()); u.LastTTFTSeconds <= 0 {
 		t.Fatalf("last_ttft_seconds = %v after a non-streaming completion", u.LastTTFTSeconds)
 	}
+}
+
+// listedEngine is dial's engine view in the admin API, nil while the API
+// does not list dial (a config just loaded) or has no engine view of it.
+func listedEngine(t *testing.T, dial string) *caddyllm.EngineView {
+	t.Helper()
+	if u, ok := upstreams(t)[dial]; ok {
+		return u.Engine
+	}
+	return nil
 }

@@ -40,7 +40,7 @@ func TestScrapesEnginesOverHTTPS(t *testing.T) {
 	for i, dial := range dials {
 		want := 1024 * (i + 1) * 16 // blocks of 16 tokens
 		eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
-			v := engineView(t, dial)
+			v := listedEngine(t, dial)
 			return v != nil && v.KVCapacity == want
 		})
 		if v := engineView(t, dial); v.LastError != "" {
