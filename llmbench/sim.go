@@ -24,7 +24,8 @@ import (
 const (
 	// RouterBlockTokens is the router's hash block size in tokens.
 	RouterBlockTokens = prefixindex.DefaultBlockTokens
-	// DefaultQueueTimeout is how long a request that fits nowhere waits at the gateway.
+	// DefaultQueueTimeout is how long a request may wait to start (queued at an engine for KV,
+	// or at the gateway when no replica can start it in time).
 	DefaultQueueTimeout = router.DefaultQueueTimeout
 	// DefaultOutputTokens is the output estimate before any output was observed.
 	DefaultOutputTokens = router.DefaultOutputTokens
@@ -63,8 +64,9 @@ const (
 // Caddy's own (unseeded) random source, so their results vary from run to run.
 type Sim struct {
 	Config
-	// QueueTimeout is how long a request that fits nowhere waits at the gateway before it is
-	// shed: 0 means DefaultQueueTimeout, a negative value sheds at once.
+	// QueueTimeout is how long a request may wait to start, at an engine for KV to free or at
+	// the gateway, before it is shed: 0 means DefaultQueueTimeout, a negative value sends it
+	// only where it fits now and sheds it at once otherwise.
 	QueueTimeout time.Duration
 	// OutputEstimate is OutputAverage (default), OutputMaxTokens or OutputFixed.
 	OutputEstimate string
