@@ -53,8 +53,8 @@ type answerRow struct {
 // post builds a row's head and body: a POST of body to path with the
 // given extra header lines.
 func (r answerRow) post(path, body string, extra ...string) answerRow {
-	r.head = fmt.Sprintf("POST %s HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n",
-		path, len(body), strings.Join(extra, ""))
+	r.head = fmt.Sprintf("POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n",
+		path, routerHost, len(body), strings.Join(extra, ""))
 	r.body = body
 	return r
 }
@@ -62,7 +62,7 @@ func (r answerRow) post(path, body string, extra ...string) answerRow {
 // send sends row on a new connection and reads the answer, waiting at most
 // answerDeadline.
 func (row answerRow) send() (*http.Response, []byte, error) {
-	c, err := net.Dial("tcp", "localhost:9080")
+	c, err := net.Dial("tcp", routerHost)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -163,7 +163,7 @@ func TestAnswers(t *testing.T) {
 		tiny.WriteString(`{"role":"user","content":"hi"}`)
 	}
 	tiny.WriteString(`]}`)
-	const bodyHeldBack = "POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
+	bodyHeldBack := "POST /v1/completions HTTP/1.1\r\nHost: " + routerHost + "\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
 	rows := []answerRow{
 		answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`}.
 			post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`),
@@ -188,7 +188,7 @@ func TestAnswers(t *testing.T) {
 		answerRow{name: "a zstd body", status: 415, typ: "invalid_request_error", code: `415`, message: "zstd"}.
 			post("/v1/completions", "(\xb5/\xfd", "Content-Encoding: zstd\r\n"),
 		{name: "a body shorter than its Content-Length",
-			head:   "POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n",
+			head:   "POST /v1/completions HTTP/1.1\r\nHost: " + routerHost + "\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n",
 			body:   `{"model":"m","prompt":"short"}`,
 			short:  true,
 			status: 400, typ: "invalid_request_error", code: `400`, closes: true},

@@ -10,6 +10,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,10 +22,24 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
-const (
-	routerURL = "http://localhost:9080"
-	adminURL  = "http://localhost:2999"
+// The ports of the tests' Caddy. caddytest reuses whatever Caddy answers
+// on the admin port, so two checkouts testing on one machine at once
+// would load their configs into each other's Caddy:
+// LLM_AFFINITY_TEST_PORT_OFFSET (an integer) moves all three ports.
+var (
+	portOffset = func() int {
+		n, _ := strconv.Atoi(os.Getenv("LLM_AFFINITY_TEST_PORT_OFFSET"))
+		return n
+	}()
+	adminPort  = 2999 + portOffset
+	httpPort   = 9080 + portOffset
+	httpsPort  = 9443 + portOffset
+	routerHost = fmt.Sprintf("localhost:%d", httpPort)
+	routerURL  = "http://" + routerHost
+	adminURL   = fmt.Sprintf("http://localhost:%d", adminPort)
 )
+
+func init() { caddytest.Default.AdminPort = adminPort }
 
 // replica is one kvsim engine behind an httptest listener.
 type replica struct {
@@ -61,19 +77,19 @@ func dials(fleet []*replica) string {
 
 // globalOptions are every test config's: fixed test ports, no trust
 // store, no grace period on reloads.
-const globalOptions = `{
+var globalOptions = fmt.Sprintf(`{
 	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
+	admin localhost:%d
+	http_port %d
+	https_port %d
 	grace_period 1ns
 }
-`
+`, adminPort, httpPort, httpsPort)
 
 // caddyfile renders the test config: the handler and reverse_proxy with
 // the policy options given, in front of fleet.
 func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) string {
-	return globalOptions + fmt.Sprintf(`http://localhost:9080 {
+	return globalOptions + fmt.Sprintf(`http://%s {
 	llm_affinity {
 		%s
 	}
@@ -85,7 +101,7 @@ func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) stri
 		%s
 	}
 }
-`, handlerOpts, dials(fleet), policyOpts, proxyOpts)
+`, routerHost, handlerOpts, dials(fleet), policyOpts, proxyOpts)
 }
 
 // caddyStarted says this process started the Caddy the tests share.

@@ -48,7 +48,7 @@ func TestScrapesEnginesOverHTTPS(t *testing.T) {
 					first = hs
 				}
 			}
-			startCaddy(t, globalOptions+fmt.Sprintf(`http://localhost:9080 {
+			startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
 	llm_affinity
 	reverse_proxy https://%s https://%s {
 		lb_policy llm_affinity {
@@ -59,7 +59,7 @@ func TestScrapesEnginesOverHTTPS(t *testing.T) {
 		}
 	}
 }
-`, dials[0], dials[1], tc.tls(first)))
+`, routerHost, dials[0], dials[1], tc.tls(first)))
 			for i, dial := range dials {
 				want := 1024 * (i + 1) * 16 // blocks of 16 tokens
 				eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
