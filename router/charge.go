@@ -1,6 +1,9 @@
 package router
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // Charge is the work one routed request put on its upstream, from the
 // decision until Complete or Release. Its methods are not safe for
@@ -59,10 +62,39 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 func (f *Fleet) learn(model string, outputTokens int) {
 	m := f.outputs[model]
 	if m == nil {
+		if len(f.outputs) >= maxLearnedModels {
+			f.forgetStalestModel()
+		}
 		m = &runningMean{}
 		f.outputs[model] = m
 	}
+	f.learned++
+	m.used = f.learned
 	m.add(float64(outputTokens))
+}
+
+// maxLearnedModels bounds the models whose output lengths are learned:
+// model names come from clients, and any name an upstream answers (an
+// engine serving every name, a proxy in front of many) would otherwise
+// grow the table without bound.
+const maxLearnedModels = 1024
+
+// forgetStalestModel drops the least recently learned of a few models, to
+// make room for another (approximately least recently used, at a bounded
+// cost per request: map iteration starts at a random entry). Caller holds
+// f.mu.
+func (f *Fleet) forgetStalestModel() {
+	var stalest string
+	oldest, seen := uint64(math.MaxUint64), 0
+	for name, m := range f.outputs {
+		if m.used < oldest {
+			stalest, oldest = name, m.used
+		}
+		if seen++; seen == 8 {
+			break
+		}
+	}
+	delete(f.outputs, stalest)
 }
 
 // Progress records n more output tokens of c's response at now: the first

@@ -28,7 +28,8 @@ type Fleet struct {
 	mu        sync.Mutex
 	index     *prefixindex.Index
 	upstreams map[string]*upstream
-	outputs   map[string]*runningMean // observed output tokens by model
+	outputs   map[string]*runningMean // observed output tokens by model, at most maxLearnedModels
+	learned   uint64                  // outputs learned so far, the clock of their recency
 	// meanPrompt is the running mean of charged (uncached) prompt
 	// lengths, for sizing requests the router sees only as counts in
 	// engine metrics.
@@ -297,6 +298,7 @@ func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
 type runningMean struct {
 	value float64
 	n     int
+	used  uint64 // Fleet.learned when last fed, for forgetting the stalest
 }
 
 func (m *runningMean) add(x float64) {

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -323,5 +324,21 @@ func TestTooLong(t *testing.T) {
 	ms[1].Hardware.KVCapacityTokens = 0 // unknown: it may hold it
 	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
 		t.Fatalf("with b's capacity unknown: %+v", d)
+	}
+}
+
+// TestLearnedModelsBounded: output lengths learned for ever more model
+// names keep a bounded table, and a model in steady use is kept.
+func TestLearnedModelsBounded(t *testing.T) {
+	f := New()
+	for i := range 10 * maxLearnedModels {
+		f.Complete(&Charge{}, "steady", 40, t0)
+		f.Complete(&Charge{}, fmt.Sprintf("model-%d", i), 10, t0)
+	}
+	if n := len(f.outputs); n > maxLearnedModels {
+		t.Fatalf("%d models learned, want at most %d", n, maxLearnedModels)
+	}
+	if m := f.outputs["steady"]; m == nil || m.value != 40 {
+		t.Fatalf("the model in steady use was forgotten: %+v", m)
 	}
 }
