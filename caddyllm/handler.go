@@ -77,7 +77,7 @@ type Handler struct {
 	// identical system prompts apart). It is a fixed string.
 	Salt string `json:"salt,omitempty"`
 
-	parser parser
+	parser *parser
 	logger *zap.Logger
 }
 
@@ -104,15 +104,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.MaxPrefixTokens <= 0 {
 		h.MaxPrefixTokens = defaultMaxPrefixTokens
 	}
-	h.parser = parser{
-		hasher: prefixindex.Hasher{
-			BlockTokens:   h.BlockTokens,
-			BytesPerToken: h.BytesPerToken,
-			MaxBlocks:     max(1, h.MaxPrefixTokens/h.BlockTokens),
-		},
-		bytesPerToken: h.BytesPerToken,
-		salt:          h.Salt,
-	}
+	h.parser = newParser(prefixindex.Hasher{
+		BlockTokens:   h.BlockTokens,
+		BytesPerToken: h.BytesPerToken,
+		MaxBlocks:     max(1, h.MaxPrefixTokens/h.BlockTokens),
+	}, h.BytesPerToken, h.Salt)
 	return nil
 }
 

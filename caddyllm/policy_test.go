@@ -37,7 +37,7 @@ func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 
 func selectFor(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body string) (*reverseproxy.Upstream, *httptest.ResponseRecorder) {
 	t.Helper()
-	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	pr := newParser(prefixindex.Hasher{}, 4, "")
 	req, err := pr.parse(EndpointChatCompletions, []byte(body))
 	if err != nil {
 		t.Fatal(err)
@@ -105,7 +105,7 @@ func TestRetryAvoidsTriedUpstream(t *testing.T) {
 		{Host: new(reverseproxy.Host), Dial: "retry-a:1"},
 		{Host: new(reverseproxy.Host), Dial: "retry-b:1"},
 	}
-	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	pr := newParser(prefixindex.Hasher{}, 4, "")
 	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 2000) + `"}]}`
 	req, _ := pr.parse(EndpointChatCompletions, []byte(body))
 	req.BlockTokens = 64
@@ -135,7 +135,7 @@ func BenchmarkSelect(b *testing.B) {
 		{Host: new(reverseproxy.Host), Dial: "bench-a:1"}, {Host: new(reverseproxy.Host), Dial: "bench-b:1"},
 		{Host: new(reverseproxy.Host), Dial: "bench-c:1"}, {Host: new(reverseproxy.Host), Dial: "bench-d:1"},
 	}
-	pr := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
+	pr := newParser(prefixindex.Hasher{}, 4, "")
 	body := []byte(`{"model":"m","prompt":"` + strings.Repeat("abcd", 150) + `","max_tokens":16}`)
 	w := httptest.NewRecorder()
 	b.ReportAllocs()
