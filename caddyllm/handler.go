@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -160,7 +159,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	// Put the bytes back with a fixed length; the policy installs a fresh
 	// reader on every attempt, so retries resend the whole body.
-	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.Body = newBodyReader(body)
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
@@ -254,9 +253,9 @@ func (st *requestState) setCancel(cancel context.CancelCauseFunc) {
 	st.cancel, st.cut = cancel, false
 }
 
-// cutForDrain is called at a drain deadline: it cancels the current
-// attempt so the handler can move the request.
-func (st *requestState) cutForDrain() {
+// Cut is called at a drain deadline (it is the request's drain.Cutter):
+// it cancels the current attempt so the handler can move the request.
+func (st *requestState) Cut() {
 	st.mu.Lock()
 	cancel, rec := st.cancel, st.rec
 	st.cut = cancel != nil
@@ -347,7 +346,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		a.release()
 		return
 	}
-	a.endFlight()
+	a.flight.End()
 	if a.sh.drains.IsDraining(a.charge.Dial()) {
 		a.sh.metrics.drainCompleted.Inc()
 	}
