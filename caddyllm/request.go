@@ -116,6 +116,7 @@ func newParser(hasher prefixindex.Hasher, bytesPerToken int, salt string) *parse
 // parseScratch is the reusable part of one parse.
 type parseScratch struct {
 	s      scanner
+	depth  [maxDepth/64 + 1]uint64
 	blocks prefixindex.Blocks
 	msgs   []msgRange
 	key    [64]byte
@@ -248,8 +249,7 @@ type reading struct {
 func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	sc := p.scratch.Get().(*parseScratch)
 	defer p.scratch.Put(sc)
-	// The nesting stack is written before it is read: no need to clear it.
-	sc.s.buf, sc.s.pos, sc.s.depth, sc.s.err = body, 0, 0, nil
+	sc.s = scanner{buf: body, inObject: sc.depth[:]}
 	sc.msgs = sc.msgs[:0]
 	r := reading{p: p, endpoint: endpoint, body: body, s: &sc.s, sc: sc}
 	r.read()

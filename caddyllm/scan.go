@@ -24,8 +24,10 @@ type scanner struct {
 	depth int
 	err   error
 	// inObject has bit d set when the container at depth d is an object
-	// (for skip, which walks values it does not look into).
-	inObject [maxDepth/64 + 1]uint64
+	// (for skip, which walks values it does not look into). Its length
+	// bounds the depth: maxDepth/64+1 words allow what encoding/json
+	// allows.
+	inObject []uint64
 }
 
 // syntaxError is a malformed body, at a byte offset.
@@ -84,7 +86,7 @@ func (s *scanner) ws() byte {
 // push enters a container.
 func (s *scanner) push(object bool) bool {
 	s.depth++
-	if s.depth > maxDepth {
+	if s.depth > maxDepth || s.depth/64 >= len(s.inObject) {
 		return s.fail("exceeded max depth")
 	}
 	w, bit := s.depth/64, uint64(1)<<(s.depth%64)
