@@ -3,12 +3,15 @@ package caddyllm
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/zeebo/xxh3"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 func testParser() *parser {
@@ -277,4 +280,56 @@ func TestTypeErrorsInTheAPIsWords(t *testing.T) {
 			t.Errorf("%s: %v, want %q", tc.body, err, tc.want)
 		}
 	}
+}
+
+// BenchmarkDecision is the whole decision for a 64 KiB chat body at 64
+// upstreams, as the handler and the policy make it: parse and hash the
+// body, match its blocks in the index (each upstream holding the
+// conversation's prefix to a different depth), cost and choose, charge;
+// then release. xxh3 is plain xxh3 over the same bytes.
+func BenchmarkDecision(b *testing.B) {
+	body := benchChat(b, 64<<10, false, false)
+	p := newParser(prefixindex.Hasher{}, 4, "")
+	req, err := p.parse(EndpointChatCompletions, body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	f := router.New()
+	opts := router.Options{}.WithDefaults()
+	rng := newLockedRand()
+	var members []router.Member
+	now := time.Now()
+	for i := range 64 {
+		members = append(members, router.Member{Dial: fmt.Sprintf("10.0.0.%d:8000", i), Available: true})
+		// Upstream i holds the first i*4 blocks of the conversation.
+		d := f.Decide(now, router.Request{Hashes: req.Hashes[:min(i*4, len(req.Hashes))], BlockTokens: 64,
+			PromptTokens: 64 * i * 4, Model: req.Model}, members[i:i+1], &opts, rng, nil)
+		f.Release(d.Charge, now)
+	}
+	b.Run("chat-64KiB/upstreams=64", func(b *testing.B) {
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		cpu := processCPU()
+		for b.Loop() {
+			req, err := p.parse(EndpointChatCompletions, body)
+			if err != nil {
+				b.Fatal(err)
+			}
+			d := f.Decide(now, router.Request{Hashes: req.Hashes, BlockTokens: 64, PromptTokens: req.PromptTokens,
+				MaxTokens: req.MaxTokens, Model: req.Model}, members, &opts, rng, nil)
+			if d.Charge == nil {
+				b.Fatal("nothing chosen")
+			}
+			f.Release(d.Charge, now)
+		}
+		reportCPU(b, cpu)
+	})
+	b.Run("chat-64KiB/xxh3", func(b *testing.B) {
+		b.SetBytes(int64(len(body)))
+		cpu := processCPU()
+		for b.Loop() {
+			benchSink = xxh3.Hash(body)
+		}
+		reportCPU(b, cpu)
+	})
 }
