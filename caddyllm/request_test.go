@@ -203,8 +203,9 @@ func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
 }
 
 // BenchmarkHandlerParse is the handler's parse of a chat body: read,
-// validate, pick out the fields, hash the prompt. xxh3 is plain xxh3 over
-// the same bytes, the floor to compare with in the same run.
+// validate, pick out the fields, hash the prompt. reference is the
+// encoding/json parser it replaced (request_ref_test.go); xxh3 is plain
+// xxh3 over the same bytes, the floor to compare with in the same run.
 func BenchmarkHandlerParse(b *testing.B) {
 	p := newParser(prefixindex.Hasher{}, 4, "")
 	for _, bc := range []struct {
@@ -221,6 +222,17 @@ func BenchmarkHandlerParse(b *testing.B) {
 			cpu := processCPU()
 			for b.Loop() {
 				if _, err := p.parse(EndpointChatCompletions, bc.body); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportCPU(b, cpu)
+		})
+		b.Run(bc.name+"/reference", func(b *testing.B) {
+			b.SetBytes(int64(len(bc.body)))
+			b.ReportAllocs()
+			cpu := processCPU()
+			for b.Loop() {
+				if _, err := p.refParse(EndpointChatCompletions, bc.body); err != nil {
 					b.Fatal(err)
 				}
 			}
