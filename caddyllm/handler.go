@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -192,11 +193,15 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 		return nil, nil
 	}
 	defer r.Body.Close()
+	if r.ContentLength > 0 {
+		// The server's body reader ends at the Content-Length: read
+		// exactly that, into one buffer of its size.
+		buf := make([]byte, r.ContentLength)
+		_, err := io.ReadFull(r.Body, buf)
+		return buf, err
+	}
 	limited := http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes)
 	var buf bytes.Buffer
-	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength))
-	}
 	_, err := buf.ReadFrom(limited)
 	return buf.Bytes(), err
 }
