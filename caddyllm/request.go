@@ -623,9 +623,9 @@ func isASCII(p []byte) bool {
 
 // The prompt forms of the completions API.
 const (
-	promptTokens  = iota // [1, 2, 3]
-	promptStrings        // ["a", "b"]
-	promptBatch          // [[1, 2], [3]]
+	formTokens  = iota // [1, 2, 3]
+	formStrings        // ["a", "b"]
+	formBatch          // [[1, 2], [3]]
 )
 
 // errPromptShape is the completions prompt of no form the API has.
@@ -662,7 +662,7 @@ func (r *reading) prompt() {
 		return
 	}
 	r.promptSet = true
-	form := promptTokens
+	form := formTokens
 	switch s.ws() {
 	case ']':
 		s.pos++
@@ -670,12 +670,12 @@ func (r *reading) prompt() {
 		b.ResetTokens(r.p.hasher, nil)
 		return
 	case '"':
-		form = promptStrings
+		form = formStrings
 		b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
 	case '[':
-		form = promptBatch
+		form = formBatch
 	}
-	if form != promptStrings {
+	if form != formStrings {
 		// A token id takes at least two bytes of the body ("1,").
 		b.ResetTokens(r.p.hasher, r.hashBuffer(2*r.p.blockTokens()))
 	}
@@ -684,9 +684,9 @@ func (r *reading) prompt() {
 			r.skip()
 		} else {
 			switch form {
-			case promptTokens:
+			case formTokens:
 				r.token(i)
-			case promptStrings:
+			case formStrings:
 				if s.ws() != '"' {
 					r.promptErr = badRequestf("invalid request: prompt[%d] must be a string", i)
 					r.skip()
@@ -699,7 +699,7 @@ func (r *reading) prompt() {
 					}
 					b.Write(r.body[start:end])
 				}
-			case promptBatch:
+			case formBatch:
 				r.tokenArray(i)
 			}
 		}
@@ -709,7 +709,7 @@ func (r *reading) prompt() {
 		case ']':
 			s.pos++
 			s.depth--
-			if form == promptStrings {
+			if form == formStrings {
 				r.promptTokens = r.p.tokens(b.Len())
 			}
 			return
