@@ -80,7 +80,7 @@ type Handler struct {
 	// identical system prompts apart). It is a fixed string.
 	Salt string `json:"salt,omitempty"`
 
-	parser parser
+	parser *parser
 	logger *zap.Logger
 }
 
@@ -107,15 +107,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.MaxPrefixTokens <= 0 {
 		h.MaxPrefixTokens = defaultMaxPrefixTokens
 	}
-	h.parser = parser{
-		hasher: prefixindex.Hasher{
-			BlockTokens:   h.BlockTokens,
-			BytesPerToken: h.BytesPerToken,
-			MaxBlocks:     max(1, h.MaxPrefixTokens/h.BlockTokens),
-		},
-		bytesPerToken: h.BytesPerToken,
-		salt:          h.Salt,
-	}
+	h.parser = newParser(prefixindex.Hasher{
+		BlockTokens:   h.BlockTokens,
+		BytesPerToken: h.BytesPerToken,
+		MaxBlocks:     max(1, h.MaxPrefixTokens/h.BlockTokens),
+	}, h.BytesPerToken, h.Salt)
 	return nil
 }
 
@@ -168,7 +164,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	// Put the bytes back with a fixed length; the policy installs a fresh
 	// reader on every attempt, so retries resend the whole body.
-	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.Body = newBodyReader(body)
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
@@ -203,11 +199,15 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 		return nil, nil
 	}
 	defer r.Body.Close()
+	if r.ContentLength > 0 {
+		// The server's body reader ends at the Content-Length: read
+		// exactly that, into one buffer of its size.
+		buf := make([]byte, r.ContentLength)
+		_, err := io.ReadFull(r.Body, buf)
+		return buf, err
+	}
 	limited := http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes)
 	var buf bytes.Buffer
-	if r.ContentLength > 0 {
-		buf.Grow(int(r.ContentLength))
-	}
 	_, err := buf.ReadFrom(limited)
 	return buf.Bytes(), err
 }
@@ -272,9 +272,9 @@ func (st *requestState) setCancel(cancel context.CancelCauseFunc) {
 	st.cancel, st.cut = cancel, false
 }
 
-// cutForDrain is called at a drain deadline: it cancels the current
-// attempt so the handler can move the request.
-func (st *requestState) cutForDrain() {
+// Cut is called at a drain deadline (it is the request's drain.Cutter):
+// it cancels the current attempt so the handler can move the request.
+func (st *requestState) Cut() {
 	st.mu.Lock()
 	cancel, rec := st.cancel, st.rec
 	st.cut = cancel != nil
@@ -390,7 +390,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		a.release()
 		return
 	}
-	a.endFlight()
+	a.flight.End()
 	if a.sh.drains.IsDraining(a.charge.Dial()) {
 		a.sh.metrics.drainCompleted.Inc()
 	}

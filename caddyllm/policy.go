@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -464,7 +463,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	// Never read r.Body here: install a fresh reader of the bytes the
 	// handler kept, so a retry resends the full body.
-	r.Body = io.NopCloser(bytes.NewReader(st.body))
+	r.Body = newBodyReader(st.body)
 	r.ContentLength = int64(len(st.body))
 
 	// The request may start within QueueTimeout: queued at an engine
@@ -587,24 +586,37 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWai
 	}
 	dial := d.Charge.Dial()
 	st.sh = p.sh
-	st.current = &attempt{sh: p.sh, charge: d.Charge, endFlight: p.sh.drains.Begin(dial, st.cutForDrain)}
+	st.current = &attempt{sh: p.sh, charge: d.Charge, flight: p.sh.drains.Enter(dial, st)}
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens}
 	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, req.PromptTokens)
 	return pool[d.Chosen], d
 }
 
+// bodyReader is a request body read from the bytes the handler kept: one
+// object per attempt, where io.NopCloser(bytes.NewReader(b)) is two.
+type bodyReader struct{ bytes.Reader }
+
+func newBodyReader(b []byte) *bodyReader {
+	br := new(bodyReader)
+	br.Reset(b)
+	return br
+}
+
+// Close implements io.Closer.
+func (*bodyReader) Close() error { return nil }
+
 // attempt is one routing of a request to an upstream: the engine's charge
 // there and the request's registration with the drain registry.
 type attempt struct {
-	sh        *shared
-	charge    *router.Charge
-	endFlight func()
+	sh     *shared
+	charge *router.Charge
+	flight drain.Flight
 }
 
 // release gives back what the attempt holds, for a response that did not
 // complete. Safe to call twice.
 func (a *attempt) release() {
-	a.endFlight()
+	a.flight.End()
 	a.sh.fleet.Release(a.charge, time.Now())
 }
 

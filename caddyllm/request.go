@@ -2,11 +2,12 @@ package caddyllm
 
 import (
 	"bytes"
-	"encoding/json"
-	"errors"
+	"cmp"
 	"fmt"
-	"reflect"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"unicode/utf8"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
@@ -67,23 +68,6 @@ type Request struct {
 	BlockTokens int
 }
 
-// openAIRequest is the part of both endpoints' bodies routing reads.
-// Strings stay raw so their escaped bytes are hashed without a copy.
-type openAIRequest struct {
-	Model               string          `json:"model"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Messages            []chatMessage   `json:"messages"`
-	Tools               json.RawMessage `json:"tools"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	Stream              bool            `json:"stream"`
-}
-
-type chatMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
-}
-
 // errBadRequest is returned for bodies that are not the API's shape.
 type errBadRequest struct{ msg string }
 
@@ -93,26 +77,6 @@ func badRequestf(format string, args ...any) error {
 	return errBadRequest{fmt.Sprintf(format, args...)}
 }
 
-// apiType names a Go type of openAIRequest in the API's words, for errors
-// a client can act on ("messages must be an array", not a Go type).
-func apiType(t reflect.Type) string {
-	switch t.Kind() {
-	case reflect.String:
-		return "a string"
-	case reflect.Int, reflect.Int32, reflect.Int64:
-		return "an integer"
-	case reflect.Bool:
-		return "a boolean"
-	case reflect.Slice, reflect.Array:
-		return "an array"
-	case reflect.Struct, reflect.Map:
-		return "an object"
-	case reflect.Pointer:
-		return apiType(t.Elem())
-	}
-	return "a different type"
-}
-
 // Separators keep the canonical form unambiguous: a role can never run
 // into content, so turn n+1 of a chat extends turn n byte for byte.
 const (
@@ -120,142 +84,720 @@ const (
 	sepMessage = "\x1e"
 )
 
-// parser turns request bodies into Requests.
+// parser turns request bodies into Requests in one pass over the body: it
+// validates the JSON as encoding/json would, picks out the fields routing
+// needs and feeds the prompt's bytes to the block hasher as they are
+// found, without copying them or decoding the body into Go values. The
+// canonical prompt, and so every hash, is what the earlier
+// encoding/json-based parser produced (request_ref_test.go keeps it as
+// the reference).
 type parser struct {
 	hasher        prefixindex.Hasher
 	bytesPerToken int
 	salt          string
+
+	// scratch pools what a parse needs beyond its result: the scanner's
+	// nesting stack, the block buffer and the messages' ranges.
+	scratch *sync.Pool
+	// model is the last model name seen, so that the usual request, for
+	// the same model as the one before, does not allocate its name.
+	model *atomic.Pointer[string]
+}
+
+// newParser returns a parser hashing with hasher.
+func newParser(hasher prefixindex.Hasher, bytesPerToken int, salt string) *parser {
+	return &parser{
+		hasher: hasher, bytesPerToken: bytesPerToken, salt: salt,
+		scratch: &sync.Pool{New: func() any { return new(parseScratch) }},
+		model:   new(atomic.Pointer[string]),
+	}
+}
+
+// parseScratch is the reusable part of one parse.
+type parseScratch struct {
+	s      scanner
+	depth  [maxDepth/64 + 1]uint64
+	blocks prefixindex.Blocks
+	msgs   []msgRange
+	key    [64]byte
+	dec    []byte
+}
+
+// span is a range of the body.
+type span struct{ start, end int }
+
+// msgRange is where a chat message's role and content are in the body:
+// the role's string contents, and the content's value (a string's
+// contents, or the raw array or other value as sent).
+type msgRange struct {
+	role        span
+	roleEscaped bool
+	content     span
+}
+
+// Fields of a request body, and of a chat message, that routing reads.
+// encoding/json matches keys case-insensitively, and so do we.
+var (
+	topFields = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream"}
+	msgFields = [...]string{"role", "content"}
+)
+
+const (
+	fieldModel = iota
+	fieldPrompt
+	fieldMessages
+	fieldTools
+	fieldMaxTokens
+	fieldMaxCompletionTokens
+	fieldStream
+	fieldOther = -1
+)
+
+const (
+	fieldRole = iota
+	fieldContent
+)
+
+// fieldOf returns the index of key in names, or fieldOther.
+func fieldOf(key []byte, names []string) int {
+	for i, name := range names {
+		if string(key) == name {
+			return i
+		}
+	}
+	for i, name := range names {
+		if equalFold(key, name) {
+			return i
+		}
+	}
+	return fieldOther
+}
+
+// equalFold is bytes.EqualFold against a lower-case ASCII name, without
+// converting it.
+func equalFold(key []byte, name string) bool {
+	if len(key) != len(name) {
+		// Only non-ASCII keys (the Kelvin sign folds to k) can match at a
+		// different length.
+		for _, c := range key {
+			if c >= utf8.RuneSelf {
+				return bytes.EqualFold(key, []byte(name))
+			}
+		}
+		return false
+	}
+	for i, c := range key {
+		if 'A' <= c && c <= 'Z' {
+			c += 'a' - 'A'
+		}
+		if c != name[i] {
+			if c >= utf8.RuneSelf {
+				return bytes.EqualFold(key, []byte(name))
+			}
+			return false
+		}
+	}
+	return true
+}
+
+// optInt is an integer field that may be absent or null.
+type optInt struct {
+	v   int
+	set bool
+}
+
+// reading is the state of one parse.
+type reading struct {
+	p        *parser
+	endpoint Endpoint
+	body     []byte
+	s        *scanner
+	sc       *parseScratch
+	// typeErr is the first field of the wrong type: reported unless the
+	// body is not JSON at all, as encoding/json does.
+	typeErr error
+
+	model         span
+	modelEscaped  bool
+	modelSet      bool
+	maxTokens     optInt
+	maxCompletion optInt
+	stream        bool
+
+	// hashes is the result's slice, shared by every restart of the
+	// blocks (a key given twice: the last one wins).
+	hashes []uint64
+
+	// Chat: the tools value (set unless absent or null), whether the
+	// messages are an array, the messages' first semantic error, and
+	// which tools the blocks hashed ahead of the messages.
+	tools        span
+	toolsSet     bool
+	messagesSeen bool
+	messagesErr  error
+	hashedTools  span
+	hashedSet    bool
+
+	// Completions: the prompt's shape error, and its size in tokens.
+	promptErr    error
+	promptSet    bool
+	promptTokens int
 }
 
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
-	var raw openAIRequest
-	if err := json.Unmarshal(body, &raw); err != nil {
-		var syn *json.SyntaxError
-		var typ *json.UnmarshalTypeError
-		switch {
-		case errors.As(err, &syn):
-			return nil, badRequestf("invalid JSON body at byte %d: %v", syn.Offset, err)
-		case errors.As(err, &typ):
-			return nil, badRequestf("invalid request: %s must be %s", typ.Field, apiType(typ.Type))
-		}
-		return nil, badRequestf("invalid JSON body: %v", err)
-	}
-	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
+	sc := p.scratch.Get().(*parseScratch)
+	defer p.scratch.Put(sc)
+	sc.s = scanner{buf: body, inObject: sc.depth[:]}
+	sc.msgs = sc.msgs[:0]
+	r := reading{p: p, endpoint: endpoint, body: body, s: &sc.s, sc: sc}
+	r.read()
+	sc.s.buf = nil
 	switch {
-	case raw.MaxTokens != nil:
-		req.MaxTokens = max(0, *raw.MaxTokens)
-	case raw.MaxCompletionTokens != nil:
-		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
+	case sc.s.err != nil:
+		return nil, errBadRequest{sc.s.err.Error()}
+	case r.typeErr != nil:
+		return nil, r.typeErr
 	}
-	seed := prefixindex.Seed(req.Model, "", p.salt)
+	req := &Request{Endpoint: endpoint, Stream: r.stream}
+	switch {
+	case r.maxTokens.set:
+		req.MaxTokens = max(0, r.maxTokens.v)
+	case r.maxCompletion.set:
+		req.MaxTokens = max(0, r.maxCompletion.v)
+	}
+	if r.modelSet {
+		req.Model = p.modelName(decodeString(sc.dec[:0], body[r.model.start:r.model.end], r.modelEscaped))
+	}
 	switch endpoint {
 	case EndpointCompletions:
-		if err := p.hashPrompt(req, seed, raw.Prompt); err != nil {
-			return nil, err
+		if r.promptErr != nil {
+			return nil, r.promptErr
+		}
+		if r.promptSet {
+			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+			req.PromptTokens = r.promptTokens
 		}
 	case EndpointChatCompletions:
-		if err := p.hashChat(req, seed, &raw); err != nil {
-			return nil, err
+		switch {
+		case r.messagesErr != nil:
+			return nil, r.messagesErr
+		case !r.messagesSeen:
+			return nil, badRequestf("invalid request: messages is required")
 		}
+		if r.hashedTools != r.tools || r.hashedSet != r.toolsSet {
+			// The tools came after the messages (as the OpenAI Python
+			// client sends them): hash again in canonical order.
+			r.startChat()
+			for i := range sc.msgs {
+				r.hashMessage(&sc.msgs[i])
+			}
+		}
+		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+		req.PromptTokens = p.tokens(sc.blocks.Len())
 	}
 	return req, nil
 }
 
-// hashPrompt handles a completions prompt: a string, an array of strings
-// (hashed as one canonical text), an array of token ids, or an array of
-// such arrays.
-func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) error {
-	prompt = bytes.TrimSpace(prompt)
-	if len(prompt) == 0 || string(prompt) == "null" {
-		return nil
+// modelName returns name as a string, the last one's when equal.
+func (p *parser) modelName(name []byte) string {
+	if last := p.model.Load(); last != nil && *last == string(name) {
+		return *last
 	}
-	switch prompt[0] {
-	case '"':
-		s := prompt[1 : len(prompt)-1] // valid JSON: ends with the quote
-		req.Hashes = p.hasher.HashBytes(nil, seed, s)
-		req.PromptTokens = p.tokens(len(s))
-		return nil
+	s := string(name)
+	p.model.Store(&s)
+	return s
+}
+
+// typeError records a field of the wrong type, in the API's words.
+func (r *reading) typeError(field, want string) {
+	if r.typeErr == nil {
+		r.typeErr = badRequestf("invalid request: %s must be %s", field, want)
+	}
+}
+
+// skip reads a value routing does not need.
+func (r *reading) skip() {
+	r.s.skip()
+}
+
+// read reads the whole body.
+func (r *reading) read() {
+	s := r.s
+	switch s.ws() {
+	case '{':
+		r.object()
+	case 'n':
+		s.literal() // null: an empty request, as encoding/json has it
+	default:
+		if _, _, ok := s.skip(); ok {
+			r.typeError("the body", "an object")
+		}
+	}
+	if s.err == nil {
+		s.end()
+	}
+}
+
+// object reads the request object.
+func (r *reading) object() {
+	s := r.s
+	s.pos++
+	if !s.push(true) {
+		return
+	}
+	if s.ws() == '}' {
+		s.pos++
+		s.depth--
+		return
+	}
+	for {
+		key, ok := s.key(r.sc.key[:0])
+		if !ok {
+			return
+		}
+		switch fieldOf(key, topFields[:]) {
+		case fieldModel:
+			switch s.ws() {
+			case '"':
+				start, end, escaped, ok := s.str()
+				if ok {
+					r.model, r.modelEscaped, r.modelSet = span{start, end}, escaped, true
+				}
+			case 'n':
+				s.literal() // null leaves a string as it was
+			default:
+				r.typeError("model", "a string")
+				r.skip()
+			}
+		case fieldPrompt:
+			if r.endpoint == EndpointCompletions {
+				r.prompt()
+			} else {
+				r.skip()
+			}
+		case fieldMessages:
+			r.messages()
+		case fieldTools:
+			start, end, ok := s.skip()
+			if ok {
+				r.tools = span{start, end}
+				r.toolsSet = string(r.body[start:end]) != "null"
+			}
+		case fieldMaxTokens:
+			r.optInt(&r.maxTokens, "max_tokens")
+		case fieldMaxCompletionTokens:
+			r.optInt(&r.maxCompletion, "max_completion_tokens")
+		case fieldStream:
+			switch c := s.ws(); c {
+			case 't', 'f':
+				if s.literal() {
+					r.stream = c == 't'
+				}
+			case 'n':
+				s.literal()
+			default:
+				r.typeError("stream", "a boolean")
+				r.skip()
+			}
+		default:
+			r.skip()
+		}
+		switch s.ws() {
+		case ',':
+			s.pos++
+			s.ws()
+		case '}':
+			s.pos++
+			s.depth--
+			return
+		default:
+			s.unexpected("after object key:value pair")
+			return
+		}
+	}
+}
+
+// optInt reads an integer field that may be null.
+func (r *reading) optInt(dst *optInt, name string) {
+	s := r.s
+	switch c := s.ws(); {
+	case c == 'n':
+		if s.literal() {
+			*dst = optInt{}
+		}
+	case c == '-' || '0' <= c && c <= '9':
+		start, end, ok := s.number()
+		if !ok {
+			return
+		}
+		if v, ok := parseInt(r.body[start:end], 64); ok {
+			*dst = optInt{v: int(v), set: true}
+		} else {
+			r.typeError(name, "an integer")
+		}
+	default:
+		r.typeError(name, "an integer")
+		r.skip()
+	}
+}
+
+// messages reads the messages array. Each message is hashed when its
+// object ends (its role may follow its content).
+func (r *reading) messages() {
+	s := r.s
+	switch s.ws() {
+	case 'n':
+		if s.literal() {
+			r.messagesSeen, r.messagesErr = false, nil
+			r.sc.msgs = r.sc.msgs[:0]
+		}
+		return
 	case '[':
 	default:
-		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+		r.typeError("messages", "an array")
+		r.skip()
+		return
 	}
-	var tokens []int32
-	if err := json.Unmarshal(prompt, &tokens); err == nil {
-		req.Hashes = p.hasher.HashTokens(nil, seed, tokens)
-		req.PromptTokens = len(tokens)
-		return nil
+	r.messagesSeen, r.messagesErr = true, nil
+	r.sc.msgs = r.sc.msgs[:0]
+	if r.endpoint == EndpointChatCompletions {
+		r.startChat()
 	}
-	var parts []json.RawMessage
-	if err := json.Unmarshal(prompt, &parts); err != nil {
-		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	s.pos++
+	if !s.push(false) {
+		return
 	}
-	if len(parts) > 0 && len(bytes.TrimSpace(parts[0])) > 0 && bytes.TrimSpace(parts[0])[0] == '[' {
-		return p.hashTokenBatch(req, seed, parts)
+	if s.ws() == ']' {
+		s.pos++
+		s.depth--
+		return
 	}
-	c := p.hasher.NewChain(seed, nil)
-	for i, part := range parts {
-		part = bytes.TrimSpace(part)
-		if len(part) < 2 || part[0] != '"' {
-			return badRequestf("invalid request: prompt[%d] must be a string", i)
+	for i := 0; ; i++ {
+		r.message(i)
+		switch s.ws() {
+		case ',':
+			s.pos++
+		case ']':
+			s.pos++
+			s.depth--
+			return
+		default:
+			s.unexpected("after array element")
+			return
 		}
-		if i > 0 {
-			c.WriteString(sepMessage)
-		}
-		c.Write(part[1 : len(part)-1])
 	}
-	req.Hashes = c.Hashes()
-	req.PromptTokens = p.tokens(c.Len())
-	return nil
 }
 
-// hashTokenBatch handles a batch of prompts given as token ids
-// ([[1,2,3],[4,5,6]], one completion each): the engine holds them all, so
-// they are counted together and hashed as one sequence, in order, as an
-// array of strings is.
-func (p *parser) hashTokenBatch(req *Request, seed uint64, parts []json.RawMessage) error {
-	var all []int32
-	for i, part := range parts {
-		var tokens []int32
-		if err := json.Unmarshal(part, &tokens); err != nil {
-			return badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+// message reads messages[i].
+func (r *reading) message(i int) {
+	s := r.s
+	var m msgRange
+	switch s.ws() {
+	case 'n':
+		if s.literal() {
+			r.addMessage(i, m)
 		}
-		all = append(all, tokens...)
+		return
+	case '{':
+	default:
+		r.typeError("messages", "an object")
+		r.skip()
+		return
 	}
-	req.Hashes = p.hasher.HashTokens(nil, seed, all)
-	req.PromptTokens = len(all)
-	return nil
+	s.pos++
+	if !s.push(true) {
+		return
+	}
+	if s.ws() == '}' {
+		s.pos++
+		s.depth--
+		r.addMessage(i, m)
+		return
+	}
+	for {
+		key, ok := s.key(r.sc.key[:0])
+		if !ok {
+			return
+		}
+		switch fieldOf(key, msgFields[:]) {
+		case fieldRole:
+			switch s.ws() {
+			case '"':
+				start, end, escaped, ok := s.str()
+				if ok {
+					m.role, m.roleEscaped = span{start, end}, escaped
+				}
+			case 'n':
+				s.literal()
+			default:
+				r.typeError("messages.role", "a string")
+				r.skip()
+			}
+		case fieldContent:
+			if s.ws() == '"' {
+				start, end, _, ok := s.str()
+				if ok {
+					m.content = span{start, end}
+				}
+			} else if start, end, ok := s.skip(); ok {
+				m.content = span{start, end}
+			}
+		default:
+			r.skip()
+		}
+		switch s.ws() {
+		case ',':
+			s.pos++
+			s.ws()
+		case '}':
+			s.pos++
+			s.depth--
+			r.addMessage(i, m)
+			return
+		default:
+			s.unexpected("after object key:value pair")
+			return
+		}
+	}
 }
 
-// hashChat hashes the tools, then each message's role and content in
-// order. Content is hashed as its raw JSON (a string's escaped bytes
-// without the quotes, or the content-part array as sent).
-func (p *parser) hashChat(req *Request, seed uint64, raw *openAIRequest) error {
-	if raw.Messages == nil {
-		return badRequestf("invalid request: messages is required")
+// addMessage records and, for a chat, hashes messages[i].
+func (r *reading) addMessage(i int, m msgRange) {
+	r.sc.msgs = append(r.sc.msgs, m)
+	if r.endpoint != EndpointChatCompletions || r.messagesErr != nil || r.s.err != nil {
+		return
 	}
-	c := p.hasher.NewChain(seed, nil)
-	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
-		c.Write(tools)
-		c.WriteString(sepMessage)
+	if m.role.end == m.role.start {
+		r.messagesErr = badRequestf("invalid request: messages[%d].role is required", i)
+		return
 	}
-	for i, m := range raw.Messages {
-		if m.Role == "" {
-			return badRequestf("invalid request: messages[%d].role is required", i)
+	r.hashMessage(&m)
+}
+
+// startChat restarts the chat's blocks with the tools seen so far; when
+// tools come later, parse hashes again.
+func (r *reading) startChat() {
+	b := &r.sc.blocks
+	b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
+	r.hashedTools, r.hashedSet = r.tools, r.toolsSet
+	if r.toolsSet {
+		b.Write(r.body[r.tools.start:r.tools.end])
+		b.WriteString(sepMessage)
+	}
+}
+
+// hashMessage adds a message to the canonical prompt: role, content.
+func (r *reading) hashMessage(m *msgRange) {
+	b := &r.sc.blocks
+	role := r.body[m.role.start:m.role.end]
+	if m.roleEscaped || !isASCII(role) {
+		r.sc.dec = decodeString(r.sc.dec[:0], role, m.roleEscaped)
+		role = r.sc.dec
+	}
+	b.Write(role)
+	b.WriteString(sepField)
+	b.Write(r.body[m.content.start:m.content.end])
+	b.WriteString(sepMessage)
+}
+
+// hashBuffer returns the slice the hashes go to, with room for every
+// block the body could hold at blockBytes bytes a block.
+func (r *reading) hashBuffer(blockBytes int) []uint64 {
+	n := min(len(r.body)/blockBytes+1, r.p.maxBlocks())
+	if cap(r.hashes) < n {
+		r.hashes = make([]uint64, 0, n)
+	}
+	return r.hashes[:0]
+}
+
+func isASCII(p []byte) bool {
+	for _, c := range p {
+		if c >= utf8.RuneSelf {
+			return false
 		}
-		c.WriteString(m.Role)
-		c.WriteString(sepField)
-		content := bytes.TrimSpace(m.Content)
-		if len(content) >= 2 && content[0] == '"' {
-			content = content[1 : len(content)-1]
-		}
-		c.Write(content)
-		c.WriteString(sepMessage)
 	}
-	req.Hashes = c.Hashes()
-	req.PromptTokens = p.tokens(c.Len())
-	return nil
+	return true
+}
+
+// The prompt forms of the completions API.
+const (
+	formTokens  = iota // [1, 2, 3]
+	formStrings        // ["a", "b"]
+	formBatch          // [[1, 2], [3]]
+)
+
+// errPromptShape is the completions prompt of no form the API has.
+var errPromptShape = errBadRequest{"invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays"}
+
+// prompt reads a completions prompt: a string, an array of strings
+// (hashed as one text, separated), an array of token ids, or an array of
+// such arrays (hashed as one sequence of tokens, in order). Token ids
+// hash 4 bytes each, in blocks of BlockTokens.
+func (r *reading) prompt() {
+	s := r.s
+	r.promptErr, r.promptSet, r.promptTokens = nil, false, 0
+	b := &r.sc.blocks
+	switch s.ws() {
+	case 'n':
+		s.literal()
+		return
+	case '"':
+		start, end, _, ok := s.str()
+		if ok {
+			b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
+			b.Write(r.body[start:end])
+			r.promptSet, r.promptTokens = true, r.p.tokens(end-start)
+		}
+		return
+	case '[':
+	default:
+		r.promptErr = errPromptShape
+		r.skip()
+		return
+	}
+	s.pos++
+	if !s.push(false) {
+		return
+	}
+	r.promptSet = true
+	form := formTokens
+	switch s.ws() {
+	case ']':
+		s.pos++
+		s.depth--
+		b.ResetTokens(r.p.hasher, nil)
+		return
+	case '"':
+		form = formStrings
+		b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
+	case '[':
+		form = formBatch
+	}
+	if form != formStrings {
+		// A token id takes at least two bytes of the body ("1,").
+		b.ResetTokens(r.p.hasher, r.hashBuffer(2*r.p.blockTokens()))
+	}
+	for i := 0; ; i++ {
+		if r.promptErr != nil {
+			r.skip()
+		} else {
+			switch form {
+			case formTokens:
+				r.token(i)
+			case formStrings:
+				if s.ws() != '"' {
+					r.promptErr = badRequestf("invalid request: prompt[%d] must be a string", i)
+					r.skip()
+					break
+				}
+				start, end, _, ok := s.str()
+				if ok {
+					if i > 0 {
+						b.WriteString(sepMessage)
+					}
+					b.Write(r.body[start:end])
+				}
+			case formBatch:
+				r.tokenArray(i)
+			}
+		}
+		switch s.ws() {
+		case ',':
+			s.pos++
+		case ']':
+			s.pos++
+			s.depth--
+			if form == formStrings {
+				r.promptTokens = r.p.tokens(b.Len())
+			}
+			return
+		default:
+			s.unexpected("after array element")
+			return
+		}
+	}
+}
+
+// token reads prompt[i], a token id (null counts as 0, as encoding/json
+// decodes it).
+func (r *reading) token(i int) {
+	s := r.s
+	switch c := s.ws(); {
+	case c == 'n':
+		if s.literal() {
+			r.sc.blocks.WriteToken(0)
+			r.promptTokens++
+		}
+	case c == '-' || '0' <= c && c <= '9':
+		start, end, ok := s.number()
+		if !ok {
+			return
+		}
+		if v, ok := parseInt(r.body[start:end], 32); ok {
+			r.sc.blocks.WriteToken(int32(v))
+			r.promptTokens++
+			return
+		}
+		r.promptErr = badRequestf("invalid request: prompt[%d] must be a token id", i)
+	default:
+		r.promptErr = badRequestf("invalid request: prompt[%d] must be a token id", i)
+		r.skip()
+	}
+}
+
+// tokenArray reads prompt[i] of a batch: an array of token ids, or null.
+func (r *reading) tokenArray(i int) {
+	s := r.s
+	switch s.ws() {
+	case 'n':
+		s.literal()
+		return
+	case '[':
+	default:
+		r.promptErr = badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+		r.skip()
+		return
+	}
+	s.pos++
+	if !s.push(false) {
+		return
+	}
+	if s.ws() == ']' {
+		s.pos++
+		s.depth--
+		return
+	}
+	for j := 0; ; j++ {
+		if r.promptErr != nil {
+			r.skip()
+		} else {
+			r.token(j)
+			if r.promptErr != nil {
+				r.promptErr = badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+			}
+		}
+		switch s.ws() {
+		case ',':
+			s.pos++
+		case ']':
+			s.pos++
+			s.depth--
+			return
+		default:
+			s.unexpected("after array element")
+			return
+		}
+	}
+}
+
+func (p *parser) blockTokens() int {
+	return cmp.Or(max(p.hasher.BlockTokens, 0), prefixindex.DefaultBlockTokens)
+}
+
+func (p *parser) maxBlocks() int {
+	return cmp.Or(max(p.hasher.MaxBlocks, 0), prefixindex.DefaultMaxBlocks)
 }
 
 func (p *parser) tokens(nbytes int) int {

@@ -3,14 +3,19 @@ package caddyllm
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/zeebo/xxh3"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 func testParser() *parser {
-	return &parser{hasher: prefixindex.Hasher{BlockTokens: 4, BytesPerToken: 4}, bytesPerToken: 4}
+	return newParser(prefixindex.Hasher{BlockTokens: 4, BytesPerToken: 4}, 4, "")
 }
 
 func chatBody(t testing.TB, msgs ...[2]string) []byte {
@@ -151,23 +156,120 @@ func FuzzParse(f *testing.F) {
 	})
 }
 
-func BenchmarkHandlerParse(b *testing.B) {
-	p := &parser{hasher: prefixindex.Hasher{}, bytesPerToken: 4}
-	var msgs [][2]string
-	for len(msgs) < 64 {
-		msgs = append(msgs, [2]string{"user", strings.Repeat("lorem ipsum dolor sit amet ", 38)}, [2]string{"assistant", "ok"})
+// benchChat is a chat body of about size bytes: turns of a user's 1 KiB
+// and an assistant's reply (short, or with escapes a 1 KiB line of code
+// with escaped quotes and newlines), and with tools a list of function definitions sent
+// after the messages (the OpenAI Python client's key order, which makes
+// the reader hash the messages again behind the tools).
+func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
+	turn := strings.Repeat("lorem ipsum dolor sit amet ", 38)
+	reply := "ok"
+	if escapes {
+		reply = strings.Repeat("if x == \"y\" {\n\treturn \"z\"\n}\n", 32)
 	}
-	body := chatBody(b, msgs...)
-	b.Run("chat-64KiB", func(b *testing.B) {
-		b.SetBytes(int64(len(body)))
-		b.ReportAllocs()
-		for b.Loop() {
-			if _, err := p.parse(EndpointChatCompletions, body); err != nil {
-				b.Fatal(err)
-			}
+	var msgs []map[string]string
+	m := map[string]any{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 256, "stream": true}
+	if tools {
+		m["tools"] = []map[string]any{{"type": "function", "function": map[string]any{
+			"name": "search", "description": strings.Repeat("search the web ", 20),
+			"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
+		}}}
+	}
+	// Grow by doubling, then trim: marshalling once per turn is quadratic.
+	for n := 1; ; n *= 2 {
+		for len(msgs) < n {
+			msgs = append(msgs, map[string]string{"role": "user", "content": turn}, map[string]string{"role": "assistant", "content": reply})
 		}
-	})
+		m["messages"] = msgs
+		b, err := json.Marshal(m)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		if len(b) < size {
+			continue
+		}
+		// About len(b)/n bytes a turn: keep as many as fit.
+		msgs = msgs[:max(1, n*size/len(b))]
+		m["messages"] = msgs
+		b, _ = json.Marshal(m)
+		if tools { // messages first, tools last
+			mb, _ := json.Marshal(msgs)
+			delete(m, "messages")
+			rest, _ := json.Marshal(m)
+			b = append(append(append([]byte(`{"messages":`), mb...), ','), rest[1:]...)
+		}
+		return b
+	}
 }
+
+// BenchmarkHandlerParse is the handler's parse of a chat body: read,
+// validate, pick out the fields, hash the prompt. reference is the
+// encoding/json parser it replaced (request_ref_test.go); xxh3 is plain
+// xxh3 over the same bytes, the floor to compare with in the same run.
+func BenchmarkHandlerParse(b *testing.B) {
+	p := newParser(prefixindex.Hasher{}, 4, "")
+	for _, bc := range []struct {
+		name string
+		body []byte
+	}{
+		{"chat-64KiB", benchChat(b, 64<<10, false, false)},
+		{"chat-escapes-64KiB", benchChat(b, 64<<10, false, true)},
+		{"chat-tools-last-64KiB", benchChat(b, 64<<10, true, false)},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.SetBytes(int64(len(bc.body)))
+			b.ReportAllocs()
+			cpu := processCPU()
+			for b.Loop() {
+				if _, err := p.parse(EndpointChatCompletions, bc.body); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportCPU(b, cpu)
+		})
+		b.Run(bc.name+"/reference", func(b *testing.B) {
+			b.SetBytes(int64(len(bc.body)))
+			b.ReportAllocs()
+			cpu := processCPU()
+			for b.Loop() {
+				if _, err := p.refParse(EndpointChatCompletions, bc.body); err != nil {
+					b.Fatal(err)
+				}
+			}
+			reportCPU(b, cpu)
+		})
+		b.Run(bc.name+"/xxh3", func(b *testing.B) {
+			b.SetBytes(int64(len(bc.body)))
+			cpu := processCPU()
+			for b.Loop() {
+				benchSink = xxh3.Hash(bc.body)
+			}
+			reportCPU(b, cpu)
+		})
+	}
+}
+
+// BenchmarkHandlerParseMaxBody is the parse of a body at the handler's
+// default limit (32 MiB of chat): its memory is the hashes of the first
+// max_prefix_tokens and the pooled scratch, not the body.
+func BenchmarkHandlerParseMaxBody(b *testing.B) {
+	p := newParser(prefixindex.Hasher{MaxBlocks: defaultMaxPrefixTokens / prefixindex.DefaultBlockTokens}, 4, "")
+	body := benchChat(b, defaultMaxBodyBytes-64<<10, false, false)
+	if len(body) > defaultMaxBodyBytes {
+		b.Fatalf("body %d bytes", len(body))
+	}
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	cpu := processCPU()
+	for b.Loop() {
+		if _, err := p.parse(EndpointChatCompletions, body); err != nil {
+			b.Fatal(err)
+		}
+	}
+	reportCPU(b, cpu)
+}
+
+var benchSink uint64
 
 // TestTypeErrorsInTheAPIsWords: a wrong field type is named as the API
 // documents it, never as a Go type.
@@ -190,4 +292,56 @@ func TestTypeErrorsInTheAPIsWords(t *testing.T) {
 			t.Errorf("%s: %v, want %q", tc.body, err, tc.want)
 		}
 	}
+}
+
+// BenchmarkDecision is the whole decision for a 64 KiB chat body at 64
+// upstreams, as the handler and the policy make it: parse and hash the
+// body, match its blocks in the index (each upstream holding the
+// conversation's prefix to a different depth), cost and choose, charge;
+// then release. xxh3 is plain xxh3 over the same bytes.
+func BenchmarkDecision(b *testing.B) {
+	body := benchChat(b, 64<<10, false, false)
+	p := newParser(prefixindex.Hasher{}, 4, "")
+	req, err := p.parse(EndpointChatCompletions, body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	f := router.New()
+	opts := router.Options{}.WithDefaults()
+	rng := newLockedRand()
+	var members []router.Member
+	now := time.Now()
+	for i := range 64 {
+		members = append(members, router.Member{Dial: fmt.Sprintf("10.0.0.%d:8000", i), Available: true})
+		// Upstream i holds the first i*4 blocks of the conversation.
+		d := f.Decide(now, router.Request{Hashes: req.Hashes[:min(i*4, len(req.Hashes))], BlockTokens: 64,
+			PromptTokens: 64 * i * 4, Model: req.Model}, members[i:i+1], &opts, rng, nil)
+		f.Release(d.Charge, now)
+	}
+	b.Run("chat-64KiB/upstreams=64", func(b *testing.B) {
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		cpu := processCPU()
+		for b.Loop() {
+			req, err := p.parse(EndpointChatCompletions, body)
+			if err != nil {
+				b.Fatal(err)
+			}
+			d := f.Decide(now, router.Request{Hashes: req.Hashes, BlockTokens: 64, PromptTokens: req.PromptTokens,
+				MaxTokens: req.MaxTokens, Model: req.Model}, members, &opts, rng, nil)
+			if d.Charge == nil {
+				b.Fatal("nothing chosen")
+			}
+			f.Release(d.Charge, now)
+		}
+		reportCPU(b, cpu)
+	})
+	b.Run("chat-64KiB/xxh3", func(b *testing.B) {
+		b.SetBytes(int64(len(body)))
+		cpu := processCPU()
+		for b.Loop() {
+			benchSink = xxh3.Hash(body)
+		}
+		reportCPU(b, cpu)
+	})
 }

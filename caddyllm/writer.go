@@ -50,6 +50,8 @@ type tokenRecorder struct {
 	streamCreated int64
 	streamModel   string
 	generated     strings.Builder
+	// scratch holds a decoded string on its way into generated.
+	scratch []byte
 
 	// headerSent mirrors wroteHeader for the drain timer's goroutine.
 	headerSent atomic.Bool
@@ -204,6 +206,14 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.done = true
 		return line
 	}
+	if !rewrite {
+		// The usual chunk is read without decoding it.
+		var f chunkFields
+		if readChunk(data, &f) {
+			t.recordChunk(data, &f)
+			return line
+		}
+	}
 	var chunk streamChunk
 	if json.Unmarshal(data, &chunk) != nil {
 		return line
@@ -230,6 +240,38 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	return line
 }
 
+// recordChunk records what readChunk found in a chunk: as event does
+// with the decoded chunk.
+func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
+	if t.streamID == "" && f.id.end > f.id.start {
+		t.streamID = t.decode(data, f.id)
+		t.streamObject = t.decode(data, f.object)
+		t.streamModel = t.decode(data, f.model)
+		t.streamCreated = f.created
+	}
+	if f.hasUsage {
+		u := f.usage
+		if f.hasCached {
+			u.PromptTokensDetails = &struct {
+				CachedTokens int `json:"cached_tokens"`
+			}{f.cached}
+		}
+		t.usage = &u
+	}
+	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
+		t.tokens++
+		t.scratch = decodeString(t.scratch[:0], raw, bytes.IndexByte(raw, '\\') >= 0)
+		t.generated.Write(t.scratch)
+		t.unreported++
+	}
+}
+
+// decode returns the string at sp of data, decoded.
+func (t *tokenRecorder) decode(data []byte, sp span) string {
+	raw := data[sp.start:sp.end]
+	return string(decodeString(t.scratch[:0], raw, bytes.IndexByte(raw, '\\') >= 0))
+}
+
 // reportTokens passes the tokens scanned so far to the fleet's accounting.
 func (t *tokenRecorder) reportTokens() {
 	if t.unreported > 0 {
@@ -253,7 +295,8 @@ func (t *tokenRecorder) complete() bool {
 // usageOfBody reads the usage object of a complete JSON completion body.
 // Decoding the whole body (the generated text) to reach it was the most
 // expensive thing the router did per request, so only the object after
-// the last "usage" key is decoded; the body must still end its object.
+// the last "usage" key is read, with the request's scanner (encoding/json
+// only for what it does not handle); the body must still end its object.
 func usageOfBody(body []byte) (*usage, bool) {
 	body = bytes.TrimSpace(body)
 	i := bytes.LastIndex(body, []byte(`"usage"`))
@@ -265,6 +308,20 @@ func usageOfBody(body []byte) (*usage, bool) {
 		return nil, false
 	}
 	var u usage
+	var depth [1]uint64
+	s := scanner{buf: rest[1:], inObject: depth[:]}
+	var cached int
+	var hasCached bool
+	if s.readUsage(&u, &cached, &hasCached) {
+		if hasCached {
+			u.PromptTokensDetails = &struct {
+				CachedTokens int `json:"cached_tokens"`
+			}{cached}
+		}
+		return &u, true
+	}
+	// Anything unusual is for encoding/json to read.
+	u = usage{}
 	if err := json.NewDecoder(bytes.NewReader(rest[1:])).Decode(&u); err != nil {
 		return nil, false
 	}

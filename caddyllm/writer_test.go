@@ -16,7 +16,7 @@ func TestTokenRecorderCountsSSE(t *testing.T) {
 	opts := router.Options{OutputEstimate: router.OutputFixed, OutputTokens: 10}.WithDefaults()
 	d := sh.fleet.Decide(time.Now(), router.Request{PromptTokens: 500, Model: "m"},
 		[]router.Member{{Dial: "w:1", Available: true}}, &opts, newLockedRand(), nil)
-	st.current = &attempt{sh: sh, charge: d.Charge, endFlight: func() {}}
+	st.current = &attempt{sh: sh, charge: d.Charge}
 	defer st.current.release()
 
 	w := httptest.NewRecorder()

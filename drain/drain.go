@@ -104,6 +104,10 @@ type Registry struct {
 	// are delivered, so they arrive in the order of the transitions.
 	delivering sync.Mutex
 	pending    []func()
+
+	// spare holds forgotten upstreams for reuse: at low load an upstream
+	// is forgotten after each request, and remade by the next.
+	spare []*upstream
 }
 
 type upstream struct {
@@ -111,9 +115,12 @@ type upstream struct {
 	holds    []Hold
 	deadline time.Time
 	timer    *time.Timer
-	flights  map[uint64]func()
+	flights  map[uint64]Cutter
 	cut      int
 }
+
+// maxSpare bounds the forgotten upstreams kept for reuse.
+const maxSpare = 64
 
 // New returns an empty registry.
 func New(events Events) *Registry {
@@ -145,7 +152,11 @@ func (r *Registry) emit(e func()) { r.pending = append(r.pending, e) }
 func (r *Registry) get(key string) *upstream {
 	u := r.upstreams[key]
 	if u == nil {
-		u = &upstream{flights: make(map[uint64]func())}
+		if n := len(r.spare); n > 0 {
+			u, r.spare = r.spare[n-1], r.spare[:n-1]
+		} else {
+			u = &upstream{flights: make(map[uint64]Cutter)}
+		}
 		r.upstreams[key] = u
 	}
 	return u
@@ -301,10 +312,31 @@ func (r *Registry) Phase(key string) Phase {
 	return Active
 }
 
-// Begin registers a request in flight on key with the function that cuts
-// it; call the returned end function when the request finishes there
-// (also after it was cut). cut runs without the registry's lock held.
-func (r *Registry) Begin(key string, cut func()) (end func()) {
+// Cutter is a request in flight that a drain deadline can cut.
+type Cutter interface {
+	// Cut cuts the request; it runs without the registry's lock held.
+	Cut()
+}
+
+// CutFunc is a function as a Cutter.
+type CutFunc func()
+
+// Cut calls f.
+func (f CutFunc) Cut() { f() }
+
+// Flight is a request registered in flight on an upstream; End it when the
+// request finishes there (also after it was cut). The zero Flight ends
+// nothing.
+type Flight struct {
+	r   *Registry
+	u   *upstream
+	key string
+	id  uint64
+}
+
+// Enter registers a request in flight on key, with what cuts it. It does
+// not allocate once the upstream is known.
+func (r *Registry) Enter(key string, cut Cutter) Flight {
 	r.lock()
 	defer r.unlock()
 	u := r.get(key)
@@ -321,16 +353,29 @@ func (r *Registry) Begin(key string, cut func()) (end func()) {
 		}
 		u.timer = time.AfterFunc(max(0, at.Sub(r.now())), func() { r.expire(key, at) })
 	}
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			r.lock()
-			defer r.unlock()
-			delete(u.flights, id)
-			r.settle(key, u)
-			r.prune(key, u)
-		})
+	return Flight{r: r, u: u, key: key, id: id}
+}
+
+// End unregisters the request. Calls after the first do nothing.
+func (f Flight) End() {
+	if f.r == nil {
+		return
 	}
+	f.r.lock()
+	defer f.r.unlock()
+	// Ids are never reused, so a flight already ended is not found, also
+	// when its upstream was forgotten and its record reused.
+	if _, ok := f.u.flights[f.id]; !ok {
+		return
+	}
+	delete(f.u.flights, f.id)
+	f.r.settle(f.key, f.u)
+	f.r.prune(f.key, f.u)
+}
+
+// Begin is Enter for a cut function, returning the end function.
+func (r *Registry) Begin(key string, cut func()) (end func()) {
+	return r.Enter(key, CutFunc(cut)).End
 }
 
 // expire runs at a drain's deadline and cuts what is left.
@@ -341,7 +386,7 @@ func (r *Registry) expire(key string, at time.Time) {
 		r.unlock()
 		return
 	}
-	cuts := make([]func(), 0, len(u.flights))
+	cuts := make([]Cutter, 0, len(u.flights))
 	for _, c := range u.flights {
 		cuts = append(cuts, c)
 	}
@@ -351,7 +396,7 @@ func (r *Registry) expire(key string, at time.Time) {
 	}
 	r.unlock()
 	for _, c := range cuts {
-		c()
+		c.Cut()
 	}
 }
 
@@ -371,6 +416,10 @@ func (r *Registry) settle(key string, u *upstream) {
 func (r *Registry) prune(key string, u *upstream) {
 	if u.phase == Active && len(u.flights) == 0 {
 		delete(r.upstreams, key)
+		if len(r.spare) < maxSpare {
+			*u = upstream{holds: u.holds[:0], flights: u.flights}
+			r.spare = append(r.spare, u)
+		}
 	}
 }
 

@@ -207,3 +207,90 @@ func (c *Chain) Hashes() []uint64 { return c.hashes }
 // Len is the number of bytes written so far, including any beyond the
 // block cap.
 func (c *Chain) Len() int { return c.total }
+
+// Blocks hashes a prompt that arrives in pieces before its seed is known:
+// a request body may name its model after its prompt. Each full block is
+// hashed on its own as it fills, which is nearly all the work; Chain then
+// folds in the seed and the chain. The result equals HashBytes over the
+// concatenation of the pieces, or HashTokens when they are token ids
+// written with WriteToken after ResetTokens. A Blocks is reusable: its
+// buffer is kept across Resets.
+type Blocks struct {
+	size, max int
+	buf       []byte
+	total     int
+	hashes    []uint64
+}
+
+// Reset starts a text prompt hashed with h, appending to dst.
+func (b *Blocks) Reset(h Hasher, dst []uint64) { b.reset(h.BlockBytes(), h.maxBlocks(), dst) }
+
+// ResetTokens starts a prompt of token ids hashed with h, appending to
+// dst.
+func (b *Blocks) ResetTokens(h Hasher, dst []uint64) {
+	b.reset(h.blockTokens()*4, h.maxBlocks(), dst)
+}
+
+func (b *Blocks) reset(size, max int, dst []uint64) {
+	b.size, b.max, b.total, b.hashes = size, max, 0, dst
+	if cap(b.buf) < size {
+		b.buf = make([]byte, 0, size)
+	}
+	b.buf = b.buf[:0]
+}
+
+// Write adds p to the prompt. It never fails.
+func (b *Blocks) Write(p []byte) (int, error) {
+	writeBlocks(b, p, xxh3.Hash)
+	return len(p), nil
+}
+
+// WriteString adds s to the prompt.
+func (b *Blocks) WriteString(s string) { writeBlocks(b, s, xxh3.HashString) }
+
+// WriteToken adds one token id, as HashTokens encodes it.
+func (b *Blocks) WriteToken(t int32) {
+	b.total += 4
+	if len(b.hashes) >= b.max {
+		return
+	}
+	b.buf = binary.LittleEndian.AppendUint32(b.buf, uint32(t))
+	if len(b.buf) == b.size {
+		b.hashes = append(b.hashes, xxh3.Hash(b.buf))
+		b.buf = b.buf[:0]
+	}
+}
+
+func writeBlocks[T string | []byte](b *Blocks, p T, hash func(T) uint64) {
+	b.total += len(p)
+	for len(p) > 0 && len(b.hashes) < b.max {
+		if len(b.buf) == 0 && len(p) >= b.size {
+			// Whole blocks straight from the input, no copy.
+			b.hashes = append(b.hashes, hash(p[:b.size]))
+			p = p[b.size:]
+			continue
+		}
+		n := min(b.size-len(b.buf), len(p))
+		b.buf = append(b.buf, p[:n]...)
+		p = p[n:]
+		if len(b.buf) == b.size {
+			b.hashes = append(b.hashes, xxh3.Hash(b.buf))
+			b.buf = b.buf[:0]
+		}
+	}
+}
+
+// Len is the number of bytes written so far (4 per token id), including
+// any beyond the block cap.
+func (b *Blocks) Len() int { return b.total }
+
+// Chain chains the block hashes from seed, in place, and returns them.
+// Call it once, after the last Write.
+func (b *Blocks) Chain(seed uint64) []uint64 {
+	prev := seed
+	for i, h := range b.hashes {
+		prev = chain(prev, h)
+		b.hashes[i] = prev
+	}
+	return b.hashes
+}

@@ -3,6 +3,7 @@ package prefixindex
 import (
 	"bytes"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -160,9 +161,11 @@ func BenchmarkHashBlocks(b *testing.B) {
 	dst := make([]uint64, 0, 1024)
 	b.SetBytes(int64(len(text)))
 	b.ReportAllocs()
+	cpu := processCPU()
 	for b.Loop() {
 		dst = h.HashBytes(dst[:0], seed, text)
 	}
+	reportCPU(b, cpu)
 	sink = dst[len(dst)-1]
 }
 
@@ -172,7 +175,43 @@ func BenchmarkXXH3Raw(b *testing.B) {
 	text := randomText(64<<10, 7)
 	b.SetBytes(int64(len(text)))
 	b.ReportAllocs()
+	cpu := processCPU()
 	for b.Loop() {
 		sink = xxh3.Hash(text)
+	}
+	reportCPU(b, cpu)
+}
+
+// TestBlocksEqualsHashBytes: hashing in pieces before the seed is known
+// yields the hashes of the whole prompt, for text and token ids, and
+// respects the block cap.
+func TestBlocksEqualsHashBytes(t *testing.T) {
+	h := Hasher{BlockTokens: 4, BytesPerToken: 4, MaxBlocks: 5}
+	seed := Seed("m", "", "s")
+	text := randomText(200, 3)
+	var b Blocks
+	for _, cuts := range [][]int{{0}, {1, 17, 18, 100}, {16, 32, 33}, {199}} {
+		b.Reset(h, nil)
+		prev := 0
+		for _, c := range append(cuts, len(text)) {
+			if c%2 == 0 {
+				b.Write(text[prev:c])
+			} else {
+				b.WriteString(string(text[prev:c]))
+			}
+			prev = c
+		}
+		got, want := b.Chain(seed), h.HashBytes(nil, seed, text)
+		if !slices.Equal(got, want) || b.Len() != len(text) {
+			t.Fatalf("cuts %v: %x (len %d), want %x", cuts, got, b.Len(), want)
+		}
+	}
+	tokens := []int32{1, -2, 3, 1 << 30, 5, 6, 7, 8, 9, 10, 11, 12, 13}
+	b.ResetTokens(Hasher{BlockTokens: 4, BytesPerToken: 3}, nil)
+	for _, tok := range tokens {
+		b.WriteToken(tok)
+	}
+	if got, want := b.Chain(seed), h.HashTokens(nil, seed, tokens); !slices.Equal(got, want) || b.Len() != 4*len(tokens) {
+		t.Fatalf("tokens: %x, want %x", got, want)
 	}
 }

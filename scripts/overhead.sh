@@ -8,7 +8,7 @@
 # A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions with a small
 # JSON body to each, interleaved A B A B ..., and the script prints requests per second for
 # each round and the ratio B/A of the means, and (on Linux) Caddy's CPU time per request for
-# each. Needs only Go.
+# each, as means and as medians over the rounds. Needs only Go.
 #
 #   scripts/overhead.sh
 #   ROUNDS=3 DURATION=10s CONCURRENCY=32 scripts/overhead.sh
@@ -152,6 +152,15 @@ awk -v rr="${rr_cpu[*]}" -v llm="${llm_cpu[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
 	if (sa > 0) printf "caddy CPU per request: round_robin %.0f us, llm_affinity %.0f us (+%.0f us, ratio %.3f)\n", sa / n, sb / n, (sb - sa) / n, sa / sb
+}'
+# Medians: one round disturbed by a neighbour moves a mean, not a median.
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+rr_med=$(median "${rr_all[@]}")
+llm_med=$(median "${llm_all[@]}")
+rr_cpu_med=$(median "${rr_cpu[@]}")
+llm_cpu_med=$(median "${llm_cpu[@]}")
+awk -v a="$rr_med" -v b="$llm_med" -v ca="$rr_cpu_med" -v cb="$llm_cpu_med" -v n="$ROUNDS" 'BEGIN {
+	printf "medians of %d: round_robin %.0f req/s, llm_affinity %.0f req/s, ratio %.3f; caddy CPU per request %.0f us vs %.0f us (%+.0f us)\n", n, a, b, b / a, ca, cb, cb - ca
 }'
 summary=$(awk -v rr="${rr_all[*]}" -v llm="${llm_all[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")

@@ -1,0 +1,347 @@
+package caddyllm
+
+// The request parser as it was before the single-pass reader (issue 16):
+// encoding/json into a struct, then hashing. It is the reference the new
+// reader is checked against (TestParseMatchesReference,
+// FuzzParseMatchesReference); only its names changed.
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+)
+
+// refRequest is the part of both endpoints' bodies routing reads.
+// Strings stay raw so their escaped bytes are hashed without a copy.
+type refRequest struct {
+	Model               string          `json:"model"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Messages            []refMessage    `json:"messages"`
+	Tools               json.RawMessage `json:"tools"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	Stream              bool            `json:"stream"`
+}
+
+type refMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+// refAPIType names a Go type of refRequest in the API's words, for errors
+// a client can act on ("messages must be an array", not a Go type).
+func refAPIType(t reflect.Type) string {
+	switch t.Kind() {
+	case reflect.String:
+		return "a string"
+	case reflect.Int, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Bool:
+		return "a boolean"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Struct, reflect.Map:
+		return "an object"
+	case reflect.Pointer:
+		return refAPIType(t.Elem())
+	}
+	return "a different type"
+}
+
+// parse reads body for endpoint. It never panics; errors are
+// errBadRequest.
+func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
+	var raw refRequest
+	if err := json.Unmarshal(body, &raw); err != nil {
+		var syn *json.SyntaxError
+		var typ *json.UnmarshalTypeError
+		switch {
+		case errors.As(err, &syn):
+			return nil, badRequestf("invalid JSON body at byte %d: %v", syn.Offset, err)
+		case errors.As(err, &typ):
+			return nil, badRequestf("invalid request: %s must be %s", typ.Field, refAPIType(typ.Type))
+		}
+		return nil, badRequestf("invalid JSON body: %v", err)
+	}
+	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
+	switch {
+	case raw.MaxTokens != nil:
+		req.MaxTokens = max(0, *raw.MaxTokens)
+	case raw.MaxCompletionTokens != nil:
+		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
+	}
+	seed := prefixindex.Seed(req.Model, "", p.salt)
+	switch endpoint {
+	case EndpointCompletions:
+		if err := p.refHashPrompt(req, seed, raw.Prompt); err != nil {
+			return nil, err
+		}
+	case EndpointChatCompletions:
+		if err := p.refHashChat(req, seed, &raw); err != nil {
+			return nil, err
+		}
+	}
+	return req, nil
+}
+
+// hashPrompt handles a completions prompt: a string, an array of strings
+// (hashed as one canonical text), an array of token ids, or an array of
+// such arrays.
+func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage) error {
+	prompt = bytes.TrimSpace(prompt)
+	if len(prompt) == 0 || string(prompt) == "null" {
+		return nil
+	}
+	switch prompt[0] {
+	case '"':
+		s := prompt[1 : len(prompt)-1] // valid JSON: ends with the quote
+		req.Hashes = p.hasher.HashBytes(nil, seed, s)
+		req.PromptTokens = p.tokens(len(s))
+		return nil
+	case '[':
+	default:
+		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	}
+	var tokens []int32
+	if err := json.Unmarshal(prompt, &tokens); err == nil {
+		req.Hashes = p.hasher.HashTokens(nil, seed, tokens)
+		req.PromptTokens = len(tokens)
+		return nil
+	}
+	var parts []json.RawMessage
+	if err := json.Unmarshal(prompt, &parts); err != nil {
+		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+	}
+	if len(parts) > 0 && len(bytes.TrimSpace(parts[0])) > 0 && bytes.TrimSpace(parts[0])[0] == '[' {
+		return p.refHashTokenBatch(req, seed, parts)
+	}
+	c := p.hasher.NewChain(seed, nil)
+	for i, part := range parts {
+		part = bytes.TrimSpace(part)
+		if len(part) < 2 || part[0] != '"' {
+			return badRequestf("invalid request: prompt[%d] must be a string", i)
+		}
+		if i > 0 {
+			c.WriteString(sepMessage)
+		}
+		c.Write(part[1 : len(part)-1])
+	}
+	req.Hashes = c.Hashes()
+	req.PromptTokens = p.tokens(c.Len())
+	return nil
+}
+
+// hashTokenBatch handles a batch of prompts given as token ids
+// ([[1,2,3],[4,5,6]], one completion each): the engine holds them all, so
+// they are counted together and hashed as one sequence, in order, as an
+// array of strings is.
+func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMessage) error {
+	var all []int32
+	for i, part := range parts {
+		var tokens []int32
+		if err := json.Unmarshal(part, &tokens); err != nil {
+			return badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+		}
+		all = append(all, tokens...)
+	}
+	req.Hashes = p.hasher.HashTokens(nil, seed, all)
+	req.PromptTokens = len(all)
+	return nil
+}
+
+// hashChat hashes the tools, then each message's role and content in
+// order. Content is hashed as its raw JSON (a string's escaped bytes
+// without the quotes, or the content-part array as sent).
+func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
+	if raw.Messages == nil {
+		return badRequestf("invalid request: messages is required")
+	}
+	c := p.hasher.NewChain(seed, nil)
+	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
+		c.Write(tools)
+		c.WriteString(sepMessage)
+	}
+	for i, m := range raw.Messages {
+		if m.Role == "" {
+			return badRequestf("invalid request: messages[%d].role is required", i)
+		}
+		c.WriteString(m.Role)
+		c.WriteString(sepField)
+		content := bytes.TrimSpace(m.Content)
+		if len(content) >= 2 && content[0] == '"' {
+			content = content[1 : len(content)-1]
+		}
+		c.Write(content)
+		c.WriteString(sepMessage)
+	}
+	req.Hashes = c.Hashes()
+	req.PromptTokens = p.tokens(c.Len())
+	return nil
+}
+
+// duplicateMessages reports whether body's object names messages twice.
+// encoding/json then decodes the second array into the first's elements,
+// so a message missing a field keeps the earlier one's (a role from one
+// array, content from the other); the single-pass reader takes the last
+// array whole, as for every other key, and such bodies are left out of
+// the comparison.
+func duplicateMessages(body []byte) bool {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return false
+	}
+	n := 0
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return false
+		}
+		if k, _ := tok.(string); bytes.EqualFold([]byte(k), []byte("messages")) {
+			n++
+		}
+		var v json.RawMessage
+		if dec.Decode(&v) != nil {
+			return false
+		}
+	}
+	return n > 1
+}
+
+// sameAsReference checks that the single-pass reader accepts what the
+// reference accepts and finds the same fields and hashes.
+func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
+	t.Helper()
+	if duplicateMessages(body) {
+		return
+	}
+	got, err := p.parse(ep, body)
+	want, refErr := p.refParse(ep, body)
+	if (err == nil) != (refErr == nil) {
+		t.Fatalf("%s %.300q:\n reader: %v\n reference: %v", ep, body, err, refErr)
+	}
+	if err != nil {
+		var bad errBadRequest
+		if !errors.As(err, &bad) {
+			t.Fatalf("%.300q: error %T %v, want a bad request", body, err, err)
+		}
+		return
+	}
+	if got.Model != want.Model || got.PromptTokens != want.PromptTokens || got.MaxTokens != want.MaxTokens ||
+		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) {
+		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
+	}
+}
+
+// referenceCorpus is bodies of both endpoints' shapes, valid and not.
+func referenceCorpus() []string {
+	long := strings.Repeat("The quick brown fox \\\"jumps\\\" over the lazy dog. ", 40)
+	bodies := []string{
+		`{"model":"m","prompt":"hello world, hello world"}`,
+		`{"model":"m","prompt":"` + long + `"}`,
+		`{"model":"m","prompt":["` + long + `","b","` + long + `"]}`,
+		`{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
+		`{"model":"m","prompt":[[1,2,3],[4,5,6,7,8],null,[],[9,10,11,12,13,14,15,16,17]]}`,
+		`{"model":"m","prompt":[null,5,-0,-2147483648,2147483647]}`,
+		`{"prompt":[2147483648]}`, `{"prompt":[1.5]}`, `{"prompt":[1e2]}`, `{"prompt":[[1],[2.0]]}`,
+		`{"prompt":[1,"a"]}`, `{"prompt":["a",1]}`, `{"prompt":[[1],"a"]}`, `{"prompt":[null,[1]]}`, `{"prompt":[["a"]]}`,
+		`{"prompt":[]}`, `{"prompt":[[]]}`, `{"prompt":[""]}`, `{"prompt":""}`, `{"prompt":null}`, `{"prompt":{}}`, `{"prompt":true}`,
+		`{"prompt":[{}]}`, `{"prompt":[true]}`, `{"prompt":3,"prompt":"x"}`, `{"prompt":"x","prompt":3}`,
+		`{"prompt":"\u00e9\"\\\/\b\f\n\r\t\ud83d\ude00 \ud800 \udc00x"}`,
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":["string","null"]}}}}}]}`,
+		`{"messages":[{"role":"user","content":"hi"}],"model":"m","tools":[{"type":"function"}],"stream":true}`,
+		`{"messages":[{"role":"user","content":"hi"}],"tools":[1],"tools":null}`,
+		`{"tools":null,"messages":[{"role":"user","content":"hi"}],"tools":[2]}`,
+		`{"tools":[ 1 , 2 ],"messages":[{"role":"user","content":"hi"}],"tools":[ 1 , 2 ]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url","image_url":{"url":"data:..."}}]}]}`,
+		`{"messages":[{"content":"first","role":"system"},{"role":"user"},{"role":"user","content":null}]}`,
+		`{"messages":[{"role":"a","role":null,"content":"x","content":null}]}`,
+		`{"messages":[{"role":"a","role":"","content":"x"}]}`,
+		`{"messages":[null]}`, `{"messages":[{}]}`, `{"messages":[]}`, `{"messages":null}`, `{"messages":"x"}`, `{"messages":["x"]}`,
+		`{"messages":[{"role":7}]}`, `{"messages":[{"role":"u"}],"messages":null}`, `{"messages":null,"messages":[{"role":"u"}]}`,
+		`{"messages":[{"role":"\u0075ser","content":"\ud83d\ude00 caf\u00e9 \"quoted\" \\ back"}]}`,
+		"{\"messages\":[{\"role\":\"us\xffer\",\"content\":\"bad \xfe utf8\"}],\"model\":\"m\xc3\"}",
+		`{"messages":[{"role":"\ud800","content":"x"}],"model":"\udbff\udfff\ud83d"}`,
+		`{"MODEL":"up","Model":"b","mode\u006c":"c","moDEL":"d","Messages":[{"ROLE":"user","Content":"x"}]}`,
+		"{\"model\":\"m\",\"max_to\u212aens\":5,\"\u017ftream\":true}", // Kelvin sign, long s
+		`{"model":"a","model":null,"stream":true,"stream":null,"max_tokens":3,"max_tokens":null,"max_completion_tokens":9}`,
+		`{"max_tokens":-0}`, `{"max_tokens":-5}`, `{"max_tokens":1e2}`, `{"max_tokens":1.0}`, `{"max_tokens":"1"}`,
+		`{"max_tokens":9223372036854775807}`, `{"max_tokens":9223372036854775808}`, `{"max_tokens":-9223372036854775808}`,
+		`{"stream":"yes"}`, `{"stream":1}`, `{"model":3}`, `{"model":["m"]}`,
+		`[]`, `null`, `"x"`, ``, ` `, `{`, `{"model":"m"`, `{"model":"m",}`, `{"model":"m"}x`, `{"model":"m"} `,
+		`{"a":[1,2,{"b":[]}],"model":"m","prompt":"x"}`, `{"a":{"b":[1,{"c":"d"}]}}`, `{"a":tru}`, `{"a":nul}`, `{"a":01}`,
+		`{"a":-}`, `{"a":1.}`, `{"a":1e}`, `{"a":"\x"}`, `{"a":"\u12"}`, "{\"a\":\"\x01\"}", `{"a" "b"}`, `{"a":1 "b":2}`,
+		`{"a":[1 2]}`, `{"a":[1,]}`, `{,}`, `{"a":}`, `{"a":"b",}`, "\ufeff{}", `{"model":"m"}{}`,
+		"{\"messages\":[{\"role\":\"user\",\"content\":\"tab\there\"}]}",
+		"{ \"model\" : \"m\" ,\n\t\"messages\" : [ { \"role\" : \"user\" , \"content\" : \"x\" } ] }",
+		`{"model":"meta-llama/Llama-3.1-8B-Instruct","temperature":0.7,"stop":["\n"],"logit_bias":{"50256":-100},"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}`,
+	}
+	nest := func(n int) string {
+		return `{"x":` + strings.Repeat("[", n-1) + strings.Repeat("]", n-1) + `,"prompt":"p"}`
+	}
+	bodies = append(bodies, nest(maxDepth-1), nest(maxDepth), nest(maxDepth+1))
+	// Generated chats, with the fields in both orders.
+	for i := range 20 {
+		var msgs []map[string]any
+		for j := range i {
+			content := any(strings.Repeat(fmt.Sprintf("turn %d of %d, ünïcødé \"q\" \\ \n ", j, i), j*7+1))
+			if j%3 == 2 {
+				content = []map[string]any{{"type": "text", "text": content}}
+			}
+			msgs = append(msgs, map[string]any{"role": []string{"system", "user", "assistant"}[j%3], "content": content})
+		}
+		tools := []map[string]any{{"type": "function", "function": map[string]any{"name": "f", "parameters": map[string]any{"n": []any{1, "two", nil, true}}}}}
+		b, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs, "tools": tools, "max_completion_tokens": i})
+		bodies = append(bodies, string(b))
+		b, _ = json.Marshal(map[string]any{"model": "m", "messages": msgs})
+		bodies = append(bodies, string(b))
+		// Encoded in key order messages, model, tools as the OpenAI Python client sends.
+		mb, _ := json.Marshal(msgs)
+		tb, _ := json.Marshal(tools)
+		bodies = append(bodies, `{"messages":`+string(mb)+`,"model":"m","tools":`+string(tb)+`}`)
+	}
+	return bodies
+}
+
+// TestParseMatchesReference: on every body of the corpus, at block sizes
+// small and default, the single-pass reader and the encoding/json parser
+// it replaced agree: both reject, or both accept with the same model,
+// counts, flags and block hashes.
+func TestParseMatchesReference(t *testing.T) {
+	for _, p := range []*parser{
+		testParser(),
+		newParser(prefixindex.Hasher{}, 4, "salt"),
+		newParser(prefixindex.Hasher{BlockTokens: 2, BytesPerToken: 3, MaxBlocks: 3}, 3, ""),
+	} {
+		for _, body := range referenceCorpus() {
+			for _, ep := range []Endpoint{EndpointCompletions, EndpointChatCompletions} {
+				sameAsReference(t, p, ep, []byte(body))
+			}
+		}
+	}
+}
+
+// FuzzParseMatchesReference is the differential fuzz target: whatever
+// the body, the single-pass reader agrees with the reference.
+func FuzzParseMatchesReference(f *testing.F) {
+	for _, body := range referenceCorpus() {
+		if len(body) < 4096 {
+			f.Add([]byte(body), false)
+			f.Add([]byte(body), true)
+		}
+	}
+	p := testParser()
+	f.Fuzz(func(t *testing.T, body []byte, chat bool) {
+		ep := EndpointCompletions
+		if chat {
+			ep = EndpointChatCompletions
+		}
+		sameAsReference(t, p, ep, body)
+	})
+}

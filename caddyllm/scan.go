@@ -1,0 +1,603 @@
+package caddyllm
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math/bits"
+	"unicode"
+	"unicode/utf16"
+	"unicode/utf8"
+)
+
+// maxDepth is the deepest nesting of arrays and objects a body may have,
+// encoding/json's limit.
+const maxDepth = 10000
+
+// scanner reads one JSON text in a single forward pass, validating it as
+// encoding/json does (strings are not checked for valid UTF-8; control
+// characters must be escaped). Values are returned as byte ranges of buf,
+// never copied. The first syntax error stops it.
+type scanner struct {
+	buf   []byte
+	pos   int
+	depth int
+	err   error
+	// inObject has bit d set when the container at depth d is an object
+	// (for skip, which walks values it does not look into). Its length
+	// bounds the depth: maxDepth/64+1 words allow what encoding/json
+	// allows.
+	inObject []uint64
+}
+
+// syntaxError is a malformed body, at a byte offset.
+type syntaxError struct {
+	off int
+	msg string
+}
+
+func (e *syntaxError) Error() string {
+	return fmt.Sprintf("invalid JSON body at byte %d: %s", e.off, e.msg)
+}
+
+// fail records the first syntax error and stops the scan.
+func (s *scanner) fail(format string, args ...any) bool {
+	if s.err == nil {
+		s.err = &syntaxError{off: s.pos, msg: fmt.Sprintf(format, args...)}
+	}
+	s.pos = len(s.buf)
+	return false
+}
+
+// unexpected fails on the byte at pos (or the end of input).
+func (s *scanner) unexpected(context string) bool {
+	if s.pos >= len(s.buf) {
+		return s.fail("unexpected end of JSON input")
+	}
+	return s.fail("invalid character %s %s", quoteChar(s.buf[s.pos]), context)
+}
+
+// quoteChar formats c as encoding/json's errors do.
+func quoteChar(c byte) string {
+	switch {
+	case c == '\'':
+		return `'\''`
+	case c == '"':
+		return `'"'`
+	case c < 0x20 || c >= 0x7f:
+		return fmt.Sprintf("%q", string(rune(c)))
+	}
+	return "'" + string(c) + "'"
+}
+
+// ws skips whitespace and returns the next byte, 0 at the end.
+func (s *scanner) ws() byte {
+	for s.pos < len(s.buf) {
+		switch c := s.buf[s.pos]; c {
+		case ' ', '\t', '\n', '\r':
+			s.pos++
+		default:
+			return c
+		}
+	}
+	return 0
+}
+
+// push enters a container.
+func (s *scanner) push(object bool) bool {
+	s.depth++
+	if s.depth > maxDepth || s.depth/64 >= len(s.inObject) {
+		return s.fail("exceeded max depth")
+	}
+	w, bit := s.depth/64, uint64(1)<<(s.depth%64)
+	if object {
+		s.inObject[w] |= bit
+	} else {
+		s.inObject[w] &^= bit
+	}
+	return true
+}
+
+// SWAR constants: one in every byte, and every byte's high bit.
+const (
+	lsb = 0x0101010101010101
+	msb = 0x8080808080808080
+)
+
+// special has the high bit set in the first byte of w that is a quote, a
+// backslash or a control character (bytes after it may be set too). A
+// quote is the one byte other than the control characters that is below
+// 0x21 once bit 1 is flipped, so two tests cover the three.
+func special(w uint64) uint64 {
+	q := w ^ (lsb * 0x02)
+	b := w ^ (lsb * '\\')
+	return ((q-lsb*0x21)&^q | (b-lsb)&^b) & msb
+}
+
+// str reads the string whose opening quote is at pos and returns the
+// range of its contents (still escaped) and whether it has escapes.
+// Strings are where the bytes of a request are. Runs without escapes are
+// found with bytes.IndexByte (vectorised) and checked for control
+// characters eight bytes at a time; where escapes come close together,
+// strMarks takes over.
+func (s *scanner) str() (start, end int, escaped, ok bool) {
+	buf := s.buf
+	start = s.pos + 1
+	if start+16 <= len(buf) {
+		// Short strings (keys, roles) end in their first sixteen bytes.
+		w := buf[start : start+16 : start+16]
+		if m0 := special(binary.LittleEndian.Uint64(w[:8])); m0 != 0 {
+			if p := start + bits.TrailingZeros64(m0)>>3; buf[p] == '"' {
+				s.pos = p + 1
+				return start, p, false, true
+			}
+		} else if m1 := special(binary.LittleEndian.Uint64(w[8:])); m1 != 0 {
+			if p := start + 8 + bits.TrailingZeros64(m1)>>3; buf[p] == '"' {
+				s.pos = p + 1
+				return start, p, false, true
+			}
+		}
+	}
+	i := start // the first byte not yet read
+	q := -1    // the next quote at or after i, once known
+	for {
+		if q < i {
+			q = bytes.IndexByte(buf[i:], '"')
+			if q < 0 {
+				return s.strMarks(start, i, escaped)
+			}
+			q += i
+		}
+		run := buf[i:q]
+		bs := bytes.IndexByte(run, '\\')
+		if bs >= 0 {
+			run = run[:bs]
+		}
+		if hasControl(run) {
+			return s.strMarks(start, i, escaped)
+		}
+		if bs < 0 {
+			s.pos = q + 1
+			return start, q, escaped, true
+		}
+		escaped = true
+		p := i + bs
+		if p+1 < len(buf) && simpleEscape[buf[p+1]] {
+			i = p + 2
+		} else if i, ok = s.escape(p); !ok {
+			return 0, 0, false, false
+		}
+		if bs < 16 {
+			// Escapes close together: a call per escape costs more than
+			// looking at every byte.
+			return s.strMarks(start, i, escaped)
+		}
+	}
+}
+
+// hasControl reports whether p has a byte below 0x20.
+func hasControl(p []byte) bool {
+	var acc uint64
+	for len(p) >= 32 {
+		w0 := binary.LittleEndian.Uint64(p[0:8])
+		w1 := binary.LittleEndian.Uint64(p[8:16])
+		w2 := binary.LittleEndian.Uint64(p[16:24])
+		w3 := binary.LittleEndian.Uint64(p[24:32])
+		acc |= (w0-lsb*0x20)&^w0 | (w1-lsb*0x20)&^w1 | (w2-lsb*0x20)&^w2 | (w3-lsb*0x20)&^w3
+		p = p[32:]
+	}
+	for len(p) >= 8 {
+		w := binary.LittleEndian.Uint64(p)
+		acc |= (w - lsb*0x20) &^ w
+		p = p[8:]
+	}
+	for _, c := range p {
+		if c < 0x20 {
+			return true
+		}
+	}
+	return acc&msb != 0
+}
+
+// strMarks reads the rest of the string from i, whose contents began at
+// start: special marks the bytes to look at in each sixteen.
+func (s *scanner) strMarks(start, i int, escaped bool) (int, int, bool, bool) {
+	buf := s.buf
+	var ok bool
+	j := i // the next word to look at
+	for ; j+16 <= len(buf); j += 16 {
+		w := buf[j : j+16 : j+16]
+		m0 := special(binary.LittleEndian.Uint64(w[:8]))
+		m1 := special(binary.LittleEndian.Uint64(w[8:]))
+		if m0|m1 == 0 {
+			continue
+		}
+		for half, m := range [2]uint64{m0, m1} {
+			for ; m != 0; m &= m - 1 {
+				p := j + 8*half + bits.TrailingZeros64(m)>>3
+				if p < i {
+					continue // inside an escape already read
+				}
+				switch c := buf[p]; {
+				case c == '"':
+					s.pos = p + 1
+					return start, p, escaped, true
+				case c == '\\':
+					escaped = true
+					if p+1 < len(buf) && simpleEscape[buf[p+1]] {
+						i = p + 2
+					} else if i, ok = s.escape(p); !ok {
+						return 0, 0, false, false
+					}
+				case c < 0x20:
+					s.pos = p
+					return 0, 0, false, s.unexpected("in string literal")
+				}
+				// Otherwise a false positive of special, after a match.
+			}
+		}
+	}
+	for i = max(i, j); i < len(buf); {
+		switch c := buf[i]; {
+		case c == '"':
+			s.pos = i + 1
+			return start, i, escaped, true
+		case c == '\\':
+			escaped = true
+			if i, ok = s.escape(i); !ok {
+				return 0, 0, false, false
+			}
+		case c < 0x20:
+			s.pos = i
+			return 0, 0, false, s.unexpected("in string literal")
+		default:
+			i++
+		}
+	}
+	s.pos = i
+	return 0, 0, false, s.fail("unexpected end of JSON input")
+}
+
+// simpleEscape marks the bytes that follow a backslash in a two-byte
+// escape.
+var simpleEscape = [256]bool{'"': true, '\\': true, '/': true, 'b': true, 'f': true, 'n': true, 'r': true, 't': true}
+
+// escape checks the escape sequence whose backslash is at p and returns
+// the offset after it.
+func (s *scanner) escape(p int) (int, bool) {
+	buf := s.buf
+	if p+1 >= len(buf) {
+		s.pos = len(buf)
+		return 0, s.fail("unexpected end of JSON input")
+	}
+	switch buf[p+1] {
+	case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+		return p + 2, true
+	case 'u':
+		for k := p + 2; k < p+6; k++ {
+			if k >= len(buf) {
+				s.pos = k
+				return 0, s.fail("unexpected end of JSON input")
+			}
+			if !isHex(buf[k]) {
+				s.pos = k
+				return 0, s.unexpected("in \\u hexadecimal character escape")
+			}
+		}
+		return p + 6, true
+	}
+	s.pos = p + 1
+	return 0, s.unexpected("in string escape code")
+}
+
+func isHex(c byte) bool {
+	return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F'
+}
+
+// number reads the number at pos and returns its range.
+func (s *scanner) number() (start, end int, ok bool) {
+	buf := s.buf
+	start = s.pos
+	i := start
+	if i < len(buf) && buf[i] == '-' {
+		i++
+	}
+	switch {
+	case i < len(buf) && buf[i] == '0':
+		i++
+	case i < len(buf) && '1' <= buf[i] && buf[i] <= '9':
+		for i++; i < len(buf) && '0' <= buf[i] && buf[i] <= '9'; i++ {
+		}
+	default:
+		s.pos = i
+		return 0, 0, s.unexpected("in numeric literal")
+	}
+	if i < len(buf) && buf[i] == '.' {
+		i++
+		if i >= len(buf) || buf[i] < '0' || buf[i] > '9' {
+			s.pos = i
+			return 0, 0, s.unexpected("after decimal point in numeric literal")
+		}
+		for ; i < len(buf) && '0' <= buf[i] && buf[i] <= '9'; i++ {
+		}
+	}
+	if i < len(buf) && (buf[i] == 'e' || buf[i] == 'E') {
+		i++
+		if i < len(buf) && (buf[i] == '+' || buf[i] == '-') {
+			i++
+		}
+		if i >= len(buf) || buf[i] < '0' || buf[i] > '9' {
+			s.pos = i
+			return 0, 0, s.unexpected("in exponent of numeric literal")
+		}
+		for ; i < len(buf) && '0' <= buf[i] && buf[i] <= '9'; i++ {
+		}
+	}
+	s.pos = i
+	return start, i, true
+}
+
+// literal reads true, false or null at pos.
+func (s *scanner) literal() bool {
+	var word string
+	switch s.buf[s.pos] {
+	case 't':
+		word = "true"
+	case 'f':
+		word = "false"
+	default:
+		word = "null"
+	}
+	for i := 1; i < len(word); i++ {
+		if s.pos+i >= len(s.buf) {
+			s.pos += i
+			return s.fail("unexpected end of JSON input")
+		}
+		if s.buf[s.pos+i] != word[i] {
+			s.pos += i
+			return s.unexpected("in literal " + word + " (expecting '" + word[i:i+1] + "')")
+		}
+	}
+	s.pos += len(word)
+	return true
+}
+
+// scalar reads the string, number or literal at pos.
+func (s *scanner) scalar(c byte) bool {
+	switch {
+	case c == '"':
+		_, _, _, ok := s.str()
+		return ok
+	case c == 't' || c == 'f' || c == 'n':
+		return s.literal()
+	case c == '-' || '0' <= c && c <= '9':
+		_, _, ok := s.number()
+		return ok
+	}
+	return s.unexpected("looking for beginning of value")
+}
+
+// skip reads the value at pos (after whitespace), whatever it is, and
+// returns its range. Nested values are walked without recursion.
+func (s *scanner) skip() (start, end int, ok bool) {
+	base := s.depth
+	c := s.ws()
+	start = s.pos
+	for {
+		// A value starts at pos.
+		switch c {
+		case '{':
+			s.pos++
+			if !s.push(true) {
+				return 0, 0, false
+			}
+			if c = s.ws(); c != '}' {
+				if !s.colonAfterKey() {
+					return 0, 0, false
+				}
+				c = s.ws()
+				continue
+			}
+			s.pos++
+			s.depth--
+		case '[':
+			s.pos++
+			if !s.push(false) {
+				return 0, 0, false
+			}
+			if c = s.ws(); c != ']' {
+				continue
+			}
+			s.pos++
+			s.depth--
+		default:
+			if !s.scalar(c) {
+				return 0, 0, false
+			}
+		}
+		// A value ended: close containers until another value follows.
+		for {
+			if s.depth == base {
+				return start, s.pos, true
+			}
+			object := s.inObject[s.depth/64]&(1<<(s.depth%64)) != 0
+			c = s.ws()
+			switch {
+			case c == ',':
+				s.pos++
+				if object {
+					s.ws()
+					if !s.colonAfterKey() {
+						return 0, 0, false
+					}
+				}
+				c = s.ws()
+			case object && c == '}' || !object && c == ']':
+				s.pos++
+				s.depth--
+				continue
+			case object:
+				return 0, 0, s.unexpected("after object key:value pair")
+			default:
+				return 0, 0, s.unexpected("after array element")
+			}
+			break
+		}
+	}
+}
+
+// colonAfterKey reads a key (at pos) and the colon after it.
+func (s *scanner) colonAfterKey() bool {
+	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {
+		return s.unexpected("looking for beginning of object key string")
+	}
+	if _, _, _, ok := s.str(); !ok {
+		return false
+	}
+	if s.ws() != ':' {
+		return s.unexpected("after object key")
+	}
+	s.pos++
+	return true
+}
+
+// key reads an object key and the colon after it, decoded into dst (a
+// scratch buffer) when it has escapes or non-ASCII bytes.
+func (s *scanner) key(dst []byte) ([]byte, bool) {
+	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {
+		return nil, s.unexpected("looking for beginning of object key string")
+	}
+	start, end, escaped, ok := s.str()
+	if !ok {
+		return nil, false
+	}
+	k := decodeString(dst, s.buf[start:end], escaped)
+	if s.ws() != ':' {
+		return nil, s.unexpected("after object key")
+	}
+	s.pos++
+	return k, true
+}
+
+// end checks that nothing but whitespace follows the top-level value.
+func (s *scanner) end() bool {
+	if s.ws() != 0 {
+		return s.unexpected("after top-level value")
+	}
+	return true
+}
+
+// decodeString returns the string value of raw (a string's contents as
+// scanned) as encoding/json decodes it: escapes resolved, invalid UTF-8
+// and unpaired surrogates replaced with U+FFFD. Plain ASCII is returned
+// as is; anything else is decoded into dst[:0].
+func decodeString(dst, raw []byte, escaped bool) []byte {
+	if !escaped {
+		ascii := true
+		for _, c := range raw {
+			if c >= utf8.RuneSelf {
+				ascii = false
+				break
+			}
+		}
+		if ascii || utf8.Valid(raw) {
+			return raw
+		}
+	}
+	b := dst[:0]
+	for r := 0; r < len(raw); {
+		c := raw[r]
+		switch {
+		case c == '\\':
+			switch raw[r+1] {
+			case 'b':
+				b = append(b, '\b')
+			case 'f':
+				b = append(b, '\f')
+			case 'n':
+				b = append(b, '\n')
+			case 'r':
+				b = append(b, '\r')
+			case 't':
+				b = append(b, '\t')
+			case 'u':
+				rr := hex4(raw[r+2:])
+				r += 6
+				if utf16.IsSurrogate(rr) {
+					if r+6 <= len(raw) && raw[r] == '\\' && raw[r+1] == 'u' {
+						if dec := utf16.DecodeRune(rr, hex4(raw[r+2:])); dec != unicode.ReplacementChar {
+							b = utf8.AppendRune(b, dec)
+							r += 6
+							continue
+						}
+					}
+					rr = unicode.ReplacementChar
+				}
+				b = utf8.AppendRune(b, rr)
+				continue
+			default: // '"', '\\', '/'
+				b = append(b, raw[r+1])
+			}
+			r += 2
+		case c < utf8.RuneSelf:
+			b = append(b, c)
+			r++
+		default:
+			rr, size := utf8.DecodeRune(raw[r:])
+			b = utf8.AppendRune(b, rr)
+			r += size
+		}
+	}
+	return b
+}
+
+// hex4 decodes the four hex digits (already validated) at the start of p.
+func hex4(p []byte) rune {
+	var r rune
+	for _, c := range p[:4] {
+		switch {
+		case c <= '9':
+			c -= '0'
+		case c <= 'F':
+			c -= 'A' - 10
+		default:
+			c -= 'a' - 10
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
+}
+
+// parseInt reads an integer literal that fits in bitSize bits; numbers
+// with a fraction or exponent, or out of range, are not integers (as
+// encoding/json decodes into an int).
+func parseInt(p []byte, bitSize uint) (int64, bool) {
+	neg := len(p) > 0 && p[0] == '-'
+	if neg {
+		p = p[1:]
+	}
+	if len(p) == 0 {
+		return 0, false
+	}
+	limit := uint64(1) << (bitSize - 1) // |min|; max is limit-1
+	var n uint64
+	for _, c := range p {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		if n > (limit+9)/10 {
+			return 0, false
+		}
+		n = n*10 + uint64(c-'0')
+		if n > limit {
+			return 0, false
+		}
+	}
+	if neg {
+		return -int64(n), true // n == limit is min
+	}
+	if n == limit {
+		return 0, false
+	}
+	return int64(n), true
+}

@@ -1,0 +1,359 @@
+package caddyllm
+
+// Reading what the router needs of a response without decoding it: the
+// usage object of a completion body, and the text, identity and usage of
+// a streamed chunk. Both read with the request's scanner and give up on
+// anything unusual (a key in other case, a key given twice, a number of
+// the wrong kind, nesting deeper than chunks have), leaving it to
+// encoding/json, so that what they return is what encoding/json would.
+
+// chunkDepth bounds the nesting the chunk reader follows; deeper chunks
+// go to encoding/json.
+const chunkDepth = 127
+
+// chunkFields is what the recorder reads of a streamed chunk: byte
+// ranges of its strings (still escaped), created, the first choice's text
+// and the usage.
+type chunkFields struct {
+	id, object, model span
+	created           int64
+	text              span
+	textEscaped       bool
+	usage             usage
+	cached            int
+	hasUsage          bool
+	hasCached         bool
+}
+
+// Keys of a chunk, a choice, a delta, a usage.
+var (
+	chunkKeys   = [...]string{"id", "object", "created", "model", "choices", "usage"}
+	choiceKeys  = [...]string{"text", "delta"}
+	deltaKeys   = [...]string{"role", "content"}
+	usageKeys   = [...]string{"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+	detailsKeys = [...]string{"cached_tokens"}
+)
+
+// keyOf returns the index of key among names for an exact match, and
+// false when key matches a name only as encoding/json folds case (the
+// caller then gives up), or appears again (seen has a bit per name).
+func keyOf(key []byte, names []string, seen *uint8) (int, bool) {
+	for i, name := range names {
+		if string(key) == name {
+			if *seen&(1<<i) != 0 {
+				return 0, false
+			}
+			*seen |= 1 << i
+			return i, true
+		}
+	}
+	for _, name := range names {
+		if equalFold(key, name) {
+			return 0, false
+		}
+	}
+	return fieldOther, true
+}
+
+// open reads the '{' of an object at pos.
+func (s *scanner) open() bool {
+	if s.ws() != '{' {
+		return false
+	}
+	s.pos++
+	return s.push(true)
+}
+
+// member reads the next key of the object being read, decoded into buf,
+// and its colon; it returns false at the object's end (read) or on an
+// error (s.err set).
+func (s *scanner) member(first bool, buf []byte) ([]byte, bool) {
+	switch c := s.ws(); {
+	case c == '}':
+		s.pos++
+		s.depth--
+		return nil, false
+	case first:
+	case c == ',':
+		s.pos++
+		s.ws()
+	default:
+		s.unexpected("after object key:value pair")
+		return nil, false
+	}
+	return s.key(buf)
+}
+
+// optString reads a string or null into dst (null leaves it).
+func (s *scanner) optString(dst *span) bool {
+	switch s.ws() {
+	case 'n':
+		return s.literal()
+	case '"':
+		start, end, _, ok := s.str()
+		*dst = span{start, end}
+		return ok
+	}
+	return false
+}
+
+// optInt reads an integer or null into dst (null leaves it).
+func (s *scanner) optInt(dst *int64) bool {
+	switch c := s.ws(); {
+	case c == 'n':
+		return s.literal()
+	case c == '-' || '0' <= c && c <= '9':
+		start, end, ok := s.number()
+		if !ok {
+			return false
+		}
+		v, ok := parseInt(s.buf[start:end], 64)
+		*dst = v
+		return ok
+	}
+	return false
+}
+
+// readUsage reads a usage object (or null) at pos into u.
+func (s *scanner) readUsage(u *usage, cached *int, hasCached *bool) bool {
+	if s.ws() == 'n' {
+		return s.literal()
+	}
+	if !s.open() {
+		return false
+	}
+	var buf [32]byte
+	var seen uint8
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil
+		}
+		i, ok := keyOf(key, usageKeys[:], &seen)
+		if !ok {
+			return false
+		}
+		switch i {
+		case 0:
+			ok = s.optIntField(&u.PromptTokens)
+		case 1:
+			ok = s.optIntField(&u.CompletionTokens)
+		case 2:
+			ok = s.optIntField(&u.TotalTokens)
+		case 3:
+			ok = s.readDetails(cached, hasCached)
+		default:
+			_, _, ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+	}
+}
+
+// optIntField is optInt for an int.
+func (s *scanner) optIntField(dst *int) bool {
+	v := int64(*dst)
+	ok := s.optInt(&v)
+	*dst = int(v)
+	return ok
+}
+
+// readDetails reads prompt_tokens_details (or null).
+func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
+	if s.ws() == 'n' {
+		*hasCached = false
+		return s.literal()
+	}
+	if !s.open() {
+		return false
+	}
+	*hasCached = true
+	var buf [32]byte
+	var seen uint8
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil
+		}
+		i, ok := keyOf(key, detailsKeys[:], &seen)
+		switch {
+		case !ok:
+			return false
+		case i == 0:
+			ok = s.optIntField(cached)
+		default:
+			_, _, ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+	}
+}
+
+// readChunk reads a streamed chunk's data. It reports false when the
+// chunk is for encoding/json to read.
+func readChunk(data []byte, f *chunkFields) bool {
+	var depth [chunkDepth/64 + 1]uint64
+	s := scanner{buf: data, inObject: depth[:]}
+	if !s.open() {
+		return false
+	}
+	var buf [32]byte
+	var seen uint8
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil && s.end()
+		}
+		i, ok := keyOf(key, chunkKeys[:], &seen)
+		if !ok {
+			return false
+		}
+		switch i {
+		case 0:
+			ok = s.optString(&f.id)
+		case 1:
+			ok = s.optString(&f.object)
+		case 2:
+			ok = s.optInt(&f.created)
+		case 3:
+			ok = s.optString(&f.model)
+		case 4:
+			ok = s.readChoices(f)
+		case 5:
+			if s.ws() == 'n' {
+				f.hasUsage = false
+				ok = s.literal()
+			} else {
+				f.hasUsage = true
+				ok = s.readUsage(&f.usage, &f.cached, &f.hasCached)
+			}
+		default:
+			_, _, ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+	}
+}
+
+// readChoices reads a chunk's choices and keeps the first one's text: its
+// text, else its delta's content.
+func (s *scanner) readChoices(f *chunkFields) bool {
+	switch s.ws() {
+	case 'n':
+		return s.literal()
+	case '[':
+	default:
+		return false
+	}
+	s.pos++
+	if !s.push(false) {
+		return false
+	}
+	if s.ws() == ']' {
+		s.pos++
+		s.depth--
+		return true
+	}
+	for i := 0; ; i++ {
+		var text, content span
+		var hasText, hasContent bool
+		if s.ws() == 'n' {
+			if !s.literal() {
+				return false
+			}
+		} else if !s.readChoice(&text, &hasText, &content, &hasContent) {
+			return false
+		}
+		if i == 0 {
+			switch {
+			case hasText:
+				f.text = text
+			case hasContent:
+				f.text = content
+			}
+		}
+		switch s.ws() {
+		case ',':
+			s.pos++
+		case ']':
+			s.pos++
+			s.depth--
+			return true
+		default:
+			return false
+		}
+	}
+}
+
+// readChoice reads one choice: its text and its delta's content.
+func (s *scanner) readChoice(text *span, hasText *bool, content *span, hasContent *bool) bool {
+	if !s.open() {
+		return false
+	}
+	var buf [32]byte
+	var seen uint8
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil
+		}
+		i, ok := keyOf(key, choiceKeys[:], &seen)
+		switch {
+		case !ok:
+			return false
+		case i == 0 && s.ws() == 'n':
+			*hasText = false
+			ok = s.literal()
+		case i == 0:
+			*hasText = true
+			ok = s.optString(text)
+		case i == 1 && s.ws() == 'n':
+			*hasContent = false
+			ok = s.literal()
+		case i == 1:
+			ok = s.readDelta(content, hasContent)
+		default:
+			_, _, ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+	}
+}
+
+// readDelta reads a chat choice's delta: its content.
+func (s *scanner) readDelta(content *span, hasContent *bool) bool {
+	if !s.open() {
+		return false
+	}
+	var buf [32]byte
+	var seen uint8
+	var role span
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil
+		}
+		i, ok := keyOf(key, deltaKeys[:], &seen)
+		switch {
+		case !ok:
+			return false
+		case i == 0:
+			ok = s.optString(&role)
+		case i == 1 && s.ws() == 'n':
+			*hasContent = false
+			ok = s.literal()
+		case i == 1:
+			*hasContent = true
+			ok = s.optString(content)
+		default:
+			_, _, ok = s.skip()
+		}
+		if !ok {
+			return false
+		}
+	}
+}
