@@ -170,8 +170,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
 
 	st := &requestState{req: req, body: body, origBody: body, arrived: arrived}
-	st.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	st.setParsedPlaceholders()
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Map(st.placeholder)
+	}
 	r = r.WithContext(context.WithValue(r.Context(), stateKey{}, st))
 	rec := newTokenRecorder(w, st)
 	st.rec = rec
@@ -260,9 +262,8 @@ type requestState struct {
 	// that its first token was measured (a continuation's is not).
 	arrived       time.Time
 	sawFirstToken bool
-	// repl is the request's replacer, for the placeholders; nil outside
-	// Caddy's HTTP server.
-	repl *caddy.Replacer
+	// ph holds the placeholders' values (see placeholder).
+	ph placeholderValues
 }
 
 // setCancel installs the function that cuts the current attempt.
@@ -357,7 +358,7 @@ func (st *requestState) progress(n int) {
 			a.sh.metrics.observeEstimateError(dec.upstream, dec.reason, sinceDecision-a.charge.Estimate)
 			a.sh.metrics.recordTTFT(dec.upstream, sinceDecision, a.charge.Estimate)
 		}
-		st.setPlaceholder("ttft", now.Sub(st.arrived).Seconds())
+		st.setTTFTPlaceholder(now.Sub(st.arrived).Seconds())
 	}
 }
 

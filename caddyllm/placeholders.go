@@ -1,9 +1,13 @@
 package caddyllm
 
-// The placeholders the handler and the policy set on each parsed
-// request's replacer, for access logs (log_append) and headers. Every
-// value is a count, a duration, a dial address or a fixed word: none
-// carries prompt text.
+import (
+	"strings"
+	"sync"
+)
+
+// The placeholders of each parsed request, for access logs (log_append)
+// and headers. Every value is a count, a duration, a dial address or a
+// fixed word: none carries prompt text.
 //
 //	{http.llm_affinity.model}           the requested model
 //	{http.llm_affinity.prompt_tokens}   estimated prompt tokens
@@ -17,34 +21,94 @@ package caddyllm
 //	{http.llm_affinity.blocked_by}      what blocked a shed request
 const placeholderPrefix = "http.llm_affinity."
 
-// setPlaceholder sets one placeholder, when the request has a replacer.
-func (st *requestState) setPlaceholder(name string, value any) {
-	if st.repl != nil {
-		st.repl.Set(placeholderPrefix+name, value)
+// placeholderValues are what the placeholders report. They are kept as
+// plain values and answered by a replacer provider when a log or header
+// asks: setting them on every decision costs no allocation, where the
+// replacer's Set would box each one.
+type placeholderValues struct {
+	mu           sync.Mutex
+	model        string
+	promptTokens int
+	stream       bool
+	// decided says upstream, reason, matched, estimate and attempt hold a
+	// decision; shed that it gave up (blockedBy says why).
+	decided, shed bool
+	upstream      string
+	reason        string
+	matched       int
+	estimate      float64
+	attempt       int
+	blockedBy     string
+	// ttft is the observed time to first token in seconds, when hasTTFT.
+	ttft    float64
+	hasTTFT bool
+}
+
+// placeholder is the request's replacer provider for
+// {http.llm_affinity.*}.
+func (st *requestState) placeholder(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	if !ok {
+		return nil, false
 	}
+	v := &st.ph
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	switch name {
+	case "model":
+		return v.model, true
+	case "prompt_tokens":
+		return v.promptTokens, true
+	case "stream":
+		return v.stream, true
+	case "upstream":
+		return v.upstream, v.decided || v.shed
+	case "reason":
+		return v.reason, v.decided || v.shed
+	case "matched_tokens":
+		return v.matched, v.decided
+	case "estimated_ttft":
+		return v.estimate, v.decided
+	case "attempt":
+		return v.attempt, v.decided
+	case "blocked_by":
+		return v.blockedBy, v.shed
+	case "ttft":
+		return v.ttft, v.hasTTFT
+	}
+	return nil, false
 }
 
-// setParsedPlaceholders sets what the handler knows from the body.
+// setParsedPlaceholders records what the handler knows from the body.
 func (st *requestState) setParsedPlaceholders() {
-	st.setPlaceholder("model", st.req.Model)
-	st.setPlaceholder("prompt_tokens", st.req.PromptTokens)
-	st.setPlaceholder("stream", st.req.Stream)
+	v := &st.ph
+	v.mu.Lock()
+	v.model, v.promptTokens, v.stream = st.req.Model, st.req.PromptTokens, st.req.Stream
+	v.mu.Unlock()
 }
 
-// setDecisionPlaceholders sets the last decision's; caller holds st.mu.
+// setDecisionPlaceholders records the last decision's; caller holds st.mu.
 func (st *requestState) setDecisionPlaceholders(attempt int) {
-	d := st.decision
-	st.setPlaceholder("upstream", d.upstream)
-	st.setPlaceholder("reason", d.reason)
-	st.setPlaceholder("matched_tokens", d.matched)
-	st.setPlaceholder("estimated_ttft", d.estimate)
-	st.setPlaceholder("attempt", attempt)
+	d := &st.decision
+	v := &st.ph
+	v.mu.Lock()
+	v.decided, v.upstream, v.reason, v.matched, v.estimate, v.attempt = true, d.upstream, d.reason, d.matched, d.estimate, attempt
+	v.mu.Unlock()
 }
 
 // setShedPlaceholders marks a request the policy gave up on; caller holds
 // st.mu.
 func (st *requestState) setShedPlaceholders(blockedBy string) {
-	st.setPlaceholder("upstream", "")
-	st.setPlaceholder("reason", "shed")
-	st.setPlaceholder("blocked_by", blockedBy)
+	v := &st.ph
+	v.mu.Lock()
+	v.shed, v.decided, v.upstream, v.reason, v.blockedBy = true, false, "", "shed", blockedBy
+	v.mu.Unlock()
+}
+
+// setTTFTPlaceholder records the observed time to first token.
+func (st *requestState) setTTFTPlaceholder(seconds float64) {
+	v := &st.ph
+	v.mu.Lock()
+	v.ttft, v.hasTTFT = seconds, true
+	v.mu.Unlock()
 }
