@@ -120,7 +120,7 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 
 	var k coster
 	if opts.Strategy == SGLang {
-		d.Chosen = chooseSGLang(&req, cands, opts)
+		d.Chosen = chooseSGLang(&req, cands, opts, rng)
 	} else {
 		k = newCoster(&req, cands, opts)
 		d.Chosen = pickLowest(&k, rng)
@@ -358,9 +358,12 @@ func (k *coster) tolerance(best float64) float64 {
 }
 
 // pickLowest returns the eligible candidate of lowest cost. Costs within
-// the tie tolerance of the best tie; among ties, two are drawn at random
-// and the one with less queued work wins (power of two choices), so equal
-// replicas do not herd.
+// the tie tolerance of the best tie. Among ties, the ttft and least_work
+// strategies draw two at random and take the one with less queued work
+// (power of two choices), so equal replicas do not herd; the other
+// routers' rules take one uniformly at random, as llm-d's max-score picker
+// (shuffle, then stable sort) and Dynamo's selector (after its tree-size
+// tie-break, which the port lacks) do. Without rng, the first wins.
 func pickLowest(k *coster, rng Rand) int {
 	// Each eligible candidate's cost, computed once; NaN marks the
 	// ineligible (cost never returns NaN). On the stack for usual pools.
@@ -392,7 +395,11 @@ func pickLowest(k *coster, rng Rand) int {
 	if ties < 2 || rng == nil {
 		return best
 	}
-	a, b := nthTie(costs, limit, rng.IntN(ties)), nthTie(costs, limit, rng.IntN(ties))
+	a := nthTie(costs, limit, rng.IntN(ties))
+	if k.strategy != TTFT && k.strategy != LeastWork {
+		return a
+	}
+	b := nthTie(costs, limit, rng.IntN(ties))
 	if queuedTokens(&k.cands[b]) < queuedTokens(&k.cands[a]) {
 		return b
 	}

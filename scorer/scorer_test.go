@@ -364,3 +364,35 @@ func TestForeignRequestsCountForTTFT(t *testing.T) {
 		t.Fatalf("sglang counted foreign requests")
 	}
 }
+
+// The other routers' rules break ties at random, as their own code does in
+// effect: on an idle fleet with nothing cached every replica ties, and a
+// port that took the lowest index would pile everything onto replica 0.
+func TestPortedStrategiesBreakTiesAtRandom(t *testing.T) {
+	cands := make([]Candidate, 32)
+	for i := range cands {
+		cands[i] = cand(fmt.Sprint(i), 0, 0)
+	}
+	warm := make([]Candidate, 32)
+	copy(warm, cands)
+	for _, i := range []int{5, 9, 20} { // three replicas hold the whole prompt
+		warm[i].MatchedTokens = 1000
+	}
+	for _, s := range []Strategy{SGLang, LLMD, Dynamo} {
+		r := rand.New(rand.NewPCG(1, 2))
+		chosen := map[int]bool{}
+		for range 400 {
+			chosen[Choose(req(1000), cands, Options{Strategy: s}, r, nil).Chosen] = true
+		}
+		if len(chosen) < 24 {
+			t.Errorf("%s on 32 idle replicas used %d of them in 400 decisions; ties should fall at random", s, len(chosen))
+		}
+		holders := map[int]bool{}
+		for range 100 {
+			holders[Choose(req(1000), warm, Options{Strategy: s}, r, nil).Chosen] = true
+		}
+		if len(holders) != 3 || !holders[5] || !holders[9] || !holders[20] {
+			t.Errorf("%s chose %v among three equal holders; want all three and only them", s, holders)
+		}
+	}
+}
