@@ -12,7 +12,8 @@ type Options struct {
 	// Strategy is the decision rule; empty means TTFT.
 	Strategy Strategy
 	// TieSeconds: ttft costs within this many seconds of the best are
-	// ties, broken by power of two random choices. Default
+	// ties. Among ties the candidates that leave the least prompt to
+	// prefill win, then power of two random choices. Default
 	// DefaultTieSeconds.
 	TieSeconds float64
 	// KVMarginTokens is the headroom the KV-fit filter keeps beyond the
@@ -358,9 +359,10 @@ func (k *coster) tolerance(best float64) float64 {
 }
 
 // pickLowest returns the eligible candidate of lowest cost. Costs within
-// the tie tolerance of the best tie. Among ties, the ttft and least_work
-// strategies draw two at random and take the one with less queued work
-// (power of two choices), so equal replicas do not herd; the other
+// the tie tolerance of the best tie. Among ties, the ttft strategy keeps
+// those with the least prompt to prefill; then ttft and least_work draw
+// two at random and take the one with less queued work (power of two
+// choices), so equal replicas do not herd; the other
 // routers' rules take one uniformly at random, as llm-d's max-score picker
 // (shuffle, then stable sort) and Dynamo's selector (after its tree-size
 // tie-break, which the port lacks) do. Without rng, the first wins.
@@ -395,16 +397,40 @@ func pickLowest(k *coster, rng Rand) int {
 	if ties < 2 || rng == nil {
 		return best
 	}
-	a := nthTie(costs, limit, rng.IntN(ties))
 	if k.strategy != TTFT && k.strategy != LeastWork {
-		return a
+		return nthTie(costs, limit, rng.IntN(ties))
 	}
-	b := nthTie(costs, limit, rng.IntN(ties))
+	if k.strategy == TTFT {
+		// Of equally fast candidates, those that prefill the least: the
+		// estimate cannot tell them apart, and a copy of the prefix costs
+		// the fleet its prefill again and the KV it takes from others.
+		least := math.MaxInt
+		for i, c := range costs {
+			if c <= limit {
+				least = min(least, uncached(k.req, &k.cands[i]))
+			}
+		}
+		ties = 0
+		for i, c := range costs {
+			if c <= limit && uncached(k.req, &k.cands[i]) > least {
+				costs[i] = math.NaN()
+			} else if c <= limit {
+				ties++
+			}
+		}
+		if ties < 2 {
+			return nthTie(costs, limit, 0)
+		}
+	}
+	a, b := nthTie(costs, limit, rng.IntN(ties)), nthTie(costs, limit, rng.IntN(ties))
 	if queuedTokens(&k.cands[b]) < queuedTokens(&k.cands[a]) {
 		return b
 	}
 	return a
 }
+
+// uncached is the prompt c would have to prefill for req.
+func uncached(req *Request, c *Candidate) int { return max(0, req.PromptTokens-c.MatchedTokens) }
 
 // nthTie returns the index of the nth cost within limit.
 func nthTie(costs []float64, limit float64, n int) int {

@@ -396,3 +396,28 @@ func TestPortedStrategiesBreakTiesAtRandom(t *testing.T) {
 		}
 	}
 }
+
+// Within the tie tolerance the estimate cannot tell candidates apart; the
+// one that holds the prefix wins over a cold copy, whatever the random
+// draw, and among equally warm ones the draw still spreads.
+func TestTiesPreferTheHolder(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for trial := range 200 {
+		n := 2 + r.IntN(7)
+		cands := make([]Candidate, n)
+		holder := r.IntN(n)
+		for i := range cands {
+			cands[i] = cand(fmt.Sprint(i), 0, 0)
+		}
+		// The holder's queue costs half a millisecond more than its
+		// cached prefix saves: a tie within DefaultTieSeconds.
+		cands[holder].MatchedTokens = 640
+		cands[holder].QueuedPrefillTokens = 640 + 5
+		q := req(1000)
+		q.OutputTokens = 0
+		d := Choose(q, cands, Options{ImposedDelayWeight: -1, DecodeWeight: -1}, r, nil)
+		if d.Chosen != holder {
+			t.Fatalf("trial %d: chose %d over the holder %d, within a tie", trial, d.Chosen, holder)
+		}
+	}
+}
