@@ -558,7 +558,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	}
 	d := p.sh.fleet.Decide(now, router.Request{
 		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
-		MaxTokens: req.MaxTokens, Model: req.Model,
+		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model,
 	}, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
@@ -567,7 +567,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	dial := d.Charge.Dial()
 	st.sh = p.sh
 	st.current = &attempt{sh: p.sh, charge: d.Charge, endFlight: p.sh.drains.Begin(dial, st.cutForDrain)}
-	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens}
+	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.decisions.WithLabelValues(string(d.Reason)).Inc()
 	p.sh.metrics.matchedTokens.Observe(float64(d.MatchedTokens))
 	return pool[d.Chosen], d
@@ -594,11 +594,11 @@ func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decis
 	rec := st.decision
 	if p.ExplainHeader {
 		w.Header().Set("X-LLM-Affinity", fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
-			rec.upstream, rec.reason, rec.matched, st.req.PromptTokens, rec.estimate, len(st.tried)+1))
+			rec.upstream, rec.reason, rec.matched, rec.prompt, rec.estimate, len(st.tried)+1))
 	}
 	if c := p.logger.Check(zapcore.DebugLevel, "routed"); c != nil {
 		c.Write(zap.String("upstream", rec.upstream), zap.String("reason", rec.reason),
-			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", st.req.PromptTokens),
+			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", rec.prompt),
 			zap.Int("blocks", len(st.req.Hashes)), zap.Float64("estimated_ttft_s", rec.estimate),
 			zap.Int("eligible", d.Eligible), zap.Int("attempt", len(st.tried)+1),
 			zap.Array("top", explainedCandidates{st.explanation}), zap.Array("filtered", excludedCandidates{st.explanation}))

@@ -57,6 +57,9 @@ type Request struct {
 	// PromptTokens is the estimated prompt length in tokens (exact when
 	// the prompt was given as token ids).
 	PromptTokens int
+	// PromptBytes is the length of the text PromptTokens was estimated
+	// from (bytes_per_token), 0 when the prompt was token ids.
+	PromptBytes int
 	// MaxTokens is max_tokens or max_completion_tokens, 0 when absent.
 	MaxTokens int
 	// Stream is the request's stream flag.
@@ -175,7 +178,7 @@ func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) e
 	case '"':
 		s := prompt[1 : len(prompt)-1] // valid JSON: ends with the quote
 		req.Hashes = p.hasher.HashBytes(nil, seed, s)
-		req.PromptTokens = p.tokens(len(s))
+		req.PromptTokens, req.PromptBytes = p.tokens(len(s)), len(s)
 		return nil
 	case '[':
 	default:
@@ -206,7 +209,7 @@ func (p *parser) hashPrompt(req *Request, seed uint64, prompt json.RawMessage) e
 		c.Write(part[1 : len(part)-1])
 	}
 	req.Hashes = c.Hashes()
-	req.PromptTokens = p.tokens(c.Len())
+	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()), c.Len()
 	return nil
 }
 
@@ -254,7 +257,7 @@ func (p *parser) hashChat(req *Request, seed uint64, raw *openAIRequest) error {
 		c.WriteString(sepMessage)
 	}
 	req.Hashes = c.Hashes()
-	req.PromptTokens = p.tokens(c.Len())
+	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()), c.Len()
 	return nil
 }
 

@@ -64,7 +64,7 @@ func TestChargeLifecycle(t *testing.T) {
 	if u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 40 || u.LastTTFT != 100*time.Millisecond {
 		t.Fatalf("after 10 tokens: %+v", u)
 	}
-	f.Complete(d.Charge, "m", 20, t0.Add(time.Second))
+	f.Complete(d.Charge, "m", Usage{OutputTokens: 20}, t0.Add(time.Second))
 	f.Release(d.Charge, t0.Add(time.Second)) // a second release does nothing
 	u = state(t, f, "a")
 	if u.QueuedDecodeTokens != 0 || u.KVTokensInFlight != 0 || u.InFlight != 0 || u.Completed != 1 {
@@ -82,7 +82,7 @@ func TestChargeLifecycle(t *testing.T) {
 // without max_tokens (which bounds nothing).
 func TestExpectedOutput(t *testing.T) {
 	f := New()
-	f.outputs["m"] = &runningMean{value: 30, n: 5}
+	f.models["m"] = &modelStats{output: runningMean{value: 30, n: 5}}
 	for _, tc := range []struct {
 		estimate  string
 		maxTokens int
