@@ -122,6 +122,16 @@ type Policy struct {
 	// most 100; a negative value turns it off.
 	DecodeWeight float64 `json:"decode_weight,omitempty"`
 
+	// EvictionWeight is how much the prefill of the cached prompts a
+	// request would push out of a full prefix cache counts against its
+	// time to first token, in the ttft strategy: a copy of a prefix onto
+	// a full replica evicts others' prefixes, which later requests prefill
+	// again. An upstream's cache counts as full when the prefixes the
+	// router sent there fill its KV capacity (known from kv_capacity or
+	// the engine's metrics). Default 1, at most 100; a negative value
+	// turns it off.
+	EvictionWeight float64 `json:"eviction_weight,omitempty"`
+
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
 	// the sglang strategy (defaults 0.5, 32, 1.0001).
 	SGLangCacheThreshold float64 `json:"sglang_cache_threshold,omitempty"`
@@ -228,7 +238,7 @@ func (Policy) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// maxCostWeight bounds ImposedDelayWeight and DecodeWeight: beyond it a
+// maxCostWeight bounds the cost terms' weights: beyond it a
 // term alone decides, and costs can overflow.
 const maxCostWeight = 100
 
@@ -246,6 +256,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		KVMarginTokens:     p.KVMarginTokens,
 		ImposedDelayWeight: p.ImposedDelayWeight,
 		DecodeWeight:       p.DecodeWeight,
+		EvictionWeight:     p.EvictionWeight,
 		SGLang: scorer.SGLangOptions{
 			CacheThreshold:      p.SGLangCacheThreshold,
 			BalanceAbsThreshold: p.SGLangBalanceAbs,
@@ -377,16 +388,16 @@ func (p *Policy) Validate() error {
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
 	}
-	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.DecodeWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
+	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.DecodeWeight, p.EvictionWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
 		p.SGLangBalanceRel, p.DynamoOverlapWeight}, p.LLMDWeights...)
 	for _, v := range floats {
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return fmt.Errorf("tuning values must be finite numbers, got %v", v)
 		}
 	}
-	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight {
-		return fmt.Errorf("imposed_delay_weight and decode_weight must be at most %v, got %v and %v",
-			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight)
+	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight || p.EvictionWeight > maxCostWeight {
+		return fmt.Errorf("imposed_delay_weight, decode_weight and eviction_weight must be at most %v, got %v, %v and %v",
+			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight, p.EvictionWeight)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)

@@ -190,6 +190,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		PrefillTokensPerSecond: hw.PrefillTokensPerSecond,
 		DecodeTokensPerSecond:  hw.DecodeTokensPerSecond,
 		FreeKVTokens:           -1,
+		UncachedRoomTokens:     -1,
 		KVCapacityTokens:       hw.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
 	}
@@ -223,6 +224,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	if c.KVCapacityTokens > 0 {
 		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
+		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
 		if m.Engine != nil {
 			if engineFree := now.FreeKVTokens(); engineFree >= 0 {
 				c.FreeKVTokens = min(c.FreeKVTokens, engineFree)

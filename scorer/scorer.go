@@ -132,6 +132,10 @@ type Candidate struct {
 	FreeKVTokens int
 	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.
 	KVCapacityTokens int
+	// UncachedRoomTokens is how many more prompt tokens its prefix cache
+	// takes before each new one evicts a cached one (the router's index
+	// of what it sent there, against the KV capacity), or -1 when unknown.
+	UncachedRoomTokens int
 	// Adapter says where it has the request's adapter.
 	Adapter AdapterState
 	// AdapterLoadSeconds is the cost of making the adapter resident there;

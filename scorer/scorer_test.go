@@ -10,7 +10,7 @@ import (
 func cand(name string, matched, queuedPrefill int) Candidate {
 	return Candidate{
 		Name: name, Available: true, MatchedTokens: matched, QueuedPrefillTokens: queuedPrefill,
-		Waiting: -1, FreeKVTokens: -1, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000,
+		Waiting: -1, FreeKVTokens: -1, UncachedRoomTokens: -1, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000,
 	}
 }
 
@@ -418,6 +418,60 @@ func TestTiesPreferTheHolder(t *testing.T) {
 		d := Choose(q, cands, Options{ImposedDelayWeight: -1, DecodeWeight: -1}, r, nil)
 		if d.Chosen != holder {
 			t.Fatalf("trial %d: chose %d over the holder %d, within a tie", trial, d.Chosen, holder)
+		}
+	}
+}
+
+// The eviction term: on a replica whose prefix cache has room the copy
+// costs nothing more; on a full one, each uncached token beyond the room
+// counts its prefill. With every cache full, a holder whose queue costs
+// less than twice the prefill it saves keeps the request; with room
+// everywhere the plain estimate decides.
+func TestEvictionCost(t *testing.T) {
+	q := req(1000)
+	q.OutputTokens = 0
+	roomy := cand("roomy", 0, 0)
+	roomy.UncachedRoomTokens = 5000
+	full := cand("full", 0, 0)
+	full.UncachedRoomTokens = 0
+	half := cand("half", 0, 0)
+	half.UncachedRoomTokens = 400
+	if got := EvictedSeconds(&q, &roomy); got != 0 {
+		t.Errorf("a cache with room: %v s evicted, want 0", got)
+	}
+	if got := EvictedSeconds(&q, &full); math.Abs(got-0.1) > 1e-12 {
+		t.Errorf("a full cache: %v s evicted, want 1000 tokens at 10,000/s", got)
+	}
+	if got := EvictedSeconds(&q, &half); math.Abs(got-0.06) > 1e-12 {
+		t.Errorf("room for 400 of 1000: %v s evicted, want 0.06", got)
+	}
+	unknown := cand("unknown", 0, 0)
+	if got := EvictedSeconds(&q, &unknown); got != 0 {
+		t.Errorf("unknown room: %v s evicted, want 0", got)
+	}
+
+	opts := Options{ImposedDelayWeight: -1, DecodeWeight: -1}
+	for _, queued := range []int{100, 600, 900} { // the holder's queue, in prefill tokens
+		warm, cold := cand("warm", 500, queued), cand("cold", 0, 0)
+		// Full caches: staying costs the queue, moving costs the 500
+		// saved tokens plus the 1000 the copy evicts from the cold one
+		// (the warm one evicts 500 only).
+		warm.UncachedRoomTokens, cold.UncachedRoomTokens = 0, 0
+		d := Choose(q, []Candidate{warm, cold}, opts, nil, nil)
+		if want := 0; queued < 1000 && d.Chosen != want {
+			t.Errorf("full caches, holder queue %d: chose %d, want the holder", queued, d.Chosen)
+		}
+		// Room everywhere: the plain estimate, which moves once the queue
+		// outweighs the 500 saved tokens.
+		warm.UncachedRoomTokens, cold.UncachedRoomTokens = 1<<20, 1<<20
+		d = Choose(q, []Candidate{warm, cold}, opts, nil, nil)
+		if want := 0; queued > 500 {
+			want = 1
+			if d.Chosen != want {
+				t.Errorf("caches with room, holder queue %d: chose %d, want the cold one", queued, d.Chosen)
+			}
+		} else if d.Chosen != want {
+			t.Errorf("caches with room, holder queue %d: chose %d, want the holder", queued, d.Chosen)
 		}
 	}
 }

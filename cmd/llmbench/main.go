@@ -43,6 +43,7 @@ type options struct {
 	seed           uint64
 	routerSeed     uint64
 	routerSeeds    int
+	evictionWeight float64
 	jsonPath       string
 	svgPath        string
 	maxTokens      int
@@ -92,6 +93,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
+	fs.Float64Var(&o.evictionWeight, "eviction-weight", 0, "llm_affinity/ttft: weight of the prefill of cached prompts a placement evicts from a full prefix cache (0 = the default; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.DurationVar(&o.spread, "spread", 0, "move each arrival forward by a random time below `d` (seeded by --seed), for traces whose timestamps are rounded (Mooncake's are on a 3s grid: --spread 3s)")
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
@@ -204,7 +206,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 			}
 		},
 	}
-	for name, w := range map[string]float64{"imposed-delay-weight": o.imposedWeight, "decode-weight": o.decodeWeight} {
+	for name, w := range map[string]float64{"imposed-delay-weight": o.imposedWeight, "decode-weight": o.decodeWeight, "eviction-weight": o.evictionWeight} {
 		if math.IsNaN(w) || math.IsInf(w, 0) {
 			return usageError{fmt.Errorf("--%s must be a finite number, got %v", name, w)}
 		}
@@ -232,7 +234,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,
 		DecodeTokensPerSecond:  o.decodeRate,
-		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight},
+		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight, EvictionWeight: o.evictionWeight},
 	}
 	var runner llmbench.Runner
 	switch o.mode {
@@ -294,6 +296,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["decode_tokens_per_s"] = decode
 	params["imposed_delay_weight"] = o.imposedWeight
 	params["decode_weight"] = o.decodeWeight
+	params["eviction_weight"] = o.evictionWeight
 	params["routers"] = o.routers
 	params["spread_s"] = o.spread.Seconds()
 	params["sync"] = o.sync
