@@ -21,6 +21,7 @@ func init() {
 // adminAPI serves the live routing state and drain control on Caddy's
 // admin endpoint:
 //
+//	GET    /llm_affinity/                            the status page (HTML)
 //	GET    /llm_affinity/upstreams                   every upstream's state
 //	POST   /llm_affinity/upstreams/{dial}/drain      drain; deadline in ?deadline=30s or {"deadline":"30s"}
 //	DELETE /llm_affinity/upstreams/{dial}/drain      undrain
@@ -50,6 +51,7 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/llm_affinity/upstreams", Handler: caddy.AdminHandlerFunc(handleUpstreams)},
 		{Pattern: "/llm_affinity/upstreams/", Handler: caddy.AdminHandlerFunc(handleDrain)},
 		{Pattern: "/llm_affinity/sync", Handler: caddy.AdminHandlerFunc(handleSync)},
+		{Pattern: statusPrefix, Handler: caddy.AdminHandlerFunc(handleStatusPage)},
 	}
 }
 

@@ -35,9 +35,11 @@ func init() {
 	caddy.RegisterModule(Policy{})
 }
 
-// varKey is the request variable through which the handler hands the
-// parsed request to the selection policy.
-const varKey = "llm_affinity"
+// stateKey is the context key under which the handler hands the parsed
+// request to the selection policy. It is not a request variable: vars are
+// readable as placeholders ({http.vars.*}) and by log_append, and the
+// state holds the prompt.
+type stateKey struct{}
 
 // Defaults of the handler's options.
 const (
@@ -48,11 +50,12 @@ const (
 // Handler parses OpenAI-style requests (POST .../completions and
 // .../chat/completions) once: it reads the body up to a limit, puts it
 // back on the request, computes the chained block hashes of the prompt and
-// hands them to the llm_affinity selection policy through a request
-// variable. It wraps the response writer to count the tokens streaming
+// hands them to the llm_affinity selection policy through the request's
+// context. It wraps the response writer to count the tokens streaming
 // back, and releases the request's charge on the upstream when the
 // response ends, also when the client goes away. Other requests pass
-// through untouched.
+// through untouched. It and the policy set the {http.llm_affinity.*}
+// placeholders (see placeholders.go), which carry no prompt text.
 //
 // A body that is not valid JSON gets 400 with an OpenAI-style error; a
 // body over the limit gets 413. Prompt text is never logged.
@@ -131,6 +134,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if endpoint == EndpointOther {
 		return next.ServeHTTP(w, r)
 	}
+	arrived := time.Now()
 	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 		// Engines such as vLLM read request bodies uncompressed, and the
 		// prompt must be read to be routed.
@@ -170,8 +174,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.TransferEncoding = nil
 	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
 
-	st := &requestState{req: req, body: body, origBody: body}
-	caddyhttp.SetVar(r.Context(), varKey, st)
+	st := &requestState{req: req, body: body, origBody: body, arrived: arrived}
+	st.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	st.setParsedPlaceholders()
+	r = r.WithContext(context.WithValue(r.Context(), stateKey{}, st))
 	rec := newTokenRecorder(w, st)
 	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
@@ -250,6 +256,14 @@ type requestState struct {
 	cancel context.CancelCauseFunc
 	cut    bool
 	rec    *tokenRecorder
+
+	// arrived is when the handler got the request; sawFirstToken records
+	// that its first token was measured (a continuation's is not).
+	arrived       time.Time
+	sawFirstToken bool
+	// repl is the request's replacer, for the placeholders; nil outside
+	// Caddy's HTTP server.
+	repl *caddy.Replacer
 }
 
 // setCancel installs the function that cuts the current attempt.
@@ -321,13 +335,33 @@ func (st *requestState) shedInfo() *shedding {
 	return st.shed
 }
 
-// progress records output tokens streaming back.
+// progress records output tokens streaming back. The request's first
+// token is measured: its TTFT and, for a stream, the estimate's error and
+// the admin view's recent TTFTs.
 func (st *requestState) progress(n int) {
 	st.mu.Lock()
 	a := st.current
+	first := a != nil && !st.sawFirstToken
+	if first {
+		st.sawFirstToken = true
+	}
+	dec, stream := st.decision, st.req.Stream
 	st.mu.Unlock()
-	if a != nil {
-		a.sh.fleet.Progress(a.charge, n, time.Now())
+	if a == nil {
+		return
+	}
+	now := time.Now()
+	a.sh.fleet.Progress(a.charge, n, now)
+	if first {
+		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
+		if stream {
+			// A non-streaming response's headers come after the whole
+			// generation: no measure of the estimate.
+			sinceDecision := now.Sub(a.charge.Started).Seconds()
+			a.sh.metrics.observeEstimateError(dec.upstream, dec.reason, sinceDecision-a.charge.Estimate)
+			a.sh.metrics.recordTTFT(dec.upstream, sinceDecision, a.charge.Estimate)
+		}
+		st.setPlaceholder("ttft", now.Sub(st.arrived).Seconds())
 	}
 }
 
@@ -347,7 +381,12 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	st.mu.Lock()
 	a := st.current
 	st.current = nil
+	sh, dec := st.sh, st.decision
 	st.mu.Unlock()
+	if sh != nil && dec.upstream != "" {
+		sh.metrics.requestDuration.WithLabelValues(sh.metrics.upstreamLabel(dec.upstream), dec.reason).
+			Observe(time.Since(st.arrived).Seconds())
+	}
 	if a == nil {
 		return
 	}
@@ -359,7 +398,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	if a.sh.drains.IsDraining(a.charge.Dial()) {
 		a.sh.metrics.drainCompleted.Inc()
 	}
-	a.sh.metrics.observeCompletion(a.charge, st, rec)
+	a.sh.metrics.observeCompletion(rec)
 	usage := router.Usage{OutputTokens: rec.completionTokens()}
 	if rec.usage != nil {
 		usage.PromptTokens = rec.usage.PromptTokens

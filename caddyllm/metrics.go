@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -9,25 +10,64 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
-	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // metrics are the plugin's collectors. They live in the shared host, so
 // their values survive reloads; each Provision registers them with that
 // config's fresh registry. Label sets are bounded: reasons are a fixed
-// set, upstreams are the configured ones.
+// set, and the upstream label is a dial address only for upstreams a
+// loaded config names (others share the label "other"); a forgotten
+// upstream's series are deleted.
 type metrics struct {
 	decisions        *prometheus.CounterVec
 	shed             *prometheus.CounterVec
 	queued           prometheus.Counter
 	matchedTokens    prometheus.Histogram
-	ttft             *prometheus.HistogramVec
 	cachedTokens     *prometheus.CounterVec
 	drainCompleted   prometheus.Counter
 	movedRequests    *prometheus.CounterVec
 	drainTransitions *prometheus.CounterVec
-	collectors       []prometheus.Collector
+
+	// The latency histograms, by upstream and decision reason (queue
+	// wait by reason only: a shed request has no upstream).
+	timeToFirstToken *prometheus.HistogramVec
+	requestDuration  *prometheus.HistogramVec
+	queueWait        *prometheus.HistogramVec
+	estimateError    *prometheus.HistogramVec
+	prefixMatch      *prometheus.HistogramVec
+
+	collectors []prometheus.Collector
+
+	mu sync.RWMutex
+	// named holds the upstreams a loaded config names: the only dials
+	// used as label values.
+	named map[string]bool
+	// recent are the named upstreams' recent first tokens.
+	recent map[string]*ttftRing
 }
+
+// otherUpstream is the upstream label of upstreams no loaded config names
+// (dynamic ones), which would otherwise make the label set unbounded.
+const otherUpstream = "other"
+
+// latencyBuckets are the buckets of the latency histograms, in seconds:
+// 5 ms to about 82 s, doubling.
+var latencyBuckets = prometheus.ExponentialBuckets(0.005, 2, 15)
+
+// estimateErrorBuckets are signed: observed minus estimated TTFT is
+// negative when the first token came sooner than estimated. Prometheus
+// histograms accept negative bounds (le="-0.5" counts errors ≤ -0.5 s);
+// the series' _sum can then fall, so take rate() of _count and _bucket
+// only. Symmetric around 0, 10 ms to 20 s each way.
+var estimateErrorBuckets = func() []float64 {
+	pos := []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20}
+	out := make([]float64, 0, 2*len(pos)+1)
+	for i := len(pos) - 1; i >= 0; i-- {
+		out = append(out, -pos[i])
+	}
+	out = append(out, 0)
+	return append(out, pos...)
+}()
 
 func newMetrics(sh *shared) *metrics {
 	m := &metrics{
@@ -48,11 +88,31 @@ func newMetrics(sh *shared) *metrics {
 			Help:    "Prompt tokens the chosen upstream was expected to hold in its prefix cache.",
 			Buckets: prometheus.ExponentialBuckets(64, 2, 12),
 		}),
-		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: "caddy", Subsystem: "llm_affinity", Name: "ttft_seconds",
-			Help:    "Time to first token of streamed responses: estimated at routing and observed.",
-			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
-		}, []string{"kind"}),
+		timeToFirstToken: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "time_to_first_token_seconds",
+			Help:    "Time from the request's arrival to its first streamed token (non-streaming: the response headers), by upstream and decision reason.",
+			Buckets: latencyBuckets,
+		}, []string{"upstream", "reason"}),
+		requestDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "request_duration_seconds",
+			Help:    "Time from the request's arrival to the last byte of its response, for routed requests, by upstream and decision reason.",
+			Buckets: latencyBuckets,
+		}, []string{"upstream", "reason"}),
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "queue_wait_seconds",
+			Help:    "Time a routing attempt was held at the gateway (0 when an upstream fit at once), by the decision's reason (shed: it gave up).",
+			Buckets: append([]float64{0}, latencyBuckets...),
+		}, []string{"reason"}),
+		estimateError: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "ttft_estimate_error_seconds",
+			Help:    "Observed minus estimated time to first token of streamed responses, both from the decision; negative when the token came sooner than estimated (signed buckets; _sum may fall).",
+			Buckets: estimateErrorBuckets,
+		}, []string{"upstream", "reason"}),
+		prefixMatch: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "prefix_match_ratio",
+			Help:    "Per decision, the share of the prompt's tokens the chosen upstream was expected to hold in its prefix cache.",
+			Buckets: []float64{0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1},
+		}, []string{"upstream", "reason"}),
 		cachedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "prompt_tokens_total",
 			Help: "Prompt tokens of completed requests as the engines reported them, and how many were cached.",
@@ -69,9 +129,12 @@ func newMetrics(sh *shared) *metrics {
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",
 			Help: "Upstream drain state changes (draining, drained, undrained).",
 		}, []string{"to"}),
+		named:  make(map[string]bool),
+		recent: make(map[string]*ttftRing),
 	}
 	m.collectors = []prometheus.Collector{
-		m.decisions, m.shed, m.queued, m.matchedTokens, m.ttft, m.cachedTokens,
+		m.decisions, m.shed, m.queued, m.matchedTokens, m.cachedTokens,
+		m.timeToFirstToken, m.requestDuration, m.queueWait, m.estimateError, m.prefixMatch,
 		m.drainCompleted, m.movedRequests, m.drainTransitions, newFleetCollector(sh), newSyncCollector(sh),
 	}
 	return m
@@ -92,18 +155,116 @@ func (m *metrics) register(ctx caddy.Context) {
 	}
 }
 
-// observeCompletion records a finished response's figures.
-func (m *metrics) observeCompletion(c *router.Charge, st *requestState, rec *tokenRecorder) {
-	if !c.FirstToken.IsZero() && st.req.Stream {
-		m.ttft.WithLabelValues("estimated").Observe(c.Estimate)
-		m.ttft.WithLabelValues("observed").Observe(c.FirstToken.Sub(c.Started).Seconds())
+// name makes dial a label value: a loaded config names it.
+func (m *metrics) name(dial string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.named[dial] = true
+}
+
+// forget deletes dial's series: no loaded config names it any more.
+func (m *metrics) forget(dial string) {
+	m.mu.Lock()
+	delete(m.named, dial)
+	delete(m.recent, dial)
+	m.mu.Unlock()
+	for _, v := range []*prometheus.HistogramVec{m.timeToFirstToken, m.requestDuration, m.estimateError, m.prefixMatch} {
+		v.DeletePartialMatch(prometheus.Labels{"upstream": dial})
 	}
+}
+
+// upstreamLabel is dial's upstream label value.
+func (m *metrics) upstreamLabel(dial string) string {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.named[dial] {
+		return dial
+	}
+	return otherUpstream
+}
+
+// observeDecision records a decision's prefix match.
+func (m *metrics) observeDecision(dial, reason string, matched, prompt int) {
+	m.decisions.WithLabelValues(reason).Inc()
+	m.matchedTokens.Observe(float64(matched))
+	if prompt > 0 {
+		m.prefixMatch.WithLabelValues(m.upstreamLabel(dial), reason).Observe(min(1, float64(matched)/float64(prompt)))
+	}
+}
+
+// observeFirstToken records a request's time to first token since its
+// arrival.
+func (m *metrics) observeFirstToken(dial, reason string, sinceArrival time.Duration) {
+	m.timeToFirstToken.WithLabelValues(m.upstreamLabel(dial), reason).Observe(sinceArrival.Seconds())
+}
+
+// observeEstimateError records a streamed request's observed minus
+// estimated TTFT, both from the decision, in seconds.
+func (m *metrics) observeEstimateError(dial, reason string, seconds float64) {
+	m.estimateError.WithLabelValues(m.upstreamLabel(dial), reason).Observe(seconds)
+}
+
+// observeCompletion records a finished response's figures.
+func (m *metrics) observeCompletion(rec *tokenRecorder) {
 	if rec.usage != nil {
 		m.cachedTokens.WithLabelValues("prompt").Add(float64(rec.usage.PromptTokens))
 		if n := rec.cachedTokens(); n > 0 {
 			m.cachedTokens.WithLabelValues("cached").Add(float64(n))
 		}
 	}
+}
+
+// recentTTFTs is how many of an upstream's recent first tokens (of
+// streamed responses) the admin view keeps, for the status page's chart.
+const recentTTFTs = 60
+
+// ttftRing holds an upstream's last recentTTFTs observed and estimated
+// TTFTs (both from the decision), oldest first once full.
+type ttftRing struct {
+	observed, estimated [recentTTFTs]float64
+	next, n             int
+}
+
+func (r *ttftRing) add(observed, estimated float64) {
+	r.observed[r.next], r.estimated[r.next] = observed, estimated
+	r.next = (r.next + 1) % recentTTFTs
+	r.n = min(r.n+1, recentTTFTs)
+}
+
+// list returns the samples oldest first.
+func (r *ttftRing) list() (observed, estimated []float64) {
+	observed, estimated = make([]float64, 0, r.n), make([]float64, 0, r.n)
+	for i := range r.n {
+		j := (r.next - r.n + i + recentTTFTs) % recentTTFTs
+		observed, estimated = append(observed, r.observed[j]), append(estimated, r.estimated[j])
+	}
+	return observed, estimated
+}
+
+// recordTTFT keeps a first token of a named upstream for the admin view
+// (dynamic upstreams are not kept: their number is unbounded).
+func (m *metrics) recordTTFT(dial string, observed, estimated float64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.named[dial] {
+		return
+	}
+	r := m.recent[dial]
+	if r == nil {
+		r = new(ttftRing)
+		m.recent[dial] = r
+	}
+	r.add(observed, estimated)
+}
+
+// recentTTFT returns dial's recent first tokens, oldest first.
+func (m *metrics) recentTTFT(dial string) (observed, estimated []float64) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if r := m.recent[dial]; r != nil {
+		return r.list()
+	}
+	return nil, nil
 }
 
 // fleetCollector exports each upstream's live state at scrape time.
@@ -148,18 +309,26 @@ func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 // UpstreamSnapshot is one upstream's live state, for the admin API and
 // metrics.
 type UpstreamSnapshot struct {
-	Dial                string  `json:"dial"`
-	QueuedPrefillTokens int     `json:"queued_prefill_tokens"`
-	QueuedDecodeTokens  int     `json:"queued_decode_tokens"`
-	KVTokensInFlight    int     `json:"kv_tokens_in_flight"`
-	InFlight            int     `json:"in_flight"`
-	IndexBlocks         int     `json:"index_blocks"`
-	IndexCapacity       int     `json:"index_capacity_blocks"`
-	Completed           int64   `json:"completed"`
-	LastTTFTSeconds     float64 `json:"last_ttft_seconds"`
+	Dial                string `json:"dial"`
+	QueuedPrefillTokens int    `json:"queued_prefill_tokens"`
+	QueuedDecodeTokens  int    `json:"queued_decode_tokens"`
+	KVTokensInFlight    int    `json:"kv_tokens_in_flight"`
+	InFlight            int    `json:"in_flight"`
+	IndexBlocks         int    `json:"index_blocks"`
+	IndexCapacity       int    `json:"index_capacity_blocks"`
+	Completed           int64  `json:"completed"`
+	// LastTTFTSeconds is the last observed time to first token, from the
+	// decision.
+	LastTTFTSeconds float64 `json:"last_ttft_seconds"`
 	// LastEstimatedTTFTSeconds is the estimate made for the last request
 	// routed here, to compare with LastTTFTSeconds.
 	LastEstimatedTTFTSeconds float64 `json:"last_estimated_ttft_seconds"`
+	// RecentTTFTSeconds are the last (up to 60) observed times to first
+	// token, from the decision, oldest first, and RecentEstimatedSeconds
+	// the estimates made for the same requests. Kept for upstreams a
+	// loaded config names.
+	RecentTTFTSeconds      []float64 `json:"recent_ttft_seconds,omitempty"`
+	RecentEstimatedSeconds []float64 `json:"recent_estimated_ttft_seconds,omitempty"`
 	// KVCapacityTokens is the KV capacity the index and filter use, 0
 	// when unknown.
 	KVCapacityTokens int `json:"kv_capacity_tokens"`
@@ -202,6 +371,7 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 			Healthy: u.Healthy, Adapters: u.Adapters, IdleSeconds: u.Idle.Seconds(), IndexResets: u.IndexResets,
 			Drain: "active", Engine: engines[u.Dial],
 		}
+		s.RecentTTFTSeconds, s.RecentEstimatedSeconds = sh.metrics.recentTTFT(u.Dial)
 		if d, ok := drainOf[u.Dial]; ok {
 			s.Drain, s.DrainCause, s.DrainDeadline = d.Phase, string(d.Cause), d.Deadline
 		}

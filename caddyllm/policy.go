@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -466,9 +465,12 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	r.ContentLength = int64(len(st.body))
 
 	var deadline time.Time
+	held := time.Now()
 	for {
 		up, d := p.decide(pool, st)
 		if up != nil {
+			p.sh.metrics.queueWait.WithLabelValues(string(d.Reason)).Observe(time.Since(held).Seconds())
+			st.setDecisionPlaceholders(len(st.tried) + 1)
 			p.explain(w, st, d.Decision)
 			return up
 		}
@@ -490,6 +492,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
+			p.sh.metrics.queueWait.WithLabelValues(string(scorer.Shed)).Observe(time.Since(held).Seconds())
 			return p.shed(st, d.Decision)
 		}
 		// Health changes do not wake us, so look again now and then.
@@ -521,6 +524,7 @@ func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstrea
 // it by its reason.
 func (p *Policy) refuse(st *requestState, d scorer.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
+	st.setShedPlaceholders(answer.reason)
 	p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
 	p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
@@ -579,8 +583,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	st.sh = p.sh
 	st.current = &attempt{sh: p.sh, charge: d.Charge, endFlight: p.sh.drains.Begin(dial, st.cutForDrain)}
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
-	p.sh.metrics.decisions.WithLabelValues(string(d.Reason)).Inc()
-	p.sh.metrics.matchedTokens.Observe(float64(d.MatchedTokens))
+	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
 }
 
@@ -681,7 +684,7 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 
 // requestStateOf returns the state the handler stored, if any.
 func requestStateOf(r *http.Request) *requestState {
-	st, _ := caddyhttp.GetVar(r.Context(), varKey).(*requestState)
+	st, _ := r.Context().Value(stateKey{}).(*requestState)
 	return st
 }
 

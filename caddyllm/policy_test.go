@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -44,8 +43,7 @@ func selectFor(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body str
 	}
 	req.BlockTokens = prefixindex.DefaultBlockTokens
 	st := &requestState{req: req, body: []byte(body), origBody: []byte(body)}
-	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
-	caddyhttp.SetVar(ctx, varKey, st)
+	ctx := context.WithValue(context.Background(), stateKey{}, st)
 	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
 	w := httptest.NewRecorder()
 	up := p.Select(pool, r, w)
@@ -110,8 +108,7 @@ func TestRetryAvoidsTriedUpstream(t *testing.T) {
 	req, _ := pr.parse(EndpointChatCompletions, []byte(body))
 	req.BlockTokens = 64
 	st := &requestState{req: req, body: []byte(body), origBody: []byte(body)}
-	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
-	caddyhttp.SetVar(ctx, varKey, st)
+	ctx := context.WithValue(context.Background(), stateKey{}, st)
 	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
 	first := p.Select(pool, r, httptest.NewRecorder())
 	second := p.Select(pool, r, httptest.NewRecorder())
@@ -143,8 +140,7 @@ func BenchmarkSelect(b *testing.B) {
 		req, _ := pr.parse(EndpointCompletions, body)
 		req.BlockTokens = 64
 		st := &requestState{req: req, body: body, origBody: body}
-		ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
-		caddyhttp.SetVar(ctx, varKey, st)
+		ctx := context.WithValue(context.Background(), stateKey{}, st)
 		r := httptest.NewRequest("POST", "/v1/completions", nil).WithContext(ctx)
 		p.Select(pool, r, w)
 		st.current.release()

@@ -182,6 +182,7 @@ func (sh *shared) nameUpstreams(dials []string) {
 	for _, d := range dials {
 		pool.LoadOrNew(namedKey(d), func() (caddy.Destructor, error) { return &namedUpstream{dial: d, sh: sh}, nil })
 		sh.fleet.Name(d, now)
+		sh.metrics.name(d)
 	}
 }
 
@@ -198,11 +199,13 @@ type namedUpstream struct {
 }
 
 // Destruct forgets the upstream: the last config naming it is unloaded.
-// Its routing state goes once nothing is in flight there, and every
-// drain on it is lifted (nothing can route to it any more).
+// Its routing state goes once nothing is in flight there, every drain on
+// it is lifted (nothing can route to it any more) and its metric series
+// are deleted.
 func (n *namedUpstream) Destruct() error {
 	n.sh.fleet.Forget(n.dial)
 	n.sh.drains.Forget(n.dial)
+	n.sh.metrics.forget(n.dial)
 	return nil
 }
 

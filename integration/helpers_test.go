@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -20,10 +21,31 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
-const (
-	routerURL = "http://localhost:9080"
-	adminURL  = "http://localhost:2999"
+// The in-process Caddy's ports are free ports picked once per test
+// process, not caddytest's fixed ones: other checkouts' test runs on the
+// same machine would otherwise answer this one's requests (and load their
+// configs into its Caddy).
+var (
+	adminPort, httpPort, httpsPort = pickPorts()
+
+	routerHost = fmt.Sprintf("localhost:%d", httpPort)
+	routerURL  = "http://" + routerHost
+	adminURL   = fmt.Sprintf("http://localhost:%d", adminPort)
 )
+
+// pickPorts returns three free ports.
+func pickPorts() (a, b, c int) {
+	var ports [3]int
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			panic(err)
+		}
+		defer l.Close() // held until all three are picked, so they differ
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+	}
+	return ports[0], ports[1], ports[2]
+}
 
 // replica is one kvsim engine behind an httptest listener.
 type replica struct {
@@ -59,21 +81,21 @@ func dials(fleet []*replica) string {
 	return strings.Join(d, " ")
 }
 
-// globalOptions are every test config's: fixed test ports, no trust
+// globalOptions are every test config's: the test ports, no trust
 // store, no grace period on reloads.
-const globalOptions = `{
+var globalOptions = fmt.Sprintf(`{
 	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
+	admin localhost:%d
+	http_port %d
+	https_port %d
 	grace_period 1ns
 }
-`
+`, adminPort, httpPort, httpsPort)
 
 // caddyfile renders the test config: the handler and reverse_proxy with
 // the policy options given, in front of fleet.
 func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) string {
-	return globalOptions + fmt.Sprintf(`http://localhost:9080 {
+	return globalOptions + fmt.Sprintf(`http://%s {
 	llm_affinity {
 		%s
 	}
@@ -85,12 +107,12 @@ func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) stri
 		%s
 	}
 }
-`, handlerOpts, dials(fleet), policyOpts, proxyOpts)
+`, routerHost, handlerOpts, dials(fleet), policyOpts, proxyOpts)
 }
 
 func startCaddy(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
-	tester := caddytest.NewTester(t)
+	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: adminPort})
 	tester.InitServer(config, "caddyfile")
 	return tester
 }

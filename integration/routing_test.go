@@ -371,7 +371,7 @@ func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
 	startCaddy(t, caddyfile(fleet, "max_body 1MiB", "", ""))
 	send := func(head, body string) (*http.Response, string) {
 		t.Helper()
-		c, err := net.Dial("tcp", "localhost:9080")
+		c, err := net.Dial("tcp", routerHost)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -390,7 +390,7 @@ func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
 		resp.Body.Close()
 		return resp, string(b)
 	}
-	head := "POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
+	head := "POST /v1/completions HTTP/1.1\r\nHost: " + routerHost + "\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
 	for _, expect := range []string{"", "Expect: 100-continue\r\n"} {
 		resp, body := send(head+expect+"\r\n", "")
 		var e struct {
@@ -401,7 +401,7 @@ func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
 			t.Fatalf("%q: %d close=%v %s", expect, resp.StatusCode, resp.Close, body)
 		}
 	}
-	resp, body := send("POST /v1/completions HTTP/1.1\r\nHost: localhost:9080\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n", `{"model":"m","prompt":"short"}`)
+	resp, body := send("POST /v1/completions HTTP/1.1\r\nHost: "+routerHost+"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n", `{"model":"m","prompt":"short"}`)
 	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, `"invalid_request_error"`) {
 		t.Fatalf("short body: %d %s", resp.StatusCode, body)
 	}

@@ -18,23 +18,23 @@ import (
 // proxies to twoDials with twoOpts. Site one comes first, so Caddy
 // provisions its policy before site two's.
 func twoSites(oneDials, oneOpts, twoDials, twoOpts string) string {
-	return globalOptions + fmt.Sprintf(`http://localhost:9080 {
+	return globalOptions + fmt.Sprintf(`http://localhost:%[5]d {
 	llm_affinity
-	reverse_proxy %s {
+	reverse_proxy %[1]s {
 		lb_policy llm_affinity {
-			%s
+			%[2]s
 		}
 	}
 }
-http://127.0.0.1:9080 {
+http://127.0.0.1:%[5]d {
 	llm_affinity
-	reverse_proxy %s {
+	reverse_proxy %[3]s {
 		lb_policy llm_affinity {
-			%s
+			%[4]s
 		}
 	}
 }
-`, oneDials, oneOpts, twoDials, twoOpts)
+`, oneDials, oneOpts, twoDials, twoOpts, httpPort)
 }
 
 func reload(t *testing.T, tester *caddytest.Tester, config string) {
@@ -69,7 +69,7 @@ func TestTwoSitesShareUpstreams(t *testing.T) {
 		t.Fatalf("site two's provisioning lifted site one's config drain: %s (%s)", u.Drain, u.DrainCause)
 	}
 	// The drain holds for both sites: it is the upstream's.
-	for i, base := range []string{"http://localhost:9080", "http://127.0.0.1:9080"} {
+	for i, base := range []string{routerURL, fmt.Sprintf("http://127.0.0.1:%d", httpPort)} {
 		body := fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":2}`, kvsim.DefaultModel, text(fmt.Sprint("site", i), 400))
 		resp, err := http.Post(base+"/v1/completions", "application/json", strings.NewReader(body))
 		if err != nil {

@@ -32,6 +32,10 @@ type Request struct {
 	// Arrival is set by Submit to the virtual time the request arrived.
 	Arrival time.Duration
 
+	// Scheduled is set by the engine to the virtual time the request left
+	// the waiting queue (vLLM's queue time is Scheduled − Arrival).
+	Scheduled time.Duration
+
 	seq *sequence
 }
 
@@ -84,6 +88,9 @@ type Event struct {
 	GeneratedTokens int
 	// FinishReason is "stop" or "length" on EventFinished.
 	FinishReason string
+	// SincePrevious is, on EventToken, the virtual time since the
+	// request's previous token (vLLM's inter-token latency).
+	SincePrevious time.Duration
 }
 
 type seqState uint8
@@ -110,6 +117,7 @@ type sequence struct {
 	cachedTokens int
 	reserved     int // blocks promised to this sequence, not yet allocated
 	chunk        int // tokens scheduled in the current step
+	lastToken    time.Duration
 }
 
 // Stats is a snapshot of an engine's state and counters.
@@ -444,6 +452,7 @@ func (e *Engine) admit(s *sequence) bool {
 	s.cachedTokens = len(hits) * bs
 	s.computed = s.cachedTokens
 	s.state = seqRunning
+	s.req.Scheduled = e.now
 	e.running = append(e.running, s)
 	e.prefixQueries += uint64(s.promptTokens)
 	e.prefixHits += uint64(s.cachedTokens)
@@ -485,10 +494,15 @@ func (e *Engine) finishStep(out []Event) []Event {
 			s.reserved--
 			e.reserved--
 		}
-		out = append(out, Event{
+		ev := Event{
 			Kind: kind, Request: s.req, Time: e.now, Text: s.ctx[start:len(s.ctx):len(s.ctx)],
 			PromptTokens: s.promptTokens, CachedTokens: s.cachedTokens, GeneratedTokens: s.generated,
-		})
+		}
+		if kind == EventToken {
+			ev.SincePrevious = e.now - s.lastToken
+		}
+		s.lastToken = e.now
+		out = append(out, ev)
 		if s.generated >= s.target {
 			reason := "stop"
 			if s.req.LengthLimited {

@@ -17,8 +17,7 @@ type metrics struct {
 	driver    *Driver
 	modelName string
 
-	ttft *prometheus.HistogramVec
-	e2e  *prometheus.HistogramVec
+	ttft, e2e, queue, itl *prometheus.HistogramVec
 
 	running, waiting, kvUsage  *prometheus.Desc
 	queries, hits, prompt, gen *prometheus.Desc
@@ -43,6 +42,18 @@ func newMetrics(driver *Driver, modelName string) *metrics {
 			Help:    "Histogram of e2e request latency in seconds.",
 			Buckets: []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0},
 		}, engineLabels),
+		// vLLM uses e2e's buckets for its request phase times.
+		queue: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:request_queue_time_seconds",
+			Help:    "Histogram of time spent in WAITING phase for request.",
+			Buckets: []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0},
+		}, engineLabels),
+		// vLLM's time_per_output_token_seconds under its current name.
+		itl: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:inter_token_latency_seconds",
+			Help:    "Histogram of inter-token latency in seconds.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0},
+		}, engineLabels),
 		running: prometheus.NewDesc("vllm:num_requests_running", "Number of requests in model execution batches.", engineLabels, nil),
 		waiting: prometheus.NewDesc("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engineLabels, nil),
 		kvUsage: prometheus.NewDesc("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engineLabels, nil),
@@ -56,7 +67,7 @@ func newMetrics(driver *Driver, modelName string) *metrics {
 		loraInfo: prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
 			[]string{"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, nil),
 	}
-	m.registry.MustRegister(m, m.ttft, m.e2e,
+	m.registry.MustRegister(m, m.ttft, m.e2e, m.queue, m.itl,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -66,8 +77,11 @@ func (m *metrics) observe(ev Event) {
 	switch ev.Kind {
 	case EventFirstToken:
 		m.ttft.WithLabelValues(m.modelName, "0").Observe((ev.Time - ev.Request.Arrival).Seconds())
+	case EventToken:
+		m.itl.WithLabelValues(m.modelName, "0").Observe(ev.SincePrevious.Seconds())
 	case EventFinished:
 		m.e2e.WithLabelValues(m.modelName, "0").Observe((ev.Time - ev.Request.Arrival).Seconds())
+		m.queue.WithLabelValues(m.modelName, "0").Observe((ev.Request.Scheduled - ev.Request.Arrival).Seconds())
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -569,5 +570,44 @@ func TestStreamFinishInLaterBatch(t *testing.T) {
 		if !slices.Equal(finishes, []string{"length"}) || !sawUsage || !sawDone {
 			t.Fatalf("%v: finish reasons %q, usage %v, [DONE] %v in:\n%s", endpoint, finishes, sawUsage, sawDone, rec.Body.String())
 		}
+	}
+}
+
+// TestLatencyHistograms: one request of 4 tokens is counted once by vLLM's
+// TTFT, e2e and queue-time histograms and three times (the gaps after the
+// first token) by the inter-token one, whose sum, in simulated time, is
+// the time from the first token to the last.
+func TestLatencyHistograms(t *testing.T) {
+	cfg := Config{}.WithDefaults()
+	_, srv := newTestServer(t, cfg)
+	body, _ := json.Marshal(map[string]any{"prompt": strings.Repeat("hello ", 200), "max_tokens": 4})
+	if resp, out := post(t, srv.URL+"/v1/completions", string(body)); resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, out)
+	}
+	mfs := metricFamilies(t, srv.URL+"/metrics")
+	hist := func(name string) (count uint64, sum float64) {
+		mf := mfs[name]
+		if mf == nil || len(mf.GetMetric()) != 1 {
+			t.Fatalf("%s: want one series, got %v", name, mf)
+		}
+		m := mf.GetMetric()[0]
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		if labels["model_name"] != cfg.Model || labels["engine"] != "0" {
+			t.Fatalf("%s labels %v", name, labels)
+		}
+		return m.GetHistogram().GetSampleCount(), m.GetHistogram().GetSampleSum()
+	}
+	ttftN, ttft := hist("vllm:time_to_first_token_seconds")
+	e2eN, e2e := hist("vllm:e2e_request_latency_seconds")
+	queueN, queue := hist("vllm:request_queue_time_seconds")
+	itlN, itl := hist("vllm:inter_token_latency_seconds")
+	if ttftN != 1 || e2eN != 1 || queueN != 1 || itlN != 3 {
+		t.Fatalf("counts: ttft %d e2e %d queue %d itl %d", ttftN, e2eN, queueN, itlN)
+	}
+	if queue < 0 || queue > ttft || math.Abs(itl-(e2e-ttft)) > 1e-9 {
+		t.Fatalf("queue %v ttft %v e2e %v itl sum %v", queue, ttft, e2e, itl)
 	}
 }

@@ -1,0 +1,80 @@
+package caddyllm
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/prometheus/common/expfmt"
+)
+
+// TestLatencyLabelsBounded: only named upstreams become label values, and
+// forgetting one deletes its series and its recent TTFTs.
+func TestLatencyLabelsBounded(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	m.name("a:1")
+	m.observeDecision("a:1", "warm", 50, 100)
+	m.observeDecision("dyn:9", "cold", 0, 100)
+	m.observeFirstToken("a:1", "warm", 300*time.Millisecond)
+	m.observeEstimateError("a:1", "warm", 0.2-0.5)
+	m.recordTTFT("a:1", 0.2, 0.5)
+	m.recordTTFT("dyn:9", 0.2, 0.5)
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m.prefixMatch, m.timeToFirstToken, m.estimateError)
+	if n := testutil.CollectAndCount(m.prefixMatch); n != 2 {
+		t.Fatalf("prefix_match_ratio has %d series, want 2 (a:1 and other)", n)
+	}
+	// 0.2 s observed against 0.5 s estimated: -0.3 s, in le="-0.25".
+	got := exposition(t, reg)
+	if !strings.Contains(got, `caddy_llm_affinity_ttft_estimate_error_seconds_bucket{reason="warm",upstream="a:1",le="-0.25"} 1`) ||
+		!strings.Contains(got, `caddy_llm_affinity_ttft_estimate_error_seconds_bucket{reason="warm",upstream="a:1",le="-0.5"} 0`) {
+		t.Fatalf("the signed buckets do not hold -0.3 s:\n%s", got)
+	}
+	if obs, est := m.recentTTFT("a:1"); len(obs) != 1 || obs[0] != 0.2 || est[0] != 0.5 {
+		t.Fatalf("recent TTFT of a:1 = %v %v", obs, est)
+	}
+	if obs, _ := m.recentTTFT("dyn:9"); obs != nil {
+		t.Fatalf("a dynamic upstream's TTFTs are kept: %v", obs)
+	}
+
+	m.forget("a:1")
+	if out := exposition(t, reg); strings.Contains(out, `"a:1"`) {
+		t.Fatalf("the forgotten upstream's series are kept:\n%s", out)
+	}
+	if obs, _ := m.recentTTFT("a:1"); obs != nil {
+		t.Fatalf("the forgotten upstream's TTFTs are kept")
+	}
+}
+
+// TestTTFTRing keeps the last recentTTFTs samples, oldest first.
+func TestTTFTRing(t *testing.T) {
+	var r ttftRing
+	for i := range recentTTFTs + 5 {
+		r.add(float64(i), float64(-i))
+	}
+	obs, est := r.list()
+	if len(obs) != recentTTFTs || obs[0] != 5 || obs[len(obs)-1] != recentTTFTs+4 || est[0] != -5 {
+		t.Fatalf("ring = %v", obs)
+	}
+}
+
+// exposition renders reg in the text format.
+func exposition(t *testing.T, reg *prometheus.Registry) string {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, mf := range mfs {
+		if _, err := expfmt.MetricFamilyToText(&b, mf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return b.String()
+}
