@@ -41,9 +41,11 @@ const (
 // prefill it must still do (the part of the prompt it does not hold in
 // its prefix cache) plus any adapter load is smallest. It filters out
 // upstreams that are unavailable, draining, or cannot hold the request in
-// KV memory; when none is left, the request waits at the gateway until
-// capacity frees or QueueTimeout passes, then is shed with ShedStatus and
-// Retry-After.
+// KV memory within QueueTimeout (an upstream whose KV is full is a
+// candidate when the KV the request needs is expected to free in time: the
+// engine queues the request, and the wait counts in its estimate); when
+// none is left, the request waits at the gateway until capacity frees or
+// QueueTimeout passes, then is shed with ShedStatus and Retry-After.
 //
 // Requests the handler did not parse (GET /v1/models, /health, other
 // paths) go to the Fallback policy, by default the upstream with the
@@ -89,9 +91,11 @@ type Policy struct {
 	// resident. Default 2s.
 	AdapterLoadRemote caddy.Duration `json:"adapter_load_remote,omitempty"`
 
-	// QueueTimeout is how long a request that fits nowhere waits at the
-	// gateway for capacity before it is shed. Default 5s; a negative value
-	// sheds at once.
+	// QueueTimeout is how long a request may wait to start: queued at an
+	// engine for KV to free, or at the gateway when no upstream can start
+	// it in time, after which it is shed. Default 5s; a negative value
+	// sends a request only where it fits now and sheds it at once
+	// otherwise.
 	QueueTimeout caddy.Duration `json:"queue_timeout,omitempty"`
 
 	// ShedStatus is the HTTP status of a shed request. Default 503.
@@ -332,13 +336,23 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 	}
 	if p.ScrapeInterval > 0 {
-		p.scraper = scrape.New(scrape.Config{
+		cfg := scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
 			Mark:           p.sh.fleet.MarkOf,
 			Logger:         p.logger.Named("scrape"),
-		})
+		}
+		// Engines behind TLS are scraped over https with the proxy's own
+		// TLS settings; plain HTTP ones keep the scraper's cheaper client.
+		t := parentTLSTransport(ctx)
+		if t != nil {
+			cfg.Scheme, cfg.Client = "https", &http.Client{Transport: t}
+		}
+		p.scraper = scrape.New(cfg)
+		if t != nil {
+			go func() { <-p.scraper.Stopped(); t.CloseIdleConnections() }()
+		}
 		// Dynamic upstreams are added as requests see them.
 		p.scraper.SetTargets(p.named)
 		p.scraper.Start(ctx)
@@ -464,10 +478,13 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	r.Body = io.NopCloser(bytes.NewReader(st.body))
 	r.ContentLength = int64(len(st.body))
 
-	var deadline time.Time
+	// The request may start within QueueTimeout: queued at an engine
+	// until KV frees there, or held here until some upstream can take it.
+	deadline := time.Now().Add(time.Duration(p.QueueTimeout))
+	queued := false
 	held := time.Now()
 	for {
-		up, d := p.decide(pool, st)
+		up, d := p.decide(pool, st, max(0, time.Until(deadline)))
 		if up != nil {
 			p.sh.metrics.queueWait.WithLabelValues(string(d.Reason)).Observe(time.Since(held).Seconds())
 			st.setDecisionPlaceholders(len(st.tried) + 1)
@@ -486,8 +503,8 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 				message: fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens),
 				reason:  "context_length"})
 		}
-		if deadline.IsZero() {
-			deadline = time.Now().Add(time.Duration(p.QueueTimeout))
+		if !queued {
+			queued = true
 			p.sh.metrics.queued.Inc()
 		}
 		wait := time.Until(deadline)
@@ -554,7 +571,7 @@ func newScratchPool() *sync.Pool {
 // decide asks the decision engine where st goes among pool and, when it
 // chose, registers the attempt with the drain registry. Without a choice
 // the decision's Wake channel says when to try again.
-func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reverseproxy.Upstream, router.Decision) {
+func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWait time.Duration) (*reverseproxy.Upstream, router.Decision) {
 	req := st.req
 	now := time.Now()
 	if p.scraper != nil {
@@ -573,7 +590,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState) (*reve
 	}
 	d := p.sh.fleet.Decide(now, router.Request{
 		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
-		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model,
+		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: maxWait,
 	}, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {

@@ -59,7 +59,11 @@ type EngineView struct {
 	RunningAdapters []string `json:"running_adapters,omitempty"`
 	Models          []string `json:"models,omitempty"`
 	Errors          uint64   `json:"scrape_errors"`
-	LastError       string   `json:"last_error,omitempty"`
+	// LastError is the latest scrape's failure: empty once a scrape after
+	// it succeeded (Errors still counts every failure).
+	LastError string `json:"last_error,omitempty"`
+	// lastScrape is when the status shown was last scraped, failed or not.
+	lastScrape time.Time
 }
 
 // engineViews returns the freshest engine view of every scraped dial.
@@ -72,7 +76,19 @@ func (sh *shared) engineViews(now time.Time) map[string]*EngineView {
 				v = &EngineView{Running: -1, Waiting: -1, PrefixHitRate: -1}
 				out[st.Dial] = v
 			}
-			v.Errors, v.LastError = st.Errors, st.LastError
+			// Several loaded configs may scrape the dial: show the state
+			// of the latest scrape among them, not a stale failure.
+			v.Errors = max(v.Errors, st.Errors)
+			at := st.LastSuccess
+			if st.LastErrorAt.After(at) {
+				at = st.LastErrorAt
+			}
+			if !at.Before(v.lastScrape) {
+				v.lastScrape, v.LastError = at, ""
+				if st.ConsecutiveErrors > 0 {
+					v.LastError = st.LastError
+				}
+			}
 			if sig, ok := s.Latest(st.Dial, now, time.Hour); ok && (v.Engine == "" || now.Sub(sig.ScrapedAt).Seconds() < v.AgeSeconds) {
 				v.Engine, v.AgeSeconds = sig.Engine, now.Sub(sig.ScrapedAt).Seconds()
 				v.Running, v.Waiting, v.KVUsage, v.KVCapacity = sig.Running, sig.Waiting, sig.KVUsage, sig.KVCapacityTokens()

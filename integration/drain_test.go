@@ -198,7 +198,7 @@ func TestDrainLongDeadline(t *testing.T) {
 			t.Fatalf("stream %d: %v %+v", i, errs[i], res)
 		}
 	}
-	eventually(t, 2*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
 
@@ -241,7 +241,7 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 			t.Errorf("no %s requests counted", outcome)
 		}
 	}
-	eventually(t, 2*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
 

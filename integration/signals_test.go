@@ -48,13 +48,20 @@ func engineRunning(t *testing.T, r *replica) int {
 }
 
 // TestKVFullSkipsLongPrompt: a replica whose KV is nearly full (with work
-// the router did not send) is skipped for a long prompt, while a short
-// prompt still goes there.
+// the router did not send) is skipped for a long prompt that may not wait
+// for its KV to free (a negative queue_timeout: only where it fits now),
+// while a short prompt still goes there. (With time to wait, the request
+// may queue there: see router.TestKVWaitProperties and TestAnswers.)
 func TestKVFullSkipsLongPrompt(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{NumGPUBlocks: 2048}) // 32,768 tokens of KV
 	a, b := fleet[0], fleet[1]
 	// B is slow at prefill, so A wins every cold request it can hold.
+	// scrape_max_age: a busy machine may delay a scrape past three
+	// intervals, and the router would then fall back to its own view (in
+	// which A is idle).
 	startCaddy(t, caddyfile(fleet, "", fmt.Sprintf(`scrape_interval 100ms
+			scrape_max_age 10s
+			queue_timeout -1s
 			output_estimate max_tokens
 			upstream %s {
 				prefill_rate 100000

@@ -10,18 +10,19 @@ import (
 	"text/tabwriter"
 )
 
-// WriteTable writes one line per policy: hit rate, TTFT p50/p90/p99, E2E p50/p99 (seconds),
-// throughput (output tokens/s), load spread (max/mean requests and tokens per replica), shed
-// and errored requests.
+// WriteTable writes one line per policy: hit rate, TTFT p50/p90/p99, E2E p50/p99 (seconds,
+// over every request: "inf" where shed and failed requests reach the percentile), throughput
+// (output tokens/s), goodput (served requests/s), load spread (max/mean requests and tokens
+// per replica), shed and errored requests.
 func WriteTable(w io.Writer, sums []Summary) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\thit rate\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tmax/mean req\ttok\tshed\terrors\t")
+	fmt.Fprintln(tw, "policy\thit rate\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tgoodput req/s\tmax/mean req\ttok\tshed\terrors\t")
 	for _, s := range sums {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n",
 			s.Policy, percent(s.HitRate),
 			seconds(s.TTFTP50), seconds(s.TTFTP90), seconds(s.TTFTP99),
 			seconds(s.E2EP50), seconds(s.E2EP99),
-			number(s.Throughput, 0), number(s.MaxMeanLoad, 2), number(s.MaxMeanTokens, 2),
+			number(s.Throughput, 0), number(s.Goodput, 2), number(s.MaxMeanLoad, 2), number(s.MaxMeanTokens, 2),
 			s.Shed, s.Errors)
 	}
 	return tw.Flush()
@@ -38,6 +39,8 @@ func seconds(v float64) string {
 	switch {
 	case math.IsNaN(v):
 		return "-"
+	case math.IsInf(v, 1):
+		return "inf"
 	case v < 1:
 		return fmt.Sprintf("%.3fs", v)
 	case v < 100:
@@ -53,13 +56,20 @@ func number(v float64, decimals int) string {
 	return fmt.Sprintf("%.*f", decimals, v)
 }
 
-// jsonFloat writes NaN and infinities as null, which JSON cannot otherwise hold.
+// jsonFloat writes what JSON numbers cannot hold as follows: NaN (no value: an empty
+// replay's percentiles) as null, +Inf (a percentile reached by shed or failed requests) as
+// the string "+Inf", -Inf as "-Inf".
 type jsonFloat float64
 
 func (f jsonFloat) MarshalJSON() ([]byte, error) {
 	v := float64(f)
-	if math.IsNaN(v) || math.IsInf(v, 0) {
+	switch {
+	case math.IsNaN(v):
 		return []byte("null"), nil
+	case math.IsInf(v, 1):
+		return []byte(`"+Inf"`), nil
+	case math.IsInf(v, -1):
+		return []byte(`"-Inf"`), nil
 	}
 	return json.Marshal(v)
 }
@@ -75,6 +85,7 @@ type policyJSON struct {
 	E2EP50        jsonFloat `json:"e2e_p50_s"`
 	E2EP99        jsonFloat `json:"e2e_p99_s"`
 	Throughput    jsonFloat `json:"throughput_tok_s"`
+	Goodput       jsonFloat `json:"goodput_req_s"`
 	MaxMeanLoad   jsonFloat `json:"max_mean_load"`
 	MaxMeanTokens jsonFloat `json:"max_mean_tokens"`
 	Requests      int       `json:"requests"`
@@ -84,13 +95,14 @@ type policyJSON struct {
 	WallSeconds   jsonFloat `json:"wall_s"`
 }
 
-// MarshalJSON writes the summary's figures, with null for those that have no value.
+// MarshalJSON writes the summary's figures, with null for those that have no value and
+// "+Inf" for percentiles that shed or failed requests reach (see [Summary]).
 func (s Summary) MarshalJSON() ([]byte, error) {
 	return json.Marshal(policyJSON{
 		Policy: s.Policy, HitRate: jsonFloat(s.HitRate),
 		TTFTP50: jsonFloat(s.TTFTP50), TTFTP90: jsonFloat(s.TTFTP90), TTFTP99: jsonFloat(s.TTFTP99),
 		TTFTMean: jsonFloat(s.TTFTMean), E2EP50: jsonFloat(s.E2EP50), E2EP99: jsonFloat(s.E2EP99),
-		Throughput: jsonFloat(s.Throughput), MaxMeanLoad: jsonFloat(s.MaxMeanLoad),
+		Throughput: jsonFloat(s.Throughput), Goodput: jsonFloat(s.Goodput), MaxMeanLoad: jsonFloat(s.MaxMeanLoad),
 		MaxMeanTokens: jsonFloat(s.MaxMeanTokens), Requests: s.Requests, Completed: s.Completed,
 		Shed: s.Shed, Errors: s.Errors, WallSeconds: jsonFloat(s.WallSeconds),
 	})

@@ -33,16 +33,20 @@ func TestSummarize(t *testing.T) {
 	s := Summarize(sampleResults())
 	check := func(name string, got, want float64) {
 		t.Helper()
-		if math.Abs(got-want) > 1e-9 {
+		if got != want && math.Abs(got-want) > 1e-9 {
 			t.Errorf("%s = %v, want %v", name, got, want)
 		}
 	}
 	check("hit rate", s.HitRate, 0.5)
-	check("ttft p50", s.TTFTP50, 0.2)
-	check("ttft p99", s.TTFTP99, 0.4)
-	check("e2e p50", s.E2EP50, 1)
-	check("e2e p99", s.E2EP99, 2)
+	// Over all six requests, the shed and the failed one as +Inf: 0.1 0.2 0.3 0.4 inf inf.
+	check("ttft p50", s.TTFTP50, 0.3)
+	check("ttft p90", s.TTFTP90, math.Inf(1))
+	check("ttft p99", s.TTFTP99, math.Inf(1))
+	check("ttft mean", s.TTFTMean, 0.25) // over the four served
+	check("e2e p50", s.E2EP50, 2)        // 1 1 2 2 inf inf
+	check("e2e p99", s.E2EP99, math.Inf(1))
 	check("throughput", s.Throughput, 40.0/4) // 40 tokens from t=0 to t=4s
+	check("goodput", s.Goodput, 4.0/4)        // 4 served from t=0 to t=4s
 	check("max/mean load", s.MaxMeanLoad, 1.5)
 	check("max/mean tokens", s.MaxMeanTokens, 330.0/220)
 	if s.Shed != 1 || s.Errors != 1 || s.Completed != 4 || s.Requests != 6 {
@@ -56,7 +60,7 @@ func TestWriteTableAndJSON(t *testing.T) {
 	if err := WriteTable(&table, sums); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"policy", "hit rate", "TTFT p50", "llm_affinity/ttft", "50.0%", "round_robin"} {
+	for _, want := range []string{"policy", "hit rate", "TTFT p50", "goodput req/s", "llm_affinity/ttft", "50.0%", "inf", "round_robin"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -76,10 +80,17 @@ func TestWriteTableAndJSON(t *testing.T) {
 	if back.Parameters["replicas"] != 2.0 || len(back.Policies) != 2 {
 		t.Fatalf("parsed %+v", back)
 	}
-	for _, key := range []string{"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_tok_s", "max_mean_load", "shed", "errors"} {
+	for _, key := range []string{"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_tok_s", "goodput_req_s", "max_mean_load", "shed", "errors"} {
 		if _, ok := back.Policies[0][key]; !ok {
 			t.Errorf("policy entry lacks %s", key)
 		}
+	}
+	// A percentile that failed requests reach is the string "+Inf"; a served one a number.
+	if v := back.Policies[0]["ttft_p99_s"]; v != "+Inf" {
+		t.Errorf("ttft_p99_s = %#v, want \"+Inf\"", v)
+	}
+	if v := back.Policies[0]["ttft_p50_s"]; v != 0.3 {
+		t.Errorf("ttft_p50_s = %#v, want 0.3", v)
 	}
 	// An empty replay has no percentiles: null, not a JSON error.
 	if v, ok := back.Policies[1]["ttft_p50_s"]; !ok || v != nil {

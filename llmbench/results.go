@@ -95,21 +95,34 @@ type Results struct {
 }
 
 // Summary is a policy's headline figures. Times are in seconds.
+//
+// A shed or failed request is a failed request, not a missing one: the
+// percentiles are over every request of the workload, and a request that
+// never got its first token (shed, errored, or unfinished) counts as +Inf
+// for TTFT, one that did not finish as +Inf for E2E. A policy that sheds
+// more than 1% of the requests therefore has an infinite p99: it did not
+// serve its 99th percentile at all. (Percentiles over the served requests
+// alone made a policy that sheds look faster.)
 type Summary struct {
 	Policy string `json:"policy"`
 	// HitRate is token-weighted: prompt tokens served from the prefix cache over prompt
 	// tokens queried, from the engines' counters (or the requests' cached tokens when the
 	// engines' counters are unknown).
-	HitRate  float64 `json:"hit_rate"`
-	TTFTP50  float64 `json:"ttft_p50_s"`
-	TTFTP90  float64 `json:"ttft_p90_s"`
-	TTFTP99  float64 `json:"ttft_p99_s"`
+	HitRate float64 `json:"hit_rate"`
+	// TTFTP50 to E2EP99 are nearest-rank percentiles over every request, failures as +Inf.
+	TTFTP50 float64 `json:"ttft_p50_s"`
+	TTFTP90 float64 `json:"ttft_p90_s"`
+	TTFTP99 float64 `json:"ttft_p99_s"`
+	// TTFTMean is over the requests that got a first token.
 	TTFTMean float64 `json:"ttft_mean_s"`
 	E2EP50   float64 `json:"e2e_p50_s"`
 	E2EP99   float64 `json:"e2e_p99_s"`
 	// Throughput is output tokens per second of the replay's clock, from the first arrival
 	// to the last completion.
 	Throughput float64 `json:"throughput_tok_s"`
+	// Goodput is the requests served (completed without error) per second of the same
+	// span: what the policy delivered, with nothing for a shed or failed request.
+	Goodput float64 `json:"goodput_req_s"`
 	// MaxMeanLoad is the busiest replica's request count over the mean (1 is perfectly even).
 	MaxMeanLoad float64 `json:"max_mean_load"`
 	// MaxMeanTokens is the same by prompt plus output tokens.
@@ -120,36 +133,45 @@ type Summary struct {
 	Errors        int     `json:"errors"`
 	// WallSeconds is the wall-clock time the replay took.
 	WallSeconds float64 `json:"wall_s"`
-	// TTFTs holds the completed requests' TTFTs in seconds, sorted, for plots.
+	// TTFTs holds the TTFTs in seconds of the requests that got a first token, sorted, for
+	// plots.
 	TTFTs []float64 `json:"-"`
 }
 
 // Summarize computes the headline figures of a replay.
 func Summarize(r *Results) Summary {
 	s := Summary{Policy: r.Policy, Requests: len(r.Requests), WallSeconds: r.Wall.Seconds()}
-	var ttft, e2e []float64
+	ttft := make([]float64, 0, len(r.Requests))
+	e2e := make([]float64, 0, len(r.Requests))
 	var queries, hits uint64
 	var outTokens float64
 	start, end := time.Duration(math.MaxInt64), time.Duration(0)
+	inf := math.Inf(1)
 	for i := range r.Requests {
 		q := &r.Requests[i]
 		start = min(start, q.Arrival)
 		switch {
 		case q.Shed:
 			s.Shed++
-			continue
 		case q.Err != "":
 			s.Errors++
+		}
+		if q.Shed || q.Err != "" {
+			ttft, e2e = append(ttft, inf), append(e2e, inf)
 			continue
 		}
 		if q.TTFT > 0 {
 			ttft = append(ttft, q.TTFT.Seconds())
+		} else {
+			ttft = append(ttft, inf)
 		}
 		if q.Completed() {
 			s.Completed++
 			e2e = append(e2e, q.E2E.Seconds())
 			end = max(end, q.Arrival+q.E2E)
 			outTokens += float64(q.OutputTokens)
+		} else {
+			e2e = append(e2e, inf)
 		}
 		queries += uint64(q.PromptTokens)
 		hits += uint64(q.CachedTokens)
@@ -167,16 +189,28 @@ func Summarize(r *Results) Summary {
 	}
 	slices.Sort(ttft)
 	slices.Sort(e2e)
-	s.TTFTs = ttft
+	served := ttft[:len(ttft)-countInf(ttft)]
+	s.TTFTs = served
 	s.TTFTP50, s.TTFTP90, s.TTFTP99 = percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(ttft, 0.99)
-	s.TTFTMean = mean(ttft)
+	s.TTFTMean = mean(served)
 	s.E2EP50, s.E2EP99 = percentile(e2e, 0.5), percentile(e2e, 0.99)
 	if end > start {
-		s.Throughput = outTokens / (end - start).Seconds()
+		span := (end - start).Seconds()
+		s.Throughput = outTokens / span
+		s.Goodput = float64(s.Completed) / span
 	}
 	s.MaxMeanLoad = maxOverMean(r.Replicas, func(x ReplicaResult) float64 { return float64(x.Requests) })
 	s.MaxMeanTokens = maxOverMean(r.Replicas, func(x ReplicaResult) float64 { return float64(x.PromptTokens + x.OutputTokens) })
 	return s
+}
+
+// countInf counts the +Inf values at the end of sorted.
+func countInf(sorted []float64) int {
+	n := 0
+	for n < len(sorted) && math.IsInf(sorted[len(sorted)-1-n], 1) {
+		n++
+	}
+	return n
 }
 
 // percentile returns the p-quantile of sorted values (nearest rank), NaN when empty.

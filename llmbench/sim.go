@@ -24,7 +24,8 @@ import (
 const (
 	// RouterBlockTokens is the router's hash block size in tokens.
 	RouterBlockTokens = prefixindex.DefaultBlockTokens
-	// DefaultQueueTimeout is how long a request that fits nowhere waits at the gateway.
+	// DefaultQueueTimeout is how long a request may wait to start (queued at an engine for KV,
+	// or at the gateway when no replica can start it in time).
 	DefaultQueueTimeout = router.DefaultQueueTimeout
 	// DefaultOutputTokens is the output estimate before any output was observed.
 	DefaultOutputTokens = router.DefaultOutputTokens
@@ -51,8 +52,10 @@ const (
 // token, seeded by model and adapter) and asks router.Fleet.Decide, as the plugin does, with
 // one member per replica (its hardware profile: the rates of [Sim.Rates] and the engine's KV
 // capacity); each output token is router.Fleet.Progress, the finish router.Fleet.Complete. A
-// request that fits nowhere waits at the gateway, retried whenever a replica it may now fit
-// on (router.Fleet.Fits) releases work, and is shed after QueueTimeout. Engine metrics are not
+// request goes where its KV is free or expected to free within what is left of QueueTimeout
+// (router.Request.MaxWait; the engine queues it meanwhile). One that no replica can start in
+// time waits at the gateway, retried whenever a replica it may now fit on (router.Fleet.Fits)
+// releases work, and is shed once QueueTimeout has passed. Engine metrics are not
 // read: this is the plugin with scrape_interval off, its default.
 //
 // Caddy's own policies are Caddy's selection policy types themselves (round_robin,
@@ -61,8 +64,9 @@ const (
 // Caddy's own (unseeded) random source, so their results vary from run to run.
 type Sim struct {
 	Config
-	// QueueTimeout is how long a request that fits nowhere waits at the gateway before it is
-	// shed: 0 means DefaultQueueTimeout, a negative value sheds at once.
+	// QueueTimeout is how long a request may wait to start, at an engine for KV to free or at
+	// the gateway, before it is shed: 0 means DefaultQueueTimeout, a negative value sends it
+	// only where it fits now and sheds it at once otherwise.
 	QueueTimeout time.Duration
 	// OutputEstimate is OutputAverage (default), OutputMaxTokens or OutputFixed.
 	OutputEstimate string
@@ -460,12 +464,13 @@ func (run *simRun) modelName(r *Request) string {
 	return run.cfg.Model
 }
 
-// routerRequest is what the decision engine sees of a waiting request.
-func (run *simRun) routerRequest(wt *waiter) router.Request {
+// routerRequest is what the decision engine sees of a waiting request at now: it may wait
+// for KV at an engine as long as it may still wait at the gateway, as the plugin's requests.
+func (run *simRun) routerRequest(wt *waiter, now time.Duration) router.Request {
 	r := wt.req
 	return router.Request{
 		Hashes: wt.hashes, BlockTokens: RouterBlockTokens, PromptTokens: r.PromptTokens,
-		MaxTokens: r.MaxTokens, Model: run.modelName(r),
+		MaxTokens: r.MaxTokens, Model: run.modelName(r), MaxWait: max(0, wt.deadline-now),
 	}
 }
 
@@ -473,8 +478,9 @@ func (run *simRun) routerRequest(wt *waiter) router.Request {
 // released work, in arrival order, and sheds those whose deadline passed. Only j's free KV
 // grew, so a request that fitted nowhere before can fit only there: asking the engine about
 // j alone gives the plugin's wake-everyone retry at a fraction of the cost. (One difference:
-// a waiter whose output estimate fell since its last try is retried at the next release of
-// a replica it fits, not at once.)
+// a waiter whose output estimate fell since its last try, or whose KV wait on another
+// replica shrank as that replica's queue progressed, is retried at the next release of a
+// replica it fits, not at once.)
 func (run *simRun) retryGateway(now time.Duration, j int) {
 	if len(run.gateway) == 0 {
 		return
@@ -485,7 +491,7 @@ func (run *simRun) retryGateway(now time.Duration, j int) {
 		switch {
 		case now > wt.deadline:
 			run.shed(wt.req)
-		case wt.router.fleet.Fits(at(now), run.routerRequest(&wt), run.members[j], &run.ropts):
+		case wt.router.fleet.Fits(at(now), run.routerRequest(&wt, now), run.members[j], &run.ropts):
 			run.arrive(wt, now)
 		default:
 			run.gateway = append(run.gateway, wt)
@@ -505,7 +511,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		if wt.hashes == nil {
 			wt.hashes = run.hasher.HashBytes(nil, run.seed(r), text)
 		}
-		d := rt.fleet.Decide(at(now), run.routerRequest(&wt), run.members, &run.ropts, run.rng, nil)
+		d := rt.fleet.Decide(at(now), run.routerRequest(&wt, now), run.members, &run.ropts, run.rng, nil)
 		choice, charge = d.Chosen, d.Charge
 	} else {
 		choice = run.chooseCaddy(rt, r)

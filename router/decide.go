@@ -26,6 +26,13 @@ type Request struct {
 	MaxTokens int
 	// Model is the request's model field: a base model or an adapter.
 	Model string
+	// MaxWait is how long the request may still wait to start. An
+	// upstream whose free KV is short of the request's needs is a
+	// candidate when the KV it needs is expected to free within MaxWait
+	// (the engine queues the request meanwhile, and the wait counts in
+	// the estimate: scorer.KVWaitSeconds); 0 means the request must fit
+	// now.
+	MaxWait time.Duration
 }
 
 // Member is one upstream the request may go to, as the caller sees it now.
@@ -156,6 +163,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
+		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 	}
 	for i := range members {
 		m, u := &members[i], states[i]
@@ -225,6 +233,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
 		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
+		c.KVOvercommitTokens = max(0, u.kvTokens-c.KVCapacityTokens)
 		if m.Engine != nil {
 			if engineFree := now.FreeKVTokens(); engineFree >= 0 {
 				c.FreeKVTokens = min(c.FreeKVTokens, engineFree)

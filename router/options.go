@@ -28,8 +28,8 @@ const (
 	DefaultAdapterLoadRemote      = 2 * time.Second
 	DefaultPrefillTokensPerSecond = 12_000
 	DefaultDecodeTokensPerSecond  = 2_500
-	// DefaultQueueTimeout is how long a request that fits nowhere waits
-	// for capacity before it is shed.
+	// DefaultQueueTimeout is how long a request may wait to start (at an
+	// engine for KV to free, or at the gateway) before it is shed.
 	DefaultQueueTimeout = 5 * time.Second
 )
 

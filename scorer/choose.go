@@ -169,14 +169,57 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	if c.Draining {
 		return FilteredDraining
 	}
-	// Never park a request on a replica that cannot hold it.
+	// Never park a request on a replica that cannot hold it, or not
+	// before the request's wait runs out. (The engine queues a request
+	// until KV frees: shedding one that would start there in time turns
+	// a short wait into a failure.)
 	if c.FreeKVTokens >= 0 {
-		need := max(0, req.PromptTokens-c.MatchedTokens) + req.OutputTokens + marginTokens
-		if need > c.FreeKVTokens {
+		if wait := kvWait(req, c, marginTokens); wait > 0 && !(wait <= req.MaxKVWaitSeconds) {
 			return FilteredKV
 		}
 	}
 	return NotFiltered
+}
+
+// KVWaitSeconds is how long req would wait on c for KV memory before its
+// prefill could start: 0 when c's free KV holds its uncached prompt and
+// expected output now (or c's free KV is unknown), +Inf when c's whole KV
+// cannot hold them, or when nothing is known to be queued there to free
+// any.
+//
+// Free KV is what c's requests leave, counting the KV charged for the
+// requests queued at the engine, which will hold it before this one does
+// (engines admit first come, first served), and beyond it the KV of the
+// requests queued for KV already (KVOvercommitTokens). All of that is freed by the
+// time c's queued work is done: its queued prefill at the prefill rate and
+// its queued output at the decode rate. The estimate assumes the KV frees
+// evenly over that time, so the request waits that time scaled by the
+// share of the KV in use that must be freed for it. It is a first-order
+// estimate: requests finish one by one, not evenly, and the router's own
+// output estimates are averages.
+func KVWaitSeconds(req *Request, c *Candidate) float64 { return kvWait(req, c, 0) }
+
+func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
+	if c.FreeKVTokens < 0 {
+		return 0
+	}
+	need := max(0, req.PromptTokens-c.MatchedTokens) + max(0, req.OutputTokens) + marginTokens
+	over := max(0, c.KVOvercommitTokens)
+	short := need - c.FreeKVTokens + over
+	if short <= 0 {
+		return 0
+	}
+	inUse := c.KVCapacityTokens - c.FreeKVTokens + over
+	if need > c.KVCapacityTokens || inUse <= 0 {
+		return math.Inf(1)
+	}
+	prefill := rate(c.PrefillTokensPerSecond, 10_000)
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	drain := float64(max(0, c.QueuedPrefillTokens))/prefill + float64(max(0, c.QueuedDecodeTokens))/decode
+	if drain <= 0 {
+		return math.Inf(1)
+	}
+	return drain * float64(short) / float64(inUse)
 }
 
 func servesModel(models []string, req *Request) bool {
@@ -199,9 +242,13 @@ func servesModel(models []string, req *Request) bool {
 // decode rate. (Dividing all queued output by the decode rate, as if
 // generations ran one after another, made warm replicas look busy and
 // spilled prefixes needlessly: see BENCHMARKS.md.)
+//
+// A request that must wait for KV to free (KVWaitSeconds) starts after
+// that wait or after the queue ahead, whichever is longer: the queue's
+// prefill runs while the KV frees.
 func EstimateTTFT(req *Request, c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	est := QueuedSeconds(c) + float64(max(0, req.PromptTokens-c.MatchedTokens))/prefill
+	est := max(QueuedSeconds(c), KVWaitSeconds(req, c)) + float64(max(0, req.PromptTokens-c.MatchedTokens))/prefill
 	if req.Adapter != "" && c.Adapter != AdapterResident {
 		est += c.AdapterLoadSeconds
 	}

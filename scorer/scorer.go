@@ -12,6 +12,10 @@
 // is the tolerance rule "route to A iff Q_A − Q_B < t_prefill(k)": affinity
 // is worth more for long prefixes and less under load, and a hot prefix
 // spills to a cold replica, which then becomes warm.
+//
+// A replica whose free KV cannot hold the request now is filtered out
+// unless its KV is expected to free within Request.MaxKVWaitSeconds; that
+// wait (KVWaitSeconds) is then part of its estimate.
 package scorer
 
 import "fmt"
@@ -96,6 +100,12 @@ type Request struct {
 	Model string
 	// Adapter is the requested LoRA adapter, empty for the base model.
 	Adapter string
+	// MaxKVWaitSeconds is how long the request may wait at an engine for
+	// KV memory to free before its prefill starts. A candidate whose free
+	// KV is short of the request's needs passes the KV filter when its
+	// estimated wait (KVWaitSeconds) is at most this; 0 means the request
+	// must fit now.
+	MaxKVWaitSeconds float64
 }
 
 // Candidate is one upstream's state as the decision sees it.
@@ -136,6 +146,10 @@ type Candidate struct {
 	// takes before each new one evicts a cached one (the router's index
 	// of what it sent there, against the KV capacity), or -1 when unknown.
 	UncachedRoomTokens int
+	// KVOvercommitTokens is the KV charged there beyond its capacity: the
+	// requests queued at the engine until KV frees for them. It is freed
+	// before a new request's KV is.
+	KVOvercommitTokens int
 	// Adapter says where it has the request's adapter.
 	Adapter AdapterState
 	// AdapterLoadSeconds is the cost of making the adapter resident there;

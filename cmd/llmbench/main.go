@@ -87,7 +87,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
-	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "llm_affinity: how long a request that fits no replica (KV charged there + its own > KV capacity) waits at the gateway before it is shed; negative = shed at once (the plugin's queue_timeout)")
+	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "llm_affinity: how long a request may wait to start: queued at a replica until the KV it needs frees (when expected within this), or at the gateway when no replica can start it in time, then shed; negative = only where it fits now, else shed at once (the plugin's queue_timeout)")
 	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
 	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
@@ -127,8 +127,11 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 		fmt.Fprintf(fs.Output(), `Usage: llmbench [flags]
 
 Replays an LLM workload under each routing policy and prints, per policy, the token-weighted
-prefix cache hit rate, TTFT p50/p90/p99, end-to-end latency p50/p99, output throughput, load
-spread (max/mean requests and tokens per replica), shed and errored requests.
+prefix cache hit rate, TTFT p50/p90/p99, end-to-end latency p50/p99, output throughput,
+goodput (requests served per second), load spread (max/mean requests and tokens per replica),
+shed and errored requests. A shed or failed request is a failure, not a missing sample: the
+percentiles are over every request, failures as infinite ("inf" in the table, "+Inf" in the
+JSON, where null means no value at all).
 
 Policies: llm_affinity/<strategy> (the plugin, with scorer strategies ttft, sglang, llmd,
 dynamo, least_work) and Caddy's own round_robin, least_conn, random, first and header. header

@@ -1,0 +1,33 @@
+package caddyllm
+
+import (
+	"net/http"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+// parentTLSTransport returns a copy of the HTTP transport of the reverse
+// proxy this policy belongs to when that proxy reaches its upstreams over
+// TLS (an https:// upstream, or a transport with a tls block), nil
+// otherwise. The scraper must reach the engines the way the proxy does:
+// the copy carries the proxy's TLS client configuration (trusted CAs,
+// client certificate, server name, tls_insecure_skip_verify) and its
+// dialer and timeouts, with a connection pool of its own.
+//
+// The parent provisions its transport before its selection policy, so it
+// is ready when the policy is provisioned.
+func parentTLSTransport(ctx caddy.Context) *http.Transport {
+	for _, m := range ctx.Modules() {
+		h, ok := m.(*reverseproxy.Handler)
+		if !ok {
+			continue
+		}
+		t, ok := h.Transport.(*reverseproxy.HTTPTransport)
+		if !ok || !t.TLSEnabled() || t.Transport == nil {
+			return nil
+		}
+		return t.Transport.Clone()
+	}
+	return nil
+}

@@ -1,0 +1,76 @@
+package integration
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// TestAdminShowsLatestScrape: an engine whose metrics fail from the
+// router's start shows the failure in the admin view; once a later scrape
+// succeeds, the view shows no error (the count of failures stays).
+func TestAdminShowsLatestScrape(t *testing.T) {
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: "flaky"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var failing atomic.Bool
+	failing.Store(true)
+	hs := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if failing.Load() && strings.HasPrefix(r.URL.Path, "/metrics") {
+			http.Error(w, "metrics not ready", http.StatusInternalServerError)
+			return
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+	r := &replica{name: "flaky", sim: sim, http: hs}
+	startCaddy(t, caddyfile([]*replica{r}, "", "scrape_interval 100ms", ""))
+
+	eventually(t, 10*time.Second, "the failing scrape in the admin view", func() bool {
+		v := listedEngine(t, r.dial())
+		return v != nil && v.Errors > 0 && strings.Contains(v.LastError, "500")
+	})
+	failing.Store(false)
+	eventually(t, 10*time.Second, "a successful scrape clearing the error", func() bool {
+		v := listedEngine(t, r.dial())
+		return v != nil && v.LastError == "" && v.KVCapacity > 0
+	})
+	if v := engineView(t, r.dial()); v.Errors == 0 {
+		t.Errorf("the failures' count was lost: %+v", v)
+	}
+}
+
+// TestLastTTFTNonStreaming: a non-streaming completion's first token is
+// taken to come with its response headers, so the admin view's
+// last_ttft_seconds is set by it (it was 0 for such requests once).
+func TestLastTTFTNonStreaming(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text("ttft", 4000), "max_tokens": 8}); c.status != 200 {
+		t.Fatalf("completion: %d %s", c.status, c.body)
+	}
+	eventually(t, 5*time.Second, "the request's end in the admin view", func() bool {
+		u, ok := upstreams(t)[fleet[0].dial()]
+		return ok && u.Completed == 1
+	})
+	if u := upstream(t, fleet[0].dial()); u.LastTTFTSeconds <= 0 {
+		t.Fatalf("last_ttft_seconds = %v after a non-streaming completion", u.LastTTFTSeconds)
+	}
+}
+
+// listedEngine is dial's engine view in the admin API, nil while the API
+// does not list dial (a config just loaded) or has no engine view of it.
+func listedEngine(t *testing.T, dial string) *caddyllm.EngineView {
+	t.Helper()
+	if u, ok := upstreams(t)[dial]; ok {
+		return u.Engine
+	}
+	return nil
+}
