@@ -107,6 +107,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		tie                 <seconds>
 //		imposed_delay_weight <w>
 //		decode_weight       <w>
+//		eviction_weight     <w>
 //		sglang              <cache_threshold> <balance_abs> <balance_rel>
 //		llmd_weights        <prefix> <queue> <kv>
 //		dynamo_overlap_weight <w>
@@ -136,6 +137,7 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	numbers := map[string]*float64{
 		"tie": &p.TieSeconds, "dynamo_overlap_weight": &p.DynamoOverlapWeight,
 		"imposed_delay_weight": &p.ImposedDelayWeight, "decode_weight": &p.DecodeWeight,
+		"eviction_weight": &p.EvictionWeight,
 	}
 	for d.NextBlock(0) {
 		opt := d.Val()

@@ -26,6 +26,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
@@ -311,6 +312,9 @@ type decisionRecord struct {
 	reason   string
 	estimate float64
 	matched  int
+	// prompt is the prompt length the decision used: the parse's
+	// estimate, or the engine-learned one (router.Decision.PromptTokens).
+	prompt int
 }
 
 // shedding is the policy's answer to a request it gave up on: for now (a
@@ -396,7 +400,11 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		a.sh.metrics.drainCompleted.Inc()
 	}
 	a.sh.metrics.observeCompletion(rec)
-	a.sh.fleet.Complete(a.charge, st.req.Model, rec.completionTokens(), time.Now())
+	usage := router.Usage{OutputTokens: rec.completionTokens()}
+	if rec.usage != nil {
+		usage.PromptTokens = rec.usage.PromptTokens
+	}
+	a.sh.fleet.Complete(a.charge, st.req.Model, usage, time.Now())
 }
 
 // Interface guards

@@ -10,7 +10,7 @@ import (
 // fixed word: none carries prompt text.
 //
 //	{http.llm_affinity.model}           the requested model
-//	{http.llm_affinity.prompt_tokens}   estimated prompt tokens
+//	{http.llm_affinity.prompt_tokens}   prompt tokens: the parse's estimate, then the decision's
 //	{http.llm_affinity.stream}          whether the response streams
 //	{http.llm_affinity.upstream}        the chosen upstream's dial address
 //	{http.llm_affinity.reason}          warm, cold, spill, adapter or shed
@@ -93,6 +93,11 @@ func (st *requestState) setDecisionPlaceholders(attempt int) {
 	v := &st.ph
 	v.mu.Lock()
 	v.decided, v.upstream, v.reason, v.matched, v.estimate, v.attempt = true, d.upstream, d.reason, d.matched, d.estimate, attempt
+	// The decision's prompt length: learned from the engines' usage once
+	// they reported it, which may differ from the parse's estimate.
+	if d.prompt > 0 {
+		v.promptTokens = d.prompt
+	}
 	v.mu.Unlock()
 }
 

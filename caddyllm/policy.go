@@ -124,6 +124,16 @@ type Policy struct {
 	// most 100; a negative value turns it off.
 	DecodeWeight float64 `json:"decode_weight,omitempty"`
 
+	// EvictionWeight is how much the prefill of the cached prompts a
+	// request would push out of a full prefix cache counts against its
+	// time to first token, in the ttft strategy: a copy of a prefix onto
+	// a full replica evicts others' prefixes, which later requests prefill
+	// again. An upstream's cache counts as full when the prefixes the
+	// router sent there fill its KV capacity (known from kv_capacity or
+	// the engine's metrics). Default 1, at most 100; a negative value
+	// turns it off.
+	EvictionWeight float64 `json:"eviction_weight,omitempty"`
+
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune
 	// the sglang strategy (defaults 0.5, 32, 1.0001).
 	SGLangCacheThreshold float64 `json:"sglang_cache_threshold,omitempty"`
@@ -230,7 +240,7 @@ func (Policy) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// maxCostWeight bounds ImposedDelayWeight and DecodeWeight: beyond it a
+// maxCostWeight bounds the cost terms' weights: beyond it a
 // term alone decides, and costs can overflow.
 const maxCostWeight = 100
 
@@ -248,6 +258,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		KVMarginTokens:     p.KVMarginTokens,
 		ImposedDelayWeight: p.ImposedDelayWeight,
 		DecodeWeight:       p.DecodeWeight,
+		EvictionWeight:     p.EvictionWeight,
 		SGLang: scorer.SGLangOptions{
 			CacheThreshold:      p.SGLangCacheThreshold,
 			BalanceAbsThreshold: p.SGLangBalanceAbs,
@@ -389,16 +400,16 @@ func (p *Policy) Validate() error {
 	if p.LLMDWeights != nil && len(p.LLMDWeights) != 3 {
 		return fmt.Errorf("llmd_weights needs 3 values (prefix, queue, kv), got %d", len(p.LLMDWeights))
 	}
-	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.DecodeWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
+	floats := append([]float64{p.TieSeconds, p.ImposedDelayWeight, p.DecodeWeight, p.EvictionWeight, p.SGLangCacheThreshold, p.SGLangBalanceAbs,
 		p.SGLangBalanceRel, p.DynamoOverlapWeight}, p.LLMDWeights...)
 	for _, v := range floats {
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return fmt.Errorf("tuning values must be finite numbers, got %v", v)
 		}
 	}
-	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight {
-		return fmt.Errorf("imposed_delay_weight and decode_weight must be at most %v, got %v and %v",
-			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight)
+	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight || p.EvictionWeight > maxCostWeight {
+		return fmt.Errorf("imposed_delay_weight, decode_weight and eviction_weight must be at most %v, got %v, %v and %v",
+			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight, p.EvictionWeight)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)
@@ -578,7 +589,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWai
 	}
 	d := p.sh.fleet.Decide(now, router.Request{
 		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
-		MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: maxWait,
+		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: maxWait,
 	}, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
@@ -587,8 +598,8 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWai
 	dial := d.Charge.Dial()
 	st.sh = p.sh
 	st.current = &attempt{sh: p.sh, charge: d.Charge, flight: p.sh.drains.Enter(dial, st)}
-	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens}
-	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, req.PromptTokens)
+	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
+	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
 }
 
@@ -626,11 +637,11 @@ func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decis
 	rec := st.decision
 	if p.ExplainHeader {
 		w.Header().Set("X-LLM-Affinity", fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
-			rec.upstream, rec.reason, rec.matched, st.req.PromptTokens, rec.estimate, len(st.tried)+1))
+			rec.upstream, rec.reason, rec.matched, rec.prompt, rec.estimate, len(st.tried)+1))
 	}
 	if c := p.logger.Check(zapcore.DebugLevel, "routed"); c != nil {
 		c.Write(zap.String("upstream", rec.upstream), zap.String("reason", rec.reason),
-			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", st.req.PromptTokens),
+			zap.Int("matched_tokens", rec.matched), zap.Int("prompt_tokens", rec.prompt),
 			zap.Int("blocks", len(st.req.Hashes)), zap.Float64("estimated_ttft_s", rec.estimate),
 			zap.Int("eligible", d.Eligible), zap.Int("attempt", len(st.tried)+1),
 			zap.Array("top", explainedCandidates{st.explanation}), zap.Array("filtered", excludedCandidates{st.explanation}))

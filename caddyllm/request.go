@@ -58,6 +58,9 @@ type Request struct {
 	// PromptTokens is the estimated prompt length in tokens (exact when
 	// the prompt was given as token ids).
 	PromptTokens int
+	// PromptBytes is the length of the text PromptTokens was estimated
+	// from (bytes_per_token), 0 when the prompt was token ids.
+	PromptBytes int
 	// MaxTokens is max_tokens or max_completion_tokens, 0 when absent.
 	MaxTokens int
 	// Stream is the request's stream flag.
@@ -238,10 +241,12 @@ type reading struct {
 	hashedTools  span
 	hashedSet    bool
 
-	// Completions: the prompt's shape error, and its size in tokens.
+	// Completions: the prompt's shape error, its size in tokens and, for
+	// text, in bytes (0 for token ids).
 	promptErr    error
 	promptSet    bool
 	promptTokens int
+	promptBytes  int
 }
 
 // parse reads body for endpoint. It never panics; errors are
@@ -277,7 +282,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 		if r.promptSet {
 			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
-			req.PromptTokens = r.promptTokens
+			req.PromptTokens, req.PromptBytes = r.promptTokens, r.promptBytes
 		}
 	case EndpointChatCompletions:
 		switch {
@@ -295,7 +300,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			}
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
-		req.PromptTokens = p.tokens(sc.blocks.Len())
+		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
 	}
 	return req, nil
 }
@@ -637,7 +642,7 @@ var errPromptShape = errBadRequest{"invalid request: prompt must be a string, an
 // hash 4 bytes each, in blocks of BlockTokens.
 func (r *reading) prompt() {
 	s := r.s
-	r.promptErr, r.promptSet, r.promptTokens = nil, false, 0
+	r.promptErr, r.promptSet, r.promptTokens, r.promptBytes = nil, false, 0, 0
 	b := &r.sc.blocks
 	switch s.ws() {
 	case 'n':
@@ -648,7 +653,7 @@ func (r *reading) prompt() {
 		if ok {
 			b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
 			b.Write(r.body[start:end])
-			r.promptSet, r.promptTokens = true, r.p.tokens(end-start)
+			r.promptSet, r.promptTokens, r.promptBytes = true, r.p.tokens(end-start), end-start
 		}
 		return
 	case '[':
@@ -710,7 +715,7 @@ func (r *reading) prompt() {
 			s.pos++
 			s.depth--
 			if form == formStrings {
-				r.promptTokens = r.p.tokens(b.Len())
+				r.promptTokens, r.promptBytes = r.p.tokens(b.Len()), b.Len()
 			}
 			return
 		default:

@@ -108,10 +108,14 @@ func (s Summary) MarshalJSON() ([]byte, error) {
 	})
 }
 
-// Report is the --json output: the run's parameters and one summary per policy.
+// Report is the --json output: the run's parameters and one summary per
+// policy; with several router seeds, every seed's summary per policy and
+// the default strategy's goal verdicts.
 type Report struct {
 	Parameters map[string]any `json:"parameters"`
-	Policies   []Summary      `json:"policies"`
+	Policies   []Summary      `json:"policies,omitempty"`
+	SeedRuns   []SeedRuns     `json:"seed_runs,omitempty"`
+	Goals      []GoalCheck    `json:"goals,omitempty"`
 }
 
 // WriteJSON writes the report as indented JSON.

@@ -429,7 +429,7 @@ func (run *simRun) handle(ev *kvsim.Event) {
 		}
 	case kvsim.EventFinished:
 		if f.charge != nil {
-			f.router.fleet.Complete(f.charge, run.modelName(f.req), ev.GeneratedTokens, at(ev.Time))
+			f.router.fleet.Complete(f.charge, run.modelName(f.req), router.Usage{PromptTokens: f.req.PromptTokens, OutputTokens: ev.GeneratedTokens}, at(ev.Time))
 		} else {
 			countRequest(f.router.pool[f.replica].Host, -1)
 		}

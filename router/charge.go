@@ -1,9 +1,6 @@
 package router
 
-import (
-	"math"
-	"time"
-)
+import "time"
 
 // Charge is the work one routed request put on its upstream, from the
 // decision until Complete or Release. Its methods are not safe for
@@ -18,6 +15,9 @@ type Charge struct {
 	prefill  int // uncached prompt tokens still charged
 	decode   int // expected output tokens still charged
 	kv       int
+	// promptBytes is the request's Request.PromptBytes, for learning
+	// bytes per token at Complete.
+	promptBytes int
 	// Started is when the request was charged, FirstToken when its first
 	// output token came back (zero until then).
 	Started    time.Time
@@ -57,44 +57,21 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	c.decode -= d
 }
 
-// learn feeds an observed output length into model's estimate. Caller
+// learn feeds a completed response of model into its estimates. Caller
 // holds f.mu.
-func (f *Fleet) learn(model string, outputTokens int) {
-	m := f.outputs[model]
-	if m == nil {
-		if len(f.outputs) >= maxLearnedModels {
-			f.forgetStalestModel()
-		}
-		m = &runningMean{}
-		f.outputs[model] = m
-	}
-	f.learned++
-	m.used = f.learned
-	m.add(float64(outputTokens))
+func (f *Fleet) learn(model string, promptBytes int, u Usage) {
+	m := f.model(model, true)
+	m.output.add(float64(u.OutputTokens))
+	m.learnPrompt(promptBytes, u.PromptTokens)
 }
 
-// maxLearnedModels bounds the models whose output lengths are learned:
-// model names come from clients, and any name an upstream answers (an
-// engine serving every name, a proxy in front of many) would otherwise
-// grow the table without bound.
-const maxLearnedModels = 1024
-
-// forgetStalestModel drops the least recently learned of a few models, to
-// make room for another (approximately least recently used, at a bounded
-// cost per request: map iteration starts at a random entry). Caller holds
-// f.mu.
-func (f *Fleet) forgetStalestModel() {
-	var stalest string
-	oldest, seen := uint64(math.MaxUint64), 0
-	for name, m := range f.outputs {
-		if m.used < oldest {
-			stalest, oldest = name, m.used
-		}
-		if seen++; seen == 8 {
-			break
-		}
-	}
-	delete(f.outputs, stalest)
+// Usage is what the engine reported of a completed response.
+type Usage struct {
+	// PromptTokens is the prompt as the engine counted it (usage
+	// .prompt_tokens), 0 when not reported.
+	PromptTokens int
+	// OutputTokens is the output generated.
+	OutputTokens int
 }
 
 // Progress records n more output tokens of c's response at now: the first
@@ -109,15 +86,16 @@ func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
 	f.publish(Event{Kind: EventProgressed, ID: c.id, Tokens: c.Tokens})
 }
 
-// Complete ends c after a response of model that generated outputTokens,
-// which the output estimate learns, and releases what c still holds.
-func (f *Fleet) Complete(c *Charge, model string, outputTokens int, now time.Time) {
+// Complete ends c after a response of model with usage u, which the
+// output and prompt-length estimates learn, and releases what c still
+// holds.
+func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.learn(model, outputTokens)
+	f.learn(model, c.promptBytes, u)
 	if c.up != nil {
 		c.up.completed++
-		f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: outputTokens})
+		f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens})
 	}
 	f.release(c, now)
 }

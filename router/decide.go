@@ -17,6 +17,11 @@ type Request struct {
 	BlockTokens int
 	// PromptTokens is the prompt's (estimated) length in tokens.
 	PromptTokens int
+	// PromptBytes is the length of the text PromptTokens was estimated
+	// from, 0 when it is exact (a prompt of token ids). Once the engines'
+	// usage reports taught the model's bytes per token, the decision
+	// estimates the prompt from it instead.
+	PromptBytes int
 	// MaxTokens is the request's output limit, 0 when it sets none.
 	MaxTokens int
 	// Model is the request's model field: a base model or an adapter.
@@ -56,6 +61,9 @@ type Decision struct {
 	// MatchedTokens is the prompt prefix the chosen upstream is expected
 	// to hold in cache.
 	MatchedTokens int
+	// PromptTokens is the prompt length the decision used: the request's,
+	// or its bytes over the model's learned bytes per token.
+	PromptTokens int
 	// Charge is the work charged to the chosen upstream, nil when none
 	// was chosen; pass it to Progress, Complete or Release.
 	Charge *Charge
@@ -82,7 +90,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	defer f.mu.Unlock()
 	sreq, cands, states := f.candidates(now, req, members, opts)
 	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
-	d := Decision{Decision: sd}
+	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
 		d.Wake = f.waitChannel()
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
@@ -90,7 +98,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		for i := range cands {
 			c := &cands[i]
 			d.Unservable = d.Unservable && scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
-			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && req.PromptTokens-c.MatchedTokens > c.KVCapacityTokens
+			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.PromptTokens-c.MatchedTokens > c.KVCapacityTokens
 		}
 		return d
 	}
@@ -99,8 +107,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// Only the uncached prompt and the output need new KV blocks: the
 	// matched prefix is in the engine's cache already, shared, and
 	// charging it per request over-counts popular prefixes many times.
-	uncached := req.PromptTokens - cand.MatchedTokens
+	uncached := sreq.PromptTokens - cand.MatchedTokens
 	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
+	c.promptBytes = req.PromptBytes
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
@@ -148,15 +157,18 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	depths := f.index.Match(req.Hashes, f.scratchDepths)
 	f.scratchDepths = depths
 	adapter := opts.adapterOf(req.Model, members)
+	// A learned bytes per token rescales the prompt and, alike, the
+	// prefix each upstream holds (its blocks are runs of the same text).
+	prompt, scale := f.promptTokens(&req)
 	sreq := scorer.Request{
-		PromptTokens: req.PromptTokens, Blocks: len(req.Hashes), BlockTokens: bt,
+		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 	}
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(m, u, opts, adapter, bt)
-		cands[i].MatchedTokens = min(depths[u.id]*bt, req.PromptTokens)
+		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 	}
 	return sreq, cands, states
@@ -186,6 +198,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		PrefillTokensPerSecond: hw.PrefillTokensPerSecond,
 		DecodeTokensPerSecond:  hw.DecodeTokensPerSecond,
 		FreeKVTokens:           -1,
+		UncachedRoomTokens:     -1,
 		KVCapacityTokens:       hw.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
 	}
@@ -219,6 +232,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	if c.KVCapacityTokens > 0 {
 		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
+		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
 		c.KVOvercommitTokens = max(0, u.kvTokens-c.KVCapacityTokens)
 		if m.Engine != nil {
 			if engineFree := now.FreeKVTokens(); engineFree >= 0 {
@@ -303,8 +317,8 @@ func (f *Fleet) expectedOutput(req Request, opts *Options) int {
 		return opts.OutputTokens
 	}
 	est := opts.OutputTokens
-	if m := f.outputs[req.Model]; m != nil && m.n > 0 {
-		est = int(math.Round(m.value))
+	if m := f.model(req.Model, false); m != nil && m.output.n > 0 {
+		est = int(math.Round(m.output.value))
 	}
 	if req.MaxTokens > 0 {
 		est = min(est, req.MaxTokens)
@@ -318,9 +332,9 @@ func (f *Fleet) expectedOutput(req Request, opts *Options) int {
 func (f *Fleet) meanOutputAnyModel(opts *Options) float64 {
 	var sum float64
 	var n int
-	for _, m := range f.outputs {
-		if m.n > 0 {
-			sum += m.value
+	for _, m := range f.models {
+		if m.output.n > 0 {
+			sum += m.output.value
 			n++
 		}
 	}

@@ -28,8 +28,10 @@ type Fleet struct {
 	mu        sync.Mutex
 	index     *prefixindex.Index
 	upstreams map[string]*upstream
-	outputs   map[string]*runningMean // observed output tokens by model, at most maxLearnedModels
-	learned   uint64                  // outputs learned so far, the clock of their recency
+	// models holds what responses taught of each model (bounded, see
+	// maxModels); modelClock orders their use.
+	models     map[string]*modelStats
+	modelClock uint64
 	// meanPrompt is the running mean of charged (uncached) prompt
 	// lengths, for sizing requests the router sees only as counts in
 	// engine metrics.
@@ -107,7 +109,7 @@ func New() *Fleet {
 	return &Fleet{
 		index:     prefixindex.New(0),
 		upstreams: make(map[string]*upstream),
-		outputs:   make(map[string]*runningMean),
+		models:    make(map[string]*modelStats),
 		changed:   make(chan struct{}),
 		remote:    make(map[remoteKey]*Charge),
 		peers:     make(map[string]time.Time),
@@ -298,7 +300,6 @@ func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
 type runningMean struct {
 	value float64
 	n     int
-	used  uint64 // Fleet.learned when last fed, for forgetting the stalest
 }
 
 func (m *runningMean) add(x float64) {

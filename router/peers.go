@@ -110,7 +110,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		}
 		return true
 	case EventCompleted:
-		f.learn(ev.Model, ev.Tokens)
+		f.learn(ev.Model, 0, Usage{OutputTokens: ev.Tokens})
 		c.up.completed++
 	case EventReleased:
 	default:

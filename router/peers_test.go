@@ -50,7 +50,7 @@ func TestPeersShareTheView(t *testing.T) {
 	b.Release(d2.Charge, t0)
 
 	sent = sent[:0]
-	a.Complete(d.Charge, "m", 20, t0.Add(2*time.Second))
+	a.Complete(d.Charge, "m", Usage{OutputTokens: 20}, t0.Add(2*time.Second))
 	for _, ev := range sent {
 		b.Apply("a", ev, t0.Add(2*time.Second))
 	}

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -65,7 +64,7 @@ func TestChargeLifecycle(t *testing.T) {
 	if u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 40 || u.LastTTFT != 100*time.Millisecond {
 		t.Fatalf("after 10 tokens: %+v", u)
 	}
-	f.Complete(d.Charge, "m", 20, t0.Add(time.Second))
+	f.Complete(d.Charge, "m", Usage{OutputTokens: 20}, t0.Add(time.Second))
 	f.Release(d.Charge, t0.Add(time.Second)) // a second release does nothing
 	u = state(t, f, "a")
 	if u.QueuedDecodeTokens != 0 || u.KVTokensInFlight != 0 || u.InFlight != 0 || u.Completed != 1 {
@@ -83,7 +82,7 @@ func TestChargeLifecycle(t *testing.T) {
 // without max_tokens (which bounds nothing).
 func TestExpectedOutput(t *testing.T) {
 	f := New()
-	f.outputs["m"] = &runningMean{value: 30, n: 5}
+	f.models["m"] = &modelStats{output: runningMean{value: 30, n: 5}}
 	for _, tc := range []struct {
 		estimate  string
 		maxTokens int
@@ -324,21 +323,5 @@ func TestTooLong(t *testing.T) {
 	ms[1].Hardware.KVCapacityTokens = 0 // unknown: it may hold it
 	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
 		t.Fatalf("with b's capacity unknown: %+v", d)
-	}
-}
-
-// TestLearnedModelsBounded: output lengths learned for ever more model
-// names keep a bounded table, and a model in steady use is kept.
-func TestLearnedModelsBounded(t *testing.T) {
-	f := New()
-	for i := range 10 * maxLearnedModels {
-		f.Complete(&Charge{}, "steady", 40, t0)
-		f.Complete(&Charge{}, fmt.Sprintf("model-%d", i), 10, t0)
-	}
-	if n := len(f.outputs); n > maxLearnedModels {
-		t.Fatalf("%d models learned, want at most %d", n, maxLearnedModels)
-	}
-	if m := f.outputs["steady"]; m == nil || m.value != 40 {
-		t.Fatalf("the model in steady use was forgotten: %+v", m)
 	}
 }

@@ -142,6 +142,10 @@ type Candidate struct {
 	FreeKVTokens int
 	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.
 	KVCapacityTokens int
+	// UncachedRoomTokens is how many more prompt tokens its prefix cache
+	// takes before each new one evicts a cached one (the router's index
+	// of what it sent there, against the KV capacity), or -1 when unknown.
+	UncachedRoomTokens int
 	// KVOvercommitTokens is the KV charged there beyond its capacity: the
 	// requests queued at the engine until KV frees for them. It is freed
 	// before a new request's KV is.

@@ -10,7 +10,7 @@ import (
 func cand(name string, matched, queuedPrefill int) Candidate {
 	return Candidate{
 		Name: name, Available: true, MatchedTokens: matched, QueuedPrefillTokens: queuedPrefill,
-		Waiting: -1, FreeKVTokens: -1, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000,
+		Waiting: -1, FreeKVTokens: -1, UncachedRoomTokens: -1, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000,
 	}
 }
 
@@ -362,5 +362,116 @@ func TestForeignRequestsCountForTTFT(t *testing.T) {
 	b.InFlight = 1
 	if d := Choose(req(1000), []Candidate{a, b}, Options{Strategy: SGLang}, nil, nil); d.Chosen != 0 {
 		t.Fatalf("sglang counted foreign requests")
+	}
+}
+
+// The other routers' rules break ties at random, as their own code does in
+// effect: on an idle fleet with nothing cached every replica ties, and a
+// port that took the lowest index would pile everything onto replica 0.
+func TestPortedStrategiesBreakTiesAtRandom(t *testing.T) {
+	cands := make([]Candidate, 32)
+	for i := range cands {
+		cands[i] = cand(fmt.Sprint(i), 0, 0)
+	}
+	warm := make([]Candidate, 32)
+	copy(warm, cands)
+	for _, i := range []int{5, 9, 20} { // three replicas hold the whole prompt
+		warm[i].MatchedTokens = 1000
+	}
+	for _, s := range []Strategy{SGLang, LLMD, Dynamo} {
+		r := rand.New(rand.NewPCG(1, 2))
+		chosen := map[int]bool{}
+		for range 400 {
+			chosen[Choose(req(1000), cands, Options{Strategy: s}, r, nil).Chosen] = true
+		}
+		if len(chosen) < 24 {
+			t.Errorf("%s on 32 idle replicas used %d of them in 400 decisions; ties should fall at random", s, len(chosen))
+		}
+		holders := map[int]bool{}
+		for range 100 {
+			holders[Choose(req(1000), warm, Options{Strategy: s}, r, nil).Chosen] = true
+		}
+		if len(holders) != 3 || !holders[5] || !holders[9] || !holders[20] {
+			t.Errorf("%s chose %v among three equal holders; want all three and only them", s, holders)
+		}
+	}
+}
+
+// Within the tie tolerance the estimate cannot tell candidates apart; the
+// one that holds the prefix wins over a cold copy, whatever the random
+// draw, and among equally warm ones the draw still spreads.
+func TestTiesPreferTheHolder(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for trial := range 200 {
+		n := 2 + r.IntN(7)
+		cands := make([]Candidate, n)
+		holder := r.IntN(n)
+		for i := range cands {
+			cands[i] = cand(fmt.Sprint(i), 0, 0)
+		}
+		// The holder's queue costs half a millisecond more than its
+		// cached prefix saves: a tie within DefaultTieSeconds.
+		cands[holder].MatchedTokens = 640
+		cands[holder].QueuedPrefillTokens = 640 + 5
+		q := req(1000)
+		q.OutputTokens = 0
+		d := Choose(q, cands, Options{ImposedDelayWeight: -1, DecodeWeight: -1}, r, nil)
+		if d.Chosen != holder {
+			t.Fatalf("trial %d: chose %d over the holder %d, within a tie", trial, d.Chosen, holder)
+		}
+	}
+}
+
+// The eviction term: on a replica whose prefix cache has room the copy
+// costs nothing more; on a full one, each uncached token beyond the room
+// counts its prefill. With every cache full, a holder whose queue costs
+// less than twice the prefill it saves keeps the request; with room
+// everywhere the plain estimate decides.
+func TestEvictionCost(t *testing.T) {
+	q := req(1000)
+	q.OutputTokens = 0
+	roomy := cand("roomy", 0, 0)
+	roomy.UncachedRoomTokens = 5000
+	full := cand("full", 0, 0)
+	full.UncachedRoomTokens = 0
+	half := cand("half", 0, 0)
+	half.UncachedRoomTokens = 400
+	if got := EvictedSeconds(&q, &roomy); got != 0 {
+		t.Errorf("a cache with room: %v s evicted, want 0", got)
+	}
+	if got := EvictedSeconds(&q, &full); math.Abs(got-0.1) > 1e-12 {
+		t.Errorf("a full cache: %v s evicted, want 1000 tokens at 10,000/s", got)
+	}
+	if got := EvictedSeconds(&q, &half); math.Abs(got-0.06) > 1e-12 {
+		t.Errorf("room for 400 of 1000: %v s evicted, want 0.06", got)
+	}
+	unknown := cand("unknown", 0, 0)
+	if got := EvictedSeconds(&q, &unknown); got != 0 {
+		t.Errorf("unknown room: %v s evicted, want 0", got)
+	}
+
+	opts := Options{ImposedDelayWeight: -1, DecodeWeight: -1}
+	for _, queued := range []int{100, 600, 900} { // the holder's queue, in prefill tokens
+		warm, cold := cand("warm", 500, queued), cand("cold", 0, 0)
+		// Full caches: staying costs the queue, moving costs the 500
+		// saved tokens plus the 1000 the copy evicts from the cold one
+		// (the warm one evicts 500 only).
+		warm.UncachedRoomTokens, cold.UncachedRoomTokens = 0, 0
+		d := Choose(q, []Candidate{warm, cold}, opts, nil, nil)
+		if want := 0; queued < 1000 && d.Chosen != want {
+			t.Errorf("full caches, holder queue %d: chose %d, want the holder", queued, d.Chosen)
+		}
+		// Room everywhere: the plain estimate, which moves once the queue
+		// outweighs the 500 saved tokens.
+		warm.UncachedRoomTokens, cold.UncachedRoomTokens = 1<<20, 1<<20
+		d = Choose(q, []Candidate{warm, cold}, opts, nil, nil)
+		if want := 0; queued > 500 {
+			want = 1
+			if d.Chosen != want {
+				t.Errorf("caches with room, holder queue %d: chose %d, want the cold one", queued, d.Chosen)
+			}
+		} else if d.Chosen != want {
+			t.Errorf("caches with room, holder queue %d: chose %d, want the holder", queued, d.Chosen)
+		}
 	}
 }

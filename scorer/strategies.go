@@ -23,27 +23,46 @@ type SGLangOptions struct {
 // (sgl-router src/policies/cache_aware.rs, research §1.2): load is the
 // router-local in-flight request count; when imbalanced, route to the
 // least loaded; otherwise to the worker with the deepest prefix match if
-// the match rate exceeds the threshold, else to the least loaded. SGLang
-// picks any tenant on the deepest node; we pick the first, ties on load
-// broken by index, as SMG does.
-func chooseSGLang(req *Request, cands []Candidate, opts Options) int {
+// the match rate exceeds the threshold, else to the least loaded.
+//
+// Ties are broken at random, as SGLang's are in effect: the deepest node's
+// tenant is whichever one its concurrent map yields first, and SMG breaks
+// load ties by requests processed so far, which rotates among equal
+// workers. (Breaking them by index, as this port once did, piled work onto
+// low-numbered replicas at low load.) Without rng, the first wins.
+func chooseSGLang(req *Request, cands []Candidate, opts Options, rng Rand) int {
 	o := opts.SGLang
 	threshold := orDefault(o.CacheThreshold, 0.5)
 	abs := orDefault(o.BalanceAbsThreshold, 32)
 	rel := orDefault(o.BalanceRelThreshold, 1.0001)
 
+	// Reservoir sampling keeps a uniformly random one of the ties without
+	// allocating.
 	minLoad, maxLoad, least, deepest := -1, -1, -1, -1
+	leastTies, deepestTies := 0, 0
 	for i := range cands {
 		if filter(req, &cands[i], opts.KVMarginTokens) != NotFiltered {
 			continue
 		}
 		load := cands[i].InFlight
-		if least < 0 || load < minLoad {
-			least, minLoad = i, load
+		switch {
+		case least < 0 || load < minLoad:
+			least, minLoad, leastTies = i, load, 1
+		case load == minLoad:
+			leastTies++
+			if rng != nil && rng.IntN(leastTies) == 0 {
+				least = i
+			}
 		}
 		maxLoad = max(maxLoad, load)
-		if deepest < 0 || cands[i].MatchedTokens > cands[deepest].MatchedTokens {
-			deepest = i
+		switch {
+		case deepest < 0 || cands[i].MatchedTokens > cands[deepest].MatchedTokens:
+			deepest, deepestTies = i, 1
+		case cands[i].MatchedTokens == cands[deepest].MatchedTokens:
+			deepestTies++
+			if rng != nil && rng.IntN(deepestTies) == 0 {
+				deepest = i
+			}
 		}
 	}
 	if float64(maxLoad-minLoad) > abs && float64(maxLoad) > rel*float64(minLoad) {

@@ -42,6 +42,8 @@ type options struct {
 	rate           float64
 	seed           uint64
 	routerSeed     uint64
+	routerSeeds    int
+	evictionWeight float64
 	jsonPath       string
 	svgPath        string
 	maxTokens      int
@@ -79,6 +81,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 64, mrqa 24, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
 	fs.Uint64Var(&o.routerSeed, "router-seed", 0, "sim: `seed` of the router's random choices alone (ties, random, least_conn), to see how much they matter with the workload fixed (0 = --seed); http mode's routers use their own random sources")
+	fs.IntVar(&o.routerSeeds, "router-seeds", 1, "sim: replay each policy with `N` router seeds (--router-seed, or --seed, and the N-1 after it), the workload fixed; the table shows each figure's min–max over them and checks the default strategy's goals against the best policy")
 	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
 	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
@@ -90,6 +93,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
+	fs.Float64Var(&o.evictionWeight, "eviction-weight", 0, "llm_affinity/ttft: weight of the prefill of cached prompts a placement evicts from a full prefix cache (0 = the default; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.DurationVar(&o.spread, "spread", 0, "move each arrival forward by a random time below `d` (seeded by --seed), for traces whose timestamps are rounded (Mooncake's are on a 3s grid: --spread 3s)")
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
@@ -205,7 +209,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 			}
 		},
 	}
-	for name, w := range map[string]float64{"imposed-delay-weight": o.imposedWeight, "decode-weight": o.decodeWeight} {
+	for name, w := range map[string]float64{"imposed-delay-weight": o.imposedWeight, "decode-weight": o.decodeWeight, "eviction-weight": o.evictionWeight} {
 		if math.IsNaN(w) || math.IsInf(w, 0) {
 			return usageError{fmt.Errorf("--%s must be a finite number, got %v", name, w)}
 		}
@@ -215,6 +219,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 	}
 	if o.sync != "on" && o.sync != "off" {
 		return usageError{fmt.Errorf("--sync must be on or off, got %q", o.sync)}
+	}
+	if o.routerSeeds < 1 || (o.routerSeeds > 1 && o.mode != "sim") {
+		return usageError{fmt.Errorf("--router-seeds must be at least 1, and above 1 only in sim mode, got %d", o.routerSeeds)}
 	}
 	if o.syncDelay < 0 {
 		return usageError{fmt.Errorf("--sync-delay must not be negative, got %v", o.syncDelay)}
@@ -230,7 +237,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,
 		DecodeTokensPerSecond:  o.decodeRate,
-		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight},
+		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight, EvictionWeight: o.evictionWeight},
 	}
 	var runner llmbench.Runner
 	switch o.mode {
@@ -292,6 +299,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["decode_tokens_per_s"] = decode
 	params["imposed_delay_weight"] = o.imposedWeight
 	params["decode_weight"] = o.decodeWeight
+	params["eviction_weight"] = o.evictionWeight
 	params["routers"] = o.routers
 	params["spread_s"] = o.spread.Seconds()
 	params["sync"] = o.sync
@@ -304,6 +312,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
+	if o.routerSeeds > 1 {
+		return benchSeeds(ctx, o, settings, w, policies, params, stdout, stderr)
+	}
 	var sums []llmbench.Summary
 	for _, policy := range policies {
 		bar = nil
@@ -335,6 +346,44 @@ func bench(o options, stdout, stderr io.Writer) error {
 		if err := writeFile(o.svgPath, func(f io.Writer) error { return llmbench.WriteSVG(f, title, sums) }); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// goalTarget is the policy whose goals --router-seeds checks: the plugin's
+// default strategy.
+const goalTarget = "llm_affinity/ttft"
+
+// benchSeeds replays every policy once per router seed (sim mode) and
+// reports each figure's spread, and the default strategy's goals.
+func benchSeeds(ctx context.Context, o options, settings *llmbench.Sim, w *llmbench.Workload, policies []string, params map[string]any, stdout, stderr io.Writer) error {
+	first := cmp.Or(o.routerSeed, o.seed)
+	params["router_seeds"] = o.routerSeeds
+	var all []llmbench.SeedRuns
+	for _, policy := range policies {
+		runs := llmbench.SeedRuns{Policy: policy}
+		for i := range o.routerSeeds {
+			settings.Config.Seed = first + uint64(i)
+			res, err := settings.Replay(ctx, w, policy)
+			if err != nil {
+				return fmt.Errorf("%s, router seed %d: %w", policy, settings.Config.Seed, err)
+			}
+			runs.Runs = append(runs.Runs, llmbench.Summarize(res))
+		}
+		fmt.Fprintf(stderr, "llmbench: %-22s done, %d router seeds\n", policy, o.routerSeeds)
+		all = append(all, runs)
+	}
+	if err := llmbench.WriteSpreadTable(stdout, all); err != nil {
+		return err
+	}
+	goals := llmbench.CheckGoals(goalTarget, all)
+	if err := llmbench.WriteGoals(stdout, goalTarget, goals); err != nil {
+		return err
+	}
+	if o.jsonPath != "" {
+		return writeFile(o.jsonPath, func(f io.Writer) error {
+			return llmbench.WriteJSON(f, llmbench.Report{Parameters: params, SeedRuns: all, Goals: goals})
+		})
 	}
 	return nil
 }

@@ -1,0 +1,105 @@
+package router
+
+import "math"
+
+// maxModels bounds the per-model table. Clients choose the model string,
+// and an upstream that answers 200 to any name (a catch-all proxy, an
+// engine with many adapters) would otherwise grow it with every name sent.
+const maxModels = 256
+
+// modelStats is what the router learned of one model from its completed
+// responses. Guarded by Fleet.mu.
+type modelStats struct {
+	// output is the running mean of output tokens.
+	output runningMean
+	// bytesPerToken is the running mean of prompt bytes per token as the
+	// engine counted them (usage.prompt_tokens), over text prompts.
+	bytesPerToken runningMean
+	// used is Fleet.modelClock at the last use, for evicting the least
+	// recently used model when the table is full.
+	used uint64
+}
+
+// Bounds of the learned prompt bytes per token. Real tokenizers give
+// about 1.5 (CJK, emoji) to 6 (plain English); outside these the
+// responses are not what the estimate should learn from.
+const (
+	minBytesPerToken = 1.0
+	maxBytesPerToken = 16.0
+	// minLearnTokens: shorter prompts are mostly chat template, whose
+	// tokens have no bytes in the request.
+	minLearnTokens = 32
+	// learnedAfter is how many responses the ratio needs before it
+	// replaces the configured bytes_per_token.
+	learnedAfter = 3
+)
+
+// model returns name's statistics, created (evicting the least recently
+// used model when the table is full) when create is set, else nil if
+// unknown. Caller holds f.mu.
+func (f *Fleet) model(name string, create bool) *modelStats {
+	f.modelClock++
+	if m := f.models[name]; m != nil {
+		m.used = f.modelClock
+		return m
+	}
+	if !create {
+		return nil
+	}
+	if len(f.models) >= maxModels {
+		oldest, at := "", uint64(math.MaxUint64)
+		for n, m := range f.models {
+			if m.used < at {
+				oldest, at = n, m.used
+			}
+		}
+		delete(f.models, oldest)
+	}
+	m := &modelStats{used: f.modelClock}
+	f.models[name] = m
+	return m
+}
+
+// learnPrompt feeds one response's prompt length into model's bytes per
+// token: promptBytes is what the router estimated from, promptTokens what
+// the engine counted. Each sample is held within half and twice the
+// current estimate, so one odd response (a prompt of repeated emoji, a
+// usage field from a proxy that rewrote the prompt) moves it little.
+func (m *modelStats) learnPrompt(promptBytes, promptTokens int) {
+	if promptBytes <= 0 || promptTokens < minLearnTokens {
+		return
+	}
+	ratio := float64(promptBytes) / float64(promptTokens)
+	if m.bytesPerToken.n >= learnedAfter {
+		ratio = min(max(ratio, m.bytesPerToken.value/2), m.bytesPerToken.value*2)
+	}
+	m.bytesPerToken.add(min(max(ratio, minBytesPerToken), maxBytesPerToken))
+}
+
+// promptTokens is req's prompt length in tokens and the factor its
+// estimate was scaled by: for a text prompt of a model whose bytes per
+// token the router learned, its bytes over the learned ratio, else the
+// caller's estimate. Caller holds f.mu.
+func (f *Fleet) promptTokens(req *Request) (tokens int, scale float64) {
+	if req.PromptBytes <= 0 || req.PromptTokens <= 0 {
+		return req.PromptTokens, 1
+	}
+	m := f.model(req.Model, false)
+	if m == nil || m.bytesPerToken.n < learnedAfter {
+		return req.PromptTokens, 1
+	}
+	tokens = max(1, int(math.Ceil(float64(req.PromptBytes)/m.bytesPerToken.value)))
+	return tokens, float64(tokens) / float64(req.PromptTokens)
+}
+
+// BytesPerToken is the prompt bytes per token learned for model from its
+// engines' usage reports, and whether enough were seen to use it.
+func (f *Fleet) BytesPerToken(model string) (float64, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	m := f.models[model]
+	if m == nil || m.bytesPerToken.n < learnedAfter {
+		return 0, false
+	}
+	return m.bytesPerToken.value, true
+}

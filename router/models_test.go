@@ -1,0 +1,117 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"testing"
+	"time"
+)
+
+// The engines' usage reports teach a model's bytes per token: a text
+// prompt estimated at the configured 4 bytes a token, on an engine that
+// counts 2, is charged at the engine's count once three responses said
+// so, and so is the prefix an upstream holds. Prompts of token ids and
+// other models keep the caller's count.
+func TestLearnedBytesPerToken(t *testing.T) {
+	f := New()
+	opts := Options{OutputTokens: 10}.WithDefaults()
+	text := func(seed uint64) Request {
+		return Request{Hashes: hashes(seed, 1024), BlockTokens: 64, PromptTokens: 1024, PromptBytes: 4096, MaxTokens: 10, Model: "code"}
+	}
+	now := t0
+	for i := range 3 {
+		if _, ok := f.BytesPerToken("code"); ok {
+			t.Fatalf("learned after %d responses", i)
+		}
+		d := f.Decide(now, text(uint64(i)), members("a"), &opts, rng(), nil)
+		if got := state(t, f, "a").QueuedPrefillTokens; got != 1024 {
+			t.Fatalf("before learning, response %d charged %d prefill tokens, want the estimate 1024", i, got)
+		}
+		f.Complete(d.Charge, "code", Usage{PromptTokens: 2048, OutputTokens: 10}, now)
+		now = now.Add(time.Second)
+	}
+	if bpt, ok := f.BytesPerToken("code"); !ok || math.Abs(bpt-2) > 1e-9 {
+		t.Fatalf("learned %v bytes per token (%v), want 2", bpt, ok)
+	}
+
+	// A new prompt: all of it is charged at the learned rate.
+	d := f.Decide(now, text(100), members("a"), &opts, rng(), nil)
+	if got := state(t, f, "a").QueuedPrefillTokens; got != 2048 {
+		t.Errorf("after learning, a cold 4096-byte prompt charged %d prefill tokens, want 2048", got)
+	}
+	f.Release(d.Charge, now)
+	// The same prompt again: its whole prefix is held, at the same scale.
+	d = f.Decide(now, text(100), members("a"), &opts, rng(), nil)
+	if d.MatchedTokens != 2048 || state(t, f, "a").QueuedPrefillTokens != 0 {
+		t.Errorf("a repeated prompt matched %d tokens and charged %d, want 2048 and 0", d.MatchedTokens, state(t, f, "a").QueuedPrefillTokens)
+	}
+	f.Release(d.Charge, now)
+
+	ids := text(200)
+	ids.PromptBytes = 0 // token ids: exact
+	d = f.Decide(now, ids, members("a"), &opts, rng(), nil)
+	if got := state(t, f, "a").QueuedPrefillTokens; got != 1024 {
+		t.Errorf("a prompt of token ids charged %d, want its exact 1024", got)
+	}
+	f.Release(d.Charge, now)
+	other := text(300)
+	other.Model = "prose"
+	d = f.Decide(now, other, members("a"), &opts, rng(), nil)
+	if got := state(t, f, "a").QueuedPrefillTokens; got != 1024 {
+		t.Errorf("another model charged %d, want the configured estimate 1024", got)
+	}
+	f.Release(d.Charge, now)
+}
+
+// One odd usage report (a proxy that rewrote the prompt, a prompt of
+// emoji) moves the learned ratio by a bounded step, and nonsense is
+// ignored.
+func TestLearnedBytesPerTokenIsRobust(t *testing.T) {
+	var m modelStats
+	for range 30 {
+		m.learnPrompt(4000, 1000)
+	}
+	m.learnPrompt(4000, 40) // 100 bytes a token
+	if v := m.bytesPerToken.value; v > 4*1.06 {
+		t.Errorf("one outlier moved 4 bytes per token to %v", v)
+	}
+	before := m.bytesPerToken
+	m.learnPrompt(0, 1000)   // token ids
+	m.learnPrompt(4000, 0)   // no usage reported
+	m.learnPrompt(100, 20)   // mostly chat template
+	m.learnPrompt(-5, -1000) // nonsense
+	if m.bytesPerToken != before {
+		t.Errorf("ignored reports changed the ratio: %+v, was %+v", m.bytesPerToken, before)
+	}
+	for range 200 {
+		m.learnPrompt(1_000_000, 32) // beyond any tokenizer
+	}
+	if v := m.bytesPerToken.value; v > maxBytesPerToken {
+		t.Errorf("ratio %v beyond its bound %v", v, maxBytesPerToken)
+	}
+}
+
+// The per-model table is bounded: a client sending a new model name with
+// every request, each answered, never grows it past maxModels, and the
+// models in use stay.
+func TestModelTableIsBounded(t *testing.T) {
+	f := New()
+	opts := Options{OutputTokens: 10}.WithDefaults()
+	for i := range 3 * maxModels {
+		req := Request{Hashes: hashes(uint64(i), 64), BlockTokens: 64, PromptTokens: 64, Model: fmt.Sprint("m", i)}
+		d := f.Decide(t0, req, members("a"), &opts, rng(), nil)
+		f.Complete(d.Charge, req.Model, Usage{OutputTokens: 5}, t0)
+		// The steady model is used between every new one.
+		steady := Request{Hashes: hashes(1, 64), BlockTokens: 64, PromptTokens: 64, Model: "steady"}
+		d = f.Decide(t0, steady, members("a"), &opts, rng(), nil)
+		f.Complete(d.Charge, "steady", Usage{OutputTokens: 7}, t0)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.models) > maxModels {
+		t.Errorf("%d models remembered, bound %d", len(f.models), maxModels)
+	}
+	if m := f.models["steady"]; m == nil || m.output.value != 7 {
+		t.Errorf("the model in use was evicted: %+v", m)
+	}
+}
