@@ -20,7 +20,7 @@ var promptEstimate = regexp.MustCompile(`prompt=(\d+)`)
 // learns when the handler completes, just after the client has its
 // response, so the test allows a few requests before it must have
 // learned rather than waiting on time.) It logs the estimate's error per
-// request, the figures quoted in BENCHMARKS.md §10.
+// request, the figures quoted in BENCHMARKS.md §11.
 func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 	for _, tc := range []struct {
 		bytesPerToken int

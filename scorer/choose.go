@@ -312,7 +312,7 @@ func EvictedSeconds(req *Request, c *Candidate) float64 {
 // Mooncake conversation trace it raised the hit rate from 16.1% to
 // 17.0–17.4% at 8 replicas (0.5 gave 16.6–16.9%) with time to first token
 // unchanged; workloads whose caches never fill see no change
-// (BENCHMARKS.md §10).
+// (BENCHMARKS.md §11).
 const DefaultEvictionWeight = 1
 
 // GenerationHorizonTokens caps the output GenerationSeconds counts. The
