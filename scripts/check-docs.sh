@@ -14,9 +14,21 @@ src=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 log=$work/check-docs.log
 pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+# bg starts a command in the background in a process group of its own, so
+# that stop ends it with its children (go run leaves the built binary
+# running when only it is killed).
+bg() {
+	step "$* &"
+	setsid "$@" >>"$log" 2>&1 &
+	pids+=($!)
+}
+stop() {
+	for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done
 	wait 2>/dev/null || true
+	pids=()
+}
+cleanup() {
+	stop
 	if [[ -z ${KEEP:-} ]]; then rm -rf "$work"; else echo "kept $work"; fi
 }
 trap cleanup EXIT
@@ -34,9 +46,7 @@ git clone -q "$src" "$work/repo"
 cd "$work/repo"
 
 # README: the two commands (the tests are .ci/run's; run it separately), then "Try it".
-step "go run ./cmd/caddy run --config caddyfile-examples/quickstart.Caddyfile &"
-go run ./cmd/caddy run --config caddyfile-examples/quickstart.Caddyfile >>"$log" 2>&1 &
-pids+=($!)
+bg go run ./cmd/caddy run --config caddyfile-examples/quickstart.Caddyfile
 wait_port localhost:8080/v1/models
 SYS=$(python3 -c "print('You are a helpful assistant for the ACME support desk. ' * 150)")
 M=meta-llama/Llama-3.1-8B-Instruct
@@ -60,9 +70,7 @@ run "curl -sf localhost:2019/load -H 'Content-Type: text/caddyfile' --data-binar
 run "curl -sf -X POST 'localhost:2019/llm_affinity/upstreams/127.0.0.1:9001/drain?deadline=30s'"
 expect '"drain":"(draining|drained)"' 'curl -s localhost:2019/llm_affinity/upstreams'
 run "curl -sf -X DELETE localhost:2019/llm_affinity/upstreams/127.0.0.1:9001/drain"
-kill "${pids[0]}"; wait "${pids[0]}" 2>/dev/null || true; pids=()
-# caddy run leaves its child (the built binary) to the signal: make sure the ports are free.
-for _ in $(seq 100); do curl -s -o /dev/null localhost:2019/config/ || break; sleep 0.2; done
+stop
 
 # README: building.
 run "go build -o caddy ./cmd/caddy"
@@ -70,29 +78,19 @@ expect 'llm_affinity' "./caddy list-modules | grep -E 'llm_affinity|kvsim'"
 run "go run ./cmd/build -print"
 
 # README: several routers (the cluster example).
-step "nats-server, kvsim fleet, two routers"
-go run github.com/nats-io/nats-server/v2@v2.15.2 -a 127.0.0.1 -p 4222 >>"$log" 2>&1 &
-pids+=($!)
-go run ./cmd/kvsim --replicas 4 --listen 127.0.0.1:9001 >>"$log" 2>&1 &
-pids+=($!)
+bg go run github.com/nats-io/nats-server/v2@v2.15.2 -a 127.0.0.1 -p 4222
+bg go run ./cmd/kvsim --replicas 4 --listen 127.0.0.1:9001
 wait_port localhost:9001/v1/models
-ROUTER=router-1 PORT=8081 ADMIN=localhost:2021 ./caddy run --config caddyfile-examples/cluster.Caddyfile >>"$log" 2>&1 &
-pids+=($!)
-ROUTER=router-2 PORT=8082 ADMIN=localhost:2022 ./caddy run --config caddyfile-examples/cluster.Caddyfile >>"$log" 2>&1 &
-pids+=($!)
+bg env ROUTER=router-1 PORT=8081 ADMIN=localhost:2021 ./caddy run --config caddyfile-examples/cluster.Caddyfile
+bg env ROUTER=router-2 PORT=8082 ADMIN=localhost:2022 ./caddy run --config caddyfile-examples/cluster.Caddyfile
 wait_port localhost:2021/config/
 wait_port localhost:2022/config/
 for _ in $(seq 100); do curl -s localhost:2021/llm_affinity/sync | grep -q '"connected":true' && break; sleep 0.2; done
 expect '"connected":true' 'curl -s localhost:2021/llm_affinity/sync'
-for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-wait 2>/dev/null || true
-pids=()
+stop
 
 # kvsim/README.md.
-step "go run ./cmd/kvsim --replicas 2 --listen 127.0.0.1:9001 --speed 10 &"
-for _ in $(seq 100); do curl -s -o /dev/null localhost:9001/ || break; sleep 0.2; done
-go run ./cmd/kvsim --replicas 2 --listen 127.0.0.1:9001 --speed 10 >>"$log" 2>&1 &
-pids+=($!)
+bg go run ./cmd/kvsim --replicas 2 --listen 127.0.0.1:9001 --speed 10
 wait_port localhost:9001/v1/models
 expect '"usage"' "curl -s localhost:9001/v1/completions -H 'Content-Type: application/json' -d '{\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"prompt\":\"Hello there\",\"max_tokens\":8}'"
 expect 'Llama-3.1-8B-Instruct' 'curl -s localhost:9001/v1/models'
@@ -102,7 +100,7 @@ run 'go run ./cmd/kvsim --help'
 run "curl -sf -X POST localhost:9001/kvsim/faults -d '{\"unhealthy\":true}'"
 expect '^503' "curl -s -o /dev/null -w '%{http_code}\n' localhost:9001/health"
 run "curl -sf -X POST localhost:9001/kvsim/faults -d '{\"unhealthy\":false}'"
-kill "${pids[0]}"; wait 2>/dev/null || true; pids=()
+stop
 
 # README: benchmarks and llmbench.
 run "go test -run '^\$' -bench 'XXH3Raw|HashBlocks|HandlerParse|Decision|Select\$|ResponseUsage' -benchmem -count 1 ./prefixindex/ ./caddyllm/"
