@@ -16,6 +16,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
+	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
@@ -147,7 +148,7 @@ func BenchmarkSelect(b *testing.B) {
 	r := httptest.NewRequest("POST", "/v1/completions", nil).WithContext(ctx)
 	w := httptest.NewRecorder()
 	b.ReportAllocs()
-	cpu := processCPU()
+	cpu := cputime.Start()
 	for b.Loop() {
 		st.current, st.tried = nil, st.tried[:0]
 		if p.Select(pool, r, w) == nil {
@@ -155,7 +156,7 @@ func BenchmarkSelect(b *testing.B) {
 		}
 		st.current.release()
 	}
-	reportCPU(b, cpu)
+	cputime.Report(b, cpu)
 }
 
 // TestPeerChargesExpireWithoutSync: peers' charges go when the peer falls

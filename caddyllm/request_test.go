@@ -10,6 +10,7 @@ import (
 
 	"github.com/zeebo/xxh3"
 
+	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
@@ -219,32 +220,32 @@ func BenchmarkHandlerParse(b *testing.B) {
 		b.Run(bc.name, func(b *testing.B) {
 			b.SetBytes(int64(len(bc.body)))
 			b.ReportAllocs()
-			cpu := processCPU()
+			cpu := cputime.Start()
 			for b.Loop() {
 				if _, err := p.parse(EndpointChatCompletions, bc.body); err != nil {
 					b.Fatal(err)
 				}
 			}
-			reportCPU(b, cpu)
+			cputime.Report(b, cpu)
 		})
 		b.Run(bc.name+"/reference", func(b *testing.B) {
 			b.SetBytes(int64(len(bc.body)))
 			b.ReportAllocs()
-			cpu := processCPU()
+			cpu := cputime.Start()
 			for b.Loop() {
 				if _, err := p.refParse(EndpointChatCompletions, bc.body); err != nil {
 					b.Fatal(err)
 				}
 			}
-			reportCPU(b, cpu)
+			cputime.Report(b, cpu)
 		})
 		b.Run(bc.name+"/xxh3", func(b *testing.B) {
 			b.SetBytes(int64(len(bc.body)))
-			cpu := processCPU()
+			cpu := cputime.Start()
 			for b.Loop() {
 				benchSink = xxh3.Hash(bc.body)
 			}
-			reportCPU(b, cpu)
+			cputime.Report(b, cpu)
 		})
 	}
 }
@@ -260,13 +261,13 @@ func BenchmarkHandlerParseMaxBody(b *testing.B) {
 	}
 	b.SetBytes(int64(len(body)))
 	b.ReportAllocs()
-	cpu := processCPU()
+	cpu := cputime.Start()
 	for b.Loop() {
 		if _, err := p.parse(EndpointChatCompletions, body); err != nil {
 			b.Fatal(err)
 		}
 	}
-	reportCPU(b, cpu)
+	cputime.Report(b, cpu)
 }
 
 var benchSink uint64
@@ -321,7 +322,7 @@ func BenchmarkDecision(b *testing.B) {
 	b.Run("chat-64KiB/upstreams=64", func(b *testing.B) {
 		b.SetBytes(int64(len(body)))
 		b.ReportAllocs()
-		cpu := processCPU()
+		cpu := cputime.Start()
 		for b.Loop() {
 			req, err := p.parse(EndpointChatCompletions, body)
 			if err != nil {
@@ -334,14 +335,14 @@ func BenchmarkDecision(b *testing.B) {
 			}
 			f.Release(d.Charge, now)
 		}
-		reportCPU(b, cpu)
+		cputime.Report(b, cpu)
 	})
 	b.Run("chat-64KiB/xxh3", func(b *testing.B) {
 		b.SetBytes(int64(len(body)))
-		cpu := processCPU()
+		cpu := cputime.Start()
 		for b.Loop() {
 			benchSink = xxh3.Hash(body)
 		}
-		reportCPU(b, cpu)
+		cputime.Report(b, cpu)
 	})
 }

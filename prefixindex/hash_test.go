@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/zeebo/xxh3"
+
+	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 )
 
 func randomText(n int, seed uint64) []byte {
@@ -161,11 +163,11 @@ func BenchmarkHashBlocks(b *testing.B) {
 	dst := make([]uint64, 0, 1024)
 	b.SetBytes(int64(len(text)))
 	b.ReportAllocs()
-	cpu := processCPU()
+	cpu := cputime.Start()
 	for b.Loop() {
 		dst = h.HashBytes(dst[:0], seed, text)
 	}
-	reportCPU(b, cpu)
+	cputime.Report(b, cpu)
 	sink = dst[len(dst)-1]
 }
 
@@ -175,11 +177,11 @@ func BenchmarkXXH3Raw(b *testing.B) {
 	text := randomText(64<<10, 7)
 	b.SetBytes(int64(len(text)))
 	b.ReportAllocs()
-	cpu := processCPU()
+	cpu := cputime.Start()
 	for b.Loop() {
 		sink = xxh3.Hash(text)
 	}
-	reportCPU(b, cpu)
+	cputime.Report(b, cpu)
 }
 
 // TestBlocksEqualsHashBytes: hashing in pieces before the seed is known
