@@ -77,7 +77,6 @@ type routerProc struct {
 // syncing over natsURL; it stops with the test.
 func startRouter(t *testing.T, bin, name, natsURL string, fleet []*replica) *routerProc {
 	t.Helper()
-	dir := t.TempDir()
 	r := &routerProc{name: name,
 		url:   fmt.Sprintf("http://127.0.0.1:%d", freePort(t)),
 		admin: fmt.Sprintf("http://127.0.0.1:%d", freePort(t)),
@@ -100,36 +99,9 @@ func startRouter(t *testing.T, bin, name, natsURL string, fleet []*replica) *rou
 	}
 }
 `, strings.TrimPrefix(r.admin, "http://"), r.url, dials(fleet), natsURL, name)
-	file := filepath.Join(dir, "Caddyfile")
-	if err := os.WriteFile(file, []byte(config), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	logFile, err := os.Create(filepath.Join(dir, "caddy.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(bin, "run", "--config", file, "--adapter", "caddyfile")
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir, "HOME="+dir)
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-		logFile.Close()
-		if t.Failed() {
-			log, _ := os.ReadFile(logFile.Name())
-			t.Logf("%s's log:\n%s", name, log)
-		}
-	})
+	// runCaddy waits for the admin API; the router is up once sync is
+	// served there too.
+	runCaddy(t, bin, name, config, strings.TrimPrefix(r.admin, "http://"))
 	eventually(t, 30*time.Second, name+" listening", func() bool {
 		resp, err := http.Get(r.admin + "/llm_affinity/sync")
 		if err != nil {
