@@ -81,3 +81,48 @@ type discardWriter struct{ h http.Header }
 func (w *discardWriter) Header() http.Header         { return w.h }
 func (w *discardWriter) Write(p []byte) (int, error) { return len(p), nil }
 func (w *discardWriter) WriteHeader(int)             {}
+
+// TestSetContentLength: the header is left alone when it says the length
+// already, and set when it is missing or says another.
+func TestSetContentLength(t *testing.T) {
+	for _, tc := range []struct {
+		have []string
+		n    int
+	}{
+		{nil, 602}, {[]string{"602"}, 602}, {[]string{"17"}, 602}, {[]string{"602", "602"}, 602},
+	} {
+		h := http.Header{}
+		if tc.have != nil {
+			h["Content-Length"] = tc.have
+		}
+		setContentLength(h, tc.n)
+		if v := h["Content-Length"]; len(v) != 1 || v[0] != "602" {
+			t.Errorf("with %q: Content-Length %q", tc.have, v)
+		}
+	}
+}
+
+// TestAttemptContextCarriesState: the policy finds the request's state
+// under the values reverse_proxy adds, other values still resolve, and
+// a context derived from it (as the transport derives one) is cancelled
+// with the attempt.
+func TestAttemptContextCarriesState(t *testing.T) {
+	st := &requestState{}
+	parent := context.WithValue(context.Background(), caddy.ReplacerCtxKey, "repl")
+	inner, cancel := context.WithCancelCause(parent)
+	r := httptest.NewRequest("POST", "/v1/completions", nil)
+	r = r.WithContext(context.WithValue(&attemptContext{Context: inner, st: st}, struct{ k int }{1}, "proxy"))
+	if requestStateOf(r) != st {
+		t.Fatal("state not found through the attempt's context")
+	}
+	if r.Context().Value(caddy.ReplacerCtxKey) != "repl" {
+		t.Fatal("the parent's value is lost")
+	}
+	derived, stop := context.WithCancel(r.Context())
+	defer stop()
+	cancel(errDrainCut)
+	<-derived.Done()
+	if context.Cause(derived) != errDrainCut {
+		t.Fatalf("cause %v", context.Cause(derived))
+	}
+}
