@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -31,7 +30,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 	for moves := 0; ; moves++ {
 		ctx, cancel := context.WithCancelCause(clientCtx)
 		st.setCancel(cancel)
-		err, aborted := serveRecovering(rec, r.WithContext(ctx), next)
+		err, aborted := serveRecovering(rec, r.WithContext(&attemptContext{Context: ctx, st: st}), next)
 		cut := st.takeCut()
 		cancel(nil)
 		rec.discard.Store(false)
@@ -74,7 +73,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		st.replace(req, body)
 		rec.splice = &spliceState{priorTokens: rec.tokens}
 		r.Body, r.ContentLength = nil, int64(len(body))
-		r.Header.Set("Content-Length", strconv.Itoa(len(body)))
+		setContentLength(r.Header, len(body))
 	}
 }
 
@@ -95,7 +94,7 @@ func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 // endStream finishes a stream that cannot go on: an error event (when
 // msg is set) and [DONE].
 func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
-	w := rec.ResponseWriterWrapper
+	w := &rec.ResponseWriterWrapper
 	if msg != "" {
 		ev, _ := json.Marshal(map[string]any{"error": map[string]any{
 			"message": "stream interrupted: " + msg, "type": "server_error", "code": http.StatusServiceUnavailable,

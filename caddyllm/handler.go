@@ -163,20 +163,24 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	req.BlockTokens = h.BlockTokens
 
-	// Put the bytes back with a fixed length; the policy installs a fresh
-	// reader on every attempt, so retries resend the whole body.
-	r.Body = newBodyReader(body)
-	r.ContentLength = int64(len(body))
-	r.TransferEncoding = nil
-	r.Header.Set("Content-Length", strconv.Itoa(len(body)))
-
 	st := &requestState{req: req, body: body, origBody: body, arrived: arrived}
 	st.setParsedPlaceholders()
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Map(st.placeholder)
 	}
-	r = r.WithContext(context.WithValue(r.Context(), stateKey{}, st))
-	rec := newTokenRecorder(w, st)
+
+	// Put the bytes back with a fixed length; the policy installs a fresh
+	// reader on every attempt, so retries resend the whole body.
+	st.firstBody.Reset(body)
+	r.Body = &st.firstBody
+	r.ContentLength = int64(len(body))
+	r.TransferEncoding = nil
+	setContentLength(r.Header, len(body))
+
+	// The recorder lives in the state: one allocation for both. The state
+	// reaches the policy through each attempt's context (see serve).
+	rec := &st.recorder
+	rec.init(w, st)
 	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
 	// http.ErrAbortHandler inside next.ServeHTTP.
@@ -191,6 +195,35 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return nil
 	}
 	return err
+}
+
+// setContentLength sets the Content-Length header to n unless it says so
+// already, as it does when the client sent the length: setting it costs
+// two allocations a request.
+func setContentLength(h http.Header, n int) {
+	var buf [20]byte
+	s := strconv.AppendInt(buf[:0], int64(n), 10)
+	if v := h["Content-Length"]; len(v) == 1 && v[0] == string(s) {
+		return
+	}
+	h.Set("Content-Length", string(s))
+}
+
+// attemptContext is an attempt's context: the one a drain cut cancels,
+// carrying the request's state for the policy under stateKey. One value
+// serves both, so an attempt costs one copy of the request, not two.
+type attemptContext struct {
+	context.Context
+	st *requestState
+}
+
+// Value returns the request's state for stateKey, and otherwise the
+// parent's value.
+func (c *attemptContext) Value(key any) any {
+	if _, ok := key.(stateKey); ok {
+		return c.st
+	}
+	return c.Context.Value(key)
 }
 
 // readBody reads the whole body up to the limit.
@@ -258,6 +291,11 @@ type requestState struct {
 	cancel context.CancelCauseFunc
 	cut    bool
 	rec    *tokenRecorder
+
+	// recorder and firstBody are the handler's response writer and the
+	// first attempt's body, held here to save two allocations a request.
+	recorder  tokenRecorder
+	firstBody bodyReader
 
 	// arrived is when the handler got the request; sawFirstToken records
 	// that its first token was measured (a continuation's is not).

@@ -27,7 +27,7 @@ const maxSSELine = 1 << 20
 // Writes pass through unchanged and unbuffered, except while splicing a
 // continuation, when each event is rewritten to the original stream's id.
 type tokenRecorder struct {
-	*caddyhttp.ResponseWriterWrapper
+	caddyhttp.ResponseWriterWrapper
 	st *requestState
 
 	wroteHeader bool
@@ -107,7 +107,14 @@ func (c *streamChunk) text() (string, bool) {
 }
 
 func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
-	return &tokenRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
+	t := new(tokenRecorder)
+	t.init(w, st)
+	return t
+}
+
+// init sets up a zero recorder to wrap w for st.
+func (t *tokenRecorder) init(w http.ResponseWriter, st *requestState) {
+	t.ResponseWriter, t.st = w, st
 }
 
 // WriteHeader notes the status and whether the response is a stream.
@@ -186,7 +193,7 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) error {
 		p = p[i+1:]
 	}
 	if rewrite {
-		return http.NewResponseController(t.ResponseWriterWrapper).Flush()
+		return http.NewResponseController(&t.ResponseWriterWrapper).Flush()
 	}
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -97,8 +98,12 @@ type Registry struct {
 	mu        sync.Mutex
 	upstreams map[string]*upstream
 	nextID    uint64
-	events    Events
-	now       func() time.Time
+	// closed counts the upstreams not active. It changes under mu, with
+	// the phases, and is read without it: IsDraining is asked for every
+	// upstream on every request, and almost always none is draining.
+	closed atomic.Int32
+	events Events
+	now    func() time.Time
 
 	// delivering is taken before mu is released and held while events
 	// are delivered, so they arrive in the order of the transitions.
@@ -182,6 +187,7 @@ func (r *Registry) Drain(key string, deadline time.Duration, hold Hold) {
 			r.emit(func() { e(key, hold.Cause, deadline) })
 		}
 		u.phase = Draining
+		r.closed.Add(1)
 	}
 	u.deadline = at
 	if u.timer != nil {
@@ -276,6 +282,7 @@ func (r *Registry) activateIfFree(key string, u *upstream, cause Cause) {
 		u.timer = nil
 	}
 	u.phase, u.deadline = Active, time.Time{}
+	r.closed.Add(-1)
 	r.prune(key, u)
 	if e := r.events.Undrained; e != nil {
 		r.emit(func() { e(key, cause) })
@@ -296,6 +303,9 @@ func (u *upstream) cause() Cause {
 
 // IsDraining reports whether key takes no new work (draining or drained).
 func (r *Registry) IsDraining(key string) bool {
+	if r.closed.Load() == 0 {
+		return false
+	}
 	r.lock()
 	defer r.unlock()
 	u := r.upstreams[key]

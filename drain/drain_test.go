@@ -257,3 +257,40 @@ func TestLiftRemovesOnlyThatHold(t *testing.T) {
 		t.Fatal("the last hold lifted, still draining")
 	}
 }
+
+// TestIsDrainingCountsClosedUpstreams: IsDraining's lock-free answer
+// follows every way an upstream closes and reopens, also with two
+// upstreams closed at once and one lifted.
+func TestIsDrainingCountsClosedUpstreams(t *testing.T) {
+	r := New(Events{})
+	other := Hold{Cause: ByHealth, Owner: "site"}
+	r.Drain("a", time.Hour, Admin)
+	r.Drain("a", time.Minute, other) // a second hold: still one closed upstream
+	r.Drain("b", time.Hour, Admin)
+	if !r.IsDraining("a") || !r.IsDraining("b") || r.IsDraining("c") {
+		t.Fatal("drains not seen")
+	}
+	r.Undrain("b", Admin)
+	if !r.IsDraining("a") || r.IsDraining("b") {
+		t.Fatal("b undrained, a still held")
+	}
+	r.Lift("a", other)
+	if !r.IsDraining("a") {
+		t.Fatal("a lost its admin hold with the other")
+	}
+	r.Forget("a")
+	if r.IsDraining("a") || r.closed.Load() != 0 {
+		t.Fatalf("closed count %d with every upstream active", r.closed.Load())
+	}
+	end := r.Begin("a", func() {})
+	r.Drain("a", time.Hour, Admin)
+	end() // drained
+	r.ReleaseOwner("nobody")
+	if !r.IsDraining("a") {
+		t.Fatal("a drained upstream reported active")
+	}
+	r.Undrain("a", Admin)
+	if r.closed.Load() != 0 {
+		t.Fatalf("closed count %d after the last undrain", r.closed.Load())
+	}
+}

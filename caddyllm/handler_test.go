@@ -1,0 +1,128 @@
+package caddyllm
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+)
+
+// benchBody is a request body whose reader can be rewound, so the
+// benchmark's loop allocates no reader of its own.
+type benchBody struct{ strings.Reader }
+
+func (*benchBody) Close() error { return nil }
+
+// BenchmarkHandlerServe is the handler's ServeHTTP around a next handler
+// that does what reverse_proxy does with a trivial upstream: Select, then
+// a small JSON completion with usage. It is the per-request cost of the
+// llm_affinity path apart from the proxying itself (overhead.sh measures
+// that): the parse of a 602-byte body, the request state, the attempt's
+// context, the response writer and the bookkeeping at the end. As in
+// net/http's server, each request's context is a fresh cancellable one
+// carrying Caddy's replacer.
+func BenchmarkHandlerServe(b *testing.B) {
+	h := &Handler{logger: zap.NewNop(), BlockTokens: prefixindex.DefaultBlockTokens, MaxBodyBytes: defaultMaxBodyBytes}
+	h.parser = newParser(prefixindex.Hasher{}, 4, "")
+	p := testPolicy(b, zap.NewNop())
+	p.ExplainHeader = false
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: "bench-a:1"}, {Host: new(reverseproxy.Host), Dial: "bench-b:1"},
+		{Host: new(reverseproxy.Host), Dial: "bench-c:1"}, {Host: new(reverseproxy.Host), Dial: "bench-d:1"},
+	}
+	reqBody := `{"model":"m","prompt":"` + strings.Repeat("abcd", 128) + `","max_tokens":16,"n":1,"user":"r-000042"}`
+	respBody := []byte(`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":140,"completion_tokens":16,"total_tokens":156}}`)
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if p.Select(pool, r, w) == nil {
+			b.Fatal("no upstream")
+		}
+		io.Copy(io.Discard, r.Body)
+		_ = r.Context().Done() // the transport watches it
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, err := w.Write(respBody)
+		return err
+	})
+	base := httptest.NewRequest("POST", "/v1/completions", nil)
+	base.Header.Set("Content-Type", "application/json")
+	body := new(benchBody)
+	w := &discardWriter{h: make(http.Header)}
+	b.ReportAllocs()
+	cpu := cputime.Start()
+	for b.Loop() {
+		ctx, cancel := context.WithCancel(context.Background())
+		ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewEmptyReplacer())
+		r := base.WithContext(ctx)
+		body.Reset(reqBody)
+		r.Body, r.ContentLength = body, int64(len(reqBody))
+		clear(w.h)
+		if err := h.ServeHTTP(w, r, next); err != nil {
+			b.Fatal(err)
+		}
+		cancel()
+	}
+	cputime.Report(b, cpu)
+}
+
+// discardWriter is a response writer that keeps nothing but its header
+// map, which the loop reuses.
+type discardWriter struct{ h http.Header }
+
+func (w *discardWriter) Header() http.Header         { return w.h }
+func (w *discardWriter) Write(p []byte) (int, error) { return len(p), nil }
+func (w *discardWriter) WriteHeader(int)             {}
+
+// TestSetContentLength: the header is left alone when it says the length
+// already, and set when it is missing or says another.
+func TestSetContentLength(t *testing.T) {
+	for _, tc := range []struct {
+		have []string
+		n    int
+	}{
+		{nil, 602}, {[]string{"602"}, 602}, {[]string{"17"}, 602}, {[]string{"602", "602"}, 602},
+	} {
+		h := http.Header{}
+		if tc.have != nil {
+			h["Content-Length"] = tc.have
+		}
+		setContentLength(h, tc.n)
+		if v := h["Content-Length"]; len(v) != 1 || v[0] != "602" {
+			t.Errorf("with %q: Content-Length %q", tc.have, v)
+		}
+	}
+}
+
+// TestAttemptContextCarriesState: the policy finds the request's state
+// under the values reverse_proxy adds, other values still resolve, and
+// a context derived from it (as the transport derives one) is cancelled
+// with the attempt.
+func TestAttemptContextCarriesState(t *testing.T) {
+	st := &requestState{}
+	parent := context.WithValue(context.Background(), caddy.ReplacerCtxKey, "repl")
+	inner, cancel := context.WithCancelCause(parent)
+	r := httptest.NewRequest("POST", "/v1/completions", nil)
+	r = r.WithContext(context.WithValue(&attemptContext{Context: inner, st: st}, struct{ k int }{1}, "proxy"))
+	if requestStateOf(r) != st {
+		t.Fatal("state not found through the attempt's context")
+	}
+	if r.Context().Value(caddy.ReplacerCtxKey) != "repl" {
+		t.Fatal("the parent's value is lost")
+	}
+	derived, stop := context.WithCancel(r.Context())
+	defer stop()
+	cancel(errDrainCut)
+	<-derived.Done()
+	if context.Cause(derived) != errDrainCut {
+		t.Fatalf("cause %v", context.Cause(derived))
+	}
+}
