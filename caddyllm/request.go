@@ -352,14 +352,9 @@ func (r *reading) object() {
 	if !s.push(true) {
 		return
 	}
-	if s.ws() == '}' {
-		s.pos++
-		s.depth--
-		return
-	}
-	for {
-		key, ok := s.key(r.sc.key[:0])
-		if !ok {
+	for first := true; ; first = false {
+		key, more := s.member(first, r.sc.key[:0])
+		if !more {
 			return
 		}
 		switch fieldOf(key, topFields[:]) {
@@ -408,18 +403,6 @@ func (r *reading) object() {
 			}
 		default:
 			r.skip()
-		}
-		switch s.ws() {
-		case ',':
-			s.pos++
-			s.ws()
-		case '}':
-			s.pos++
-			s.depth--
-			return
-		default:
-			s.unexpected("after object key:value pair")
-			return
 		}
 	}
 }
@@ -474,24 +457,8 @@ func (r *reading) messages() {
 	if !s.push(false) {
 		return
 	}
-	if s.ws() == ']' {
-		s.pos++
-		s.depth--
-		return
-	}
-	for i := 0; ; i++ {
+	for i := 0; s.element(i == 0); i++ {
 		r.message(i)
-		switch s.ws() {
-		case ',':
-			s.pos++
-		case ']':
-			s.pos++
-			s.depth--
-			return
-		default:
-			s.unexpected("after array element")
-			return
-		}
 	}
 }
 
@@ -515,15 +482,12 @@ func (r *reading) message(i int) {
 	if !s.push(true) {
 		return
 	}
-	if s.ws() == '}' {
-		s.pos++
-		s.depth--
-		r.addMessage(i, m)
-		return
-	}
-	for {
-		key, ok := s.key(r.sc.key[:0])
-		if !ok {
+	for first := true; ; first = false {
+		key, more := s.member(first, r.sc.key[:0])
+		if !more {
+			if s.err == nil {
+				r.addMessage(i, m)
+			}
 			return
 		}
 		switch fieldOf(key, msgFields[:]) {
@@ -551,19 +515,6 @@ func (r *reading) message(i int) {
 			}
 		default:
 			r.skip()
-		}
-		switch s.ws() {
-		case ',':
-			s.pos++
-			s.ws()
-		case '}':
-			s.pos++
-			s.depth--
-			r.addMessage(i, m)
-			return
-		default:
-			s.unexpected("after object key:value pair")
-			return
 		}
 	}
 }
@@ -684,7 +635,7 @@ func (r *reading) prompt() {
 		// A token id takes at least two bytes of the body ("1,").
 		b.ResetTokens(r.p.hasher, r.hashBuffer(2*r.p.blockTokens()))
 	}
-	for i := 0; ; i++ {
+	for i := 0; s.element(i == 0); i++ {
 		if r.promptErr != nil {
 			r.skip()
 		} else {
@@ -708,20 +659,9 @@ func (r *reading) prompt() {
 				r.tokenArray(i)
 			}
 		}
-		switch s.ws() {
-		case ',':
-			s.pos++
-		case ']':
-			s.pos++
-			s.depth--
-			if form == formStrings {
-				r.promptTokens, r.promptBytes = r.p.tokens(b.Len()), b.Len()
-			}
-			return
-		default:
-			s.unexpected("after array element")
-			return
-		}
+	}
+	if s.err == nil && form == formStrings {
+		r.promptTokens, r.promptBytes = r.p.tokens(b.Len()), b.Len()
 	}
 }
 
@@ -769,12 +709,7 @@ func (r *reading) tokenArray(i int) {
 	if !s.push(false) {
 		return
 	}
-	if s.ws() == ']' {
-		s.pos++
-		s.depth--
-		return
-	}
-	for j := 0; ; j++ {
+	for j := 0; s.element(j == 0); j++ {
 		if r.promptErr != nil {
 			r.skip()
 		} else {
@@ -782,17 +717,6 @@ func (r *reading) tokenArray(i int) {
 			if r.promptErr != nil {
 				r.promptErr = badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
 			}
-		}
-		switch s.ws() {
-		case ',':
-			s.pos++
-		case ']':
-			s.pos++
-			s.depth--
-			return
-		default:
-			s.unexpected("after array element")
-			return
 		}
 	}
 }

@@ -446,6 +446,54 @@ func (s *scanner) skip() (start, end int, ok bool) {
 	}
 }
 
+// open reads the '{' of an object at pos.
+func (s *scanner) open() bool {
+	if s.ws() != '{' {
+		return false
+	}
+	s.pos++
+	return s.push(true)
+}
+
+// member reads the next key of the object being read, decoded into buf,
+// and its colon; it returns false at the object's end (read) or on an
+// error (s.err set).
+func (s *scanner) member(first bool, buf []byte) ([]byte, bool) {
+	switch c := s.ws(); {
+	case c == '}':
+		s.pos++
+		s.depth--
+		return nil, false
+	case first:
+	case c == ',':
+		s.pos++
+		s.ws()
+	default:
+		s.unexpected("after object key:value pair")
+		return nil, false
+	}
+	return s.key(buf)
+}
+
+// element reads what comes before the next element of the array being
+// read: nothing before the first, a comma before the others. It returns
+// false at the array's end (read) or on an error (s.err set).
+func (s *scanner) element(first bool) bool {
+	switch c := s.ws(); {
+	case c == ']':
+		s.pos++
+		s.depth--
+		return false
+	case first:
+	case c == ',':
+		s.pos++
+	default:
+		s.unexpected("after array element")
+		return false
+	}
+	return true
+}
+
 // colonAfterKey reads a key (at pos) and the colon after it.
 func (s *scanner) colonAfterKey() bool {
 	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {

@@ -55,35 +55,6 @@ func keyOf(key []byte, names []string, seen *uint8) (int, bool) {
 	return fieldOther, true
 }
 
-// open reads the '{' of an object at pos.
-func (s *scanner) open() bool {
-	if s.ws() != '{' {
-		return false
-	}
-	s.pos++
-	return s.push(true)
-}
-
-// member reads the next key of the object being read, decoded into buf,
-// and its colon; it returns false at the object's end (read) or on an
-// error (s.err set).
-func (s *scanner) member(first bool, buf []byte) ([]byte, bool) {
-	switch c := s.ws(); {
-	case c == '}':
-		s.pos++
-		s.depth--
-		return nil, false
-	case first:
-	case c == ',':
-		s.pos++
-		s.ws()
-	default:
-		s.unexpected("after object key:value pair")
-		return nil, false
-	}
-	return s.key(buf)
-}
-
 // optString reads a string or null into dst (null leaves it).
 func (s *scanner) optString(dst *span) bool {
 	switch s.ws() {
@@ -252,12 +223,7 @@ func (s *scanner) readChoices(f *chunkFields) bool {
 	if !s.push(false) {
 		return false
 	}
-	if s.ws() == ']' {
-		s.pos++
-		s.depth--
-		return true
-	}
-	for i := 0; ; i++ {
+	for i := 0; s.element(i == 0); i++ {
 		var text, content span
 		var hasText, hasContent bool
 		if s.ws() == 'n' {
@@ -275,17 +241,8 @@ func (s *scanner) readChoices(f *chunkFields) bool {
 				f.text = content
 			}
 		}
-		switch s.ws() {
-		case ',':
-			s.pos++
-		case ']':
-			s.pos++
-			s.depth--
-			return true
-		default:
-			return false
-		}
 	}
+	return s.err == nil
 }
 
 // readChoice reads one choice: its text and its delta's content.
