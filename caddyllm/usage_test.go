@@ -9,19 +9,14 @@ import (
 )
 
 // refUsageOfBody is usageOfBody as it was before the scanner read the
-// usage: encoding/json decodes the object after the last "usage" key.
+// usage: encoding/json decodes the value after the last "usage" key.
 func refUsageOfBody(body []byte) (*usage, bool) {
-	body = bytes.TrimSpace(body)
-	i := bytes.LastIndex(body, []byte(`"usage"`))
-	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
-		return nil, false
-	}
-	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
-	if len(rest) == 0 || rest[0] != ':' {
+	rest, ok := usageValue(body)
+	if !ok {
 		return nil, false
 	}
 	var u usage
-	if err := json.NewDecoder(bytes.NewReader(rest[1:])).Decode(&u); err != nil {
+	if err := json.NewDecoder(bytes.NewReader(rest)).Decode(&u); err != nil {
 		return nil, false
 	}
 	return &u, true

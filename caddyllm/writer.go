@@ -305,18 +305,13 @@ func (t *tokenRecorder) complete() bool {
 // the last "usage" key is read, with the request's scanner (encoding/json
 // only for what it does not handle); the body must still end its object.
 func usageOfBody(body []byte) (*usage, bool) {
-	body = bytes.TrimSpace(body)
-	i := bytes.LastIndex(body, []byte(`"usage"`))
-	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
-		return nil, false
-	}
-	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
-	if len(rest) == 0 || rest[0] != ':' {
+	rest, ok := usageValue(body)
+	if !ok {
 		return nil, false
 	}
 	var u usage
 	var depth [1]uint64
-	s := scanner{buf: rest[1:], inObject: depth[:]}
+	s := scanner{buf: rest, inObject: depth[:]}
 	var cached int
 	var hasCached bool
 	if s.readUsage(&u, &cached, &hasCached) {
@@ -329,10 +324,25 @@ func usageOfBody(body []byte) (*usage, bool) {
 	}
 	// Anything unusual is for encoding/json to read.
 	u = usage{}
-	if err := json.NewDecoder(bytes.NewReader(rest[1:])).Decode(&u); err != nil {
+	if err := json.NewDecoder(bytes.NewReader(rest)).Decode(&u); err != nil {
 		return nil, false
 	}
 	return &u, true
+}
+
+// usageValue returns what follows the colon of the last "usage" key of a
+// complete JSON object body.
+func usageValue(body []byte) ([]byte, bool) {
+	body = bytes.TrimSpace(body)
+	i := bytes.LastIndex(body, []byte(`"usage"`))
+	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
+		return nil, false
+	}
+	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return nil, false
+	}
+	return rest[1:], true
 }
 
 // completionTokens is the output length: the usage's when reported, else
