@@ -479,9 +479,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 
 	// The request may start within QueueTimeout: queued at an engine
 	// until KV frees there, or held here until some upstream can take it.
-	deadline := time.Now().Add(time.Duration(p.QueueTimeout))
-	queued := false
 	held := time.Now()
+	deadline := held.Add(time.Duration(p.QueueTimeout))
+	queued := false
 	for {
 		up, d := p.decide(pool, st, max(0, time.Until(deadline)))
 		if up != nil {
