@@ -18,7 +18,6 @@ type chunkFields struct {
 	id, object, model span
 	created           int64
 	text              span
-	textEscaped       bool
 	usage             usage
 	cached            int
 	hasUsage          bool

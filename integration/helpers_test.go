@@ -110,9 +110,6 @@ func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) stri
 `, routerHost, handlerOpts, dials(fleet), policyOpts, proxyOpts)
 }
 
-// caddyStarted says this process started the Caddy the tests share.
-var caddyStarted bool
-
 func startCaddy(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: adminPort})

@@ -74,17 +74,10 @@ func runCaddy(t *testing.T, bin, name, config, adminAddr string) *caddyProc {
 	return p
 }
 
-// quickstart runs caddyfile-examples/quickstart.Caddyfile, as the README
-// does, with its ports moved to free ones. It returns the process, the
-// router's URL and the replicas' dial addresses.
-func quickstart(t *testing.T) (proc *caddyProc, routerURL string, dials []string) {
-	t.Helper()
-	proc, routerURL, _, dials = quickstartWithStatus(t)
-	return proc, routerURL, dials
-}
-
-// quickstartWithStatus is quickstart, and also returns the status page's
-// site.
+// quickstartWithStatus runs caddyfile-examples/quickstart.Caddyfile, as
+// the README does, with its ports moved to free ones. It returns the
+// process, the router's URL, the status page's site and the replicas'
+// dial addresses.
 func quickstartWithStatus(t *testing.T) (proc *caddyProc, routerURL, statusURL string, dials []string) {
 	t.Helper()
 	raw, err := os.ReadFile("../caddyfile-examples/quickstart.Caddyfile")
