@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -473,8 +474,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		a.release()
 	}
 	// Never read r.Body here: install a fresh reader of the bytes the
-	// handler kept, so a retry resends the full body.
-	r.Body = newBodyReader(st.body)
+	// handler kept, so a retry resends the full body. A *bytes.Reader
+	// behind io.NopCloser is a body net/http knows is in memory: it sends
+	// it with the headers in one write, where any other reader makes the
+	// transport flush the headers first, a second system call a request.
+	r.Body = io.NopCloser(bytes.NewReader(st.body))
 	r.ContentLength = int64(len(st.body))
 
 	// The request may start within QueueTimeout: queued at an engine
@@ -603,15 +607,10 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWai
 	return pool[d.Chosen], d
 }
 
-// bodyReader is a request body read from the bytes the handler kept: one
-// object per attempt, where io.NopCloser(bytes.NewReader(b)) is two.
+// bodyReader is the request body the handler installs for reverse_proxy,
+// read from the bytes it kept; it lives in the request state, saving an
+// allocation. (The policy replaces it on every attempt.)
 type bodyReader struct{ bytes.Reader }
-
-func newBodyReader(b []byte) *bodyReader {
-	br := new(bodyReader)
-	br.Reset(b)
-	return br
-}
 
 // Close implements io.Closer.
 func (*bodyReader) Close() error { return nil }

@@ -3,8 +3,12 @@ package caddyllm
 import (
 	"context"
 	"encoding/json"
+	"io"
+	"net"
+	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -186,4 +190,75 @@ func TestPeerChargesExpireWithoutSync(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// TestAttemptBodyGoesWithTheHeaders: the body Select installs for an
+// attempt is one net/http knows is in memory, so the transport writes
+// headers and body to the upstream in one system call; an opaque reader
+// (the control) makes it flush the headers first.
+func TestAttemptBodyGoesWithTheHeaders(t *testing.T) {
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+	}))
+	defer upstream.Close()
+	var writes atomic.Int64
+	transport := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		return &countingConn{Conn: c, writes: &writes}, err
+	}}
+	defer transport.CloseIdleConnections()
+	body := `{"model":"m","prompt":"` + strings.Repeat("abcd", 150) + `","max_tokens":16}`
+	send := func(t *testing.T, install func(r *http.Request)) int64 {
+		t.Helper()
+		r, err := http.NewRequest("POST", upstream.URL+"/v1/completions", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		install(r)
+		writes.Store(0)
+		resp, err := transport.RoundTrip(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return writes.Load()
+	}
+	p := testPolicy(t, zap.NewNop())
+	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "body-a:1"}}
+	n := send(t, func(r *http.Request) {
+		pr := newParser(prefixindex.Hasher{}, 4, "")
+		req, err := pr.parse(EndpointCompletions, []byte(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.BlockTokens = prefixindex.DefaultBlockTokens
+		st := &requestState{req: req, body: []byte(body), origBody: []byte(body)}
+		*r = *r.WithContext(context.WithValue(r.Context(), stateKey{}, st))
+		if p.Select(pool, r, httptest.NewRecorder()) == nil {
+			t.Fatal("no upstream")
+		}
+		t.Cleanup(st.current.release)
+	})
+	if n != 1 {
+		t.Errorf("the attempt's request took %d writes, want 1", n)
+	}
+	control := send(t, func(r *http.Request) {
+		r.Body = io.NopCloser(struct{ io.Reader }{strings.NewReader(body)})
+		r.ContentLength = int64(len(body))
+	})
+	if control < 2 {
+		t.Errorf("the control (an opaque body) took %d writes: the count does not see the flush", control)
+	}
+}
+
+// countingConn counts the writes made to a connection.
+type countingConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
 }
