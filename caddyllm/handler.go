@@ -422,9 +422,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	st.current = nil
 	sh, dec := st.sh, st.decision
 	st.mu.Unlock()
+	now := time.Now()
 	if sh != nil && dec.upstream != "" {
-		sh.metrics.requestDuration.WithLabelValues(sh.metrics.upstreamLabel(dec.upstream), dec.reason).
-			Observe(time.Since(st.arrived).Seconds())
+		sh.metrics.observeDuration(dec.upstream, dec.reason, now.Sub(st.arrived))
 	}
 	if a == nil {
 		return
@@ -442,7 +442,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	if rec.usage != nil {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
-	a.sh.fleet.Complete(a.charge, st.req.Model, usage, time.Now())
+	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
 }
 
 // Interface guards

@@ -2,7 +2,10 @@ package caddyllm
 
 import (
 	"errors"
+	"maps"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -10,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // metrics are the plugin's collectors. They live in the shared host, so
@@ -38,6 +42,19 @@ type metrics struct {
 
 	collectors []prometheus.Collector
 
+	// The series of the fixed reasons, resolved once: WithLabelValues
+	// hashes and looks up its labels on every call, and these are on
+	// every request's path.
+	decisionsBy                      map[string]prometheus.Counter
+	queueWaitBy                      map[string]prometheus.Observer
+	promptTokens, cachedPromptTokens prometheus.Counter
+	// series holds the latency series of upstreams by dial and reason,
+	// resolved once (other's for upstreams no config names). Copied on
+	// write under mu (new entries are rare), so a lookup takes no lock.
+	// Bounded: at most maxCachedSeries entries; past that, lookups go to
+	// the vectors.
+	series atomic.Pointer[map[seriesKey]*latencySeries]
+
 	mu sync.RWMutex
 	// named holds the upstreams a loaded config names: the only dials
 	// used as label values.
@@ -45,6 +62,28 @@ type metrics struct {
 	// recent are the named upstreams' recent first tokens.
 	recent map[string]*ttftRing
 }
+
+// reasons are the decision reasons the router gives.
+var reasons = []string{
+	string(scorer.Warm), string(scorer.Cold), string(scorer.Spill), string(scorer.Adapter), string(scorer.Shed), fallbackReason,
+}
+
+// fallbackReason is the reason of requests balanced without parsed
+// content.
+const fallbackReason = "fallback"
+
+// seriesKey names an upstream's latency series for one reason.
+type seriesKey struct{ dial, reason string }
+
+// latencySeries are the latency histograms' series of one upstream label
+// and reason.
+type latencySeries struct {
+	ttft, duration, estimateError, prefixMatch prometheus.Observer
+}
+
+// maxCachedSeries bounds metrics.series: named upstreams × reasons fit,
+// and a churn of dynamic upstreams cannot grow it further.
+const maxCachedSeries = 4096
 
 // otherUpstream is the upstream label of upstreams no loaded config names
 // (dynamic ones), which would otherwise make the label set unbounded.
@@ -132,6 +171,14 @@ func newMetrics(sh *shared) *metrics {
 		named:  make(map[string]bool),
 		recent: make(map[string]*ttftRing),
 	}
+	m.decisionsBy = make(map[string]prometheus.Counter, len(reasons))
+	m.queueWaitBy = make(map[string]prometheus.Observer, len(reasons))
+	for _, r := range reasons {
+		m.decisionsBy[r] = m.decisions.WithLabelValues(r)
+		m.queueWaitBy[r] = m.queueWait.WithLabelValues(r)
+	}
+	m.promptTokens = m.cachedTokens.WithLabelValues("prompt")
+	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
 	m.collectors = []prometheus.Collector{
 		m.decisions, m.shed, m.queued, m.matchedTokens, m.cachedTokens,
 		m.timeToFirstToken, m.requestDuration, m.queueWait, m.estimateError, m.prefixMatch,
@@ -160,6 +207,16 @@ func (m *metrics) name(dial string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.named[dial] = true
+	m.uncacheLocked(dial) // they were other's
+}
+
+// uncacheLocked drops dial's cached latency series. m.mu is held.
+func (m *metrics) uncacheLocked(dial string) {
+	if old := m.series.Load(); old != nil {
+		series := maps.Clone(*old)
+		maps.DeleteFunc(series, func(k seriesKey, _ *latencySeries) bool { return k.dial == dial })
+		m.series.Store(&series)
+	}
 }
 
 // forget deletes dial's series: no loaded config names it any more.
@@ -167,6 +224,7 @@ func (m *metrics) forget(dial string) {
 	m.mu.Lock()
 	delete(m.named, dial)
 	delete(m.recent, dial)
+	m.uncacheLocked(dial)
 	m.mu.Unlock()
 	for _, v := range []*prometheus.HistogramVec{m.timeToFirstToken, m.requestDuration, m.estimateError, m.prefixMatch} {
 		v.DeletePartialMatch(prometheus.Labels{"upstream": dial})
@@ -183,33 +241,89 @@ func (m *metrics) upstreamLabel(dial string) string {
 	return otherUpstream
 }
 
+// decision is the decisions counter of reason.
+func (m *metrics) decision(reason string) prometheus.Counter {
+	if c, ok := m.decisionsBy[reason]; ok {
+		return c
+	}
+	return m.decisions.WithLabelValues(reason)
+}
+
+// queueWaitOf is the queue wait series of reason.
+func (m *metrics) queueWaitOf(reason string) prometheus.Observer {
+	if o, ok := m.queueWaitBy[reason]; ok {
+		return o
+	}
+	return m.queueWait.WithLabelValues(reason)
+}
+
+// latency returns the latency series of dial and reason.
+func (m *metrics) latency(dial, reason string) *latencySeries {
+	key := seriesKey{dial, reason}
+	if series := m.series.Load(); series != nil {
+		if s, ok := (*series)[key]; ok {
+			return s
+		}
+	}
+	// Under the lock, so that name and forget cannot run between the
+	// check of the name and the store.
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	label := otherUpstream
+	if m.named[dial] {
+		label = dial
+	}
+	s := &latencySeries{
+		ttft:          m.timeToFirstToken.WithLabelValues(label, reason),
+		duration:      m.requestDuration.WithLabelValues(label, reason),
+		estimateError: m.estimateError.WithLabelValues(label, reason),
+		prefixMatch:   m.prefixMatch.WithLabelValues(label, reason),
+	}
+	old := m.series.Load()
+	if slices.Contains(reasons, reason) && (old == nil || len(*old) < maxCachedSeries) {
+		series := make(map[seriesKey]*latencySeries)
+		if old != nil {
+			series = maps.Clone(*old)
+		}
+		series[key] = s
+		m.series.Store(&series)
+	}
+	return s
+}
+
 // observeDecision records a decision's prefix match.
 func (m *metrics) observeDecision(dial, reason string, matched, prompt int) {
-	m.decisions.WithLabelValues(reason).Inc()
+	m.decision(reason).Inc()
 	m.matchedTokens.Observe(float64(matched))
 	if prompt > 0 {
-		m.prefixMatch.WithLabelValues(m.upstreamLabel(dial), reason).Observe(min(1, float64(matched)/float64(prompt)))
+		m.latency(dial, reason).prefixMatch.Observe(min(1, float64(matched)/float64(prompt)))
 	}
 }
 
 // observeFirstToken records a request's time to first token since its
 // arrival.
 func (m *metrics) observeFirstToken(dial, reason string, sinceArrival time.Duration) {
-	m.timeToFirstToken.WithLabelValues(m.upstreamLabel(dial), reason).Observe(sinceArrival.Seconds())
+	m.latency(dial, reason).ttft.Observe(sinceArrival.Seconds())
 }
 
 // observeEstimateError records a streamed request's observed minus
 // estimated TTFT, both from the decision, in seconds.
 func (m *metrics) observeEstimateError(dial, reason string, seconds float64) {
-	m.estimateError.WithLabelValues(m.upstreamLabel(dial), reason).Observe(seconds)
+	m.latency(dial, reason).estimateError.Observe(seconds)
+}
+
+// observeDuration records a routed request's time from arrival to its
+// response's last byte.
+func (m *metrics) observeDuration(dial, reason string, sinceArrival time.Duration) {
+	m.latency(dial, reason).duration.Observe(sinceArrival.Seconds())
 }
 
 // observeCompletion records a finished response's figures.
 func (m *metrics) observeCompletion(rec *tokenRecorder) {
 	if rec.usage != nil {
-		m.cachedTokens.WithLabelValues("prompt").Add(float64(rec.usage.PromptTokens))
+		m.promptTokens.Add(float64(rec.usage.PromptTokens))
 		if n := rec.cachedTokens(); n > 0 {
-			m.cachedTokens.WithLabelValues("cached").Add(float64(n))
+			m.cachedPromptTokens.Add(float64(n))
 		}
 	}
 }

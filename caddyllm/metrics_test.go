@@ -49,6 +49,18 @@ func TestLatencyLabelsBounded(t *testing.T) {
 	if obs, _ := m.recentTTFT("a:1"); obs != nil {
 		t.Fatalf("the forgotten upstream's TTFTs are kept")
 	}
+	// The series resolved for a:1 while it was named are not used after
+	// it is forgotten, and are resolved again once it is named again.
+	m.observeFirstToken("a:1", "warm", time.Second)
+	if out := exposition(t, reg); strings.Contains(out, `"a:1"`) ||
+		!strings.Contains(out, `caddy_llm_affinity_time_to_first_token_seconds_count{reason="warm",upstream="other"} 1`) {
+		t.Fatalf("a forgotten upstream's first token is not counted as other's:\n%s", out)
+	}
+	m.name("a:1")
+	m.observeFirstToken("a:1", "warm", time.Second)
+	if out := exposition(t, reg); !strings.Contains(out, `caddy_llm_affinity_time_to_first_token_seconds_count{reason="warm",upstream="a:1"} 1`) {
+		t.Fatalf("the named again upstream has no series:\n%s", out)
+	}
 }
 
 // TestTTFTRing keeps the last recentTTFTs samples, oldest first.

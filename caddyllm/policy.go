@@ -486,10 +486,10 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	held := time.Now()
 	deadline := held.Add(time.Duration(p.QueueTimeout))
 	queued := false
-	for {
-		up, d := p.decide(pool, st, max(0, time.Until(deadline)))
+	for now := held; ; now = time.Now() {
+		up, d := p.decide(pool, st, now, max(0, deadline.Sub(now)))
 		if up != nil {
-			p.sh.metrics.queueWait.WithLabelValues(string(d.Reason)).Observe(time.Since(held).Seconds())
+			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
 			st.setDecisionPlaceholders(len(st.tried) + 1)
 			p.explain(w, st, d.Decision)
 			return up
@@ -512,7 +512,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
-			p.sh.metrics.queueWait.WithLabelValues(string(scorer.Shed)).Observe(time.Since(held).Seconds())
+			p.sh.metrics.queueWaitOf(string(scorer.Shed)).Observe(time.Since(held).Seconds())
 			return p.shed(st, d.Decision)
 		}
 		// Health changes do not wake us, so look again now and then.
@@ -545,7 +545,7 @@ func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstrea
 func (p *Policy) refuse(st *requestState, d scorer.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
 	st.setShedPlaceholders(answer.reason)
-	p.sh.metrics.decisions.WithLabelValues(string(scorer.Shed)).Inc()
+	p.sh.metrics.decision(string(scorer.Shed)).Inc()
 	p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
 		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
@@ -571,12 +571,11 @@ func newScratchPool() *sync.Pool {
 	return &sync.Pool{New: func() any { return new(decisionScratch) }}
 }
 
-// decide asks the decision engine where st goes among pool and, when it
-// chose, registers the attempt with the drain registry. Without a choice
+// decide asks the decision engine where st goes among pool at now and,
+// when it chose, registers the attempt with the drain registry. Without a choice
 // the decision's Wake channel says when to try again.
-func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, maxWait time.Duration) (*reverseproxy.Upstream, router.Decision) {
+func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now time.Time, maxWait time.Duration) (*reverseproxy.Upstream, router.Decision) {
 	req := st.req
-	now := time.Now()
 	if p.scraper != nil {
 		for _, u := range pool {
 			p.scraper.AddTargets(u.Dial) // cheap when known: dynamic upstreams
@@ -685,7 +684,7 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
-	p.sh.metrics.decisions.WithLabelValues("fallback").Inc()
+	p.sh.metrics.decision(fallbackReason).Inc()
 	if p.fallback != nil {
 		return p.fallback.Select(pool, r, w)
 	}
