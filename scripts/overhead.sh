@@ -8,7 +8,8 @@
 # A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions with a small
 # JSON body to each, interleaved A B A B ..., and the script prints requests per second for
 # each round and the ratio B/A of the means, and (on Linux) Caddy's CPU time per request for
-# each, as means and as medians over the rounds. Needs only Go.
+# each, as means and as medians over the rounds, and its read and write system calls per request.
+# Needs only Go.
 #
 #   scripts/overhead.sh
 #   ROUNDS=3 DURATION=10s CONCURRENCY=32 scripts/overhead.sh
@@ -117,14 +118,27 @@ caddy_cpu() {
 		echo 0
 	fi
 }
-measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req=
-	local url="http://127.0.0.1:$1/v1/completions" line t0 t1
+# Caddy's read and write system calls so far (Linux): unlike time, their count per request does
+# not move with the neighbours' load.
+caddy_syscalls() {
+	if [ -r "/proc/$caddy_pid/io" ]; then
+		awk '/^syscr:/ { r = $2 } /^syscw:/ { w = $2 } END { print r + 0, w + 0 }' "/proc/$caddy_pid/io"
+	else
+		echo 0 0
+	fi
+}
+measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req= and system calls per request
+	local url="http://127.0.0.1:$1/v1/completions" line t0 t1 s0 s1
 	"$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$WARMUP" -warmup 0 >/dev/null
 	t0=$(caddy_cpu)
+	s0=$(caddy_syscalls)
 	line=$("$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$DURATION" -warmup 0)
 	t1=$(caddy_cpu)
+	s1=$(caddy_syscalls)
 	echo "$line caddy_cpu_us_per_req=$(awk -v d=$((t1 - t0)) -v hz="$clk_tck" -v n="$(field requests "$line")" \
-		'BEGIN { printf "%.1f", (n > 0 ? d * 1e6 / hz / n : 0) }')"
+		'BEGIN { printf "%.1f", (n > 0 ? d * 1e6 / hz / n : 0) }')" \
+		"$(echo "$s0 $s1" | awk -v n="$(field requests "$line")" \
+			'{ if (n > 0) printf "reads_per_req=%.2f writes_per_req=%.2f", ($3 - $1) / n, ($4 - $2) / n }')"
 }
 field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
