@@ -231,16 +231,6 @@ func (m *metrics) forget(dial string) {
 	}
 }
 
-// upstreamLabel is dial's upstream label value.
-func (m *metrics) upstreamLabel(dial string) string {
-	m.mu.RLock()
-	defer m.mu.RUnlock()
-	if m.named[dial] {
-		return dial
-	}
-	return otherUpstream
-}
-
 // decision is the decisions counter of reason.
 func (m *metrics) decision(reason string) prometheus.Counter {
 	if c, ok := m.decisionsBy[reason]; ok {
