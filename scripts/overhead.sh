@@ -176,6 +176,15 @@ llm_cpu_med=$(median "${llm_cpu[@]}")
 awk -v a="$rr_med" -v b="$llm_med" -v ca="$rr_cpu_med" -v cb="$llm_cpu_med" -v n="$ROUNDS" 'BEGIN {
 	printf "medians of %d: round_robin %.0f req/s, llm_affinity %.0f req/s, ratio %.3f; caddy CPU per request %.0f us vs %.0f us (%+.0f us)\n", n, a, b, b / a, ca, cb, cb - ca
 }'
+# Paired: each round's two runs are next to each other in time, so the median of the per-round
+# ratios and CPU differences shrugs off a neighbour's load that moves between rounds.
+pair_ratios=()
+pair_cpu=()
+for i in "${!rr_all[@]}"; do
+	pair_ratios+=("$(awk -v a="${rr_all[$i]}" -v b="${llm_all[$i]}" 'BEGIN { printf "%.4f", (a > 0 ? b / a : 0) }')")
+	pair_cpu+=("$(awk -v a="${rr_cpu[$i]}" -v b="${llm_cpu[$i]}" 'BEGIN { printf "%.1f", b - a }')")
+done
+echo "paired, median over $ROUNDS rounds: ratio $(median "${pair_ratios[@]}") (rounds: ${pair_ratios[*]}); caddy CPU per request $(median "${pair_cpu[@]}" | awk '{ printf "%+.0f", $1 }') us (rounds: ${pair_cpu[*]})"
 summary=$(awk -v rr="${rr_all[*]}" -v llm="${llm_all[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
