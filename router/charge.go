@@ -15,6 +15,7 @@ type Charge struct {
 	prefill  int // uncached prompt tokens still charged
 	decode   int // expected output tokens still charged
 	kv       int
+	context  int // prompt and output so far, counted in up.contextTokens
 	// promptBytes is the request's Request.PromptBytes, for learning
 	// bytes per token at Complete.
 	promptBytes int
@@ -30,16 +31,19 @@ type Charge struct {
 func (c *Charge) Dial() string { return c.dial }
 
 // charge records a new request on u. Caller holds f.mu.
-func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Charge {
+// prompt is the whole prompt (cached or not), the context the request's
+// decode steps start from.
+func (f *Fleet) charge(u *upstream, prompt, prefill, decode, kv int, now time.Time) *Charge {
 	u.queuedPrefill += prefill
 	u.queuedDecode += decode
 	u.kvTokens += kv
 	u.inFlight++
+	u.contextTokens += max(0, prompt)
 	u.lastUsed = now
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now}
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, context: max(0, prompt), Started: now}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -52,6 +56,8 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		c.prefill = 0
 	}
 	c.Tokens += n
+	c.context += n
+	u.contextTokens += n
 	d := min(n, c.decode)
 	u.queuedDecode -= d
 	c.decode -= d
@@ -124,8 +130,9 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.queuedDecode -= c.decode
 	u.kvTokens -= c.kv
 	u.inFlight--
+	u.contextTokens -= c.context
 	u.lastUsed = now
-	c.up, c.prefill, c.decode, c.kv = nil, 0, 0, 0
+	c.up, c.prefill, c.decode, c.kv, c.context = nil, 0, 0, 0, 0
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}

@@ -70,7 +70,11 @@ type upstream struct {
 	// plus expected output), for the KV-fit filter.
 	kvTokens int
 	inFlight int
-	lastUsed time.Time
+	// contextTokens is the context of the charged requests: each one's
+	// prompt and the output reported so far, which every decode step
+	// attends.
+	contextTokens int
+	lastUsed      time.Time
 	// charged counts every request charged here and its KV tokens; it
 	// only grows, so engine scrapes can tell which charges came after
 	// their snapshot.

@@ -285,10 +285,33 @@ const DefaultImposedDelayWeight = 0.1
 // prompt shares the steps, see QueuedSeconds); the rest of the response
 // does, and a router that looked only at the first token piled up
 // generations on replicas holding a few hot prefixes (BENCHMARKS.md §7).
+//
+// A step's time grows with the context its batch attends, too (see
+// StepDecodeSeconds): a replica whose requests carry long contexts
+// decodes each token slower than one running as many short ones.
 func GenerationSeconds(req *Request, c *Candidate) float64 {
 	decode := rate(c.DecodeTokensPerSecond, 2_000)
 	tokens := min(max(0, req.OutputTokens), GenerationHorizonTokens)
-	return float64(tokens) * float64(inFlight(c)+1) / decode
+	return float64(tokens) * (StepDecodeSeconds(c) + 1/decode)
+}
+
+// StepDecodeSeconds is the time each engine step on c spends on the
+// requests in flight there, one token each: a request's share of the
+// batch's decode rate, plus the attention's read of their contexts
+// beyond what that rate assumes. The decode rate is an aggregate measured
+// at some context per sequence; the router takes it to hold at the mean
+// context of the requests in flight over the fleet (MeanContextTokens),
+// so a replica whose requests attend more context than the mean steps
+// slower by ContextTokenSeconds per extra token, and one whose requests
+// attend less steps faster, never below nothing. (vLLM's decode step
+// reads every running sequence's KV: on an 8B model, 128 KiB a token.)
+func StepDecodeSeconds(c *Candidate) float64 {
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	step := float64(inFlight(c)) / decode
+	if k := c.ContextTokenSeconds; k > 0 && c.InFlight > 0 {
+		step += k * (float64(c.ContextTokens) - float64(c.InFlight)*c.MeanContextTokens)
+	}
+	return max(0, step)
 }
 
 // EvictedSeconds is the prefill time of the cached prompt tokens that
@@ -330,12 +353,14 @@ const GenerationHorizonTokens = 1024
 // larger weights trade first-token time for more.
 const DefaultDecodeWeight = 0.1
 
-// QueuedSeconds is how long c's queue delays a new prompt's prefill.
+// QueuedSeconds is how long c's queue delays a new prompt's prefill: the
+// queued prefill at the prefill rate, and the decodes sharing each step
+// until the new prompt's (StepDecodeSeconds).
 func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	decode := rate(c.DecodeTokensPerSecond, 2_000)
-	steps := 1 + float64(c.QueuedPrefillTokens)/PrefillChunkTokens
-	return float64(c.QueuedPrefillTokens)/prefill + steps*float64(inFlight(c))/decode
+	queued := float64(c.QueuedPrefillTokens)
+	steps := 1 + queued/PrefillChunkTokens
+	return queued/prefill + steps*StepDecodeSeconds(c)
 }
 
 // PrefillChunkTokens is the prefill one engine step carries (vLLM's

@@ -475,3 +475,47 @@ func TestEvictionCost(t *testing.T) {
 		}
 	}
 }
+
+// TestStepTimeCountsContext: a decode step reads every running sequence's
+// KV, so of two replicas running as many requests the one whose requests
+// attend more context steps slower, by ContextTokenSeconds per token of
+// the difference; at the fleet's mean context the step is the decode
+// rate's, and it never drops below nothing.
+func TestStepTimeCountsContext(t *testing.T) {
+	const k = 40e-9
+	const mean = 2_000.0
+	short, long := cand("short", 0, 0), cand("long", 0, 0)
+	for _, c := range []*Candidate{&short, &long} {
+		c.InFlight, c.MeanContextTokens, c.ContextTokenSeconds = 10, mean, k
+	}
+	short.ContextTokens, long.ContextTokens = 10_000, 30_000
+	atMean := short
+	atMean.ContextTokens = 20_000
+	r := req(1000)
+	want := k * float64(long.ContextTokens-short.ContextTokens)
+	if got := StepDecodeSeconds(&long) - StepDecodeSeconds(&short); math.Abs(got-want) > 1e-12 {
+		t.Fatalf("step time difference %g, want %g", got, want)
+	}
+	if got, rate := StepDecodeSeconds(&atMean), 10/atMean.DecodeTokensPerSecond; math.Abs(got-rate) > 1e-12 {
+		t.Fatalf("step at the mean context %g, want the decode rate's %g", got, rate)
+	}
+	if got, w := GenerationSeconds(&r, &long)-GenerationSeconds(&r, &short), want*float64(r.OutputTokens); math.Abs(got-w) > 1e-9 {
+		t.Fatalf("generation difference %g, want %g", got, w)
+	}
+	if QueuedSeconds(&long) <= QueuedSeconds(&short) {
+		t.Fatalf("queue of the long contexts %g not above the short ones' %g", QueuedSeconds(&long), QueuedSeconds(&short))
+	}
+	if d := Choose(r, []Candidate{long, short}, Options{}, nil, nil); d.Chosen != 1 {
+		t.Fatalf("chose the replica attending three times the context")
+	}
+	// Without a context time the two are the same.
+	long.ContextTokenSeconds, short.ContextTokenSeconds = 0, 0
+	if StepDecodeSeconds(&long) != StepDecodeSeconds(&short) {
+		t.Fatalf("context counted without a context time")
+	}
+	tiny := short
+	tiny.ContextTokenSeconds, tiny.ContextTokens, tiny.MeanContextTokens = k, 0, 1e9
+	if s := StepDecodeSeconds(&tiny); s != 0 {
+		t.Fatalf("step time %g below nothing", s)
+	}
+}
