@@ -1,6 +1,9 @@
 package router
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // Charge is the work one routed request put on its upstream, from the
 // decision until Complete or Release. Its methods are not safe for
@@ -43,7 +46,16 @@ func (f *Fleet) charge(u *upstream, prompt, prefill, decode, kv int, now time.Ti
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, context: max(0, prompt), Started: now}
+	c := &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, context: max(0, prompt), Started: now}
+	u.prefilling = append(u.prefilling, c)
+	return c
+}
+
+// prefilled takes c off u's prefilling charges. Caller holds f.mu.
+func (u *upstream) prefilled(c *Charge) {
+	if i := slices.Index(u.prefilling, c); i >= 0 {
+		u.prefilling = slices.Delete(u.prefilling, i, i+1)
+	}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -54,6 +66,10 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		u.lastTTFT = now.Sub(c.Started)
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
+		u.prefilled(c)
+		if now.After(u.prefillDone) {
+			u.prefillDone = now
+		}
 	}
 	c.Tokens += n
 	c.context += n
@@ -131,6 +147,9 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.kvTokens -= c.kv
 	u.inFlight--
 	u.contextTokens -= c.context
+	if c.FirstToken.IsZero() {
+		u.prefilled(c)
+	}
 	u.lastUsed = now
 	c.up, c.prefill, c.decode, c.kv, c.context = nil, 0, 0, 0, 0
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {

@@ -168,7 +168,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	var context, inFlight int
 	for i := range members {
 		m, u := &members[i], states[i]
-		cands[i] = f.candidate(m, u, opts, adapter, bt)
+		cands[i] = f.candidate(now, m, u, opts, adapter, bt)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 		context += max(0, u.contextTokens)
@@ -197,7 +197,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 //     output lengths the router has seen;
 //   - the model list filters models, and the engine's running adapters say
 //     which adapters are resident.
-func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
+func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
 	hw := m.Hardware.WithDefaults()
 	c := scorer.Candidate{
 		Name:                   m.Dial,
@@ -214,6 +214,17 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		UncachedRoomTokens:     -1,
 		KVCapacityTokens:       hw.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
+	}
+	// The oldest request still prefilling has had the engine since it was
+	// routed or since the previous prefill ended, whichever is later.
+	if len(u.prefilling) > 0 {
+		head := u.prefilling[0]
+		since := head.Started
+		if u.prefillDone.After(since) {
+			since = u.prefillDone
+		}
+		c.HeadPrefillTokens = max(0, head.prefill)
+		c.HeadPrefillSeconds = max(0, at.Sub(since).Seconds())
 	}
 	var now scrape.Signals
 	if raw := m.Engine; raw != nil {

@@ -353,12 +353,34 @@ const GenerationHorizonTokens = 1024
 // larger weights trade first-token time for more.
 const DefaultDecodeWeight = 0.1
 
+// PrefillCreditTokens is the part of c's queued prefill the engine has
+// done by now, as far as the router can tell before the first token says
+// so: the oldest request's prefill (HeadPrefillTokens; engines prefill
+// first come, first served) progresses by its chunks, each step taking
+// the chunk's prefill time plus the decodes sharing the step
+// (StepDecodeSeconds), for HeadPrefillSeconds. Only the head is
+// credited: the later ones may share its last step, or wait for it, and
+// counting them as waiting errs on the side of the queue. Nothing is
+// credited while c's KV is overcommitted (the head may be waiting for KV,
+// not running).
+func PrefillCreditTokens(c *Candidate) int {
+	h := min(c.HeadPrefillTokens, c.QueuedPrefillTokens)
+	if h <= 0 || !(c.HeadPrefillSeconds > 0) || c.KVOvercommitTokens > 0 {
+		return 0
+	}
+	prefill := rate(c.PrefillTokensPerSecond, 10_000)
+	steps := math.Ceil(float64(h) / PrefillChunkTokens)
+	took := float64(h)/prefill + steps*StepDecodeSeconds(c)
+	return int(min(float64(h), float64(h)*c.HeadPrefillSeconds/took))
+}
+
 // QueuedSeconds is how long c's queue delays a new prompt's prefill: the
-// queued prefill at the prefill rate, and the decodes sharing each step
-// until the new prompt's (StepDecodeSeconds).
+// queued prefill not yet done (PrefillCreditTokens) at the prefill rate,
+// and the decodes sharing each step until the new prompt's
+// (StepDecodeSeconds).
 func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	queued := float64(c.QueuedPrefillTokens)
+	queued := float64(max(0, c.QueuedPrefillTokens-PrefillCreditTokens(c)))
 	steps := 1 + queued/PrefillChunkTokens
 	return queued/prefill + steps*StepDecodeSeconds(c)
 }

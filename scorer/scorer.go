@@ -151,6 +151,13 @@ type Candidate struct {
 	// token over the memory bandwidth); 0 leaves context out of the step
 	// time.
 	ContextTokenSeconds float64
+	// HeadPrefillTokens is the uncached prompt of the oldest request whose
+	// first token has not come back (the one the engine prefills now,
+	// first come first served), and HeadPrefillSeconds how long it has
+	// had the engine: since it was routed or since the previous prefill
+	// ended, whichever is later. 0 when unknown or none.
+	HeadPrefillTokens  int
+	HeadPrefillSeconds float64
 	// FreeKVTokens is its free KV cache in tokens, or -1 when unknown.
 	FreeKVTokens int
 	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.

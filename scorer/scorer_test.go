@@ -519,3 +519,40 @@ func TestStepTimeCountsContext(t *testing.T) {
 		t.Fatalf("step time %g below nothing", s)
 	}
 }
+
+// TestPrefillCredit: the head's prefill is credited as the router's step
+// model says it progresses (its prefill time plus the decodes sharing its
+// steps), never beyond the head or the queue, and not at all while the KV
+// is overcommitted; a holder whose cold prefill is half done beats an idle
+// replica that must prefill everything.
+func TestPrefillCredit(t *testing.T) {
+	c := cand("holder", 0, 3000)
+	c.InFlight = 4
+	c.HeadPrefillTokens = 2000
+	took := 2000/c.PrefillTokensPerSecond + StepDecodeSeconds(&c)
+	c.HeadPrefillSeconds = took / 2
+	credit := PrefillCreditTokens(&c)
+	if credit < 999 || credit > 1000 { // truncated to whole tokens
+		t.Fatalf("credit at half the head's prefill %d, want 1000", credit)
+	}
+	if got, want := QueuedSeconds(&c), QueuedSeconds(&Candidate{QueuedPrefillTokens: 3000 - credit, InFlight: 4, PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000}); math.Abs(got-want) > 1e-12 {
+		t.Fatalf("queue %g, want that of the %d tokens left, %g", got, 3000-credit, want)
+	}
+	c.HeadPrefillSeconds = 10 * took
+	if got := PrefillCreditTokens(&c); got != 2000 {
+		t.Fatalf("credit %d beyond the head's 2,000", got)
+	}
+	over := c
+	over.KVOvercommitTokens = 1
+	if got := PrefillCreditTokens(&over); got != 0 {
+		t.Fatalf("credit %d while the KV is overcommitted", got)
+	}
+	// A shared prefix half prefilled on its holder, against an idle cold
+	// replica.
+	holder, idle := cand("holder", 2048, 2176), cand("idle", 0, 0)
+	holder.InFlight, holder.HeadPrefillTokens = 1, 2176
+	holder.HeadPrefillSeconds = (2176/holder.PrefillTokensPerSecond + StepDecodeSeconds(&holder)) / 2
+	if d := Choose(req(2176), []Candidate{holder, idle}, Options{}, nil, nil); d.Chosen != 0 {
+		t.Fatalf("copied a prefix its holder has half prefilled")
+	}
+}
