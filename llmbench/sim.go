@@ -78,10 +78,6 @@ type Sim struct {
 	// [Sim.Rates]).
 	PrefillTokensPerSecond float64
 	DecodeTokensPerSecond  float64
-	// ContextTokenTime is the decode step time per context token the scorer assumes
-	// (router.Hardware.ContextTokenTime); 0 is the engine's PerContextToken, negative leaves
-	// context out of the router's step time.
-	ContextTokenTime time.Duration
 	// Scorer tunes the llm_affinity decision; its Strategy is set from the policy name.
 	Scorer scorer.Options
 	// Routers is how many routers share the replicas (0 means 1). Arrivals go to them in
@@ -294,11 +290,7 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		run.ropts.Adapters[a] = true
 	}
 	prefill, decode := s.Rates(w)
-	hw := router.Hardware{PrefillTokensPerSecond: prefill, DecodeTokensPerSecond: decode, KVCapacityTokens: cfg.NumGPUBlocks * cfg.BlockSize,
-		ContextTokenTime: s.ContextTokenTime}
-	if hw.ContextTokenTime == 0 {
-		hw.ContextTokenTime = cfg.PerContextToken
-	}
+	hw := router.Hardware{PrefillTokensPerSecond: prefill, DecodeTokensPerSecond: decode, KVCapacityTokens: cfg.NumGPUBlocks * cfg.BlockSize}
 	for i := range run.replicas {
 		run.members = append(run.members, router.Member{Dial: run.replicas[i].name, Available: true, Healthy: true, Hardware: hw})
 	}

@@ -1,9 +1,6 @@
 package router
 
-import (
-	"slices"
-	"time"
-)
+import "time"
 
 // Charge is the work one routed request put on its upstream, from the
 // decision until Complete or Release. Its methods are not safe for
@@ -18,7 +15,6 @@ type Charge struct {
 	prefill  int // uncached prompt tokens still charged
 	decode   int // expected output tokens still charged
 	kv       int
-	context  int // prompt and output so far, counted in up.contextTokens
 	// promptBytes is the request's Request.PromptBytes, for learning
 	// bytes per token at Complete.
 	promptBytes int
@@ -34,28 +30,16 @@ type Charge struct {
 func (c *Charge) Dial() string { return c.dial }
 
 // charge records a new request on u. Caller holds f.mu.
-// prompt is the whole prompt (cached or not), the context the request's
-// decode steps start from.
-func (f *Fleet) charge(u *upstream, prompt, prefill, decode, kv int, now time.Time) *Charge {
+func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Charge {
 	u.queuedPrefill += prefill
 	u.queuedDecode += decode
 	u.kvTokens += kv
 	u.inFlight++
-	u.contextTokens += max(0, prompt)
 	u.lastUsed = now
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	c := &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, context: max(0, prompt), Started: now}
-	u.prefilling = append(u.prefilling, c)
-	return c
-}
-
-// prefilled takes c off u's prefilling charges. Caller holds f.mu.
-func (u *upstream) prefilled(c *Charge) {
-	if i := slices.Index(u.prefilling, c); i >= 0 {
-		u.prefilling = slices.Delete(u.prefilling, i, i+1)
-	}
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -66,14 +50,8 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		u.lastTTFT = now.Sub(c.Started)
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
-		u.prefilled(c)
-		if now.After(u.prefillDone) {
-			u.prefillDone = now
-		}
 	}
 	c.Tokens += n
-	c.context += n
-	u.contextTokens += n
 	d := min(n, c.decode)
 	u.queuedDecode -= d
 	c.decode -= d
@@ -146,12 +124,8 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.queuedDecode -= c.decode
 	u.kvTokens -= c.kv
 	u.inFlight--
-	u.contextTokens -= c.context
-	if c.FirstToken.IsZero() {
-		u.prefilled(c)
-	}
 	u.lastUsed = now
-	c.up, c.prefill, c.decode, c.kv, c.context = nil, 0, 0, 0, 0
+	c.up, c.prefill, c.decode, c.kv = nil, 0, 0, 0
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}

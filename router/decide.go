@@ -108,7 +108,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// matched prefix is in the engine's cache already, shared, and
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
-	c := f.charge(u, sreq.PromptTokens, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
+	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
 	c.promptBytes = req.PromptBytes
 	f.nextID++
 	c.id = f.nextID
@@ -165,22 +165,11 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 	}
-	var context, inFlight int
 	for i := range members {
 		m, u := &members[i], states[i]
-		cands[i] = f.candidate(now, m, u, opts, adapter, bt)
+		cands[i] = f.candidate(m, u, opts, adapter, bt)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
-		context += max(0, u.contextTokens)
-		inFlight += max(0, u.inFlight)
-	}
-	// The context per request in flight over the members: the decode
-	// rate's reference (scorer.StepDecodeSeconds).
-	if inFlight > 0 {
-		mean := float64(context) / float64(inFlight)
-		for i := range cands {
-			cands[i].MeanContextTokens = mean
-		}
 	}
 	return sreq, cands, states
 }
@@ -197,7 +186,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 //     output lengths the router has seen;
 //   - the model list filters models, and the engine's running adapters say
 //     which adapters are resident.
-func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
+func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
 	hw := m.Hardware.WithDefaults()
 	c := scorer.Candidate{
 		Name:                   m.Dial,
@@ -205,8 +194,6 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		QueuedPrefillTokens:    max(0, u.queuedPrefill),
 		QueuedDecodeTokens:     max(0, u.queuedDecode),
 		InFlight:               u.inFlight,
-		ContextTokens:          max(0, u.contextTokens),
-		ContextTokenSeconds:    max(0, hw.ContextTokenTime.Seconds()),
 		Waiting:                -1,
 		PrefillTokensPerSecond: hw.PrefillTokensPerSecond,
 		DecodeTokensPerSecond:  hw.DecodeTokensPerSecond,
@@ -214,17 +201,6 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		UncachedRoomTokens:     -1,
 		KVCapacityTokens:       hw.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
-	}
-	// The oldest request still prefilling has had the engine since it was
-	// routed or since the previous prefill ended, whichever is later.
-	if len(u.prefilling) > 0 {
-		head := u.prefilling[0]
-		since := head.Started
-		if u.prefillDone.After(since) {
-			since = u.prefillDone
-		}
-		c.HeadPrefillTokens = max(0, head.prefill)
-		c.HeadPrefillSeconds = max(0, at.Sub(since).Seconds())
 	}
 	var now scrape.Signals
 	if raw := m.Engine; raw != nil {

@@ -70,17 +70,7 @@ type upstream struct {
 	// plus expected output), for the KV-fit filter.
 	kvTokens int
 	inFlight int
-	// contextTokens is the context of the charged requests: each one's
-	// prompt and the output reported so far, which every decode step
-	// attends.
-	contextTokens int
-	// prefilling are the charges whose first token has not come back, in
-	// the order they were charged (the engine's, first come first
-	// served); prefillDone is when the last first token came back here,
-	// the end of the step that finished a prefill.
-	prefilling  []*Charge
-	prefillDone time.Time
-	lastUsed    time.Time
+	lastUsed time.Time
 	// charged counts every request charged here and its KV tokens; it
 	// only grows, so engine scrapes can tell which charges came after
 	// their snapshot.

@@ -28,10 +28,6 @@ const (
 	DefaultAdapterLoadRemote      = 2 * time.Second
 	DefaultPrefillTokensPerSecond = 12_000
 	DefaultDecodeTokensPerSecond  = 2_500
-	// DefaultContextTokenTime is Hardware.ContextTokenTime's default: an
-	// 8B model's KV (Llama-3.1-8B: 32 layers × 8 KV heads × 128 × 2 × 2
-	// bytes = 128 KiB a token) read at an H100's 3.35 TB/s.
-	DefaultContextTokenTime = 40 * time.Nanosecond
 	// DefaultQueueTimeout is how long a request may wait to start (at an
 	// engine for KV to free, or at the gateway) before it is shed.
 	DefaultQueueTimeout = 5 * time.Second
@@ -109,14 +105,6 @@ type Hardware struct {
 	// KVCapacityTokens is its KV cache size in tokens; 0 means unknown
 	// (no KV-fit filter unless the engine reports it).
 	KVCapacityTokens int
-	// ContextTokenTime is the time a decode step spends per context token
-	// of its batch: attention reads every running sequence's KV once a
-	// step, so this is the model's KV bytes per token over the GPU's
-	// memory bandwidth. It makes replicas whose requests carry long
-	// contexts decode slower than the decode rate says (see
-	// scorer.StepDecodeSeconds). Default DefaultContextTokenTime; negative
-	// leaves context out.
-	ContextTokenTime time.Duration
 }
 
 // WithDefaults returns h with unset rates set to the defaults.
@@ -126,9 +114,6 @@ func (h Hardware) WithDefaults() Hardware {
 	}
 	if h.DecodeTokensPerSecond <= 0 {
 		h.DecodeTokensPerSecond = DefaultDecodeTokensPerSecond
-	}
-	if h.ContextTokenTime == 0 {
-		h.ContextTokenTime = DefaultContextTokenTime
 	}
 	return h
 }

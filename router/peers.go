@@ -87,10 +87,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if u == nil || u.forgotten || f.remote[key] != nil {
 			return false
 		}
-		// The event does not carry the prompt's length: its full blocks,
-		// or its uncached part when longer, are the context it adds.
-		prompt := max(ev.Prefill, len(ev.Hashes)*max(0, ev.BlockTokens))
-		c := f.charge(u, prompt, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)
+		c := f.charge(u, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)
 		c.id = ev.ID
 		f.remote[key] = c
 		if ev.Adapter != "" {

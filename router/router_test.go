@@ -196,7 +196,7 @@ func TestEngineSignals(t *testing.T) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	u := f.upstream("a", t0)
-	c := f.candidate(t0, &ms[0], u, &opts, "", 64)
+	c := f.candidate(&ms[0], u, &opts, "", 64)
 	if c.KVCapacityTokens != 16000 || c.FreeKVTokens != 8000 || c.ForeignInFlight != 5 || c.Waiting != 2 || c.QueuedDecodeTokens != 500 {
 		t.Fatalf("candidate %+v", c)
 	}
@@ -323,43 +323,5 @@ func TestTooLong(t *testing.T) {
 	ms[1].Hardware.KVCapacityTokens = 0 // unknown: it may hold it
 	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
 		t.Fatalf("with b's capacity unknown: %+v", d)
-	}
-}
-
-// TestContextFollowsCharges: the context an upstream's decode steps read is
-// the whole prompt of each request in flight there (cached or not) and the
-// output reported so far; it goes with the request. The candidates carry
-// it, the mean over the members (the decode rate's reference) and the
-// context token time.
-func TestContextFollowsCharges(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 50}.WithDefaults()
-	req := Request{Hashes: hashes(1, 1024), BlockTokens: 64, PromptTokens: 1024, Model: "m"}
-	d1 := f.Decide(t0, req, members("a"), &opts, rng(), nil)
-	d2 := f.Decide(t0, req, members("a"), &opts, rng(), nil) // warm: the prompt counts all the same
-	if d2.MatchedTokens != 1024 {
-		t.Fatalf("second request not warm: %+v", d2)
-	}
-	f.Progress(d1.Charge, 1, t0.Add(100*time.Millisecond))
-	f.Progress(d1.Charge, 9, t0.Add(200*time.Millisecond))
-	f.mu.Lock()
-	_, cands, _ := f.candidates(t0, Request{PromptTokens: 10}, members("a", "b"), &opts)
-	f.mu.Unlock()
-	a, b := cands[0], cands[1]
-	if a.ContextTokens != 2*1024+10 || b.ContextTokens != 0 {
-		t.Fatalf("context a %d, b %d; want %d, 0", a.ContextTokens, b.ContextTokens, 2*1024+10)
-	}
-	if want := float64(2*1024+10) / 2; a.MeanContextTokens != want || b.MeanContextTokens != want {
-		t.Fatalf("mean context %g, %g; want %g", a.MeanContextTokens, b.MeanContextTokens, want)
-	}
-	if a.ContextTokenSeconds != DefaultContextTokenTime.Seconds() {
-		t.Fatalf("context token time %g", a.ContextTokenSeconds)
-	}
-	f.Complete(d1.Charge, "m", Usage{OutputTokens: 10}, t0.Add(time.Second))
-	f.Release(d2.Charge, t0.Add(time.Second))
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if u := f.upstreams["a"]; u.contextTokens != 0 {
-		t.Fatalf("after both ended: context %d", u.contextTokens)
 	}
 }

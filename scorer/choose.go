@@ -285,33 +285,10 @@ const DefaultImposedDelayWeight = 0.1
 // prompt shares the steps, see QueuedSeconds); the rest of the response
 // does, and a router that looked only at the first token piled up
 // generations on replicas holding a few hot prefixes (BENCHMARKS.md §7).
-//
-// A step's time grows with the context its batch attends, too (see
-// StepDecodeSeconds): a replica whose requests carry long contexts
-// decodes each token slower than one running as many short ones.
 func GenerationSeconds(req *Request, c *Candidate) float64 {
 	decode := rate(c.DecodeTokensPerSecond, 2_000)
 	tokens := min(max(0, req.OutputTokens), GenerationHorizonTokens)
-	return float64(tokens) * (StepDecodeSeconds(c) + 1/decode)
-}
-
-// StepDecodeSeconds is the time each engine step on c spends on the
-// requests in flight there, one token each: a request's share of the
-// batch's decode rate, plus the attention's read of their contexts
-// beyond what that rate assumes. The decode rate is an aggregate measured
-// at some context per sequence; the router takes it to hold at the mean
-// context of the requests in flight over the fleet (MeanContextTokens),
-// so a replica whose requests attend more context than the mean steps
-// slower by ContextTokenSeconds per extra token, and one whose requests
-// attend less steps faster, never below nothing. (vLLM's decode step
-// reads every running sequence's KV: on an 8B model, 128 KiB a token.)
-func StepDecodeSeconds(c *Candidate) float64 {
-	decode := rate(c.DecodeTokensPerSecond, 2_000)
-	step := float64(inFlight(c)) / decode
-	if k := c.ContextTokenSeconds; k > 0 && c.InFlight > 0 {
-		step += k * (float64(c.ContextTokens) - float64(c.InFlight)*c.MeanContextTokens)
-	}
-	return max(0, step)
+	return float64(tokens) * float64(inFlight(c)+1) / decode
 }
 
 // EvictedSeconds is the prefill time of the cached prompt tokens that
@@ -353,36 +330,12 @@ const GenerationHorizonTokens = 1024
 // larger weights trade first-token time for more.
 const DefaultDecodeWeight = 0.1
 
-// PrefillCreditTokens is the part of c's queued prefill the engine has
-// done by now, as far as the router can tell before the first token says
-// so: the oldest request's prefill (HeadPrefillTokens; engines prefill
-// first come, first served) progresses by its chunks, each step taking
-// the chunk's prefill time plus the decodes sharing the step
-// (StepDecodeSeconds), for HeadPrefillSeconds. Only the head is
-// credited: the later ones may share its last step, or wait for it, and
-// counting them as waiting errs on the side of the queue. Nothing is
-// credited while c's KV is overcommitted (the head may be waiting for KV,
-// not running).
-func PrefillCreditTokens(c *Candidate) int {
-	h := min(c.HeadPrefillTokens, c.QueuedPrefillTokens)
-	if h <= 0 || !(c.HeadPrefillSeconds > 0) || c.KVOvercommitTokens > 0 {
-		return 0
-	}
-	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	steps := math.Ceil(float64(h) / PrefillChunkTokens)
-	took := float64(h)/prefill + steps*StepDecodeSeconds(c)
-	return int(min(float64(h), float64(h)*c.HeadPrefillSeconds/took))
-}
-
-// QueuedSeconds is how long c's queue delays a new prompt's prefill: the
-// queued prefill not yet done (PrefillCreditTokens) at the prefill rate,
-// and the decodes sharing each step until the new prompt's
-// (StepDecodeSeconds).
+// QueuedSeconds is how long c's queue delays a new prompt's prefill.
 func QueuedSeconds(c *Candidate) float64 {
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
-	queued := float64(max(0, c.QueuedPrefillTokens-PrefillCreditTokens(c)))
-	steps := 1 + queued/PrefillChunkTokens
-	return queued/prefill + steps*StepDecodeSeconds(c)
+	decode := rate(c.DecodeTokensPerSecond, 2_000)
+	steps := 1 + float64(c.QueuedPrefillTokens)/PrefillChunkTokens
+	return float64(c.QueuedPrefillTokens)/prefill + steps*float64(inFlight(c))/decode
 }
 
 // PrefillChunkTokens is the prefill one engine step carries (vLLM's

@@ -138,26 +138,6 @@ type Candidate struct {
 	// DecodeTokensPerSecond is its aggregate decode throughput over the
 	// batch.
 	DecodeTokensPerSecond float64
-	// ContextTokens is the context (prompt and output so far) of the
-	// requests the router has in flight there (InFlight): every decode
-	// step's attention reads each one's KV.
-	ContextTokens int
-	// MeanContextTokens is the context per request in flight over the
-	// candidates (the fleet's now): the context at which
-	// DecodeTokensPerSecond is taken to hold. 0 when nothing is in flight.
-	MeanContextTokens float64
-	// ContextTokenSeconds is the time one engine step spends per context
-	// token of the batch (attention reads its KV: the model's KV bytes per
-	// token over the memory bandwidth); 0 leaves context out of the step
-	// time.
-	ContextTokenSeconds float64
-	// HeadPrefillTokens is the uncached prompt of the oldest request whose
-	// first token has not come back (the one the engine prefills now,
-	// first come first served), and HeadPrefillSeconds how long it has
-	// had the engine: since it was routed or since the previous prefill
-	// ended, whichever is later. 0 when unknown or none.
-	HeadPrefillTokens  int
-	HeadPrefillSeconds float64
 	// FreeKVTokens is its free KV cache in tokens, or -1 when unknown.
 	FreeKVTokens int
 	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.

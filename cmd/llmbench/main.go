@@ -32,37 +32,36 @@ import (
 const progressDelay = 2 * time.Second
 
 type options struct {
-	mode             string
-	workload         string
-	replicas         int
-	policies         string
-	speed            float64
-	timeScale        float64
-	requests         int
-	rate             float64
-	seed             uint64
-	routerSeed       uint64
-	routerSeeds      int
-	evictionWeight   float64
-	jsonPath         string
-	svgPath          string
-	maxTokens        int
-	kvBlocks         int
-	maxNumSeqs       int
-	queueTimeout     time.Duration
-	outputEstimate   string
-	outputTokens     int
-	prefillRate      float64
-	decodeRate       float64
-	contextTokenTime time.Duration
-	imposedWeight    float64
-	decodeWeight     float64
-	progress         bool
-	routers          int
-	spread           time.Duration
-	sync             string
-	syncDelay        time.Duration
-	gen              llmbench.GeneratorOptions
+	mode           string
+	workload       string
+	replicas       int
+	policies       string
+	speed          float64
+	timeScale      float64
+	requests       int
+	rate           float64
+	seed           uint64
+	routerSeed     uint64
+	routerSeeds    int
+	evictionWeight float64
+	jsonPath       string
+	svgPath        string
+	maxTokens      int
+	kvBlocks       int
+	maxNumSeqs     int
+	queueTimeout   time.Duration
+	outputEstimate string
+	outputTokens   int
+	prefillRate    float64
+	decodeRate     float64
+	imposedWeight  float64
+	decodeWeight   float64
+	progress       bool
+	routers        int
+	spread         time.Duration
+	sync           string
+	syncDelay      time.Duration
+	gen            llmbench.GeneratorOptions
 }
 
 func main() {
@@ -95,7 +94,6 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.evictionWeight, "eviction-weight", 0, "llm_affinity/ttft: weight of the prefill of cached prompts a placement evicts from a full prefix cache (0 = the default; negative = off)")
-	fs.DurationVar(&o.contextTokenTime, "context-token-time", 0, "llm_affinity: decode step time per context token of the batch the scorer assumes (attention reads each running sequence's KV every step: KV bytes per token over memory bandwidth; 0 = the engine's per-context-token time, negative = context left out of the router's step time)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.DurationVar(&o.spread, "spread", 0, "move each arrival forward by a random time below `d` (seeded by --seed), for traces whose timestamps are rounded (Mooncake's are on a 3s grid: --spread 3s)")
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
@@ -239,7 +237,6 @@ func bench(o options, stdout, stderr io.Writer) error {
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,
 		DecodeTokensPerSecond:  o.decodeRate,
-		ContextTokenTime:       o.contextTokenTime,
 		Scorer:                 scorer.Options{ImposedDelayWeight: o.imposedWeight, DecodeWeight: o.decodeWeight, EvictionWeight: o.evictionWeight},
 	}
 	var runner llmbench.Runner
