@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -89,4 +90,48 @@ func exposition(t *testing.T, reg *prometheus.Registry) string {
 		}
 	}
 	return b.String()
+}
+
+// TestLatencySeriesConcurrentRename: observations racing with an
+// upstream being named and forgotten (config reloads) leave no series of
+// it once it is forgotten for good, and every observation lands in a
+// series (run with -race).
+func TestLatencySeriesConcurrentRename(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	const observers, each = 4, 2000
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := range 500 {
+			if i%2 == 0 {
+				m.name("r:1")
+			} else {
+				m.forget("r:1")
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for range observers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range each {
+				m.observeFirstToken("r:1", "warm", time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	<-done
+	m.forget("r:1")
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m.timeToFirstToken)
+	if out := exposition(t, reg); strings.Contains(out, `"r:1"`) {
+		t.Fatalf("the forgotten upstream's series are kept:\n%s", out)
+	}
+	m.observeFirstToken("r:1", "warm", time.Millisecond)
+	if out := exposition(t, reg); !strings.Contains(out, `time_to_first_token_seconds_count{reason="warm",upstream="other"}`) {
+		t.Fatalf("no series for the forgotten upstream's first token:\n%s", out)
+	}
 }
