@@ -5,12 +5,16 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"sync/atomic"
 	"testing"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
 var promptEstimate = regexp.MustCompile(`prompt=(\d+)`)
+
+// tokenTestRuns numbers TestPromptEstimateLearnsTokenizer's runs.
+var tokenTestRuns atomic.Int64
 
 // TestPromptEstimateLearnsTokenizer: behind engines whose tokenizer gives
 // 2 bytes a token (code, JSON and CJK text come close to that), the
@@ -31,8 +35,9 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 	} {
 		t.Run(fmt.Sprint(tc.bytesPerToken, "-bytes-a-token"), func(t *testing.T) {
 			// A model of its own: the router learns per model name, and
-			// other tests in this process taught it the default model.
-			model := fmt.Sprintf("acme/code-model-%d", tc.bytesPerToken)
+			// other tests in this process (or this one's earlier runs,
+			// under -count) taught it theirs; its state outlives a config.
+			model := fmt.Sprintf("acme/code-model-%d-run-%d", tc.bytesPerToken, tokenTestRuns.Add(1))
 			fleet := startFleet(t, 2, 50, kvsim.Config{BytesPerToken: tc.bytesPerToken, Model: model})
 			startCaddy(t, caddyfile(fleet, "", "", ""))
 			estimateError := func(i int) float64 {
