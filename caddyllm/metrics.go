@@ -42,18 +42,18 @@ type metrics struct {
 
 	collectors []prometheus.Collector
 
-	// The series of the fixed reasons, resolved once: WithLabelValues
-	// hashes and looks up its labels on every call, and these are on
-	// every request's path.
+	// Series resolved once, since WithLabelValues hashes and looks up
+	// its labels on every call and these are on every request's path:
+	// the decision counters of every reason, the prompt token counters,
+	// and (as first used) the queue wait of each reason and the latency
+	// series of each named upstream and reason, plus other's series by
+	// reason (keyed with an empty dial). The last two are copied on
+	// write under mu, so a lookup takes no lock; only the router's
+	// reasons are kept, so they are bounded by the named upstreams.
 	decisionsBy                      map[string]prometheus.Counter
-	queueWaitBy                      map[string]prometheus.Observer
 	promptTokens, cachedPromptTokens prometheus.Counter
-	// series holds the latency series of upstreams by dial and reason,
-	// resolved once (other's for upstreams no config names). Copied on
-	// write under mu (new entries are rare), so a lookup takes no lock.
-	// Bounded: at most maxCachedSeries entries; past that, lookups go to
-	// the vectors.
-	series atomic.Pointer[map[seriesKey]*latencySeries]
+	queueWaitBy                      atomic.Pointer[map[string]prometheus.Observer]
+	series                           atomic.Pointer[map[seriesKey]*latencySeries]
 
 	mu sync.RWMutex
 	// named holds the upstreams a loaded config names: the only dials
@@ -80,10 +80,6 @@ type seriesKey struct{ dial, reason string }
 type latencySeries struct {
 	ttft, duration, estimateError, prefixMatch prometheus.Observer
 }
-
-// maxCachedSeries bounds metrics.series: named upstreams × reasons fit,
-// and a churn of dynamic upstreams cannot grow it further.
-const maxCachedSeries = 4096
 
 // otherUpstream is the upstream label of upstreams no loaded config names
 // (dynamic ones), which would otherwise make the label set unbounded.
@@ -172,10 +168,8 @@ func newMetrics(sh *shared) *metrics {
 		recent: make(map[string]*ttftRing),
 	}
 	m.decisionsBy = make(map[string]prometheus.Counter, len(reasons))
-	m.queueWaitBy = make(map[string]prometheus.Observer, len(reasons))
 	for _, r := range reasons {
 		m.decisionsBy[r] = m.decisions.WithLabelValues(r)
-		m.queueWaitBy[r] = m.queueWait.WithLabelValues(r)
 	}
 	m.promptTokens = m.cachedTokens.WithLabelValues("prompt")
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
@@ -207,28 +201,50 @@ func (m *metrics) name(dial string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.named[dial] = true
-	m.uncacheLocked(dial) // they were other's
 }
 
-// uncacheLocked drops dial's cached latency series. m.mu is held.
-func (m *metrics) uncacheLocked(dial string) {
-	if old := m.series.Load(); old != nil {
-		series := maps.Clone(*old)
-		maps.DeleteFunc(series, func(k seriesKey, _ *latencySeries) bool { return k.dial == dial })
-		m.series.Store(&series)
-	}
-}
-
-// forget deletes dial's series: no loaded config names it any more.
+// forget deletes dial's series: no loaded config names it any more. All
+// under mu, so that no lookup resolves and keeps a series of dial
+// between the drop from the cache and the deletion.
 func (m *metrics) forget(dial string) {
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	delete(m.named, dial)
 	delete(m.recent, dial)
-	m.uncacheLocked(dial)
-	m.mu.Unlock()
+	if old := m.series.Load(); old != nil {
+		for k := range *old {
+			if k.dial == dial {
+				series := maps.Clone(*old)
+				maps.DeleteFunc(series, func(k seriesKey, _ *latencySeries) bool { return k.dial == dial })
+				m.series.Store(&series)
+				break
+			}
+		}
+	}
 	for _, v := range []*prometheus.HistogramVec{m.timeToFirstToken, m.requestDuration, m.estimateError, m.prefixMatch} {
 		v.DeletePartialMatch(prometheus.Labels{"upstream": dial})
 	}
+}
+
+// cached looks k up in the copy-on-write map p.
+func cached[K comparable, V any](p *atomic.Pointer[map[K]V], k K) (V, bool) {
+	if m := p.Load(); m != nil {
+		v, ok := (*m)[k]
+		return v, ok
+	}
+	var zero V
+	return zero, false
+}
+
+// cacheLocked adds k to the copy-on-write map p; the caller holds the
+// lock that orders its writes.
+func cacheLocked[K comparable, V any](p *atomic.Pointer[map[K]V], k K, v V) {
+	m := make(map[K]V)
+	if old := p.Load(); old != nil {
+		m = maps.Clone(*old)
+	}
+	m[k] = v
+	p.Store(&m)
 }
 
 // decision is the decisions counter of reason.
@@ -241,27 +257,43 @@ func (m *metrics) decision(reason string) prometheus.Counter {
 
 // queueWaitOf is the queue wait series of reason.
 func (m *metrics) queueWaitOf(reason string) prometheus.Observer {
-	if o, ok := m.queueWaitBy[reason]; ok {
+	if o, ok := cached(&m.queueWaitBy, reason); ok {
 		return o
 	}
-	return m.queueWait.WithLabelValues(reason)
+	o := m.queueWait.WithLabelValues(reason)
+	if slices.Contains(reasons, reason) {
+		m.mu.Lock()
+		cacheLocked(&m.queueWaitBy, reason, o)
+		m.mu.Unlock()
+	}
+	return o
 }
 
 // latency returns the latency series of dial and reason.
 func (m *metrics) latency(dial, reason string) *latencySeries {
-	key := seriesKey{dial, reason}
-	if series := m.series.Load(); series != nil {
-		if s, ok := (*series)[key]; ok {
+	if s, ok := cached(&m.series, seriesKey{dial, reason}); ok {
+		return s
+	}
+	m.mu.RLock()
+	named := m.named[dial]
+	m.mu.RUnlock()
+	if !named {
+		// Upstreams no config names share other's series, kept once
+		// per reason rather than per dial: their number is unbounded.
+		if s, ok := cached(&m.series, seriesKey{reason: reason}); ok {
 			return s
 		}
 	}
-	// Under the lock, so that name and forget cannot run between the
-	// check of the name and the store.
+	// Under the lock, so that forget cannot run between the check of
+	// the name and the store.
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	label := otherUpstream
-	if m.named[dial] {
-		label = dial
+	key, label := seriesKey{dial, reason}, dial
+	if !m.named[dial] {
+		key, label = seriesKey{reason: reason}, otherUpstream
+	}
+	if s, ok := cached(&m.series, key); ok {
+		return s
 	}
 	s := &latencySeries{
 		ttft:          m.timeToFirstToken.WithLabelValues(label, reason),
@@ -269,14 +301,8 @@ func (m *metrics) latency(dial, reason string) *latencySeries {
 		estimateError: m.estimateError.WithLabelValues(label, reason),
 		prefixMatch:   m.prefixMatch.WithLabelValues(label, reason),
 	}
-	old := m.series.Load()
-	if slices.Contains(reasons, reason) && (old == nil || len(*old) < maxCachedSeries) {
-		series := make(map[seriesKey]*latencySeries)
-		if old != nil {
-			series = maps.Clone(*old)
-		}
-		series[key] = s
-		m.series.Store(&series)
+	if slices.Contains(reasons, reason) {
+		cacheLocked(&m.series, key, s)
 	}
 	return s
 }

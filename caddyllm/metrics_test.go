@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -94,8 +95,8 @@ func exposition(t *testing.T, reg *prometheus.Registry) string {
 
 // TestLatencySeriesConcurrentRename: observations racing with an
 // upstream being named and forgotten (config reloads) leave no series of
-// it once it is forgotten for good, and every observation lands in a
-// series (run with -race).
+// it once it is forgotten, and once it is named again its observations
+// are exported under its name (run with -race).
 func TestLatencySeriesConcurrentRename(t *testing.T) {
 	sh := newShared()
 	defer sh.Destruct()
@@ -133,5 +134,31 @@ func TestLatencySeriesConcurrentRename(t *testing.T) {
 	m.observeFirstToken("r:1", "warm", time.Millisecond)
 	if out := exposition(t, reg); !strings.Contains(out, `time_to_first_token_seconds_count{reason="warm",upstream="other"}`) {
 		t.Fatalf("no series for the forgotten upstream's first token:\n%s", out)
+	}
+	m.name("r:1")
+	m.observeFirstToken("r:1", "warm", time.Millisecond)
+	m.observeFirstToken("r:1", "warm", time.Millisecond)
+	if out := exposition(t, reg); !strings.Contains(out, `time_to_first_token_seconds_count{reason="warm",upstream="r:1"} 2`) {
+		t.Fatalf("the upstream named again does not export its first tokens:\n%s", out)
+	}
+}
+
+// TestLatencyCacheBoundedByNamedUpstreams: a churn of upstreams no config
+// names keeps one cached entry per reason (other's), and an upstream
+// named afterwards is still cached under its own name.
+func TestLatencyCacheBoundedByNamedUpstreams(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	for i := range 1000 {
+		m.observeFirstToken(fmt.Sprintf("dyn-%d:1", i), "cold", time.Millisecond)
+	}
+	if n := len(*m.series.Load()); n != 1 {
+		t.Fatalf("%d cached series after 1000 dynamic upstreams, want 1 (other's, cold)", n)
+	}
+	m.name("named:1")
+	m.observeFirstToken("named:1", "warm", time.Millisecond)
+	if _, ok := (*m.series.Load())[seriesKey{"named:1", "warm"}]; !ok {
+		t.Fatal("the named upstream's series are not cached")
 	}
 }

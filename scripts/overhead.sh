@@ -124,7 +124,7 @@ caddy_syscalls() {
 	if [ -r "/proc/$caddy_pid/io" ]; then
 		awk '/^syscr:/ { r = $2 } /^syscw:/ { w = $2 } END { print r + 0, w + 0 }' "/proc/$caddy_pid/io"
 	else
-		echo 0 0
+		echo - -
 	fi
 }
 measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req= and system calls per request
@@ -138,7 +138,7 @@ measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req= and
 	echo "$line caddy_cpu_us_per_req=$(awk -v d=$((t1 - t0)) -v hz="$clk_tck" -v n="$(field requests "$line")" \
 		'BEGIN { printf "%.1f", (n > 0 ? d * 1e6 / hz / n : 0) }')" \
 		"$(echo "$s0 $s1" | awk -v n="$(field requests "$line")" \
-			'{ if (n > 0) printf "reads_per_req=%.2f writes_per_req=%.2f", ($3 - $1) / n, ($4 - $2) / n }')"
+			'$1 != "-" && n > 0 { printf "reads_per_req=%.2f writes_per_req=%.2f", ($3 - $1) / n, ($4 - $2) / n }')"
 }
 field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
@@ -165,7 +165,7 @@ done
 awk -v rr="${rr_cpu[*]}" -v llm="${llm_cpu[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
-	if (sa > 0) printf "caddy CPU per request: round_robin %.0f us, llm_affinity %.0f us (+%.0f us, ratio %.3f)\n", sa / n, sb / n, (sb - sa) / n, sa / sb
+	if (sa > 0) printf "caddy CPU per request: round_robin %.0f us, llm_affinity %.0f us (%+.0f us, llm_affinity/round_robin %.3f)\n", sa / n, sb / n, (sb - sa) / n, sb / sa
 }'
 # Medians: one round disturbed by a neighbour moves a mean, not a median.
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
@@ -184,7 +184,7 @@ for i in "${!rr_all[@]}"; do
 	pair_ratios+=("$(awk -v a="${rr_all[$i]}" -v b="${llm_all[$i]}" 'BEGIN { printf "%.4f", (a > 0 ? b / a : 0) }')")
 	pair_cpu+=("$(awk -v a="${rr_cpu[$i]}" -v b="${llm_cpu[$i]}" 'BEGIN { printf "%.1f", b - a }')")
 done
-echo "paired, median over $ROUNDS rounds: ratio $(median "${pair_ratios[@]}") (rounds: ${pair_ratios[*]}); caddy CPU per request $(median "${pair_cpu[@]}" | awk '{ printf "%+.0f", $1 }') us (rounds: ${pair_cpu[*]})"
+echo "paired, median over $ROUNDS rounds: ratio $(median "${pair_ratios[@]}" | awk '{ printf "%.3f", $1 }') (rounds: ${pair_ratios[*]}); caddy CPU per request $(median "${pair_cpu[@]}" | awk '{ printf "%+.0f", $1 }') us (rounds: ${pair_cpu[*]})"
 summary=$(awk -v rr="${rr_all[*]}" -v llm="${llm_all[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
