@@ -122,7 +122,8 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	if len(parts) > 0 && len(bytes.TrimSpace(parts[0])) > 0 && bytes.TrimSpace(parts[0])[0] == '[' {
 		return p.refHashTokenBatch(req, seed, parts)
 	}
-	c := p.hasher.NewChain(seed, nil)
+	var c prefixindex.Blocks
+	c.Reset(p.hasher, nil)
 	for i, part := range parts {
 		part = bytes.TrimSpace(part)
 		if len(part) < 2 || part[0] != '"' {
@@ -133,7 +134,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 		}
 		c.Write(part[1 : len(part)-1])
 	}
-	req.Hashes = c.Hashes()
+	req.Hashes = c.Chain(seed)
 	req.PromptTokens = p.tokens(c.Len())
 	return nil
 }
@@ -163,7 +164,8 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 	if raw.Messages == nil {
 		return badRequestf("invalid request: messages is required")
 	}
-	c := p.hasher.NewChain(seed, nil)
+	var c prefixindex.Blocks
+	c.Reset(p.hasher, nil)
 	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
 		c.Write(tools)
 		c.WriteString(sepMessage)
@@ -181,7 +183,7 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 		c.Write(content)
 		c.WriteString(sepMessage)
 	}
-	req.Hashes = c.Hashes()
+	req.Hashes = c.Chain(seed)
 	req.PromptTokens = p.tokens(c.Len())
 	return nil
 }

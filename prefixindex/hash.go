@@ -143,75 +143,10 @@ func grow(dst []uint64, n int) []uint64 {
 	return dst
 }
 
-// Chain hashes a prompt that arrives in pieces (a chat's tools and
-// messages), yielding the same hashes as HashBytes over the concatenation.
-// Pieces are copied into a one-block buffer, so the caller never builds
-// the whole canonical prompt. A Chain is reusable after Reset.
-type Chain struct {
-	size, max int
-	buf       []byte
-	prev      uint64
-	total     int
-	hashes    []uint64
-}
-
-// NewChain starts a chain from seed, appending hashes to dst.
-func (h Hasher) NewChain(seed uint64, dst []uint64) *Chain {
-	c := &Chain{size: h.BlockBytes(), max: h.maxBlocks()}
-	c.buf = make([]byte, 0, c.size)
-	c.Reset(seed, dst)
-	return c
-}
-
-// Reset restarts the chain from seed with output dst, keeping its buffer.
-func (c *Chain) Reset(seed uint64, dst []uint64) {
-	c.buf = c.buf[:0]
-	c.prev = seed
-	c.total = 0
-	c.hashes = dst
-}
-
-// WriteString adds s to the canonical prompt.
-func (c *Chain) WriteString(s string) { writeChain(c, s, xxh3.HashString) }
-
-// Write adds p to the canonical prompt. It never fails.
-func (c *Chain) Write(p []byte) (int, error) {
-	writeChain(c, p, xxh3.Hash)
-	return len(p), nil
-}
-
-func writeChain[T string | []byte](c *Chain, p T, hash func(T) uint64) {
-	c.total += len(p)
-	for len(p) > 0 && len(c.hashes) < c.max {
-		if len(c.buf) == 0 && len(p) >= c.size {
-			// Whole blocks straight from the input, no copy.
-			c.prev = chain(c.prev, hash(p[:c.size]))
-			c.hashes = append(c.hashes, c.prev)
-			p = p[c.size:]
-			continue
-		}
-		n := min(c.size-len(c.buf), len(p))
-		c.buf = append(c.buf, p[:n]...)
-		p = p[n:]
-		if len(c.buf) == c.size {
-			c.prev = chain(c.prev, xxh3.Hash(c.buf))
-			c.hashes = append(c.hashes, c.prev)
-			c.buf = c.buf[:0]
-		}
-	}
-}
-
-// Hashes returns the hashes of the full blocks written so far.
-func (c *Chain) Hashes() []uint64 { return c.hashes }
-
-// Len is the number of bytes written so far, including any beyond the
-// block cap.
-func (c *Chain) Len() int { return c.total }
-
 // Blocks hashes a prompt that arrives in pieces before its seed is known:
 // a request body may name its model after its prompt. Each full block is
-// hashed on its own as it fills, which is nearly all the work; Chain then
-// folds in the seed and the chain. The result equals HashBytes over the
+// hashed on its own as it fills, which is nearly all the work; its Chain
+// method then folds in the seed and the chain. The result equals HashBytes over the
 // concatenation of the pieces, or HashTokens when they are token ids
 // written with WriteToken after ResetTokens. A Blocks is reusable: its
 // buffer is kept across Resets.

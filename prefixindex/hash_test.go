@@ -68,7 +68,7 @@ func TestSeedPartitionsModelsAndAdapters(t *testing.T) {
 	}
 }
 
-func TestChainMatchesWholeHash(t *testing.T) {
+func TestBlocksInPiecesMatchWholeHash(t *testing.T) {
 	h := Hasher{BlockTokens: 8, BytesPerToken: 4}
 	seed := Seed("m", "", "")
 	text := randomText(1000, 3)
@@ -77,8 +77,9 @@ func TestChainMatchesWholeHash(t *testing.T) {
 		t.Fatal("HashString differs from HashBytes")
 	}
 	r := rand.New(rand.NewPCG(4, 4))
+	var c Blocks
 	for trial := 0; trial < 50; trial++ {
-		c := h.NewChain(seed, nil)
+		c.Reset(h, nil)
 		for rest := text; len(rest) > 0; {
 			n := min(len(rest), r.IntN(80))
 			if trial%2 == 0 {
@@ -88,7 +89,7 @@ func TestChainMatchesWholeHash(t *testing.T) {
 			}
 			rest = rest[n:]
 		}
-		if !equal(c.Hashes(), want) || c.Len() != len(text) {
+		if !equal(c.Chain(seed), want) || c.Len() != len(text) {
 			t.Fatalf("trial %d: chained pieces differ from the whole", trial)
 		}
 	}
@@ -101,10 +102,11 @@ func TestMaxBlocksCaps(t *testing.T) {
 	if n := len(h.HashBytes(nil, seed, text)); n != 10 {
 		t.Fatalf("HashBytes gave %d blocks, want the cap 10", n)
 	}
-	c := h.NewChain(seed, nil)
+	var c Blocks
+	c.Reset(h, nil)
 	c.Write(text)
-	if n := len(c.Hashes()); n != 10 || c.Len() != 400 {
-		t.Fatalf("Chain gave %d blocks (len %d), want 10 (400)", n, c.Len())
+	if n := len(c.Chain(seed)); n != 10 || c.Len() != 400 {
+		t.Fatalf("Blocks gave %d blocks (len %d), want 10 (400)", n, c.Len())
 	}
 	toks := make([]int32, 100)
 	if n := len(h.HashTokens(nil, seed, toks)); n != 10 {
@@ -131,13 +133,15 @@ func TestHashAllocations(t *testing.T) {
 	if n := testing.AllocsPerRun(20, func() { h.HashBytes(dst[:0], seed, text) }); n != 0 {
 		t.Errorf("HashBytes allocates %.0f times with room in dst", n)
 	}
-	c := h.NewChain(seed, dst)
+	var c Blocks
+	c.Reset(h, dst)
 	if n := testing.AllocsPerRun(20, func() {
-		c.Reset(seed, dst[:0])
+		c.Reset(h, dst[:0])
 		c.Write(text[:1000])
 		c.Write(text[1000:])
+		c.Chain(seed)
 	}); n != 0 {
-		t.Errorf("Chain allocates %.0f times with room in dst", n)
+		t.Errorf("Blocks allocates %.0f times with room in dst", n)
 	}
 }
 
