@@ -54,6 +54,28 @@ func keyOf(key []byte, names []string, seen *uint8) (int, bool) {
 	return fieldOther, true
 }
 
+// fields reads the object at the scanner, calling field with each
+// member's index among names (fieldOther for other keys) with the
+// scanner at its value, which field must read. It gives up (false) on a
+// key keyOf refuses or when field does.
+func (s *scanner) fields(names []string, field func(i int) bool) bool {
+	if !s.open() {
+		return false
+	}
+	var buf [32]byte
+	var seen uint8
+	for first := true; ; first = false {
+		key, more := s.member(first, buf[:0])
+		if !more {
+			return s.err == nil
+		}
+		i, ok := keyOf(key, names, &seen)
+		if !ok || !field(i) {
+			return false
+		}
+	}
+}
+
 // optString reads a string or null into dst (null leaves it).
 func (s *scanner) optString(dst *span) bool {
 	switch s.ws() {
@@ -89,36 +111,20 @@ func (s *scanner) readUsage(u *usage, cached *int, hasCached *bool) bool {
 	if s.ws() == 'n' {
 		return s.literal()
 	}
-	if !s.open() {
-		return false
-	}
-	var buf [32]byte
-	var seen uint8
-	for first := true; ; first = false {
-		key, more := s.member(first, buf[:0])
-		if !more {
-			return s.err == nil
-		}
-		i, ok := keyOf(key, usageKeys[:], &seen)
-		if !ok {
-			return false
-		}
+	return s.fields(usageKeys[:], func(i int) bool {
 		switch i {
 		case 0:
-			ok = s.optIntField(&u.PromptTokens)
+			return s.optIntField(&u.PromptTokens)
 		case 1:
-			ok = s.optIntField(&u.CompletionTokens)
+			return s.optIntField(&u.CompletionTokens)
 		case 2:
-			ok = s.optIntField(&u.TotalTokens)
+			return s.optIntField(&u.TotalTokens)
 		case 3:
-			ok = s.readDetails(cached, hasCached)
-		default:
-			_, _, ok = s.skip()
+			return s.readDetails(cached, hasCached)
 		}
-		if !ok {
-			return false
-		}
-	}
+		_, _, ok := s.skip()
+		return ok
+	})
 }
 
 // optIntField is optInt for an int.
@@ -135,30 +141,14 @@ func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
 		*hasCached = false
 		return s.literal()
 	}
-	if !s.open() {
-		return false
-	}
 	*hasCached = true
-	var buf [32]byte
-	var seen uint8
-	for first := true; ; first = false {
-		key, more := s.member(first, buf[:0])
-		if !more {
-			return s.err == nil
+	return s.fields(detailsKeys[:], func(i int) bool {
+		if i == 0 {
+			return s.optIntField(cached)
 		}
-		i, ok := keyOf(key, detailsKeys[:], &seen)
-		switch {
-		case !ok:
-			return false
-		case i == 0:
-			ok = s.optIntField(cached)
-		default:
-			_, _, ok = s.skip()
-		}
-		if !ok {
-			return false
-		}
-	}
+		_, _, ok := s.skip()
+		return ok
+	})
 }
 
 // readChunk reads a streamed chunk's data. It reports false when the
@@ -166,46 +156,28 @@ func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
 func readChunk(data []byte, f *chunkFields) bool {
 	var depth [chunkDepth/64 + 1]uint64
 	s := scanner{buf: data, inObject: depth[:]}
-	if !s.open() {
-		return false
-	}
-	var buf [32]byte
-	var seen uint8
-	for first := true; ; first = false {
-		key, more := s.member(first, buf[:0])
-		if !more {
-			return s.err == nil && s.end()
-		}
-		i, ok := keyOf(key, chunkKeys[:], &seen)
-		if !ok {
-			return false
-		}
+	return s.fields(chunkKeys[:], func(i int) bool {
 		switch i {
 		case 0:
-			ok = s.optString(&f.id)
+			return s.optString(&f.id)
 		case 1:
-			ok = s.optString(&f.object)
+			return s.optString(&f.object)
 		case 2:
-			ok = s.optInt(&f.created)
+			return s.optInt(&f.created)
 		case 3:
-			ok = s.optString(&f.model)
+			return s.optString(&f.model)
 		case 4:
-			ok = s.readChoices(f)
+			return s.readChoices(f)
 		case 5:
-			if s.ws() == 'n' {
-				f.hasUsage = false
-				ok = s.literal()
-			} else {
-				f.hasUsage = true
-				ok = s.readUsage(&f.usage, &f.cached, &f.hasCached)
+			f.hasUsage = s.ws() != 'n'
+			if !f.hasUsage {
+				return s.literal()
 			}
-		default:
-			_, _, ok = s.skip()
+			return s.readUsage(&f.usage, &f.cached, &f.hasCached)
 		}
-		if !ok {
-			return false
-		}
-	}
+		_, _, ok := s.skip()
+		return ok
+	}) && s.end()
 }
 
 // readChoices reads a chunk's choices and keeps the first one's text: its
@@ -246,70 +218,40 @@ func (s *scanner) readChoices(f *chunkFields) bool {
 
 // readChoice reads one choice: its text and its delta's content.
 func (s *scanner) readChoice(text *span, hasText *bool, content *span, hasContent *bool) bool {
-	if !s.open() {
-		return false
-	}
-	var buf [32]byte
-	var seen uint8
-	for first := true; ; first = false {
-		key, more := s.member(first, buf[:0])
-		if !more {
-			return s.err == nil
-		}
-		i, ok := keyOf(key, choiceKeys[:], &seen)
+	return s.fields(choiceKeys[:], func(i int) bool {
 		switch {
-		case !ok:
-			return false
 		case i == 0 && s.ws() == 'n':
 			*hasText = false
-			ok = s.literal()
+			return s.literal()
 		case i == 0:
 			*hasText = true
-			ok = s.optString(text)
+			return s.optString(text)
 		case i == 1 && s.ws() == 'n':
 			*hasContent = false
-			ok = s.literal()
+			return s.literal()
 		case i == 1:
-			ok = s.readDelta(content, hasContent)
-		default:
-			_, _, ok = s.skip()
+			return s.readDelta(content, hasContent)
 		}
-		if !ok {
-			return false
-		}
-	}
+		_, _, ok := s.skip()
+		return ok
+	})
 }
 
 // readDelta reads a chat choice's delta: its content.
 func (s *scanner) readDelta(content *span, hasContent *bool) bool {
-	if !s.open() {
-		return false
-	}
-	var buf [32]byte
-	var seen uint8
 	var role span
-	for first := true; ; first = false {
-		key, more := s.member(first, buf[:0])
-		if !more {
-			return s.err == nil
-		}
-		i, ok := keyOf(key, deltaKeys[:], &seen)
+	return s.fields(deltaKeys[:], func(i int) bool {
 		switch {
-		case !ok:
-			return false
 		case i == 0:
-			ok = s.optString(&role)
+			return s.optString(&role)
 		case i == 1 && s.ws() == 'n':
 			*hasContent = false
-			ok = s.literal()
+			return s.literal()
 		case i == 1:
 			*hasContent = true
-			ok = s.optString(content)
-		default:
-			_, _, ok = s.skip()
+			return s.optString(content)
 		}
-		if !ok {
-			return false
-		}
-	}
+		_, _, ok := s.skip()
+		return ok
+	})
 }
