@@ -359,17 +359,8 @@ func (r *reading) object() {
 		}
 		switch fieldOf(key, topFields[:]) {
 		case fieldModel:
-			switch s.ws() {
-			case '"':
-				start, end, escaped, ok := s.str()
-				if ok {
-					r.model, r.modelEscaped, r.modelSet = span{start, end}, escaped, true
-				}
-			case 'n':
-				s.literal() // null leaves a string as it was
-			default:
-				r.typeError("model", "a string")
-				r.skip()
+			if r.optString(&r.model, &r.modelEscaped, "model") {
+				r.modelSet = true
 			}
 		case fieldPrompt:
 			if r.endpoint == EndpointCompletions {
@@ -405,6 +396,26 @@ func (r *reading) object() {
 			r.skip()
 		}
 	}
+}
+
+// optString reads a string field that may be null (null leaves dst as it
+// was); it reports whether it read a string.
+func (r *reading) optString(dst *span, escaped *bool, name string) bool {
+	s := r.s
+	switch s.ws() {
+	case '"':
+		start, end, esc, ok := s.str()
+		if ok {
+			*dst, *escaped = span{start, end}, esc
+		}
+		return ok
+	case 'n':
+		s.literal()
+	default:
+		r.typeError(name, "a string")
+		r.skip()
+	}
+	return false
 }
 
 // optInt reads an integer field that may be null.
@@ -492,18 +503,7 @@ func (r *reading) message(i int) {
 		}
 		switch fieldOf(key, msgFields[:]) {
 		case fieldRole:
-			switch s.ws() {
-			case '"':
-				start, end, escaped, ok := s.str()
-				if ok {
-					m.role, m.roleEscaped = span{start, end}, escaped
-				}
-			case 'n':
-				s.literal()
-			default:
-				r.typeError("messages.role", "a string")
-				r.skip()
-			}
+			r.optString(&m.role, &m.roleEscaped, "messages.role")
 		case fieldContent:
 			if s.ws() == '"' {
 				start, end, _, ok := s.str()
