@@ -44,14 +44,14 @@ type metrics struct {
 
 	// Series resolved once, since WithLabelValues hashes and looks up
 	// its labels on every call and these are on every request's path:
-	// the decision counters of every reason, the prompt token counters,
-	// and (as first used) the queue wait of each reason and the latency
-	// series of each named upstream and reason, plus other's series by
-	// reason (keyed with an empty dial). The last two are copied on
-	// write under mu, so a lookup takes no lock; only the router's
-	// reasons are kept, so they are bounded by the named upstreams.
-	decisionsBy                      map[string]prometheus.Counter
+	// the prompt token counters, and (as first used) the decision
+	// counter and queue wait of each reason and the latency series of
+	// each named upstream and reason, plus other's series by reason
+	// (keyed with an empty dial). The maps are copied on write under mu,
+	// so a lookup takes no lock; only the router's reasons are kept, so
+	// they are bounded by the named upstreams.
 	promptTokens, cachedPromptTokens prometheus.Counter
+	decisionsBy                      atomic.Pointer[map[string]prometheus.Counter]
 	queueWaitBy                      atomic.Pointer[map[string]prometheus.Observer]
 	series                           atomic.Pointer[map[seriesKey]*latencySeries]
 
@@ -167,10 +167,6 @@ func newMetrics(sh *shared) *metrics {
 		named:  make(map[string]bool),
 		recent: make(map[string]*ttftRing),
 	}
-	m.decisionsBy = make(map[string]prometheus.Counter, len(reasons))
-	for _, r := range reasons {
-		m.decisionsBy[r] = m.decisions.WithLabelValues(r)
-	}
 	m.promptTokens = m.cachedTokens.WithLabelValues("prompt")
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
 	m.collectors = []prometheus.Collector{
@@ -249,24 +245,27 @@ func cacheLocked[K comparable, V any](p *atomic.Pointer[map[K]V], k K, v V) {
 
 // decision is the decisions counter of reason.
 func (m *metrics) decision(reason string) prometheus.Counter {
-	if c, ok := m.decisionsBy[reason]; ok {
-		return c
-	}
-	return m.decisions.WithLabelValues(reason)
+	return byReason(m, &m.decisionsBy, reason, m.decisions.WithLabelValues)
 }
 
 // queueWaitOf is the queue wait series of reason.
 func (m *metrics) queueWaitOf(reason string) prometheus.Observer {
-	if o, ok := cached(&m.queueWaitBy, reason); ok {
-		return o
+	return byReason(m, &m.queueWaitBy, reason, m.queueWait.WithLabelValues)
+}
+
+// byReason returns reason's series from the copy-on-write map p,
+// resolving it the first time; only the router's reasons are kept.
+func byReason[V any](m *metrics, p *atomic.Pointer[map[string]V], reason string, resolve func(...string) V) V {
+	if v, ok := cached(p, reason); ok {
+		return v
 	}
-	o := m.queueWait.WithLabelValues(reason)
+	v := resolve(reason)
 	if slices.Contains(reasons, reason) {
 		m.mu.Lock()
-		cacheLocked(&m.queueWaitBy, reason, o)
+		cacheLocked(p, reason, v)
 		m.mu.Unlock()
 	}
-	return o
+	return v
 }
 
 // latency returns the latency series of dial and reason.
