@@ -10,16 +10,17 @@ import (
 	"text/tabwriter"
 )
 
-// WriteTable writes one line per policy: hit rate, TTFT p50/p90/p99, E2E p50/p99 (seconds,
+// WriteTable writes one line per policy: hit rate, cold requests (served with nothing from
+// the prefix cache), TTFT p50/p90/p99, E2E p50/p99 (seconds,
 // over every request: "inf" where shed and failed requests reach the percentile), throughput
 // (output tokens/s), goodput (served requests/s), load spread (max/mean requests and tokens
 // per replica), shed and errored requests.
 func WriteTable(w io.Writer, sums []Summary) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\thit rate\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tgoodput req/s\tmax/mean req\ttok\tshed\terrors\t")
+	fmt.Fprintln(tw, "policy\thit rate\tcold\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tgoodput req/s\tmax/mean req\ttok\tshed\terrors\t")
 	for _, s := range sums {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n",
-			s.Policy, percent(s.HitRate),
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t\n",
+			s.Policy, percent(s.HitRate), s.Cold,
 			seconds(s.TTFTP50), seconds(s.TTFTP90), seconds(s.TTFTP99),
 			seconds(s.E2EP50), seconds(s.E2EP99),
 			number(s.Throughput, 0), number(s.Goodput, 2), number(s.MaxMeanLoad, 2), number(s.MaxMeanTokens, 2),
@@ -88,6 +89,7 @@ type policyJSON struct {
 	Goodput       jsonFloat `json:"goodput_req_s"`
 	MaxMeanLoad   jsonFloat `json:"max_mean_load"`
 	MaxMeanTokens jsonFloat `json:"max_mean_tokens"`
+	Cold          int       `json:"cold"`
 	Requests      int       `json:"requests"`
 	Completed     int       `json:"completed"`
 	Shed          int       `json:"shed"`
@@ -103,7 +105,7 @@ func (s Summary) MarshalJSON() ([]byte, error) {
 		TTFTP50: jsonFloat(s.TTFTP50), TTFTP90: jsonFloat(s.TTFTP90), TTFTP99: jsonFloat(s.TTFTP99),
 		TTFTMean: jsonFloat(s.TTFTMean), E2EP50: jsonFloat(s.E2EP50), E2EP99: jsonFloat(s.E2EP99),
 		Throughput: jsonFloat(s.Throughput), Goodput: jsonFloat(s.Goodput), MaxMeanLoad: jsonFloat(s.MaxMeanLoad),
-		MaxMeanTokens: jsonFloat(s.MaxMeanTokens), Requests: s.Requests, Completed: s.Completed,
+		MaxMeanTokens: jsonFloat(s.MaxMeanTokens), Cold: s.Cold, Requests: s.Requests, Completed: s.Completed,
 		Shed: s.Shed, Errors: s.Errors, WallSeconds: jsonFloat(s.WallSeconds),
 	})
 }

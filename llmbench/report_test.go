@@ -20,8 +20,8 @@ func sampleResults() *Results {
 		},
 		Requests: []RequestResult{
 			{Index: 0, Replica: 0, Arrival: 0, TTFT: 100 * time.Millisecond, E2E: time.Second, PromptTokens: 100, OutputTokens: 10},
-			{Index: 1, Replica: 0, Arrival: time.Second, TTFT: 200 * time.Millisecond, E2E: 2 * time.Second, PromptTokens: 100, OutputTokens: 10},
-			{Index: 2, Replica: 0, Arrival: time.Second, TTFT: 300 * time.Millisecond, E2E: time.Second, PromptTokens: 100, OutputTokens: 10},
+			{Index: 1, Replica: 0, Arrival: time.Second, TTFT: 200 * time.Millisecond, E2E: 2 * time.Second, PromptTokens: 100, CachedTokens: 100, OutputTokens: 10},
+			{Index: 2, Replica: 0, Arrival: time.Second, TTFT: 300 * time.Millisecond, E2E: time.Second, PromptTokens: 100, CachedTokens: 50, OutputTokens: 10},
 			{Index: 3, Replica: 1, Arrival: 2 * time.Second, TTFT: 400 * time.Millisecond, E2E: 2 * time.Second, PromptTokens: 100, OutputTokens: 10},
 			{Index: 4, Replica: -1, Arrival: 2 * time.Second, Shed: true},
 			{Index: 5, Replica: 1, Arrival: 2 * time.Second, Err: "boom"},
@@ -49,7 +49,9 @@ func TestSummarize(t *testing.T) {
 	check("goodput", s.Goodput, 4.0/4)        // 4 served from t=0 to t=4s
 	check("max/mean load", s.MaxMeanLoad, 1.5)
 	check("max/mean tokens", s.MaxMeanTokens, 330.0/220)
-	if s.Shed != 1 || s.Errors != 1 || s.Completed != 4 || s.Requests != 6 {
+	// Requests 0 and 3 found nothing of their prompts cached; the shed and the failed one
+	// were not served.
+	if s.Shed != 1 || s.Errors != 1 || s.Completed != 4 || s.Requests != 6 || s.Cold != 2 {
 		t.Errorf("counts: %+v", s)
 	}
 }
@@ -60,7 +62,7 @@ func TestWriteTableAndJSON(t *testing.T) {
 	if err := WriteTable(&table, sums); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"policy", "hit rate", "TTFT p50", "goodput req/s", "llm_affinity/ttft", "50.0%", "inf", "round_robin"} {
+	for _, want := range []string{"policy", "hit rate", "cold", "TTFT p50", "goodput req/s", "llm_affinity/ttft", "50.0%", "inf", "round_robin"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -80,7 +82,7 @@ func TestWriteTableAndJSON(t *testing.T) {
 	if back.Parameters["replicas"] != 2.0 || len(back.Policies) != 2 {
 		t.Fatalf("parsed %+v", back)
 	}
-	for _, key := range []string{"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_tok_s", "goodput_req_s", "max_mean_load", "shed", "errors"} {
+	for _, key := range []string{"hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "throughput_tok_s", "goodput_req_s", "max_mean_load", "cold", "shed", "errors"} {
 		if _, ok := back.Policies[0][key]; !ok {
 			t.Errorf("policy entry lacks %s", key)
 		}

@@ -127,10 +127,13 @@ type Summary struct {
 	MaxMeanLoad float64 `json:"max_mean_load"`
 	// MaxMeanTokens is the same by prompt plus output tokens.
 	MaxMeanTokens float64 `json:"max_mean_tokens"`
-	Requests      int     `json:"requests"`
-	Completed     int     `json:"completed"`
-	Shed          int     `json:"shed"`
-	Errors        int     `json:"errors"`
+	// Cold counts the served requests that had a prompt and found none of it in the prefix
+	// cache: the first sight of a prefix, or a copy of it onto another replica.
+	Cold      int `json:"cold"`
+	Requests  int `json:"requests"`
+	Completed int `json:"completed"`
+	Shed      int `json:"shed"`
+	Errors    int `json:"errors"`
 	// WallSeconds is the wall-clock time the replay took.
 	WallSeconds float64 `json:"wall_s"`
 	// TTFTs holds the TTFTs in seconds of the requests that got a first token, sorted, for
@@ -175,6 +178,9 @@ func Summarize(r *Results) Summary {
 		}
 		queries += uint64(q.PromptTokens)
 		hits += uint64(q.CachedTokens)
+		if q.PromptTokens > 0 && q.CachedTokens == 0 {
+			s.Cold++
+		}
 	}
 	var rq, rh uint64
 	for _, rep := range r.Replicas {

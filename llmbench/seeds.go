@@ -141,7 +141,7 @@ func CheckGoals(target string, all []SeedRuns) []GoalCheck {
 // figure as min–max over the policy's seeds (one value when they agree).
 func WriteSpreadTable(w io.Writer, all []SeedRuns) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tseeds\thit rate\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tmax/mean req\tshed\terrors\t")
+	fmt.Fprintln(tw, "policy\tseeds\thit rate\tcold\tTTFT p50\tp90\tp99\tE2E p50\tp99\ttok/s\tmax/mean req\tshed\terrors\t")
 	for _, p := range all {
 		col := func(f func(*Summary) float64, format func(float64) string) string {
 			lo, hi, _ := spread(p.Runs, f, false)
@@ -154,8 +154,9 @@ func WriteSpreadTable(w io.Writer, all []SeedRuns) error {
 		pct := func(v float64) string { return percent(v) }
 		sec := func(v float64) string { return seconds(v) }
 		num := func(d int) func(float64) string { return func(v float64) string { return number(v, d) } }
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", p.Policy, len(p.Runs),
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", p.Policy, len(p.Runs),
 			col(func(s *Summary) float64 { return s.HitRate }, pct),
+			col(func(s *Summary) float64 { return float64(s.Cold) }, num(0)),
 			col(func(s *Summary) float64 { return s.TTFTP50 }, sec),
 			col(func(s *Summary) float64 { return s.TTFTP90 }, sec),
 			col(func(s *Summary) float64 { return s.TTFTP99 }, sec),

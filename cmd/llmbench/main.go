@@ -127,8 +127,9 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 		fmt.Fprintf(fs.Output(), `Usage: llmbench [flags]
 
 Replays an LLM workload under each routing policy and prints, per policy, the token-weighted
-prefix cache hit rate, TTFT p50/p90/p99, end-to-end latency p50/p99, output throughput,
-goodput (requests served per second), load spread (max/mean requests and tokens per replica),
+prefix cache hit rate, the cold requests (served with nothing from the prefix cache: a
+prefix's first sight, or a copy of it onto another replica), TTFT p50/p90/p99, end-to-end
+latency p50/p99, output throughput, goodput (requests served per second), load spread (max/mean requests and tokens per replica),
 shed and errored requests. A shed or failed request is a failure, not a missing sample: the
 percentiles are over every request, failures as infinite ("inf" in the table, "+Inf" in the
 JSON, where null means no value at all).
