@@ -344,10 +344,11 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			Logger:         p.logger.Named("scrape"),
 		}
 		// Engines behind TLS are scraped over https with the proxy's own
-		// TLS settings; plain HTTP ones keep the scraper's cheaper client.
-		t := parentTLSTransport(ctx)
+		// TLS settings (and its tls_except_ports over http); plain HTTP
+		// ones keep the scraper's cheaper client.
+		t, plainPorts := parentTLSTransport(ctx)
 		if t != nil {
-			cfg.Scheme, cfg.Client = "https", &http.Client{Transport: t}
+			cfg.Scheme, cfg.Client, cfg.PlainPorts = "https", &http.Client{Transport: t}, plainPorts
 		}
 		p.scraper = scrape.New(cfg)
 		if t != nil {

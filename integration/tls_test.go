@@ -3,6 +3,8 @@ package integration
 import (
 	"encoding/pem"
 	"fmt"
+	"net"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -75,5 +77,53 @@ func TestScrapesEnginesOverHTTPS(t *testing.T) {
 				t.Fatalf("completion over TLS: %d %s", c.status, c.body)
 			}
 		})
+	}
+}
+
+// TestScrapesExceptedPortsOverHTTP: with a transport that uses TLS but
+// lists an engine's port in tls_except_ports, the proxy reaches that
+// engine over plain HTTP, and so does the scraper; the TLS engine is
+// still scraped over https.
+func TestScrapesExceptedPortsOverHTTP(t *testing.T) {
+	var dials []string
+	for i, newServer := range []func(http.Handler) *httptest.Server{httptest.NewTLSServer, httptest.NewServer} {
+		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: fmt.Sprintf("except-%d", i), Engine: kvsim.Config{NumGPUBlocks: 1024 * (i + 1)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs := newServer(sim)
+		t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+		dials = append(dials, hs.Listener.Addr().String())
+	}
+	_, plainPort, _ := net.SplitHostPort(dials[1])
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy %s %s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+		}
+		transport http {
+			tls
+			tls_insecure_skip_verify
+			tls_except_ports %s
+		}
+	}
+}
+`, routerHost, dials[0], dials[1], plainPort))
+	for i, dial := range dials {
+		want := 1024 * (i + 1) * 16 // blocks of 16 tokens
+		eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
+			v := listedEngine(t, dial)
+			return v != nil && v.KVCapacity == want
+		})
+		if v := engineView(t, dial); v.LastError != "" {
+			t.Errorf("%s: last scrape error %q after a successful scrape", dial, v.LastError)
+		}
+	}
+	// Both engines answer through the proxy, each over its own scheme.
+	for range 4 {
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 4}); c.status != 200 {
+			t.Fatalf("completion: %d %s", c.status, c.body)
+		}
 	}
 }

@@ -44,6 +44,10 @@ type Config struct {
 	ModelsPath string
 	// Scheme is the URL scheme of the targets. Default http.
 	Scheme string
+	// PlainPorts lists the ports whose targets are scraped over plain
+	// http when Scheme is https, as Caddy's HTTP transport reaches them
+	// (its tls_except_ports).
+	PlainPorts []string
 	// Workers bounds the fetches in flight at once. Default 64: a round's
 	// fetches in flight together cost less CPU each than one after
 	// another, since the runtime's network poller wakes for many at once.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -161,13 +162,24 @@ func (s *Scraper) AddTargets(dials ...string) {
 	}
 }
 
+// schemeOf returns the URL scheme to scrape dial with: the configured
+// one, or http for a port the proxy reaches without TLS.
+func (s *Scraper) schemeOf(dial string) string {
+	if s.cfg.Scheme == "https" && len(s.cfg.PlainPorts) > 0 {
+		if _, port, err := net.SplitHostPort(dial); err == nil && slices.Contains(s.cfg.PlainPorts, port) {
+			return "http"
+		}
+	}
+	return s.cfg.Scheme
+}
+
 // addLocked adds dial as a target if it is new and scrapable, and says
 // whether it did. Caller holds s.mu for writing.
 func (s *Scraper) addLocked(d string) bool {
 	if _, ok := s.targets[d]; ok || !scrapable(d) {
 		return false
 	}
-	base := s.cfg.Scheme + "://" + d
+	base := s.schemeOf(d) + "://" + d
 	t := &scrapeTarget{dial: d, status: Status{Dial: d}}
 	t.modelsRequest, t.requestErr = newGet(base+s.cfg.ModelsPath, "application/json")
 	for mode := range numMetricsModes {

@@ -2,6 +2,7 @@ package scrape
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"math"
@@ -311,5 +312,45 @@ func TestScrapeKeepsRankWeights(t *testing.T) {
 		if math.Abs(sig.KVUsage-0.5) > 1e-9 || sig.NumGPUBlocks != 4000 {
 			t.Fatalf("scrape %d: KV usage %v over %d blocks, want 0.5 over 4000", sig.Seq, sig.KVUsage, sig.NumGPUBlocks)
 		}
+	}
+}
+
+// TestScrapePlainPortsOverHTTP: a scraper configured for https (a proxy
+// whose transport uses TLS) reaches the ports in PlainPorts over plain
+// http, as Caddy's tls_except_ports does, and the rest over https.
+func TestScrapePlainPortsOverHTTP(t *testing.T) {
+	var dials []string
+	for _, newServer := range []func(http.Handler) *httptest.Server{httptest.NewTLSServer, httptest.NewServer} {
+		sim, err := kvsim.NewServer(kvsim.ServerConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := newServer(sim)
+		t.Cleanup(func() { srv.Close(); sim.Close() })
+		dials = append(dials, hostOf(srv))
+	}
+	tlsDial, plainDial := dials[0], dials[1]
+	_, plainPort, _ := net.SplitHostPort(plainDial)
+	transport := http.DefaultTransport.(*http.Transport).Clone()
+	transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true}
+	defer transport.CloseIdleConnections()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, Scheme: "https", PlainPorts: []string{plainPort},
+		Client: &http.Client{Transport: transport}})
+	s.SetTargets(dials)
+	s.Start(ctx)
+	for _, dial := range dials {
+		waitFor(t, dial+"'s signals", 10*time.Second, func() bool {
+			sig, ok := s.Latest(dial, time.Now(), time.Second)
+			return ok && sig.NumGPUBlocks == 8192
+		})
+	}
+	if got := s.schemeOf(tlsDial); got != "https" {
+		t.Errorf("%s scraped over %s, want https", tlsDial, got)
+	}
+	if got := s.schemeOf(plainDial); got != "http" {
+		t.Errorf("%s (port %s excepted) scraped over %s, want http", plainDial, plainPort, got)
 	}
 }
