@@ -1,8 +1,15 @@
 package integration
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
+	"math/big"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -126,4 +133,94 @@ func TestScrapesExceptedPortsOverHTTP(t *testing.T) {
 			t.Fatalf("completion: %d %s", c.status, c.body)
 		}
 	}
+}
+
+// TestScrapesEnginesRequiringClientCertificates: engines that accept only
+// clients with a certificate they trust (mutual TLS) are scraped with the
+// certificate the proxy presents (tls_client_auth), and a client without
+// it is refused, so the scrape shows the certificate went along.
+func TestScrapesEnginesRequiringClientCertificates(t *testing.T) {
+	dir := t.TempDir()
+	certFile, keyFile := filepath.Join(dir, "client.pem"), filepath.Join(dir, "client-key.pem")
+	clientCert := writeClientCertificate(t, certFile, keyFile)
+	trusted := x509.NewCertPool()
+	trusted.AddCert(clientCert)
+
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: "mtls", Engine: kvsim.Config{NumGPUBlocks: 3072}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewUnstartedServer(sim)
+	hs.TLS = &tls.Config{ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: trusted}
+	hs.StartTLS()
+	t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+	dial := hs.Listener.Addr().String()
+
+	// Without the certificate the engine refuses the metrics.
+	if resp, err := hs.Client().Get(hs.URL + "/metrics"); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the engine answered a client without a certificate: %s", resp.Status)
+	}
+
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy https://%s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+		}
+		transport http {
+			tls_insecure_skip_verify
+			tls_client_auth %s %s
+		}
+	}
+}
+`, routerHost, dial, certFile, keyFile))
+	eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
+		v := listedEngine(t, dial)
+		return v != nil && v.KVCapacity == 3072*16
+	})
+	if v := engineView(t, dial); v.LastError != "" {
+		t.Errorf("last scrape error %q after a successful scrape", v.LastError)
+	}
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 4}); c.status != 200 {
+		t.Fatalf("completion over mutual TLS: %d %s", c.status, c.body)
+	}
+}
+
+// writeClientCertificate writes a self-signed client certificate and its
+// key as PEM files and returns the certificate.
+func writeClientCertificate(t *testing.T, certFile, keyFile string) *x509.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1),
+		Subject:      pkix.Name{CommonName: "llm-affinity router"},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+		IsCA:         true, BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cert
 }
