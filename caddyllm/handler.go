@@ -158,7 +158,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	req, err := h.parser.parse(endpoint, body)
 	if err != nil {
-		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+		var bad errBadRequest
+		errors.As(err, &bad)
+		writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", http.StatusBadRequest, bad.param, err.Error())
 		return nil
 	}
 	req.BlockTokens = h.BlockTokens
@@ -366,7 +368,14 @@ type shedding struct {
 	message           string
 	retryAfterSeconds int    // 0: no Retry-After
 	reason            string // the metric label and log field
+	// refused marks a request that can never succeed (404, 400), as
+	// opposed to one shed for now.
+	refused bool
 }
+
+// refusedReason is the decision's reason, in metrics and placeholders, for
+// a request answered at once with a client error.
+const refusedReason = "refused"
 
 func (st *requestState) shedInfo() *shedding {
 	st.mu.Lock()

@@ -25,6 +25,7 @@ import (
 type metrics struct {
 	decisions        *prometheus.CounterVec
 	shed             *prometheus.CounterVec
+	refused          *prometheus.CounterVec
 	queued           prometheus.Counter
 	matchedTokens    prometheus.Histogram
 	cachedTokens     *prometheus.CounterVec
@@ -108,12 +109,16 @@ func newMetrics(sh *shared) *metrics {
 	m := &metrics{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "decisions_total",
-			Help: "Routing decisions by reason (warm, cold, spill, adapter, fallback, shed).",
+			Help: "Routing decisions by reason (warm, cold, spill, adapter, fallback, shed, refused).",
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
 			Help: "Requests shed after waiting at the gateway, by what blocked them.",
 		}, []string{"blocked_by"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "caddy", Subsystem: "llm_affinity", Name: "refused_total",
+			Help: "Requests answered at once with an error no wait can cure, by its code: model_not_found (404), context_length_exceeded (400).",
+		}, []string{"code"}),
 		queued: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "gateway_queued_total",
 			Help: "Requests that had to wait at the gateway because no upstream fit.",
@@ -170,7 +175,7 @@ func newMetrics(sh *shared) *metrics {
 	m.promptTokens = m.cachedTokens.WithLabelValues("prompt")
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
 	m.collectors = []prometheus.Collector{
-		m.decisions, m.shed, m.queued, m.matchedTokens, m.cachedTokens,
+		m.decisions, m.shed, m.refused, m.queued, m.matchedTokens, m.cachedTokens,
 		m.timeToFirstToken, m.requestDuration, m.queueWait, m.estimateError, m.prefixMatch,
 		m.drainCompleted, m.movedRequests, m.drainTransitions, newFleetCollector(sh), newSyncCollector(sh),
 	}

@@ -13,12 +13,12 @@ import (
 //	{http.llm_affinity.prompt_tokens}   prompt tokens: the parse's estimate, then the decision's
 //	{http.llm_affinity.stream}          whether the response streams
 //	{http.llm_affinity.upstream}        the chosen upstream's dial address
-//	{http.llm_affinity.reason}          warm, cold, spill, adapter or shed
+//	{http.llm_affinity.reason}          warm, cold, spill, adapter, shed or refused
 //	{http.llm_affinity.matched_tokens}  prompt tokens expected cached there
 //	{http.llm_affinity.estimated_ttft}  the decision's TTFT estimate, seconds
 //	{http.llm_affinity.attempt}         the routing attempt (2 and up: retries)
 //	{http.llm_affinity.ttft}            observed time to first token, seconds
-//	{http.llm_affinity.blocked_by}      what blocked a shed request
+//	{http.llm_affinity.blocked_by}      what blocked a shed or refused request
 const placeholderPrefix = "http.llm_affinity."
 
 // placeholderValues are what the placeholders report. They are kept as
@@ -103,10 +103,10 @@ func (st *requestState) setDecisionPlaceholders(attempt int) {
 
 // setShedPlaceholders marks a request the policy gave up on; caller holds
 // st.mu.
-func (st *requestState) setShedPlaceholders(blockedBy string) {
+func (st *requestState) setShedPlaceholders(reason, blockedBy string) {
 	v := &st.ph
 	v.mu.Lock()
-	v.shed, v.decided, v.upstream, v.reason, v.blockedBy = true, false, "", "shed", blockedBy
+	v.shed, v.decided, v.upstream, v.reason, v.blockedBy = true, false, "", reason, blockedBy
 	v.mu.Unlock()
 }
 

@@ -501,11 +501,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		switch {
 		case d.Unservable:
 			return p.refuse(st, d.Decision, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
-				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model"})
+				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
 		case d.TooLong:
-			return p.refuse(st, d.Decision, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: "messages",
+			return p.refuse(st, d.Decision, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
 				message: fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens),
-				reason:  "context_length"})
+				reason:  "context_length", refused: true})
 		}
 		if !queued {
 			queued = true
@@ -542,13 +542,21 @@ func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstrea
 }
 
 // refuse gives up on st with answer, which the handler writes, and counts
-// it by its reason.
+// it by its reason: as shed when waiting might let it through later, as
+// refused when it can never succeed (a client's mistake, which an alert
+// on sheds should not see).
 func (p *Policy) refuse(st *requestState, d scorer.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
-	st.setShedPlaceholders(answer.reason)
-	p.sh.metrics.decision(string(scorer.Shed)).Inc()
-	p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
-	if c := p.logger.Check(zapcore.DebugLevel, "shed"); c != nil {
+	outcome := string(scorer.Shed)
+	if answer.refused {
+		outcome = refusedReason
+		p.sh.metrics.refused.WithLabelValues(fmt.Sprint(answer.code)).Inc()
+	} else {
+		p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
+	}
+	st.setShedPlaceholders(outcome, answer.reason)
+	p.sh.metrics.decision(outcome).Inc()
+	if c := p.logger.Check(zapcore.DebugLevel, outcome); c != nil {
 		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
 			zap.Int("prompt_tokens", st.req.PromptTokens), zap.Int("eligible", d.Eligible))
 	}

@@ -71,13 +71,22 @@ type Request struct {
 	BlockTokens int
 }
 
-// errBadRequest is returned for bodies that are not the API's shape.
-type errBadRequest struct{ msg string }
+// errBadRequest is returned for bodies that are not the API's shape;
+// param names the field at fault, as the API's errors do (empty: none).
+type errBadRequest struct{ msg, param string }
 
 func (e errBadRequest) Error() string { return e.msg }
 
-func badRequestf(format string, args ...any) error {
-	return errBadRequest{fmt.Sprintf(format, args...)}
+func badRequestf(param, format string, args ...any) error {
+	return errBadRequest{msg: fmt.Sprintf(format, args...), param: param}
+}
+
+// promptParam names the field that holds the request's prompt.
+func (r *Request) promptParam() string {
+	if r.Endpoint == EndpointChatCompletions {
+		return "messages"
+	}
+	return "prompt"
 }
 
 // Separators keep the canonical form unambiguous: a role can never run
@@ -261,7 +270,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	sc.s.buf = nil
 	switch {
 	case sc.s.err != nil:
-		return nil, errBadRequest{sc.s.err.Error()}
+		return nil, errBadRequest{msg: sc.s.err.Error()}
 	case r.typeErr != nil:
 		return nil, r.typeErr
 	}
@@ -289,7 +298,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		case r.messagesErr != nil:
 			return nil, r.messagesErr
 		case !r.messagesSeen:
-			return nil, badRequestf("invalid request: messages is required")
+			return nil, badRequestf("messages", "invalid request: messages is required")
 		}
 		if r.hashedTools != r.tools || r.hashedSet != r.toolsSet {
 			// The tools came after the messages (as the OpenAI Python
@@ -318,7 +327,11 @@ func (p *parser) modelName(name []byte) string {
 // typeError records a field of the wrong type, in the API's words.
 func (r *reading) typeError(field, want string) {
 	if r.typeErr == nil {
-		r.typeErr = badRequestf("invalid request: %s must be %s", field, want)
+		param := field
+		if field == "the body" {
+			param = ""
+		}
+		r.typeErr = badRequestf(param, "invalid request: %s must be %s", field, want)
 	}
 }
 
@@ -526,7 +539,7 @@ func (r *reading) addMessage(i int, m msgRange) {
 		return
 	}
 	if m.role.end == m.role.start {
-		r.messagesErr = badRequestf("invalid request: messages[%d].role is required", i)
+		r.messagesErr = badRequestf(fmt.Sprintf("messages[%d].role", i), "invalid request: messages[%d].role is required", i)
 		return
 	}
 	r.hashMessage(&m)
@@ -585,7 +598,7 @@ const (
 )
 
 // errPromptShape is the completions prompt of no form the API has.
-var errPromptShape = errBadRequest{"invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays"}
+var errPromptShape = errBadRequest{param: "prompt", msg: "invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays"}
 
 // prompt reads a completions prompt: a string, an array of strings
 // (hashed as one text, separated), an array of token ids, or an array of
@@ -644,7 +657,7 @@ func (r *reading) prompt() {
 				r.token(i)
 			case formStrings:
 				if s.ws() != '"' {
-					r.promptErr = badRequestf("invalid request: prompt[%d] must be a string", i)
+					r.promptErr = badRequestf("prompt", "invalid request: prompt[%d] must be a string", i)
 					r.skip()
 					break
 				}
@@ -685,9 +698,9 @@ func (r *reading) token(i int) {
 			r.promptTokens++
 			return
 		}
-		r.promptErr = badRequestf("invalid request: prompt[%d] must be a token id", i)
+		r.promptErr = badRequestf("prompt", "invalid request: prompt[%d] must be a token id", i)
 	default:
-		r.promptErr = badRequestf("invalid request: prompt[%d] must be a token id", i)
+		r.promptErr = badRequestf("prompt", "invalid request: prompt[%d] must be a token id", i)
 		r.skip()
 	}
 }
@@ -701,7 +714,7 @@ func (r *reading) tokenArray(i int) {
 		return
 	case '[':
 	default:
-		r.promptErr = badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+		r.promptErr = badRequestf("prompt", "invalid request: prompt[%d] must be an array of token ids", i)
 		r.skip()
 		return
 	}
@@ -715,7 +728,7 @@ func (r *reading) tokenArray(i int) {
 		} else {
 			r.token(j)
 			if r.promptErr != nil {
-				r.promptErr = badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+				r.promptErr = badRequestf("prompt", "invalid request: prompt[%d] must be an array of token ids", i)
 			}
 		}
 	}

@@ -64,11 +64,11 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		var typ *json.UnmarshalTypeError
 		switch {
 		case errors.As(err, &syn):
-			return nil, badRequestf("invalid JSON body at byte %d: %v", syn.Offset, err)
+			return nil, badRequestf("", "invalid JSON body at byte %d: %v", syn.Offset, err)
 		case errors.As(err, &typ):
-			return nil, badRequestf("invalid request: %s must be %s", typ.Field, refAPIType(typ.Type))
+			return nil, badRequestf("", "invalid request: %s must be %s", typ.Field, refAPIType(typ.Type))
 		}
-		return nil, badRequestf("invalid JSON body: %v", err)
+		return nil, badRequestf("", "invalid JSON body: %v", err)
 	}
 	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
 	switch {
@@ -107,7 +107,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 		return nil
 	case '[':
 	default:
-		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+		return badRequestf("", "invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
 	}
 	var tokens []int32
 	if err := json.Unmarshal(prompt, &tokens); err == nil {
@@ -117,7 +117,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	}
 	var parts []json.RawMessage
 	if err := json.Unmarshal(prompt, &parts); err != nil {
-		return badRequestf("invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
+		return badRequestf("", "invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
 	}
 	if len(parts) > 0 && len(bytes.TrimSpace(parts[0])) > 0 && bytes.TrimSpace(parts[0])[0] == '[' {
 		return p.refHashTokenBatch(req, seed, parts)
@@ -127,7 +127,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	for i, part := range parts {
 		part = bytes.TrimSpace(part)
 		if len(part) < 2 || part[0] != '"' {
-			return badRequestf("invalid request: prompt[%d] must be a string", i)
+			return badRequestf("", "invalid request: prompt[%d] must be a string", i)
 		}
 		if i > 0 {
 			c.WriteString(sepMessage)
@@ -148,7 +148,7 @@ func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMe
 	for i, part := range parts {
 		var tokens []int32
 		if err := json.Unmarshal(part, &tokens); err != nil {
-			return badRequestf("invalid request: prompt[%d] must be an array of token ids", i)
+			return badRequestf("", "invalid request: prompt[%d] must be an array of token ids", i)
 		}
 		all = append(all, tokens...)
 	}
@@ -162,7 +162,7 @@ func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMe
 // without the quotes, or the content-part array as sent).
 func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 	if raw.Messages == nil {
-		return badRequestf("invalid request: messages is required")
+		return badRequestf("", "invalid request: messages is required")
 	}
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
@@ -172,7 +172,7 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 	}
 	for i, m := range raw.Messages {
 		if m.Role == "" {
-			return badRequestf("invalid request: messages[%d].role is required", i)
+			return badRequestf("", "invalid request: messages[%d].role is required", i)
 		}
 		c.WriteString(m.Role)
 		c.WriteString(sepField)

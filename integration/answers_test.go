@@ -40,8 +40,9 @@ type answerRow struct {
 	// empty for a success.
 	status    int
 	typ, code string
-	// message, when set, must appear in the error's message.
-	message string
+	// message, when set, must appear in the error's message; param, when
+	// set, is the error's param as JSON (a field name in quotes, or null).
+	message, param string
 	// closes says the router closes the connection with the answer (the
 	// rest of the body is never read).
 	closes bool
@@ -109,6 +110,7 @@ func (row answerRow) check(t *testing.T, resp *http.Response, b []byte, err erro
 			Message string          `json:"message"`
 			Type    string          `json:"type"`
 			Code    json.RawMessage `json:"code"`
+			Param   json.RawMessage `json:"param"`
 		} `json:"error"`
 	}
 	if err := json.Unmarshal(b, &e); err != nil {
@@ -118,6 +120,9 @@ func (row answerRow) check(t *testing.T, resp *http.Response, b []byte, err erro
 	if e.Error.Type != row.typ || string(e.Error.Code) != row.code || !strings.Contains(e.Error.Message, row.message) {
 		t.Errorf("%s: type %q code %s message %q, want type %q code %s message with %q",
 			row.name, e.Error.Type, e.Error.Code, e.Error.Message, row.typ, row.code, row.message)
+	}
+	if row.param != "" && string(e.Error.Param) != row.param {
+		t.Errorf("%s: param %s, want %s", row.name, e.Error.Param, row.param)
 	}
 	if ct := resp.Header.Get("Content-Type"); ct != "application/json" {
 		t.Errorf("%s: Content-Type %q", row.name, ct)
@@ -165,9 +170,9 @@ func TestAnswers(t *testing.T) {
 	tiny.WriteString(`]}`)
 	bodyHeldBack := "POST /v1/completions HTTP/1.1\r\nHost: " + routerHost + "\r\nContent-Type: application/json\r\nContent-Length: 2000000\r\n"
 	rows := []answerRow{
-		answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`}.
+		answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
 			post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`),
-		answerRow{name: "a prompt longer than any upstream's KV capacity", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`}.
+		answerRow{name: "a prompt longer than any upstream's KV capacity", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"prompt"`}.
 			post("/v1/completions", completion(text("long", 80_000), 4)), // 20,000 tokens
 		// The router accepts and hashes a batch of token-id arrays and
 		// passes it on; kvsim serves a batch of one and answers a longer
@@ -192,16 +197,32 @@ func TestAnswers(t *testing.T) {
 			body:   `{"model":"m","prompt":"short"}`,
 			short:  true,
 			status: 400, typ: "invalid_request_error", code: `400`, closes: true},
-		answerRow{name: "a body that is not JSON", status: 400, typ: "invalid_request_error", code: `400`}.
+		answerRow{name: "a body that is not JSON", status: 400, typ: "invalid_request_error", code: `400`, param: `null`}.
 			post("/v1/completions", `{"model": "x", "prompt": `),
-		answerRow{name: "a field of the wrong type", status: 400, typ: "invalid_request_error", code: `400`, message: "messages must be an array"}.
+		answerRow{name: "a field of the wrong type", status: 400, typ: "invalid_request_error", code: `400`, message: "messages must be an array", param: `"messages"`}.
 			post("/v1/chat/completions", `{"model":"`+model+`","messages":"nope"}`),
-		answerRow{name: "a 1 MB body of tiny messages (about 250,000 tokens)", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`}.
+		answerRow{name: "a chat without messages", status: 400, typ: "invalid_request_error", code: `400`, message: "messages is required", param: `"messages"`}.
+			post("/v1/chat/completions", `{"model":"`+model+`","max_tokens":4}`),
+		answerRow{name: "a 1 MB body of tiny messages (about 250,000 tokens)", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"messages"`}.
 			post("/v1/chat/completions", tiny.String()),
 	}
 	for _, row := range rows {
 		resp, b, err := row.send()
 		row.check(t, resp, b, err)
+	}
+	// The answers that no wait can cure are counted as refused, by their
+	// code, not as sheds: an alert on sheds must not fire on clients'
+	// mistakes.
+	mfs := metricFamilies(t, adminURL+"/metrics")
+	for code, least := range map[string]float64{"model_not_found": 1, "context_length_exceeded": 2} {
+		if n := counterValue(mfs, "caddy_llm_affinity_refused_total", "code", code); n < least {
+			t.Errorf("caddy_llm_affinity_refused_total{code=%q} = %v, want at least %v", code, n, least)
+		}
+	}
+	for _, blockedBy := range []string{"model", "context_length"} {
+		if n := counterValue(mfs, "caddy_llm_affinity_shed_total", "blocked_by", blockedBy); n != 0 {
+			t.Errorf("caddy_llm_affinity_shed_total{blocked_by=%q} = %v: refusals counted as sheds", blockedBy, n)
+		}
 	}
 
 	// A prompt that fits the upstream's KV capacity but not its free KV

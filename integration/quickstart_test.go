@@ -138,6 +138,20 @@ func metricFamilies(t *testing.T, url string) map[string]*dto.MetricFamily {
 	return mfs
 }
 
+// counterValue sums the values of name's counter series whose label label
+// has value.
+func counterValue(mfs map[string]*dto.MetricFamily, name, label, value string) float64 {
+	var n float64
+	for _, m := range mfs[name].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == label && l.GetValue() == value {
+				n += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return n
+}
+
 // histogramCount sums the sample counts of name's series whose label
 // label has value (any series when label is empty).
 func histogramCount(mfs map[string]*dto.MetricFamily, name, label, value string) uint64 {
