@@ -94,6 +94,11 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 		sh.drains.Drain(dial, deadline, drain.Admin)
 		sh.publish(fleetsync.Message{Drain: dial, Deadline: deadline})
 	} else {
+		// An upstream the admin API drained stays undrainable after no
+		// config names it any more; anything else unknown is a typo.
+		if !sh.fleet.Routable(dial) && !sh.drains.HeldBy(dial, drain.ByAdmin) {
+			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no loaded llm_affinity policy has upstream %s", dial)}
+		}
 		sh.drains.Undrain(dial, drain.Admin)
 		sh.publish(fleetsync.Message{Undrain: dial})
 	}

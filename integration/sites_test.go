@@ -88,15 +88,17 @@ func TestTwoSitesShareUpstreams(t *testing.T) {
 		t.Fatal("site one's config drain lost when site two changed")
 	}
 
-	// A drain of an upstream no config has is refused.
-	req, _ := http.NewRequest("POST", adminURL+"/llm_affinity/upstreams/nowhere.invalid:1/drain", nil)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusNotFound {
-		t.Fatalf("drain of an unknown upstream: %d, want 404", resp.StatusCode)
+	// A drain or undrain of an upstream no config has is refused.
+	for _, method := range []string{"POST", "DELETE"} {
+		req, _ := http.NewRequest(method, adminURL+"/llm_affinity/upstreams/nowhere.invalid:1/drain", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusNotFound {
+			t.Fatalf("%s drain of an unknown upstream: %d, want 404", method, resp.StatusCode)
+		}
 	}
 
 	// An operator drains C; then no config names A or C any more: both
