@@ -151,6 +151,9 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		m := &members[i]
 		states[i] = f.upstream(m.Dial, now)
 		states[i].healthSeen, states[i].healthy = true, m.Healthy
+		if m.Engine != nil {
+			f.noteRestarts(states[i], m.Engine.Restarts)
+		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
 	}
 	// Match after registering, so every upstream has a slot in depths.
@@ -172,6 +175,20 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 	}
 	return sreq, cands, states
+}
+
+// noteRestarts takes the scraper's count of u's engine restarts: a
+// restarted engine holds none of the prefixes the index says, so they are
+// forgotten before the request is matched. (The count starts again at 0
+// with a new scraper, after a reload: only an increase is a restart.) An
+// index with nothing in it has nothing to forget: an engine that was not
+// listening yet when the router started is no reset. Caller holds f.mu.
+func (f *Fleet) noteRestarts(u *upstream, restarts uint64) {
+	if restarts > u.engineRestarts && f.index.Blocks(u.id) > 0 {
+		f.index.Clear(u.id)
+		u.indexResets++
+	}
+	u.engineRestarts = restarts
 }
 
 // candidate describes member m to the scorer. Caller holds f.mu.
@@ -204,14 +221,6 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	}
 	var now scrape.Signals
 	if raw := m.Engine; raw != nil {
-		// A restarted engine holds none of the prefixes the index says:
-		// forget them. (The count starts again at 0 with a new scraper,
-		// after a reload: only an increase is a restart.)
-		if raw.Restarts > u.engineRestarts {
-			f.index.Clear(u.id)
-			u.indexResets++
-		}
-		u.engineRestarts = raw.Restarts
 		requests, kv := u.charged.Since(raw.Mark)
 		now = raw.PlusRouted(requests, kv)
 		if capacity := now.KVCapacityTokens(); capacity > 0 {

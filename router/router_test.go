@@ -325,3 +325,29 @@ func TestTooLong(t *testing.T) {
 		t.Fatalf("with b's capacity unknown: %+v", d)
 	}
 }
+
+// TestEngineRestartForgetsTheIndex: a restart the scraper reports clears
+// what the index says the upstream holds, and counts as an index reset;
+// one reported before anything was routed there (an engine not yet
+// listening when the router started) has nothing to forget and is not
+// counted.
+func TestEngineRestartForgetsTheIndex(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Restarts: 1}
+	req := Request{Hashes: hashes(3, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 8, Model: "m"}
+	d := f.Decide(t0, req, ms, &opts, rng(), nil)
+	f.Release(d.Charge, t0)
+	if u := state(t, f, "a"); u.IndexResets != 0 || u.IndexBlocks != 8 {
+		t.Fatalf("a restart seen before anything was routed: %+v", u)
+	}
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Restarts: 2}
+	d = f.Decide(t0.Add(time.Second), req, ms, &opts, rng(), nil)
+	if d.Reason != scorer.Cold || d.MatchedTokens != 0 {
+		t.Fatalf("after the restart the prompt is still warm: %+v", d)
+	}
+	if u := state(t, f, "a"); u.IndexResets != 1 {
+		t.Fatalf("the restart was not counted: %+v", u)
+	}
+}
