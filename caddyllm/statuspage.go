@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"embed"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -115,9 +116,13 @@ func (StatusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyht
 	default:
 		err = handleStatusPage(w, r)
 	}
+	// Errors are answered as the admin API answers them, in JSON, so a
+	// refused drain says why on either listener.
 	var apiErr caddy.APIError
 	if errors.As(err, &apiErr) {
-		return caddyhttp.Error(apiErr.HTTPStatus, apiErr.Err)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(apiErr.HTTPStatus)
+		return json.NewEncoder(w).Encode(map[string]string{"error": apiErr.Err.Error()})
 	}
 	return err
 }

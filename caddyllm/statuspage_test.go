@@ -1,6 +1,8 @@
 package caddyllm
 
 import (
+	"encoding/json"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -54,5 +56,22 @@ func TestStatusPageInline(t *testing.T) {
 		if err := handleStatusPage(httptest.NewRecorder(), httptest.NewRequest("GET", p, nil)); err == nil {
 			t.Errorf("%s is served", p)
 		}
+	}
+}
+
+// TestStatusHandlerErrorsInJSON: on a site, the handler answers a refused
+// request as the admin API does: the status and a JSON error saying why.
+func TestStatusHandlerErrorsInJSON(t *testing.T) {
+	r := httptest.NewRequest("POST", "http://localhost:2020/llm_affinity/upstreams/a:1/drain", nil)
+	r.Header.Set("Origin", "http://evil.example")
+	r.Header.Set("Sec-Fetch-Mode", "cors")
+	w := httptest.NewRecorder()
+	if err := (StatusHandler{}).ServeHTTP(w, r, nil); err != nil {
+		t.Fatal(err)
+	}
+	var body struct{ Error string }
+	if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || w.Code != http.StatusForbidden ||
+		w.Header().Get("Content-Type") != "application/json" || body.Error == "" {
+		t.Fatalf("status %d, Content-Type %q, body %q (%v)", w.Code, w.Header().Get("Content-Type"), w.Body, err)
 	}
 }

@@ -1,6 +1,7 @@
 package kvsim
 
 import (
+	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -529,7 +530,10 @@ func (s *Server) handleFaults(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
 		f := s.Faults()
 		if err == nil {
-			err = json.Unmarshal(body, &f)
+			// A misspelt fault must not pass for an accepted one.
+			dec := json.NewDecoder(bytes.NewReader(body))
+			dec.DisallowUnknownFields()
+			err = dec.Decode(&f)
 		}
 		if err == nil && (f.ErrorRate < 0 || f.ErrorRate > 1) {
 			err = errors.New("error_rate must be in 0..1")

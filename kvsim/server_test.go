@@ -353,6 +353,13 @@ func TestFaults(t *testing.T) {
 			t.Fatalf("faults %s: %d %s", body, resp.StatusCode, out)
 		}
 	}
+	// A misspelt fault is refused, and changes nothing.
+	if resp, out := post(t, srv.URL+"/kvsim/faults", `{"unhealthy":true,"eror_rate":1}`); resp.StatusCode != 400 || !strings.Contains(string(out), "eror_rate") {
+		t.Fatalf("an unknown fault: %d %s", resp.StatusCode, out)
+	}
+	if f := sim.Faults(); f.Unhealthy {
+		t.Fatalf("a refused fault was applied: %+v", f)
+	}
 	setFaults(`{"unhealthy":true}`)
 	if resp, _ := http.Get(srv.URL + "/health"); resp.StatusCode != 503 {
 		t.Fatalf("health %d", resp.StatusCode)
