@@ -31,15 +31,22 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		ctx, cancel := context.WithCancelCause(clientCtx)
 		st.setCancel(cancel)
 		err, aborted := serveRecovering(rec, r.WithContext(&attemptContext{Context: ctx, st: st}), next)
-		cut := st.takeCut()
+		cut := st.takeCut() // also ends the discarding of a cut attempt's output
 		cancel(nil)
-		rec.discard.Store(false)
 
 		finished := rec.wroteHeader && !aborted && (rec.done || !rec.sse)
 		broken := aborted && rec.sse && !rec.done
 		if clientCtx.Err() != nil || finished || (!cut && !broken) {
 			if aborted {
 				panic(http.ErrAbortHandler)
+			}
+			if err != nil && clientCtx.Err() == nil && rec.wroteHeader && rec.sse && !rec.done {
+				// The stream has begun and the attempt failed without
+				// ending it (a continuation found no upstream, or its
+				// upstream refused it): the headers are gone, so only an
+				// error event can tell the client.
+				h.logger.Debug("stream ended by a failed attempt", zap.Error(err))
+				return h.endStream(rec, "the upstream failed")
 			}
 			return err
 		}
@@ -49,9 +56,13 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		}
 		outcome := func(o string) { st.countMove(cause, o) }
 		switch {
-		case moves >= maxRedispatch:
+		case !rec.wroteHeader && moves >= maxRedispatch:
+			// Nothing reached the client: it gets a 503 it may retry.
 			outcome("cut")
-			return h.endStream(rec, "the request was moved too many times")
+			st.giveUp(&shedding{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: http.StatusServiceUnavailable,
+				message:           "the request was moved between upstreams too many times (their drain deadlines passed); retry later",
+				retryAfterSeconds: 1, reason: "moved"})
+			return nil
 		case !rec.wroteHeader:
 			// Nothing reached the client: send the same request again.
 			outcome("redispatched")
@@ -59,6 +70,9 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		case !rec.sse:
 			outcome("cut")
 			panic(http.ErrAbortHandler) // a partial JSON body cannot be mended
+		case moves >= maxRedispatch:
+			outcome("cut")
+			return h.endStream(rec, "the request was moved too many times")
 		}
 		body, req, err := h.continuation(st, rec)
 		if err != nil {

@@ -290,9 +290,12 @@ type requestState struct {
 	explanation *scorer.Explanation
 
 	// cancel cuts the current attempt; cut records that a drain did.
-	cancel context.CancelCauseFunc
-	cut    bool
-	rec    *tokenRecorder
+	// cutTarget is the attempt a drain may cut: the current one until
+	// the proxy leaves it (see attempt.Cut).
+	cancel    context.CancelCauseFunc
+	cut       bool
+	cutTarget *attempt
+	rec       *tokenRecorder
 
 	// recorder and firstBody are the handler's response writer and the
 	// first attempt's body, held here to save two allocations a request.
@@ -314,28 +317,15 @@ func (st *requestState) setCancel(cancel context.CancelCauseFunc) {
 	st.cancel, st.cut = cancel, false
 }
 
-// Cut is called at a drain deadline (it is the request's drain.Cutter):
-// it cancels the current attempt so the handler can move the request.
-func (st *requestState) Cut() {
-	st.mu.Lock()
-	cancel, rec := st.cancel, st.rec
-	st.cut = cancel != nil
-	st.mu.Unlock()
-	if cancel == nil {
-		return
-	}
-	if rec != nil && !rec.headerSent.Load() {
-		rec.discard.Store(true)
-	}
-	cancel(errDrainCut)
-}
-
 // takeCut reports and clears whether a drain cut the last attempt.
 func (st *requestState) takeCut() bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	cut := st.cut
-	st.cut, st.cancel = false, nil
+	st.cut, st.cancel, st.cutTarget = false, nil, nil
+	if st.rec != nil {
+		st.rec.discard.Store(false)
+	}
 	return cut
 }
 
@@ -376,6 +366,14 @@ type shedding struct {
 // refusedReason is the decision's reason, in metrics and placeholders, for
 // a request answered at once with a client error.
 const refusedReason = "refused"
+
+// giveUp records the answer the handler writes for a request it stops
+// trying to route.
+func (st *requestState) giveUp(answer *shedding) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.shed = answer
+}
 
 func (st *requestState) shedInfo() *shedding {
 	st.mu.Lock()

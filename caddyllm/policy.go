@@ -471,7 +471,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
-		st.current = nil
+		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
 	// Never read r.Body here: install a fresh reader of the bytes the
@@ -517,15 +517,20 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			return p.shed(st, d.Decision)
 		}
 		// Health changes do not wake us, so look again now and then.
+		// The state is not held meanwhile: a drain's cut or the handler
+		// must not wait on a request that waits for capacity.
 		timer := time.NewTimer(min(wait, 250*time.Millisecond))
+		st.mu.Unlock()
 		select {
 		case <-d.Wake:
 		case <-timer.C:
 		case <-r.Context().Done():
-			timer.Stop()
-			return nil
 		}
 		timer.Stop()
+		st.mu.Lock()
+		if r.Context().Err() != nil {
+			return nil
+		}
 	}
 }
 
@@ -609,7 +614,9 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now ti
 	}
 	dial := d.Charge.Dial()
 	st.sh = p.sh
-	st.current = &attempt{sh: p.sh, charge: d.Charge, flight: p.sh.drains.Enter(dial, st)}
+	a := &attempt{st: st, sh: p.sh, charge: d.Charge}
+	a.flight = p.sh.drains.Enter(dial, a)
+	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
@@ -624,11 +631,36 @@ type bodyReader struct{ bytes.Reader }
 func (*bodyReader) Close() error { return nil }
 
 // attempt is one routing of a request to an upstream: the engine's charge
-// there and the request's registration with the drain registry.
+// there and the request's registration with the drain registry, which
+// cuts the attempt (not the request) at the upstream's drain deadline.
 type attempt struct {
+	st     *requestState
 	sh     *shared
 	charge *router.Charge
 	flight drain.Flight
+}
+
+// Cut is called at the drain deadline of the attempt's upstream: it
+// cancels the attempt so the handler can move the request, if the
+// attempt is still the one in progress. A cut that comes after the proxy
+// left the attempt (it retried elsewhere, or the response ended) does
+// nothing: it must not cut the request's next attempt.
+func (a *attempt) Cut() {
+	st := a.st
+	st.mu.Lock()
+	cancel, rec := st.cancel, st.rec
+	if st.cutTarget != a || cancel == nil {
+		st.mu.Unlock()
+		return
+	}
+	st.cut = true
+	// Under the lock, so that the handler's takeCut, which clears it
+	// for the next attempt, cannot come between.
+	if rec != nil && !rec.headerSent.Load() {
+		rec.discard.Store(true)
+	}
+	st.mu.Unlock()
+	cancel(errDrainCut)
 }
 
 // release gives back what the attempt holds, for a response that did not

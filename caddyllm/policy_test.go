@@ -262,3 +262,22 @@ func (c *countingConn) Write(p []byte) (int, error) {
 	c.writes.Add(1)
 	return c.Conn.Write(p)
 }
+
+// TestIdleDynamicUpstreamForgetsItsDrain: an operator's drain of a
+// dynamic upstream (one no config names) goes with the upstream when the
+// janitor forgets it idle, rather than stay in the admin view for ever.
+func TestIdleDynamicUpstreamForgetsItsDrain(t *testing.T) {
+	p := testPolicy(t, zap.NewNop())
+	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "dynamic-drain:1"}}
+	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+	if p.Select(pool, r, httptest.NewRecorder()) == nil {
+		t.Fatal("no upstream")
+	}
+	st.current.release() // the request ends
+	p.sh.drains.Drain("dynamic-drain:1", time.Second, drain.Admin)
+	p.sh.expireIdle(time.Now().Add(2 * idleExpiry))
+	if p.sh.fleet.Known("dynamic-drain:1") || len(p.sh.drains.Snapshot()) != 0 {
+		t.Fatalf("after expiry: fleet knows it %v, drains %+v", p.sh.fleet.Known("dynamic-drain:1"), p.sh.drains.Snapshot())
+	}
+}

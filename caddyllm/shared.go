@@ -127,10 +127,19 @@ func (sh *shared) janitor() {
 		case now := <-t.C:
 			sh.fleet.ExpirePeers(now, now.Add(-peerSilence), now.Add(-peerChargeLife))
 			if now.Sub(lastExpiry) >= time.Minute {
-				sh.fleet.Expire(now.Add(-idleExpiry))
+				sh.expireIdle(now.Add(-idleExpiry))
 				lastExpiry = now
 			}
 		}
+	}
+}
+
+// expireIdle forgets the dynamic upstreams idle since before cutoff, and
+// with them any drain an operator or a peer put on them: nothing can route
+// there any more, and the admin view would keep them for ever.
+func (sh *shared) expireIdle(cutoff time.Time) {
+	for _, dial := range sh.fleet.Expire(cutoff) {
+		sh.drains.Forget(dial)
 	}
 }
 

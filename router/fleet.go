@@ -160,18 +160,19 @@ func (f *Fleet) Forget(dial string) {
 
 // Expire forgets the unnamed upstreams (dynamic ones, which no
 // configuration lists) idle since before cutoff with nothing in flight.
-// It returns how many it dropped.
-func (f *Fleet) Expire(cutoff time.Time) int {
+// It returns the dials it dropped, so that what else is kept per
+// upstream (drains, metrics) can go too.
+func (f *Fleet) Expire(cutoff time.Time) []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	n := 0
-	for _, u := range f.upstreams {
+	var dropped []string
+	for dial, u := range f.upstreams {
 		if !u.named && u.inFlight == 0 && u.lastUsed.Before(cutoff) {
 			f.remove(u)
-			n++
+			dropped = append(dropped, dial)
 		}
 	}
-	return n
+	return dropped
 }
 
 // SetHealthy records the caller's health verdict on dial between

@@ -1,0 +1,183 @@
+package caddyllm
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
+)
+
+// The handler's moves between upstreams, driven as reverse_proxy drives
+// them: each attempt calls the policy's Select, then answers or fails.
+
+const sseChunk = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n"
+
+func moveHandler() *Handler {
+	return &Handler{logger: zap.NewNop(), BlockTokens: 4, MaxBodyBytes: defaultMaxBodyBytes, parser: testParser()}
+}
+
+func moveRequest(body string) *http.Request {
+	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
+	r.Header.Set("Content-Type", "application/json")
+	return r.WithContext(context.WithValue(context.Background(), caddy.ReplacerCtxKey, caddy.NewEmptyReplacer()))
+}
+
+func movePool() reverseproxy.UpstreamPool {
+	return reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "move-a:1"}, {Host: new(reverseproxy.Host), Dial: "move-b:1"}}
+}
+
+// TestFailedContinuationEndsTheStream: a stream broken off mid-generation
+// whose continuation attempt fails before writing anything (no upstream
+// left) ends with an error event and [DONE], not silently.
+func TestFailedContinuationEndsTheStream(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	attempts := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		if attempts == 1 {
+			p.Select(pool, r, w)
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			w.Write([]byte(sseChunk))
+			panic(http.ErrAbortHandler) // the upstream died mid-stream
+		}
+		return caddyhttp.Error(http.StatusBadGateway, errors.New("no upstreams available"))
+	})
+	rr := httptest.NewRecorder()
+	err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
+	body := rr.Body.String()
+	if err != nil || attempts != 2 || !strings.HasPrefix(body, sseChunk) || !strings.Contains(body, `"type":"server_error"`) ||
+		!strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("attempts %d, error %v, body %q", attempts, err, body)
+	}
+}
+
+// TestTooManyMovesBeforeTheResponse: a request whose attempts are all cut
+// before any response began gets a 503 with Retry-After in JSON, not an
+// SSE error stream under 200.
+func TestTooManyMovesBeforeTheResponse(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	attempts := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		p.Select(pool, r, w)
+		requestStateOf(r).current.Cut() // its upstream's drain deadline
+		<-r.Context().Done()
+		return r.Context().Err()
+	})
+	rr := httptest.NewRecorder()
+	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
+		t.Fatal(err)
+	}
+	if attempts != maxRedispatch+1 || rr.Code != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") == "" ||
+		rr.Header().Get("Content-Type") != "application/json" || !strings.Contains(rr.Body.String(), "moved between upstreams") {
+		t.Fatalf("attempts %d: %d %v %q", attempts, rr.Code, rr.Header(), rr.Body)
+	}
+	if f, d := inFlightLeft(p); f != 0 || d != 0 {
+		t.Fatalf("left in flight: fleet %d, drain registry %d", f, d)
+	}
+}
+
+// TestCutAfterTheAttemptEnded: a drain's cut that lands after its attempt
+// ended on its own (the upstream refused the connection) and the request
+// moved on does not touch the next attempt: neither cancels it nor
+// discards its response.
+func TestCutAfterTheAttemptEnded(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	var first *attempt
+	attempts := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		p.Select(pool, r, w)
+		st := requestStateOf(r)
+		if attempts == 1 {
+			first = st.current
+			st.current.Cut() // cut as the attempt ends on its own
+			return errors.New("dial tcp: connection refused")
+		}
+		first.Cut() // the same cut again, late: the request has moved on
+		if err := r.Context().Err(); err != nil {
+			t.Errorf("the second attempt was cancelled by the first one's cut: %v", err)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, err := w.Write([]byte(`{"id":"x","choices":[{"text":"ok"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`))
+		return err
+	})
+	rr := httptest.NewRecorder()
+	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
+		t.Fatal(err)
+	}
+	if attempts != 2 || rr.Code != http.StatusOK || !strings.Contains(rr.Body.String(), `"ok"`) {
+		t.Fatalf("attempts %d: %d %q", attempts, rr.Code, rr.Body)
+	}
+}
+
+// TestStaleCutDuringSelectWait: reverse_proxy retries on another upstream
+// and Select waits for capacity there; a drain's cut of the first attempt
+// meanwhile neither waits for Select nor cancels the retry.
+func TestStaleCutDuringSelectWait(t *testing.T) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	p.QueueTimeout = caddy.Duration(time.Minute)
+	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+	ctx, cancel := context.WithCancelCause(context.WithValue(context.Background(), stateKey{}, st))
+	defer cancel(nil)
+	st.setCancel(cancel)
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	first := p.Select(pool, r, httptest.NewRecorder())
+	cutFirst := st.current
+	for _, u := range pool { // both close: the retry must wait
+		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+	}
+	retried := make(chan *reverseproxy.Upstream)
+	go func() { retried <- p.Select(pool, r, httptest.NewRecorder()) }()
+	// Once the retry has released the first attempt, it waits.
+	for p.sh.drains.Phase(first.Dial) != drain.Drained {
+		time.Sleep(time.Millisecond)
+	}
+	cutDone := make(chan struct{})
+	go func() { cutFirst.Cut(); close(cutDone) }()
+	select {
+	case <-cutDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the cut waited for Select's wait")
+	}
+	other := pool[0].Dial
+	if other == first.Dial {
+		other = pool[1].Dial
+	}
+	p.sh.drains.Undrain(other, drain.Admin)
+	if up := <-retried; up == nil || up.Dial != other || ctx.Err() != nil {
+		t.Fatalf("the retry: %v, its context %v", up, context.Cause(ctx))
+	}
+}
+
+func mustParse(t *testing.T, body string) *Request {
+	t.Helper()
+	req, err := testParser().parse(EndpointChatCompletions, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
+// inFlightLeft counts what the fleet and the drain registry still hold.
+func inFlightLeft(p *Policy) (fleet, flights int) {
+	for _, s := range p.sh.fleet.Snapshot(time.Now()) {
+		fleet += s.InFlight
+	}
+	for _, s := range p.sh.drains.Snapshot() {
+		flights += s.InFlight
+	}
+	return fleet, flights
+}
