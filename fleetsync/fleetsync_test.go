@@ -278,3 +278,143 @@ func TestOneRoutersConnectionsIgnoreEachOther(t *testing.T) {
 		t.Fatal("one router's connections heard each other")
 	}
 }
+
+// stallingLink is a TCP path to a NATS server that can stall: once
+// stalled it stops carrying bytes either way and stops reading, as a
+// network path that silently drops packets does, with both ends'
+// connections left open.
+type stallingLink struct {
+	ln      net.Listener
+	stalled chan struct{}
+	once    sync.Once
+}
+
+func newStallingLink(t *testing.T, target string) *stallingLink {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &stallingLink{ln: ln, stalled: make(chan struct{})}
+	var conns []net.Conn
+	var mu sync.Mutex
+	t.Cleanup(func() {
+		l.ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", target)
+			if err != nil {
+				client.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, client, server)
+			mu.Unlock()
+			go l.carry(client, server)
+			go l.carry(server, client)
+		}
+	}()
+	return l
+}
+
+// carry copies from src to dst until the link stalls, then reads no more.
+func (l *stallingLink) carry(src, dst net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		select {
+		case <-l.stalled:
+			return
+		default:
+		}
+		n, err := src.Read(buf)
+		if err != nil {
+			return
+		}
+		select {
+		case <-l.stalled:
+			return
+		default:
+		}
+		if _, err := dst.Write(buf[:n]); err != nil {
+			return
+		}
+	}
+}
+
+func (l *stallingLink) url() string { return "nats://" + l.ln.Addr().String() }
+
+func (l *stallingLink) stall() { l.once.Do(func() { close(l.stalled) }) }
+
+// TestStalledNATSNeverStalls: when the path to NATS stalls (packets
+// dropped, no connection closed), the publisher's writes back up; the
+// router's view of the sync (Stats, which the admin API and the metrics
+// read) still answers at once, and Close (a reload) returns promptly.
+func TestStalledNATSNeverStalls(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newStallingLink(t, ns.Addr().String())
+	s, err := New(Config{URLs: []string{link.url()}, Name: "a", Subject: "test.stall"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	waitFor(t, "connected", func() bool { return s.Stats().Connected })
+	link.stall()
+	t0 := time.Now()
+
+	// Long routed events until the publisher has backed up: its queue
+	// overflows (drops) while it is stuck writing.
+	hashes := make([]uint64, maxEventHashes)
+	for i := range hashes {
+		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
+	}
+	stats := make(chan Stats, 1)
+	for i := uint64(0); ; i++ {
+		s.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: i, Dial: "x:1", Hashes: hashes, BlockTokens: 64}})
+		if i%64 != 0 {
+			continue
+		}
+		go func() { stats <- s.Stats() }()
+		select {
+		case st := <-stats:
+			if st.Dropped > 0 {
+				goto backedUp
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("Stats waited on the stalled NATS connection")
+		}
+	}
+backedUp:
+	t.Logf("backed up after %v", time.Since(t0))
+	// While the publisher is stuck, Stats still answers.
+	for range 20 {
+		go func() { stats <- s.Stats() }()
+		select {
+		case <-stats:
+		case <-time.After(5 * time.Second):
+			t.Fatal("Stats waited on the stalled NATS connection")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	closed := make(chan struct{})
+	t1 := time.Now()
+	go func() { s.Close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Logf("closed in %v", time.Since(t1))
+	case <-time.After(15 * time.Second):
+		t.Fatal("Close waited on the stalled NATS connection")
+	}
+}

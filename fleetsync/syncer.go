@@ -13,6 +13,7 @@
 package fleetsync
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -36,6 +37,11 @@ const (
 	// closeFlushTimeout bounds how long Close waits for buffered
 	// messages to reach the server.
 	closeFlushTimeout = 500 * time.Millisecond
+	// writeTimeout bounds a write to the server: past it the client
+	// treats the connection as lost and reconnects. nats.go's default, a
+	// minute, would hold the publisher (and the client's lock) that long
+	// on a network path that silently stalls.
+	writeTimeout = 2 * time.Second
 	// maxBatch is how many messages one publication carries at most, and
 	// maxBatchBytes how many bytes: well under NATS's default payload
 	// limit (1 MB), so a burst of long prompts never makes a publication
@@ -116,6 +122,10 @@ type Syncer struct {
 
 	sent, applied, dropped, malformed, disconnects atomic.Uint64
 	lastReceived                                   atomic.Int64
+	// connected follows the connection's handlers, so that Stats never
+	// asks the client, whose lock a write stuck on a stalled network
+	// holds.
+	connected atomic.Bool
 }
 
 // New returns a Syncer for cfg; Start connects it.
@@ -167,13 +177,18 @@ func (s *Syncer) Start() error {
 		nats.RetryOnFailedConnect(true),
 		// Events of an outage are dropped, not replayed late.
 		nats.ReconnectBufSize(-1),
+		nats.FlusherTimeout(writeTimeout),
+		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true) }), // a first connection made late
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			s.connected.Store(false)
 			s.disconnects.Add(1)
 			log.Warn("lost the NATS connection; routing on this router's own view until it is back", zap.Error(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
+			s.connected.Store(true)
 			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
 		}),
+		nats.ClosedHandler(func(*nats.Conn) { s.connected.Store(false) }),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			log.Warn("NATS error", zap.Error(err))
 		}),
@@ -188,7 +203,9 @@ func (s *Syncer) Start() error {
 	if err != nil {
 		return fmt.Errorf("fleetsync: connecting to NATS: %w", err)
 	}
-	if !nc.IsConnected() {
+	if nc.IsConnected() {
+		s.connected.Store(true)
+	} else {
 		log.Warn("NATS unreachable; routing on this router's own view while the client keeps trying",
 			zap.Strings("servers", s.cfg.URLs))
 	}
@@ -237,12 +254,34 @@ func (s *Syncer) run() {
 	progressAt := map[uint64]int{}
 	size := 0
 	publish := func() {
-		buf = AppendBatch(buf[:0], &batch)
 		n := uint64(len(batch.Messages))
-		if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
+		select {
+		case <-s.stop:
+			// Closing: what is left goes unsent rather than keep Close
+			// waiting on the network.
 			s.dropped.Add(n)
-		} else {
-			s.sent.Add(n)
+		default:
+			if !s.connected.Load() {
+				// Disconnected: the client would refuse it anyway, and
+				// while it reconnects it holds its lock through each
+				// attempt, which the publication would wait for.
+				s.dropped.Add(n)
+				break
+			}
+			buf = AppendBatch(buf[:0], &batch)
+			if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
+				s.dropped.Add(n)
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					// The path to the server stalled without closing:
+					// the client would notice only at its next ping,
+					// and block every publication until then.
+					// Reconnect now.
+					s.connected.Store(false)
+					s.nc.ForceReconnect()
+				}
+			} else {
+				s.sent.Add(n)
+			}
 		}
 		batch.Messages, size = batch.Messages[:0], 0
 		clear(progressAt)
@@ -264,6 +303,12 @@ func (s *Syncer) run() {
 		size += encodedSize(&m)
 	}
 	for {
+		// Stop first: a full queue must not keep Close waiting.
+		select {
+		case <-s.stop:
+			return
+		default:
+		}
 		select {
 		case m := <-s.queue:
 			add(m)
@@ -336,9 +381,7 @@ func (s *Syncer) Stats() Stats {
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
 		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(),
 	}
-	if s.nc != nil {
-		st.Connected = s.nc.IsConnected()
-	}
+	st.Connected = s.connected.Load()
 	if t := s.lastReceived.Load(); t != 0 {
 		st.LastReceived = time.Unix(0, t)
 	}
