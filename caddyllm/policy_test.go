@@ -24,6 +24,7 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // testPolicy is a policy set up as Provision would, without a Caddy
@@ -276,8 +277,17 @@ func TestIdleDynamicUpstreamForgetsItsDrain(t *testing.T) {
 	}
 	st.current.release() // the request ends
 	p.sh.drains.Drain("dynamic-drain:1", time.Second, drain.Admin)
+	scraper := scrape.New(scrape.Config{}) // not started: its targets are what matters
+	scraper.AddTargets("dynamic-drain:1", "named-drain:1")
+	p.sh.addScraper(scraper)
 	p.sh.expireIdle(time.Now().Add(2 * idleExpiry))
 	if p.sh.fleet.Known("dynamic-drain:1") || len(p.sh.drains.Snapshot()) != 0 {
 		t.Fatalf("after expiry: fleet knows it %v, drains %+v", p.sh.fleet.Known("dynamic-drain:1"), p.sh.drains.Snapshot())
+	}
+	if _, ok := scraper.StatusOf("dynamic-drain:1"); ok {
+		t.Fatal("the forgotten upstream is still scraped")
+	}
+	if _, ok := scraper.StatusOf("named-drain:1"); !ok {
+		t.Fatal("another target went with it")
 	}
 }

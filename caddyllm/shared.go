@@ -135,11 +135,20 @@ func (sh *shared) janitor() {
 }
 
 // expireIdle forgets the dynamic upstreams idle since before cutoff, and
-// with them any drain an operator or a peer put on them: nothing can route
-// there any more, and the admin view would keep them for ever.
+// with them any drain an operator or a peer put on them and their scrape
+// targets: nothing routes there any more, and the admin view would keep
+// them for ever.
 func (sh *shared) expireIdle(cutoff time.Time) {
-	for _, dial := range sh.fleet.Expire(cutoff) {
+	dropped := sh.fleet.Expire(cutoff)
+	for _, dial := range dropped {
 		sh.drains.Forget(dial)
+	}
+	if len(dropped) > 0 {
+		// Nor are they scraped any more (a request that routes there
+		// again adds them back).
+		for _, s := range sh.liveScrapers() {
+			s.RemoveTargets(dropped...)
+		}
 	}
 }
 

@@ -116,28 +116,53 @@ func (s *Scraper) SetTargets(dials []string) {
 		added = s.addLocked(d) || added
 	}
 	dropped := false
-	for d, t := range s.targets {
+	for d := range s.targets {
 		if !keep[d] {
-			t.conn.close()
-			delete(s.targets, d)
-			dropped = true
+			dropped = s.dropLocked(d) || dropped
 		}
 	}
 	s.mu.Unlock()
-	if dropped && s.transport != nil {
-		// The dropped targets' idle connections go; the others' are
-		// dialled again at their next scrape.
-		s.transport.CloseIdleConnections()
-	}
+	s.dropped(dropped)
 	if added {
 		s.poke()
+	}
+}
+
+// RemoveTargets stops scraping dials and forgets their signals (the
+// policy's dynamic upstreams, once idle long enough to be forgotten).
+func (s *Scraper) RemoveTargets(dials ...string) {
+	s.mu.Lock()
+	dropped := false
+	for _, d := range dials {
+		dropped = s.dropLocked(d) || dropped
+	}
+	s.mu.Unlock()
+	s.dropped(dropped)
+}
+
+// dropLocked forgets target d, reporting whether there was one. Caller
+// holds s.mu for writing.
+func (s *Scraper) dropLocked(d string) bool {
+	t, ok := s.targets[d]
+	if ok {
+		t.conn.close()
+		delete(s.targets, d)
+	}
+	return ok
+}
+
+// dropped closes idle connections after targets were dropped: theirs go;
+// the others' are dialled again at their next scrape.
+func (s *Scraper) dropped(some bool) {
+	if some && s.transport != nil {
+		s.transport.CloseIdleConnections()
 	}
 }
 
 // AddTargets adds dials not scraped yet and scrapes them at once, leaving
 // the others alone. It is cheap when every dial is already a target, so
 // the policy may call it with each pool it sees (dynamic upstreams);
-// only SetTargets removes targets.
+// SetTargets and RemoveTargets remove targets.
 func (s *Scraper) AddTargets(dials ...string) {
 	s.mu.RLock()
 	missing := false
