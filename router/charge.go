@@ -61,7 +61,11 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 // holds f.mu.
 func (f *Fleet) learn(model string, promptBytes int, u Usage) {
 	m := f.model(model, true)
-	m.output.add(float64(u.OutputTokens))
+	// An output no model can generate is a wrong report: one would
+	// hold the estimate there for many requests.
+	if u.OutputTokens >= 0 && u.OutputTokens <= MaxTokens {
+		m.output.add(float64(u.OutputTokens))
+	}
 	m.learnPrompt(promptBytes, u.PromptTokens)
 }
 
@@ -92,11 +96,12 @@ func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
 func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.learn(model, c.promptBytes, u)
-	if c.up != nil {
-		c.up.completed++
-		f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens})
+	if c.up == nil {
+		return // completed or released already: learned once
 	}
+	f.learn(model, c.promptBytes, u)
+	c.up.completed++
+	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens})
 	f.release(c, now)
 }
 

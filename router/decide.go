@@ -152,7 +152,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		states[i] = f.upstream(m.Dial, now)
 		states[i].healthSeen, states[i].healthy = true, m.Healthy
 		if m.Engine != nil {
-			f.noteRestarts(states[i], m.Engine.Restarts)
+			f.noteRestart(states[i], m.Engine.LastRestart)
 		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
 	}
@@ -177,18 +177,21 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	return sreq, cands, states
 }
 
-// noteRestarts takes the scraper's count of u's engine restarts: a
+// noteRestart takes the time a scraper last saw u's engine restart: a
 // restarted engine holds none of the prefixes the index says, so they are
-// forgotten before the request is matched. (The count starts again at 0
-// with a new scraper, after a reload: only an increase is a restart.) An
-// index with nothing in it has nothing to forget: an engine that was not
+// forgotten before the request is matched, once per restart however many
+// scrapers (sites, or a reload's old and new config) report it. An index
+// with nothing in it has nothing to forget: an engine that was not
 // listening yet when the router started is no reset. Caller holds f.mu.
-func (f *Fleet) noteRestarts(u *upstream, restarts uint64) {
-	if restarts > u.engineRestarts && f.index.Blocks(u.id) > 0 {
+func (f *Fleet) noteRestart(u *upstream, at time.Time) {
+	if !at.After(u.engineRestart) {
+		return
+	}
+	u.engineRestart = at
+	if f.index.Blocks(u.id) > 0 {
 		f.index.Clear(u.id)
 		u.indexResets++
 	}
-	u.engineRestarts = restarts
 }
 
 // candidate describes member m to the scorer. Caller holds f.mu.
@@ -224,7 +227,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		requests, kv := u.charged.Since(raw.Mark)
 		now = raw.PlusRouted(requests, kv)
 		if capacity := now.KVCapacityTokens(); capacity > 0 {
-			c.KVCapacityTokens = capacity
+			u.engineCapacityTokens = capacity
 		}
 		c.Waiting = now.Waiting
 		c.Models = now.ModelIDs()
@@ -233,10 +236,16 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		if raw.Running >= 0 && raw.Waiting >= 0 {
 			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight; foreign > 0 {
 				c.ForeignInFlight = foreign // they share the engine's steps too
-				c.QueuedPrefillTokens += int(float64(min(foreign, raw.Waiting)) * f.meanPrompt.value)
-				c.QueuedDecodeTokens += int(float64(foreign) * f.meanOutputAnyModel(opts))
+				c.QueuedPrefillTokens += tokensOf(float64(min(foreign, raw.Waiting)) * f.meanPrompt.value)
+				c.QueuedDecodeTokens += tokensOf(float64(foreign) * f.meanOutputAnyModel(opts))
 			}
 		}
+	}
+	// The engine's own figure, also while a scrape is stale: falling
+	// back to the configured one would shrink the index and evict what
+	// the engine still holds.
+	if u.engineCapacityTokens > 0 {
+		c.KVCapacityTokens = u.engineCapacityTokens
 	}
 	if c.KVCapacityTokens > 0 {
 		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
@@ -318,12 +327,12 @@ func (u *upstream) useAdapter(adapter string) {
 func (f *Fleet) expectedOutput(req Request, opts *Options) int {
 	switch opts.OutputEstimate {
 	case OutputFixed:
-		return opts.OutputTokens
+		return min(opts.OutputTokens, MaxTokens)
 	case OutputMaxTokens:
 		if req.MaxTokens > 0 {
-			return req.MaxTokens
+			return min(req.MaxTokens, MaxTokens)
 		}
-		return opts.OutputTokens
+		return min(opts.OutputTokens, MaxTokens)
 	}
 	est := opts.OutputTokens
 	if m := f.model(req.Model, false); m != nil && m.output.n > 0 {
@@ -332,7 +341,22 @@ func (f *Fleet) expectedOutput(req Request, opts *Options) int {
 	if req.MaxTokens > 0 {
 		est = min(est, req.MaxTokens)
 	}
-	return est
+	return min(est, MaxTokens)
+}
+
+// MaxTokens bounds every token count the fleet takes from outside (a
+// request's max_tokens, an engine's usage or queue, a peer's charge): far
+// beyond any model's context, and small enough that sums of such counts
+// cannot overflow. A client or an engine reporting more is wrong, and
+// must not make the accounting wrap around.
+const MaxTokens = 1 << 30
+
+// tokensOf converts a token estimate to a count within 0..MaxTokens.
+func tokensOf(v float64) int {
+	if math.IsNaN(v) {
+		return 0
+	}
+	return int(min(MaxTokens, max(0, v)))
 }
 
 // meanOutputAnyModel is the expected output of a request of unknown model,

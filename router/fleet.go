@@ -93,11 +93,14 @@ type upstream struct {
 	capacityTokens   int
 	indexBlockTokens int
 
-	// engineRestarts is the scraper's restart count last seen for the
-	// engine; indexResets counts the times its prefixes were forgotten
-	// because the engine restarted (its cache is empty).
-	engineRestarts uint64
-	indexResets    int
+	// engineRestart is the latest engine restart a scraper reported;
+	// indexResets counts the times its prefixes were forgotten because
+	// the engine restarted (its cache is empty). engineCapacityTokens is
+	// the KV capacity the engine last reported, which outlives a stale
+	// scrape.
+	engineRestart        time.Time
+	indexResets          int
+	engineCapacityTokens int
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras are presumed on the GPU, the rest in host memory.

@@ -87,7 +87,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if u == nil || u.forgotten || f.remote[key] != nil {
 			return false
 		}
-		c := f.charge(u, max(0, ev.Prefill), max(0, ev.Decode), max(0, ev.KV), now)
+		c := f.charge(u, min(max(0, ev.Prefill), MaxTokens), min(max(0, ev.Decode), MaxTokens), min(max(0, ev.KV), MaxTokens), now)
 		c.id = ev.ID
 		f.remote[key] = c
 		if ev.Adapter != "" {

@@ -336,14 +336,14 @@ func TestEngineRestartForgetsTheIndex(t *testing.T) {
 	f := New()
 	opts := Options{}.WithDefaults()
 	ms := members("a")
-	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Restarts: 1}
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, LastRestart: t0.Add(-time.Minute)}
 	req := Request{Hashes: hashes(3, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 8, Model: "m"}
 	d := f.Decide(t0, req, ms, &opts, rng(), nil)
 	f.Release(d.Charge, t0)
 	if u := state(t, f, "a"); u.IndexResets != 0 || u.IndexBlocks != 8 {
 		t.Fatalf("a restart seen before anything was routed: %+v", u)
 	}
-	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Restarts: 2}
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, LastRestart: t0.Add(500 * time.Millisecond)}
 	d = f.Decide(t0.Add(time.Second), req, ms, &opts, rng(), nil)
 	if d.Reason != scorer.Cold || d.MatchedTokens != 0 {
 		t.Fatalf("after the restart the prompt is still warm: %+v", d)

@@ -1,6 +1,7 @@
 package scrape
 
 import (
+	"math"
 	"slices"
 
 	dto "github.com/prometheus/client_model/go"
@@ -151,12 +152,15 @@ func (x *extraction) feed(into figure, by combine, g groups) {
 		x.capacity, x.sig.BlockSize = g.byRank(), 1
 		return
 	}
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return // finite samples can still add up to nothing usable
+	}
 	s := x.sig
 	switch into {
 	case running:
-		s.Running = int(v)
+		s.Running = countOf(v)
 	case waiting:
-		s.Waiting = int(v)
+		s.Waiting = countOf(v)
 	case kvUsage:
 		s.KVUsage, s.KVKnown = clamp01(v), true
 		if x.keepRanks {
@@ -169,7 +173,7 @@ func (x *extraction) feed(into figure, by combine, g groups) {
 	case prefixHitRate:
 		s.PrefixHitRate = clamp01(v)
 	case maxLoRAs:
-		s.MaxLoRAs = int(v)
+		s.MaxLoRAs = countOf(v)
 	}
 }
 
@@ -228,3 +232,11 @@ func familySet() map[string]bool {
 	}
 	return set
 }
+
+// maxCount bounds the counts an engine reports (requests, adapters): far
+// beyond any engine's, and small enough that the router's arithmetic on
+// them cannot overflow.
+const maxCount = 1 << 24
+
+// countOf converts a finite sample to a count within 0..maxCount.
+func countOf(v float64) int { return int(min(maxCount, max(0, v))) }

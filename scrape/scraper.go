@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -17,10 +18,11 @@ import (
 // scrapeTarget is one upstream being scraped.
 type scrapeTarget struct {
 	dial string
-	// restarts counts the engine restarts seen (see Signals.Restarts);
+	// lastRestart is when the engine was last seen restarting (see
+	// Signals.LastRestart);
 	// unreachable says the last failures included a refused connection;
 	// prevSlow is the last full read, for its counters. Guarded by mu.
-	restarts    uint64
+	lastRestart time.Time
 	unreachable bool
 	prevSlow    Signals
 	// metricsRequests are the metrics GETs of each metricsQuery, by
@@ -399,13 +401,13 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
 	if t.unreachable || (!skipSlow && countersReset(t.prevSlow, sig)) {
-		t.restarts++
+		t.lastRestart = time.Now()
 		t.unreachable = false
 	}
 	if !skipSlow {
 		t.prevSlow = sig
 	}
-	sig.Restarts = t.restarts
+	sig.LastRestart = t.lastRestart
 	sig.Models = t.models
 	sig.Seq = st.Scrapes
 	t.latest.Store(&sig)
@@ -414,8 +416,9 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 // refused reports whether err is a failure to connect (nothing listening),
 // rather than a slow or failing answer.
 func refused(err error) bool {
-	var op *net.OpError
-	return errors.As(err, &op) && op.Op == "dial"
+	// Only a refusal: a timeout or a failed lookup is a network problem,
+	// which says nothing about the engine's process.
+	return errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // countersReset reports whether the engine's cumulative prefix counters

@@ -354,3 +354,33 @@ func TestScrapePlainPortsOverHTTP(t *testing.T) {
 		t.Errorf("%s (port %s excepted) scraped over %s, want http", plainDial, plainPort, got)
 	}
 }
+
+// TestOnlyARefusalIsARestart: a connection refused (nothing listening:
+// the engine's process is gone) marks a restart when the engine answers
+// again; a dial that times out or a name that does not resolve is the
+// network's trouble, not the engine's.
+func TestOnlyARefusalIsARestart(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedPort := ln.Addr().String()
+	ln.Close()
+	var k keptConn
+	if _, _, err := k.take(context.Background(), closedPort, time.Now().Add(5*time.Second)); err == nil || !refused(err) {
+		t.Errorf("a closed port: %v, refused %v", err, err != nil && refused(err))
+	}
+	for _, c := range []struct {
+		dial     string
+		deadline time.Time
+	}{
+		{closedPort, time.Now().Add(-time.Second)}, // a dial that timed out
+		{"no-such-host.invalid:9", time.Now().Add(5 * time.Second)},
+	} {
+		var k keptConn
+		_, _, err := k.take(context.Background(), c.dial, c.deadline)
+		if err == nil || refused(err) {
+			t.Errorf("%s: %v taken for a refusal", c.dial, err)
+		}
+	}
+}

@@ -71,11 +71,12 @@ type Signals struct {
 	// Mark is what the scraper's Mark function returned for this dial
 	// just before the request was sent (zero without one).
 	Mark Mark
-	// Restarts counts the engine restarts this scraper saw on the dial:
-	// its port refused connections and then answered again, or its
-	// cumulative counters went backwards. A restarted engine's prefix
-	// cache is empty.
-	Restarts uint64
+	// LastRestart is when this scraper last saw the engine restart (zero:
+	// never): its port refused connections and then answered again, or
+	// its cumulative counters went backwards. A restarted engine's prefix
+	// cache is empty. A time rather than a count, so that scrapers of the
+	// same dial (two sites, or a reload's old and new config) agree.
+	LastRestart time.Time
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
 
@@ -179,5 +180,10 @@ func hitRateSince(prev, cur Signals) float64 {
 	return clamp01(dh / dq)
 }
 
-// clamp01 bounds a fraction to 0..1.
-func clamp01(v float64) float64 { return min(1, max(0, v)) }
+// clamp01 bounds a fraction to 0..1 (NaN: 0).
+func clamp01(v float64) float64 {
+	if math.IsNaN(v) {
+		return 0
+	}
+	return min(1, max(0, v))
+}

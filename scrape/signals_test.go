@@ -1,7 +1,10 @@
 package scrape
 
 import (
+	"math"
+	"strings"
 	"testing"
+	"time"
 )
 
 func TestSignalsCorrections(t *testing.T) {
@@ -44,5 +47,25 @@ func TestScrapeHitRate(t *testing.T) {
 		if got := hitRateSince(prev, Signals{PrefixQueries: tc.q, PrefixHits: tc.h}); !near(got, tc.want) {
 			t.Errorf("queries %v hits %v: rate %v, want %v", tc.q, tc.h, got, tc.want)
 		}
+	}
+}
+
+// TestExtremeSamplesStayUsable: finite samples that add up to nothing
+// usable (a capacity-weighted mean of 1e306 and -1e306 is NaN) leave the
+// figure unknown, and absurd counts are bounded.
+func TestExtremeSamplesStayUsable(t *testing.T) {
+	in := "vllm:cache_config_info{engine=\"0\",block_size=\"16\",num_gpu_blocks=\"1000\"} 1\n" +
+		"vllm:cache_config_info{engine=\"1\",block_size=\"16\",num_gpu_blocks=\"1000\"} 1\n" +
+		"vllm:kv_cache_usage_perc{engine=\"0\"} 1e306\nvllm:kv_cache_usage_perc{engine=\"1\"} -1e306\n" +
+		"vllm:num_requests_running{engine=\"0\"} 1e300\nvllm:num_requests_waiting{engine=\"0\"} -5\n"
+	sig, err := parseEngineMetrics(strings.NewReader(in), time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if math.IsNaN(sig.KVUsage) || sig.KVKnown {
+		t.Errorf("KV usage %v known %v, want unknown", sig.KVUsage, sig.KVKnown)
+	}
+	if sig.Running != maxCount || sig.Waiting != 0 {
+		t.Errorf("running %d waiting %d, want %d and 0", sig.Running, sig.Waiting, maxCount)
 	}
 }

@@ -1,0 +1,153 @@
+package router
+
+import (
+	"math"
+	"testing"
+	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+// The fleet takes numbers from clients, engines and peers; wrong ones must
+// not make its accounting wrap around or hold a model hostage.
+
+// TestAbsurdUsageIsNotLearned: one response reporting an output no model
+// can generate, or a negative one, teaches nothing: the next requests of
+// the model are still routed, and no charge goes negative.
+func TestAbsurdUsageIsNotLearned(t *testing.T) {
+	for _, bad := range []int{1_000_000_000_000, -1_000_000} {
+		f := New()
+		opts := Options{}.WithDefaults()
+		ms := members("a", "b")
+		for i := range ms {
+			ms[i].Hardware.KVCapacityTokens = 1 << 20
+		}
+		req := Request{Hashes: hashes(1, 512), BlockTokens: 64, PromptTokens: 512, Model: "m"}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		f.Complete(d.Charge, "m", Usage{OutputTokens: bad}, t0)
+		d = f.Decide(t0.Add(time.Second), req, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("usage %d: the next request of the model was not routed: %+v", bad, d.Decision)
+		}
+		if u := state(t, f, d.Charge.Dial()); u.QueuedDecodeTokens != opts.OutputTokens || u.KVTokensInFlight < 0 {
+			t.Fatalf("usage %d: the estimate learned it: %+v", bad, u)
+		}
+	}
+}
+
+// TestCompleteLearnsOnce: a second Complete of the same charge, or one
+// after its Release, learns nothing.
+func TestCompleteLearnsOnce(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	d := f.Decide(t0, Request{PromptTokens: 10, Model: "m"}, members("a"), &opts, rng(), nil)
+	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
+	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
+	d = f.Decide(t0, Request{PromptTokens: 10, Model: "m"}, members("a"), &opts, rng(), nil)
+	f.Release(d.Charge, t0)
+	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
+	if n := f.models["m"].output.n; n != 1 {
+		t.Fatalf("%d samples learned from one completion", n)
+	}
+}
+
+// TestAbsurdEngineQueue: an engine reporting an absurd queue makes its
+// upstream look busy, never idle: the sizes of its foreign requests do not
+// wrap around, under any strategy.
+func TestAbsurdEngineQueue(t *testing.T) {
+	for _, o := range []scorer.Options{
+		{Strategy: scorer.TTFT},
+		{Strategy: scorer.TTFT, ImposedDelayWeight: -1, DecodeWeight: -1},
+		{Strategy: scorer.Dynamo},
+		{Strategy: scorer.LeastWork},
+	} {
+		f := New()
+		opts := Options{Scorer: o}.WithDefaults()
+		ms := members("a", "b")
+		for range 3 { // a mean prompt of 1,000 tokens
+			d := f.Decide(t0, Request{PromptTokens: 1000, Model: "m"}, ms, &opts, rng(), nil)
+			f.Release(d.Charge, t0)
+		}
+		ms[0].Engine = &scrape.Signals{Running: 0, Waiting: 1e16}
+		ms[1].Engine = &scrape.Signals{Running: 4, Waiting: 2}
+		if d := f.Decide(t0, Request{PromptTokens: 1000, Model: "m"}, ms, &opts, rng(), nil); d.Chosen != 1 {
+			t.Errorf("%s: the upstream reporting 1e16 waiting requests won: %+v", o.Strategy, d.Decision)
+		}
+	}
+}
+
+// TestHugeMaxTokens: a max_tokens near the largest integer, with the
+// max_tokens output estimate, does not wrap the KV need around: it does
+// not fit a nearly full replica, and charges stay positive.
+func TestHugeMaxTokens(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputMaxTokens}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 10_000
+	f.Decide(t0, Request{PromptTokens: 9_900, MaxTokens: 50}, ms, &opts, rng(), nil)
+	if d := f.Decide(t0, Request{PromptTokens: 100, MaxTokens: math.MaxInt64}, ms, &opts, rng(), nil); d.Charge != nil {
+		t.Fatalf("max_tokens %d fit a replica with 50 tokens free: %+v", math.MaxInt64, d.Decision)
+	}
+	if u := state(t, f, "a"); u.KVTokensInFlight != 9_950 || u.QueuedDecodeTokens != 50 {
+		t.Fatalf("charges %+v", u)
+	}
+}
+
+// TestRestartReportedByTwoScrapers: two scrapers of one upstream (two
+// sites, or a reload's old and new config), one of which saw a restart,
+// forget the index once, not each time the other one's view comes in.
+func TestRestartReportedByTwoScrapers(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	req := Request{Hashes: hashes(3, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 8, Model: "m"}
+	siteA, siteB := members("a"), members("a")
+	siteA[0].Engine = &scrape.Signals{Running: -1, Waiting: -1}
+	siteB[0].Engine = &scrape.Signals{Running: -1, Waiting: -1}
+	f.Release(f.Decide(t0, req, siteA, &opts, rng(), nil).Charge, t0)
+	siteA[0].Engine.LastRestart = t0.Add(time.Second) // site A's scraper sees the engine restart
+	cold := 0
+	for i := range 10 {
+		ms := siteA
+		if i%2 == 1 {
+			ms = siteB
+		}
+		d := f.Decide(t0.Add(time.Duration(2+i)*time.Second), req, ms, &opts, rng(), nil)
+		if d.MatchedTokens == 0 {
+			cold++
+		}
+		f.Release(d.Charge, t0)
+	}
+	if u := state(t, f, "a"); cold != 1 || u.IndexResets != 1 {
+		t.Fatalf("one restart: %d cold decisions, %d index resets", cold, u.IndexResets)
+	}
+}
+
+// TestStaleScrapeKeepsTheEnginesCapacity: while an engine's scrape is
+// stale the index keeps the capacity the engine reported, rather than
+// shrink to the configured one and evict what the engine holds.
+func TestStaleScrapeKeepsTheEnginesCapacity(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 64 * 64 // configured: 64 blocks
+	fresh := &scrape.Signals{Running: 0, Waiting: 0, KVKnown: true, BlockSize: 16, NumGPUBlocks: 4096}
+	var reqs []Request
+	for i := range 20 {
+		reqs = append(reqs, Request{Hashes: hashes(uint64(i), 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 1, Model: "m"})
+	}
+	ms[0].Engine = fresh
+	for _, r := range reqs {
+		f.Release(f.Decide(t0, r, ms, &opts, rng(), nil).Charge, t0)
+	}
+	ms[0].Engine = nil // one decision while the scrape is stale
+	f.Release(f.Decide(t0.Add(time.Second), reqs[19], ms, &opts, rng(), nil).Charge, t0)
+	ms[0].Engine = fresh
+	for i, r := range reqs {
+		d := f.Decide(t0.Add(2*time.Second), r, ms, &opts, rng(), nil)
+		if d.MatchedTokens == 0 {
+			t.Fatalf("prompt %d forgotten after one stale scrape", i)
+		}
+		f.Release(d.Charge, t0)
+	}
+}
