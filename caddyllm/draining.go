@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"context"
 	"sync"
 	"time"
 
@@ -39,8 +40,9 @@ func (w *healthWatch) close() {
 // checks mark unhealthy, with the policy's deadline, instead of letting
 // their streams be cut; it lifts drains it started once they are healthy
 // again. It stops with the config, whose Cleanup lifts what it holds. It
-// starts with the policy's first Select, once Caddy has finished
-// provisioning the upstreams it reads.
+// starts once Caddy runs the config, or with the policy's first Select if
+// that comes first: either way after Caddy provisioned the upstreams it
+// reads.
 func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reverseproxy.Upstream) {
 	defer func() {
 		if v := recover(); v != nil {
@@ -56,6 +58,31 @@ func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reve
 		case <-t.C:
 		}
 		if !p.checkHealth(upstreams()) {
+			return
+		}
+	}
+}
+
+// watchHealthOnceRunning starts the health watcher when Caddy makes a
+// config other than before (the one running when this policy was
+// provisioned) the running one: that is this policy's own, whose
+// upstreams are then provisioned (Caddy swaps the running config under a
+// lock after starting it). So an idle router's admin view, status page
+// and metrics follow the health checks without waiting for a request. It
+// gives up when the config is unloaded, or was never started.
+func (p *Policy) watchHealthOnceRunning(before context.Context) {
+	t := time.NewTicker(healthPollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if caddy.ActiveContext().Context != before {
+			if p.watching.CompareAndSwap(false, true) {
+				p.watchUpstreamHealth(p.ctx, p.parent)
+			}
 			return
 		}
 	}

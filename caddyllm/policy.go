@@ -305,10 +305,12 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.DrainDeadline = caddy.Duration(defaultDrainDeadline)
 	}
 	// The parent's upstreams and health checks are provisioned after this
-	// policy, so the health watcher starts with the first request; the
-	// static upstreams' dials are known now (read in the parent's own
-	// Provision, so without a race).
+	// policy, so the health watcher starts once Caddy runs this config (or
+	// with the first request, if that comes first); the static upstreams'
+	// dials are known now (read in the parent's own Provision, so without
+	// a race).
 	p.ctx, p.parent, p.watching, p.health = ctx, parentUpstreams(ctx), new(atomic.Bool), new(healthWatch)
+	go p.watchHealthOnceRunning(caddy.ActiveContext().Context)
 	for _, u := range p.parent() {
 		p.named = append(p.named, u.Dial)
 	}

@@ -261,12 +261,12 @@ func scrapeMetrics(t *testing.T) string {
 }
 
 // TestHealthDrainsAndUndrains: kvsim's health turned off drains the
-// upstream; turned on again, it is undrained.
+// upstream; turned on again, it is undrained. No request comes first: an
+// idle router's view follows the health checks too.
 func TestHealthDrainsAndUndrains(t *testing.T) {
 	fleet := startFleet(t, 2, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "drain_deadline 5s", "health_uri /health\n\t\thealth_interval 100ms"))
 	a := fleet[0]
-	post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2})
 	a.sim.SetFaults(kvsim.Faults{Unhealthy: true})
 	eventually(t, 5*time.Second, "A drained by health", func() bool { return drainPhase(t, a.dial()) != "active" })
 	// The admin view's verdict follows the health checks, not the last
