@@ -70,14 +70,7 @@ func TestScrapesEnginesOverHTTPS(t *testing.T) {
 }
 `, routerHost, dials[0], dials[1], tc.tls(first)))
 			for i, dial := range dials {
-				want := 1024 * (i + 1) * 16 // blocks of 16 tokens
-				eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
-					v := listedEngine(t, dial)
-					return v != nil && v.KVCapacity == want
-				})
-				if v := engineView(t, dial); v.LastError != "" {
-					t.Errorf("%s: last scrape error %q after a successful scrape", dial, v.LastError)
-				}
+				waitScraped(t, dial, 1024*(i+1)*16) // blocks of 16 tokens
 			}
 			// And requests still go through the proxy over TLS.
 			if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 4}); c.status != 200 {
@@ -118,14 +111,7 @@ func TestScrapesExceptedPortsOverHTTP(t *testing.T) {
 }
 `, routerHost, dials[0], dials[1], plainPort))
 	for i, dial := range dials {
-		want := 1024 * (i + 1) * 16 // blocks of 16 tokens
-		eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
-			v := listedEngine(t, dial)
-			return v != nil && v.KVCapacity == want
-		})
-		if v := engineView(t, dial); v.LastError != "" {
-			t.Errorf("%s: last scrape error %q after a successful scrape", dial, v.LastError)
-		}
+		waitScraped(t, dial, 1024*(i+1)*16) // blocks of 16 tokens
 	}
 	// Both engines answer through the proxy, each over its own scheme.
 	for range 4 {
@@ -175,13 +161,7 @@ func TestScrapesEnginesRequiringClientCertificates(t *testing.T) {
 	}
 }
 `, routerHost, dial, certFile, keyFile))
-	eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
-		v := listedEngine(t, dial)
-		return v != nil && v.KVCapacity == 3072*16
-	})
-	if v := engineView(t, dial); v.LastError != "" {
-		t.Errorf("last scrape error %q after a successful scrape", v.LastError)
-	}
+	waitScraped(t, dial, 3072*16)
 	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 4}); c.status != 200 {
 		t.Fatalf("completion over mutual TLS: %d %s", c.status, c.body)
 	}
@@ -223,4 +203,18 @@ func writeClientCertificate(t *testing.T, certFile, keyFile string) *x509.Certif
 		t.Fatal(err)
 	}
 	return cert
+}
+
+// waitScraped waits until the admin view shows dial's KV capacity as
+// capacity tokens, which only a successful scrape of the engine gives, and
+// checks that no scrape error is left standing.
+func waitScraped(t *testing.T, dial string, capacity int) {
+	t.Helper()
+	eventually(t, 10*time.Second, dial+"'s KV capacity in the admin view", func() bool {
+		v := listedEngine(t, dial)
+		return v != nil && v.KVCapacity == capacity
+	})
+	if v := engineView(t, dial); v.LastError != "" {
+		t.Errorf("%s: last scrape error %q after a successful scrape", dial, v.LastError)
+	}
 }
