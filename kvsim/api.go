@@ -21,10 +21,12 @@ type ParsedRequest struct {
 	Model string
 	// Context is the rendered prompt text (chat template applied for chat).
 	Context []byte
-	// MaxTokens is max_tokens (or max_completion_tokens), 0 when absent.
+	// MaxTokens is max_completion_tokens or else max_tokens (16 for a
+	// completions request with neither, as vLLM), 0 when absent.
 	MaxTokens int
 	// OutputTokens is the number of tokens to generate: the smallest of max_tokens and
-	// kvsim_output_tokens, or the engine default when both are absent.
+	// kvsim_output_tokens, or the engine default when both are absent (a chat request
+	// without max_tokens: the model stops when it is done).
 	OutputTokens int
 	// LengthLimited reports that max_tokens set OutputTokens (finish reason "length").
 	LengthLimited bool
@@ -48,10 +50,14 @@ type requestBody struct {
 	Stream               bool  `json:"stream"`
 	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
 	ContinueFinalMessage bool  `json:"continue_final_message"`
-	StreamOptions        *struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
+	// StreamOptions is kept raw: vLLM refuses a non-empty one without
+	// stream, and include_usage defaults to true in it.
+	StreamOptions map[string]json.RawMessage `json:"stream_options"`
 }
+
+// completionsDefaultMaxTokens is vLLM's max_tokens for a completions request
+// without one (CompletionRequest's default, as OpenAI's legacy API had).
+const completionsDefaultMaxTokens = 16
 
 // ParseRequest parses and validates a generation request body. defaultOutput is the length
 // when neither max_tokens nor kvsim_output_tokens is set. Errors are 400 *APIErrors.
@@ -61,18 +67,33 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		return nil, errBadRequestf("Invalid JSON body: %v", err)
 	}
 	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: rb.Stream}
-	if rb.StreamOptions != nil {
+	if len(rb.StreamOptions) > 0 {
 		if !rb.Stream {
 			return nil, errBadRequest("Stream options can only be defined when `stream=True`.")
 		}
-		p.IncludeUsage = rb.StreamOptions.IncludeUsage
+		p.IncludeUsage = true // vLLM's StreamOptions default
+		if raw, ok := rb.StreamOptions["include_usage"]; ok {
+			var include *bool
+			if err := json.Unmarshal(raw, &include); err != nil {
+				return nil, errBadRequestf("stream_options.include_usage must be a boolean: %v", err)
+			}
+			p.IncludeUsage = include == nil || *include
+		}
+	} else if rb.StreamOptions != nil && rb.Stream {
+		p.IncludeUsage = true // {}: every option at its default
 	}
 	if rb.N != nil && *rb.N != 1 {
 		return nil, errBadRequest("n must be 1 in kvsim")
 	}
-	maxTokens := rb.MaxTokens
+	// vLLM takes max_completion_tokens over max_tokens (the chat API's
+	// newer name), and gives a completions request without either 16.
+	maxTokens := rb.MaxCompletionTokens
 	if maxTokens == nil {
-		maxTokens = rb.MaxCompletionTokens
+		maxTokens = rb.MaxTokens
+	}
+	if maxTokens == nil && endpoint == EndpointCompletions {
+		n := completionsDefaultMaxTokens
+		maxTokens = &n
 	}
 	p.OutputTokens = defaultOutput
 	if maxTokens != nil {

@@ -34,8 +34,9 @@ type Config struct {
 	// BytesPerToken is the pseudo-tokenizer's token length in bytes. Default 4, range 1..16.
 	BytesPerToken int `json:"bytes_per_token,omitempty"`
 
-	// DefaultOutputTokens is the generated length when a request sets neither max_tokens
-	// nor kvsim_output_tokens. Default 128.
+	// DefaultOutputTokens is the generated length of a chat request that sets neither
+	// max_tokens (nor max_completion_tokens) nor kvsim_output_tokens: the simulated
+	// model's own length. (A completions request without them gets vLLM's 16.) Default 128.
 	DefaultOutputTokens int `json:"default_output_tokens,omitempty"`
 
 	// DisablePrefixCaching turns the prefix cache off (every prompt is computed in full).

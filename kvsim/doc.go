@@ -37,12 +37,13 @@ package kvsim
 //	GET  /kvsim/faults            the injected faults ([Faults])
 //	POST /kvsim/faults            fields present in the JSON body replace the current faults
 //
-// Both generation endpoints honour stream, stream_options.include_usage, max_tokens (or
-// max_completion_tokens) and kvsim's own field kvsim_output_tokens: the number of tokens the
+// Both generation endpoints honour stream, stream_options.include_usage, max_completion_tokens
+// (or max_tokens) and kvsim's own field kvsim_output_tokens: the number of tokens the
 // simulated model generates before it stops on its own (finish reason "stop"), so that trace
 // replays reproduce recorded output lengths. The generated length is the smaller of
-// max_tokens (finish reason "length") and kvsim_output_tokens, or the configured default
-// (Config.DefaultOutputTokens) when both are absent. Every response carries the X-Kvsim-Replica header. Latency
+// max_tokens (finish reason "length") and kvsim_output_tokens; without either, 16 for a
+// completions request (vLLM's default max_tokens) and the configured default
+// (Config.DefaultOutputTokens) for a chat request. Every response carries the X-Kvsim-Replica header. Latency
 // histograms are in simulated seconds.
 //
 // KV accounting: vllm:kv_cache_usage_perc counts referenced blocks, as vLLM does; blocks

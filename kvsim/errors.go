@@ -1,15 +1,17 @@
 package kvsim
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 )
 
-// APIError is an error in vLLM's OpenAI error shape:
+// APIError is an error of vLLM's OpenAI-compatible server, which answers
+// in the OpenAI API's shape (vLLM 0.10.1 on; earlier releases sent the
+// same fields flat, with "object":"error"):
 //
-//	{"object":"error","message":"...","type":"BadRequestError","param":null,"code":400}
+//	{"error":{"message":"...","type":"BadRequestError","param":null,"code":400}}
 type APIError struct {
-	Object  string  `json:"object"`
 	Message string  `json:"message"`
 	Type    string  `json:"type"`
 	Param   *string `json:"param"`
@@ -18,6 +20,24 @@ type APIError struct {
 
 // Error returns the message.
 func (e *APIError) Error() string { return e.Message }
+
+// MarshalJSON writes the error inside its "error" object.
+func (e *APIError) MarshalJSON() ([]byte, error) {
+	type fields APIError // without this method
+	return json.Marshal(struct {
+		Error *fields `json:"error"`
+	}{(*fields)(e)})
+}
+
+// UnmarshalJSON reads the error from its "error" object.
+func (e *APIError) UnmarshalJSON(b []byte) error {
+	type fields APIError
+	var wrapped struct {
+		Error *fields `json:"error"`
+	}
+	wrapped.Error = (*fields)(e)
+	return json.Unmarshal(b, &wrapped)
+}
 
 // newAPIError returns an APIError of the given HTTP status.
 func newAPIError(code int, message string) *APIError {
@@ -30,7 +50,7 @@ func newAPIError(code int, message string) *APIError {
 	case http.StatusServiceUnavailable:
 		typ = "ServiceUnavailableError"
 	}
-	return &APIError{Object: "error", Message: message, Type: typ, Code: code}
+	return &APIError{Message: message, Type: typ, Code: code}
 }
 
 func errBadRequest(message string) *APIError {
@@ -42,10 +62,7 @@ func errBadRequestf(format string, args ...any) *APIError {
 }
 
 // errModelNotFound is vLLM's error for a model name that is neither the base model nor a
-// known adapter.
+// known adapter (its param is null).
 func errModelNotFound(model string) *APIError {
-	e := newAPIError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model))
-	param := "model"
-	e.Param = &param
-	return e
+	return newAPIError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model))
 }

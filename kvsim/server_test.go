@@ -294,8 +294,15 @@ func TestBadRequests(t *testing.T) {
 		`{"prompt":"x","stream_options":{"include_usage":true}}`, `{"prompt":""}`, `{"prompt":"` + strings.Repeat("x", 5000) + `"}`}
 	for _, b := range bad {
 		resp, out := post(t, srv.URL+"/v1/completions", b)
-		var e APIError
-		if resp.StatusCode != 400 || json.Unmarshal([]byte(out), &e) != nil || e.Code != 400 || e.Object != "error" || e.Type != "BadRequestError" {
+		// vLLM's shape since 0.10.1: the OpenAI API's, fields inside "error".
+		var e struct {
+			Error struct {
+				Message, Type string
+				Code          int
+			}
+		}
+		if resp.StatusCode != 400 || json.Unmarshal([]byte(out), &e) != nil ||
+			e.Error.Code != 400 || e.Error.Type != "BadRequestError" || e.Error.Message == "" {
 			t.Errorf("%.40s: status %d body %s", b, resp.StatusCode, out)
 		}
 	}
@@ -617,4 +624,54 @@ func TestLatencyHistograms(t *testing.T) {
 	if queue < 0 || queue > ttft || math.Abs(itl-(e2e-ttft)) > 1e-9 {
 		t.Fatalf("queue %v ttft %v e2e %v itl sum %v", queue, ttft, e2e, itl)
 	}
+}
+
+// TestVLLMRequestDefaults: the defaults vLLM's server gives where a request
+// leaves things out: 16 tokens for a completions request without
+// max_tokens; max_completion_tokens over max_tokens; include_usage true
+// in stream_options; an empty stream_options without stream is no error;
+// a model no one serves is 404 with param null.
+func TestVLLMRequestDefaults(t *testing.T) {
+	_, srv := newTestServer(t, Config{DefaultOutputTokens: 100})
+	usage := func(out string) (completion int, finish string) {
+		var r struct {
+			Choices []struct {
+				FinishReason string `json:"finish_reason"`
+			}
+			Usage struct {
+				CompletionTokens int `json:"completion_tokens"`
+			}
+		}
+		if err := json.Unmarshal([]byte(out), &r); err != nil || len(r.Choices) != 1 {
+			t.Fatalf("%v: %s", err, out)
+		}
+		return r.Usage.CompletionTokens, r.Choices[0].FinishReason
+	}
+	if n, finish := usage(mustPost(t, srv.URL+"/v1/completions", `{"prompt":"hello"}`)); n != 16 || finish != "length" {
+		t.Errorf("completions without max_tokens: %d tokens, %q; want 16, length", n, finish)
+	}
+	if n, _ := usage(mustPost(t, srv.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"max_completion_tokens":2}`)); n != 2 {
+		t.Errorf("chat with max_tokens 5 and max_completion_tokens 2: %d tokens", n)
+	}
+	if n, _ := usage(mustPost(t, srv.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}]}`)); n != 100 {
+		t.Errorf("chat without max_tokens: %d tokens, want the model's own length", n)
+	}
+	mustPost(t, srv.URL+"/v1/completions", `{"prompt":"hello","max_tokens":2,"stream_options":{}}`)
+	stream := mustPost(t, srv.URL+"/v1/completions", `{"prompt":"hello","max_tokens":2,"stream":true,"stream_options":{}}`)
+	if !strings.Contains(stream, `"usage":{"prompt_tokens"`) {
+		t.Errorf("stream_options {} without include_usage sent no usage chunk:\n%s", stream)
+	}
+	resp, out := post(t, srv.URL+"/v1/completions", `{"model":"nobody","prompt":"hello"}`)
+	if resp.StatusCode != 404 || !strings.Contains(out, `"param":null`) || !strings.HasPrefix(out, `{"error":{`) {
+		t.Errorf("unknown model: %d %s", resp.StatusCode, out)
+	}
+}
+
+func mustPost(t *testing.T, url, body string) string {
+	t.Helper()
+	resp, out := post(t, url, body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%s %s: %d %s", url, body, resp.StatusCode, out)
+	}
+	return out
 }
