@@ -87,6 +87,13 @@ func TestParseVLLMLegacy(t *testing.T) {
 	}
 }
 
+func TestParseVLLM08(t *testing.T) {
+	sig := parseFile(t, "vllm_0_8.prom")
+	if sig.Engine != engineVLLM || sig.PrefixQueries != 3000 || sig.PrefixHits != 1200 || !near(sig.KVUsage, 0.25) {
+		t.Fatalf("vLLM 0.8's gpu_prefix_cache counters not read: %+v", sig)
+	}
+}
+
 func TestParseSGLang(t *testing.T) {
 	sig := parseFile(t, "sglang.prom")
 	if sig.Engine != engineSGLang {

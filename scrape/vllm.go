@@ -19,9 +19,14 @@ const (
 	vllmKVUsageLegacy = "vllm:gpu_cache_usage_perc" // before 0.9.2; removed in 0.12
 	vllmPrefixQueries = "vllm:prefix_cache_queries_total"
 	vllmPrefixHits    = "vllm:prefix_cache_hits_total"
-	vllmCacheConfig   = "vllm:cache_config_info"
-	vllmLoRAInfo      = "vllm:lora_requests_info"
-	vllmRankLabel     = "engine"
+	// The counters' names in vLLM 0.8 (renamed in 0.9, the old names
+	// kept while deprecated); the V0 engine exported only a hit rate
+	// gauge, not read: the rate is derived from the counters.
+	vllmPrefixQueriesLegacy = "vllm:gpu_prefix_cache_queries_total"
+	vllmPrefixHitsLegacy    = "vllm:gpu_prefix_cache_hits_total"
+	vllmCacheConfig         = "vllm:cache_config_info"
+	vllmLoRAInfo            = "vllm:lora_requests_info"
+	vllmRankLabel           = "engine"
 )
 
 // vllmEngine maps vLLM's metrics. Its prefix cache hit rate is not a
@@ -36,6 +41,10 @@ var vllmEngine = engine{
 		{family: vllmCacheConfig, into: kvCapacity, labels: vllmBlocks, identifies: true, slow: true},
 		{family: vllmKVUsage, into: kvUsage, by: byCapacity, identifies: true},
 		{family: vllmKVUsageLegacy, into: kvUsage, by: byCapacity, identifies: true},
+		// The old names first: where both are exported the current
+		// ones, read later, stand.
+		{family: vllmPrefixQueriesLegacy, into: prefixQueries, by: bySum, slow: true},
+		{family: vllmPrefixHitsLegacy, into: prefixHits, by: bySum, slow: true},
 		{family: vllmPrefixQueries, into: prefixQueries, by: bySum, slow: true},
 		{family: vllmPrefixHits, into: prefixHits, by: bySum, slow: true},
 		{family: vllmLoRAInfo, into: adapters, labels: vllmAdapters},
