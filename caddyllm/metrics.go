@@ -417,7 +417,7 @@ func newFleetCollector(sh *shared) *fleetCollector {
 		blocks: prometheus.NewDesc("caddy_llm_affinity_upstream_index_blocks",
 			"Prefix blocks the index believes the upstream holds.", []string{"upstream"}, nil),
 		draining: prometheus.NewDesc("caddy_llm_affinity_upstream_drain_phase",
-			"1 for the upstream's drain phase (active, draining, drained).", []string{"upstream", "phase"}, nil),
+			"1 for the upstream's drain phase (active, draining, drained); for upstream=\"other\", how many of the upstreams no config names are in it.", []string{"upstream", "phase"}, nil),
 	}
 }
 
@@ -429,15 +429,42 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.draining
 }
 
-// Collect implements prometheus.Collector.
+// Collect implements prometheus.Collector. Upstreams no loaded config
+// names (dynamic ones, whose number has no bound) are summed under
+// upstream="other", their drain phases counted.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
+	m := c.sh.metrics
+	var other UpstreamSnapshot
+	otherPhases := map[string]int{}
 	for _, u := range c.sh.snapshot() {
-		ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedPrefillTokens), u.Dial, "prefill")
-		ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedDecodeTokens), u.Dial, "decode")
-		ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(u.InFlight), u.Dial)
-		ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(u.IndexBlocks), u.Dial)
+		m.mu.RLock()
+		named := m.named[u.Dial]
+		m.mu.RUnlock()
+		if !named {
+			other.QueuedPrefillTokens += u.QueuedPrefillTokens
+			other.QueuedDecodeTokens += u.QueuedDecodeTokens
+			other.InFlight += u.InFlight
+			other.IndexBlocks += u.IndexBlocks
+			otherPhases[u.Drain]++
+			continue
+		}
+		c.collect(ch, u, u.Dial)
 		ch <- prometheus.MustNewConstMetric(c.draining, prometheus.GaugeValue, 1, u.Dial, u.Drain)
 	}
+	if len(otherPhases) > 0 {
+		c.collect(ch, other, otherUpstream)
+		for phase, n := range otherPhases {
+			ch <- prometheus.MustNewConstMetric(c.draining, prometheus.GaugeValue, float64(n), otherUpstream, phase)
+		}
+	}
+}
+
+// collect sends u's gauges under the label upstream.
+func (c *fleetCollector) collect(ch chan<- prometheus.Metric, u UpstreamSnapshot, upstream string) {
+	ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedPrefillTokens), upstream, "prefill")
+	ch <- prometheus.MustNewConstMetric(c.queued, prometheus.GaugeValue, float64(u.QueuedDecodeTokens), upstream, "decode")
+	ch <- prometheus.MustNewConstMetric(c.inFlight, prometheus.GaugeValue, float64(u.InFlight), upstream)
+	ch <- prometheus.MustNewConstMetric(c.blocks, prometheus.GaugeValue, float64(u.IndexBlocks), upstream)
 }
 
 // UpstreamSnapshot is one upstream's live state, for the admin API and

@@ -10,6 +10,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/prometheus/common/expfmt"
+
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // TestLatencyLabelsBounded: only named upstreams become label values, and
@@ -160,5 +162,42 @@ func TestLatencyCacheBoundedByNamedUpstreams(t *testing.T) {
 	m.observeFirstToken("named:1", "warm", time.Millisecond)
 	if _, ok := (*m.series.Load())[seriesKey{"named:1", "warm"}]; !ok {
 		t.Fatal("the named upstream's series are not cached")
+	}
+}
+
+// TestUpstreamGaugesBounded: the per-upstream gauges have one set of
+// series per named upstream and one for all the others, whatever the
+// number of dynamic upstreams the router has seen.
+func TestUpstreamGaugesBounded(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	sh.metrics.name("named:1")
+	now := time.Now()
+	sh.fleet.Name("named:1", now)
+	opts := router.Options{}.WithDefaults()
+	rng := newLockedRand()
+	for i := range 300 {
+		dial := fmt.Sprintf("dyn-%d:1", i)
+		members := []router.Member{{Dial: dial, Available: true, Healthy: true}}
+		if d := sh.fleet.Decide(now, router.Request{PromptTokens: 10}, members, &opts, rng, nil); i%2 == 0 {
+			sh.fleet.Release(d.Charge, now)
+		}
+	}
+	c := newFleetCollector(sh)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(c)
+	// named:1 and other: queued (2 phases), in flight, index blocks, drain phase.
+	if n := testutil.CollectAndCount(c); n != 2*5 {
+		t.Fatalf("%d series for 1 named and 300 dynamic upstreams:\n%s", n, exposition(t, reg))
+	}
+	out := exposition(t, reg)
+	for _, want := range []string{
+		`caddy_llm_affinity_upstream_in_flight{upstream="other"} 150`,
+		`caddy_llm_affinity_upstream_drain_phase{phase="active",upstream="other"} 300`,
+		`caddy_llm_affinity_upstream_in_flight{upstream="named:1"} 0`,
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("no %s in:\n%s", want, out)
+		}
 	}
 }
