@@ -81,6 +81,11 @@ func badRequestf(param, format string, args ...any) error {
 	return errBadRequest{msg: fmt.Sprintf(format, args...), param: param}
 }
 
+// maxModelNameBytes bounds the model name.
+const maxModelNameBytes = 512
+
+var errModelTooLong = badRequestf("model", "invalid request: model must be at most %d bytes", maxModelNameBytes)
+
 // promptParam names the field that holds the request's prompt.
 func (r *Request) promptParam() string {
 	if r.Endpoint == EndpointChatCompletions {
@@ -275,14 +280,21 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		return nil, r.typeErr
 	}
 	req := &Request{Endpoint: endpoint, Stream: r.stream}
+	// max_completion_tokens, the chat API's newer name, wins, as in vLLM.
 	switch {
-	case r.maxTokens.set:
-		req.MaxTokens = max(0, r.maxTokens.v)
 	case r.maxCompletion.set:
 		req.MaxTokens = max(0, r.maxCompletion.v)
+	case r.maxTokens.set:
+		req.MaxTokens = max(0, r.maxTokens.v)
 	}
 	if r.modelSet {
-		req.Model = p.modelName(decodeString(sc.dec[:0], body[r.model.start:r.model.end], r.modelEscaped))
+		name := decodeString(sc.dec[:0], body[r.model.start:r.model.end], r.modelEscaped)
+		if len(name) > maxModelNameBytes {
+			// Model names are short; a long one would go into the access
+			// log, the 404's message and the per-model table.
+			return nil, errModelTooLong
+		}
+		req.Model = p.modelName(name)
 	}
 	switch endpoint {
 	case EndpointCompletions:

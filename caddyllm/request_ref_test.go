@@ -70,12 +70,15 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 		return nil, badRequestf("", "invalid JSON body: %v", err)
 	}
+	if len(raw.Model) > maxModelNameBytes {
+		return nil, errModelTooLong
+	}
 	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
 	switch {
-	case raw.MaxTokens != nil:
-		req.MaxTokens = max(0, *raw.MaxTokens)
 	case raw.MaxCompletionTokens != nil:
 		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
+	case raw.MaxTokens != nil:
+		req.MaxTokens = max(0, *raw.MaxTokens)
 	}
 	seed := prefixindex.Seed(req.Model, "", p.salt)
 	switch endpoint {

@@ -201,6 +201,8 @@ func TestAnswers(t *testing.T) {
 			post("/v1/completions", `{"model": "x", "prompt": `),
 		answerRow{name: "a field of the wrong type", status: 400, typ: "invalid_request_error", code: `400`, message: "messages must be an array", param: `"messages"`}.
 			post("/v1/chat/completions", `{"model":"`+model+`","messages":"nope"}`),
+		answerRow{name: "a model name longer than any model's", status: 400, typ: "invalid_request_error", code: `400`, message: "model must be at most", param: `"model"`}.
+			post("/v1/completions", `{"model":"`+strings.Repeat("m", 100_000)+`","prompt":"hi","max_tokens":2}`),
 		answerRow{name: "a chat without messages", status: 400, typ: "invalid_request_error", code: `400`, message: "messages is required", param: `"messages"`}.
 			post("/v1/chat/completions", `{"model":"`+model+`","max_tokens":4}`),
 		answerRow{name: "a 1 MB body of tiny messages (about 250,000 tokens)", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"messages"`}.
