@@ -45,9 +45,10 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 }
 
 // EngineView is what the scrapers last saw of an upstream's engine, for
-// the admin API. Counts the engine did not report are -1; so is the
-// prefix cache hit rate until known (vLLM's is measured between the
-// scrapes that read its counters, 10 s apart).
+// the admin API. Counts the engine did not report are -1; so are the KV
+// usage until the engine reported it, and the prefix cache hit rate until
+// known (vLLM's is measured between the scrapes that read its counters,
+// 10 s apart).
 type EngineView struct {
 	Engine          string   `json:"engine"`
 	AgeSeconds      float64  `json:"age_seconds"`
@@ -73,7 +74,7 @@ func (sh *shared) engineViews(now time.Time) map[string]*EngineView {
 		for _, st := range s.Statuses() {
 			v := out[st.Dial]
 			if v == nil {
-				v = &EngineView{Running: -1, Waiting: -1, PrefixHitRate: -1}
+				v = &EngineView{Running: -1, Waiting: -1, KVUsage: -1, PrefixHitRate: -1}
 				out[st.Dial] = v
 			}
 			// Several loaded configs may scrape the dial: show the state
@@ -91,7 +92,11 @@ func (sh *shared) engineViews(now time.Time) map[string]*EngineView {
 			}
 			if sig, ok := s.Latest(st.Dial, now, time.Hour); ok && (v.Engine == "" || now.Sub(sig.ScrapedAt).Seconds() < v.AgeSeconds) {
 				v.Engine, v.AgeSeconds = sig.Engine, now.Sub(sig.ScrapedAt).Seconds()
-				v.Running, v.Waiting, v.KVUsage, v.KVCapacity = sig.Running, sig.Waiting, sig.KVUsage, sig.KVCapacityTokens()
+				v.Running, v.Waiting, v.KVCapacity = sig.Running, sig.Waiting, sig.KVCapacityTokens()
+				v.KVUsage = -1
+				if sig.KVKnown {
+					v.KVUsage = sig.KVUsage
+				}
 				v.PrefixHitRate = sig.PrefixHitRate
 				v.RunningAdapters, v.Models = sig.RunningAdapters, sig.ModelIDs()
 			}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/chromedp/cdproto/cdp"
+	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/cdproto/page"
 	"github.com/chromedp/chromedp"
 
@@ -220,5 +221,29 @@ func TestStatusPageInBrowser(t *testing.T) {
 	waitCell(target, "drain", "undrained", func(s string) bool { return s == "active" })
 	if phase := r.phase(t, target); phase != "active" {
 		t.Fatalf("after undrain from the admin page the admin API says %s", phase)
+	}
+
+	// A phone's width: the rows are cards, and nothing runs past the
+	// screen or out of its cell.
+	do("narrowing the page to a phone's width", chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {
+		_, err := cdp.Call(ctx, tg, emulation.SetDeviceMetricsOverride, emulation.SetDeviceMetricsOverrideParams{
+			Width: 360, Height: 800, DeviceScaleFactor: 1, Mobile: true})
+		return err
+	}))
+	overflow := `(() => {
+		const cells = [...document.querySelectorAll("#upstreams td")];
+		if (cells.length === 0 || getComputedStyle(cells[0]).display !== "flex") return "no cards yet";
+		const over = cells.filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.dataset.label);
+		const page = document.documentElement.scrollWidth > window.innerWidth + 1 ? "the page scrolls sideways; " : "";
+		return page + (over.length ? over.length + " cells overflow: " + [...new Set(over)].join(", ") : "");
+	})()`
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		last := js(overflow)
+		if last == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("at 360 px: %s", last)
+		}
 	}
 }

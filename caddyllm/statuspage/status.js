@@ -60,21 +60,28 @@ function row(u) {
   tr.dataset.dial = u.dial;
   cell(tr, u.dial, "dial");
   const health = u.healthy === undefined ? ["unknown", "muted"] : u.healthy ? ["healthy", "ok"] : ["down", "bad"];
-  cell(tr, health[0], health[1]);
+  const h = cell(tr, health[0], health[1]);
+  // The engine's metrics not read now: the row's engine figures are old or missing.
+  if (u.engine && u.engine.last_error) {
+    h.append(document.createElement("br"), "scrape failing");
+    h.title = u.engine.last_error + " (" + fmtInt(u.engine.scrape_errors) + " failed scrapes)";
+  }
   const drainCls = u.drain === "active" ? "ok" : u.drain === "draining" ? "warn" : "bad";
   cell(tr, u.drain + (u.drain_cause ? " (" + u.drain_cause + ")" : ""), "drain " + drainCls);
   cell(tr, fmtInt(u.in_flight), "in-flight");
   cell(tr, fmtInt(u.queued_prefill_tokens + u.queued_decode_tokens), "queued");
   const cap = u.kv_capacity_tokens || (u.engine && u.engine.kv_capacity_tokens) || 0;
   let kv = fmtInt(u.kv_tokens_in_flight) + " / " + (cap ? fmtInt(cap) : "?");
-  if (u.engine) kv += " (engine " + (100 * u.engine.kv_usage).toFixed(1) + "%)";
+  // A negative usage: the engine has not reported it.
+  if (u.engine && u.engine.kv_usage >= 0) kv += " (engine " + (100 * u.engine.kv_usage).toFixed(1) + "%)";
   cell(tr, kv, "kv");
   cell(tr, pct(u.index_blocks, u.index_capacity_blocks), "index");
   // A negative rate: the engine's prefix counters are not read yet.
   const hits = u.engine && u.engine.prefix_hit_rate >= 0 ? (100 * u.engine.prefix_hit_rate).toFixed(1) + "%" : "–";
   cell(tr, hits, "hits");
-  // The last streamed request's, when there is one: a non-streaming
-  // response's "first token" is its headers, after the whole generation.
+  // The last streamed request's, when there is one (a non-streaming
+  // response's "first token" is its headers, after the whole generation);
+  // else the last request's.
   const obs = u.recent_ttft_seconds || [], est = u.recent_estimated_ttft_seconds || [];
   const last = obs.length ? [est[est.length - 1], obs[obs.length - 1]] : [u.last_estimated_ttft_seconds, u.last_ttft_seconds];
   cell(tr, fmtSec(last[0]) + " / " + fmtSec(last[1]), "ttft");
