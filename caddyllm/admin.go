@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -69,10 +70,13 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 }
 
 func handleDrain(w http.ResponseWriter, r *http.Request) error {
-	rest := strings.TrimPrefix(r.URL.Path, "/llm_affinity/upstreams/")
-	dial, ok := strings.CutSuffix(rest, "/drain")
-	if !ok || dial == "" || strings.Contains(dial, "/") {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_affinity/upstreams/{dial}/drain")}
+	// Split the path as sent, so that a dial holding slashes (a unix
+	// socket, unix//run/engine.sock) can be given escaped (%2F).
+	rest := strings.TrimPrefix(r.URL.EscapedPath(), "/llm_affinity/upstreams/")
+	escaped, ok := strings.CutSuffix(rest, "/drain")
+	dial, err := url.PathUnescape(escaped)
+	if !ok || err != nil || dial == "" || strings.Contains(escaped, "/") {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_affinity/upstreams/{dial}/drain (a dial with slashes escaped as %%2F)")}
 	}
 	if r.Method != http.MethodPost && r.Method != http.MethodDelete {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST or DELETE", r.Method)}

@@ -4,8 +4,10 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestCheckSameOrigin: the site handler lets reads through, and changes
@@ -73,5 +75,30 @@ func TestStatusHandlerErrorsInJSON(t *testing.T) {
 	if err := json.Unmarshal(w.Body.Bytes(), &body); err != nil || w.Code != http.StatusForbidden ||
 		w.Header().Get("Content-Type") != "application/json" || body.Error == "" {
 		t.Fatalf("status %d, Content-Type %q, body %q (%v)", w.Code, w.Header().Get("Content-Type"), w.Body, err)
+	}
+}
+
+// TestDrainAUnixSocketUpstream: a dial holding slashes (a unix socket) is
+// drained and undrained with its slashes escaped in the path, as the
+// status page's buttons send it.
+func TestDrainAUnixSocketUpstream(t *testing.T) {
+	sh := acquireShared()
+	defer releaseShared()
+	const dial = "unix//run/engine-7.sock"
+	sh.fleet.Name(dial, time.Now())
+	defer sh.fleet.Forget(dial)
+	path := "/llm_affinity/upstreams/" + url.PathEscape(dial) + "/drain"
+	for _, c := range []struct{ method, phase string }{{"POST", "drained"}, {"DELETE", "active"}} {
+		w := httptest.NewRecorder()
+		if err := handleDrain(w, httptest.NewRequest(c.method, path, nil)); err != nil {
+			t.Fatalf("%s %s: %v", c.method, path, err)
+		}
+		if got := sh.drains.Phase(dial).String(); got != c.phase {
+			t.Fatalf("after %s: %s, want %s", c.method, got, c.phase)
+		}
+	}
+	// Unescaped, the slashes make it another path.
+	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", "/llm_affinity/upstreams/"+dial+"/drain", nil)); err == nil {
+		t.Fatal("an unescaped dial with slashes was taken")
 	}
 }
