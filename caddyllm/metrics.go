@@ -174,6 +174,19 @@ func newMetrics(sh *shared) *metrics {
 	}
 	m.promptTokens = m.cachedTokens.WithLabelValues("prompt")
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
+	// The counters whose labels have a fixed set of values start at 0,
+	// so that a rate or an alert sees them before their first event.
+	for _, blockedBy := range []string{"kv", "draining", "unavailable", "model", "none"} {
+		m.shed.WithLabelValues(blockedBy)
+	}
+	for _, code := range []string{"model_not_found", "context_length_exceeded"} {
+		m.refused.WithLabelValues(code)
+	}
+	for _, cause := range []string{"drain", "upstream_error"} {
+		for _, outcome := range []string{"redispatched", "continued", "cut"} {
+			m.movedRequests.WithLabelValues(cause, outcome)
+		}
+	}
 	m.collectors = []prometheus.Collector{
 		m.decisions, m.shed, m.refused, m.queued, m.matchedTokens, m.cachedTokens,
 		m.timeToFirstToken, m.requestDuration, m.queueWait, m.estimateError, m.prefixMatch,

@@ -258,6 +258,14 @@ func TestClusterSharesOneView(t *testing.T) {
 	if share := conversations(t, routers, "synced", 8, 5); share < 0.9 {
 		t.Fatalf("only %.0f%% of later turns stayed on the first turn's replica", 100*share)
 	}
+	// The dashboard's sync panels query what a router with sync exports
+	// (the quickstart test checks the rest of the dashboard).
+	mfs := metricFamilies(t, routers[0].admin+"/metrics")
+	for _, name := range dashboardMetrics(t) {
+		if strings.HasPrefix(name, "caddy_llm_affinity_sync_") && !exported(mfs, name) {
+			t.Errorf("the dashboard queries %s, which a router with sync does not export", name)
+		}
+	}
 
 	// An operator drains replica 0 through router 0: all three stop
 	// sending it new requests.
