@@ -159,6 +159,9 @@ func BenchmarkSelect(b *testing.B) {
 		if p.Select(pool, r, w) == nil {
 			b.Fatal("no upstream")
 		}
+		// Served: its first token keeps the prefix in the index, as a
+		// conversation's turns find it.
+		p.sh.fleet.Progress(st.current.charge, 1, time.Now())
 		st.current.release()
 	}
 	cputime.Report(b, cpu)

@@ -231,6 +231,29 @@ func (ix *Index) Insert(id UpstreamID, hashes []uint64) {
 	}
 }
 
+// Forget forgets that upstream id holds hashes (a request routed there
+// failed before the engine prefilled them). Hashes it does not hold are
+// skipped.
+func (ix *Index) Forget(id UpstreamID, hashes []uint64) {
+	g, l, bit := ix.slot(id)
+	if g == nil {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, h := range hashes {
+		s := l.slots.find(h, l.entries)
+		if s == 0 {
+			continue
+		}
+		l.slots.remove(h, l.entries)
+		l.unlink(s)
+		l.entries[s].next = l.free
+		l.free = s
+		g.clearBit(h, bit)
+	}
+}
+
 // Remove forgets everything upstream id holds and frees its handle.
 func (ix *Index) Remove(id UpstreamID) {
 	ix.regMu.Lock()

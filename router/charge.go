@@ -24,6 +24,9 @@ type Charge struct {
 	FirstToken time.Time
 	// Tokens counts the output tokens reported by Progress.
 	Tokens int
+	// unconfirmed are the blocks the decision added to the upstream's
+	// index, until the first token says the engine prefilled them.
+	unconfirmed []uint64
 }
 
 // Dial is the upstream the charge is on.
@@ -50,6 +53,7 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		u.lastTTFT = now.Sub(c.Started)
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
+		c.unconfirmed = nil
 	}
 	c.Tokens += n
 	d := min(n, c.decode)
@@ -115,6 +119,12 @@ func (f *Fleet) Release(c *Charge, now time.Time) {
 	defer f.mu.Unlock()
 	if c.up != nil {
 		f.publish(Event{Kind: EventReleased, ID: c.id})
+		// It failed before its first token: the engine most likely did
+		// not prefill what the decision added to the index, and the
+		// conversation's next turn must not be sent there as warm.
+		if len(c.unconfirmed) > 0 && !c.up.forgotten {
+			f.index.Forget(c.up.id, c.unconfirmed)
+		}
 	}
 	f.release(c, now)
 }
@@ -130,7 +140,7 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.kvTokens -= c.kv
 	u.inFlight--
 	u.lastUsed = now
-	c.up, c.prefill, c.decode, c.kv = nil, 0, 0, 0
+	c.up, c.prefill, c.decode, c.kv, c.unconfirmed = nil, 0, 0, 0, nil
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}

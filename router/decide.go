@@ -117,6 +117,11 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	if sreq.Adapter != "" {
 		u.useAdapter(sreq.Adapter)
 	}
+	// The blocks beyond what the upstream held are the decision's own
+	// (f.scratchDepths is the match of this decision).
+	if held := f.scratchDepths[u.id]; held < len(req.Hashes) {
+		c.unconfirmed = req.Hashes[held:]
+	}
 	f.index.Insert(u.id, req.Hashes)
 	f.publish(Event{
 		Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(req),

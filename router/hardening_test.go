@@ -45,7 +45,7 @@ func TestCompleteLearnsOnce(t *testing.T) {
 	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
 	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
 	d = f.Decide(t0, Request{PromptTokens: 10, Model: "m"}, members("a"), &opts, rng(), nil)
-	f.Release(d.Charge, t0)
+	served(f, d.Charge, t0)
 	f.Complete(d.Charge, "m", Usage{OutputTokens: 100}, t0)
 	if n := f.models["m"].output.n; n != 1 {
 		t.Fatalf("%d samples learned from one completion", n)
@@ -67,7 +67,7 @@ func TestAbsurdEngineQueue(t *testing.T) {
 		ms := members("a", "b")
 		for range 3 { // a mean prompt of 1,000 tokens
 			d := f.Decide(t0, Request{PromptTokens: 1000, Model: "m"}, ms, &opts, rng(), nil)
-			f.Release(d.Charge, t0)
+			served(f, d.Charge, t0)
 		}
 		ms[0].Engine = &scrape.Signals{Running: 0, Waiting: 1e16}
 		ms[1].Engine = &scrape.Signals{Running: 4, Waiting: 2}
@@ -104,7 +104,7 @@ func TestRestartReportedByTwoScrapers(t *testing.T) {
 	siteA, siteB := members("a"), members("a")
 	siteA[0].Engine = &scrape.Signals{Running: -1, Waiting: -1}
 	siteB[0].Engine = &scrape.Signals{Running: -1, Waiting: -1}
-	f.Release(f.Decide(t0, req, siteA, &opts, rng(), nil).Charge, t0)
+	served(f, f.Decide(t0, req, siteA, &opts, rng(), nil).Charge, t0)
 	siteA[0].Engine.LastRestart = t0.Add(time.Second) // site A's scraper sees the engine restart
 	cold := 0
 	for i := range 10 {
@@ -116,7 +116,7 @@ func TestRestartReportedByTwoScrapers(t *testing.T) {
 		if d.MatchedTokens == 0 {
 			cold++
 		}
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 	if u := state(t, f, "a"); cold != 1 || u.IndexResets != 1 {
 		t.Fatalf("one restart: %d cold decisions, %d index resets", cold, u.IndexResets)
@@ -138,16 +138,16 @@ func TestStaleScrapeKeepsTheEnginesCapacity(t *testing.T) {
 	}
 	ms[0].Engine = fresh
 	for _, r := range reqs {
-		f.Release(f.Decide(t0, r, ms, &opts, rng(), nil).Charge, t0)
+		served(f, f.Decide(t0, r, ms, &opts, rng(), nil).Charge, t0)
 	}
 	ms[0].Engine = nil // one decision while the scrape is stale
-	f.Release(f.Decide(t0.Add(time.Second), reqs[19], ms, &opts, rng(), nil).Charge, t0)
+	served(f, f.Decide(t0.Add(time.Second), reqs[19], ms, &opts, rng(), nil).Charge, t0)
 	ms[0].Engine = fresh
 	for i, r := range reqs {
 		d := f.Decide(t0.Add(2*time.Second), r, ms, &opts, rng(), nil)
 		if d.MatchedTokens == 0 {
 			t.Fatalf("prompt %d forgotten after one stale scrape", i)
 		}
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 }

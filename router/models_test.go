@@ -39,13 +39,13 @@ func TestLearnedBytesPerToken(t *testing.T) {
 	if got := state(t, f, "a").QueuedPrefillTokens; got != 2048 {
 		t.Errorf("after learning, a cold 4096-byte prompt charged %d prefill tokens, want 2048", got)
 	}
-	f.Release(d.Charge, now)
+	served(f, d.Charge, now)
 	// The same prompt again: its whole prefix is held, at the same scale.
 	d = f.Decide(now, text(100), members("a"), &opts, rng(), nil)
 	if d.MatchedTokens != 2048 || state(t, f, "a").QueuedPrefillTokens != 0 {
 		t.Errorf("a repeated prompt matched %d tokens and charged %d, want 2048 and 0", d.MatchedTokens, state(t, f, "a").QueuedPrefillTokens)
 	}
-	f.Release(d.Charge, now)
+	served(f, d.Charge, now)
 
 	ids := text(200)
 	ids.PromptBytes = 0 // token ids: exact
@@ -53,14 +53,14 @@ func TestLearnedBytesPerToken(t *testing.T) {
 	if got := state(t, f, "a").QueuedPrefillTokens; got != 1024 {
 		t.Errorf("a prompt of token ids charged %d, want its exact 1024", got)
 	}
-	f.Release(d.Charge, now)
+	served(f, d.Charge, now)
 	other := text(300)
 	other.Model = "prose"
 	d = f.Decide(now, other, members("a"), &opts, rng(), nil)
 	if got := state(t, f, "a").QueuedPrefillTokens; got != 1024 {
 		t.Errorf("another model charged %d, want the configured estimate 1024", got)
 	}
-	f.Release(d.Charge, now)
+	served(f, d.Charge, now)
 }
 
 // One odd usage report (a proxy that rewrote the prompt, a prompt of

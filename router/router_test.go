@@ -32,6 +32,16 @@ func hashes(seed uint64, tokens int) []uint64 {
 
 func rng() scorer.Rand { return rand.New(rand.NewPCG(1, 2)) }
 
+// served ends c as a request the engine served: its first token came, so
+// what its decision added to the index stays (a release before the first
+// token takes it back).
+func served(f *Fleet, c *Charge, now time.Time) {
+	if c != nil {
+		f.Progress(c, 1, now)
+	}
+	f.Release(c, now)
+}
+
 func state(t *testing.T, f *Fleet, dial string) UpstreamState {
 	t.Helper()
 	for _, u := range f.Snapshot(t0) {
@@ -129,7 +139,7 @@ func TestKVFit(t *testing.T) {
 	if !f.Fits(t0, big, ms[0], &opts) {
 		t.Fatal("Fits says no to a prompt the replica holds")
 	}
-	f.Release(d.Charge, t0)
+	served(f, d.Charge, t0)
 	if !f.Fits(t0, other, ms[0], &opts) {
 		t.Fatal("Fits says no after the release")
 	}
@@ -148,7 +158,7 @@ func TestTriedAvoided(t *testing.T) {
 		if d.Chosen != 1 {
 			t.Fatalf("chose the tried upstream over an untried one")
 		}
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 	ms[1].Available = false
 	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
@@ -165,7 +175,7 @@ func TestAdapterResidency(t *testing.T) {
 	ms := members("a")
 	for _, a := range []string{"l0", "l1", "l2"} {
 		d := f.Decide(t0, Request{Model: a, PromptTokens: 10}, ms, &opts, rng(), nil)
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 	u := f.upstreams["a"]
 	for adapter, want := range map[string]scorer.AdapterState{"l2": scorer.AdapterResident, "l1": scorer.AdapterResident, "l0": scorer.AdapterHost, "l9": scorer.AdapterRemote} {
@@ -213,7 +223,7 @@ func TestIndexSizedForTheSmallestBlock(t *testing.T) {
 	ms[0].Hardware.KVCapacityTokens = 64 * 1024
 	decide := func(bt int) {
 		d := f.Decide(t0, Request{BlockTokens: bt, PromptTokens: 10}, ms, &opts, rng(), nil)
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 	decide(64)
 	decide(256)
@@ -235,7 +245,7 @@ func TestNamedUpstreamsLifecycle(t *testing.T) {
 	f.Name("named", t0)
 	f.Name("busy", t0)
 	d := f.Decide(t0, Request{PromptTokens: 10}, members("busy"), &opts, rng(), nil)
-	f.Release(f.Decide(t0, Request{PromptTokens: 10}, members("dynamic"), &opts, rng(), nil).Charge, t0)
+	served(f, f.Decide(t0, Request{PromptTokens: 10}, members("dynamic"), &opts, rng(), nil).Charge, t0)
 	if dropped := f.Expire(t0.Add(time.Hour)); !slices.Equal(dropped, []string{"dynamic"}) || f.Known("dynamic") || !f.Known("named") {
 		t.Fatalf("expired %v; dynamic known %v, named known %v", dropped, f.Known("dynamic"), f.Known("named"))
 	}
@@ -247,7 +257,7 @@ func TestNamedUpstreamsLifecycle(t *testing.T) {
 	if !f.Known("busy") {
 		t.Fatal("a forgotten upstream went with a request in flight")
 	}
-	f.Release(d.Charge, t0)
+	served(f, d.Charge, t0)
 	if f.Known("busy") {
 		t.Fatal("a forgotten upstream stayed after its last request")
 	}
@@ -256,7 +266,7 @@ func TestNamedUpstreamsLifecycle(t *testing.T) {
 	d = f.Decide(t0, Request{PromptTokens: 10}, members("back"), &opts, rng(), nil)
 	f.Forget("back")
 	f.Name("back", t0)
-	f.Release(d.Charge, t0)
+	served(f, d.Charge, t0)
 	if !f.Known("back") {
 		t.Fatal("an upstream named again was dropped")
 	}
@@ -275,7 +285,7 @@ func BenchmarkDecide(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		d := f.Decide(t0, req, ms, &opts, r, nil)
-		f.Release(d.Charge, t0)
+		served(f, d.Charge, t0)
 	}
 }
 
@@ -319,8 +329,8 @@ func TestTooLong(t *testing.T) {
 	if d := f.Decide(t0, Request{PromptTokens: 4000}, ms, &opts, rng(), nil); d.Charge != nil || d.TooLong {
 		t.Fatalf("a prompt that fits an empty member was called too long: %+v", d)
 	}
-	f.Release(full.Charge, t0)
-	f.Release(full2.Charge, t0)
+	served(f, full.Charge, t0)
+	served(f, full2.Charge, t0)
 	ms[1].Hardware.KVCapacityTokens = 0 // unknown: it may hold it
 	if d := f.Decide(t0, Request{PromptTokens: 5000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
 		t.Fatalf("with b's capacity unknown: %+v", d)
@@ -339,7 +349,7 @@ func TestEngineRestartForgetsTheIndex(t *testing.T) {
 	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, LastRestart: t0.Add(-time.Minute)}
 	req := Request{Hashes: hashes(3, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 8, Model: "m"}
 	d := f.Decide(t0, req, ms, &opts, rng(), nil)
-	f.Release(d.Charge, t0)
+	served(f, d.Charge, t0)
 	if u := state(t, f, "a"); u.IndexResets != 0 || u.IndexBlocks != 8 {
 		t.Fatalf("a restart seen before anything was routed: %+v", u)
 	}
@@ -350,5 +360,36 @@ func TestEngineRestartForgetsTheIndex(t *testing.T) {
 	}
 	if u := state(t, f, "a"); u.IndexResets != 1 {
 		t.Fatalf("the restart was not counted: %+v", u)
+	}
+}
+
+// TestFailedAttemptForgetsItsBlocks: a request released before its first
+// token (it failed before the engine prefilled it) takes back the blocks
+// its decision added to the index, not those the upstream held before; one
+// that got its first token keeps them.
+func TestFailedAttemptForgetsItsBlocks(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	system := hashes(5, 1024) // 16 blocks every turn shares
+	turn := func(extra int) Request {
+		h := append(append([]uint64(nil), system...), hashes(uint64(100+extra), 256)...)
+		return Request{Hashes: h, BlockTokens: 64, PromptTokens: 1024 + 256, MaxTokens: 8, Model: "m"}
+	}
+	// The shared part, served: the upstream holds it.
+	first := f.Decide(t0, Request{Hashes: system, BlockTokens: 64, PromptTokens: 1024, MaxTokens: 8, Model: "m"}, ms, &opts, rng(), nil)
+	f.Progress(first.Charge, 1, t0)
+	f.Complete(first.Charge, "m", Usage{OutputTokens: 8}, t0)
+
+	failed := f.Decide(t0, turn(1), ms, &opts, rng(), nil)
+	f.Release(failed.Charge, t0) // e.g. the engine answered 500 at once
+	again := f.Decide(t0, turn(1), ms, &opts, rng(), nil)
+	if again.MatchedTokens != 1024 {
+		t.Fatalf("after a failed attempt the turn matched %d tokens, want the 1,024 held before", again.MatchedTokens)
+	}
+	f.Progress(again.Charge, 1, t0) // this one was prefilled, then the client left
+	f.Release(again.Charge, t0)
+	if d := f.Decide(t0, turn(1), ms, &opts, rng(), nil); d.MatchedTokens != 1280 {
+		t.Fatalf("after a prefilled attempt the turn matched %d tokens, want 1,280", d.MatchedTokens)
 	}
 }
