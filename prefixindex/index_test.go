@@ -234,3 +234,28 @@ func buildBenchIndex(upstreams, total, reqBlocks int) (*Index, []uint64) {
 	}
 	return ix, trunk
 }
+
+// TestForgetTakesBackOneChainsTail: forgetting the blocks one request
+// added leaves what was held before, frees their room for new blocks, and
+// leaves other upstreams alone; blocks not held are skipped.
+func TestForgetTakesBackOneChainsTail(t *testing.T) {
+	ix := New(0)
+	u, v := ix.Register("u:1"), ix.Register("v:1")
+	ix.SetCapacity(u, 10)
+	trunk := chainOf(nil, 4, 1)
+	turn := chainOf(trunk, 4, 2) // trunk + 4 blocks of its own
+	ix.Insert(u, trunk)
+	ix.Insert(u, turn)
+	ix.Insert(v, turn)
+	ix.Forget(u, turn[4:])
+	ix.Forget(u, chainOf(nil, 3, 9)) // never held
+	if m := ix.Match(turn, nil); m[u] != 4 || m[v] != 8 || ix.Blocks(u) != 4 {
+		t.Fatalf("after forgetting u's tail: u matched %d (holds %d), v %d; want 4 (4), 8", m[u], ix.Blocks(u), m[v])
+	}
+	// The freed room holds new blocks without evicting the trunk.
+	other := chainOf(nil, 6, 3)
+	ix.Insert(u, other)
+	if m := ix.Match(trunk, nil); m[u] != 4 || ix.Blocks(u) != 10 {
+		t.Fatalf("the trunk after 6 new blocks in a 10-block index: matched %d, holds %d", m[u], ix.Blocks(u))
+	}
+}
