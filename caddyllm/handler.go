@@ -121,8 +121,15 @@ func (h *Handler) Validate() error {
 	if h.BlockTokens > 1<<16 {
 		return fmt.Errorf("block_tokens %d is too large", h.BlockTokens)
 	}
+	if h.MaxBodyBytes > maxMaxBodyBytes {
+		return fmt.Errorf("max_body %d is larger than %d (1 GiB): the router holds a request's whole body", h.MaxBodyBytes, int64(maxMaxBodyBytes))
+	}
 	return nil
 }
+
+// maxMaxBodyBytes bounds max_body: a body is held in memory while it is
+// routed and sent.
+const maxMaxBodyBytes = 1 << 30
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
@@ -238,16 +245,37 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 	}
 	defer r.Body.Close()
 	if r.ContentLength > 0 {
-		// The server's body reader ends at the Content-Length: read
-		// exactly that, into one buffer of its size.
-		buf := make([]byte, r.ContentLength)
-		_, err := io.ReadFull(r.Body, buf)
-		return buf, err
+		return readDeclared(r.Body, r.ContentLength)
 	}
 	limited := http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes)
 	var buf bytes.Buffer
 	_, err := buf.ReadFrom(limited)
 	return buf.Bytes(), err
+}
+
+// bodyChunk is the most memory a body gets before its bytes arrive.
+const bodyChunk = 256 << 10
+
+// readDeclared reads a body of the declared length n (the server's reader
+// ends there) into one buffer of that size when it is small, as nearly
+// every body is; a larger one grows as its bytes arrive, so a client that
+// declares a huge body and sends nothing costs no more than bodyChunk.
+func readDeclared(body io.Reader, n int64) ([]byte, error) {
+	buf := make([]byte, min(n, bodyChunk))
+	read := 0
+	for {
+		m, err := io.ReadFull(body, buf[read:])
+		read += m
+		if err != nil {
+			return buf[:read], err
+		}
+		if int64(read) == n {
+			return buf, nil
+		}
+		next := make([]byte, min(n, 2*int64(len(buf))))
+		copy(next, buf)
+		buf = next
+	}
 }
 
 // writeAPIError writes an OpenAI-style error body whose code is the

@@ -2,9 +2,11 @@ package caddyllm
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -124,5 +126,27 @@ func TestAttemptContextCarriesState(t *testing.T) {
 	<-derived.Done()
 	if context.Cause(derived) != errDrainCut {
 		t.Fatalf("cause %v", context.Cause(derived))
+	}
+}
+
+// TestDeclaredLengthIsNotAllocatedUpFront: a body declaring a gigabyte and
+// sending ten bytes costs no more than a chunk, and reads as cut short; a
+// body that does arrive in full is read whole, whatever its size.
+func TestDeclaredLengthIsNotAllocatedUpFront(t *testing.T) {
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	b, err := readDeclared(strings.NewReader("0123456789"), 1<<30)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, io.ErrUnexpectedEOF) || string(b) != "0123456789" {
+		t.Fatalf("read %q, %v", b, err)
+	}
+	if n := after.TotalAlloc - before.TotalAlloc; n > 2*bodyChunk {
+		t.Fatalf("a 10-byte body declaring 1 GiB allocated %d bytes", n)
+	}
+	for _, size := range []int{1, 600, bodyChunk, bodyChunk + 1, 3*bodyChunk + 17} {
+		want := strings.Repeat("x", size)
+		if got, err := readDeclared(strings.NewReader(want), int64(size)); err != nil || string(got) != want {
+			t.Fatalf("%d bytes: read %d, %v", size, len(got), err)
+		}
 	}
 }

@@ -151,8 +151,10 @@ func (c Config) Validate() error {
 	switch {
 	case c.BlockSize < 1:
 		return fmt.Errorf("block_size must be positive, got %d", c.BlockSize)
-	case c.NumGPUBlocks < 1:
-		return fmt.Errorf("num_gpu_blocks must be positive, got %d", c.NumGPUBlocks)
+	case c.NumGPUBlocks < 1 || c.NumGPUBlocks > MaxGPUBlocks:
+		return fmt.Errorf("num_gpu_blocks must be in 1..%d, got %d", MaxGPUBlocks, c.NumGPUBlocks)
+	case c.BlockSize > 1<<12:
+		return fmt.Errorf("block_size must be at most %d, got %d", 1<<12, c.BlockSize)
 	case c.MaxNumSeqs < 1:
 		return fmt.Errorf("max_num_seqs must be positive, got %d", c.MaxNumSeqs)
 	case c.MaxNumBatchedTokens < 1:
@@ -167,6 +169,13 @@ func (c Config) Validate() error {
 		return fmt.Errorf("max_loras and max_cpu_loras must be positive")
 	case c.StepOverhead < 0 || c.PerPrefillToken < 0 || c.PerDecodeSequence < 0 || c.PerContextToken < 0:
 		return fmt.Errorf("step time coefficients must not be negative")
+	case c.LoRAHostLoad < 0 || c.LoRAStorageLoad < 0:
+		return fmt.Errorf("lora_host_load and lora_storage_load must not be negative")
 	}
 	return nil
 }
+
+// MaxGPUBlocks bounds num_gpu_blocks: the simulator keeps a record per
+// block, and a real GPU's KV cache holds far fewer (an 80 GB H100 serving
+// an 8B model holds about 30,000 blocks of 16 tokens).
+const MaxGPUBlocks = 1 << 22

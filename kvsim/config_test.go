@@ -1,6 +1,7 @@
 package kvsim
 
 import (
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -43,6 +44,29 @@ func checkOptions(t *testing.T, v reflect.Value, options []Option) {
 			t.Errorf("%s.%s has no option", v.Type(), field.Name)
 		case o.Name != name || reflect.TypeOf(o.Field).Elem() != field.Type:
 			t.Errorf("%s.%s (JSON %q, %s) has option %q (%T)", v.Type(), field.Name, name, field.Type, o.Name, o.Field)
+		}
+	}
+}
+
+// TestConfigBounds: values that would exhaust memory or time, or are not
+// numbers, are refused with the option's name.
+func TestConfigBounds(t *testing.T) {
+	for name, c := range map[string]Config{
+		"num_gpu_blocks": {NumGPUBlocks: MaxGPUBlocks + 1},
+		"block_size":     {BlockSize: 1 << 13},
+		"lora_host_load": {LoRAHostLoad: -time.Second},
+	} {
+		if err := c.WithDefaults().Validate(); err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	for _, sc := range []ServerConfig{
+		{Speed: math.NaN()}, {Speed: math.Inf(1)}, {Speed: MaxSpeed + 1}, {Speed: -1},
+		{Faults: Faults{ErrorRate: math.NaN()}}, {Faults: Faults{ErrorRate: 5}}, {Faults: Faults{CutAfterTokens: -1}},
+	} {
+		if s, err := NewServer(sc); err == nil {
+			s.Close()
+			t.Errorf("%+v accepted", sc)
 		}
 	}
 }

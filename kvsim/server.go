@@ -37,6 +37,21 @@ type Faults struct {
 	CutAfterTokens int `json:"cut_after_tokens"`
 }
 
+// Validate checks f's values.
+func (f Faults) Validate() error {
+	if !(f.ErrorRate >= 0 && f.ErrorRate <= 1) { // NaN too
+		return fmt.Errorf("error_rate must be in 0..1, got %v", f.ErrorRate)
+	}
+	if f.CutAfterTokens < 0 {
+		return fmt.Errorf("cut_after_tokens must not be negative, got %d", f.CutAfterTokens)
+	}
+	return nil
+}
+
+// MaxSpeed bounds ServerConfig.Speed: beyond it simulated time, counted in
+// nanoseconds, would run out within days of wall clock.
+const MaxSpeed = 10_000
+
 // Options returns f's settings, with Field pointing into f. The Caddyfile and cmd/kvsim name
 // them with a fault_ (fault-) prefix.
 func (f *Faults) Options() []Option {
@@ -82,6 +97,12 @@ type Server struct {
 
 // NewServer builds a server and starts its engine driver.
 func NewServer(sc ServerConfig) (*Server, error) {
+	if !(sc.Speed >= 0 && sc.Speed <= MaxSpeed) { // NaN too
+		return nil, fmt.Errorf("speed must be in 0..%d (0: 1), got %v", MaxSpeed, sc.Speed)
+	}
+	if err := sc.Faults.Validate(); err != nil {
+		return nil, fmt.Errorf("fault_%w", err)
+	}
 	engine, err := NewEngine(sc.Engine)
 	if err != nil {
 		return nil, err
@@ -535,8 +556,8 @@ func (s *Server) handleFaults(w http.ResponseWriter, r *http.Request) {
 			dec.DisallowUnknownFields()
 			err = dec.Decode(&f)
 		}
-		if err == nil && (f.ErrorRate < 0 || f.ErrorRate > 1) {
-			err = errors.New("error_rate must be in 0..1")
+		if err == nil {
+			err = f.Validate()
 		}
 		if err != nil {
 			writeError(w, errBadRequestf("Invalid faults: %v", err))

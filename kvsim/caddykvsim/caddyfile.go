@@ -1,6 +1,7 @@
 package caddykvsim
 
 import (
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -134,8 +135,8 @@ func parseOption(d *caddyfile.Dispenser, field any) error {
 		*p = n
 	case *float64:
 		f, err := strconv.ParseFloat(v, 64)
-		if err != nil {
-			return d.Errf("bad %s %q: %v", option, v, err)
+		if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+			return d.Errf("bad %s %q: want a finite number", option, v)
 		}
 		*p = f
 	case *time.Duration:

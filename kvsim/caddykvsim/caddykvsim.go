@@ -120,8 +120,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.Name == "" {
 		h.Name = "kvsim"
 	}
-	if h.Speed < 0 {
-		return fmt.Errorf("kvsim %s: speed must not be negative", h.Name)
+	if !(h.Speed >= 0 && h.Speed <= kvsim.MaxSpeed) {
+		return fmt.Errorf("kvsim %s: speed must be in 0..%d, got %v", h.Name, kvsim.MaxSpeed, h.Speed)
+	}
+	if h.Faults != nil {
+		if err := h.Faults.Validate(); err != nil {
+			return fmt.Errorf("kvsim %s: fault_%w", h.Name, err)
+		}
 	}
 	h.Config = h.Config.WithDefaults()
 	if err := h.Config.Validate(); err != nil {
