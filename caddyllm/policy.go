@@ -194,6 +194,8 @@ type Policy struct {
 	ctx      caddy.Context
 	parent   func() []*reverseproxy.Upstream
 	watching *atomic.Bool
+	// warnedUnparsed records that the missing handler was logged.
+	warnedUnparsed *atomic.Bool
 	health   *healthWatch
 
 	// sh is the shared routing state; site names this policy as the
@@ -310,6 +312,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// dials are known now (read in the parent's own Provision, so without
 	// a race).
 	p.ctx, p.parent, p.watching, p.health = ctx, parentUpstreams(ctx), new(atomic.Bool), new(healthWatch)
+	p.warnedUnparsed = new(atomic.Bool)
 	go p.watchHealthOnceRunning(caddy.ActiveContext().Context)
 	for _, u := range p.parent() {
 		p.named = append(p.named, u.Dial)
@@ -728,6 +731,14 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	p.sh.metrics.decision(fallbackReason).Inc()
+	// A generation request the handler did not read: the llm_affinity
+	// directive is missing from the route, or comes after reverse_proxy.
+	// Affinity is then off for every request; say so once.
+	if p.warnedUnparsed != nil && endpointOf(r.Method, r.URL.Path) != EndpointOther && p.warnedUnparsed.CompareAndSwap(false, true) {
+		p.logger.Warn("a generation request reached lb_policy llm_affinity without the llm_affinity handler having read it: "+
+			"routing such requests with the fallback policy, without affinity; put the llm_affinity directive in the route before reverse_proxy",
+			zap.String("path", r.URL.Path))
+	}
 	if p.fallback != nil {
 		return p.fallback.Select(pool, r, w)
 	}

@@ -295,3 +295,42 @@ func TestStatusPageOrigins(t *testing.T) {
 		t.Logf("Caddy's admin API now lets a browser navigate to it (%d): the README's advice to use the site handler can be relaxed", code)
 	}
 }
+
+// TestMissingHandlerIsLogged: lb_policy llm_affinity without the
+// llm_affinity handler in the route routes every request without affinity;
+// the router says so in its log, once.
+func TestMissingHandlerIsLogged(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	adminAddr := fmt.Sprintf("localhost:%d", freePort(t))
+	site := fmt.Sprintf("http://localhost:%d", freePort(t))
+	proc := runCaddy(t, buildCaddy(t), "nohandler", fmt.Sprintf(`{
+	admin %s
+	persist_config off
+	skip_install_trust
+}
+%s {
+	reverse_proxy %s {
+		lb_policy llm_affinity
+	}
+}
+`, adminAddr, site, dials(fleet)), adminAddr)
+	for range 3 {
+		eventually(t, 30*time.Second, "a completion through the site", func() bool {
+			resp, err := http.Post(site+"/v1/completions", "application/json",
+				strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"hello","max_tokens":2}`))
+			if err != nil {
+				return false
+			}
+			resp.Body.Close()
+			return resp.StatusCode == 200
+		})
+	}
+	const warning = "without the llm_affinity handler having read it"
+	eventually(t, 10*time.Second, "the missing handler in the log", func() bool {
+		log, _ := os.ReadFile(proc.log)
+		return strings.Contains(string(log), warning)
+	})
+	if log, _ := os.ReadFile(proc.log); strings.Count(string(log), warning) != 1 {
+		t.Fatalf("the warning is logged %d times", strings.Count(string(log), warning))
+	}
+}
