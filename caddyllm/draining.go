@@ -80,6 +80,7 @@ func (p *Policy) watchHealthOnceRunning(before context.Context) {
 		case <-t.C:
 		}
 		if caddy.ActiveContext().Context != before {
+			p.sh.applyPendingDrains(p.site)
 			if p.watching.CompareAndSwap(false, true) {
 				p.watchUpstreamHealth(p.ctx, p.parent)
 			}

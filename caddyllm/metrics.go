@@ -446,6 +446,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 // names (dynamic ones, whose number has no bound) are summed under
 // upstream="other", their drain phases counted.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
+	c.sh.applyPendingDrains("") // the drain phases of the running config
 	m := c.sh.metrics
 	var other UpstreamSnapshot
 	otherPhases := map[string]int{}

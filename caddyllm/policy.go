@@ -327,17 +327,25 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	p.sh = acquireShared()
 	p.sh.nameUpstreams(p.named)
 	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named)
+	// A config drain already in force (the running config has it too) is
+	// held by this site from now on, so a reload never lets it lapse; a
+	// new one takes effect once this config runs: Caddy may still reject
+	// it, and a rejected config must not drain, nor cut, anything.
+	var pending []string
 	for _, dial := range p.Drain {
-		p.sh.drains.Drain(dial, time.Duration(p.DrainDeadline), drain.Hold{Cause: drain.ByConfig, Owner: p.site})
+		if !p.sh.drains.AddHold(dial, drain.Hold{Cause: drain.ByConfig, Owner: p.site}) {
+			pending = append(pending, dial)
+		}
 	}
+	p.sh.deferDrains(p.site, pending, caddy.ActiveContext().Context)
 	// An upstream some site's health checks drained stays drained under
 	// this site's name until this site's own checks find it healthy: on a
 	// reload the old site lets go of its hold before this site's watcher
-	// (started by the first request) has looked, and the drain must not
-	// lapse, nor its deadline restart, meanwhile.
+	// has looked, and the drain must not lapse, nor its deadline change,
+	// meanwhile.
 	for _, dial := range p.named {
 		if p.sh.drains.HeldBy(dial, drain.ByHealth) {
-			p.sh.drains.Drain(dial, time.Duration(p.DrainDeadline), drain.Hold{Cause: drain.ByHealth, Owner: p.site})
+			p.sh.drains.AddHold(dial, drain.Hold{Cause: drain.ByHealth, Owner: p.site})
 		}
 	}
 	if p.ScrapeInterval > 0 {
@@ -465,6 +473,8 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	if p.watching != nil && !p.watching.Load() && p.watching.CompareAndSwap(false, true) {
 		go p.watchUpstreamHealth(p.ctx, p.parent)
 	}
+	// This config serves requests, so it runs: its drains are in force.
+	p.sh.applyPendingDrains(p.site)
 	st := requestStateOf(r)
 	if st == nil {
 		return p.selectFallback(pool, r, w)

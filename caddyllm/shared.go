@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"context"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -55,6 +56,9 @@ type shared struct {
 
 	mu       sync.Mutex
 	sites    map[string]*site
+	// pendingSites counts the sites with deferred drains, so that the
+	// routing path skips applyPendingDrains' lock when there are none.
+	pendingSites atomic.Int32
 	scrapers map[*scrape.Scraper]bool
 	nextSite uint64
 }
@@ -64,6 +68,12 @@ type shared struct {
 type site struct {
 	drainDeadline time.Duration
 	dials         []string
+	// pending are the config's drains not in force yet: they take effect
+	// once the config runs (a config Caddy rejects must not drain, nor
+	// cut, anything), which is when running differs from the config that
+	// was running when this one was provisioned.
+	pending []string
+	before  context.Context
 }
 
 // acquireShared returns the shared host, creating it; each call must be
@@ -163,8 +173,48 @@ func (sh *shared) addSite(drainDeadline time.Duration, dials []string) string {
 	return owner
 }
 
+// deferDrains records drains of owner's config that take effect once the
+// config runs; before is the running config's context at provisioning.
+func (sh *shared) deferDrains(owner string, dials []string, before context.Context) {
+	if len(dials) == 0 {
+		return
+	}
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if s := sh.sites[owner]; s != nil {
+		s.pending, s.before = dials, before
+		sh.pendingSites.Add(1)
+	}
+}
+
+// applyPendingDrains puts in force the deferred drains of the sites whose
+// config runs now, and of owner's (it serves requests, so it runs). The
+// routing path, the admin API and the metrics call it, whichever notices
+// first; it costs an atomic load when nothing is pending.
+func (sh *shared) applyPendingDrains(owner string) {
+	if sh.pendingSites.Load() == 0 {
+		return
+	}
+	running := caddy.ActiveContext().Context
+	sh.mu.Lock()
+	defer sh.mu.Unlock() // held while draining, so removeSite cannot come between
+	for name, s := range sh.sites {
+		if len(s.pending) == 0 || (name != owner && running == s.before) {
+			continue
+		}
+		for _, dial := range s.pending {
+			sh.drains.Drain(dial, s.drainDeadline, drain.Hold{Cause: drain.ByConfig, Owner: name})
+		}
+		s.pending, s.before = nil, nil
+		sh.pendingSites.Add(-1)
+	}
+}
+
 func (sh *shared) removeSite(owner string) {
 	sh.mu.Lock()
+	if s := sh.sites[owner]; s != nil && len(s.pending) > 0 {
+		sh.pendingSites.Add(-1)
+	}
 	delete(sh.sites, owner)
 	sh.mu.Unlock()
 	sh.drains.ReleaseOwner(owner)

@@ -197,6 +197,23 @@ func (r *Registry) Drain(key string, deadline time.Duration, hold Hold) {
 	r.settle(key, u)
 }
 
+// AddHold adds hold to key if key is closed to new work already (draining
+// or drained), leaving its phase and deadline as they are, and reports
+// whether it did. A new configuration takes over the drains it shares with
+// the running one this way, without changing them before it runs.
+func (r *Registry) AddHold(key string, hold Hold) bool {
+	r.lock()
+	defer r.unlock()
+	u := r.upstreams[key]
+	if u == nil || u.phase == Active {
+		return false
+	}
+	if !slices.Contains(u.holds, hold) {
+		u.holds = append(u.holds, hold)
+	}
+	return true
+}
+
 // Undrain lifts hold from key; the admin's hold lifts every hold. It
 // reports whether the upstream is now active.
 func (r *Registry) Undrain(key string, hold Hold) bool {

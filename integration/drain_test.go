@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -357,5 +358,71 @@ func TestConfigDrainList(t *testing.T) {
 	resp.Body.Close()
 	if p := drainPhase(t, a.dial()); p != "active" {
 		t.Fatalf("A is %s after the config stopped listing it", p)
+	}
+}
+
+// TestRejectedConfigDrainsNothing: a config Caddy rejects (here one of its
+// policies fails validation after another was provisioned with a drain)
+// changes nothing in the running one: no upstream drains, even for a
+// moment. A config drain takes effect once its config runs.
+func TestRejectedConfigDrainsNothing(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	a := fleet[0]
+	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
+	draining := func() float64 {
+		return counterValue(metricFamilies(t, adminURL+"/metrics"), "caddy_llm_affinity_drain_transitions_total", "to", "draining")
+	}
+	before := draining()
+
+	// The new config, as JSON: its first policy drains A with a 1 ms
+	// deadline; a second site's policy has a shed status Validate refuses.
+	adapt := func(config string) map[string]any {
+		req, _ := http.NewRequest("POST", adminURL+"/adapt", strings.NewReader(config))
+		req.Header.Set("Content-Type", "text/caddyfile")
+		resp, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out struct{ Result map[string]any }
+		if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("adapt: %d %v", resp.StatusCode, err)
+		}
+		return out.Result
+	}
+	cfg := adapt(caddyfile(fleet, "", "drain "+a.dial()+"\n\t\t\tdrain_deadline 1ms", "") + fmt.Sprintf(`
+http://127.0.0.1:%d {
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			shed_status 503
+		}
+	}
+}
+`, httpPort, dials(fleet)))
+	raw, _ := json.Marshal(cfg)
+	bad := strings.Replace(string(raw), `"shed_status":503`, `"shed_status":200`, 1)
+	if bad == string(raw) {
+		t.Fatalf("no shed_status to change in %s", raw)
+	}
+	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(bad))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode == 200 {
+		t.Fatalf("a config with shed_status 200 was accepted")
+	}
+	if !strings.Contains(string(body), "shed_status") {
+		t.Logf("the load failed for another reason: %s", body)
+	}
+	if p := drainPhase(t, a.dial()); p != "active" {
+		t.Fatalf("after the rejected config A is %s", p)
+	}
+	if n := draining(); n != before {
+		t.Fatalf("the rejected config drained an upstream for a moment (%v drain transitions, %v before)", n, before)
 	}
 }
