@@ -113,6 +113,17 @@ func (p *Policy) checkHealth(upstreams []*reverseproxy.Upstream) bool {
 	return true
 }
 
+// parentHasDynamicUpstreams reports whether the reverse_proxy handler that
+// loads this policy has a dynamic upstream source.
+func parentHasDynamicUpstreams(ctx caddy.Context) bool {
+	for _, m := range ctx.Modules() {
+		if h, ok := m.(*reverseproxy.Handler); ok {
+			return h.DynamicUpstreamsRaw != nil
+		}
+	}
+	return false
+}
+
 // parentUpstreams finds the reverse_proxy handler that loads this policy
 // and returns a function listing its static upstreams. Its upstreams are
 // provisioned after the policy, so they are read lazily.

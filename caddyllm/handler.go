@@ -121,6 +121,9 @@ func (h *Handler) Validate() error {
 	if h.BlockTokens > 1<<16 {
 		return fmt.Errorf("block_tokens %d is too large", h.BlockTokens)
 	}
+	if h.BytesPerToken > 16 {
+		return fmt.Errorf("bytes_per_token must be in 1..16, got %d", h.BytesPerToken)
+	}
 	if h.MaxBodyBytes > maxMaxBodyBytes {
 		return fmt.Errorf("max_body %d is larger than %d (1 GiB): the router holds a request's whole body", h.MaxBodyBytes, int64(maxMaxBodyBytes))
 	}

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -196,7 +197,12 @@ type Policy struct {
 	watching *atomic.Bool
 	// warnedUnparsed records that the missing handler was logged.
 	warnedUnparsed *atomic.Bool
-	health   *healthWatch
+	// parentDials are the parent reverse_proxy's static upstreams, which
+	// drain and upstream must name; parentDynamic says it has dynamic
+	// ones too, which cannot be checked.
+	parentDials   []string
+	parentDynamic bool
+	health        *healthWatch
 
 	// sh is the shared routing state; site names this policy as the
 	// owner of its drains there; named lists the upstreams it references.
@@ -316,7 +322,9 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	go p.watchHealthOnceRunning(caddy.ActiveContext().Context)
 	for _, u := range p.parent() {
 		p.named = append(p.named, u.Dial)
+		p.parentDials = append(p.parentDials, u.Dial)
 	}
+	p.parentDynamic = parentHasDynamicUpstreams(ctx)
 	for dial := range p.Upstreams {
 		p.named = append(p.named, dial)
 	}
@@ -428,6 +436,23 @@ func (p *Policy) Validate() error {
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)
+	}
+	if p.MetricsPath != "" && !strings.HasPrefix(p.MetricsPath, "/") {
+		return fmt.Errorf("metrics_path must start with /, got %q", p.MetricsPath)
+	}
+	// A dial the proxy does not have (a typo, a scheme, another port)
+	// would drain or describe nothing, silently.
+	if len(p.parentDials) > 0 && !p.parentDynamic {
+		for _, dial := range p.Drain {
+			if !slices.Contains(p.parentDials, dial) {
+				return fmt.Errorf("drain %s: not an upstream of this reverse_proxy (%s)", dial, strings.Join(p.parentDials, ", "))
+			}
+		}
+		for dial := range p.Upstreams {
+			if !slices.Contains(p.parentDials, dial) {
+				return fmt.Errorf("upstream %s: not an upstream of this reverse_proxy (%s)", dial, strings.Join(p.parentDials, ", "))
+			}
+		}
 	}
 	for _, hp := range append([]*HardwareProfile{p.Hardware}, mapValues(p.Upstreams)...) {
 		if hp != nil && (hp.PrefillTokensPerSecond < 0 || hp.DecodeTokensPerSecond < 0 || hp.KVCapacityTokens < 0) {

@@ -426,3 +426,31 @@ http://127.0.0.1:%d {
 		t.Fatalf("the rejected config drained an upstream for a moment (%v drain transitions, %v before)", n, before)
 	}
 }
+
+// TestConfigNamesOnlyItsUpstreams: drain and upstream name the proxy's
+// upstreams by dial; one it does not have (a typo, a scheme) is an error
+// naming it, and the running config stays.
+func TestConfigNamesOnlyItsUpstreams(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
+	for _, opts := range []string{
+		"drain 10.9.9.9:1",
+		"drain http://" + fleet[0].dial(),
+		"upstream 10.9.9.9:1 {\n\t\t\t\tkv_capacity 1000\n\t\t\t}",
+	} {
+		req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", opts, "")))
+		req.Header.Set("Content-Type", "text/caddyfile")
+		resp, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode == 200 || !strings.Contains(string(body), "not an upstream of this reverse_proxy") {
+			t.Errorf("%q: %d %s", opts, resp.StatusCode, body)
+		}
+	}
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2}); c.status != 200 {
+		t.Fatalf("the running config after the refused ones: %d %s", c.status, c.body)
+	}
+}
