@@ -107,8 +107,9 @@ func (e *Engine) adapterReady(a *adapterState) bool {
 	if e.gpuCount >= e.cfg.MaxLoRAs {
 		var victim *adapterState
 		for _, c := range e.adapters {
+			// Ties by name: the map's order would make runs differ.
 			if c.gpu == gpuReady && c.running == 0 && c.waiting == 0 &&
-				(victim == nil || c.lastUsed < victim.lastUsed) {
+				(victim == nil || c.lastUsed < victim.lastUsed || (c.lastUsed == victim.lastUsed && c.name < victim.name)) {
 				victim = c
 			}
 		}
@@ -155,7 +156,8 @@ func (e *Engine) putOnHost(a *adapterState) {
 	for hosted > e.cfg.MaxCPULoRAs {
 		var victim *adapterState
 		for _, c := range e.adapters {
-			if c.onHost && c != a && c.gpu == gpuNone && (victim == nil || c.lastUsed < victim.lastUsed) {
+			if c.onHost && c != a && c.gpu == gpuNone &&
+				(victim == nil || c.lastUsed < victim.lastUsed || (c.lastUsed == victim.lastUsed && c.name < victim.name)) {
 				victim = c
 			}
 		}

@@ -22,7 +22,9 @@ type Config struct {
 	Replicas int
 	// Engine configures every replica (zero fields take kvsim's defaults).
 	Engine kvsim.Config
-	// Seed drives every random choice of the router (ties, random, least_conn).
+	// Seed drives the llm_affinity routers' random choices (ties) and the generators. Caddy's
+	// own random and least_conn draw from Caddy's unseeded source: their figures vary a
+	// little between runs.
 	Seed uint64
 	// Progress, when set, is called as requests complete with the count done so far and
 	// the total. It may be called often; keep it cheap.

@@ -88,6 +88,10 @@ type Sim struct {
 	// (router.Fleet.Apply) SyncDelay after they happened.
 	Sync      bool
 	SyncDelay time.Duration
+	// KVCapacityTokens is the KV capacity the llm_affinity routers are told each replica has
+	// (the plugin's kv_capacity, or what scraping reads): 0 is the engines' own; negative
+	// leaves it unknown, as the plugin is without kv_capacity and scrape_interval.
+	KVCapacityTokens int
 }
 
 // Rates returns the prefill and decode rates the scorer is given for workload w: prefill is
@@ -291,6 +295,12 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 	}
 	prefill, decode := s.Rates(w)
 	hw := router.Hardware{PrefillTokensPerSecond: prefill, DecodeTokensPerSecond: decode, KVCapacityTokens: cfg.NumGPUBlocks * cfg.BlockSize}
+	switch {
+	case s.KVCapacityTokens > 0:
+		hw.KVCapacityTokens = s.KVCapacityTokens
+	case s.KVCapacityTokens < 0:
+		hw.KVCapacityTokens = 0
+	}
 	for i := range run.replicas {
 		run.members = append(run.members, router.Member{Dial: run.replicas[i].name, Available: true, Healthy: true, Hardware: hw})
 	}
@@ -513,6 +523,11 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		}
 		d := rt.fleet.Decide(at(now), run.routerRequest(&wt, now), run.members, &run.ropts, run.rng, nil)
 		choice, charge = d.Chosen, d.Charge
+		if d.Unservable || d.TooLong {
+			// The plugin answers these at once (404, 400): waiting cannot help.
+			run.shed(r)
+			return
+		}
 	} else {
 		choice = run.chooseCaddy(rt, r)
 	}

@@ -61,6 +61,7 @@ type options struct {
 	spread         time.Duration
 	sync           string
 	syncDelay      time.Duration
+	routerKV       int
 	gen            llmbench.GeneratorOptions
 }
 
@@ -80,7 +81,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.requests, "requests", 0, "keep only the first `N` requests of the workload (0 = all)")
 	fs.Float64Var(&o.rate, "rate", 0, "generators: Poisson arrival rate in `requests/s` (0 = the generator's default: gsp 64, mrqa 24, lora 24, noprefix 40; inf = all at once); traces keep their timestamps (use --speed)")
 	fs.Uint64Var(&o.seed, "seed", 1, "`seed` of the generators and of the router's random choices")
-	fs.Uint64Var(&o.routerSeed, "router-seed", 0, "sim: `seed` of the router's random choices alone (ties, random, least_conn), to see how much they matter with the workload fixed (0 = --seed); http mode's routers use their own random sources")
+	fs.Uint64Var(&o.routerSeed, "router-seed", 0, "sim: `seed` of the llm_affinity routers' random choices alone (ties), to see how much they matter with the workload fixed (0 = --seed); Caddy's random and least_conn draw from Caddy's own unseeded source, and http mode's routers use their own random sources")
 	fs.IntVar(&o.routerSeeds, "router-seeds", 1, "sim: replay each policy with `N` router seeds (--router-seed, or --seed, and the N-1 after it), the workload fixed; the table shows each figure's min–max over them and checks the default strategy's goals against the best policy")
 	fs.StringVar(&o.jsonPath, "json", "", "write the run's parameters and each policy's figures as JSON to `file`")
 	fs.StringVar(&o.svgPath, "svg", "", "write the TTFT distribution of each policy (CDF, log time axis) as SVG to `file`")
@@ -99,6 +100,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
 	fs.StringVar(&o.sync, "sync", "off", "sim, llm_affinity with --routers > 1: `on` shares the routers' state (each applies the others' routing events, as the plugin's sync option does over NATS), off keeps each router's own view")
 	fs.DurationVar(&o.syncDelay, "sync-delay", 0, "sim with --sync on: how long an event takes to reach the other routers")
+	fs.IntVar(&o.routerKV, "router-kv-capacity", 0, "sim: the KV capacity in `tokens` the llm_affinity routers are told each replica has (0 = the engines' own, as kv_capacity set right or scraping gives the plugin; -1 = unknown, as the plugin is with neither)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
 
 	fs.IntVar(&o.gen.GSP.Groups, "gsp-groups", 64, "gsp: number of shared system prompts")
@@ -232,6 +234,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		Routers:                o.routers,
 		Sync:                   o.sync == "on",
 		SyncDelay:              o.syncDelay,
+		KVCapacityTokens:       o.routerKV,
 		Config:                 cfg,
 		QueueTimeout:           o.queueTimeout,
 		OutputEstimate:         o.outputEstimate,
