@@ -253,7 +253,14 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		c.KVCapacityTokens = u.engineCapacityTokens
 	}
 	if c.KVCapacityTokens > 0 {
-		f.sizeIndex(u, c.KVCapacityTokens, blockTokens)
+		// Sites that configure different capacities for one upstream
+		// (without the engine's own figure) must not shrink the index
+		// in turn: it keeps the largest.
+		index := c.KVCapacityTokens
+		if u.engineCapacityTokens == 0 {
+			index = max(index, u.capacityTokens)
+		}
+		f.sizeIndex(u, index, blockTokens)
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
 		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
 		c.KVOvercommitTokens = max(0, u.kvTokens-c.KVCapacityTokens)

@@ -151,3 +151,30 @@ func TestStaleScrapeKeepsTheEnginesCapacity(t *testing.T) {
 		served(f, d.Charge, t0)
 	}
 }
+
+// TestSitesDisagreeingOnCapacity: two sites configuring different KV
+// capacities for one upstream do not resize its index in turn (each
+// decision through the smaller one evicted what the larger one let it
+// hold): the index keeps the largest.
+func TestSitesDisagreeingOnCapacity(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	big, small := members("a"), members("a")
+	big[0].Hardware.KVCapacityTokens = 1_000_000
+	small[0].Hardware.KVCapacityTokens = 1_000
+	var reqs []Request
+	for i := range 40 {
+		reqs = append(reqs, Request{Hashes: hashes(uint64(50+i), 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 1, Model: "m"})
+	}
+	for _, r := range reqs {
+		served(f, f.Decide(t0, r, big, &opts, rng(), nil).Charge, t0)
+	}
+	served(f, f.Decide(t0, Request{PromptTokens: 10, Model: "m"}, small, &opts, rng(), nil).Charge, t0)
+	for i, r := range reqs {
+		d := f.Decide(t0, r, big, &opts, rng(), nil)
+		if d.MatchedTokens != 512 {
+			t.Fatalf("prompt %d matched %d tokens after one decision through the smaller site", i, d.MatchedTokens)
+		}
+		served(f, d.Charge, t0)
+	}
+}
