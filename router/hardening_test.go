@@ -169,7 +169,7 @@ func TestSitesDisagreeingOnCapacity(t *testing.T) {
 	for _, r := range reqs {
 		served(f, f.Decide(t0, r, big, &opts, rng(), nil).Charge, t0)
 	}
-	served(f, f.Decide(t0, Request{PromptTokens: 10, Model: "m"}, small, &opts, rng(), nil).Charge, t0)
+	served(f, f.Decide(t0, Request{Hashes: hashes(999, 128), BlockTokens: 64, PromptTokens: 128, MaxTokens: 1, Model: "m"}, small, &opts, rng(), nil).Charge, t0)
 	for i, r := range reqs {
 		d := f.Decide(t0, r, big, &opts, rng(), nil)
 		if d.MatchedTokens != 512 {
