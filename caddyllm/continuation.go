@@ -40,13 +40,17 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			if aborted {
 				panic(http.ErrAbortHandler)
 			}
-			if err != nil && clientCtx.Err() == nil && rec.wroteHeader && rec.sse && !rec.done {
+			if (err != nil || rec.splice != nil) && clientCtx.Err() == nil && rec.wroteHeader && rec.sse && !rec.done {
 				// The stream has begun and the attempt failed without
 				// ending it (a continuation found no upstream, or its
 				// upstream refused it): the headers are gone, so only an
 				// error event can tell the client.
-				h.logger.Debug("stream ended by a failed attempt", zap.Error(err))
-				return h.endStream(rec, "the upstream failed")
+				msg := "the upstream failed"
+				if rec.splice != nil && rec.splice.refused != 0 {
+					msg = fmt.Sprintf("the continuation's upstream answered %d", rec.splice.refused)
+				}
+				h.logger.Debug("stream ended by a failed attempt", zap.Error(err), zap.String("why", msg))
+				return h.endStream(rec, msg)
 			}
 			return err
 		}
@@ -130,6 +134,16 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(orig, &m); err != nil {
 		return nil, nil, err
+	}
+	// The recorder keeps one choice's text, and no tool calls: a stream
+	// of several choices, or one that may be calling tools, cannot be
+	// rebuilt from it.
+	var n int
+	if json.Unmarshal(m["n"], &n) == nil && n > 1 {
+		return nil, nil, errors.New("a stream of several choices (n > 1) cannot be continued")
+	}
+	if tools, ok := m["tools"]; ok && string(tools) != "null" && string(tools) != "[]" {
+		return nil, nil, errors.New("a stream that may call tools cannot be continued")
 	}
 	text := rec.generated.String()
 	switch endpoint {

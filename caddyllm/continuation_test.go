@@ -181,3 +181,56 @@ func inFlightLeft(p *Policy) (fleet, flights int) {
 	}
 	return fleet, flights
 }
+
+// TestRefusedContinuationEndsTheStream: a continuation the next upstream
+// refuses (a 400: the prompt with the text so far is too long) is not
+// spliced in; the stream ends with an error event and [DONE].
+func TestRefusedContinuationEndsTheStream(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	attempts := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		p.Select(pool, r, w)
+		if attempts == 1 {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			w.Write([]byte(sseChunk))
+			panic(http.ErrAbortHandler) // the upstream died mid-stream
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		_, err := w.Write([]byte(`{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}`))
+		return err
+	})
+	rr := httptest.NewRecorder()
+	err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
+	body := rr.Body.String()
+	if err != nil || attempts != 2 || strings.Contains(body, "too long") || !strings.Contains(body, "answered 400") ||
+		!strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("attempts %d, error %v, body %q", attempts, err, body)
+	}
+}
+
+// TestToolStreamsAreNotContinued: a stream of a request that offers tools
+// (it may have been calling one) or asks for several choices is not
+// rebuilt from its text; it ends with an error event and [DONE].
+func TestToolStreamsAreNotContinued(t *testing.T) {
+	for _, extra := range []string{`"tools":[{"type":"function","function":{"name":"f"}}]`, `"n":2`} {
+		p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+		attempts := 0
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			attempts++
+			p.Select(pool, r, w)
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			w.Write([]byte(sseChunk))
+			panic(http.ErrAbortHandler)
+		})
+		rr := httptest.NewRecorder()
+		h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,`+extra+`,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
+		body := rr.Body.String()
+		if attempts != 1 || !strings.Contains(body, "cannot be continued") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+			t.Fatalf("%s: attempts %d, body %q", extra, attempts, body)
+		}
+	}
+}

@@ -119,7 +119,17 @@ func (t *tokenRecorder) init(w http.ResponseWriter, st *requestState) {
 
 // WriteHeader notes the status and whether the response is a stream.
 func (t *tokenRecorder) WriteHeader(status int) {
-	if t.discard.Load() || t.splice != nil {
+	if t.discard.Load() {
+		return
+	}
+	if t.splice != nil {
+		// The client has the stream's headers already. A continuation
+		// answered otherwise than with a stream (a 400 for a prompt now
+		// too long, a 500) is not spliced in; the handler ends the
+		// stream with an error event.
+		if status >= 200 && (status != http.StatusOK || !strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")) {
+			t.splice.refused = status
+		}
 		return
 	}
 	if t.wroteHeader {
@@ -147,6 +157,9 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	if t.splice != nil {
+		if t.splice.refused != 0 {
+			return len(p), nil
+		}
 		return len(p), t.scan(p, true)
 	}
 	if !t.wroteHeader {
@@ -367,6 +380,9 @@ type spliceState struct {
 	// priorTokens were generated before the continuation began; the
 	// continuation counts them as prompt.
 	priorTokens int
+	// refused is the status of a continuation the upstream did not
+	// answer with an event stream (0: it did): its body is not spliced.
+	refused int
 }
 
 // rewrite gives a continuation chunk the original stream's identity and
