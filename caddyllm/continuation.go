@@ -40,6 +40,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			if aborted {
 				panic(http.ErrAbortHandler)
 			}
+			rec.flushHeld()
 			if (err != nil || rec.splice != nil) && clientCtx.Err() == nil && rec.wroteHeader && rec.sse && !rec.done {
 				// The stream has begun and the attempt failed without
 				// ending it (a continuation found no upstream, or its
@@ -85,6 +86,9 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			return h.endStream(rec, err.Error())
 		}
 		outcome("continued")
+		// The cut event's start, held back, and the line being read go:
+		// the continuation begins at an event's start.
+		rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
 		if body == nil { // nothing left to generate
 			return h.endStream(rec, "")
 		}

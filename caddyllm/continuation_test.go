@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -231,6 +232,44 @@ func TestToolStreamsAreNotContinued(t *testing.T) {
 		body := rr.Body.String()
 		if attempts != 1 || !strings.Contains(body, "cannot be continued") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
 			t.Fatalf("%s: attempts %d, body %q", extra, attempts, body)
+		}
+	}
+}
+
+// TestCutInsideAnEventSplicesWholeEvents: an upstream that dies in the
+// middle of an event (its start already written) leaves the client only
+// whole events: the partial one is never sent, and the continuation's
+// events follow the last whole one, each valid JSON.
+func TestCutInsideAnEventSplicesWholeEvents(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	attempts := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		p.Select(pool, r, w)
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		if attempts == 1 {
+			w.Write([]byte(sseChunk))
+			w.Write([]byte(`data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"co`))
+			panic(http.ErrAbortHandler) // died in the middle of the event
+		}
+		w.Write([]byte(`data: {"id":"c2","object":"chat.completion.chunk","created":2,"model":"m","choices":[{"index":0,"delta":{"content":" there"},"finish_reason":"stop"}]}` + "\n\n"))
+		_, err := w.Write([]byte("data: [DONE]\n\n"))
+		return err
+	})
+	rr := httptest.NewRecorder()
+	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
+		t.Fatal(err)
+	}
+	body := rr.Body.String()
+	events := strings.Split(strings.TrimSuffix(body, "\n\n"), "\n\n")
+	if attempts != 2 || len(events) != 3 || events[2] != "data: [DONE]" {
+		t.Fatalf("attempts %d, events %q", attempts, events)
+	}
+	for _, ev := range events[:2] {
+		var chunk struct{ ID string }
+		if err := json.Unmarshal([]byte(strings.TrimPrefix(ev, "data: ")), &chunk); err != nil || chunk.ID != "c1" {
+			t.Fatalf("event %q: id %q, %v", ev, chunk.ID, err)
 		}
 	}
 }

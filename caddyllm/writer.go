@@ -60,6 +60,8 @@ type tokenRecorder struct {
 	discard atomic.Bool
 	// splice is set while a continuation's stream is spliced in.
 	splice *spliceState
+	// held is the start of an event whose end has not come yet.
+	held []byte
 }
 
 // usage is the OpenAI usage object.
@@ -168,11 +170,62 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	if t.status == http.StatusOK {
 		if t.sse {
 			t.scan(p, false)
-		} else if t.body.Len()+len(p) <= maxUsageBody {
+			return t.writeEvents(p)
+		}
+		if t.body.Len()+len(p) <= maxUsageBody {
 			t.body.Write(p)
 		}
 	}
 	return t.ResponseWriterWrapper.Write(p)
+}
+
+// writeEvents passes on the whole events in p, after what was held back,
+// and holds back the start of an event until its end arrives: a stream
+// cut in the middle of an event must leave the client only whole events,
+// so that a continuation can follow them. An event longer than
+// maxSSELine is passed on as it comes.
+func (t *tokenRecorder) writeEvents(p []byte) (int, error) {
+	buf := p
+	if len(t.held) > 0 {
+		buf = append(t.held, p...)
+	}
+	end := lastEventEnd(buf)
+	if end < 0 && len(buf) <= maxSSELine {
+		t.held = append(t.held[:0], buf...)
+		return len(p), nil
+	}
+	if end < 0 {
+		end = len(buf)
+	}
+	if _, err := t.ResponseWriterWrapper.Write(buf[:end]); err != nil {
+		return 0, err
+	}
+	t.held = append(t.held[:0], buf[end:]...)
+	return len(p), nil
+}
+
+// flushHeld passes on what writeEvents held back: the attempt ended
+// normally, so it is all the stream has.
+func (t *tokenRecorder) flushHeld() {
+	if len(t.held) > 0 {
+		t.ResponseWriterWrapper.Write(t.held)
+		t.held = t.held[:0]
+		http.NewResponseController(&t.ResponseWriterWrapper).Flush()
+	}
+}
+
+// lastEventEnd returns the index just after the last blank line in b
+// (the end of an SSE event), or -1.
+func lastEventEnd(b []byte) int {
+	i := bytes.LastIndex(b, []byte("\n\n"))
+	j := bytes.LastIndex(b, []byte("\n\r\n"))
+	switch {
+	case i < 0 && j < 0:
+		return -1
+	case j+1 > i:
+		return j + 3
+	}
+	return i + 2
 }
 
 // scan splits p into SSE lines and handles each; when rewrite is set it
