@@ -477,7 +477,10 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	}
 	a.sh.metrics.observeCompletion(rec)
 	usage := router.Usage{OutputTokens: rec.completionTokens()}
-	if rec.usage != nil {
+	// A continuation's prompt is the original one plus the text so far,
+	// and its usage is rewritten to cover the whole generation: neither
+	// tells the prompt's bytes per token.
+	if rec.usage != nil && rec.splice == nil {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)

@@ -34,6 +34,7 @@ type tokenRecorder struct {
 	status      int
 	sse         bool
 	done        bool // saw data: [DONE]
+	failed      bool // saw an error event
 	line        []byte
 	skipLine    bool
 	tokens      int // text-bearing chunks sent to the client
@@ -279,6 +280,12 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.done = true
 		return line
 	}
+	if bytes.HasPrefix(data, []byte(`{"error"`)) {
+		// vLLM ends a failed stream with an error event, then [DONE]:
+		// the stream did not complete, whatever follows.
+		t.failed = true
+		return line
+	}
 	if !rewrite {
 		// The usual chunk is read without decoding it.
 		var f chunkFields
@@ -356,7 +363,7 @@ func (t *tokenRecorder) reportTokens() {
 // complete reports whether the response ended normally.
 func (t *tokenRecorder) complete() bool {
 	if t.sse {
-		return t.done
+		return t.done && !t.failed
 	}
 	u, ok := usageOfBody(t.body.Bytes())
 	if ok {

@@ -103,3 +103,17 @@ func FuzzTokenRecorder(f *testing.F) {
 		}
 	})
 }
+
+// TestErrorEventIsNoCompletion: a stream that ends with vLLM's error event
+// and then [DONE] did not complete: nothing is learned from it as from a
+// finished generation.
+func TestErrorEventIsNoCompletion(t *testing.T) {
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, &requestState{req: &Request{}})
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.Write([]byte("data: {\"choices\":[{\"text\":\" a\"}]}\n\n" +
+		"data: {\"error\":{\"message\":\"engine died\",\"type\":\"InternalServerError\",\"code\":500}}\n\ndata: [DONE]\n\n"))
+	if rec.complete() {
+		t.Fatal("a stream ending in an error event counts as complete")
+	}
+}
