@@ -41,3 +41,21 @@ func TestSlotTableAgainstMap(t *testing.T) {
 		}
 	}
 }
+
+// TestChosenHashesDoNotCollide: hashes chosen to share their low bits
+// (as a client picking prompts, or a peer router sending hashes, could
+// choose them) still spread over the table's cells, so a probe stays
+// short.
+func TestChosenHashesDoNotCollide(t *testing.T) {
+	var tab slotTable
+	tab.resize(1<<13, nil)
+	mask := uint64(len(tab.cells) - 1)
+	homes := map[uint64]bool{}
+	for i := range uint64(4096) {
+		homes[tab.home(i<<40, mask)] = true // identical in their low 40 bits
+	}
+	// Uniform placement of 4,096 keys into 8,192 cells fills about 3,220.
+	if len(homes) < 3000 {
+		t.Fatalf("4,096 hashes sharing their low bits took %d of 8,192 cells", len(homes))
+	}
+}
