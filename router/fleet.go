@@ -47,8 +47,10 @@ type Fleet struct {
 	// last heard from; nextID numbers this router's charges.
 	publisher func(Event)
 	remote    map[remoteKey]*Charge
-	peers     map[string]time.Time
-	nextID    uint64
+	// remoteCharges counts each peer's entries in remote.
+	remoteCharges map[string]int
+	peers         map[string]time.Time
+	nextID        uint64
 
 	// Scratch space of decisions, which all run under mu.
 	scratchCands  []scorer.Candidate
@@ -110,12 +112,13 @@ type upstream struct {
 // New returns an empty fleet.
 func New() *Fleet {
 	return &Fleet{
-		index:     prefixindex.New(0),
-		upstreams: make(map[string]*upstream),
-		models:    make(map[string]*modelStats),
-		changed:   make(chan struct{}),
-		remote:    make(map[remoteKey]*Charge),
-		peers:     make(map[string]time.Time),
+		index:         prefixindex.New(0),
+		upstreams:     make(map[string]*upstream),
+		models:        make(map[string]*modelStats),
+		changed:       make(chan struct{}),
+		remote:        make(map[remoteKey]*Charge),
+		remoteCharges: make(map[string]int),
+		peers:         make(map[string]time.Time),
 	}
 }
 

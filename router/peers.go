@@ -84,16 +84,26 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten || f.remote[key] != nil {
+		if u == nil || u.forgotten || f.remote[key] != nil || f.remoteCharges[peer] >= maxPeerCharges {
 			return false
 		}
-		c := f.charge(u, min(max(0, ev.Prefill), MaxTokens), min(max(0, ev.Decode), MaxTokens), min(max(0, ev.KV), MaxTokens), now)
+		// A peer's figures are bounded by what one request can hold: a
+		// wrong one (or a hostile peer) must not fill the upstream's KV
+		// for every local request.
+		limit := MaxTokens
+		if capacity := max(u.engineCapacityTokens, u.capacityTokens); capacity > 0 {
+			limit = capacity
+		}
+		c := f.charge(u, min(max(0, ev.Prefill), limit), min(max(0, ev.Decode), limit), min(max(0, ev.KV), limit), now)
 		c.id = ev.ID
 		f.remote[key] = c
+		f.remoteCharges[peer]++
 		if ev.Adapter != "" {
 			u.useAdapter(ev.Adapter)
 		}
-		if ev.BlockTokens > 0 && u.capacityTokens > 0 {
+		// Blocks smaller than an engine's would size the index beyond
+		// any cache.
+		if ev.BlockTokens >= minPeerBlockTokens && u.capacityTokens > 0 {
 			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens)
 		}
 		f.index.Insert(u.id, ev.Hashes)
@@ -116,9 +126,25 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	default:
 		return false
 	}
-	delete(f.remote, key)
+	f.dropRemote(key)
 	f.release(c, now)
 	return true
+}
+
+// maxPeerCharges bounds one peer's charges in flight here; its routed
+// events beyond it are ignored. minPeerBlockTokens is the smallest block a
+// peer's events may size an index by (an engine's block: vLLM's is 16).
+const (
+	maxPeerCharges     = 1 << 16
+	minPeerBlockTokens = 16
+)
+
+// dropRemote forgets a peer's charge. Caller holds f.mu.
+func (f *Fleet) dropRemote(key remoteKey) {
+	delete(f.remote, key)
+	if f.remoteCharges[key.peer]--; f.remoteCharges[key.peer] <= 0 {
+		delete(f.remoteCharges, key.peer)
+	}
 }
 
 // Heard records that peer was alive at now (a heartbeat), so its charges
@@ -139,7 +165,7 @@ func (f *Fleet) ExpirePeers(now, silentSince, chargedBefore time.Time) int {
 	n := 0
 	for key, c := range f.remote {
 		if f.peers[key.peer].Before(silentSince) || c.Started.Before(chargedBefore) {
-			delete(f.remote, key)
+			f.dropRemote(key)
 			f.release(c, now)
 			n++
 		}

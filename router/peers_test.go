@@ -119,3 +119,30 @@ func TestForgottenUpstreamsTakeNoPeerCharges(t *testing.T) {
 		t.Fatal("the forgotten upstream stayed after its last charge")
 	}
 }
+
+// TestPeerFiguresBounded: a peer's routed event cannot charge an upstream
+// more KV than it has (a wrong or hostile peer would shed every local
+// request), cannot size the index by blocks smaller than an engine's, and
+// cannot hold more than maxPeerCharges charges here.
+func TestPeerFiguresBounded(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 100_000
+	served(f, f.Decide(t0, Request{Hashes: hashes(1, 256), BlockTokens: 64, PromptTokens: 256, MaxTokens: 1, Model: "m"}, ms, &opts, rng(), nil).Charge, t0)
+	capacity := state(t, f, "a").IndexCapacityBlocks
+	f.Apply("p", Event{Kind: EventRouted, ID: 1, Dial: "a", KV: 1 << 30, Prefill: 1 << 30, Decode: 1 << 30, BlockTokens: 1, Hashes: []uint64{7}}, t0)
+	if u := state(t, f, "a"); u.KVTokensInFlight > 100_000 || u.IndexCapacityBlocks != capacity {
+		t.Fatalf("one peer event: KV %d of 100,000, index capacity %d (was %d)", u.KVTokensInFlight, u.IndexCapacityBlocks, capacity)
+	}
+	for i := uint64(2); i < maxPeerCharges+10; i++ {
+		f.Apply("p", Event{Kind: EventRouted, ID: i, Dial: "a", KV: 1}, t0)
+	}
+	if u := state(t, f, "a"); u.InFlight != maxPeerCharges {
+		t.Fatalf("a peer holds %d charges here, want at most %d", u.InFlight, maxPeerCharges)
+	}
+	f.Apply("p", Event{Kind: EventReleased, ID: 1}, t0)
+	if f.remoteCharges["p"] != maxPeerCharges-1 {
+		t.Fatalf("the count after a release: %d", f.remoteCharges["p"])
+	}
+}
