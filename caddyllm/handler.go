@@ -257,7 +257,7 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 }
 
 // bodyChunk is the most memory a body gets before its bytes arrive.
-const bodyChunk = 256 << 10
+const bodyChunk = 16 << 10
 
 // readDeclared reads a body of the declared length n (the server's reader
 // ends there) into one buffer of that size when it is small, as nearly

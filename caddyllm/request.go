@@ -130,6 +130,12 @@ func newParser(hasher prefixindex.Hasher, bytesPerToken int, salt string) *parse
 	}
 }
 
+// The largest buffers a parse's scratch keeps for the next parse.
+const (
+	maxPooledMessages = 4096
+	maxPooledDecode   = 1 << 20
+)
+
 // parseScratch is the reusable part of one parse.
 type parseScratch struct {
 	s      scanner
@@ -267,7 +273,13 @@ type reading struct {
 // errBadRequest.
 func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	sc := p.scratch.Get().(*parseScratch)
-	defer p.scratch.Put(sc)
+	defer func() {
+		// A huge request's buffers are not kept for the next one.
+		if cap(sc.msgs) > maxPooledMessages || cap(sc.dec) > maxPooledDecode {
+			sc.msgs, sc.dec = nil, nil
+		}
+		p.scratch.Put(sc)
+	}()
 	sc.s = scanner{buf: body, inObject: sc.depth[:]}
 	sc.msgs = sc.msgs[:0]
 	r := reading{p: p, endpoint: endpoint, body: body, s: &sc.s, sc: sc}
@@ -546,7 +558,9 @@ func (r *reading) message(i int) {
 
 // addMessage records and, for a chat, hashes messages[i].
 func (r *reading) addMessage(i int, m msgRange) {
-	r.sc.msgs = append(r.sc.msgs, m)
+	// Only a valid chat's messages are kept (to hash again if its tools
+	// come after them): a body of empty or null elements must not cost
+	// a record each.
 	if r.endpoint != EndpointChatCompletions || r.messagesErr != nil || r.s.err != nil {
 		return
 	}
@@ -554,6 +568,7 @@ func (r *reading) addMessage(i int, m msgRange) {
 		r.messagesErr = badRequestf(fmt.Sprintf("messages[%d].role", i), "invalid request: messages[%d].role is required", i)
 		return
 	}
+	r.sc.msgs = append(r.sc.msgs, m)
 	r.hashMessage(&m)
 }
 

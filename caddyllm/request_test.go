@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -345,4 +346,34 @@ func BenchmarkDecision(b *testing.B) {
 		}
 		cputime.Report(b, cpu)
 	})
+}
+
+// TestInvalidMessagesCostNoRecords: a body of many empty or null messages
+// (each invalid: no role) is refused without a record per element, so it
+// costs at most about its own size to parse.
+func TestInvalidMessagesCostNoRecords(t *testing.T) {
+	for _, elem := range []string{"{}", "null", `{"content":"x"}`} {
+		var b strings.Builder
+		b.WriteString(`{"model":"m","messages":[`)
+		for i := range 400_000 {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString(elem)
+		}
+		b.WriteString("]}")
+		body := []byte(b.String())
+		p := testParser()
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		_, err := p.parse(EndpointChatCompletions, body)
+		runtime.ReadMemStats(&after)
+		if err == nil {
+			t.Fatalf("%s: accepted", elem)
+		}
+		if n := after.TotalAlloc - before.TotalAlloc; n > uint64(len(body)) {
+			t.Errorf("%s × 400,000 (%d bytes): %d bytes allocated", elem, len(body), n)
+		}
+	}
 }

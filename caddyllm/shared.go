@@ -54,13 +54,13 @@ type shared struct {
 	// fleet's publisher without a lock; written under mu.
 	syncers atomic.Pointer[[]*fleetsync.Syncer]
 
-	mu       sync.Mutex
-	sites    map[string]*site
+	mu    sync.Mutex
+	sites map[string]*site
 	// pendingSites counts the sites with deferred drains, so that the
 	// routing path skips applyPendingDrains' lock when there are none.
 	pendingSites atomic.Int32
-	scrapers map[*scrape.Scraper]bool
-	nextSite uint64
+	scrapers     map[*scrape.Scraper]bool
+	nextSite     uint64
 }
 
 // site is one provisioned policy: the owner of its config and health
