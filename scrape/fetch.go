@@ -107,7 +107,9 @@ func (s *Scraper) fetchModels(ctx context.Context, t *scrapeTarget) ([]ModelInfo
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	var models []ModelInfo
-	err := s.get(s.client, t.modelsRequest.WithContext(ctx), maxModelsBytes, func(r io.Reader) error {
+	// Without following redirects, as for metrics: an engine has no reason to send the
+	// router (and the proxy's client certificate) elsewhere.
+	err := s.get(s.metricsClient, t.modelsRequest.WithContext(ctx), maxModelsBytes, func(r io.Reader) error {
 		var err error
 		models, err = parseModels(r)
 		return err

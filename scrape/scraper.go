@@ -66,8 +66,9 @@ type scrapeTarget struct {
 // once; until its first results the policy uses its own tracking.
 type Scraper struct {
 	cfg Config
-	// client fetches the models; metricsClient, the same but for
-	// redirects, the metrics of https targets and all metrics with a
+	// client is the configured or the scraper's own client;
+	// metricsClient, the same without following redirects, fetches the
+	// models, the metrics of https targets and all metrics with a
 	// Config.Client. transport is theirs when the scraper made it (no
 	// Config.Client), closed with it. Plain HTTP metrics with the
 	// scraper's own client go on each target's kept connection instead
