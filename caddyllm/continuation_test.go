@@ -37,25 +37,49 @@ func movePool() reverseproxy.UpstreamPool {
 	return reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "move-a:1"}, {Host: new(reverseproxy.Host), Dial: "move-b:1"}}
 }
 
+// moves serves a chat request with the given extra fields (JSON members,
+// each followed by a comma) through the handler, reverse_proxy being each
+// attempt: the attempt selects an upstream as the proxy does, then runs
+// attempt (n counts from 1). It returns the response, the attempts and
+// the handler's error.
+func moves(t *testing.T, extra string, attempt func(n int, w http.ResponseWriter, r *http.Request) error) (*httptest.ResponseRecorder, int, error) {
+	t.Helper()
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	t.Cleanup(func() {
+		// Whatever happened, nothing stays charged or registered.
+		if f, d := inFlightLeft(p); f != 0 || d != 0 {
+			t.Errorf("left in flight: fleet %d, drain registry %d", f, d)
+		}
+	})
+	n := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		n++
+		p.Select(pool, r, w)
+		return attempt(n, w, r)
+	})
+	rr := httptest.NewRecorder()
+	err := h.ServeHTTP(rr, moveRequest(`{"model":"m",`+extra+`"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
+	return rr, n, err
+}
+
+// startStream writes a stream's headers and its first chunk.
+func startStream(w http.ResponseWriter) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.WriteHeader(http.StatusOK)
+	w.Write([]byte(sseChunk))
+}
+
 // TestFailedContinuationEndsTheStream: a stream broken off mid-generation
 // whose continuation attempt fails before writing anything (no upstream
 // left) ends with an error event and [DONE], not silently.
 func TestFailedContinuationEndsTheStream(t *testing.T) {
-	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
-	attempts := 0
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		attempts++
-		if attempts == 1 {
-			p.Select(pool, r, w)
-			w.Header().Set("Content-Type", "text/event-stream")
-			w.WriteHeader(http.StatusOK)
-			w.Write([]byte(sseChunk))
+	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
+		if n == 1 {
+			startStream(w)
 			panic(http.ErrAbortHandler) // the upstream died mid-stream
 		}
 		return caddyhttp.Error(http.StatusBadGateway, errors.New("no upstreams available"))
 	})
-	rr := httptest.NewRecorder()
-	err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
 	body := rr.Body.String()
 	if err != nil || attempts != 2 || !strings.HasPrefix(body, sseChunk) || !strings.Contains(body, `"type":"server_error"`) ||
 		!strings.HasSuffix(body, "data: [DONE]\n\n") {
@@ -67,25 +91,14 @@ func TestFailedContinuationEndsTheStream(t *testing.T) {
 // before any response began gets a 503 with Retry-After in JSON, not an
 // SSE error stream under 200.
 func TestTooManyMovesBeforeTheResponse(t *testing.T) {
-	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
-	attempts := 0
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		attempts++
-		p.Select(pool, r, w)
+	rr, attempts, err := moves(t, "", func(_ int, w http.ResponseWriter, r *http.Request) error {
 		requestStateOf(r).current.Cut() // its upstream's drain deadline
 		<-r.Context().Done()
 		return r.Context().Err()
 	})
-	rr := httptest.NewRecorder()
-	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
-		t.Fatal(err)
-	}
-	if attempts != maxRedispatch+1 || rr.Code != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") == "" ||
+	if err != nil || attempts != maxRedispatch+1 || rr.Code != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") == "" ||
 		rr.Header().Get("Content-Type") != "application/json" || !strings.Contains(rr.Body.String(), "moved between upstreams") {
-		t.Fatalf("attempts %d: %d %v %q", attempts, rr.Code, rr.Header(), rr.Body)
-	}
-	if f, d := inFlightLeft(p); f != 0 || d != 0 {
-		t.Fatalf("left in flight: fleet %d, drain registry %d", f, d)
+		t.Fatalf("attempts %d, error %v: %d %v %q", attempts, err, rr.Code, rr.Header(), rr.Body)
 	}
 }
 
@@ -94,14 +107,10 @@ func TestTooManyMovesBeforeTheResponse(t *testing.T) {
 // moved on does not touch the next attempt: neither cancels it nor
 // discards its response.
 func TestCutAfterTheAttemptEnded(t *testing.T) {
-	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
 	var first *attempt
-	attempts := 0
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		attempts++
-		p.Select(pool, r, w)
+	rr, attempts, err := moves(t, "", func(n int, w http.ResponseWriter, r *http.Request) error {
 		st := requestStateOf(r)
-		if attempts == 1 {
+		if n == 1 {
 			first = st.current
 			st.current.Cut() // cut as the attempt ends on its own
 			return errors.New("dial tcp: connection refused")
@@ -115,12 +124,8 @@ func TestCutAfterTheAttemptEnded(t *testing.T) {
 		_, err := w.Write([]byte(`{"id":"x","choices":[{"text":"ok"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}`))
 		return err
 	})
-	rr := httptest.NewRecorder()
-	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
-		t.Fatal(err)
-	}
-	if attempts != 2 || rr.Code != http.StatusOK || !strings.Contains(rr.Body.String(), `"ok"`) {
-		t.Fatalf("attempts %d: %d %q", attempts, rr.Code, rr.Body)
+	if err != nil || attempts != 2 || rr.Code != http.StatusOK || !strings.Contains(rr.Body.String(), `"ok"`) {
+		t.Fatalf("attempts %d, error %v: %d %q", attempts, err, rr.Code, rr.Body)
 	}
 }
 
@@ -187,15 +192,9 @@ func inFlightLeft(p *Policy) (fleet, flights int) {
 // refuses (a 400: the prompt with the text so far is too long) is not
 // spliced in; the stream ends with an error event and [DONE].
 func TestRefusedContinuationEndsTheStream(t *testing.T) {
-	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
-	attempts := 0
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		attempts++
-		p.Select(pool, r, w)
-		if attempts == 1 {
-			w.Header().Set("Content-Type", "text/event-stream")
-			w.WriteHeader(http.StatusOK)
-			w.Write([]byte(sseChunk))
+	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
+		if n == 1 {
+			startStream(w)
 			panic(http.ErrAbortHandler) // the upstream died mid-stream
 		}
 		w.Header().Set("Content-Type", "application/json")
@@ -203,8 +202,6 @@ func TestRefusedContinuationEndsTheStream(t *testing.T) {
 		_, err := w.Write([]byte(`{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}`))
 		return err
 	})
-	rr := httptest.NewRecorder()
-	err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
 	body := rr.Body.String()
 	if err != nil || attempts != 2 || strings.Contains(body, "too long") || !strings.Contains(body, "answered 400") ||
 		!strings.HasSuffix(body, "data: [DONE]\n\n") {
@@ -216,19 +213,11 @@ func TestRefusedContinuationEndsTheStream(t *testing.T) {
 // (it may have been calling one) or asks for several choices is not
 // rebuilt from its text; it ends with an error event and [DONE].
 func TestToolStreamsAreNotContinued(t *testing.T) {
-	for _, extra := range []string{`"tools":[{"type":"function","function":{"name":"f"}}]`, `"n":2`} {
-		p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
-		attempts := 0
-		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-			attempts++
-			p.Select(pool, r, w)
-			w.Header().Set("Content-Type", "text/event-stream")
-			w.WriteHeader(http.StatusOK)
-			w.Write([]byte(sseChunk))
+	for _, extra := range []string{`"tools":[{"type":"function","function":{"name":"f"}}],`, `"n":2,`} {
+		rr, attempts, _ := moves(t, `"stream":true,`+extra, func(_ int, w http.ResponseWriter, _ *http.Request) error {
+			startStream(w)
 			panic(http.ErrAbortHandler)
 		})
-		rr := httptest.NewRecorder()
-		h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,`+extra+`,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
 		body := rr.Body.String()
 		if attempts != 1 || !strings.Contains(body, "cannot be continued") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
 			t.Fatalf("%s: attempts %d, body %q", extra, attempts, body)
@@ -241,28 +230,22 @@ func TestToolStreamsAreNotContinued(t *testing.T) {
 // whole events: the partial one is never sent, and the continuation's
 // events follow the last whole one, each valid JSON.
 func TestCutInsideAnEventSplicesWholeEvents(t *testing.T) {
-	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
-	attempts := 0
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		attempts++
-		p.Select(pool, r, w)
-		w.Header().Set("Content-Type", "text/event-stream")
-		w.WriteHeader(http.StatusOK)
-		if attempts == 1 {
-			w.Write([]byte(sseChunk))
+	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, _ *http.Request) error {
+		if n == 1 {
+			startStream(w)
 			w.Write([]byte(`data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"co`))
 			panic(http.ErrAbortHandler) // died in the middle of the event
 		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
 		w.Write([]byte(`data: {"id":"c2","object":"chat.completion.chunk","created":2,"model":"m","choices":[{"index":0,"delta":{"content":" there"},"finish_reason":"stop"}]}` + "\n\n"))
 		_, err := w.Write([]byte("data: [DONE]\n\n"))
 		return err
 	})
-	rr := httptest.NewRecorder()
-	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next); err != nil {
+	if err != nil {
 		t.Fatal(err)
 	}
-	body := rr.Body.String()
-	events := strings.Split(strings.TrimSuffix(body, "\n\n"), "\n\n")
+	events := strings.Split(strings.TrimSuffix(rr.Body.String(), "\n\n"), "\n\n")
 	if attempts != 2 || len(events) != 3 || events[2] != "data: [DONE]" {
 		t.Fatalf("attempts %d, events %q", attempts, events)
 	}
