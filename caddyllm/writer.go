@@ -316,6 +316,9 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.tokens++
 		t.generated.WriteString(text)
 		t.unreported++
+	} else if generatesOtherwise(data) {
+		t.tokens++
+		t.unreported++
 	}
 	return line
 }
@@ -343,7 +346,26 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		t.scratch = decodeString(t.scratch[:0], raw, bytes.IndexByte(raw, '\\') >= 0)
 		t.generated.Write(t.scratch)
 		t.unreported++
+	} else if generatesOtherwise(data) {
+		// A tool call's arguments or a reasoning model's thoughts are
+		// generated tokens too: the first one ends the prefill.
+		t.tokens++
+		t.unreported++
 	}
+}
+
+// generatesOtherwise reports whether a chunk without text carries a tool
+// call or reasoning (vLLM's reasoning_content, or reasoning).
+func generatesOtherwise(data []byte) bool {
+	return bytes.Contains(data, []byte(`"tool_calls":[{`)) ||
+		nonEmptyString(data, `"reasoning_content":"`) || nonEmptyString(data, `"reasoning":"`)
+}
+
+// nonEmptyString reports whether key (a JSON key and the quote opening its
+// value) appears in data with a value that is not empty.
+func nonEmptyString(data []byte, key string) bool {
+	i := bytes.Index(data, []byte(key))
+	return i >= 0 && i+len(key) < len(data) && data[i+len(key)] != '"'
 }
 
 // decode returns the string at sp of data, decoded.

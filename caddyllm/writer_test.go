@@ -117,3 +117,25 @@ func TestErrorEventIsNoCompletion(t *testing.T) {
 		t.Fatal("a stream ending in an error event counts as complete")
 	}
 }
+
+// TestToolCallsAndReasoningAreGenerated: chunks carrying a tool call's
+// arguments or a reasoning model's thoughts, without text, count as
+// generated tokens (the first one ends the prefill); empty ones do not.
+func TestToolCallsAndReasoningAreGenerated(t *testing.T) {
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, &requestState{req: &Request{}})
+	rec.Header().Set("Content-Type", "text/event-stream")
+	for _, chunk := range []string{
+		`{"choices":[{"delta":{"role":"assistant","content":""}}]}`,
+		`{"choices":[{"delta":{"reasoning_content":"Let me think"}}]}`,
+		`{"choices":[{"delta":{"reasoning_content":""}}]}`,
+		`{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\":"}}]}}]}`,
+		`{"choices":[{"delta":{"tool_calls":[]}}]}`,
+		`{"choices":[{"delta":{"content":"done"}}]}`,
+	} {
+		rec.Write([]byte("data: " + chunk + "\n\n"))
+	}
+	if rec.tokens != 3 || rec.generated.String() != "done" {
+		t.Fatalf("%d tokens, text %q; want 3 and \"done\"", rec.tokens, rec.generated.String())
+	}
+}
