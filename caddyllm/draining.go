@@ -63,14 +63,24 @@ func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reve
 	}
 }
 
-// watchHealthOnceRunning starts the health watcher when Caddy makes a
-// config other than before (the one running when this policy was
-// provisioned) the running one: that is this policy's own, whose
-// upstreams are then provisioned (Caddy swaps the running config under a
-// lock after starting it). So an idle router's admin view, status page
-// and metrics follow the health checks without waiting for a request. It
-// gives up when the config is unloaded, or was never started.
-func (p *Policy) watchHealthOnceRunning(before context.Context) {
+// start does what starts with the config running: its deferred drains
+// take effect and its health watcher starts. It runs once, through
+// p.started (which holds a concurrent first request until the drains are
+// in force): the config's first request calls it, or runOnceActive,
+// whichever comes first.
+func (p *Policy) start() {
+	p.sh.applyPendingDrains(p.site)
+	go p.watchUpstreamHealth(p.ctx, p.parent)
+}
+
+// runOnceActive calls start when Caddy makes a config other than before
+// (the one running when this policy was provisioned) the running one:
+// that is this policy's own, whose upstreams are then provisioned (Caddy
+// swaps the running config under a lock after starting it). So an idle
+// router's drains, admin view, status page and metrics follow its config
+// and the health checks without waiting for a request. It gives up when
+// the config is unloaded, or was never started.
+func (p *Policy) runOnceActive(before context.Context) {
 	t := time.NewTicker(healthPollInterval)
 	defer t.Stop()
 	for {
@@ -80,10 +90,7 @@ func (p *Policy) watchHealthOnceRunning(before context.Context) {
 		case <-t.C:
 		}
 		if caddy.ActiveContext().Context != before {
-			p.sh.applyPendingDrains(p.site)
-			if p.watching.CompareAndSwap(false, true) {
-				p.watchUpstreamHealth(p.ctx, p.parent)
-			}
+			p.started.Do(p.start)
 			return
 		}
 	}

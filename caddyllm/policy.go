@@ -192,9 +192,11 @@ type Policy struct {
 	// content. Default: the upstream with the least queued work.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
-	ctx      caddy.Context
-	parent   func() []*reverseproxy.Upstream
-	watching *atomic.Bool
+	ctx    caddy.Context
+	parent func() []*reverseproxy.Upstream
+	// started runs start once: the config's first request, or Caddy
+	// making it the running config, calls it.
+	started *sync.Once
 	// warnedUnparsed records that the missing handler was logged.
 	warnedUnparsed *atomic.Bool
 	// parentDials are the parent reverse_proxy's static upstreams, which
@@ -317,9 +319,11 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// with the first request, if that comes first); the static upstreams'
 	// dials are known now (read in the parent's own Provision, so without
 	// a race).
-	p.ctx, p.parent, p.watching, p.health = ctx, parentUpstreams(ctx), new(atomic.Bool), new(healthWatch)
+	p.ctx, p.parent, p.started, p.health = ctx, parentUpstreams(ctx), new(sync.Once), new(healthWatch)
 	p.warnedUnparsed = new(atomic.Bool)
-	go p.watchHealthOnceRunning(caddy.ActiveContext().Context)
+	// The config running now; once Caddy runs another, it is this one.
+	running := caddy.ActiveContext().Context
+	go p.runOnceActive(running)
 	for _, u := range p.parent() {
 		p.named = append(p.named, u.Dial)
 		p.parentDials = append(p.parentDials, u.Dial)
@@ -345,7 +349,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			pending = append(pending, dial)
 		}
 	}
-	p.sh.deferDrains(p.site, pending, caddy.ActiveContext().Context)
+	p.sh.deferDrains(p.site, pending, running)
 	// An upstream some site's health checks drained stays drained under
 	// this site's name until this site's own checks find it healthy: on a
 	// reload the old site lets go of its hold before this site's watcher
@@ -495,11 +499,9 @@ func (p *Policy) hardware(dial string) router.Hardware {
 // retry releases the previous attempt's charge and avoids the upstreams
 // already tried.
 func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
-	if p.watching != nil && !p.watching.Load() && p.watching.CompareAndSwap(false, true) {
-		go p.watchUpstreamHealth(p.ctx, p.parent)
+	if p.started != nil {
+		p.started.Do(p.start) // this config serves requests, so it runs
 	}
-	// This config serves requests, so it runs: its drains are in force.
-	p.sh.applyPendingDrains(p.site)
 	st := requestStateOf(r)
 	if st == nil {
 		return p.selectFallback(pool, r, w)
