@@ -163,15 +163,16 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		if t.splice.refused != 0 {
 			return len(p), nil
 		}
-		return len(p), t.scan(p, true)
+		_, err := t.scan(p, true)
+		return len(p), err
 	}
 	if !t.wroteHeader {
 		t.WriteHeader(http.StatusOK)
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
-			t.scan(p, false)
-			return t.writeEvents(p)
+			end, _ := t.scan(p, false)
+			return t.writeEvents(p, end)
 		}
 		if t.body.Len()+len(p) <= maxUsageBody {
 			t.body.Write(p)
@@ -180,28 +181,29 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	return t.ResponseWriterWrapper.Write(p)
 }
 
-// writeEvents passes on the whole events in p, after what was held back,
-// and holds back the start of an event until its end arrives: a stream
-// cut in the middle of an event must leave the client only whole events,
-// so that a continuation can follow them. An event longer than
-// maxSSELine is passed on as it comes.
-func (t *tokenRecorder) writeEvents(p []byte) (int, error) {
-	buf := p
-	if len(t.held) > 0 {
-		buf = append(t.held, p...)
-	}
-	end := lastEventEnd(buf)
-	if end < 0 && len(buf) <= maxSSELine {
-		t.held = append(t.held[:0], buf...)
+// writeEvents passes on what was held back and the whole events in p,
+// whose last ends at end (-1: none ends in p), and holds back the start
+// of an event until its end arrives: a stream cut in the middle of an
+// event must leave the client only whole events, so that a continuation
+// can follow them. An event longer than maxSSELine is passed on as it
+// comes.
+func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
+	if end < 0 && len(t.held)+len(p) <= maxSSELine {
+		t.held = append(t.held, p...)
 		return len(p), nil
 	}
 	if end < 0 {
-		end = len(buf)
+		end = len(p)
 	}
-	if _, err := t.ResponseWriterWrapper.Write(buf[:end]); err != nil {
+	if len(t.held) > 0 {
+		if _, err := t.ResponseWriterWrapper.Write(t.held); err != nil {
+			return 0, err
+		}
+	}
+	if _, err := t.ResponseWriterWrapper.Write(p[:end]); err != nil {
 		return 0, err
 	}
-	t.held = append(t.held[:0], buf[end:]...)
+	t.held = append(t.held[:0], p[end:]...)
 	return len(p), nil
 }
 
@@ -215,54 +217,46 @@ func (t *tokenRecorder) flushHeld() {
 	}
 }
 
-// lastEventEnd returns the index just after the last blank line in b
-// (the end of an SSE event), or -1.
-func lastEventEnd(b []byte) int {
-	i := bytes.LastIndex(b, []byte("\n\n"))
-	j := bytes.LastIndex(b, []byte("\n\r\n"))
-	switch {
-	case i < 0 && j < 0:
-		return -1
-	case j+1 > i:
-		return j + 3
-	}
-	return i + 2
-}
-
 // scan splits p into SSE lines and handles each; when rewrite is set it
-// writes the (rewritten) lines itself.
-func (t *tokenRecorder) scan(p []byte, rewrite bool) error {
+// writes the (rewritten) lines itself. It returns the offset in p just
+// after the last blank line (the end of an event), -1 when none is in p.
+func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 	defer t.reportTokens()
-	for len(p) > 0 {
-		i := bytes.IndexByte(p, '\n')
+	end = -1
+	for off := 0; off < len(p); {
+		i := bytes.IndexByte(p[off:], '\n')
 		if i < 0 {
-			if len(t.line)+len(p) > maxSSELine {
+			if len(t.line)+len(p)-off > maxSSELine {
 				t.skipLine, t.line = true, t.line[:0]
 			} else if !t.skipLine {
-				t.line = append(t.line, p...)
+				t.line = append(t.line, p[off:]...)
 			}
-			return nil
+			return end, nil
 		}
-		line := p[:i]
+		line := p[off : off+i]
 		if len(t.line) > 0 {
 			t.line = append(t.line, line...)
 			line = t.line
 		}
 		if !t.skipLine {
-			out := t.event(bytes.TrimSuffix(line, []byte{'\r'}), rewrite)
+			line = bytes.TrimSuffix(line, []byte{'\r'})
+			if len(line) == 0 {
+				end = off + i + 1
+			}
+			out := t.event(line, rewrite)
 			if rewrite && out != nil {
 				if _, err := t.ResponseWriterWrapper.Write(append(out, '\n')); err != nil {
-					return err
+					return end, err
 				}
 			}
 		}
 		t.line, t.skipLine = t.line[:0], false
-		p = p[i+1:]
+		off += i + 1
 	}
 	if rewrite {
-		return http.NewResponseController(&t.ResponseWriterWrapper).Flush()
+		return end, http.NewResponseController(&t.ResponseWriterWrapper).Flush()
 	}
-	return nil
+	return end, nil
 }
 
 // event handles one SSE line: it records tokens, text, identity and
