@@ -242,15 +242,9 @@ func (ix *Index) Forget(id UpstreamID, hashes []uint64) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, h := range hashes {
-		s := l.slots.find(h, l.entries)
-		if s == 0 {
-			continue
+		if s := l.slots.find(h, l.entries); s != 0 {
+			g.drop(l, s, bit)
 		}
-		l.slots.remove(h, l.entries)
-		l.unlink(s)
-		l.entries[s].next = l.free
-		l.free = s
-		g.clearBit(h, bit)
 	}
 }
 
@@ -332,10 +326,14 @@ func (g *group) clearBit(h, bit uint64) {
 }
 
 func (g *group) evictOldest(l *lru, bit uint64) {
-	s := l.entries[0].prev
-	if s == 0 {
-		return
+	if s := l.entries[0].prev; s != 0 {
+		g.drop(l, s, bit)
 	}
+}
+
+// drop removes the entry at slab position s from l, whose member bit it
+// is, and frees its slot. Caller holds g.mu.
+func (g *group) drop(l *lru, s int32, bit uint64) {
 	h := l.entries[s].hash
 	l.slots.remove(h, l.entries)
 	l.unlink(s)

@@ -337,21 +337,20 @@ func (u *upstream) useAdapter(adapter string) {
 
 // expectedOutput estimates req's output length. Caller holds f.mu.
 func (f *Fleet) expectedOutput(req Request, opts *Options) int {
+	est := opts.OutputTokens
 	switch opts.OutputEstimate {
 	case OutputFixed:
-		return min(opts.OutputTokens, MaxTokens)
 	case OutputMaxTokens:
 		if req.MaxTokens > 0 {
-			return min(req.MaxTokens, MaxTokens)
+			est = req.MaxTokens
 		}
-		return min(opts.OutputTokens, MaxTokens)
-	}
-	est := opts.OutputTokens
-	if m := f.model(req.Model, false); m != nil && m.output.n > 0 {
-		est = int(math.Round(m.output.value))
-	}
-	if req.MaxTokens > 0 {
-		est = min(est, req.MaxTokens)
+	default:
+		if m := f.model(req.Model, false); m != nil && m.output.n > 0 {
+			est = int(math.Round(m.output.value))
+		}
+		if req.MaxTokens > 0 {
+			est = min(est, req.MaxTokens)
+		}
 	}
 	return min(est, MaxTokens)
 }

@@ -190,13 +190,9 @@ type PeerState struct {
 func (f *Fleet) Peers() []PeerState {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	counts := make(map[string]int, len(f.peers))
-	for key := range f.remote {
-		counts[key.peer]++
-	}
 	out := make([]PeerState, 0, len(f.peers))
 	for name, seen := range f.peers {
-		out = append(out, PeerState{Name: name, LastSeen: seen, Charges: counts[name]})
+		out = append(out, PeerState{Name: name, LastSeen: seen, Charges: f.remoteCharges[name]})
 	}
 	return out
 }

@@ -120,9 +120,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.Name == "" {
 		h.Name = "kvsim"
 	}
-	if !(h.Speed >= 0 && h.Speed <= kvsim.MaxSpeed) {
-		return fmt.Errorf("kvsim %s: speed must be in 0..%d, got %v", h.Name, kvsim.MaxSpeed, h.Speed)
-	}
+	// kvsim.NewServer checks the speed; the faults are applied apart.
 	if h.Faults != nil {
 		if err := h.Faults.Validate(); err != nil {
 			return fmt.Errorf("kvsim %s: fault_%w", h.Name, err)
