@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -405,18 +404,11 @@ http://127.0.0.1:%d {
 	if bad == string(raw) {
 		t.Fatalf("no shed_status to change in %s", raw)
 	}
-	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(bad))
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := tester.Client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode == 200 {
+	status, body := load(t, tester, "application/json", bad)
+	if status == 200 {
 		t.Fatalf("a config with shed_status 200 was accepted")
 	}
-	if !strings.Contains(string(body), "shed_status") {
+	if !strings.Contains(body, "shed_status") {
 		t.Logf("the load failed for another reason: %s", body)
 	}
 	if p := drainPhase(t, a.dial()); p != "active" {
@@ -438,16 +430,9 @@ func TestConfigNamesOnlyItsUpstreams(t *testing.T) {
 		"drain http://" + fleet[0].dial(),
 		"upstream 10.9.9.9:1 {\n\t\t\t\tkv_capacity 1000\n\t\t\t}",
 	} {
-		req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", opts, "")))
-		req.Header.Set("Content-Type", "text/caddyfile")
-		resp, err := tester.Client.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode == 200 || !strings.Contains(string(body), "not an upstream of this reverse_proxy") {
-			t.Errorf("%q: %d %s", opts, resp.StatusCode, body)
+		if status, body := load(t, tester, "text/caddyfile", caddyfile(fleet, "", opts, "")); status == 200 ||
+			!strings.Contains(body, "not an upstream of this reverse_proxy") {
+			t.Errorf("%q: %d %s", opts, status, body)
 		}
 	}
 	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2}); c.status != 200 {

@@ -37,19 +37,28 @@ http://127.0.0.1:%[5]d {
 `, oneDials, oneOpts, twoDials, twoOpts, httpPort)
 }
 
+// reload loads a Caddyfile through the admin API and fails the test
+// unless Caddy takes it.
 func reload(t *testing.T, tester *caddytest.Tester, config string) {
 	t.Helper()
+	if status, body := load(t, tester, "text/caddyfile", config); status != 200 {
+		t.Fatalf("reload: %d %s", status, body)
+	}
+}
+
+// load posts config (of the content type, a Caddyfile or JSON) to the
+// admin API's /load and returns Caddy's answer.
+func load(t *testing.T, tester *caddytest.Tester, contentType, config string) (int, string) {
+	t.Helper()
 	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(config))
-	req.Header.Set("Content-Type", "text/caddyfile")
+	req.Header.Set("Content-Type", contentType)
 	resp, err := tester.Client.Do(req)
 	if err != nil {
-		t.Fatalf("reload: %v", err)
+		t.Fatalf("load: %v", err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		body, _ := io.ReadAll(resp.Body)
-		t.Fatalf("reload: %d %s", resp.StatusCode, body)
-	}
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
 }
 
 // TestTwoSitesShareUpstreams is the rule for sites that share an upstream
