@@ -103,6 +103,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		metrics_path        <path>
 //		queue_timeout       <duration>
 //		shed_status         <code>
+//		queue_limit         <n>
 //		kv_margin           <tokens>
 //		tie                 <seconds>
 //		imposed_delay_weight <w>
@@ -211,6 +212,10 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "shed_status":
 			if err := intArg(d, &p.ShedStatus); err != nil {
+				return err
+			}
+		case "queue_limit":
+			if err := intArg(d, &p.QueueLimit); err != nil {
 				return err
 			}
 		case "drain":

@@ -314,8 +314,11 @@ type requestState struct {
 	current  *attempt
 	tried    []string
 	// sh is the routing state of the policy that routed the request.
-	sh       *shared
-	shed     *shedding
+	sh   *shared
+	shed *shedding
+	// hold is the request's wait at the gateway while no upstream can
+	// start it, nil when it does not wait.
+	hold     *router.Hold
 	decision decisionRecord
 	// explanation is the last decision's, when debug logging is on.
 	explanation *scorer.Explanation

@@ -416,8 +416,8 @@ func (m *metrics) recentTTFT(dial string) (observed, estimated []float64) {
 
 // fleetCollector exports each upstream's live state at scrape time.
 type fleetCollector struct {
-	sh                                 *shared
-	queued, inFlight, blocks, draining *prometheus.Desc
+	sh                                       *shared
+	queued, inFlight, blocks, draining, held *prometheus.Desc
 }
 
 func newFleetCollector(sh *shared) *fleetCollector {
@@ -431,6 +431,8 @@ func newFleetCollector(sh *shared) *fleetCollector {
 			"Prefix blocks the index believes the upstream holds.", []string{"upstream"}, nil),
 		draining: prometheus.NewDesc("caddy_llm_affinity_upstream_drain_phase",
 			"1 for the upstream's drain phase (active, draining, drained); for upstream=\"other\", how many of the upstreams no config names are in it.", []string{"upstream", "phase"}, nil),
+		held: prometheus.NewDesc("caddy_llm_affinity_gateway_held",
+			"Requests waiting at the gateway now for an upstream that can start them (at most queue_limit per site).", nil, nil),
 	}
 }
 
@@ -440,6 +442,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.inFlight
 	ch <- c.blocks
 	ch <- c.draining
+	ch <- c.held
 }
 
 // Collect implements prometheus.Collector. Upstreams no loaded config
@@ -447,6 +450,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 // upstream="other", their drain phases counted.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
 	c.sh.applyPendingDrains("") // the drain phases of the running config
+	ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(c.sh.fleet.Held()))
 	m := c.sh.metrics
 	var other UpstreamSnapshot
 	otherPhases := map[string]int{}

@@ -186,8 +186,9 @@ func TestUpstreamGaugesBounded(t *testing.T) {
 	c := newFleetCollector(sh)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(c)
-	// named:1 and other: queued (2 phases), in flight, index blocks, drain phase.
-	if n := testutil.CollectAndCount(c); n != 2*5 {
+	// named:1 and other: queued (2 phases), in flight, index blocks, drain
+	// phase; and the gateway's held requests.
+	if n := testutil.CollectAndCount(c); n != 2*5+1 {
 		t.Fatalf("%d series for 1 named and 300 dynamic upstreams:\n%s", n, exposition(t, reg))
 	}
 	out := exposition(t, reg)
@@ -195,6 +196,7 @@ func TestUpstreamGaugesBounded(t *testing.T) {
 		`caddy_llm_affinity_upstream_in_flight{upstream="other"} 150`,
 		`caddy_llm_affinity_upstream_drain_phase{phase="active",upstream="other"} 300`,
 		`caddy_llm_affinity_upstream_in_flight{upstream="named:1"} 0`,
+		`caddy_llm_affinity_gateway_held 0`,
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("no %s in:\n%s", want, out)

@@ -102,6 +102,12 @@ type Policy struct {
 	// ShedStatus is the HTTP status of a shed request. Default 503.
 	ShedStatus int `json:"shed_status,omitempty"`
 
+	// QueueLimit is how many of this site's requests may wait at the
+	// gateway at once; one more is shed at once (ShedStatus, Retry-After).
+	// A held request keeps its body in memory. Default 1024; a negative
+	// value sets no limit.
+	QueueLimit int `json:"queue_limit,omitempty"`
+
 	// KVMarginTokens is the KV headroom the fit filter keeps beyond the
 	// uncached prompt and expected output.
 	KVMarginTokens int `json:"kv_margin_tokens,omitempty"`
@@ -288,6 +294,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		AdapterLoadHost:   time.Duration(p.AdapterLoadHost),
 		AdapterLoadRemote: time.Duration(p.AdapterLoadRemote),
 		Adapters:          make(map[string]bool, len(p.Adapters)),
+		QueueLimit:        p.QueueLimit,
 	}.WithDefaults()
 	for _, a := range p.Adapters {
 		p.opts.Adapters[a] = true
@@ -528,9 +535,10 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	// until KV frees there, or held here until some upstream can take it.
 	held := time.Now()
 	deadline := held.Add(time.Duration(p.QueueTimeout))
+	defer p.unhold(st)
 	queued := false
 	for now := held; ; now = time.Now() {
-		up, d := p.decide(pool, st, now, max(0, deadline.Sub(now)))
+		up, d := p.decide(pool, st, now, deadline)
 		if up != nil {
 			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
 			st.setDecisionPlaceholders(len(st.tried) + 1)
@@ -549,22 +557,27 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 				message: fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens),
 				reason:  "context_length", refused: true})
 		}
-		if !queued {
-			queued = true
-			p.sh.metrics.queued.Inc()
-		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
 			p.sh.metrics.queueWaitOf(string(scorer.Shed)).Observe(time.Since(held).Seconds())
 			return p.shed(st, d.Decision)
 		}
-		// Health changes do not wake us, so look again now and then.
-		// The state is not held meanwhile: a drain's cut or the handler
-		// must not wait on a request that waits for capacity.
+		if st.hold == nil {
+			return p.shedQueueFull(st, d.Decision)
+		}
+		if !queued {
+			queued = true
+			p.sh.metrics.queued.Inc()
+		}
+		// The hold is ready when an upstream this request may fit on
+		// releases work. Health changes and engine scrapes do not ready
+		// it, so look again now and then. The state is not held
+		// meanwhile: a drain's cut or the handler must not wait on a
+		// request that waits for capacity.
 		timer := time.NewTimer(min(wait, 250*time.Millisecond))
 		st.mu.Unlock()
 		select {
-		case <-d.Wake:
+		case <-st.hold.Ready():
 		case <-timer.C:
 		case <-r.Context().Done():
 		}
@@ -576,6 +589,34 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 }
 
+// unhold ends st's wait at the gateway, if it waits. Caller holds st.mu.
+func (p *Policy) unhold(st *requestState) {
+	if st.hold != nil {
+		p.sh.fleet.Unhold(st.hold)
+		st.hold = nil
+	}
+}
+
+// shedQueueFull sheds st because QueueLimit requests wait already.
+func (p *Policy) shedQueueFull(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
+	return p.refuse(st, d, &shedding{
+		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
+		message:           fmt.Sprintf("no upstream can take this request now, and %d requests wait already (queue_limit); retry later", p.opts.QueueLimitValue()),
+		retryAfterSeconds: p.retryAfterSeconds(),
+		reason:            queueFullReason,
+	})
+}
+
+// queueFullReason is the shed reason of a request turned away because
+// queue_limit requests wait already.
+const queueFullReason = "queue_full"
+
+// retryAfterSeconds is the Retry-After of a shed request: the queue
+// timeout, at least a second.
+func (p *Policy) retryAfterSeconds() int {
+	return int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
+}
+
 // shed gives up on st for now: the handler answers with ShedStatus and
 // Retry-After.
 func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
@@ -583,7 +624,7 @@ func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstrea
 	return p.refuse(st, d, &shedding{
 		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
 		message:           "no upstream can take this request now (" + reason + "); retry later",
-		retryAfterSeconds: int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds()))),
+		retryAfterSeconds: p.retryAfterSeconds(),
 		reason:            reason,
 	})
 }
@@ -627,10 +668,12 @@ func newScratchPool() *sync.Pool {
 	return &sync.Pool{New: func() any { return new(decisionScratch) }}
 }
 
-// decide asks the decision engine where st goes among pool at now and,
-// when it chose, registers the attempt with the drain registry. Without a choice
-// the decision's Wake channel says when to try again.
-func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now time.Time, maxWait time.Duration) (*reverseproxy.Upstream, router.Decision) {
+// decide asks the decision engine where st goes among pool at now, to
+// start by deadline, and, when it chose, registers the attempt with the
+// drain registry. Without a choice, a request that may wait is held
+// (st.hold, nil when queue_limit requests wait already), to try again
+// when its hold is ready.
+func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time) (*reverseproxy.Upstream, router.Decision) {
 	req := st.req
 	if p.scraper != nil {
 		for _, u := range pool {
@@ -646,12 +689,16 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now ti
 	if p.logger.Core().Enabled(zapcore.DebugLevel) {
 		ex = new(scorer.Explanation)
 	}
-	d := p.sh.fleet.Decide(now, router.Request{
+	rreq := router.Request{
 		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
-		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: maxWait,
-	}, scratch.members, &p.opts, p.rng, ex)
+		PromptBytes: req.PromptBytes, MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: max(0, deadline.Sub(now)),
+	}
+	d := p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
+		if !d.Unservable && !d.TooLong && now.Before(deadline) {
+			st.hold = p.sh.fleet.Hold(st.hold, &d, rreq, deadline, scratch.members, &p.opts)
+		}
 		return nil, d
 	}
 	dial := d.Charge.Dial()

@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -292,5 +293,56 @@ func TestIdleDynamicUpstreamForgetsItsDrain(t *testing.T) {
 	}
 	if _, ok := scraper.StatusOf("named-drain:1"); !ok {
 		t.Fatal("another target went with it")
+	}
+}
+
+// TestQueueLimitShedsAtOnce: once queue_limit requests wait at the
+// gateway, one more is shed at once with Retry-After and the queue_full
+// reason, not held for queue_timeout; the waiting ones still route when
+// an upstream can take them.
+func TestQueueLimitShedsAtOnce(t *testing.T) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	p.QueueTimeout = caddy.Duration(time.Hour)
+	p.QueueLimit, p.opts.QueueLimit = 2, 2
+	for _, u := range pool {
+		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+	}
+	request := func() (*requestState, *http.Request) {
+		st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+		ctx := context.WithValue(context.Background(), stateKey{}, st)
+		return st, httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	}
+	routed := make(chan *reverseproxy.Upstream, 2)
+	for range 2 {
+		st, r := request()
+		go func() {
+			up := p.Select(pool, r, httptest.NewRecorder())
+			if st.current != nil {
+				st.current.release()
+			}
+			routed <- up
+		}()
+	}
+	for p.sh.fleet.Held() < 2 {
+		time.Sleep(time.Millisecond)
+	}
+	st, r := request()
+	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil {
+		t.Fatalf("a third request over queue_limit 2: routed to %v, shed %+v", up, st.shed)
+	}
+	if st.shed.reason != queueFullReason || st.shed.status != 503 || st.shed.retryAfterSeconds != 3600 {
+		t.Errorf("shed as %+v, want queue_full, 503, Retry-After 3600", st.shed)
+	}
+	if got := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(queueFullReason)); got != 1 {
+		t.Errorf("shed_total{blocked_by=queue_full} = %v, want 1", got)
+	}
+	p.sh.drains.Undrain(pool[0].Dial, drain.Admin)
+	for range 2 {
+		if up := <-routed; up != pool[0] {
+			t.Fatalf("a held request went to %v, want %s", up, pool[0].Dial)
+		}
+	}
+	if n := p.sh.fleet.Held(); n != 0 {
+		t.Fatalf("%d requests still held", n)
 	}
 }

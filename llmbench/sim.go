@@ -54,8 +54,9 @@ const (
 // capacity); each output token is router.Fleet.Progress, the finish router.Fleet.Complete. A
 // request goes where its KV is free or expected to free within what is left of QueueTimeout
 // (router.Request.MaxWait; the engine queues it meanwhile). One that no replica can start in
-// time waits at the gateway, retried whenever a replica it may now fit on (router.Fleet.Fits)
-// releases work, and is shed once QueueTimeout has passed. Engine metrics are not
+// time waits at the gateway (router.Fleet.Hold, as the plugin's requests: at most QueueLimit
+// of them, or it is shed at once), is retried whenever a replica it may now fit on releases
+// work, and is shed once QueueTimeout has passed. Engine metrics are not
 // read: this is the plugin with scrape_interval off, its default.
 //
 // Caddy's own policies are Caddy's selection policy types themselves (round_robin,
@@ -68,6 +69,9 @@ type Sim struct {
 	// the gateway, before it is shed: 0 means DefaultQueueTimeout, a negative value sends it
 	// only where it fits now and sheds it at once otherwise.
 	QueueTimeout time.Duration
+	// QueueLimit is how many requests may wait at each router's gateway at once; one more
+	// is shed at once. 0 means router.DefaultQueueLimit, negative no limit.
+	QueueLimit int
 	// OutputEstimate is OutputAverage (default), OutputMaxTokens or OutputFixed.
 	OutputEstimate string
 	// OutputTokens is the output estimate before any output was observed, and the fixed
@@ -156,6 +160,30 @@ type waiter struct {
 	text     []byte
 	hashes   []uint64 // the prompt's block hashes, computed at arrival
 	deadline time.Duration
+	// hold is its wait in the router's gateway queue, nil for Caddy's policies (retried
+	// after every release).
+	hold *router.Hold
+}
+
+// ready says whether wt may fit somewhere it did not when it last failed.
+func (wt *waiter) ready() bool {
+	if wt.hold == nil {
+		return true
+	}
+	select {
+	case <-wt.hold.Ready():
+		return true
+	default:
+		return false
+	}
+}
+
+// unhold ends wt's wait in its router's gateway queue.
+func (wt *waiter) unhold() {
+	if wt.hold != nil {
+		wt.router.fleet.Unhold(wt.hold)
+		wt.hold = nil
+	}
 }
 
 // simRun is the state of one replay.
@@ -288,6 +316,7 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		MaxLoras:          cfg.MaxLoRAs,
 		AdapterLoadHost:   cfg.LoRAHostLoad,
 		AdapterLoadRemote: cfg.LoRAStorageLoad,
+		QueueLimit:        s.QueueLimit,
 	}.WithDefaults()
 	run.ropts.Scorer.Strategy = strategy
 	for _, a := range cfg.Adapters {
@@ -386,6 +415,7 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 		case tArrive == never && tEngine == never && tDeliver == never:
 			// Nothing runs and nothing arrives: whoever still waits can never fit.
 			for _, wt := range run.gateway {
+				wt.unhold()
 				run.shed(wt.req)
 			}
 			run.gateway = nil
@@ -399,17 +429,15 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			run.heap.fix(ei)
 			if run.released {
 				run.released = false
-				run.retryGateway(tEngine, ei)
+				run.retryGateway(tEngine)
 			}
 		case tDeliver <= tArrive:
 			run.now = tDeliver
 			run.deliver()
 			if run.released {
-				// A peer's release frees KV as this router sees it: its waiters may fit anywhere.
+				// A peer's release frees KV as this router sees it.
 				run.released = false
-				for j := range run.replicas {
-					run.retryGateway(tDeliver, j)
-				}
+				run.retryGateway(tDeliver)
 			}
 		default:
 			run.now = tArrive
@@ -484,14 +512,10 @@ func (run *simRun) routerRequest(wt *waiter, now time.Duration) router.Request {
 	}
 }
 
-// retryGateway routes again the waiting requests that may now fit on replica j, which just
-// released work, in arrival order, and sheds those whose deadline passed. Only j's free KV
-// grew, so a request that fitted nowhere before can fit only there: asking the engine about
-// j alone gives the plugin's wake-everyone retry at a fraction of the cost. (One difference:
-// a waiter whose output estimate fell since its last try, or whose KV wait on another
-// replica shrank as that replica's queue progressed, is retried at the next release of a
-// replica it fits, not at once.)
-func (run *simRun) retryGateway(now time.Duration, j int) {
+// retryGateway routes again, in arrival order, the waiting requests whose holds a release
+// readied (those that may now fit on the replica that released), and sheds those whose
+// deadline passed.
+func (run *simRun) retryGateway(now time.Duration) {
 	if len(run.gateway) == 0 {
 		return
 	}
@@ -500,8 +524,9 @@ func (run *simRun) retryGateway(now time.Duration, j int) {
 	for _, wt := range waiting {
 		switch {
 		case now > wt.deadline:
+			wt.unhold()
 			run.shed(wt.req)
-		case wt.router.fleet.Fits(at(now), run.routerRequest(&wt, now), run.members[j], &run.ropts):
+		case wt.ready():
 			run.arrive(wt, now)
 		default:
 			run.gateway = append(run.gateway, wt)
@@ -521,10 +546,27 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		if wt.hashes == nil {
 			wt.hashes = run.hasher.HashBytes(nil, run.seed(r), text)
 		}
-		d := rt.fleet.Decide(at(now), run.routerRequest(&wt, now), run.members, &run.ropts, run.rng, nil)
+		rreq := run.routerRequest(&wt, now)
+		d := rt.fleet.Decide(at(now), rreq, run.members, &run.ropts, run.rng, nil)
 		choice, charge = d.Chosen, d.Charge
-		if d.Unservable || d.TooLong {
+		switch {
+		case d.Unservable || d.TooLong:
 			// The plugin answers these at once (404, 400): waiting cannot help.
+			wt.unhold()
+			run.shed(r)
+			return
+		case choice >= 0:
+			wt.unhold()
+		case now < wt.deadline:
+			// Held as the plugin holds it; shed at once when the queue is full.
+			if wt.hold = rt.fleet.Hold(wt.hold, &d, rreq, at(wt.deadline), run.members, &run.ropts); wt.hold == nil {
+				run.shed(r)
+				return
+			}
+			run.gateway = append(run.gateway, wt)
+			return
+		default:
+			wt.unhold()
 			run.shed(r)
 			return
 		}

@@ -67,9 +67,9 @@ type Decision struct {
 	// Charge is the work charged to the chosen upstream, nil when none
 	// was chosen; pass it to Progress, Complete or Release.
 	Charge *Charge
-	// Wake, when nothing was chosen, is closed at the next release of
-	// work anywhere in the fleet: the moment to try again.
-	Wake <-chan struct{}
+	// releases counts the fleet's releases at the decision, so that a
+	// Hold after it misses none.
+	releases uint64
 	// Unservable, when nothing was chosen, says no member serves the
 	// request's model (every one lists its models, and none lists it):
 	// waiting cannot help.
@@ -88,11 +88,11 @@ type Decision struct {
 func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) Decision {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	sreq, cands, states := f.candidates(now, req, members, opts)
+	sreq, cands, states := f.candidates(now, req, members, opts, true)
 	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
-		d.Wake = f.waitChannel()
+		d.releases = f.releases
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
 		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
 		for i := range cands {
@@ -137,16 +137,17 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	sreq, cands, _ := f.candidates(now, req, []Member{m}, opts)
-	return scorer.Filter(sreq, &cands[0], opts.Scorer) == scorer.NotFiltered
+	return f.fits(now, req, m, opts, true)
 }
 
 // blockTokensOf is req's block size, at least 1.
 func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
 
 // candidates builds the scorer's view of req and of every member, in
-// scratch space reused across decisions. Caller holds f.mu.
-func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options) (scorer.Request, []scorer.Candidate, []*upstream) {
+// scratch space reused across decisions. observe says members are the
+// caller's current view: their health and engine restarts are noted.
+// Caller holds f.mu.
+func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options, observe bool) (scorer.Request, []scorer.Candidate, []*upstream) {
 	bt := blockTokensOf(req)
 	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]
 	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
@@ -155,9 +156,11 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	for i := range members {
 		m := &members[i]
 		states[i] = f.upstream(m.Dial, now)
-		states[i].healthSeen, states[i].healthy = true, m.Healthy
-		if m.Engine != nil {
-			f.noteRestart(states[i], m.Engine.LastRestart)
+		if observe {
+			states[i].healthSeen, states[i].healthy = true, m.Healthy
+			if m.Engine != nil {
+				f.noteRestart(states[i], m.Engine.LastRestart)
+			}
 		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
 	}

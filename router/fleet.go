@@ -37,10 +37,11 @@ type Fleet struct {
 	// engine metrics.
 	meanPrompt runningMean
 
-	// changed is closed and replaced when work is released while some
-	// request waits for capacity (waiting says so).
-	changed chan struct{}
-	waiting bool
+	// holds are the requests waiting at the gateway (see Hold), held
+	// counts them by their Options, and releases counts releases of work.
+	holds    []*Hold
+	held     map[*Options]int
+	releases uint64
 
 	// publisher receives the events of this router's own charges; remote
 	// holds the peers' charges applied here, peers when each peer was
@@ -56,6 +57,7 @@ type Fleet struct {
 	scratchCands  []scorer.Candidate
 	scratchStates []*upstream
 	scratchDepths []int
+	scratchMember [1]Member
 }
 
 // upstream is one upstream's accounting. Guarded by Fleet.mu.
@@ -115,7 +117,7 @@ func New() *Fleet {
 		index:         prefixindex.New(0),
 		upstreams:     make(map[string]*upstream),
 		models:        make(map[string]*modelStats),
-		changed:       make(chan struct{}),
+		held:          make(map[*Options]int),
 		remote:        make(map[remoteKey]*Charge),
 		remoteCharges: make(map[string]int),
 		peers:         make(map[string]time.Time),
@@ -207,23 +209,6 @@ func (f *Fleet) Known(dial string) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.upstreams[dial] != nil
-}
-
-// wake tells waiting callers that capacity may have freed. Caller holds
-// f.mu.
-func (f *Fleet) wake() {
-	if f.waiting {
-		close(f.changed)
-		f.changed = make(chan struct{})
-		f.waiting = false
-	}
-}
-
-// waitChannel returns the channel closed at the next release. Caller
-// holds f.mu.
-func (f *Fleet) waitChannel() <-chan struct{} {
-	f.waiting = true
-	return f.changed
 }
 
 // MarkOf returns the cumulative charges made to dial and how many are in

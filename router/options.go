@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
@@ -62,6 +63,21 @@ type Options struct {
 	// AdapterLoadRemote is the cost of loading an adapter from storage.
 	// Default DefaultAdapterLoadRemote.
 	AdapterLoadRemote time.Duration
+	// QueueLimit is how many requests decided with these options may wait
+	// at the gateway at once (Fleet.Hold); one more is shed at once.
+	// Default DefaultQueueLimit; negative means no limit.
+	QueueLimit int
+}
+
+// QueueLimitValue is the number of holds o allows.
+func (o *Options) QueueLimitValue() int {
+	switch {
+	case o.QueueLimit == 0:
+		return DefaultQueueLimit
+	case o.QueueLimit < 0:
+		return math.MaxInt
+	}
+	return o.QueueLimit
 }
 
 // WithDefaults returns o with its zero values set to the defaults.

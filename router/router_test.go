@@ -129,7 +129,7 @@ func TestKVFit(t *testing.T) {
 		t.Fatal("first request did not fit an empty replica")
 	}
 	other := Request{Hashes: hashes(2, 2000), BlockTokens: 64, PromptTokens: 2000}
-	if d2 := f.Decide(t0, other, ms, &opts, rng(), nil); d2.Charge != nil || d2.Blocked != scorer.FilteredKV || d2.Wake == nil {
+	if d2 := f.Decide(t0, other, ms, &opts, rng(), nil); d2.Charge != nil || d2.Blocked != scorer.FilteredKV {
 		t.Fatalf("second request placed over capacity: %+v", d2)
 	}
 	if f.Fits(t0, other, ms[0], &opts) {

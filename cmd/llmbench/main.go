@@ -50,6 +50,7 @@ type options struct {
 	kvBlocks       int
 	maxNumSeqs     int
 	queueTimeout   time.Duration
+	queueLimit     int
 	outputEstimate string
 	outputTokens   int
 	prefillRate    float64
@@ -88,6 +89,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.maxTokens, "max-tokens", 0, "max_tokens every request sends, as max(`N`, its output length): it bounds the router's output estimate, and is the estimate with --output-estimate max_tokens (0 = exactly the output length, as SGLang's and LMCache's clients send)")
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "KV cache size of each replica in 16-token `blocks` (0 = kvsim's default, 8192 = 131,072 tokens)")
 	fs.IntVar(&o.maxNumSeqs, "max-num-seqs", 0, "most sequences a replica runs at once (0 = kvsim's default, 256)")
+	fs.IntVar(&o.queueLimit, "queue-limit", 0, "llm_affinity: how many requests may wait at the gateway at once, each router; one more is shed at once (0 = the plugin's default, 1024; negative = no limit; the plugin's queue_limit)")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", llmbench.DefaultQueueTimeout, "llm_affinity: how long a request may wait to start: queued at a replica until the KV it needs frees (when expected within this), or at the gateway when no replica can start it in time, then shed; negative = only where it fits now, else shed at once (the plugin's queue_timeout)")
 	fs.StringVar(&o.outputEstimate, "output-estimate", llmbench.OutputAverage, "llm_affinity: the router's estimate of a request's output: average (running mean per model, bounded by max_tokens), max_tokens, or fixed (the plugin's output_estimate)")
 	fs.IntVar(&o.outputTokens, "output-tokens", llmbench.DefaultOutputTokens, "llm_affinity: the output estimate before any output was observed, and the fixed estimate (the plugin's output_tokens)")
@@ -237,6 +239,7 @@ func bench(o options, stdout, stderr io.Writer) error {
 		KVCapacityTokens:       o.routerKV,
 		Config:                 cfg,
 		QueueTimeout:           o.queueTimeout,
+		QueueLimit:             o.queueLimit,
 		OutputEstimate:         o.outputEstimate,
 		OutputTokens:           o.outputTokens,
 		PrefillTokensPerSecond: o.prefillRate,

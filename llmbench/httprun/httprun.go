@@ -377,6 +377,7 @@ func (p *pass) selectionPolicy() map[string]any {
 		"output_estimate":     cmp.Or(s.OutputEstimate, llmbench.OutputAverage),
 		"output_tokens":       cmp.Or(s.OutputTokens, llmbench.DefaultOutputTokens),
 		"queue_timeout":       int64(queueTimeout),
+		"queue_limit":         s.QueueLimit,
 		"max_loras":           cfg.MaxLoRAs,
 		"adapter_load_host":   int64(max(p.wall(cfg.LoRAHostLoad), 1)),
 		"adapter_load_remote": int64(max(p.wall(cfg.LoRAStorageLoad), 1)),

@@ -1,0 +1,186 @@
+package router
+
+import (
+	"testing"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+func isReady(h *Hold) bool {
+	select {
+	case <-h.Ready():
+		return true
+	default:
+		return false
+	}
+}
+
+// TestHoldReadiesOnlyWhatFits: a release readies the held requests that
+// would now pass the filters on the upstream that released, and no
+// other: not those for a model it does not serve, nor those too large for
+// what it freed.
+func TestHoldReadiesOnlyWhatFits(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a", "b")
+	for i, model := range []string{"m1", "m2"} {
+		ms[i].Hardware.KVCapacityTokens = 3000
+		ms[i].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: model}}}
+	}
+	fill := func(seed uint64, model string) *Charge {
+		t.Helper()
+		d := f.Decide(t0, Request{Hashes: hashes(seed, 2000), BlockTokens: 64, PromptTokens: 2000, Model: model}, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("filling request for %s not placed: %+v", model, d)
+		}
+		return d.Charge
+	}
+	onA, onB := fill(1, "m1"), fill(2, "m2")
+
+	hold := func(seed uint64, model string, tokens int) *Hold {
+		t.Helper()
+		req := Request{Hashes: hashes(seed, tokens), BlockTokens: 64, PromptTokens: tokens, Model: model}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			t.Fatalf("request for %s of %d tokens placed, want held", model, tokens)
+		}
+		h := f.Hold(nil, &d, req, t0, ms, &opts)
+		if h == nil || isReady(h) {
+			t.Fatalf("hold for %s: %v, ready at once", model, h)
+		}
+		return h
+	}
+	m1, m2, huge := hold(3, "m1", 2000), hold(4, "m2", 2000), hold(5, "m1", 2950)
+	if f.Held() != 3 {
+		t.Fatalf("Held %d, want 3", f.Held())
+	}
+
+	served(f, onA, t0)
+	if !isReady(m1) {
+		t.Error("m1's held request not readied by a's release")
+	}
+	if isReady(m2) {
+		t.Error("m2's held request readied by a, which does not serve m2")
+	}
+	if isReady(huge) {
+		t.Error("a request larger than a's free KV plus its output readied")
+	}
+	served(f, onB, t0)
+	if !isReady(m2) {
+		t.Error("m2's held request not readied by b's release")
+	}
+	for _, h := range []*Hold{m1, m2, huge} {
+		f.Unhold(h)
+		f.Unhold(h) // twice is harmless
+	}
+	if f.Held() != 0 {
+		t.Fatalf("Held %d after Unhold, want 0", f.Held())
+	}
+}
+
+// TestHoldMissesNoRelease: a release between the decision and its Hold
+// readies the hold at once, and the renewed hold of a request keeps its
+// one place in the queue.
+func TestHoldMissesNoRelease(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 3000
+	first := f.Decide(t0, Request{Hashes: hashes(1, 2000), BlockTokens: 64, PromptTokens: 2000}, ms, &opts, rng(), nil)
+	req := Request{Hashes: hashes(2, 2000), BlockTokens: 64, PromptTokens: 2000}
+	d := f.Decide(t0, req, ms, &opts, rng(), nil)
+	if first.Charge == nil || d.Charge != nil {
+		t.Fatal("want the first placed and the second not")
+	}
+	served(f, first.Charge, t0)
+	h := f.Hold(nil, &d, req, t0, ms, &opts)
+	if !isReady(h) {
+		t.Fatal("a release before the Hold did not ready it")
+	}
+	// It retries; another request took the KV meanwhile.
+	if f.Decide(t0, Request{Hashes: hashes(3, 2000), BlockTokens: 64, PromptTokens: 2000}, ms, &opts, rng(), nil).Charge == nil {
+		t.Fatal("the other request not placed")
+	}
+	d = f.Decide(t0, req, ms, &opts, rng(), nil)
+	if again := f.Hold(h, &d, req, t0, ms, &opts); again != h || isReady(h) || f.Held() != 1 {
+		t.Fatalf("renewed hold: same %v, ready %v, held %d", again == h, isReady(h), f.Held())
+	}
+	f.Unhold(h)
+}
+
+// TestHoldLimit: QueueLimit holds per Options, then Hold refuses; a
+// negative limit has none.
+func TestHoldLimit(t *testing.T) {
+	f := New()
+	ms := members("a")
+	req := Request{Hashes: hashes(1, 100), BlockTokens: 64, PromptTokens: 100}
+	var d Decision
+	limited := Options{QueueLimit: 2}.WithDefaults()
+	other := Options{}.WithDefaults()
+	a := f.Hold(nil, &d, req, t0, ms, &limited)
+	b := f.Hold(nil, &d, req, t0, ms, &limited)
+	if a == nil || b == nil {
+		t.Fatal("holds within the limit refused")
+	}
+	if f.Hold(nil, &d, req, t0, ms, &limited) != nil {
+		t.Fatal("a third hold over a limit of 2 accepted")
+	}
+	if f.Hold(nil, &d, req, t0, ms, &other) == nil {
+		t.Fatal("another site's options share the limit")
+	}
+	f.Unhold(a)
+	if f.Hold(nil, &d, req, t0, ms, &limited) == nil {
+		t.Fatal("a hold after an Unhold refused")
+	}
+	unlimited := Options{QueueLimit: -1}.WithDefaults()
+	for i := range DefaultQueueLimit + 1 {
+		if f.Hold(nil, &d, req, t0, ms, &unlimited) == nil {
+			t.Fatalf("hold %d refused with no limit", i)
+		}
+	}
+	zero := Options{}.WithDefaults()
+	for i := range DefaultQueueLimit {
+		if f.Hold(nil, &d, req, t0, ms, &zero) == nil {
+			t.Fatalf("hold %d refused under the default limit", i)
+		}
+	}
+	if f.Hold(nil, &d, req, t0, ms, &zero) != nil {
+		t.Fatal("the default limit does not hold")
+	}
+}
+
+// BenchmarkReleaseWithHolds is one decision and its release across 64
+// upstreams while 1,024 requests that fit nowhere wait: the release looks
+// at each held request on the releasing upstream alone (compare
+// BenchmarkDecide, one whole decision, which a wake of every waiter
+// would cost each of them).
+func BenchmarkReleaseWithHolds(b *testing.B) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	var ms []Member
+	for i := range 64 {
+		ms = append(ms, Member{Dial: "u" + string(rune('A'+i)), Available: true, Hardware: Hardware{KVCapacityTokens: 4096}})
+	}
+	for i := range ms {
+		if f.Decide(t0, Request{Hashes: hashes(uint64(i), 4000), BlockTokens: 64, PromptTokens: 4000}, ms, &opts, rng(), nil).Charge == nil {
+			b.Fatal("a filling request was not placed")
+		}
+	}
+	for i := range DefaultQueueLimit {
+		req := Request{Hashes: hashes(uint64(1000+i), 2048), BlockTokens: 64, PromptTokens: 2048}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil || f.Hold(nil, &d, req, t0, ms, &opts) == nil {
+			b.Fatal("a held request was placed or refused")
+		}
+	}
+	small := Request{Hashes: hashes(7, 10), BlockTokens: 64, PromptTokens: 10}
+	r := rng()
+	b.ReportAllocs()
+	for b.Loop() {
+		d := f.Decide(t0, small, ms, &opts, r, nil)
+		if d.Charge == nil {
+			b.Fatal("the small request was not placed")
+		}
+		served(f, d.Charge, t0)
+	}
+}
