@@ -432,7 +432,7 @@ func newFleetCollector(sh *shared) *fleetCollector {
 		draining: prometheus.NewDesc("caddy_llm_affinity_upstream_drain_phase",
 			"1 for the upstream's drain phase (active, draining, drained); for upstream=\"other\", how many of the upstreams no config names are in it.", []string{"upstream", "phase"}, nil),
 		held: prometheus.NewDesc("caddy_llm_affinity_gateway_held",
-			"Requests waiting at the gateway now for an upstream that can start them (at most queue_limit per site).", nil, nil),
+			"Requests waiting at the gateway now for an upstream that can start them (at most queue_limit per policy).", nil, nil),
 	}
 }
 

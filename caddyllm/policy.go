@@ -102,10 +102,12 @@ type Policy struct {
 	// ShedStatus is the HTTP status of a shed request. Default 503.
 	ShedStatus int `json:"shed_status,omitempty"`
 
-	// QueueLimit is how many of this site's requests may wait at the
-	// gateway at once; one more is shed at once (ShedStatus, Retry-After).
-	// A held request keeps its body in memory. Default 1024; a negative
-	// value sets no limit.
+	// QueueLimit is how many requests this policy may hold at the
+	// gateway at once, waiting for an upstream that can start them; one
+	// more is shed at once (ShedStatus, Retry-After). A held request keeps
+	// its body in memory. Each policy counts its own (a reload's old and
+	// new config apart). 0 means the default, 1024; a negative value sets
+	// no limit.
 	QueueLimit int `json:"queue_limit,omitempty"`
 
 	// KVMarginTokens is the KV headroom the fit filter keeps beyond the
@@ -569,9 +571,10 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			queued = true
 			p.sh.metrics.queued.Inc()
 		}
-		// The hold is ready when an upstream this request may fit on
-		// releases work. Health changes and engine scrapes do not ready
-		// it, so look again now and then. The state is not held
+		// The hold is readied, first come first served, when an upstream
+		// this request may fit on releases work. Health changes, fresher
+		// engine signals and a lower output estimate learned from a
+		// response do not ready it, so look again now and then. The state is not held
 		// meanwhile: a drain's cut or the handler must not wait on a
 		// request that waits for capacity.
 		timer := time.NewTimer(min(wait, 250*time.Millisecond))
@@ -592,7 +595,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 // unhold ends st's wait at the gateway, if it waits. Caller holds st.mu.
 func (p *Policy) unhold(st *requestState) {
 	if st.hold != nil {
-		p.sh.fleet.Unhold(st.hold)
+		p.sh.fleet.Unhold(st.hold, time.Now())
 		st.hold = nil
 	}
 }

@@ -55,8 +55,11 @@ const (
 // request goes where its KV is free or expected to free within what is left of QueueTimeout
 // (router.Request.MaxWait; the engine queues it meanwhile). One that no replica can start in
 // time waits at the gateway (router.Fleet.Hold, as the plugin's requests: at most QueueLimit
-// of them, or it is shed at once), is retried whenever a replica it may now fit on releases
-// work, and is shed once QueueTimeout has passed. Engine metrics are not
+// of them, or it is shed at once), is retried when its hold is readied by a release of work
+// where it may now fit, first come first served, and is shed once QueueTimeout has passed.
+// (The plugin's held requests also decide again every 250 ms, which catches what readies no
+// hold: a lower output estimate learned from a response, which may let a request fit on a
+// replica that released nothing. The simulator has no such poll.) Engine metrics are not
 // read: this is the plugin with scrape_interval off, its default.
 //
 // Caddy's own policies are Caddy's selection policy types themselves (round_robin,
@@ -178,10 +181,10 @@ func (wt *waiter) ready() bool {
 	}
 }
 
-// unhold ends wt's wait in its router's gateway queue.
-func (wt *waiter) unhold() {
+// unhold ends wt's wait in its router's gateway queue at now.
+func (wt *waiter) unhold(now time.Duration) {
 	if wt.hold != nil {
-		wt.router.fleet.Unhold(wt.hold)
+		wt.router.fleet.Unhold(wt.hold, at(now))
 		wt.hold = nil
 	}
 }
@@ -415,7 +418,7 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 		case tArrive == never && tEngine == never && tDeliver == never:
 			// Nothing runs and nothing arrives: whoever still waits can never fit.
 			for _, wt := range run.gateway {
-				wt.unhold()
+				wt.unhold(run.now)
 				run.shed(wt.req)
 			}
 			run.gateway = nil
@@ -512,26 +515,42 @@ func (run *simRun) routerRequest(wt *waiter, now time.Duration) router.Request {
 	}
 }
 
-// retryGateway routes again, in arrival order, the waiting requests whose holds a release
-// readied (those that may now fit on the replica that released), and sheds those whose
-// deadline passed.
+// retryGateway routes again, in arrival order, the waiting requests whose holds are ready
+// (a release readies the first that may now fit on the replica that released, and each one
+// routed from there the next), until none is; and sheds those whose deadline passed.
 func (run *simRun) retryGateway(now time.Duration) {
-	if len(run.gateway) == 0 {
-		return
-	}
-	waiting := run.gateway
-	run.gateway = nil
-	for _, wt := range waiting {
-		switch {
-		case now > wt.deadline:
-			wt.unhold()
-			run.shed(wt.req)
-		case wt.ready():
-			run.arrive(wt, now)
-		default:
-			run.gateway = append(run.gateway, wt)
+	for retried := true; retried && len(run.gateway) > 0; {
+		retried = false
+		waiting := run.gateway
+		run.gateway = nil
+		for _, wt := range waiting {
+			switch {
+			case now > wt.deadline:
+				wt.unhold(now)
+				run.shed(wt.req)
+			case wt.ready():
+				retried = true
+				run.arrive(wt, now)
+			default:
+				run.gateway = append(run.gateway, wt)
+			}
 		}
 	}
+}
+
+// shedExpired sheds the waiting requests whose deadline passed before now, as the plugin
+// does at their deadlines, and reports whether there were any.
+func (run *simRun) shedExpired(now time.Duration) bool {
+	n := len(run.gateway)
+	run.gateway = slices.DeleteFunc(run.gateway, func(wt waiter) bool {
+		if now > wt.deadline {
+			wt.unhold(now)
+			run.shed(wt.req)
+			return true
+		}
+		return false
+	})
+	return len(run.gateway) < n
 }
 
 // arrive routes a request at time now and submits it to the chosen engine. When no replica
@@ -552,21 +571,26 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		switch {
 		case d.Unservable || d.TooLong:
 			// The plugin answers these at once (404, 400): waiting cannot help.
-			wt.unhold()
+			wt.unhold(now)
 			run.shed(r)
 			return
 		case choice >= 0:
-			wt.unhold()
+			wt.unhold(now)
 		case now < wt.deadline:
-			// Held as the plugin holds it; shed at once when the queue is full.
-			if wt.hold = rt.fleet.Hold(wt.hold, &d, rreq, at(wt.deadline), run.members, &run.ropts); wt.hold == nil {
+			// Held as the plugin holds it; shed at once when the queue is full
+			// (of requests still waiting: the plugin's leave at their deadline).
+			hold := rt.fleet.Hold(wt.hold, &d, rreq, at(wt.deadline), run.members, &run.ropts)
+			if hold == nil && run.shedExpired(now) {
+				hold = rt.fleet.Hold(nil, &d, rreq, at(wt.deadline), run.members, &run.ropts)
+			}
+			if wt.hold = hold; hold == nil {
 				run.shed(r)
 				return
 			}
 			run.gateway = append(run.gateway, wt)
 			return
 		default:
-			wt.unhold()
+			wt.unhold(now)
 			run.shed(r)
 			return
 		}

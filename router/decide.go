@@ -145,7 +145,8 @@ func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
 
 // candidates builds the scorer's view of req and of every member, in
 // scratch space reused across decisions. observe says members are the
-// caller's current view: their health and engine restarts are noted.
+// caller's current view: their health, engine restarts and KV capacity
+// are noted (and the index sized by it).
 // Caller holds f.mu.
 func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options, observe bool) (scorer.Request, []scorer.Candidate, []*upstream) {
 	bt := blockTokensOf(req)
@@ -178,7 +179,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	}
 	for i := range members {
 		m, u := &members[i], states[i]
-		cands[i] = f.candidate(m, u, opts, adapter, bt)
+		cands[i] = f.candidate(m, u, opts, adapter, bt, observe)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 	}
@@ -214,7 +215,7 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 //     output lengths the router has seen;
 //   - the model list filters models, and the engine's running adapters say
 //     which adapters are resident.
-func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int) scorer.Candidate {
+func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int, observe bool) scorer.Candidate {
 	hw := m.Hardware.WithDefaults()
 	c := scorer.Candidate{
 		Name:                   m.Dial,
@@ -234,7 +235,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	if raw := m.Engine; raw != nil {
 		requests, kv := u.charged.Since(raw.Mark)
 		now = raw.PlusRouted(requests, kv)
-		if capacity := now.KVCapacityTokens(); capacity > 0 {
+		if capacity := now.KVCapacityTokens(); capacity > 0 && observe {
 			u.engineCapacityTokens = capacity
 		}
 		c.Waiting = now.Waiting
@@ -263,7 +264,9 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		if u.engineCapacityTokens == 0 {
 			index = max(index, u.capacityTokens)
 		}
-		f.sizeIndex(u, index, blockTokens)
+		if observe {
+			f.sizeIndex(u, index, blockTokens)
+		}
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
 		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
 		c.KVOvercommitTokens = max(0, u.kvTokens-c.KVCapacityTokens)

@@ -10,16 +10,19 @@ import (
 
 // DefaultQueueLimit is how many requests one set of Options may hold at
 // the gateway at once (Envoy's default for pending requests). A held
-// request keeps its body in memory and is looked at again on every
-// release of work it may fit: the limit bounds both.
+// request keeps its body in memory and is looked at on releases of work
+// where it may fit: the limit bounds both.
 const DefaultQueueLimit = 1024
 
 // A Hold is a request waiting at the gateway because no upstream could
-// start it in time. Its Ready channel is closed when an upstream it may go
-// to releases work and the request would now pass the decision's filters
-// there: the moment to decide again. Only such requests are woken, not
-// every one held, so a release under overload costs one filter check per
-// held request rather than a whole decision each.
+// start it in time. Holds queue in arrival order. A release of work on an
+// upstream readies the first hold that would now pass the decision's
+// filters there: its Ready channel closes, the moment to decide again.
+// When that request ends its wait (Unhold: routed, shed or gone), the next
+// hold that fits there is readied, and so on while they fit. A release
+// under overload so costs one filter check per held request and a whole
+// decision for each request it lets through (and one more), not one for
+// every request held; and the queue is first come, first served.
 type Hold struct {
 	ready    chan struct{}
 	req      Request
@@ -34,77 +37,81 @@ type Hold struct {
 	// releasing upstream among them without comparing addresses (nil for
 	// one removed since the decision).
 	upstreams []*upstream
-	// readied says ready is closed. Guarded by Fleet.mu.
-	readied bool
-	// index is the hold's place in Fleet.holds, -1 when not held.
-	index int
+	// Guarded by Fleet.mu: held says the hold is in Fleet.holds; readied
+	// that ready is closed; by the upstream whose release readied it,
+	// whose next fitting hold it readies when its wait ends.
+	held, readied bool
+	by            *upstream
 }
 
-// Ready is closed when the request may fit somewhere it did not: decide
+// Ready is closed when the request may fit where it did not: decide
 // again, then Hold it again if it still fits nowhere.
 func (h *Hold) Ready() <-chan struct{} { return h.ready }
 
-// Hold registers req, for which decision d chose nothing, to wait until
-// deadline for a release of work on one of members it may fit. Pass the
-// request's previous Hold to renew it after a retry that failed, nil the
-// first time. It returns nil when opts.QueueLimit requests decided with
-// opts are held already: shed this one. Holds are released by Unhold.
+// Hold queues req, for which decision d chose nothing, to wait until
+// deadline for a release of work on one of members where it may fit. Pass
+// the request's Hold to renew it after a retry that failed (it keeps its
+// place), nil the first time. It returns nil when opts.QueueLimit requests
+// decided with opts are held already: shed this one. Every Hold ends with
+// Unhold.
 //
 // A release between d and this call readies the hold at once, so no
 // release is missed.
 func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, members []Member, opts *Options) *Hold {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if h == nil {
+	if h == nil || !h.held {
 		if f.held[opts] >= opts.QueueLimitValue() {
 			return nil
 		}
-		h = &Hold{index: -1}
+		if h == nil {
+			h = new(Hold)
+		}
+		h.held, h.opts = true, opts
+		f.holds = append(f.holds, h)
+		f.held[opts]++
 	}
-	h.req, h.deadline, h.opts = req, deadline, opts
+	h.req, h.deadline = req, deadline
 	h.members = append(h.members[:0], members...)
 	h.engines = slices.Grow(h.engines[:0], len(members))
 	h.upstreams = h.upstreams[:0]
 	for i := range h.members {
-		// nil for a member removed since the decision: none of its
-		// releases can come.
 		h.upstreams = append(h.upstreams, f.upstreams[h.members[i].Dial])
 		if e := h.members[i].Engine; e != nil {
 			h.engines = append(h.engines, *e)
 			h.members[i].Engine = &h.engines[len(h.engines)-1]
 		}
 	}
-	if h.index < 0 {
-		h.index = len(f.holds)
-		f.holds = append(f.holds, h)
-		f.held[opts]++
-	}
-	h.ready, h.readied = make(chan struct{}), false
+	h.ready, h.readied, h.by = make(chan struct{}), false, nil
 	if d.releases != f.releases {
-		h.readyNow()
+		close(h.ready)
+		h.readied = true
 	}
 	return h
 }
 
-// Unhold ends h's wait: its request was routed, shed or abandoned.
-func (f *Fleet) Unhold(h *Hold) {
+// Unhold ends h's wait at now: its request was routed, shed or abandoned.
+// If a release readied it, the next held request that fits where that
+// release was is readied.
+func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	if h == nil {
 		return
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	i := h.index
-	if i < 0 {
+	if !h.held {
 		return
 	}
-	last := len(f.holds) - 1
-	f.holds[i] = f.holds[last]
-	f.holds[i].index = i
-	f.holds[last] = nil
-	f.holds = f.holds[:last]
-	h.index = -1
+	if i := slices.Index(f.holds, h); i >= 0 {
+		f.holds = slices.Delete(f.holds, i, i+1)
+	}
+	h.held = false
 	if f.held[h.opts]--; f.held[h.opts] <= 0 {
 		delete(f.held, h.opts)
+	}
+	if by := h.by; by != nil && f.upstreams[by.dial] == by {
+		h.by = nil
+		f.readyNext(by, now)
 	}
 }
 
@@ -115,16 +122,27 @@ func (f *Fleet) Held() int {
 	return len(f.holds)
 }
 
-// readyHolds readies the held requests that may now fit on u, which just
-// released work. Caller holds f.mu.
+// readyHolds follows a release of work on u. Caller holds f.mu.
 func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	f.releases++
 	if f.upstreams[u.dial] != u {
 		return // forgotten with its last request: no decision goes there
 	}
+	f.readyNext(u, now)
+}
+
+// readyNext readies the first held request, in arrival order, that would
+// now pass the filters on u, unless one readied by u has not decided yet.
+// Caller holds f.mu.
+func (f *Fleet) readyNext(u *upstream, now time.Time) {
+	for _, h := range f.holds {
+		if h.by == u {
+			return // u's last one has not decided yet
+		}
+	}
 	for _, h := range f.holds {
 		if h.readied {
-			continue // not decided again yet
+			continue
 		}
 		i := slices.Index(h.upstreams, u)
 		if i < 0 {
@@ -138,19 +156,15 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 		req := h.req
 		req.MaxWait = max(0, h.deadline.Sub(now))
 		if f.fits(now, req, m, h.opts, false) {
-			h.readyNow()
+			close(h.ready)
+			h.readied, h.by = true, u
+			return
 		}
 	}
 }
 
-// readyNow closes h's Ready channel. Caller holds Fleet.mu.
-func (h *Hold) readyNow() {
-	close(h.ready)
-	h.readied = true
-}
-
 // fits is Fits; caller holds f.mu. observe says m is the caller's current
-// view, whose health and engine restart the fleet takes note of.
+// view, which the fleet takes note of (see candidates).
 func (f *Fleet) fits(now time.Time, req Request, m Member, opts *Options, observe bool) bool {
 	f.scratchMember[0] = m
 	sreq, cands, _ := f.candidates(now, req, f.scratchMember[:], opts, observe)

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
@@ -70,11 +71,91 @@ func TestHoldReadiesOnlyWhatFits(t *testing.T) {
 		t.Error("m2's held request not readied by b's release")
 	}
 	for _, h := range []*Hold{m1, m2, huge} {
-		f.Unhold(h)
-		f.Unhold(h) // twice is harmless
+		f.Unhold(h, t0)
+		f.Unhold(h, t0) // twice is harmless
 	}
 	if f.Held() != 0 {
 		t.Fatalf("Held %d after Unhold, want 0", f.Held())
+	}
+}
+
+// TestHoldQueueOrder: a release readies the first held request that fits,
+// in arrival order; each one that then routes readies the next that fits,
+// and the chain stops at one that does not. Behind an upstream that was
+// unavailable (full, to Caddy), a release readies one request, not all.
+func TestHoldQueueOrder(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 3000
+	filler := f.Decide(t0, Request{Hashes: hashes(1, 2000), BlockTokens: 64, PromptTokens: 2000}, ms, &opts, rng(), nil)
+	if filler.Charge == nil {
+		t.Fatal("the filling request was not placed")
+	}
+	var reqs []Request
+	var holds []*Hold
+	for i := range 3 {
+		req := Request{Hashes: hashes(uint64(10+i), 1000), BlockTokens: 64, PromptTokens: 1000}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			t.Fatalf("request %d placed, want held", i)
+		}
+		reqs, holds = append(reqs, req), append(holds, f.Hold(nil, &d, req, t0, ms, &opts))
+	}
+	readied := func() (out []int) {
+		for i, h := range holds {
+			if isReady(h) {
+				out = append(out, i)
+			}
+		}
+		return out
+	}
+	served(f, filler.Charge, t0)
+	if got := readied(); !slices.Equal(got, []int{0}) {
+		t.Fatalf("after the release, readied %v, want [0]", got)
+	}
+	route := func(i int) {
+		t.Helper()
+		if f.Decide(t0, reqs[i], ms, &opts, rng(), nil).Charge == nil {
+			t.Fatalf("readied request %d not placed", i)
+		}
+		f.Unhold(holds[i], t0)
+	}
+	route(0) // 1,100 tokens each: two fit in 3,000
+	if got := readied(); !slices.Equal(got, []int{0, 1}) {
+		t.Fatalf("after request 0 routed, readied %v, want [0 1]", got)
+	}
+	route(1)
+	if got := readied(); !slices.Equal(got, []int{0, 1}) {
+		t.Fatalf("request 2, which no longer fits, readied: %v", got)
+	}
+	f.Unhold(holds[2], t0)
+
+	// Unavailable to Caddy (full): one release, one readied.
+	g := New()
+	full := members("b")
+	full[0].Available = false
+	var blocked []*Hold
+	for i := range 5 {
+		req := Request{Hashes: hashes(uint64(20+i), 100), BlockTokens: 64, PromptTokens: 100}
+		d := g.Decide(t0, req, full, &opts, rng(), nil)
+		blocked = append(blocked, g.Hold(nil, &d, req, t0, full, &opts))
+	}
+	running := g.Decide(t0, Request{PromptTokens: 10}, members("b"), &opts, rng(), nil)
+	for _, h := range blocked { // the decision above released nothing
+		if isReady(h) {
+			t.Fatal("a hold readied without a release")
+		}
+	}
+	g.Release(running.Charge, t0)
+	n := 0
+	for _, h := range blocked {
+		if isReady(h) {
+			n++
+		}
+	}
+	if n != 1 || !isReady(blocked[0]) {
+		t.Fatalf("one release behind a full upstream readied %d holds (the first: %v), want the first alone", n, isReady(blocked[0]))
 	}
 }
 
@@ -105,7 +186,7 @@ func TestHoldMissesNoRelease(t *testing.T) {
 	if again := f.Hold(h, &d, req, t0, ms, &opts); again != h || isReady(h) || f.Held() != 1 {
 		t.Fatalf("renewed hold: same %v, ready %v, held %d", again == h, isReady(h), f.Held())
 	}
-	f.Unhold(h)
+	f.Unhold(h, t0)
 }
 
 // TestHoldLimit: QueueLimit holds per Options, then Hold refuses; a
@@ -128,7 +209,7 @@ func TestHoldLimit(t *testing.T) {
 	if f.Hold(nil, &d, req, t0, ms, &other) == nil {
 		t.Fatal("another site's options share the limit")
 	}
-	f.Unhold(a)
+	f.Unhold(a, t0)
 	if f.Hold(nil, &d, req, t0, ms, &limited) == nil {
 		t.Fatal("a hold after an Unhold refused")
 	}
@@ -183,4 +264,35 @@ func BenchmarkReleaseWithHolds(b *testing.B) {
 		}
 		served(f, d.Charge, t0)
 	}
+}
+
+// TestHoldCheckChangesNothing: looking at a held request after a release
+// uses the engine signals of its decision, which may be stale: it must not
+// take the KV capacity they report, nor size the index by it.
+func TestHoldCheckChangesNothing(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	engine := func(blocks int) []Member {
+		ms := members("a")
+		ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, BlockSize: 16, NumGPUBlocks: blocks}
+		return ms
+	}
+	stale := engine(250) // 4,000 tokens
+	first := f.Decide(t0, Request{Hashes: hashes(1, 2000), BlockTokens: 64, PromptTokens: 2000}, stale, &opts, rng(), nil)
+	req := Request{Hashes: hashes(2, 3000), BlockTokens: 64, PromptTokens: 3000}
+	d := f.Decide(t0, req, stale, &opts, rng(), nil)
+	if first.Charge == nil || d.Charge != nil {
+		t.Fatal("want the first placed and the second held")
+	}
+	h := f.Hold(nil, &d, req, t0, stale, &opts)
+	fresh := engine(1000) // the engine now reports 16,000 tokens
+	f.Decide(t0, Request{PromptTokens: 10}, fresh, &opts, rng(), nil)
+	before := state(t, f, "a")
+	served(f, first.Charge, t0)
+	after := state(t, f, "a")
+	if after.KVCapacityTokens != before.KVCapacityTokens || after.IndexCapacityBlocks != before.IndexCapacityBlocks {
+		t.Fatalf("a held request's stale signals changed the upstream: capacity %d → %d tokens, index %d → %d blocks",
+			before.KVCapacityTokens, after.KVCapacityTokens, before.IndexCapacityBlocks, after.IndexCapacityBlocks)
+	}
+	f.Unhold(h, t0)
 }
