@@ -449,6 +449,10 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			rt := &run.routers[run.nextRouter%len(run.routers)]
 			run.nextRouter++
 			run.arrive(waiter{router: rt, req: r, text: r.AppendPrompt(nil), deadline: tArrive + run.queueTimeout}, tArrive)
+			if run.released { // an engine refused it: its release may ready a hold
+				run.released = false
+				run.retryGateway(tArrive)
+			}
 		}
 	}
 }
@@ -529,7 +533,9 @@ func (run *simRun) retryGateway(now time.Duration) {
 				wt.unhold(now)
 				run.shed(wt.req)
 			case wt.ready():
-				retried = true
+				// A hold readied again calls for another pass; a request of
+				// Caddy's policies (no hold) is tried once a release.
+				retried = retried || wt.hold != nil
 				run.arrive(wt, now)
 			default:
 				run.gateway = append(run.gateway, wt)
@@ -621,6 +627,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		res.Err = err.Error()
 		if charge != nil {
 			rt.fleet.Release(charge, at(now))
+			run.released = true
 		}
 		run.progress()
 		return

@@ -68,8 +68,9 @@ type Decision struct {
 	// was chosen; pass it to Progress, Complete or Release.
 	Charge *Charge
 	// releases counts the fleet's releases at the decision, so that a
-	// Hold after it misses none.
+	// Hold after it misses none; at is the decision's time.
 	releases uint64
+	at       time.Time
 	// Unservable, when nothing was chosen, says no member serves the
 	// request's model (every one lists its models, and none lists it):
 	// waiting cannot help.
@@ -92,7 +93,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
-		d.releases = f.releases
+		d.releases, d.at = f.releases, now
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
 		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
 		for i := range cands {

@@ -105,6 +105,9 @@ type upstream struct {
 	engineRestart        time.Time
 	indexResets          int
 	engineCapacityTokens int
+	// owed says a release here readied nothing because the hold an
+	// earlier one readied had not decided yet (see Hold).
+	owed bool
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras are presumed on the GPU, the rest in host memory.

@@ -19,7 +19,9 @@ const DefaultQueueLimit = 1024
 // upstream readies the first hold that would now pass the decision's
 // filters there: its Ready channel closes, the moment to decide again.
 // When that request ends its wait (Unhold: routed, shed or gone), the next
-// hold that fits there is readied, and so on while they fit. A release
+// hold that fits there is readied, and so on while they fit; releases
+// there meanwhile ready nothing more, but if the readied request fits
+// nowhere after all and waits again, what they freed goes to the next. A release
 // under overload so costs one filter check per held request and a whole
 // decision for each request it lets through (and one more), not one for
 // every request held; and the queue is first come, first served.
@@ -38,10 +40,13 @@ type Hold struct {
 	// one removed since the decision).
 	upstreams []*upstream
 	// Guarded by Fleet.mu: held says the hold is in Fleet.holds; readied
-	// that ready is closed; by the upstream whose release readied it,
-	// whose next fitting hold it readies when its wait ends.
+	// that ready is closed; by the upstream whose release readied it (it
+	// has that upstream's turn), whose next fitting hold it readies when
+	// its wait ends. avoidTried says its decision avoids the members it
+	// tried (another is available), so their releases do not ready it.
 	held, readied bool
 	by            *upstream
+	avoidTried    bool
 }
 
 // Ready is closed when the request may fit where it did not: decide
@@ -71,11 +76,17 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		f.holds = append(f.holds, h)
 		f.held[opts]++
 	}
+	prev := h.by
+	if prev != nil && f.upstreams[prev.dial] != prev {
+		prev = nil
+	}
 	h.req, h.deadline = req, deadline
 	h.members = append(h.members[:0], members...)
 	h.engines = slices.Grow(h.engines[:0], len(members))
 	h.upstreams = h.upstreams[:0]
+	h.avoidTried = false
 	for i := range h.members {
+		h.avoidTried = h.avoidTried || (h.members[i].Available && !h.members[i].Tried)
 		h.upstreams = append(h.upstreams, f.upstreams[h.members[i].Dial])
 		if e := h.members[i].Engine; e != nil {
 			h.engines = append(h.engines, *e)
@@ -85,7 +96,12 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 	h.ready, h.readied, h.by = make(chan struct{}), false, nil
 	if d.releases != f.releases {
 		close(h.ready)
-		h.readied = true
+		h.readied, h.by = true, prev // it keeps the turn a release gave it
+	} else if prev != nil && prev.owed {
+		// It had prev's turn and fitted nowhere after all: what prev
+		// released while it was to decide goes to the next that fits.
+		prev.owed = false
+		f.readyNext(prev, d.at)
 	}
 	return h
 }
@@ -111,6 +127,7 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	}
 	if by := h.by; by != nil && f.upstreams[by.dial] == by {
 		h.by = nil
+		by.owed = false
 		f.readyNext(by, now)
 	}
 }
@@ -137,6 +154,7 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 func (f *Fleet) readyNext(u *upstream, now time.Time) {
 	for _, h := range f.holds {
 		if h.by == u {
+			u.owed = true
 			return // u's last one has not decided yet
 		}
 	}
@@ -152,7 +170,10 @@ func (f *Fleet) readyNext(u *upstream, now time.Time) {
 		// upstream is unavailable until a request there ends): a release
 		// is what may change it.
 		m := h.members[i]
-		m.Available = true
+		if m.Tried && h.avoidTried {
+			continue // the decision avoids it
+		}
+		m.Available = m.Available || m.Healthy // full, not down
 		req := h.req
 		req.MaxWait = max(0, h.deadline.Sub(now))
 		if f.fits(now, req, m, h.opts, false) {

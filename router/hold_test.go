@@ -296,3 +296,194 @@ func TestHoldCheckChangesNothing(t *testing.T) {
 	}
 	f.Unhold(h, t0)
 }
+
+// TestHoldSkippedReleasesPassOn: releases on u while the hold u readied
+// has not decided yet ready nothing; if that hold then fails and waits
+// again, what they freed goes to the next held request that fits.
+func TestHoldSkippedReleasesPassOn(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 5000
+	place := func(seed uint64, prompt int) *Charge {
+		t.Helper()
+		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("request %d (%d tokens) not placed", seed, prompt)
+		}
+		return d.Charge
+	}
+	x1, x2, _ := place(1, 1400), place(2, 500), place(3, 2700) // 1500+600+2800 = 4900 of 5000
+	hold := func(seed uint64, prompt int) (Request, *Hold) {
+		t.Helper()
+		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			t.Fatalf("request %d placed, want held", seed)
+		}
+		return req, f.Hold(nil, &d, req, t0, ms, &opts)
+	}
+	reqA, a := hold(10, 1400) // needs 1500
+	reqB, b := hold(11, 400)  // needs 500
+	served(f, x1, t0)         // free 1600: A is readied (by a)
+	if !isReady(a) || isReady(b) {
+		t.Fatalf("after x1: A ready %v B ready %v", isReady(a), isReady(b))
+	}
+	place(20, 1000)                                // a new arrival (not held) takes 1100: free 500
+	served(f, x2, t0)                              // free 1100: readyNext returns early, A undecided
+	d := f.Decide(t0, reqA, ms, &opts, rng(), nil) // A: 1500 > 1100
+	if d.Charge != nil {
+		t.Fatal("A placed")
+	}
+	f.Hold(a, &d, reqA, t0, ms, &opts) // renewed, by = nil, chain stops
+	if !f.Fits(t0, reqB, Member{Dial: "a", Available: true, Hardware: ms[0].Hardware}, &opts) {
+		t.Fatal("B does not fit")
+	}
+	if !isReady(b) {
+		t.Errorf("B fits on a (1100 free, needs 500), a has released, yet no hold is readied (A ready %v)", isReady(a))
+	}
+}
+
+// TestHoldLearnedEstimateStrandsNone: two completions on one upstream at
+// once, the second raising the learned output estimate so that the hold
+// the first readied fails; the smaller one behind it is readied, though
+// the upstream, now idle, will release nothing more.
+func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputAverage, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 5000
+	place := func(seed uint64, prompt int) *Charge {
+		t.Helper()
+		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt, Model: "m"}, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("request %d not placed", seed)
+		}
+		f.Progress(d.Charge, 1, t0)
+		return d.Charge
+	}
+	x1, x2 := place(1, 4700), place(2, 100) // 4800+200 = 5000
+	hold := func(seed uint64, prompt int) (Request, *Hold) {
+		t.Helper()
+		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt, Model: "m"}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			t.Fatalf("request %d placed, want held", seed)
+		}
+		return req, f.Hold(nil, &d, req, t0, ms, &opts)
+	}
+	reqA, a := hold(10, 4500)
+	reqB, b := hold(11, 300)
+	f.Complete(x1, "m", Usage{OutputTokens: 1}, t0)    // mean 1: A (4501 <= 4800) readied
+	f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // mean ~1000; readyNext returns early
+	if !isReady(a) {
+		t.Fatal("A not readied")
+	}
+	d := f.Decide(t0, reqA, ms, &opts, rng(), nil)
+	if d.Charge != nil {
+		t.Fatal("A placed")
+	}
+	f.Hold(a, &d, reqA, t0, ms, &opts)
+	if f.Decide(t0, reqB, ms, &opts, rng(), nil).Charge == nil {
+		t.Fatal("B would not be placed")
+	}
+	if !isReady(b) {
+		t.Errorf("upstream a is idle and B fits, but B's hold is not ready (nothing on a will ever release)")
+	}
+}
+
+// TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
+// request's decision and its renewal (the plugin's two lock sections)
+// gives it the turn all the same: once it routes, the next is readied.
+func TestHoldRenewalKeepsItsTurn(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 5000
+	place := func(seed uint64, prompt int) *Charge {
+		t.Helper()
+		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("request %d not placed", seed)
+		}
+		return d.Charge
+	}
+	x, _ := place(1, 2000), place(2, 2700) // 2100+2800 = 4900
+	hold := func(seed uint64, prompt int) (Request, *Hold) {
+		t.Helper()
+		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			t.Fatalf("request %d placed, want held", seed)
+		}
+		return req, f.Hold(nil, &d, req, t0, ms, &opts)
+	}
+	reqA, a := hold(10, 1400) // needs 1500
+	reqC, c := hold(11, 400)  // needs 500
+	// A's 250 ms poll: it decides (no room), then x releases before its Hold.
+	d := f.Decide(t0, reqA, ms, &opts, rng(), nil)
+	served(f, x, t0)                   // free 2200: readyNext readies A (by = a)
+	f.Hold(a, &d, reqA, t0, ms, &opts) // by reset to nil; readied again by the counter
+	if !isReady(a) || isReady(c) {
+		t.Fatalf("A %v C %v", isReady(a), isReady(c))
+	}
+	if f.Decide(t0, reqA, ms, &opts, rng(), nil).Charge == nil { // free 700
+		t.Fatal("A not placed")
+	}
+	f.Unhold(a, t0) // by == nil: no baton
+	if f.Decide(t0, reqC, ms, &opts, rng(), nil).Charge == nil {
+		t.Fatal("C would not be placed")
+	}
+	if !isReady(c) {
+		t.Errorf("C fits in the 700 tokens left on a, but no hold is ready")
+	}
+}
+
+// TestHoldTriedUpstreamSkipped: a retried request is not readied by
+// releases on the upstream it tried while its decision avoids it (another
+// is available), so it does not take the turn of those behind it there.
+func TestHoldTriedUpstreamSkipped(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = 3000
+	}
+	place := func(seed uint64, prompt int, m []Member) *Charge {
+		t.Helper()
+		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, m, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("request %d not placed", seed)
+		}
+		return d.Charge
+	}
+	onlyA, onlyB := members("a"), members("b")
+	onlyA[0].Hardware.KVCapacityTokens, onlyB[0].Hardware.KVCapacityTokens = 3000, 3000
+	var xs []*Charge
+	for i := range 5 {
+		xs = append(xs, place(uint64(1+i), 500, onlyA)) // a: 5 x 600 = 3000
+	}
+	place(9, 2900, onlyB) // b: full
+	tried := append([]Member(nil), ms...)
+	tried[0].Tried = true // the retry of a request whose attempt on a failed
+	reqR := Request{Hashes: hashes(10, 400), BlockTokens: 64, PromptTokens: 400}
+	dR := f.Decide(t0, reqR, tried, &opts, rng(), nil)
+	r := f.Hold(nil, &dR, reqR, t0, tried, &opts)
+	reqB := Request{Hashes: hashes(11, 400), BlockTokens: 64, PromptTokens: 400}
+	dB := f.Decide(t0, reqB, ms, &opts, rng(), nil)
+	b := f.Hold(nil, &dB, reqB, t0, ms, &opts)
+	for i, x := range xs[:3] {
+		served(f, x, t0) // a frees 600 each time
+		if isReady(r) {
+			d := f.Decide(t0, reqR, tried, &opts, rng(), nil)
+			if d.Charge != nil {
+				t.Fatalf("release %d: R placed", i)
+			}
+			f.Hold(r, &d, reqR, t0, tried, &opts)
+		}
+		if !isReady(b) {
+			t.Errorf("release %d: a has %d free, B fits there (%v), R failed again, B not readied",
+				i, 600*(i+1), f.Fits(t0, reqB, ms[0], &opts))
+		}
+	}
+}
