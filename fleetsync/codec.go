@@ -16,14 +16,21 @@ import (
 // little-endian each. A batch carries hashes and counts only: the fields
 // below are all there is.
 //
-//	batch   = version(2) name epoch instance count message*
+//	batch   = version(3) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
-//	compl.  = 3 id model tokens
+//	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
-const wireVersion = 2
+//
+// Version 2 is version 3 without a completion's prompt bytes and tokens;
+// batches of either decode, so routers of the two share a view during a
+// rolling upgrade as far as the older one can read.
+const wireVersion = 3
+
+// oldWireVersion is the version before, which DecodeBatch still reads.
+const oldWireVersion = 2
 
 // Message kinds beyond the router's events.
 const (
@@ -106,7 +113,9 @@ func appendMessage(dst []byte, m *Message) []byte {
 			dst = binary.AppendUvarint(dst, uint64(max(0, ev.Tokens)))
 		case router.EventCompleted:
 			dst = appendString(dst, ev.Model)
-			dst = binary.AppendUvarint(dst, uint64(max(0, ev.Tokens)))
+			for _, n := range []int{ev.Tokens, ev.PromptBytes, ev.PromptTokens} {
+				dst = binary.AppendUvarint(dst, uint64(max(0, n)))
+			}
 		}
 	case m.Drain != "":
 		dst = append(dst, kindDrain)
@@ -130,8 +139,9 @@ var errMalformed = errors.New("fleetsync: malformed batch")
 
 // decoder reads a batch; the first error sticks.
 type decoder struct {
-	b   []byte
-	err error
+	b       []byte
+	err     error
+	version byte
 }
 
 func (d *decoder) fail(what string) {
@@ -191,9 +201,11 @@ func (d *decoder) string() string {
 // error and nothing of the batch is returned.
 func DecodeBatch(p []byte) (*Batch, error) {
 	d := &decoder{b: p}
-	if v := d.byte(); d.err == nil && v != wireVersion {
+	v := d.byte()
+	if d.err == nil && v != wireVersion && v != oldWireVersion {
 		return nil, fmt.Errorf("%w: version %d", errMalformed, v)
 	}
+	d.version = v
 	b := &Batch{Sender: d.string(), Epoch: d.uvarint(), Instance: d.uvarint()}
 	count := d.uvarint()
 	if count > maxMessages || count > uint64(len(d.b)) {
@@ -244,6 +256,9 @@ func (d *decoder) message() (Message, bool) {
 			ev.Tokens = d.int()
 		case router.EventCompleted:
 			ev.Model, ev.Tokens = d.string(), d.int()
+			if d.version >= 3 {
+				ev.PromptBytes, ev.PromptTokens = d.int(), d.int()
+			}
 		}
 		m.Event = ev
 	case kindDrain:

@@ -23,7 +23,7 @@ func sampleBatch() *Batch {
 		{Event: &router.Event{Kind: router.EventRouted, ID: 7, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 1 << 63, 12345},
 			BlockTokens: 64, Prefill: 1000, Decode: 256, KV: 1256, Adapter: "tenant-a"}},
 		{Event: &router.Event{Kind: router.EventProgressed, ID: 7, Tokens: 12}},
-		{Event: &router.Event{Kind: router.EventCompleted, ID: 7, Model: "m", Tokens: 200}},
+		{Event: &router.Event{Kind: router.EventCompleted, ID: 7, Model: "m", Tokens: 200, PromptBytes: 4100, PromptTokens: 1000}},
 		{Event: &router.Event{Kind: router.EventReleased, ID: 8}},
 		{Drain: "10.0.0.2:8000", Deadline: 30 * time.Second},
 		{Undrain: "10.0.0.2:8000"},
@@ -48,6 +48,30 @@ func TestCodecRoundTrip(t *testing.T) {
 	}
 	if _, err := DecodeBatch(append(p, 0)); err == nil {
 		t.Fatal("trailing bytes accepted")
+	}
+}
+
+// TestCodecReadsVersion2: a batch of a router one version older (a
+// completion without prompt bytes and tokens) decodes, so a rolling
+// upgrade keeps the view shared as far as the older router can read.
+func TestCodecReadsVersion2(t *testing.T) {
+	v2 := []byte{2}
+	v2 = appendString(v2, "old-router")
+	v2 = append(v2, 5, 6, 2) // epoch, instance, two messages
+	v2 = append(v2, byte(router.EventCompleted), 7)
+	v2 = appendString(v2, "m")
+	v2 = append(v2, 100)                           // tokens
+	v2 = append(v2, byte(router.EventReleased), 8) // then a release
+	want := &Batch{Sender: "old-router", Epoch: 5, Instance: 6, Messages: []Message{
+		{Event: &router.Event{Kind: router.EventCompleted, ID: 7, Model: "m", Tokens: 100}},
+		{Event: &router.Event{Kind: router.EventReleased, ID: 8}},
+	}}
+	got, err := DecodeBatch(v2)
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("version 2 batch: %+v, %v", got, err)
+	}
+	if _, err := DecodeBatch(append([]byte{1}, v2[1:]...)); err == nil {
+		t.Fatal("version 1 accepted")
 	}
 }
 

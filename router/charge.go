@@ -105,7 +105,7 @@ func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	}
 	f.learn(model, c.promptBytes, u)
 	c.up.completed++
-	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens})
+	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens, PromptBytes: c.promptBytes, PromptTokens: u.PromptTokens})
 	f.release(c, now)
 }
 

@@ -22,7 +22,9 @@ const (
 	// tokens so far (the first one ends the prefill charge).
 	EventProgressed
 	// EventCompleted: the response completed with Tokens output tokens
-	// for Model; the charge is released.
+	// for Model, its prompt PromptTokens tokens as the engine counted it
+	// and PromptBytes bytes as the router read it (0 when not known); the
+	// charge is released.
 	EventCompleted
 	// EventReleased: the request ended without a completed response; the
 	// charge is released.
@@ -47,6 +49,9 @@ type Event struct {
 	Model string
 	// Tokens is the output so far (progressed) or in all (completed).
 	Tokens int
+	// PromptBytes and PromptTokens of a completed request teach the
+	// model's bytes per token, as its own responses teach the router.
+	PromptBytes, PromptTokens int
 }
 
 // remoteKey names a peer's charge.
@@ -120,7 +125,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		}
 		return true
 	case EventCompleted:
-		f.learn(ev.Model, 0, Usage{OutputTokens: ev.Tokens})
+		f.learn(ev.Model, ev.PromptBytes, Usage{PromptTokens: ev.PromptTokens, OutputTokens: ev.Tokens})
 		c.up.completed++
 	case EventReleased:
 	default:

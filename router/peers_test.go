@@ -146,3 +146,29 @@ func TestPeerFiguresBounded(t *testing.T) {
 		t.Fatalf("the count after a release: %d", f.remoteCharges["p"])
 	}
 }
+
+// TestPeersTeachBytesPerToken: the bytes per token a router learns from
+// its responses' usage reach its peers with each completion, so a peer's
+// prompt estimates follow the same engines' counts.
+func TestPeersTeachBytesPerToken(t *testing.T) {
+	a, b := New(), New()
+	for _, f := range []*Fleet{a, b} {
+		f.Name("x", t0)
+	}
+	var sent []Event
+	a.SetPublisher(func(ev Event) { sent = append(sent, ev) })
+	opts := Options{}.WithDefaults()
+	for i := range 5 {
+		req := Request{Hashes: hashes(uint64(i), 1000), BlockTokens: 64, PromptTokens: 1000, PromptBytes: 4000, Model: "code"}
+		d := a.Decide(t0, req, members("x"), &opts, rng(), nil)
+		a.Complete(d.Charge, "code", Usage{PromptTokens: 2000, OutputTokens: 10}, t0) // 2 bytes a token
+	}
+	for _, ev := range sent {
+		b.Apply("a", ev, t0)
+	}
+	for name, f := range map[string]*Fleet{"a": a, "b": b} {
+		if got, ok := f.BytesPerToken("code"); !ok || got != 2 {
+			t.Errorf("%s learned %v bytes per token (%v), want 2", name, got, ok)
+		}
+	}
+}
