@@ -2,6 +2,7 @@ package fleetsync
 
 import (
 	"net"
+	"path/filepath"
 	"reflect"
 	"sync"
 	"sync/atomic"
@@ -252,7 +253,8 @@ func TestLongPromptsNeverLoseReleases(t *testing.T) {
 			}
 		}})
 	waitFor(t, "b connected", func() bool { return b.Stats().Connected })
-	b.nc.Flush() // b's subscription is registered with the server
+	waitFor(t, "b's connection handed over", func() bool { return b.conn() != nil })
+	b.conn().Flush() // b's subscription is registered with the server
 	a, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.big"})
 	if err != nil {
 		t.Fatal(err)
@@ -440,5 +442,84 @@ backedUp:
 		t.Logf("closed in %v", time.Since(t1))
 	case <-time.After(15 * time.Second):
 		t.Fatal("Close waited on the stalled NATS connection")
+	}
+}
+
+// TestStartDoesNotWaitForNATS: a NATS server that accepts the connection
+// and never answers (a path that drops packets) holds neither Start, which
+// a Caddy reload runs, nor Close; the router routes on its own view.
+func TestStartDoesNotWaitForNATS(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted := make(chan net.Conn, 4)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c // held open, silent
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		for len(accepted) > 0 {
+			(<-accepted).Close()
+		}
+	})
+	// Without the background connect, Start would wait the whole timeout.
+	s, err := New(Config{URLs: []string{"nats://" + ln.Addr().String()}, Name: "a", ConnectTimeout: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan error, 1)
+	go func() { started <- s.Start() }()
+	select {
+	case err := <-started:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Start waited on a NATS server that never answers")
+	}
+	select {
+	case <-accepted: // the attempt is under way, and stays so
+	case <-time.After(30 * time.Second):
+		t.Fatal("no connection attempt")
+	}
+	if st := s.Stats(); st.Connected {
+		t.Fatal("connected to a server that never answered")
+	}
+	if !s.Publish(Message{Undrain: "x:1"}) {
+		t.Fatal("publish refused on an empty queue")
+	}
+	closed := make(chan struct{})
+	go func() { s.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close waited on the connection attempt")
+	}
+}
+
+// TestStartChecksItsConfiguration: what can be wrong without a network
+// fails Start (the config), not each connection attempt.
+func TestStartChecksItsConfiguration(t *testing.T) {
+	for name, c := range map[string]Config{
+		"URL":         {URLs: []string{"nats://[::1"}},
+		"no host":     {URLs: []string{"nats://"}},
+		"credentials": {URLs: []string{"nats://127.0.0.1:1"}, Creds: filepath.Join(t.TempDir(), "missing.creds")},
+		"CA file":     {URLs: []string{"nats://127.0.0.1:1"}, TLSCA: filepath.Join(t.TempDir(), "missing.pem")},
+	} {
+		s, err := New(c)
+		if err != nil {
+			t.Fatalf("%s: New: %v", name, err)
+		}
+		if err := s.Start(); err == nil {
+			s.Close()
+			t.Errorf("a wrong %s started", name)
+		}
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -72,6 +73,9 @@ type Config struct {
 	// QueueLength bounds the messages waiting to be published; a full
 	// queue drops (and counts) new ones. Default DefaultQueueLength.
 	QueueLength int
+	// ConnectTimeout bounds one connection attempt to one server. Default:
+	// nats.go's, 2 seconds.
+	ConnectTimeout time.Duration
 	// HeartbeatInterval is how often an idle router tells its peers it is
 	// alive (an empty batch). Default
 	// DefaultHeartbeatInterval.
@@ -113,6 +117,9 @@ type Syncer struct {
 	cfg   Config
 	epoch uint64
 	self  string // Name#epoch
+	// mu orders Close with connect's hand-over of the connection: nc and
+	// sub are set under it, once, unless Close came first.
+	mu    sync.Mutex
 	nc    *nats.Conn
 	sub   *nats.Subscription
 	queue chan Message
@@ -165,10 +172,32 @@ func peerName(name string, epoch uint64) string { return name + "#" + strconv.Fo
 // Name is this router's name as its peers see it.
 func (s *Syncer) Name() string { return s.self }
 
-// Start connects to NATS and starts publishing. An unreachable NATS is not
-// an error: the client keeps trying in the background.
+// Start checks the configuration and starts connecting to NATS in the
+// background: it never waits on the network (a Caddy reload must not
+// stall on an unreachable server), and an unreachable NATS is no error:
+// the client keeps trying. A wrong server URL, or a credentials or CA
+// file that cannot be read, is an error.
 func (s *Syncer) Start() error {
+	opts, err := s.options()
+	if err != nil {
+		return err
+	}
+	go s.connect(opts)
+	return nil
+}
+
+// options returns the NATS client's options, checked as far as they can
+// be without connecting.
+func (s *Syncer) options() ([]nats.Option, error) {
 	log := s.cfg.Logger
+	for _, u := range s.cfg.URLs {
+		if !strings.Contains(u, "://") {
+			u = "nats://" + u
+		}
+		if parsed, err := url.Parse(u); err != nil || parsed.Host == "" {
+			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", u)
+		}
+	}
 	opts := []nats.Option{
 		nats.Name("caddy-llm-affinity " + s.cfg.Name),
 		nats.NoEcho(),
@@ -193,30 +222,74 @@ func (s *Syncer) Start() error {
 			log.Warn("NATS error", zap.Error(err))
 		}),
 	}
+	if s.cfg.ConnectTimeout > 0 {
+		opts = append(opts, nats.Timeout(s.cfg.ConnectTimeout))
+	}
 	if s.cfg.Creds != "" {
+		// The client reads it when it connects; read it now too, so a
+		// wrong path fails the configuration rather than every attempt.
+		if _, err := os.ReadFile(s.cfg.Creds); err != nil {
+			return nil, fmt.Errorf("fleetsync: NATS credentials: %w", err)
+		}
 		opts = append(opts, nats.UserCredentials(s.cfg.Creds))
 	}
 	if s.cfg.TLSCA != "" {
 		opts = append(opts, nats.RootCAs(s.cfg.TLSCA))
 	}
+	// Applying the options loads the CA file, as connecting would.
+	check := nats.GetDefaultOptions()
+	for _, o := range opts {
+		if err := o(&check); err != nil {
+			return nil, fmt.Errorf("fleetsync: NATS options: %w", err)
+		}
+	}
+	return opts, nil
+}
+
+// connect connects to NATS, subscribes and runs the publisher until Close.
+// It runs on its own goroutine and owns the connection: a Close while it
+// still connects makes it close the connection as soon as it has one.
+func (s *Syncer) connect(opts []nats.Option) {
+	log := s.cfg.Logger
 	nc, err := nats.Connect(strings.Join(s.cfg.URLs, ","), opts...)
 	if err != nil {
-		return fmt.Errorf("fleetsync: connecting to NATS: %w", err)
+		log.Error("cannot connect to NATS; routing on this router's own view", zap.Error(err))
+		close(s.done)
+		return
 	}
-	if nc.IsConnected() {
-		s.connected.Store(true)
-	} else {
+	if !nc.IsConnected() {
 		log.Warn("NATS unreachable; routing on this router's own view while the client keeps trying",
 			zap.Strings("servers", s.cfg.URLs))
 	}
 	sub, err := nc.Subscribe(s.cfg.Subject, s.receive)
 	if err != nil {
+		log.Error("cannot subscribe to the sync subject; routing on this router's own view", zap.String("subject", s.cfg.Subject), zap.Error(err))
 		nc.Close()
-		return fmt.Errorf("fleetsync: subscribing to %s: %w", s.cfg.Subject, err)
+		close(s.done)
+		return
+	}
+	s.mu.Lock()
+	select {
+	case <-s.stop: // closed while connecting
+		s.mu.Unlock()
+		nc.Close()
+		close(s.done)
+		return
+	default:
 	}
 	s.nc, s.sub = nc, sub
-	go s.run()
-	return nil
+	s.mu.Unlock()
+	if nc.IsConnected() {
+		s.connected.Store(true) // after nc is set: Connected means it is there
+	}
+	s.run()
+}
+
+// conn is the connection, nil until connect hands it over.
+func (s *Syncer) conn() *nats.Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.nc
 }
 
 // Publish queues m for this router's peers. It never blocks: it reports
@@ -360,17 +433,20 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // unreachable server.
 func (s *Syncer) Close() {
 	s.once.Do(func() {
-		if s.nc == nil {
-			return
-		}
+		s.mu.Lock()
 		close(s.stop)
+		nc := s.nc
+		s.mu.Unlock()
+		if nc == nil {
+			return // never started, failed, or still connecting: connect closes what it opens
+		}
 		<-s.done
 		// Flush what is buffered, briefly and only when connected: a
 		// reload or shutdown must not wait on an unreachable NATS.
-		if s.nc.IsConnected() {
-			s.nc.FlushTimeout(closeFlushTimeout)
+		if nc.IsConnected() {
+			nc.FlushTimeout(closeFlushTimeout)
 		}
-		s.nc.Close()
+		nc.Close()
 	})
 }
 
