@@ -47,9 +47,10 @@ const (
 )
 
 // encodedSize bounds m's encoding, for keeping batches under the NATS
-// payload limit.
+// payload limit: 64 bytes hold a message's kind, id, counts (5 bytes each
+// at most) and string lengths.
 func encodedSize(m *Message) int {
-	n := 32 + len(m.Drain) + len(m.Undrain)
+	n := 64 + len(m.Drain) + len(m.Undrain)
 	if ev := m.Event; ev != nil {
 		n += len(ev.Dial) + len(ev.Adapter) + len(ev.Model) + 8*len(ev.Hashes)
 	}
@@ -102,7 +103,7 @@ func appendMessage(dst []byte, m *Message) []byte {
 		case router.EventRouted:
 			dst = appendString(dst, ev.Dial)
 			for _, n := range []int{ev.BlockTokens, ev.Prefill, ev.Decode, ev.KV} {
-				dst = binary.AppendUvarint(dst, uint64(max(0, n)))
+				dst = appendCount(dst, n)
 			}
 			dst = appendString(dst, ev.Adapter)
 			dst = binary.AppendUvarint(dst, uint64(len(ev.Hashes)))
@@ -110,11 +111,11 @@ func appendMessage(dst []byte, m *Message) []byte {
 				dst = binary.LittleEndian.AppendUint64(dst, h)
 			}
 		case router.EventProgressed:
-			dst = binary.AppendUvarint(dst, uint64(max(0, ev.Tokens)))
+			dst = appendCount(dst, ev.Tokens)
 		case router.EventCompleted:
 			dst = appendString(dst, ev.Model)
 			for _, n := range []int{ev.Tokens, ev.PromptBytes, ev.PromptTokens} {
-				dst = binary.AppendUvarint(dst, uint64(max(0, n)))
+				dst = appendCount(dst, n)
 			}
 		}
 	case m.Drain != "":
@@ -126,6 +127,13 @@ func appendMessage(dst []byte, m *Message) []byte {
 		dst = appendString(dst, m.Undrain)
 	}
 	return dst
+}
+
+// appendCount appends n bounded to what a decoder accepts (0 to
+// MaxInt32): an absurd figure an engine reported must not make every peer
+// reject the whole batch, and the releases in it.
+func appendCount(dst []byte, n int) []byte {
+	return binary.AppendUvarint(dst, uint64(min(max(0, n), math.MaxInt32)))
 }
 
 func appendString(dst []byte, s string) []byte {

@@ -1,7 +1,9 @@
 package fleetsync
 
 import (
+	"math"
 	"net"
+	"os"
 	"path/filepath"
 	"reflect"
 	"sync"
@@ -10,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
 
 	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
@@ -259,15 +262,16 @@ func TestLongPromptsNeverLoseReleases(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hashes := make([]uint64, 3*maxEventHashes) // capped to maxEventHashes on the wire
-	for i := range 200 {
-		a.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i), Dial: "x:1", Hashes: hashes}})
-		a.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i)}})
-	}
-	if err := a.Start(); err != nil { // the whole burst is queued before the first publication
+	if err := a.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
+	waitFor(t, "a publishing", a.live.Load)
+	hashes := make([]uint64, 3*maxEventHashes) // capped to maxEventHashes on the wire
+	for i := range 200 {                       // faster than they are published: they batch
+		a.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i), Dial: "x:1", Hashes: hashes}})
+		a.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i)}})
+	}
 	waitFor(t, "every release delivered", func() bool { return releases.Load() == 200 && routed.Load() == 200 })
 	if st := a.Stats(); st.Dropped != 0 {
 		t.Fatalf("dropped %d", st.Dropped)
@@ -492,8 +496,10 @@ func TestStartDoesNotWaitForNATS(t *testing.T) {
 	if st := s.Stats(); st.Connected {
 		t.Fatal("connected to a server that never answered")
 	}
-	if !s.Publish(Message{Undrain: "x:1"}) {
-		t.Fatal("publish refused on an empty queue")
+	// Events while connecting are dropped and counted, as an outage's:
+	// published late, they would charge peers with work long released.
+	if s.Publish(Message{Undrain: "x:1"}) || s.Stats().Dropped != 1 {
+		t.Fatalf("an event while connecting was queued: %+v", s.Stats())
 	}
 	closed := make(chan struct{})
 	go func() { s.Close(); close(closed) }()
@@ -504,14 +510,65 @@ func TestStartDoesNotWaitForNATS(t *testing.T) {
 	}
 }
 
+func writeFile(t *testing.T, name, content string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestNothingAppliedAfterClose: a peer's batch that arrives after Close
+// (the config that owned the routing state is unloaded) is not applied.
+func TestNothingAppliedAfterClose(t *testing.T) {
+	var r received
+	s, err := New(r.config(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "a"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	s.receive(&nats.Msg{Data: AppendBatch(nil, sampleBatch())})
+	if n := r.count(); n != 0 || s.Stats().Applied != 0 {
+		t.Fatalf("%d messages applied after Close", n)
+	}
+}
+
+// TestCodecBoundsCounts: a count beyond what a decoder accepts (an
+// engine's absurd usage report) is sent at the bound, so peers do not
+// reject the batch and the releases in it.
+func TestCodecBoundsCounts(t *testing.T) {
+	for _, m := range sampleBatch().Messages {
+		if n, size := len(appendMessage(nil, &m)), encodedSize(&m); n > size {
+			t.Errorf("%+v encodes to %d bytes, encodedSize says at most %d", m, n, size)
+		}
+	}
+	b := &Batch{Sender: "a", Messages: []Message{
+		{Event: &router.Event{Kind: router.EventCompleted, ID: 1, Model: "m", Tokens: 1 << 40, PromptTokens: 1 << 40, PromptBytes: -5}},
+		{Event: &router.Event{Kind: router.EventReleased, ID: 2}},
+	}}
+	got, err := DecodeBatch(AppendBatch(nil, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev := got.Messages[0].Event; ev.Tokens != math.MaxInt32 || ev.PromptTokens != math.MaxInt32 || ev.PromptBytes != 0 || len(got.Messages) != 2 {
+		t.Fatalf("decoded %+v", got.Messages)
+	}
+}
+
 // TestStartChecksItsConfiguration: what can be wrong without a network
 // fails Start (the config), not each connection attempt.
 func TestStartChecksItsConfiguration(t *testing.T) {
 	for name, c := range map[string]Config{
-		"URL":         {URLs: []string{"nats://[::1"}},
-		"no host":     {URLs: []string{"nats://"}},
-		"credentials": {URLs: []string{"nats://127.0.0.1:1"}, Creds: filepath.Join(t.TempDir(), "missing.creds")},
-		"CA file":     {URLs: []string{"nats://127.0.0.1:1"}, TLSCA: filepath.Join(t.TempDir(), "missing.pem")},
+		"URL":                  {URLs: []string{"nats://[::1"}},
+		"no host":              {URLs: []string{"nats://"}},
+		"credentials":          {URLs: []string{"nats://127.0.0.1:1"}, Creds: filepath.Join(t.TempDir(), "missing.creds")},
+		"CA file":              {URLs: []string{"nats://127.0.0.1:1"}, TLSCA: filepath.Join(t.TempDir(), "missing.pem")},
+		"credentials' content": {URLs: []string{"nats://127.0.0.1:1"}, Creds: writeFile(t, "router.creds", "not a credentials file")},
+		"subject":              {URLs: []string{"nats://127.0.0.1:1"}, Subject: "pool a"},
+		"subject's tokens":     {URLs: []string{"nats://127.0.0.1:1"}, Subject: "llm..pool"},
+		"wildcard subject":     {URLs: []string{"nats://127.0.0.1:1"}, Subject: "llm.>"},
+		"mixed schemes":        {URLs: []string{"nats://127.0.0.1:1", "ws://127.0.0.1:2"}},
 	} {
 		s, err := New(c)
 		if err != nil {

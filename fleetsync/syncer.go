@@ -117,12 +117,13 @@ type Syncer struct {
 	cfg   Config
 	epoch uint64
 	self  string // Name#epoch
-	// mu orders Close with connect's hand-over of the connection: nc and
-	// sub are set under it, once, unless Close came first.
+	// mu orders Close with connect's hand-over of the connection: nc is
+	// set under it, once, unless Close came first.
 	mu    sync.Mutex
 	nc    *nats.Conn
-	sub   *nats.Subscription
 	queue chan Message
+	// live says the publisher runs: Publish drops (and counts) until then.
+	live atomic.Bool
 	stop  chan struct{}
 	done  chan struct{}
 	once  sync.Once
@@ -190,13 +191,24 @@ func (s *Syncer) Start() error {
 // be without connecting.
 func (s *Syncer) options() ([]nats.Option, error) {
 	log := s.cfg.Logger
+	websockets := 0
 	for _, u := range s.cfg.URLs {
 		if !strings.Contains(u, "://") {
 			u = "nats://" + u
 		}
-		if parsed, err := url.Parse(u); err != nil || parsed.Host == "" {
+		parsed, err := url.Parse(u)
+		if err != nil || parsed.Host == "" {
 			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", u)
 		}
+		if parsed.Scheme == "ws" || parsed.Scheme == "wss" {
+			websockets++
+		}
+	}
+	if websockets > 0 && websockets < len(s.cfg.URLs) {
+		return nil, fmt.Errorf("fleetsync: NATS server URLs mix websocket (ws://, wss://) and other schemes")
+	}
+	if !validSubject(s.cfg.Subject) {
+		return nil, fmt.Errorf("fleetsync: subject %q: want dot-separated tokens without spaces or wildcards, e.g. llm_affinity.pool-a", s.cfg.Subject)
 	}
 	opts := []nats.Option{
 		nats.Name("caddy-llm-affinity " + s.cfg.Name),
@@ -236,14 +248,40 @@ func (s *Syncer) options() ([]nats.Option, error) {
 	if s.cfg.TLSCA != "" {
 		opts = append(opts, nats.RootCAs(s.cfg.TLSCA))
 	}
-	// Applying the options loads the CA file, as connecting would.
+	// Applying the options loads the CA file, as connecting would; the
+	// credentials' callbacks parse their JWT and seed.
 	check := nats.GetDefaultOptions()
 	for _, o := range opts {
 		if err := o(&check); err != nil {
 			return nil, fmt.Errorf("fleetsync: NATS options: %w", err)
 		}
 	}
+	if check.UserJWT != nil {
+		if _, err := check.UserJWT(); err != nil {
+			return nil, fmt.Errorf("fleetsync: NATS credentials %s: %w", s.cfg.Creds, err)
+		}
+	}
+	if check.SignatureCB != nil {
+		if _, err := check.SignatureCB([]byte("check")); err != nil {
+			return nil, fmt.Errorf("fleetsync: NATS credentials %s: %w", s.cfg.Creds, err)
+		}
+	}
 	return opts, nil
+}
+
+// validSubject reports whether subject is one a router can publish and
+// subscribe to: dot-separated, non-empty tokens, no whitespace, no
+// wildcards.
+func validSubject(subject string) bool {
+	if subject == "" || strings.ContainsAny(subject, " \t\r\n") {
+		return false
+	}
+	for tok := range strings.SplitSeq(subject, ".") {
+		if tok == "" || tok == "*" || tok == ">" {
+			return false
+		}
+	}
+	return true
 }
 
 // connect connects to NATS, subscribes and runs the publisher until Close.
@@ -261,13 +299,8 @@ func (s *Syncer) connect(opts []nats.Option) {
 		log.Warn("NATS unreachable; routing on this router's own view while the client keeps trying",
 			zap.Strings("servers", s.cfg.URLs))
 	}
-	sub, err := nc.Subscribe(s.cfg.Subject, s.receive)
-	if err != nil {
-		log.Error("cannot subscribe to the sync subject; routing on this router's own view", zap.String("subject", s.cfg.Subject), zap.Error(err))
-		nc.Close()
-		close(s.done)
-		return
-	}
+	// Hand the connection over before subscribing, so that no peer's
+	// batch is applied after a Close.
 	s.mu.Lock()
 	select {
 	case <-s.stop: // closed while connecting
@@ -277,11 +310,17 @@ func (s *Syncer) connect(opts []nats.Option) {
 		return
 	default:
 	}
-	s.nc, s.sub = nc, sub
+	s.nc = nc
 	s.mu.Unlock()
-	if nc.IsConnected() {
-		s.connected.Store(true) // after nc is set: Connected means it is there
+	if _, err := nc.Subscribe(s.cfg.Subject, s.receive); err != nil {
+		log.Error("cannot subscribe to the sync subject; routing on this router's own view", zap.String("subject", s.cfg.Subject), zap.Error(err))
+		close(s.done) // Close closes nc
+		return
 	}
+	// Events from now on are published; the ones before were dropped,
+	// as an outage's are: replayed late, they would charge peers with
+	// work long released.
+	s.live.Store(true)
 	s.run()
 }
 
@@ -300,6 +339,10 @@ func (s *Syncer) Publish(m Message) bool {
 		ev := *m.Event
 		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), maxEventHashes)]...)
 		m.Event = &ev
+	}
+	if !s.live.Load() {
+		s.dropped.Add(1) // not connected yet (or closed)
+		return false
 	}
 	select {
 	case s.queue <- m:
@@ -408,6 +451,11 @@ func (s *Syncer) run() {
 
 // receive handles one peer batch.
 func (s *Syncer) receive(msg *nats.Msg) {
+	select {
+	case <-s.stop:
+		return // closed: the router may have unloaded the state peers' events apply to
+	default:
+	}
 	b, err := DecodeBatch(msg.Data)
 	if err != nil {
 		s.malformed.Add(1)
@@ -433,6 +481,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // unreachable server.
 func (s *Syncer) Close() {
 	s.once.Do(func() {
+		s.live.Store(false)
 		s.mu.Lock()
 		close(s.stop)
 		nc := s.nc
