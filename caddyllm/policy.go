@@ -572,12 +572,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			p.sh.metrics.queued.Inc()
 		}
 		// The hold is readied, first come first served, when an upstream
-		// this request may fit on releases work. Health changes, fresher
-		// engine signals and a lower output estimate learned from a
-		// response do not ready it, so look again now and then. The state is not held
+		// this request may fit on releases work; what readies no hold is
+		// caught by looking again every router.HoldPollInterval. The state is not held
 		// meanwhile: a drain's cut or the handler must not wait on a
 		// request that waits for capacity.
-		timer := time.NewTimer(min(wait, 250*time.Millisecond))
+		timer := time.NewTimer(min(wait, router.HoldPollInterval))
 		st.mu.Unlock()
 		select {
 		case <-st.hold.Ready():

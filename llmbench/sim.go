@@ -57,9 +57,9 @@ const (
 // time waits at the gateway (router.Fleet.Hold, as the plugin's requests: at most QueueLimit
 // of them, or it is shed at once), is retried when its hold is readied by a release of work
 // where it may now fit, first come first served, and is shed once QueueTimeout has passed.
-// (The plugin's held requests also decide again every 250 ms, which catches what readies no
-// hold: a lower output estimate learned from a response, which may let a request fit on a
-// replica that released nothing. The simulator has no such poll.) Engine metrics are not
+// Waiting requests also decide again every router.HoldPollInterval, as the plugin's do,
+// which catches what readies no hold (a lower output estimate learned from a response may
+// let a request fit on a replica that released nothing). Engine metrics are not
 // read: this is the plugin with scrape_interval off, its default.
 //
 // Caddy's own policies are Caddy's selection policy types themselves (round_robin,
@@ -214,7 +214,8 @@ type simRun struct {
 
 	inflight map[*kvsim.Request]*inflight
 	gateway  []waiter
-	released bool // a charge was released since the gateway was last retried
+	nextPoll time.Duration // when the waiting requests next decide again (the plugin's poll)
+	released bool          // a charge was released since the gateway was last retried
 	results  *Results
 	events   []kvsim.Event
 	seeds    map[string]uint64
@@ -414,8 +415,12 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 		if len(run.outbox) > 0 {
 			tDeliver = run.outbox[0].at
 		}
+		tPoll := never
+		if len(run.gateway) > 0 {
+			tPoll = run.nextPoll
+		}
 		switch {
-		case tArrive == never && tEngine == never && tDeliver == never:
+		case tArrive == never && tEngine == never && tDeliver == never && tPoll == never:
 			// Nothing runs and nothing arrives: whoever still waits can never fit.
 			for _, wt := range run.gateway {
 				wt.unhold(run.now)
@@ -423,7 +428,7 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			}
 			run.gateway = nil
 			return nil
-		case tEngine <= tArrive && tEngine <= tDeliver:
+		case tEngine <= tArrive && tEngine <= tDeliver && tEngine <= tPoll:
 			run.now = tEngine
 			run.events = run.replicas[ei].engine.AdvanceTo(tEngine, run.events[:0])
 			for i := range run.events {
@@ -432,16 +437,21 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			run.heap.fix(ei)
 			if run.released {
 				run.released = false
-				run.retryGateway(tEngine)
+				run.retryGateway(tEngine, false)
 			}
-		case tDeliver <= tArrive:
+		case tDeliver <= tArrive && tDeliver <= tPoll:
 			run.now = tDeliver
 			run.deliver()
 			if run.released {
 				// A peer's release frees KV as this router sees it.
 				run.released = false
-				run.retryGateway(tDeliver)
+				run.retryGateway(tDeliver, false)
 			}
+		case tPoll <= tArrive:
+			// The plugin's held requests decide again every HoldPollInterval.
+			run.now = tPoll
+			run.nextPoll = tPoll + router.HoldPollInterval
+			run.retryGateway(tPoll, true)
 		default:
 			run.now = tArrive
 			r := &w.Requests[next]
@@ -451,7 +461,7 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			run.arrive(waiter{router: rt, req: r, text: r.AppendPrompt(nil), deadline: tArrive + run.queueTimeout}, tArrive)
 			if run.released { // an engine refused it: its release may ready a hold
 				run.released = false
-				run.retryGateway(tArrive)
+				run.retryGateway(tArrive, false)
 			}
 		}
 	}
@@ -521,9 +531,10 @@ func (run *simRun) routerRequest(wt *waiter, now time.Duration) router.Request {
 
 // retryGateway routes again, in arrival order, the waiting requests whose holds are ready
 // (a release readies the first that may now fit on the replica that released, and each one
-// routed from there the next), until none is; and sheds those whose deadline passed.
-func (run *simRun) retryGateway(now time.Duration) {
-	for retried := true; retried && len(run.gateway) > 0; {
+// routed from there the next), until none is, or with all every waiting request (the
+// plugin's poll); and sheds those whose deadline passed.
+func (run *simRun) retryGateway(now time.Duration, all bool) {
+	for retried := true; retried && len(run.gateway) > 0; all = false {
 		retried = false
 		waiting := run.gateway
 		run.gateway = nil
@@ -532,7 +543,7 @@ func (run *simRun) retryGateway(now time.Duration) {
 			case now > wt.deadline:
 				wt.unhold(now)
 				run.shed(wt.req)
-			case wt.ready():
+			case all || wt.ready():
 				// A hold readied again calls for another pass; a request of
 				// Caddy's policies (no hold) is tried once a release.
 				retried = retried || wt.hold != nil
@@ -592,6 +603,9 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 			if wt.hold = hold; hold == nil {
 				run.shed(r)
 				return
+			}
+			if run.nextPoll <= now {
+				run.nextPoll = now + router.HoldPollInterval
 			}
 			run.gateway = append(run.gateway, wt)
 			return

@@ -14,6 +14,12 @@ import (
 // where it may fit: the limit bounds both.
 const DefaultQueueLimit = 1024
 
+// HoldPollInterval is how often a held request decides again whether or
+// not its hold was readied: what readies no hold (an upstream turning
+// healthy, fresher engine signals, a lower output estimate learned from a
+// response) lets it through within this.
+const HoldPollInterval = 250 * time.Millisecond
+
 // A Hold is a request waiting at the gateway because no upstream could
 // start it in time. Holds queue in arrival order. A release of work on an
 // upstream readies the first hold that would now pass the decision's
