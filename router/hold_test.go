@@ -297,46 +297,81 @@ func TestHoldCheckChangesNothing(t *testing.T) {
 	f.Unhold(h, t0)
 }
 
+// queue is a fleet with one set of options for the hold tests: place
+// decides a request that must be placed, hold one that must be held (and
+// holds it), retry decides a held request again and renews its hold when
+// it is not placed.
+type queue struct {
+	t     *testing.T
+	f     *Fleet
+	opts  Options
+	model string
+}
+
+func newQueue(t *testing.T, estimate string) *queue {
+	return &queue{t: t, f: New(), opts: Options{OutputEstimate: estimate, OutputTokens: 100}.WithDefaults()}
+}
+
+// fleetOf returns members named dials with capacity tokens of KV each.
+func fleetOf(capacity int, dials ...string) []Member {
+	ms := members(dials...)
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = capacity
+	}
+	return ms
+}
+
+func (q *queue) request(seed uint64, prompt int) Request {
+	return Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt, Model: q.model}
+}
+
+func (q *queue) place(seed uint64, prompt int, ms []Member) *Charge {
+	q.t.Helper()
+	d := q.f.Decide(t0, q.request(seed, prompt), ms, &q.opts, rng(), nil)
+	if d.Charge == nil {
+		q.t.Fatalf("request %d (%d tokens) not placed", seed, prompt)
+	}
+	return d.Charge
+}
+
+func (q *queue) hold(seed uint64, prompt int, ms []Member) (Request, *Hold) {
+	q.t.Helper()
+	req := q.request(seed, prompt)
+	d := q.f.Decide(t0, req, ms, &q.opts, rng(), nil)
+	if d.Charge != nil {
+		q.t.Fatalf("request %d placed, want held", seed)
+	}
+	return req, q.f.Hold(nil, &d, req, t0, ms, &q.opts)
+}
+
+// retry decides req again; it reports whether it was placed, and renews h
+// when it was not.
+func (q *queue) retry(req Request, h *Hold, ms []Member) bool {
+	d := q.f.Decide(t0, req, ms, &q.opts, rng(), nil)
+	if d.Charge == nil {
+		q.f.Hold(h, &d, req, t0, ms, &q.opts)
+	}
+	return d.Charge != nil
+}
+
 // TestHoldSkippedReleasesPassOn: releases on u while the hold u readied
 // has not decided yet ready nothing; if that hold then fails and waits
 // again, what they freed goes to the next held request that fits.
 func TestHoldSkippedReleasesPassOn(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
-	ms := members("a")
-	ms[0].Hardware.KVCapacityTokens = 5000
-	place := func(seed uint64, prompt int) *Charge {
-		t.Helper()
-		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, ms, &opts, rng(), nil)
-		if d.Charge == nil {
-			t.Fatalf("request %d (%d tokens) not placed", seed, prompt)
-		}
-		return d.Charge
-	}
-	x1, x2, _ := place(1, 1400), place(2, 500), place(3, 2700) // 1500+600+2800 = 4900 of 5000
-	hold := func(seed uint64, prompt int) (Request, *Hold) {
-		t.Helper()
-		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge != nil {
-			t.Fatalf("request %d placed, want held", seed)
-		}
-		return req, f.Hold(nil, &d, req, t0, ms, &opts)
-	}
-	reqA, a := hold(10, 1400) // needs 1500
-	reqB, b := hold(11, 400)  // needs 500
-	served(f, x1, t0)         // free 1600: A is readied (by a)
+	q, ms := newQueue(t, OutputFixed), fleetOf(5000, "a")
+	x1, x2, _ := q.place(1, 1400, ms), q.place(2, 500, ms), q.place(3, 2700, ms) // 1500+600+2800 = 4900 of 5000
+	reqA, a := q.hold(10, 1400, ms)                                              // needs 1500
+	reqB, b := q.hold(11, 400, ms)                                               // needs 500
+	served(q.f, x1, t0)                                                          // free 1600: A is readied (by a)
 	if !isReady(a) || isReady(b) {
 		t.Fatalf("after x1: A ready %v B ready %v", isReady(a), isReady(b))
 	}
-	place(20, 1000)                                // a new arrival (not held) takes 1100: free 500
-	served(f, x2, t0)                              // free 1100: readyNext returns early, A undecided
-	d := f.Decide(t0, reqA, ms, &opts, rng(), nil) // A: 1500 > 1100
-	if d.Charge != nil {
-		t.Fatal("A placed")
+	q.place(20, 1000, ms) // a new arrival (not held) takes 1100: free 500
+	served(q.f, x2, t0)   // free 1100: readyNext returns early, A undecided
+	if q.retry(reqA, a, ms) {
+		t.Fatal("A (1,500) placed in 1,100")
 	}
-	f.Hold(a, &d, reqA, t0, ms, &opts) // renewed, by = nil, chain stops
-	if !f.Fits(t0, reqB, Member{Dial: "a", Available: true, Hardware: ms[0].Hardware}, &opts) {
+	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
 		t.Fatal("B does not fit")
 	}
 	if !isReady(b) {
@@ -349,42 +384,22 @@ func TestHoldSkippedReleasesPassOn(t *testing.T) {
 // the first readied fails; the smaller one behind it is readied, though
 // the upstream, now idle, will release nothing more.
 func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputAverage, OutputTokens: 100}.WithDefaults()
-	ms := members("a")
-	ms[0].Hardware.KVCapacityTokens = 5000
-	place := func(seed uint64, prompt int) *Charge {
-		t.Helper()
-		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt, Model: "m"}, ms, &opts, rng(), nil)
-		if d.Charge == nil {
-			t.Fatalf("request %d not placed", seed)
-		}
-		f.Progress(d.Charge, 1, t0)
-		return d.Charge
-	}
-	x1, x2 := place(1, 4700), place(2, 100) // 4800+200 = 5000
-	hold := func(seed uint64, prompt int) (Request, *Hold) {
-		t.Helper()
-		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt, Model: "m"}
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge != nil {
-			t.Fatalf("request %d placed, want held", seed)
-		}
-		return req, f.Hold(nil, &d, req, t0, ms, &opts)
-	}
-	reqA, a := hold(10, 4500)
-	reqB, b := hold(11, 300)
-	f.Complete(x1, "m", Usage{OutputTokens: 1}, t0)    // mean 1: A (4501 <= 4800) readied
-	f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // mean ~1000; readyNext returns early
+	q, ms := newQueue(t, OutputAverage), fleetOf(5000, "a")
+	q.model = "m"
+	x1, x2 := q.place(1, 4700, ms), q.place(2, 100, ms) // 4800+200 = 5000
+	q.f.Progress(x1, 1, t0)
+	q.f.Progress(x2, 1, t0)
+	reqA, a := q.hold(10, 4500, ms)
+	reqB, b := q.hold(11, 300, ms)
+	q.f.Complete(x1, "m", Usage{OutputTokens: 1}, t0)    // mean 1: A (4501 <= 4800) readied
+	q.f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // mean ~1000; readyNext returns early
 	if !isReady(a) {
 		t.Fatal("A not readied")
 	}
-	d := f.Decide(t0, reqA, ms, &opts, rng(), nil)
-	if d.Charge != nil {
+	if q.retry(reqA, a, ms) {
 		t.Fatal("A placed")
 	}
-	f.Hold(a, &d, reqA, t0, ms, &opts)
-	if f.Decide(t0, reqB, ms, &opts, rng(), nil).Charge == nil {
+	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
 		t.Fatal("B would not be placed")
 	}
 	if !isReady(b) {
@@ -396,42 +411,22 @@ func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
 func TestHoldRenewalKeepsItsTurn(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
-	ms := members("a")
-	ms[0].Hardware.KVCapacityTokens = 5000
-	place := func(seed uint64, prompt int) *Charge {
-		t.Helper()
-		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, ms, &opts, rng(), nil)
-		if d.Charge == nil {
-			t.Fatalf("request %d not placed", seed)
-		}
-		return d.Charge
-	}
-	x, _ := place(1, 2000), place(2, 2700) // 2100+2800 = 4900
-	hold := func(seed uint64, prompt int) (Request, *Hold) {
-		t.Helper()
-		req := Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge != nil {
-			t.Fatalf("request %d placed, want held", seed)
-		}
-		return req, f.Hold(nil, &d, req, t0, ms, &opts)
-	}
-	reqA, a := hold(10, 1400) // needs 1500
-	reqC, c := hold(11, 400)  // needs 500
-	// A's 250 ms poll: it decides (no room), then x releases before its Hold.
-	d := f.Decide(t0, reqA, ms, &opts, rng(), nil)
-	served(f, x, t0)                   // free 2200: readyNext readies A (by = a)
-	f.Hold(a, &d, reqA, t0, ms, &opts) // by reset to nil; readied again by the counter
+	q, ms := newQueue(t, OutputFixed), fleetOf(5000, "a")
+	x, _ := q.place(1, 2000, ms), q.place(2, 2700, ms) // 2100+2800 = 4900
+	reqA, a := q.hold(10, 1400, ms)                    // needs 1500
+	reqC, c := q.hold(11, 400, ms)                     // needs 500
+	// A's poll: it decides (no room), then x releases before its Hold.
+	d := q.f.Decide(t0, reqA, ms, &q.opts, rng(), nil)
+	served(q.f, x, t0)                     // free 2200: readyNext readies A (by = a)
+	q.f.Hold(a, &d, reqA, t0, ms, &q.opts) // readied again by the release count, keeping the turn
 	if !isReady(a) || isReady(c) {
 		t.Fatalf("A %v C %v", isReady(a), isReady(c))
 	}
-	if f.Decide(t0, reqA, ms, &opts, rng(), nil).Charge == nil { // free 700
+	if !q.retry(reqA, a, ms) { // free 700
 		t.Fatal("A not placed")
 	}
-	f.Unhold(a, t0) // by == nil: no baton
-	if f.Decide(t0, reqC, ms, &opts, rng(), nil).Charge == nil {
+	q.f.Unhold(a, t0)
+	if !q.f.Fits(t0, reqC, ms[0], &q.opts) {
 		t.Fatal("C would not be placed")
 	}
 	if !isReady(c) {
@@ -443,47 +438,24 @@ func TestHoldRenewalKeepsItsTurn(t *testing.T) {
 // releases on the upstream it tried while its decision avoids it (another
 // is available), so it does not take the turn of those behind it there.
 func TestHoldTriedUpstreamSkipped(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
-	ms := members("a", "b")
-	for i := range ms {
-		ms[i].Hardware.KVCapacityTokens = 3000
-	}
-	place := func(seed uint64, prompt int, m []Member) *Charge {
-		t.Helper()
-		d := f.Decide(t0, Request{Hashes: hashes(seed, prompt), BlockTokens: 64, PromptTokens: prompt}, m, &opts, rng(), nil)
-		if d.Charge == nil {
-			t.Fatalf("request %d not placed", seed)
-		}
-		return d.Charge
-	}
-	onlyA, onlyB := members("a"), members("b")
-	onlyA[0].Hardware.KVCapacityTokens, onlyB[0].Hardware.KVCapacityTokens = 3000, 3000
+	q, ms := newQueue(t, OutputFixed), fleetOf(3000, "a", "b")
 	var xs []*Charge
 	for i := range 5 {
-		xs = append(xs, place(uint64(1+i), 500, onlyA)) // a: 5 x 600 = 3000
+		xs = append(xs, q.place(uint64(1+i), 500, ms[:1])) // a: 5 x 600 = 3000
 	}
-	place(9, 2900, onlyB) // b: full
-	tried := append([]Member(nil), ms...)
+	q.place(9, 2900, ms[1:]) // b: full
+	tried := slices.Clone(ms)
 	tried[0].Tried = true // the retry of a request whose attempt on a failed
-	reqR := Request{Hashes: hashes(10, 400), BlockTokens: 64, PromptTokens: 400}
-	dR := f.Decide(t0, reqR, tried, &opts, rng(), nil)
-	r := f.Hold(nil, &dR, reqR, t0, tried, &opts)
-	reqB := Request{Hashes: hashes(11, 400), BlockTokens: 64, PromptTokens: 400}
-	dB := f.Decide(t0, reqB, ms, &opts, rng(), nil)
-	b := f.Hold(nil, &dB, reqB, t0, ms, &opts)
+	reqR, r := q.hold(10, 400, tried)
+	reqB, b := q.hold(11, 400, ms)
 	for i, x := range xs[:3] {
-		served(f, x, t0) // a frees 600 each time
-		if isReady(r) {
-			d := f.Decide(t0, reqR, tried, &opts, rng(), nil)
-			if d.Charge != nil {
-				t.Fatalf("release %d: R placed", i)
-			}
-			f.Hold(r, &d, reqR, t0, tried, &opts)
+		served(q.f, x, t0) // a frees 600 each time
+		if isReady(r) && q.retry(reqR, r, tried) {
+			t.Fatalf("release %d: R placed on the upstream it tried", i)
 		}
 		if !isReady(b) {
-			t.Errorf("release %d: a has %d free, B fits there (%v), R failed again, B not readied",
-				i, 600*(i+1), f.Fits(t0, reqB, ms[0], &opts))
+			t.Errorf("release %d: a has %d free, B fits there (%v), B not readied",
+				i, 600*(i+1), q.f.Fits(t0, reqB, ms[0], &q.opts))
 		}
 	}
 }
