@@ -84,23 +84,14 @@ func TestHoldReadiesOnlyWhatFits(t *testing.T) {
 // and the chain stops at one that does not. Behind an upstream that was
 // unavailable (full, to Caddy), a release readies one request, not all.
 func TestHoldQueueOrder(t *testing.T) {
-	f := New()
-	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
-	ms := members("a")
-	ms[0].Hardware.KVCapacityTokens = 3000
-	filler := f.Decide(t0, Request{Hashes: hashes(1, 2000), BlockTokens: 64, PromptTokens: 2000}, ms, &opts, rng(), nil)
-	if filler.Charge == nil {
-		t.Fatal("the filling request was not placed")
-	}
+	q, ms := newQueue(t, OutputFixed), fleetOf(3000, "a")
+	f, opts := q.f, q.opts
+	filler := q.place(1, 2000, ms)
 	var reqs []Request
 	var holds []*Hold
 	for i := range 3 {
-		req := Request{Hashes: hashes(uint64(10+i), 1000), BlockTokens: 64, PromptTokens: 1000}
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge != nil {
-			t.Fatalf("request %d placed, want held", i)
-		}
-		reqs, holds = append(reqs, req), append(holds, f.Hold(nil, &d, req, t0, ms, &opts))
+		req, h := q.hold(uint64(10+i), 1000, ms)
+		reqs, holds = append(reqs, req), append(holds, h)
 	}
 	readied := func() (out []int) {
 		for i, h := range holds {
@@ -110,7 +101,7 @@ func TestHoldQueueOrder(t *testing.T) {
 		}
 		return out
 	}
-	served(f, filler.Charge, t0)
+	served(f, filler, t0)
 	if got := readied(); !slices.Equal(got, []int{0}) {
 		t.Fatalf("after the release, readied %v, want [0]", got)
 	}
