@@ -52,6 +52,7 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 		{Pattern: "/llm_affinity/upstreams", Handler: caddy.AdminHandlerFunc(handleUpstreams)},
 		{Pattern: "/llm_affinity/upstreams/", Handler: caddy.AdminHandlerFunc(handleDrain)},
 		{Pattern: "/llm_affinity/sync", Handler: caddy.AdminHandlerFunc(handleSync)},
+		{Pattern: "/llm_affinity/gateway", Handler: caddy.AdminHandlerFunc(handleGateway)},
 		{Pattern: statusPrefix, Handler: caddy.AdminHandlerFunc(handleStatusPage)},
 	}
 }
@@ -68,6 +69,25 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	slices.SortFunc(ups, func(a, b UpstreamSnapshot) int { return strings.Compare(a.Dial, b.Dial) })
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(ups)
+}
+
+// GatewayView is the admin API's view of the requests held at the
+// gateway.
+type GatewayView struct {
+	// Held is how many requests wait for an upstream that can start them.
+	Held int `json:"held"`
+}
+
+func handleGateway(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	var v GatewayView
+	if sh := lookupShared(); sh != nil {
+		v.Held = sh.fleet.Held()
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(v)
 }
 
 func handleDrain(w http.ResponseWriter, r *http.Request) error {

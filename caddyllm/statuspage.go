@@ -75,7 +75,7 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 	return err
 }
 
-// StatusHandler serves the status page, the upstreams JSON and the drain
+// StatusHandler serves the status page, the upstreams and gateway JSON and the drain
 // endpoints on an ordinary site, under /llm_affinity/, exactly as the
 // admin API does:
 //
@@ -109,6 +109,8 @@ func (StatusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyht
 	switch p := r.URL.Path; {
 	case p == "/llm_affinity/upstreams":
 		err = handleUpstreams(w, r)
+	case p == "/llm_affinity/gateway":
+		err = handleGateway(w, r)
 	case strings.HasPrefix(p, "/llm_affinity/upstreams/"):
 		if err = checkSameOrigin(r); err == nil {
 			err = handleDrain(w, r)

@@ -176,6 +176,10 @@ func TestStatusPageInBrowser(t *testing.T) {
 		}
 	}
 
+	if summary := js(`document.getElementById("summary").textContent`); !strings.Contains(summary, "0 waiting at the gateway") {
+		t.Errorf("the summary does not count the requests held at the gateway: %q", summary)
+	}
+
 	target := fleet[1].dial()
 	click(row(target) + " button.drain")
 	waitCell(target, "drain", "drain phase", func(s string) bool { return strings.HasPrefix(s, "drain") })

@@ -152,6 +152,14 @@ func counterValue(mfs map[string]*dto.MetricFamily, name, label, value string) f
 	return n
 }
 
+// gaugeOf is the value of name's only series, 0 when it has none.
+func gaugeOf(mfs map[string]*dto.MetricFamily, name string) float64 {
+	for _, m := range mfs[name].GetMetric() {
+		return m.GetGauge().GetValue()
+	}
+	return 0
+}
+
 // histogramCount sums the sample counts of name's series whose label
 // label has value (any series when label is empty).
 func histogramCount(mfs map[string]*dto.MetricFamily, name, label, value string) uint64 {

@@ -16,6 +16,7 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -114,6 +115,47 @@ func TestHotPrefixSpills(t *testing.T) {
 	}
 	if len(count) < 2 || reasons["spill"] == 0 {
 		t.Fatalf("no spill: %v %v", count, reasons)
+	}
+}
+
+// TestGatewayViewShowsHeldRequests: a request that no replica can take
+// (all are drained) waits at the gateway, and the admin API (GET
+// /llm_affinity/gateway) and the caddy_llm_affinity_gateway_held gauge say
+// so; once its client gives up, it waits no more.
+func TestGatewayViewShowsHeldRequests(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "queue_timeout 10m", ""))
+	held := func() int {
+		var v caddyllm.GatewayView
+		getJSON(t, adminURL+"/llm_affinity/gateway", &v)
+		return v.Held
+	}
+	if n := held(); n != 0 {
+		t.Fatalf("%d held before any request", n)
+	}
+	for _, r := range fleet {
+		adminDo(t, "POST", "/llm_affinity/upstreams/"+r.dial()+"/drain?deadline=1h")
+	}
+	ctx, giveUp := context.WithCancel(context.Background())
+	defer giveUp()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": "held", "max_tokens": 4})
+		req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(string(body)))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	eventually(t, 10*time.Second, "the request held", func() bool { return held() == 1 })
+	if v := gaugeOf(metricFamilies(t, adminURL+"/metrics"), "caddy_llm_affinity_gateway_held"); v != 1 {
+		t.Errorf("caddy_llm_affinity_gateway_held = %v, want 1", v)
+	}
+	giveUp()
+	<-done
+	eventually(t, 10*time.Second, "the request gone from the gateway", func() bool { return held() == 0 })
+	for _, r := range fleet {
+		adminDo(t, "DELETE", "/llm_affinity/upstreams/"+r.dial()+"/drain")
 	}
 }
 

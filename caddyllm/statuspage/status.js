@@ -109,13 +109,19 @@ let timer;
 async function refresh() {
   clearTimeout(timer);
   try {
-    const res = await fetch("upstreams", { cache: "no-store" });
+    const [res, gw] = await Promise.all([
+      fetch("upstreams", { cache: "no-store" }),
+      fetch("gateway", { cache: "no-store" }),
+    ]);
     if (!res.ok) throw new Error("upstreams: " + res.status + " " + (await res.text()));
+    if (!gw.ok) throw new Error("gateway: " + gw.status + " " + (await gw.text()));
     const ups = await res.json() || [];
+    const gateway = await gw.json();
     document.querySelector("#upstreams tbody").replaceChildren(...ups.map(row));
     const inFlight = ups.reduce((n, u) => n + u.in_flight, 0);
     document.getElementById("summary").textContent =
-      ups.length + " upstreams, " + inFlight + " requests in flight, updated " + new Date().toLocaleTimeString();
+      ups.length + " upstreams, " + inFlight + " requests in flight, " + gateway.held +
+      " waiting at the gateway, updated " + new Date().toLocaleTimeString();
     document.getElementById("error").hidden = true;
   } catch (e) {
     showError(e);
