@@ -113,7 +113,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
-			Help: "Requests shed after waiting at the gateway, by what blocked them.",
+			Help: "Requests shed (503 with Retry-After) after waiting at the gateway for queue_timeout, or at once when queue_limit requests waited (blocked_by=queue_full), by what blocked them.",
 		}, []string{"blocked_by"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "refused_total",
@@ -432,7 +432,7 @@ func newFleetCollector(sh *shared) *fleetCollector {
 		draining: prometheus.NewDesc("caddy_llm_affinity_upstream_drain_phase",
 			"1 for the upstream's drain phase (active, draining, drained); for upstream=\"other\", how many of the upstreams no config names are in it.", []string{"upstream", "phase"}, nil),
 		held: prometheus.NewDesc("caddy_llm_affinity_gateway_held",
-			"Requests waiting at the gateway now for an upstream that can start them (at most queue_limit per policy).", nil, nil),
+			"Requests waiting at the gateway now for an upstream that can start them, over every loaded policy (each holds at most its queue_limit).", nil, nil),
 	}
 }
 

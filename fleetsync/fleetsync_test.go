@@ -519,8 +519,10 @@ func writeFile(t *testing.T, name, content string) string {
 	return path
 }
 
-// TestNothingAppliedAfterClose: a peer's batch that arrives after Close
-// (the config that owned the routing state is unloaded) is not applied.
+// TestNothingAppliedAfterClose: a peer's batch that the client hands over
+// after Close (the config that owned the routing state is unloaded) is
+// not applied. (One whose callback was already running when Close came may
+// still be: nats.go does not wait for its callbacks.)
 func TestNothingAppliedAfterClose(t *testing.T) {
 	var r received
 	s, err := New(r.config(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "a"}))

@@ -319,8 +319,15 @@ func (s *Syncer) connect(opts []nats.Option) {
 	}
 	// Events from now on are published; the ones before were dropped,
 	// as an outage's are: replayed late, they would charge peers with
-	// work long released.
-	s.live.Store(true)
+	// work long released. Under mu, so that a Close meanwhile (which
+	// clears live under mu) is not undone.
+	s.mu.Lock()
+	select {
+	case <-s.stop:
+	default:
+		s.live.Store(true)
+	}
+	s.mu.Unlock()
 	s.run()
 }
 
@@ -481,8 +488,8 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // unreachable server.
 func (s *Syncer) Close() {
 	s.once.Do(func() {
-		s.live.Store(false)
 		s.mu.Lock()
+		s.live.Store(false)
 		close(s.stop)
 		nc := s.nc
 		s.mu.Unlock()
