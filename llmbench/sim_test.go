@@ -2,6 +2,7 @@ package llmbench
 
 import (
 	"context"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -259,4 +260,40 @@ func TestSimRoutersShareTheirView(t *testing.T) {
 		t.Errorf("four routers with sync: hit rate %.3f, one router %.3f", shared, one)
 	}
 	hit(4, false, 0, "least_conn")
+}
+
+// TestSimGatewayQueue: requests that no replica can start in time wait at
+// the gateway and are served as KV frees, but no more than QueueLimit of
+// them: the rest are shed at once, as the plugin sheds them.
+func TestSimGatewayQueue(t *testing.T) {
+	// Six requests at once, each about 600 tokens, on one replica whose
+	// 1,024 tokens of KV hold one at a time; the router's assumed 100
+	// prefill tokens a second make the KV of all but the first one or two
+	// look further away than the 2 s queue timeout, so those wait here
+	// rather than at the engine, which serves each in a fraction of a
+	// second.
+	w, err := Generate("gsp", GeneratorOptions{Seed: 1, Rate: math.Inf(1), GSP: GSPParams{
+		Groups: 6, PromptsPerGroup: 1, SystemTokens: 500, QuestionTokens: 100, OutputTokens: 8,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shed := func(limit int) int {
+		t.Helper()
+		sim := &Sim{Config: Config{Replicas: 1, Engine: kvsim.Config{NumGPUBlocks: 64}}, QueueTimeout: 2 * time.Second,
+			QueueLimit: limit, PrefillTokensPerSecond: 100}
+		s := replay(t, sim, w, "llm_affinity/ttft")
+		if s.Completed+s.Shed != 6 {
+			t.Fatalf("queue limit %d: %d completed, %d shed, of 6", limit, s.Completed, s.Shed)
+		}
+		return s.Shed
+	}
+	if n := shed(-1); n != 0 {
+		t.Errorf("without a queue limit %d shed, want none: every waiting request is served", n)
+	}
+	// Each place in the queue saves one request from being shed.
+	one, two := shed(1), shed(2)
+	if two == 0 || one != two+1 {
+		t.Errorf("shed %d with a queue limit of 1, %d with 2: want a difference of one, and some shed", one, two)
+	}
 }
