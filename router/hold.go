@@ -27,10 +27,12 @@ const HoldPollInterval = 250 * time.Millisecond
 // When that request ends its wait (Unhold: routed, shed or gone), the next
 // hold that fits there is readied, and so on while they fit; releases
 // there meanwhile ready nothing more, but if the readied request fits
-// nowhere after all and waits again, what they freed goes to the next. A release
-// under overload so costs one filter check per held request and a whole
-// decision for each request it lets through (and one more), not one for
-// every request held; and the queue is first come, first served.
+// nowhere after all and waits again, what they freed goes to the next.
+// A release under overload so costs one filter check per held request and
+// a whole decision for each request it lets through (and one more), not
+// one for every request held; and held requests are served first come,
+// first served (a new request that fits somewhere does not queue behind
+// them).
 type Hold struct {
 	ready    chan struct{}
 	req      Request
