@@ -124,9 +124,9 @@ type Syncer struct {
 	queue chan Message
 	// live says the publisher runs: Publish drops (and counts) until then.
 	live atomic.Bool
-	stop  chan struct{}
-	done  chan struct{}
-	once  sync.Once
+	stop chan struct{}
+	done chan struct{}
+	once sync.Once
 
 	sent, applied, dropped, malformed, disconnects atomic.Uint64
 	lastReceived                                   atomic.Int64
