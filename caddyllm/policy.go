@@ -562,10 +562,12 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		wait := time.Until(deadline)
 		if wait <= 0 {
 			p.sh.metrics.queueWaitOf(string(scorer.Shed)).Observe(time.Since(held).Seconds())
-			return p.shed(st, d.Decision)
+			reason := blockedReason(d.Decision)
+			return p.shed(st, d.Decision, reason, reason)
 		}
 		if st.hold == nil {
-			return p.shedQueueFull(st, d.Decision)
+			return p.shed(st, d.Decision, queueFullReason,
+				fmt.Sprintf("%d requests wait already: queue_limit", p.opts.QueueLimitValue()))
 		}
 		if !queued {
 			queued = true
@@ -573,9 +575,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		// The hold is readied, first come first served, when an upstream
 		// this request may fit on releases work; what readies no hold is
-		// caught by looking again every router.HoldPollInterval. The state is not held
-		// meanwhile: a drain's cut or the handler must not wait on a
-		// request that waits for capacity.
+		// caught by looking again every router.HoldPollInterval. The
+		// state is not held meanwhile: a drain's cut or the handler must
+		// not wait on a request that waits for capacity.
 		timer := time.NewTimer(min(wait, router.HoldPollInterval))
 		st.mu.Unlock()
 		select {
@@ -599,34 +601,18 @@ func (p *Policy) unhold(st *requestState) {
 	}
 }
 
-// shedQueueFull sheds st because QueueLimit requests wait already.
-func (p *Policy) shedQueueFull(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
-	return p.refuse(st, d, &shedding{
-		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
-		message:           fmt.Sprintf("no upstream can take this request now, and %d requests wait already (queue_limit); retry later", p.opts.QueueLimitValue()),
-		retryAfterSeconds: p.retryAfterSeconds(),
-		reason:            queueFullReason,
-	})
-}
-
 // queueFullReason is the shed reason of a request turned away because
 // queue_limit requests wait already.
 const queueFullReason = "queue_full"
 
-// retryAfterSeconds is the Retry-After of a shed request: the queue
-// timeout, at least a second.
-func (p *Policy) retryAfterSeconds() int {
-	return int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds())))
-}
-
-// shed gives up on st for now: the handler answers with ShedStatus and
-// Retry-After.
-func (p *Policy) shed(st *requestState, d scorer.Decision) *reverseproxy.Upstream {
-	reason := blockedReason(d)
+// shed gives up on st for now, blocked by reason (explained by why): the
+// handler answers with ShedStatus and a Retry-After of the queue timeout,
+// at least a second.
+func (p *Policy) shed(st *requestState, d scorer.Decision, reason, why string) *reverseproxy.Upstream {
 	return p.refuse(st, d, &shedding{
 		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
-		message:           "no upstream can take this request now (" + reason + "); retry later",
-		retryAfterSeconds: p.retryAfterSeconds(),
+		message:           "no upstream can take this request now (" + why + "); retry later",
+		retryAfterSeconds: int(math.Ceil(max(1, time.Duration(p.QueueTimeout).Seconds()))),
 		reason:            reason,
 	})
 }
