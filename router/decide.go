@@ -133,8 +133,8 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 }
 
 // Fits reports whether req passes the decision's filters on m at now,
-// without deciding: a caller holding requests that fitted nowhere can ask
-// which may fit now that m released work.
+// without deciding: the check a release makes of each held request (see
+// Hold), for callers that want it alone.
 func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
