@@ -150,8 +150,8 @@ func (f *Fleet) Held() int {
 // readyHolds follows a release of work on u. Caller holds f.mu.
 func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	f.releases++
-	if f.upstreams[u.dial] != u {
-		return // forgotten with its last request: no decision goes there
+	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
+		return // nothing waits, or u was forgotten with its last request
 	}
 	f.readyNext(u, now)
 }
