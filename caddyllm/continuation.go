@@ -114,9 +114,18 @@ func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 }
 
 // endStream finishes a stream that cannot go on: an error event (when
-// msg is set) and [DONE].
+// msg is set) and [DONE], or for the Responses API, whose streams have no
+// [DONE], its error event.
 func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	w := &rec.ResponseWriterWrapper
+	if rec.responses {
+		ev, _ := json.Marshal(map[string]any{
+			"type": "error", "code": "server_error", "message": "stream interrupted: " + msg, "param": nil,
+		})
+		_, err := fmt.Fprintf(w, "event: error\ndata: %s\n\n", ev)
+		http.NewResponseController(w).Flush()
+		return err
+	}
 	if msg != "" {
 		ev, _ := json.Marshal(map[string]any{"error": map[string]any{
 			"message": "stream interrupted: " + msg, "type": "server_error", "code": http.StatusServiceUnavailable,
@@ -135,6 +144,11 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	st.mu.Lock()
 	orig, endpoint := st.origBody, st.req.Endpoint
 	st.mu.Unlock()
+	if endpoint == EndpointResponses {
+		// Its stream's events carry item ids, output indexes and
+		// sequence numbers that a second engine's stream would restart.
+		return nil, nil, errors.New("a Responses API stream cannot be continued on another upstream")
+	}
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(orig, &m); err != nil {
 		return nil, nil, err

@@ -20,6 +20,9 @@ const (
 	EndpointOther Endpoint = iota
 	EndpointCompletions
 	EndpointChatCompletions
+	// EndpointResponses is the Responses API (POST /v1/responses), which
+	// vLLM serves too and agent frameworks use.
+	EndpointResponses
 )
 
 func (e Endpoint) String() string {
@@ -28,6 +31,8 @@ func (e Endpoint) String() string {
 		return "completions"
 	case EndpointChatCompletions:
 		return "chat"
+	case EndpointResponses:
+		return "responses"
 	}
 	return "other"
 }
@@ -42,6 +47,8 @@ func endpointOf(method, path string) Endpoint {
 		return EndpointChatCompletions
 	case strings.HasSuffix(path, "/completions"):
 		return EndpointCompletions
+	case strings.HasSuffix(path, "/responses"):
+		return EndpointResponses
 	}
 	return EndpointOther
 }
@@ -61,7 +68,8 @@ type Request struct {
 	// PromptBytes is the length of the text PromptTokens was estimated
 	// from (bytes_per_token), 0 when the prompt was token ids.
 	PromptBytes int
-	// MaxTokens is max_tokens or max_completion_tokens, 0 when absent.
+	// MaxTokens is max_tokens or max_completion_tokens (max_output_tokens
+	// for the Responses API), 0 when absent.
 	MaxTokens int
 	// Stream is the request's stream flag.
 	Stream bool
@@ -88,8 +96,11 @@ var errModelTooLong = badRequestf("model", "invalid request: model must be at mo
 
 // promptParam names the field that holds the request's prompt.
 func (r *Request) promptParam() string {
-	if r.Endpoint == EndpointChatCompletions {
+	switch r.Endpoint {
+	case EndpointChatCompletions:
 		return "messages"
+	case EndpointResponses:
+		return "input"
 	}
 	return "prompt"
 }
@@ -151,18 +162,23 @@ type span struct{ start, end int }
 
 // msgRange is where a chat message's role and content are in the body:
 // the role's string contents, and the content's value (a string's
-// contents, or the raw array or other value as sent).
+// contents, or the raw array or other value as sent). A Responses API
+// input item without a role has its type as the role and the whole item
+// as the content; the input given as a string, and the instructions, have
+// an implied role instead of one in the body.
 type msgRange struct {
 	role        span
 	roleEscaped bool
 	content     span
+	impliedRole string
 }
 
 // Fields of a request body, and of a chat message, that routing reads.
 // encoding/json matches keys case-insensitively, and so do we.
 var (
-	topFields = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream"}
-	msgFields = [...]string{"role", "content"}
+	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens"}
+	msgFields  = [...]string{"role", "content"}
+	itemFields = [...]string{"role", "content", "type"}
 )
 
 const (
@@ -173,12 +189,16 @@ const (
 	fieldMaxTokens
 	fieldMaxCompletionTokens
 	fieldStream
+	fieldInput
+	fieldInstructions
+	fieldMaxOutputTokens
 	fieldOther = -1
 )
 
 const (
 	fieldRole = iota
 	fieldContent
+	fieldType
 )
 
 // fieldOf returns the index of key in names, or fieldOther.
@@ -261,6 +281,15 @@ type reading struct {
 	hashedTools  span
 	hashedSet    bool
 
+	// Responses: whether the input was given (a string or an array; its
+	// items are in the scratch's msgs), its first semantic error, the
+	// instructions' string contents and max_output_tokens.
+	inputSeen       bool
+	inputErr        error
+	instructions    span
+	instructionsSet bool
+	maxOutput       optInt
+
 	// Completions: the prompt's shape error, its size in tokens and, for
 	// text, in bytes (0 for token ids).
 	promptErr    error
@@ -294,6 +323,10 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	req := &Request{Endpoint: endpoint, Stream: r.stream}
 	// max_completion_tokens, the chat API's newer name, wins, as in vLLM.
 	switch {
+	case endpoint == EndpointResponses:
+		if r.maxOutput.set {
+			req.MaxTokens = max(0, r.maxOutput.v)
+		}
 	case r.maxCompletion.set:
 		req.MaxTokens = max(0, r.maxCompletion.v)
 	case r.maxTokens.set:
@@ -331,6 +364,26 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			for i := range sc.msgs {
 				r.hashMessage(&sc.msgs[i])
 			}
+		}
+		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
+	case EndpointResponses:
+		switch {
+		case r.inputErr != nil:
+			return nil, r.inputErr
+		case !r.inputSeen:
+			return nil, badRequestf("input", "invalid request: input is required")
+		}
+		// Hashed once the whole body is read, in canonical order: the
+		// tools, the instructions (the system message vLLM makes of
+		// them), then the input, so a conversation sent again with its
+		// new turns appended extends the same chain.
+		r.startChat()
+		if r.instructionsSet {
+			r.hashMessage(&msgRange{impliedRole: "system", content: r.instructions})
+		}
+		for i := range sc.msgs {
+			r.hashMessage(&sc.msgs[i])
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
 		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
@@ -406,7 +459,25 @@ func (r *reading) object() {
 				r.skip()
 			}
 		case fieldMessages:
-			r.messages()
+			if r.endpoint == EndpointResponses {
+				r.skip()
+			} else {
+				r.messages()
+			}
+		case fieldInput:
+			if r.endpoint == EndpointResponses {
+				r.input()
+			} else {
+				r.skip()
+			}
+		case fieldInstructions:
+			if r.endpoint == EndpointResponses {
+				r.readInstructions()
+			} else {
+				r.skip()
+			}
+		case fieldMaxOutputTokens:
+			r.optInt(&r.maxOutput, "max_output_tokens")
 		case fieldTools:
 			start, end, ok := s.skip()
 			if ok {
@@ -587,15 +658,129 @@ func (r *reading) startChat() {
 // hashMessage adds a message to the canonical prompt: role, content.
 func (r *reading) hashMessage(m *msgRange) {
 	b := &r.sc.blocks
-	role := r.body[m.role.start:m.role.end]
-	if m.roleEscaped || !isASCII(role) {
-		r.sc.dec = decodeString(r.sc.dec[:0], role, m.roleEscaped)
-		role = r.sc.dec
+	if m.impliedRole != "" {
+		b.WriteString(m.impliedRole)
+	} else {
+		role := r.body[m.role.start:m.role.end]
+		if m.roleEscaped || !isASCII(role) {
+			r.sc.dec = decodeString(r.sc.dec[:0], role, m.roleEscaped)
+			role = r.sc.dec
+		}
+		b.Write(role)
 	}
-	b.Write(role)
 	b.WriteString(sepField)
 	b.Write(r.body[m.content.start:m.content.end])
 	b.WriteString(sepMessage)
+}
+
+// readInstructions reads the Responses API's instructions: a string, or
+// null for none (the last one given counts, as for every key).
+func (r *reading) readInstructions() {
+	s := r.s
+	switch s.ws() {
+	case '"':
+		start, end, _, ok := s.str()
+		if ok {
+			r.instructions, r.instructionsSet = span{start, end}, true
+		}
+	case 'n':
+		if s.literal() {
+			r.instructionsSet = false
+		}
+	default:
+		r.typeError("instructions", "a string")
+		r.skip()
+	}
+}
+
+// input reads the Responses API's input: a string (one user message) or
+// an array of items, kept in the scratch's msgs and hashed when the body
+// is read (see parse).
+func (r *reading) input() {
+	s := r.s
+	r.inputSeen, r.inputErr = false, nil
+	r.sc.msgs = r.sc.msgs[:0]
+	switch s.ws() {
+	case 'n':
+		s.literal()
+		return
+	case '"':
+		start, end, _, ok := s.str()
+		if ok {
+			r.inputSeen = true
+			r.sc.msgs = append(r.sc.msgs, msgRange{impliedRole: "user", content: span{start, end}})
+		}
+		return
+	case '[':
+	default:
+		r.typeError("input", "a string or an array")
+		r.skip()
+		return
+	}
+	r.inputSeen = true
+	s.pos++
+	if !s.push(false) {
+		return
+	}
+	for i := 0; s.element(i == 0); i++ {
+		r.item(i)
+	}
+}
+
+// item reads input[i]: a message (role and content, hashed as a chat
+// message is) or another item (a function call, its output, reasoning:
+// hashed as its type and the item as sent).
+func (r *reading) item(i int) {
+	s := r.s
+	if s.ws() != '{' {
+		if r.inputErr == nil {
+			r.inputErr = badRequestf(fmt.Sprintf("input[%d]", i), "invalid request: input[%d] must be an object", i)
+		}
+		r.skip()
+		return
+	}
+	start := s.pos
+	s.pos++
+	if !s.push(true) {
+		return
+	}
+	var m msgRange
+	var typ span
+	var typEscaped bool
+	for first := true; ; first = false {
+		key, more := s.member(first, r.sc.key[:0])
+		if !more {
+			break
+		}
+		switch fieldOf(key, itemFields[:]) {
+		case fieldRole:
+			r.optString(&m.role, &m.roleEscaped, "input.role")
+		case fieldContent:
+			if s.ws() == '"' {
+				if start, end, _, ok := s.str(); ok {
+					m.content = span{start, end}
+				}
+			} else if start, end, ok := s.skip(); ok {
+				m.content = span{start, end}
+			}
+		case fieldType:
+			r.optString(&typ, &typEscaped, "input.type")
+		default:
+			r.skip()
+		}
+	}
+	if s.err != nil || r.inputErr != nil {
+		return
+	}
+	switch {
+	case m.role.end > m.role.start:
+	case typ.end > typ.start:
+		m = msgRange{role: typ, roleEscaped: typEscaped, content: span{start, s.pos}}
+	default:
+		r.inputErr = badRequestf(fmt.Sprintf("input[%d]", i), "invalid request: input[%d] must have a role or a type", i)
+		return
+	}
+	r.sc.msgs = append(r.sc.msgs, m)
 }
 
 // hashBuffer returns the slice the hashes go to, with room for every

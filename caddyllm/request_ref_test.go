@@ -28,6 +28,17 @@ type refRequest struct {
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
+	// The Responses API's (added with it, not in the parser it replaced).
+	Input           json.RawMessage `json:"input"`
+	Instructions    json.RawMessage `json:"instructions"`
+	MaxOutputTokens *int            `json:"max_output_tokens"`
+}
+
+// refItem is the part of a Responses API input item routing reads.
+type refItem struct {
+	Role    string          `json:"role"`
+	Type    string          `json:"type"`
+	Content json.RawMessage `json:"content"`
 }
 
 type refMessage struct {
@@ -75,6 +86,10 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 	}
 	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
 	switch {
+	case endpoint == EndpointResponses:
+		if raw.MaxOutputTokens != nil {
+			req.MaxTokens = max(0, *raw.MaxOutputTokens)
+		}
 	case raw.MaxCompletionTokens != nil:
 		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
 	case raw.MaxTokens != nil:
@@ -90,8 +105,72 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		if err := p.refHashChat(req, seed, &raw); err != nil {
 			return nil, err
 		}
+	case EndpointResponses:
+		if err := p.refHashResponses(req, seed, &raw); err != nil {
+			return nil, err
+		}
 	}
 	return req, nil
+}
+
+// refHashResponses hashes a Responses API request as a chat: the tools,
+// the instructions as a system message, then the input (a string as a
+// user message; a message item by role and content; another item by its
+// type and the item as sent).
+func (p *parser) refHashResponses(req *Request, seed uint64, raw *refRequest) error {
+	var c prefixindex.Blocks
+	c.Reset(p.hasher, nil)
+	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
+		c.Write(tools)
+		c.WriteString(sepMessage)
+	}
+	message := func(role string, content []byte) {
+		c.WriteString(role)
+		c.WriteString(sepField)
+		if len(content) >= 2 && content[0] == '"' {
+			content = content[1 : len(content)-1]
+		}
+		c.Write(content)
+		c.WriteString(sepMessage)
+	}
+	var instructions *string
+	if err := json.Unmarshal(raw.Instructions, &instructions); len(raw.Instructions) > 0 && err != nil {
+		return badRequestf("", "invalid request: instructions must be a string")
+	}
+	if instructions != nil {
+		message("system", bytes.TrimSpace(raw.Instructions))
+	}
+	in := bytes.TrimSpace(raw.Input)
+	switch {
+	case len(in) == 0 || string(in) == "null":
+		return badRequestf("", "invalid request: input is required")
+	case in[0] == '"':
+		message("user", in)
+	case in[0] == '[':
+		var items []json.RawMessage
+		if err := json.Unmarshal(in, &items); err != nil {
+			return badRequestf("", "invalid request: input must be a string or an array")
+		}
+		for i, item := range items {
+			var it refItem
+			if len(item) == 0 || item[0] != '{' || json.Unmarshal(item, &it) != nil {
+				return badRequestf("", "invalid request: input[%d] must be an object", i)
+			}
+			switch {
+			case it.Role != "":
+				message(it.Role, bytes.TrimSpace(it.Content))
+			case it.Type != "":
+				message(it.Type, item)
+			default:
+				return badRequestf("", "invalid request: input[%d] must have a role or a type", i)
+			}
+		}
+	default:
+		return badRequestf("", "invalid request: input must be a string or an array")
+	}
+	req.Hashes = c.Chain(seed)
+	req.PromptTokens = p.tokens(c.Len())
+	return nil
 }
 
 // hashPrompt handles a completions prompt: a string, an array of strings
@@ -287,6 +366,47 @@ func referenceCorpus() []string {
 		"{ \"model\" : \"m\" ,\n\t\"messages\" : [ { \"role\" : \"user\" , \"content\" : \"x\" } ] }",
 		`{"model":"meta-llama/Llama-3.1-8B-Instruct","temperature":0.7,"stop":["\n"],"logit_bias":{"50256":-100},"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}`,
 	}
+	// Responses API bodies.
+	bodies = append(bodies,
+		`{"model":"m","input":"hello"}`,
+		`{"model":"m","input":"hello","instructions":"be brief","max_output_tokens":7,"stream":true}`,
+		`{"instructions":"be brief","input":[{"role":"user","content":"hi"}],"instructions":null}`,
+		`{"input":[{"role":"user","content":"hi"}],"instructions":"a","instructions":"b"}`,
+		`{"input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"hi \"q\""}]},`+
+			`{"type":"message","role":"assistant","id":"msg_1","status":"completed","content":[{"type":"output_text","text":"x","annotations":[]}]},`+
+			`{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},`+
+			`{"type":"function_call_output","call_id":"c1","output":"42"},{"role":"user","content":"and?"}],`+
+			`"tools":[{"type":"function","name":"f","parameters":{}}],"model":"m"}`,
+		`{"input":[{"type":"reasoning","id":"r1","summary":[]},{ "type" : "item_reference" , "id" : "x" }]}`,
+		`{"input":[{"role":"","type":"message","content":"x"}]}`, `{"input":[{"role":null,"type":"t"}]}`,
+		`{"input":[{"type":"\u0074ype\ud800"}]}`, `{"input":[{"role":"us\u00e9r","content":null}]}`,
+		`{"input":[{}]}`, `{"input":[null]}`, `{"input":["x"]}`, `{"input":[1]}`, `{"input":[[]]}`, `{"input":[]}`,
+		`{"input":null}`, `{"input":5}`, `{"input":{}}`, `{"input":true}`, `{"model":"m"}`,
+		`{"input":"a","input":[{"role":"user","content":"b"}]}`, `{"input":[{"role":"user","content":"b"}],"input":null}`,
+		`{"input":[{"role":5}]}`, `{"input":[{"type":5}]}`, `{"input":[{"role":"u","role":"v","type":"t","type":null}]}`,
+		`{"input":"x","instructions":5}`, `{"input":"x","instructions":["a"]}`, `{"input":"x","max_output_tokens":"5"}`,
+		`{"input":"x","max_output_tokens":-3,"max_tokens":9}`, `{"INPUT":"x","Instructions":"y","Max_Output_Tokens":2}`,
+		`{"messages":[{"role":"user","content":"hi"}],"input":"x","prompt":"y"}`,
+	)
+	for i := range 12 {
+		var items []map[string]any
+		for j := range i {
+			switch j % 4 {
+			case 0:
+				items = append(items, map[string]any{"role": "user", "content": strings.Repeat(fmt.Sprintf("ask %d ünï \"q\" \\ \n", j), j*5+1)})
+			case 1:
+				items = append(items, map[string]any{"type": "message", "role": "assistant", "content": []map[string]any{{"type": "output_text", "text": strings.Repeat("answer ", j*9+1)}}})
+			case 2:
+				items = append(items, map[string]any{"type": "function_call", "call_id": fmt.Sprint("c", j), "name": "f", "arguments": `{"x":1}`})
+			case 3:
+				items = append(items, map[string]any{"type": "function_call_output", "call_id": fmt.Sprint("c", j-1), "output": strings.Repeat("out ", j*11)})
+			}
+		}
+		b, _ := json.Marshal(map[string]any{"model": "m", "input": items, "instructions": "sys", "max_output_tokens": i})
+		bodies = append(bodies, string(b))
+		ib, _ := json.Marshal(items)
+		bodies = append(bodies, `{"input":`+string(ib)+`,"model":"m","tools":[{"type":"function","name":"f"}]}`)
+	}
 	nest := func(n int) string {
 		return `{"x":` + strings.Repeat("[", n-1) + strings.Repeat("]", n-1) + `,"prompt":"p"}`
 	}
@@ -325,7 +445,7 @@ func TestParseMatchesReference(t *testing.T) {
 		newParser(prefixindex.Hasher{BlockTokens: 2, BytesPerToken: 3, MaxBlocks: 3}, 3, ""),
 	} {
 		for _, body := range referenceCorpus() {
-			for _, ep := range []Endpoint{EndpointCompletions, EndpointChatCompletions} {
+			for _, ep := range []Endpoint{EndpointCompletions, EndpointChatCompletions, EndpointResponses} {
 				sameAsReference(t, p, ep, []byte(body))
 			}
 		}
@@ -348,5 +468,6 @@ func FuzzParseMatchesReference(f *testing.F) {
 			ep = EndpointChatCompletions
 		}
 		sameAsReference(t, p, ep, body)
+		sameAsReference(t, p, EndpointResponses, body)
 	})
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -62,6 +63,57 @@ func TestChatTurnsExtendEachOther(t *testing.T) {
 	}
 }
 
+// TestResponsesTurnsExtendEachOther: a Responses API conversation sent
+// again with its output and new items appended extends the same chain,
+// and it hashes as the same conversation through the chat API does (vLLM
+// renders both with the chat template, so the engine's cache is shared).
+func TestResponsesTurnsExtendEachOther(t *testing.T) {
+	p := testParser()
+	sys := strings.Repeat("system prompt text ", 20)
+	body := func(items ...any) []byte {
+		b, err := json.Marshal(map[string]any{"model": "m", "instructions": sys, "input": items, "max_output_tokens": 9})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	user := map[string]any{"role": "user", "content": "hi"}
+	turn1, err := p.parse(EndpointResponses, body(user))
+	if err != nil {
+		t.Fatal(err)
+	}
+	turn2, err := p.parse(EndpointResponses, body(user,
+		map[string]any{"type": "message", "role": "assistant", "id": "msg_1", "content": []any{map[string]any{"type": "output_text", "text": "calling f"}}},
+		map[string]any{"type": "function_call", "call_id": "c1", "name": "f", "arguments": `{"x":1}`},
+		map[string]any{"type": "function_call_output", "call_id": "c1", "output": "42"},
+		map[string]any{"role": "user", "content": "thanks"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(turn1.Hashes) == 0 || len(turn2.Hashes) <= len(turn1.Hashes) {
+		t.Fatalf("blocks: turn1 %d turn2 %d", len(turn1.Hashes), len(turn2.Hashes))
+	}
+	for i, h := range turn1.Hashes {
+		if turn2.Hashes[i] != h {
+			t.Fatalf("turn 2 diverges from turn 1 at block %d", i)
+		}
+	}
+	if turn1.MaxTokens != 9 || turn1.PromptTokens < len(sys)/4 || turn1.Endpoint != EndpointResponses {
+		t.Fatalf("turn1 %+v", turn1)
+	}
+	asString, err := p.parse(EndpointResponses, []byte(`{"model":"m","instructions":"`+sys+`","input":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	chat, err := p.parse(EndpointChatCompletions, chatBody(t, [2]string{"system", sys}, [2]string{"user", "hi"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(asString.Hashes, turn1.Hashes) || !slices.Equal(chat.Hashes, turn1.Hashes) {
+		t.Fatal("the same conversation hashes differently as an input string, an input item or a chat")
+	}
+}
+
 func TestCompletionPromptForms(t *testing.T) {
 	p := testParser()
 	for _, tc := range []struct {
@@ -102,6 +154,12 @@ func TestParseRejectsBadShapes(t *testing.T) {
 		{EndpointChatCompletions, `{"model":"m"}`},
 		{EndpointChatCompletions, `{"messages": "x"}`},
 		{EndpointChatCompletions, `{"messages": [{"content": "no role"}]}`},
+		{EndpointResponses, `{"model":"m"}`},
+		{EndpointResponses, `{"input": 3}`},
+		{EndpointResponses, `{"input": ["x"]}`},
+		{EndpointResponses, `{"input": [{"content": "neither role nor type"}]}`},
+		{EndpointResponses, `{"input": "x", "instructions": 1}`},
+		{EndpointResponses, `{"input": "x", "max_output_tokens": "1"}`},
 	} {
 		_, err := p.parse(tc.ep, []byte(tc.body))
 		var bad errBadRequest
@@ -121,6 +179,9 @@ func TestEndpointOf(t *testing.T) {
 		{"POST", "/openai/v1/chat/completions", EndpointChatCompletions},
 		{"GET", "/v1/completions", EndpointOther},
 		{"POST", "/v1/embeddings", EndpointOther},
+		{"POST", "/v1/responses", EndpointResponses},
+		{"GET", "/v1/responses/resp_1", EndpointOther},
+		{"POST", "/v1/responses/resp_1/cancel", EndpointOther},
 	} {
 		if got := endpointOf(tc.method, tc.path); got != tc.want {
 			t.Errorf("%s %s = %v, want %v", tc.method, tc.path, got, tc.want)

@@ -31,6 +31,9 @@ var (
 	deltaKeys   = [...]string{"role", "content"}
 	usageKeys   = [...]string{"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 	detailsKeys = [...]string{"cached_tokens"}
+	// responsesUsageKeys are the Responses API's names for the same
+	// counts, in the same order.
+	responsesUsageKeys = [...]string{"input_tokens", "output_tokens", "total_tokens", "input_tokens_details"}
 )
 
 // keyOf returns the index of key among names for an exact match, and
@@ -106,12 +109,14 @@ func (s *scanner) optInt(dst *int64) bool {
 	return false
 }
 
-// readUsage reads a usage object (or null) at pos into u.
-func (s *scanner) readUsage(u *usage, cached *int, hasCached *bool) bool {
+// readUsage reads a usage object (or null) at pos into u, its members
+// named by keys: usageKeys, or responsesUsageKeys (the Responses API's
+// input_tokens for the prompt, output_tokens for the completion).
+func (s *scanner) readUsage(keys []string, u *usage, cached *int, hasCached *bool) bool {
 	if s.ws() == 'n' {
 		return s.literal()
 	}
-	return s.fields(usageKeys[:], func(i int) bool {
+	return s.fields(keys, func(i int) bool {
 		switch i {
 		case 0:
 			return s.optIntField(&u.PromptTokens)
@@ -151,6 +156,61 @@ func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
 	})
 }
 
+// responseEventKeys are what the recorder reads of a Responses API
+// stream event, and responseKeys of the response an event carries.
+var (
+	responseEventKeys = [...]string{"type", "delta", "response"}
+	responseKeys      = [...]string{"usage"}
+)
+
+// responseEvent is what readResponseEvent finds in an event's data.
+type responseEvent struct {
+	typ       span
+	delta     bool // a non-empty delta: a generated token
+	usage     usage
+	cached    int
+	hasUsage  bool
+	hasCached bool
+}
+
+// readResponseEvent reads a Responses API stream event's data: its type,
+// whether it carries a delta, and the usage of the response it carries
+// (response.completed has it). It reports false when the event is for
+// encoding/json to read.
+func readResponseEvent(data []byte, ev *responseEvent) bool {
+	var depth [chunkDepth/64 + 1]uint64
+	s := scanner{buf: data, inObject: depth[:]}
+	return s.fields(responseEventKeys[:], func(i int) bool {
+		switch i {
+		case 0:
+			return s.optString(&ev.typ)
+		case 1:
+			if s.ws() == '"' {
+				start, end, _, ok := s.str()
+				ev.delta = end > start
+				return ok
+			}
+		case 2:
+			if s.ws() == 'n' {
+				return s.literal()
+			}
+			return s.fields(responseKeys[:], func(i int) bool {
+				if i == 0 {
+					ev.hasUsage = s.ws() != 'n'
+					if !ev.hasUsage {
+						return s.literal()
+					}
+					return s.readUsage(responsesUsageKeys[:], &ev.usage, &ev.cached, &ev.hasCached)
+				}
+				_, _, ok := s.skip()
+				return ok
+			})
+		}
+		_, _, ok := s.skip()
+		return ok
+	}) && s.end()
+}
+
 // readChunk reads a streamed chunk's data. It reports false when the
 // chunk is for encoding/json to read.
 func readChunk(data []byte, f *chunkFields) bool {
@@ -173,7 +233,7 @@ func readChunk(data []byte, f *chunkFields) bool {
 			if !f.hasUsage {
 				return s.literal()
 			}
-			return s.readUsage(&f.usage, &f.cached, &f.hasCached)
+			return s.readUsage(usageKeys[:], &f.usage, &f.cached, &f.hasCached)
 		}
 		_, _, ok := s.skip()
 		return ok

@@ -10,16 +10,12 @@ import (
 
 // refUsageOfBody is usageOfBody as it was before the scanner read the
 // usage: encoding/json decodes the value after the last "usage" key.
-func refUsageOfBody(body []byte) (*usage, bool) {
+func refUsageOfBody(body []byte, responses bool) (*usage, bool) {
 	rest, ok := usageValue(body)
 	if !ok {
 		return nil, false
 	}
-	var u usage
-	if err := json.NewDecoder(bytes.NewReader(rest)).Decode(&u); err != nil {
-		return nil, false
-	}
-	return &u, true
+	return decodeUsage(rest, responses)
 }
 
 // chunkCorpus is streamed chunks as engines send them, and odd ones.
@@ -66,6 +62,77 @@ func sameAsDecode(t *testing.T, data []byte) {
 	}
 }
 
+// responseEventCorpus is Responses API stream events as vLLM and OpenAI
+// send them, and odd ones.
+var responseEventCorpus = []string{
+	`{"type":"response.created","response":{"id":"resp_1","object":"response","status":"in_progress","output":[],"usage":null},"sequence_number":0}`,
+	`{"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"caf\u00e9 \"q\"","logprobs":[],"sequence_number":4}`,
+	`{"sequence_number":5,"delta":"x","type":"response.output_text.delta"}`,
+	`{"type":"response.function_call_arguments.delta","item_id":"fc_1","output_index":1,"delta":"{\"a\":","sequence_number":6}`,
+	`{"type":"response.reasoning_text.delta","delta":"","sequence_number":7}`,
+	`{"response":{"id":"resp_1","output":[{"type":"message","content":[{"type":"output_text","text":"a \"usage\": {}"}]}],"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":8},"output_tokens":3,"total_tokens":15}},"sequence_number":9,"type":"response.completed"}`,
+	`{"type":"response.incomplete","response":{"incomplete_details":{"reason":"max_output_tokens"},"usage":{"input_tokens":4,"output_tokens":16}}}`,
+	`{"type":"response.failed","response":{"error":{"code":"server_error","message":"x"},"usage":null}}`,
+	`{"type":"error","code":"x","message":"y","param":null,"sequence_number":3}`,
+	`{"type":"response.completed","response":null}`, `{"type":"response.completed","response":{"usage":{"Input_Tokens":1}}}`,
+	`{"TYPE":"response.completed"}`, `{"type":"a","type":"b"}`, `{"type":5}`, `{"delta":{"a":1},"type":"x.delta"}`, `{"delta":null,"type":"x.delta"}`,
+	`{"type":"response.output_text.delta","delta":"a"} x`, `{"type":"x"`, `null`, `[]`, `{"response":[]}`,
+}
+
+// sameEventAsDecode checks that when readResponseEvent reads an event,
+// the recorder records what it records from encoding/json's decoding.
+func sameEventAsDecode(t *testing.T, data []byte) {
+	t.Helper()
+	var ev responseEvent
+	if !readResponseEvent(data, &ev) {
+		return
+	}
+	if !json.Valid(data) {
+		t.Fatalf("%q: read, but it is not JSON", data)
+	}
+	read := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
+	read.responseEvent(data)
+	// The same event with a key the reader gives up on goes to
+	// encoding/json.
+	decoded := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
+	decoded.responseEvent(append([]byte(`{"Type":null,`), bytes.TrimPrefix(bytes.TrimSpace(data), []byte("{"))...))
+	if read.tokens != decoded.tokens || read.done != decoded.done || read.failed != decoded.failed || !reflect.DeepEqual(read.usage, decoded.usage) {
+		t.Fatalf("%q: read %d %v %v %+v, encoding/json %d %v %v %+v", data, read.tokens, read.done, read.failed, read.usage,
+			decoded.tokens, decoded.done, decoded.failed, decoded.usage)
+	}
+}
+
+// TestResponseEvents: deltas are tokens, response.completed and
+// response.incomplete end the stream with its usage, response.failed and
+// error fail it; what the reader reads, encoding/json reads alike.
+func TestResponseEvents(t *testing.T) {
+	rec := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
+	for _, i := range []int{0, 1, 2, 3, 4, 5} {
+		rec.responseEvent([]byte(responseEventCorpus[i]))
+	}
+	if rec.tokens != 3 || !rec.done || rec.failed || rec.usage == nil || rec.usage.PromptTokens != 12 ||
+		rec.usage.CompletionTokens != 3 || rec.cachedTokens() != 8 {
+		t.Fatalf("tokens %d done %v failed %v usage %+v cached %d", rec.tokens, rec.done, rec.failed, rec.usage, rec.cachedTokens())
+	}
+	failed := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
+	failed.responseEvent([]byte(responseEventCorpus[7]))
+	if !failed.failed {
+		t.Fatal("response.failed not recorded")
+	}
+	for _, e := range responseEventCorpus {
+		sameEventAsDecode(t, []byte(e))
+	}
+}
+
+// FuzzResponseEvent: what the reader reads of an event is what
+// encoding/json decodes.
+func FuzzResponseEvent(f *testing.F) {
+	for _, e := range responseEventCorpus {
+		f.Add([]byte(e))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) { sameEventAsDecode(t, data) })
+}
+
 func TestChunkMatchesDecode(t *testing.T) {
 	read := 0
 	for _, c := range chunkCorpus {
@@ -96,13 +163,18 @@ var usageCorpus = []string{
 	`{"usage":{"completion_tokens":1.5}}`, `{"usage":{"Completion_Tokens":4}}`, `{"usage":{"completion_tokens":4,"completion_tokens":5}}`,
 	`{"usage":{"completion_tokens":4} garbage}`, `{"usage":[1]}`, `{"usage":"x"}`, `{"usage":{"prompt_tokens_details":{"cached_tokens":null}}}`,
 	`{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"hello","finish_reason":"length"}],"usage":{"prompt_tokens":10,"total_tokens":26,"completion_tokens":16,"prompt_tokens_details":null}}`,
+	// The Responses API's.
+	`{"id":"resp_1","object":"response","status":"completed","output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}],"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":8},"output_tokens":3,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":15}}`,
+	`{"usage":{"input_tokens":1,"input_tokens_details":null}}`, `{"usage":{"Input_Tokens":1}}`, `{"usage":{"output_tokens":1,"output_tokens":2}}`,
 }
 
 func sameUsageAsDecode(t *testing.T, body []byte) {
-	got, ok := usageOfBody(body)
-	want, refOK := refUsageOfBody(body)
-	if ok != refOK || !reflect.DeepEqual(got, want) {
-		t.Fatalf("%q: %+v %v, encoding/json %+v %v", body, got, ok, want, refOK)
+	for _, responses := range []bool{false, true} {
+		got, ok := usageOfBody(body, responses)
+		want, refOK := refUsageOfBody(body, responses)
+		if ok != refOK || !reflect.DeepEqual(got, want) {
+			t.Fatalf("%q (responses %v): %+v %v, encoding/json %+v %v", body, responses, got, ok, want, refOK)
+		}
 	}
 }
 
@@ -153,7 +225,7 @@ func BenchmarkResponseUsage(b *testing.B) {
 	b.Run("body/read", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			if _, ok := usageOfBody(body); !ok {
+			if _, ok := usageOfBody(body, false); !ok {
 				b.Fatal("no usage")
 			}
 		}
@@ -161,7 +233,7 @@ func BenchmarkResponseUsage(b *testing.B) {
 	b.Run("body/decode", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			if _, ok := refUsageOfBody(body); !ok {
+			if _, ok := refUsageOfBody(body, false); !ok {
 				b.Fatal("no usage")
 			}
 		}

@@ -33,11 +33,15 @@ type tokenRecorder struct {
 	wroteHeader bool
 	status      int
 	sse         bool
-	done        bool // saw data: [DONE]
-	failed      bool // saw an error event
-	line        []byte
-	skipLine    bool
-	tokens      int // text-bearing chunks sent to the client
+	// responses: the stream is the Responses API's, whose events say
+	// what they are in their type and which ends with response.completed
+	// instead of [DONE].
+	responses bool
+	done      bool // saw data: [DONE] (or the Responses API's end)
+	failed    bool // saw an error event
+	line      []byte
+	skipLine  bool
+	tokens    int // text-bearing chunks sent to the client
 	// unreported counts the tokens of the Write being scanned, reported
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
@@ -65,7 +69,8 @@ type tokenRecorder struct {
 	held []byte
 }
 
-// usage is the OpenAI usage object.
+// usage is the OpenAI usage object (the Responses API's input_tokens and
+// output_tokens are read into its prompt and completion counts).
 type usage struct {
 	PromptTokens        int `json:"prompt_tokens"`
 	CompletionTokens    int `json:"completion_tokens"`
@@ -118,6 +123,7 @@ func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
 // init sets up a zero recorder to wrap w for st.
 func (t *tokenRecorder) init(w http.ResponseWriter, st *requestState) {
 	t.ResponseWriter, t.st = w, st
+	t.responses = st != nil && st.req != nil && st.req.Endpoint == EndpointResponses
 }
 
 // WriteHeader notes the status and whether the response is a stream.
@@ -280,6 +286,10 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.failed = true
 		return line
 	}
+	if t.responses {
+		t.responseEvent(data)
+		return line
+	}
 	if !rewrite {
 		// The usual chunk is read without decoding it.
 		var f chunkFields
@@ -348,6 +358,70 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 	}
 }
 
+// responseEvent records a Responses API stream event: each delta (of the
+// output text, a tool call's arguments, reasoning) is a generated token;
+// response.completed, or response.incomplete (stopped at
+// max_output_tokens), ends the stream with the usage; response.failed
+// and error end it failed.
+func (t *tokenRecorder) responseEvent(data []byte) {
+	var ev responseEvent
+	var typ string
+	if readResponseEvent(data, &ev) {
+		typ = string(data[ev.typ.start:ev.typ.end])
+	} else {
+		var e struct {
+			Type     string          `json:"type"`
+			Delta    json.RawMessage `json:"delta"`
+			Response *struct {
+				Usage *responsesUsage `json:"usage"`
+			} `json:"response"`
+		}
+		if json.Unmarshal(data, &e) != nil {
+			return
+		}
+		typ = e.Type
+		var delta string
+		ev.delta = json.Unmarshal(e.Delta, &delta) == nil && delta != ""
+		if e.Response != nil && e.Response.Usage != nil {
+			ev.usage, ev.hasUsage = e.Response.Usage.usage(), true
+		}
+	}
+	switch {
+	case ev.delta && strings.HasSuffix(typ, ".delta"):
+		t.tokens++
+		t.unreported++
+	case typ == "response.completed" || typ == "response.incomplete":
+		t.done = true
+	case typ == "response.failed" || typ == "error":
+		t.failed = true
+	}
+	if ev.hasUsage {
+		u := ev.usage
+		if ev.hasCached {
+			u.PromptTokensDetails = &struct {
+				CachedTokens int `json:"cached_tokens"`
+			}{ev.cached}
+		}
+		t.usage = &u
+	}
+}
+
+// responsesUsage is the Responses API's usage object, for encoding/json.
+type responsesUsage struct {
+	InputTokens        int `json:"input_tokens"`
+	OutputTokens       int `json:"output_tokens"`
+	TotalTokens        int `json:"total_tokens"`
+	InputTokensDetails *struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+// usage returns u in the chat API's names.
+func (u *responsesUsage) usage() usage {
+	return usage{PromptTokens: u.InputTokens, CompletionTokens: u.OutputTokens, TotalTokens: u.TotalTokens,
+		PromptTokensDetails: u.InputTokensDetails}
+}
+
 // generatesOtherwise reports whether a chunk without text carries a tool
 // call or reasoning (vLLM's reasoning_content, or reasoning).
 func generatesOtherwise(data []byte) bool {
@@ -381,7 +455,7 @@ func (t *tokenRecorder) complete() bool {
 	if t.sse {
 		return t.done && !t.failed
 	}
-	u, ok := usageOfBody(t.body.Bytes())
+	u, ok := usageOfBody(t.body.Bytes(), t.responses)
 	if ok {
 		t.usage = u
 	}
@@ -393,7 +467,7 @@ func (t *tokenRecorder) complete() bool {
 // expensive thing the router did per request, so only the object after
 // the last "usage" key is read, with the request's scanner (encoding/json
 // only for what it does not handle); the body must still end its object.
-func usageOfBody(body []byte) (*usage, bool) {
+func usageOfBody(body []byte, responses bool) (*usage, bool) {
 	rest, ok := usageValue(body)
 	if !ok {
 		return nil, false
@@ -403,7 +477,11 @@ func usageOfBody(body []byte) (*usage, bool) {
 	s := scanner{buf: rest, inObject: depth[:]}
 	var cached int
 	var hasCached bool
-	if s.readUsage(&u, &cached, &hasCached) {
+	keys := usageKeys[:]
+	if responses {
+		keys = responsesUsageKeys[:]
+	}
+	if s.readUsage(keys, &u, &cached, &hasCached) {
 		if hasCached {
 			u.PromptTokensDetails = &struct {
 				CachedTokens int `json:"cached_tokens"`
@@ -412,8 +490,26 @@ func usageOfBody(body []byte) (*usage, bool) {
 		return &u, true
 	}
 	// Anything unusual is for encoding/json to read.
-	u = usage{}
-	if err := json.NewDecoder(bytes.NewReader(rest)).Decode(&u); err != nil {
+	return decodeUsage(rest, responses)
+}
+
+// decodeUsage decodes the usage object at the start of rest with
+// encoding/json, in the Responses API's names when responses is set.
+func decodeUsage(rest []byte, responses bool) (*usage, bool) {
+	dec := json.NewDecoder(bytes.NewReader(rest))
+	if responses {
+		var r *responsesUsage
+		if dec.Decode(&r) != nil {
+			return nil, false
+		}
+		if r == nil {
+			return &usage{}, true // null, as encoding/json leaves a usage
+		}
+		u := r.usage()
+		return &u, true
+	}
+	var u usage
+	if dec.Decode(&u) != nil {
 		return nil, false
 	}
 	return &u, true

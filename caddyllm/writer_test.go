@@ -71,7 +71,7 @@ func TestUsageOfBody(t *testing.T) {
 		{`{"choices":[]}`, false, 0},
 		{`not json "usage":{}`, false, 0},
 	} {
-		u, ok := usageOfBody([]byte(tc.body))
+		u, ok := usageOfBody([]byte(tc.body), false)
 		if ok != tc.ok || (ok && u.CompletionTokens != tc.tokens) {
 			t.Errorf("%s: ok=%v usage=%+v", tc.body, ok, u)
 		}
