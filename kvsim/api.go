@@ -12,6 +12,8 @@ type Endpoint uint8
 const (
 	EndpointCompletions Endpoint = iota + 1
 	EndpointChatCompletions
+	// EndpointResponses is the Responses API (POST /v1/responses).
+	EndpointResponses
 )
 
 // ParsedRequest is what kvsim needs of a generation request.
@@ -53,6 +55,11 @@ type requestBody struct {
 	// StreamOptions is kept raw: vLLM refuses a non-empty one without
 	// stream, and include_usage defaults to true in it.
 	StreamOptions map[string]json.RawMessage `json:"stream_options"`
+	// The Responses API's: the input (a string or an array of items),
+	// the instructions (a system message) and max_output_tokens.
+	Input           json.RawMessage `json:"input"`
+	Instructions    *string         `json:"instructions"`
+	MaxOutputTokens *int            `json:"max_output_tokens"`
 }
 
 // completionsDefaultMaxTokens is vLLM's max_tokens for a completions request
@@ -90,6 +97,9 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	maxTokens := rb.MaxCompletionTokens
 	if maxTokens == nil {
 		maxTokens = rb.MaxTokens
+	}
+	if endpoint == EndpointResponses {
+		maxTokens = rb.MaxOutputTokens
 	}
 	if maxTokens == nil && endpoint == EndpointCompletions {
 		n := completionsDefaultMaxTokens
@@ -130,6 +140,12 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 			return nil, errBadRequest("continue_final_message requires the last message to be an assistant message")
 		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
+	case EndpointResponses:
+		var msgs []ChatMessage
+		msgs, err = responsesMessages(rb.Instructions, rb.Input)
+		if err == nil {
+			p.Context, err = RenderChat(msgs, rb.Tools, true, false)
+		}
 	default:
 		return nil, errBadRequest("unknown endpoint")
 	}

@@ -128,6 +128,7 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux = http.NewServeMux()
 	s.mux.HandleFunc("POST /v1/completions", s.handleGenerate(EndpointCompletions))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.handleGenerate(EndpointChatCompletions))
+	s.mux.HandleFunc("POST /v1/responses", s.handleGenerate(EndpointResponses))
 	s.mux.HandleFunc("GET /v1/models", s.handleModels)
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
@@ -249,8 +250,11 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			model, adapter = s.model, ""
 		}
 		prefix := "cmpl-"
-		if endpoint == EndpointChatCompletions {
+		switch endpoint {
+		case EndpointChatCompletions:
 			prefix = "chatcmpl-"
+		case EndpointResponses:
+			prefix = "resp_"
 		}
 		req := &Request{ID: newID(prefix), Adapter: adapter, Context: p.Context,
 			OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited}
@@ -265,9 +269,14 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
 		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
 			created: time.Now().Unix(), cutAfter: f.CutAfterTokens}
-		if p.Stream {
+		switch {
+		case endpoint == EndpointResponses && p.Stream:
+			rs.streamResponse()
+		case endpoint == EndpointResponses:
+			rs.collectResponse()
+		case p.Stream:
 			rs.streamSSE()
-		} else {
+		default:
 			rs.collect()
 		}
 	}

@@ -214,7 +214,8 @@ func renderContent(out *bytes.Buffer, raw json.RawMessage) error {
 			return err
 		}
 		for _, p := range parts {
-			if p.Type == "text" || (p.Type == "" && p.Text != "") {
+			// input_text and output_text are the Responses API's.
+			if p.Type == "text" || p.Type == "input_text" || p.Type == "output_text" || (p.Type == "" && p.Text != "") {
 				out.WriteString(p.Text)
 				continue
 			}

@@ -1,0 +1,101 @@
+package integration
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/responses"
+
+	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+)
+
+// TestResponsesAPIStaysWarm: a conversation through the Responses API,
+// sent with the official OpenAI Go client, is routed by its prefix as a
+// chat is: turn 2 (its tool call and output appended, streamed) lands
+// where turn 1 did and the engine reports cache hits; the router reads
+// both answers' usage and the stream's end, so both count as completed
+// and the stream's first token is timed.
+func TestResponsesAPIStaysWarm(t *testing.T) {
+	fleet := startFleet(t, 4, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"))
+	ctx := context.Background()
+
+	params := responses.ResponseNewParams{
+		Model:           kvsim.DefaultModel,
+		Instructions:    openai.String(text("You are a meticulous assistant", 12_000)),
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("What is 6 times 7?")},
+		MaxOutputTokens: openai.Int(8),
+	}
+	var first *http.Response
+	if _, err := client.Responses.New(ctx, params, option.WithResponseInto(&first)); err != nil {
+		t.Fatal(err)
+	}
+	replica := first.Header.Get(kvsim.ReplicaHeader)
+	if replica == "" || !strings.Contains(first.Header.Get("X-LLM-Affinity"), "reason=cold") {
+		t.Fatalf("turn 1: replica %q, explanation %q", replica, first.Header.Get("X-LLM-Affinity"))
+	}
+	var dial string
+	for _, r := range fleet {
+		if r.name == replica {
+			dial = r.dial()
+		}
+	}
+	eventually(t, 10*time.Second, "turn 1 completed", func() bool { return upstream(t, dial).Completed == 1 })
+	// Other conversations spread load meanwhile.
+	for i := range 6 {
+		other := []msg{{"system", text("other"+string(rune('a'+i)), 8_000)}, {"user", "hi"}}
+		if c := post(t, "/v1/chat/completions", chat(other, 8)); c.status != 200 {
+			t.Fatalf("other conversation: %d %s", c.status, c.body)
+		}
+	}
+	eventually(t, 10*time.Second, "the other conversations released", func() bool {
+		for _, r := range fleet {
+			if upstream(t, r.dial()).InFlight != 0 {
+				return false
+			}
+		}
+		return true
+	})
+	before := upstream(t, dial)
+
+	params.Input = responses.ResponseNewParamsInputUnion{OfInputItemList: responses.ResponseInputParam{
+		responses.ResponseInputItemParamOfMessage("What is 6 times 7?", responses.EasyInputMessageRoleUser),
+		responses.ResponseInputItemParamOfFunctionCall(`{"a":6,"b":7}`, "call_1", "multiply"),
+		{OfFunctionCallOutput: &responses.ResponseInputItemFunctionCallOutputParam{
+			CallID: openai.String("call_1"),
+			Output: responses.ResponseInputItemFunctionCallOutputOutputUnionParam{OfString: openai.String("42")},
+		}},
+	}}
+	var second *http.Response
+	stream := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&second))
+	var final responses.Response
+	deltas := 0
+	for stream.Next() {
+		switch ev := stream.Current(); ev.Type {
+		case "response.output_text.delta":
+			deltas++
+		case "response.completed", "response.incomplete":
+			final = ev.Response
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if got := second.Header.Get(kvsim.ReplicaHeader); got != replica || !strings.Contains(second.Header.Get("X-LLM-Affinity"), "reason=warm") {
+		t.Fatalf("turn 2 went to %s (%s), turn 1 to %s", got, second.Header.Get("X-LLM-Affinity"), replica)
+	}
+	if deltas != 8 || final.Usage.InputTokensDetails.CachedTokens < 2000 {
+		t.Fatalf("turn 2: %d deltas, usage %+v", deltas, final.Usage)
+	}
+	eventually(t, 10*time.Second, "turn 2 completed and released", func() bool {
+		u := upstream(t, dial)
+		return u.Completed == before.Completed+1 && u.InFlight == 0 && u.QueuedDecodeTokens == 0 &&
+			len(u.RecentTTFTSeconds) == len(before.RecentTTFTSeconds)+1
+	})
+}

@@ -1,0 +1,222 @@
+package kvsim
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+)
+
+// The Responses API (POST /v1/responses), as vLLM serves it: the input
+// becomes chat messages rendered with the chat template, and the answer
+// is a response object, or a stream of typed events ending with
+// response.completed (response.incomplete when max_output_tokens stopped
+// it), without [DONE].
+
+// responseItem is the part of a Responses API input item kvsim reads.
+type responseItem struct {
+	Type    string          `json:"type"`
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+	// A function call's, and its output's.
+	CallID    string          `json:"call_id"`
+	Name      string          `json:"name"`
+	Arguments string          `json:"arguments"`
+	Output    json.RawMessage `json:"output"`
+}
+
+// responsesMessages turns the instructions and the input into the chat
+// messages the chat template renders: the instructions as a system
+// message, a string input as a user message, message items as they are,
+// a function call as an assistant message calling a tool and its output
+// as a tool message. Reasoning items are dropped, as engines do for
+// models that do not read them back.
+func responsesMessages(instructions *string, input json.RawMessage) ([]ChatMessage, error) {
+	var msgs []ChatMessage
+	if instructions != nil {
+		msgs = append(msgs, ChatMessage{Role: "system", Content: mustJSON(*instructions)})
+	}
+	input = bytes.TrimSpace(input)
+	switch {
+	case len(input) == 0 || bytes.Equal(input, []byte("null")):
+		return nil, errBadRequest("input is required")
+	case input[0] == '"':
+		return append(msgs, ChatMessage{Role: "user", Content: input}), nil
+	case input[0] != '[':
+		return nil, errBadRequest("input must be a string or an array of items")
+	}
+	var items []responseItem
+	if err := json.Unmarshal(input, &items); err != nil {
+		return nil, errBadRequestf("input: %v", err)
+	}
+	if len(items) == 0 {
+		return nil, errBadRequest("input must not be empty")
+	}
+	for i, it := range items {
+		switch {
+		case it.Type == "message" || (it.Type == "" && it.Role != ""):
+			msgs = append(msgs, ChatMessage{Role: it.Role, Content: it.Content})
+		case it.Type == "function_call":
+			calls := []map[string]any{{"id": it.CallID, "type": "function",
+				"function": map[string]any{"name": it.Name, "arguments": it.Arguments}}}
+			msgs = append(msgs, ChatMessage{Role: "assistant", ToolCalls: mustJSON(calls)})
+		case it.Type == "function_call_output":
+			msgs = append(msgs, ChatMessage{Role: "tool", ToolCallID: it.CallID, Content: it.Output})
+		case it.Type == "reasoning":
+		default:
+			return nil, errBadRequestf("input[%d]: item type %q is not supported", i, it.Type)
+		}
+	}
+	if len(msgs) == 0 {
+		return nil, errBadRequest("input has no messages")
+	}
+	return msgs, nil
+}
+
+func mustJSON(v any) json.RawMessage {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err) // only plain values are marshalled here
+	}
+	return b
+}
+
+// responseUsage is the Responses API's usage object, with the prefix
+// cache's hits as cached_tokens.
+func responseUsage(ev Event) map[string]any {
+	return map[string]any{
+		"input_tokens":          ev.PromptTokens,
+		"input_tokens_details":  map[string]any{"cached_tokens": ev.CachedTokens},
+		"output_tokens":         ev.GeneratedTokens,
+		"output_tokens_details": map[string]any{"reasoning_tokens": 0},
+		"total_tokens":          ev.PromptTokens + ev.GeneratedTokens,
+	}
+}
+
+// responseObject is the response: in progress (nil finish), or finished
+// with its text and usage.
+func (rs *responder) responseObject(msgID string, text []byte, finish *Event) map[string]any {
+	resp := map[string]any{
+		"id": rs.req.ID, "object": "response", "created_at": rs.created, "model": rs.model,
+		"status": "in_progress", "output": []any{}, "usage": nil, "error": nil, "incomplete_details": nil,
+		"max_output_tokens": nil, "parallel_tool_calls": true, "tool_choice": "auto", "tools": []any{},
+	}
+	if rs.p.MaxTokens > 0 {
+		resp["max_output_tokens"] = rs.p.MaxTokens
+	}
+	if finish == nil {
+		return resp
+	}
+	resp["status"] = "completed"
+	if finish.FinishReason == "length" {
+		resp["status"] = "incomplete"
+		resp["incomplete_details"] = map[string]any{"reason": "max_output_tokens"}
+	}
+	resp["output"] = []any{rs.messageItem(msgID, text, "completed")}
+	resp["usage"] = responseUsage(*finish)
+	return resp
+}
+
+// messageItem is the assistant's output message.
+func (rs *responder) messageItem(id string, text []byte, status string) map[string]any {
+	content := []any{}
+	if text != nil {
+		content = append(content, outputText(text))
+	}
+	return map[string]any{"id": id, "type": "message", "role": "assistant", "status": status, "content": content}
+}
+
+func outputText(text []byte) map[string]any {
+	return map[string]any{"type": "output_text", "text": string(text), "annotations": []any{}}
+}
+
+// collectResponse answers a non-streaming Responses API request.
+func (rs *responder) collectResponse() {
+	var text []byte
+	for {
+		evs, ok := rs.next()
+		if !ok {
+			if rs.r.Context().Err() == nil {
+				writeError(rs.w, newAPIError(http.StatusServiceUnavailable, "kvsim engine stopped"))
+			}
+			return
+		}
+		for _, ev := range evs {
+			if ev.Kind != EventFinished {
+				text = append(text, ev.Text...)
+				rs.written++
+				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+					rs.cut()
+					return
+				}
+				continue
+			}
+			writeJSON(rs.w, http.StatusOK, rs.responseObject(newID("msg_"), text, &ev))
+			return
+		}
+	}
+}
+
+// streamResponse streams a Responses API answer as its typed events.
+func (rs *responder) streamResponse() {
+	h := rs.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	rc := http.NewResponseController(rs.w)
+	seq := 0
+	send := func(typ string, fields map[string]any) bool {
+		fields["type"], fields["sequence_number"] = typ, seq
+		seq++
+		b, _ := json.Marshal(fields)
+		if _, err := fmt.Fprintf(rs.w, "event: %s\ndata: %s\n\n", typ, b); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	msgID := newID("msg_")
+	at := func(fields map[string]any) map[string]any {
+		fields["item_id"], fields["output_index"], fields["content_index"] = msgID, 0, 0
+		return fields
+	}
+	if !send("response.created", map[string]any{"response": rs.responseObject(msgID, nil, nil)}) ||
+		!send("response.in_progress", map[string]any{"response": rs.responseObject(msgID, nil, nil)}) {
+		return
+	}
+	var text []byte
+	for {
+		evs, ok := rs.next()
+		if !ok {
+			return
+		}
+		for _, ev := range evs {
+			switch ev.Kind {
+			case EventFirstToken, EventToken:
+				if ev.Kind == EventFirstToken {
+					if !send("response.output_item.added", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, nil, "in_progress")}) ||
+						!send("response.content_part.added", at(map[string]any{"part": outputText(nil)})) {
+						return
+					}
+				}
+				text = append(text, ev.Text...)
+				if !send("response.output_text.delta", at(map[string]any{"delta": string(ev.Text), "logprobs": []any{}})) {
+					return
+				}
+				rs.written++
+				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+					rs.cut()
+					return
+				}
+			case EventFinished:
+				typ := "response.completed"
+				if ev.FinishReason == "length" {
+					typ = "response.incomplete"
+				}
+				_ = send("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}})) &&
+					send("response.content_part.done", at(map[string]any{"part": outputText(text)})) &&
+					send("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}) &&
+					send(typ, map[string]any{"response": rs.responseObject(msgID, text, &ev)})
+				return
+			}
+		}
+	}
+}

@@ -1,0 +1,81 @@
+package kvsim
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/responses"
+)
+
+// TestOpenAIClientResponses: the official client's Responses API calls,
+// streaming and not, get what OpenAI's and vLLM's answer: the text, the
+// usage with the prefix cache's hits, incomplete at max_output_tokens,
+// and a conversation sent again with a function call and its output.
+func TestOpenAIClientResponses(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"))
+	ctx := context.Background()
+	sys := strings.Repeat("You are a careful assistant. ", 40)
+	first := responses.ResponseNewParams{
+		Model:           DefaultModel,
+		Instructions:    openai.String(sys),
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("What is 6 times 7?")},
+		MaxOutputTokens: openai.Int(5),
+	}
+	resp, err := client.Responses.New(ctx, first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(resp.ID, "resp_") || resp.Status != responses.ResponseStatusIncomplete ||
+		resp.IncompleteDetails.Reason != "max_output_tokens" || resp.Usage.OutputTokens != 5 ||
+		len(resp.OutputText()) != 5*4 || resp.Usage.InputTokens < int64(len(sys)/4) {
+		t.Fatalf("response %+v", resp)
+	}
+
+	// Turn 2 sends the conversation again, with a tool call and its
+	// output: the engine's cache holds the instructions.
+	items := responses.ResponseInputParam{
+		responses.ResponseInputItemParamOfMessage("What is 6 times 7?", responses.EasyInputMessageRoleUser),
+		responses.ResponseInputItemParamOfFunctionCall(`{"a":6,"b":7}`, "call_1", "multiply"),
+		{OfFunctionCallOutput: &responses.ResponseInputItemFunctionCallOutputParam{
+			CallID: openai.String("call_1"),
+			Output: responses.ResponseInputItemFunctionCallOutputOutputUnionParam{OfString: openai.String("42")},
+		}},
+	}
+	second := first
+	second.Input = responses.ResponseNewParamsInputUnion{OfInputItemList: items}
+	second.MaxOutputTokens = openai.Int(9)
+	stream := client.Responses.NewStreaming(ctx, second)
+	var text strings.Builder
+	var types []string
+	var done responses.Response
+	for stream.Next() {
+		ev := stream.Current()
+		types = append(types, ev.Type)
+		switch ev.Type {
+		case "response.output_text.delta":
+			text.WriteString(ev.Delta)
+		case "response.completed", "response.incomplete":
+			done = ev.Response
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if types[0] != "response.created" || types[len(types)-1] != "response.incomplete" || text.Len() != 9*4 ||
+		done.OutputText() != text.String() || done.Usage.OutputTokens != 9 ||
+		done.Usage.InputTokensDetails.CachedTokens < int64(len(sys)/4)-64 {
+		t.Fatalf("events %v, text %q, final %+v", types, text.String(), done)
+	}
+
+	// An input of no known shape is the client's mistake.
+	_, err = client.Responses.New(ctx, responses.ResponseNewParams{Model: DefaultModel})
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("no input: %v", err)
+	}
+}
