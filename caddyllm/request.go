@@ -169,9 +169,19 @@ type span struct{ start, end int }
 type msgRange struct {
 	role        span
 	roleEscaped bool
-	content     span
-	impliedRole string
+	// implied is the role when the body has none: impliedUser or
+	// impliedSystem (a byte, so a range stays 40 bytes: a body of
+	// millions of tiny messages keeps one each).
+	implied uint8
+	content span
 }
+
+// Roles implied by the Responses API's input string and instructions.
+const (
+	impliedNone uint8 = iota
+	impliedUser
+	impliedSystem
+)
 
 // Fields of a request body, and of a chat message, that routing reads.
 // encoding/json matches keys case-insensitively, and so do we.
@@ -380,7 +390,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		// new turns appended extends the same chain.
 		r.startChat()
 		if r.instructionsSet {
-			r.hashMessage(&msgRange{impliedRole: "system", content: r.instructions})
+			r.hashMessage(&msgRange{implied: impliedSystem, content: r.instructions})
 		}
 		for i := range sc.msgs {
 			r.hashMessage(&sc.msgs[i])
@@ -658,9 +668,12 @@ func (r *reading) startChat() {
 // hashMessage adds a message to the canonical prompt: role, content.
 func (r *reading) hashMessage(m *msgRange) {
 	b := &r.sc.blocks
-	if m.impliedRole != "" {
-		b.WriteString(m.impliedRole)
-	} else {
+	switch m.implied {
+	case impliedUser:
+		b.WriteString("user")
+	case impliedSystem:
+		b.WriteString("system")
+	default:
 		role := r.body[m.role.start:m.role.end]
 		if m.roleEscaped || !isASCII(role) {
 			r.sc.dec = decodeString(r.sc.dec[:0], role, m.roleEscaped)
@@ -708,7 +721,7 @@ func (r *reading) input() {
 		start, end, _, ok := s.str()
 		if ok {
 			r.inputSeen = true
-			r.sc.msgs = append(r.sc.msgs, msgRange{impliedRole: "user", content: span{start, end}})
+			r.sc.msgs = append(r.sc.msgs, msgRange{implied: impliedUser, content: span{start, end}})
 		}
 		return
 	case '[':
