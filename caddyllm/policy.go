@@ -556,8 +556,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
 		case d.TooLong:
 			return p.refuse(st, d.Decision, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
-				message: fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", st.req.PromptTokens),
-				reason:  "context_length", refused: true})
+				message: st.req.tooLongMessage(d.PromptTokens), reason: "context_length", refused: true})
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {

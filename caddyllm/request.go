@@ -94,6 +94,19 @@ const maxModelNameBytes = 512
 
 var errModelTooLong = badRequestf("model", "invalid request: model must be at most %d bytes", maxModelNameBytes)
 
+// tooLongMessage explains the refusal of a request too long for every
+// upstream, its prompt counted as prompt tokens (the decision's count).
+func (r *Request) tooLongMessage(prompt int) string {
+	if r.MaxTokens <= 0 {
+		return fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", prompt)
+	}
+	name := "max_tokens"
+	if r.Endpoint == EndpointResponses {
+		name = "max_output_tokens"
+	}
+	return fmt.Sprintf("The prompt is about %d tokens and %s is %d, more in all than any upstream's KV cache holds.", prompt, name, r.MaxTokens)
+}
+
 // promptParam names the field that holds the request's prompt.
 func (r *Request) promptParam() string {
 	switch r.Endpoint {

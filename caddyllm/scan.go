@@ -529,7 +529,8 @@ func (s *scanner) key(dst []byte) ([]byte, bool) {
 
 // end checks that nothing but whitespace follows the top-level value.
 func (s *scanner) end() bool {
-	if s.ws() != 0 {
+	// Not ws() != 0: a NUL byte is not the end of the body.
+	if s.ws(); s.pos < len(s.buf) {
 		return s.unexpected("after top-level value")
 	}
 	return true

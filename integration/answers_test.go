@@ -173,7 +173,15 @@ func TestAnswers(t *testing.T) {
 		answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
 			post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`),
 		answerRow{name: "a prompt longer than any upstream's KV capacity", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"prompt"`}.
-			post("/v1/completions", completion(text("long", 80_000), 4)), // 20,000 tokens
+			post("/v1/completions", completion(text("long", 120_000), 4)), // 30,000 tokens
+		answerRow{name: "a short prompt whose max_tokens exceeds the KV capacity", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`,
+			param: `"prompt"`, message: "max_tokens is 20000"}.
+			post("/v1/completions", completion("hello", 20_000)),
+		// Its expected output (256 tokens) would not fit beside it, but
+		// an engine stops a sequence at its context: it is the engine's
+		// to run (kvsim, as vLLM, gives a completion 16 tokens).
+		answerRow{name: "a prompt just under the KV capacity, without max_tokens", status: 200}.
+			post("/v1/completions", `{"model":"`+model+`","prompt":"`+text("near", 16_200*4)+`"}`),
 		// The router accepts and hashes a batch of token-id arrays and
 		// passes it on; kvsim serves a batch of one and answers a longer
 		// batch with its own 400, in vLLM's error format (vLLM serves
@@ -216,7 +224,7 @@ func TestAnswers(t *testing.T) {
 	// code, not as sheds: an alert on sheds must not fire on clients'
 	// mistakes.
 	mfs := metricFamilies(t, adminURL+"/metrics")
-	for code, least := range map[string]float64{"model_not_found": 1, "context_length_exceeded": 2} {
+	for code, least := range map[string]float64{"model_not_found": 1, "context_length_exceeded": 3} {
 		if n := counterValue(mfs, "caddy_llm_affinity_refused_total", "code", code); n < least {
 			t.Errorf("caddy_llm_affinity_refused_total{code=%q} = %v, want at least %v", code, n, least)
 		}

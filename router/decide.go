@@ -53,6 +53,10 @@ type Member struct {
 	// Engine is what its engine last reported, nil when not scraped or
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
+	// Scraped says the caller reads the engine's signals, fresh or not:
+	// the KV capacity learned from them outlives a stale scrape, and
+	// without scraping the configured capacity counts again.
+	Scraped bool
 }
 
 // Decision is the outcome of Decide.
@@ -75,9 +79,9 @@ type Decision struct {
 	// request's model (every one lists its models, and none lists it):
 	// waiting cannot help.
 	Unservable bool
-	// TooLong, when nothing was chosen, says the request's uncached
-	// prompt alone exceeds the KV capacity of every member (each one's
-	// capacity known): it can never run, wherever it waits.
+	// TooLong, when nothing was chosen, says the request surely needs
+	// more KV than every member has (each one's capacity known; see
+	// scorer.Request.LeastKVTokens): it can never run, wherever it waits.
 	TooLong bool
 }
 
@@ -99,7 +103,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		for i := range cands {
 			c := &cands[i]
 			d.Unservable = d.Unservable && scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
-			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.PromptTokens-c.MatchedTokens > c.KVCapacityTokens
+			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
 		}
 		return d
 	}
@@ -172,11 +176,12 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	adapter := opts.adapterOf(req.Model, members)
 	// A learned bytes per token rescales the prompt and, alike, the
 	// prefix each upstream holds (its blocks are runs of the same text).
-	prompt, scale := f.promptTokens(&req)
+	prompt, scale, learned := f.promptTokens(&req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
+		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
 	}
 	for i := range members {
 		m, u := &members[i], states[i]
@@ -185,6 +190,33 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 	}
 	return sreq, cands, states
+}
+
+// The share by which a prompt counted from text may be over its real
+// length, before and after its model's bytes per token is learned: a
+// request is refused as too long only beyond it (the engine, which
+// counts exactly, answers for anything nearer). Before, the count is at
+// the configured bytes per token (4 by default) and the tolerance covers
+// text up to 5 bytes a token (English prose runs 4 to 5 with current
+// tokenizers; code and CJK text fewer, which the count then undercounts,
+// and the engine refuses).
+const (
+	promptToleranceUnlearned = 0.2
+	promptToleranceLearned   = 0.05
+)
+
+// leastKVTokens is the KV req surely takes (scorer.Request.LeastKVTokens),
+// its prompt counted as prompt tokens.
+func leastKVTokens(req *Request, prompt int, learned bool) int {
+	least := prompt
+	if req.PromptBytes > 0 {
+		tolerance := promptToleranceUnlearned
+		if learned {
+			tolerance = promptToleranceLearned
+		}
+		least = int(float64(prompt) * (1 - tolerance))
+	}
+	return least + min(max(0, req.MaxTokens), MaxTokens)
 }
 
 // noteRestart takes the time a scraper last saw u's engine restart: a
@@ -250,6 +282,8 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 				c.QueuedDecodeTokens += tokensOf(float64(foreign) * f.meanOutputAnyModel(opts))
 			}
 		}
+	} else if observe && !m.Scraped {
+		u.engineCapacityTokens = 0 // a config that does not scrape: its own figure counts
 	}
 	// The engine's own figure, also while a scrape is stale: falling
 	// back to the configured one would shrink the index and evict what

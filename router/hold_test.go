@@ -370,31 +370,33 @@ func TestHoldSkippedReleasesPassOn(t *testing.T) {
 	}
 }
 
-// TestHoldLearnedEstimateStrandsNone: two completions on one upstream at
-// once, the second raising the learned output estimate so that the hold
-// the first readied fails; the smaller one behind it is readied, though
-// the upstream, now idle, will release nothing more.
+// TestHoldLearnedEstimateStrandsNone: completions on one upstream, the
+// second raising the learned output estimate so that the hold the first
+// readied fails; the smaller one behind it is readied at once, not at
+// the upstream's next release (which, had the upstream gone idle, would
+// never come).
 func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
 	q, ms := newQueue(t, OutputAverage), fleetOf(5000, "a")
 	q.model = "m"
-	x1, x2 := q.place(1, 4700, ms), q.place(2, 100, ms) // 4800+200 = 5000
+	x1, x2 := q.place(1, 4550, ms), q.place(2, 100, ms) // 4650+200
+	q.place(3, 50, ms)                                  // 150: 5000 in all, in flight throughout
 	q.f.Progress(x1, 1, t0)
 	q.f.Progress(x2, 1, t0)
 	reqA, a := q.hold(10, 4500, ms)
 	reqB, b := q.hold(11, 300, ms)
-	q.f.Complete(x1, "m", Usage{OutputTokens: 1}, t0)    // mean 1: A (4501 <= 4800) readied
+	q.f.Complete(x1, "m", Usage{OutputTokens: 1}, t0)    // mean 1: A (4501 <= 4650) readied
 	q.f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // mean ~1000; readyNext returns early
 	if !isReady(a) {
 		t.Fatal("A not readied")
 	}
-	if q.retry(reqA, a, ms) {
+	if q.retry(reqA, a, ms) { // needs 5000 (its context, at most all the KV), 4850 free
 		t.Fatal("A placed")
 	}
 	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
 		t.Fatal("B would not be placed")
 	}
 	if !isReady(b) {
-		t.Errorf("upstream a is idle and B fits, but B's hold is not ready (nothing on a will ever release)")
+		t.Errorf("B fits on a, A failed, yet B's hold waits for a's next release")
 	}
 }
 

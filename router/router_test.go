@@ -393,3 +393,83 @@ func TestFailedAttemptForgetsItsBlocks(t *testing.T) {
 		t.Fatalf("after a prefilled attempt the turn matched %d tokens, want 1,280", d.MatchedTokens)
 	}
 }
+
+// TestTooLongCountsWhatSurelyRuns: a request is refused as too long only
+// for what it surely needs: its whole prompt (cached or not: the cache is
+// in the same KV) and its max_tokens when set. Its expected output is an
+// estimate that an engine cuts at the context, and a prompt counted from
+// text is an estimate too: within their tolerance the request is routed
+// (it starts once the KV is free), and the engine, which counts exactly,
+// answers for it.
+func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 500}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = 4096
+	}
+	decide := func(f *Fleet, req Request) Decision {
+		t.Helper()
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge != nil {
+			served(f, d.Charge, t0)
+		}
+		return d
+	}
+	for _, tc := range []struct {
+		name    string
+		req     Request
+		tooLong bool
+	}{
+		{"prompt 4,000 and 500 expected", Request{PromptTokens: 4000}, false},
+		{"prompt 3,000 and max_tokens 2,000", Request{PromptTokens: 3000, MaxTokens: 2000}, true},
+		{"prompt 3,000 and max_tokens 1,000", Request{PromptTokens: 3000, MaxTokens: 1000}, false},
+		{"text estimated at 5,000 (unlearned: within a fifth)", Request{PromptTokens: 5000, PromptBytes: 20_000}, false},
+		{"text estimated at 5,200 (unlearned)", Request{PromptTokens: 5200, PromptBytes: 20_800}, true},
+		{"token ids, 4,097", Request{PromptTokens: 4097}, true},
+	} {
+		d := decide(New(), tc.req)
+		if d.TooLong != tc.tooLong || (d.Charge != nil) == tc.tooLong {
+			t.Errorf("%s: too long %v, chosen %d; want too long %v", tc.name, d.TooLong, d.Chosen, tc.tooLong)
+		}
+	}
+
+	// A prompt longer than the KV is too long however much of it an
+	// upstream holds cached.
+	f := New()
+	long := Request{Hashes: hashes(7, 4000), BlockTokens: 64, PromptTokens: 4000}
+	if d := decide(f, long); d.Charge == nil {
+		t.Fatalf("the 4,000-token prefix was not placed: %+v", d)
+	}
+	longer := Request{Hashes: hashes(7, 6000), BlockTokens: 64, PromptTokens: 6000}
+	if d := decide(f, longer); !d.TooLong || d.Charge != nil {
+		t.Fatalf("6,000 tokens, 3,968 of them cached, against 4,096 of KV: %+v", d)
+	}
+}
+
+// TestConfiguredCapacityAfterScraping: the KV capacity an engine reported
+// outlives a stale scrape, but not a config that does not scrape: its
+// configured capacity counts again.
+func TestConfiguredCapacityAfterScraping(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 4096
+	ms[0].Scraped = true
+	ms[0].Engine = &scrape.Signals{Running: 0, Waiting: 0, KVKnown: true, BlockSize: 16, NumGPUBlocks: 8192} // 131,072
+	big := Request{PromptTokens: 20_000}
+	d := f.Decide(t0, big, ms, &opts, rng(), nil)
+	if d.Charge == nil {
+		t.Fatalf("20,000 tokens against the engine's 131,072: %+v", d)
+	}
+	served(f, d.Charge, t0)
+	ms[0].Engine = nil // stale
+	if d := f.Decide(t0, big, ms, &opts, rng(), nil); d.Charge == nil {
+		t.Fatalf("with the scrape stale: %+v", d)
+	} else {
+		served(f, d.Charge, t0)
+	}
+	ms[0].Scraped = false // reloaded without scraping
+	if d := f.Decide(t0, big, ms, &opts, rng(), nil); !d.TooLong {
+		t.Fatalf("after a reload that configures 4,096 and does not scrape: %+v", d)
+	}
+}

@@ -204,6 +204,16 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 		return 0
 	}
 	need := max(0, req.PromptTokens-c.MatchedTokens) + max(0, req.OutputTokens) + marginTokens
+	if c.KVCapacityTokens > 0 {
+		if req.LeastKVTokens > c.KVCapacityTokens {
+			return math.Inf(1)
+		}
+		// Whatever it needs beyond that is an estimate (the expected
+		// output, the prompt's count from text): an engine stops a
+		// sequence at its context, so it never takes more than all the
+		// KV, and it starts once all of it is free.
+		need = min(need, c.KVCapacityTokens)
+	}
 	over := max(0, c.KVOvercommitTokens)
 	short := need - c.FreeKVTokens + over
 	if short <= 0 {

@@ -106,6 +106,12 @@ type Request struct {
 	// estimated wait (KVWaitSeconds) is at most this; 0 means the request
 	// must fit now.
 	MaxKVWaitSeconds float64
+	// LeastKVTokens is the KV the whole request surely takes: its prompt
+	// (less the estimate's tolerance when it is counted from text) and
+	// its max_tokens when the client set one. A candidate whose KV
+	// capacity is smaller can never run it: an engine refuses a request
+	// longer than its context, and its KV holds its context. 0: unknown.
+	LeastKVTokens int
 }
 
 // Candidate is one upstream's state as the decision sees it.
