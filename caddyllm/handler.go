@@ -137,13 +137,16 @@ const maxMaxBodyBytes = 1 << 30
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	endpoint := endpointOf(r.Method, r.URL.Path)
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if endpoint == EndpointOther {
+		unrouted(repl)
 		return next.ServeHTTP(w, r)
 	}
 	arrived := time.Now()
 	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 		// Engines such as vLLM read request bodies uncompressed, and the
 		// prompt must be read to be routed.
+		unrouted(repl)
 		w.Header().Set("Connection", "close")
 		writeAPIError(w, http.StatusUnsupportedMediaType, "invalid_request_error",
 			fmt.Sprintf("Content-Encoding %q is not supported: send the request body uncompressed", enc))
@@ -156,6 +159,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		// connection, and a client that holds the body back (Expect:
 		// 100-continue, or a Content-Length it never sends) gets no answer
 		// until Caddy's read idle timeout.
+		unrouted(repl)
 		w.Header().Set("Connection", "close")
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
@@ -170,6 +174,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err != nil {
 		var bad errBadRequest
 		errors.As(err, &bad)
+		unrouted(repl)
 		writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", http.StatusBadRequest, bad.param, err.Error())
 		return nil
 	}
@@ -177,7 +182,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	st := &requestState{req: req, body: body, origBody: body, arrived: arrived}
 	st.setParsedPlaceholders()
-	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+	if repl != nil {
 		repl.Map(st.placeholder)
 	}
 
@@ -207,6 +212,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return nil
 	}
 	return err
+}
+
+// unrouted gives a request the handler does not route its placeholders:
+// all without a value.
+func unrouted(repl *caddy.Replacer) {
+	if repl != nil {
+		repl.Map(noPlaceholders)
+	}
 }
 
 // setContentLength sets the Content-Length header to n unless it says so

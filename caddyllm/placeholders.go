@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"slices"
 	"strings"
 	"sync"
 )
@@ -45,7 +46,9 @@ type placeholderValues struct {
 }
 
 // placeholder is the request's replacer provider for
-// {http.llm_affinity.*}.
+// {http.llm_affinity.*}. A placeholder without a value (no decision yet,
+// no first token) is known and nil: an access log field is null and a
+// header empty, never the placeholder's own text.
 func (st *requestState) placeholder(key string) (any, bool) {
 	name, ok := strings.CutPrefix(key, placeholderPrefix)
 	if !ok {
@@ -54,29 +57,48 @@ func (st *requestState) placeholder(key string) (any, bool) {
 	v := &st.ph
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	var val any
+	var set bool
 	switch name {
 	case "model":
-		return v.model, true
+		val, set = v.model, true
 	case "prompt_tokens":
-		return v.promptTokens, true
+		val, set = v.promptTokens, true
 	case "stream":
-		return v.stream, true
+		val, set = v.stream, true
 	case "upstream":
-		return v.upstream, v.decided || v.shed
+		val, set = v.upstream, v.decided || v.shed
 	case "reason":
-		return v.reason, v.decided || v.shed
+		val, set = v.reason, v.decided || v.shed
 	case "matched_tokens":
-		return v.matched, v.decided
+		val, set = v.matched, v.decided
 	case "estimated_ttft":
-		return v.estimate, v.decided
+		val, set = v.estimate, v.decided
 	case "attempt":
-		return v.attempt, v.decided
+		val, set = v.attempt, v.decided
 	case "blocked_by":
-		return v.blockedBy, v.shed
+		val, set = v.blockedBy, v.shed
 	case "ttft":
-		return v.ttft, v.hasTTFT
+		val, set = v.ttft, v.hasTTFT
+	default:
+		return nil, false
 	}
-	return nil, false
+	if !set {
+		return nil, true
+	}
+	return val, true
+}
+
+// placeholderNames are the names after placeholderPrefix.
+var placeholderNames = [...]string{"model", "prompt_tokens", "stream", "upstream", "reason",
+	"matched_tokens", "estimated_ttft", "attempt", "blocked_by", "ttft"}
+
+// noPlaceholders is the replacer provider for requests the handler does
+// not route (other endpoints, bodies it answers itself): every
+// {http.llm_affinity.*} is known and nil.
+func noPlaceholders(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	return nil, ok && slices.Contains(placeholderNames[:], name)
 }
 
 // setParsedPlaceholders records what the handler knows from the body.

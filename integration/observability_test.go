@@ -177,6 +177,23 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 	if status != 200 || h2.Get("X-LLM-Reason") != "warm" {
 		t.Fatalf("streamed turn: status %d reason %q: %.300s", status, h2.Get("X-LLM-Reason"), body)
 	}
+	// A request the handler does not route, and one it answers itself,
+	// have the placeholders without values: the header empty, not the
+	// placeholder's own text.
+	for _, c := range []struct{ method, path, body string }{
+		{"GET", "/v1/models", ""},
+		{"POST", "/v1/completions", `{"model": `},
+	} {
+		req, _ := http.NewRequest(c.method, r.site+c.path, strings.NewReader(c.body))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if v, ok := resp.Header["X-Llm-Reason"]; ok && strings.Join(v, "") != "" {
+			t.Errorf("%s %s (%d): X-LLM-Reason %q", c.method, c.path, resp.StatusCode, v)
+		}
+	}
 	if v := h1.Get("X-LLM-Vars"); v != "" {
 		t.Errorf("{http.vars.llm_affinity} = %q, want nothing", v)
 	}
