@@ -59,7 +59,7 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 
 func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+		return methodNotAllowed(w, r, http.MethodGet)
 	}
 	var ups []UpstreamSnapshot
 	if sh := lookupShared(); sh != nil {
@@ -80,7 +80,7 @@ type GatewayView struct {
 
 func handleGateway(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+		return methodNotAllowed(w, r, http.MethodGet)
 	}
 	var v GatewayView
 	if sh := lookupShared(); sh != nil {
@@ -100,7 +100,7 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("want /llm_affinity/upstreams/{dial}/drain (a dial with slashes escaped as %%2F)")}
 	}
 	if r.Method != http.MethodPost && r.Method != http.MethodDelete {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; use POST or DELETE", r.Method)}
+		return methodNotAllowed(w, r, http.MethodPost, http.MethodDelete)
 	}
 	sh := lookupShared()
 	if sh == nil {
@@ -132,6 +132,14 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 	return json.NewEncoder(w).Encode(map[string]string{"dial": dial, "drain": sh.drains.Phase(dial).String()})
 }
 
+// methodNotAllowed answers 405 with the Allow header naming the methods
+// the endpoint takes.
+func methodNotAllowed(w http.ResponseWriter, r *http.Request, allowed ...string) error {
+	w.Header().Set("Allow", strings.Join(allowed, ", "))
+	return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed,
+		Err: fmt.Errorf("method %s not allowed; use %s", r.Method, strings.Join(allowed, " or "))}
+}
+
 // drainDeadlineOf reads the deadline from the query or a JSON body;
 // without one it is byDefault.
 func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, error) {
@@ -140,7 +148,9 @@ func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, e
 		var body struct {
 			Deadline string `json:"deadline"`
 		}
-		if err := json.NewDecoder(http.MaxBytesReader(nil, r.Body, 4096)).Decode(&body); err != nil {
+		dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, 4096))
+		dec.DisallowUnknownFields() // a misspelt deadline must not drain with the default
+		if err := dec.Decode(&body); err != nil {
 			return 0, fmt.Errorf("reading drain request body: %v", err)
 		}
 		raw = body.Deadline

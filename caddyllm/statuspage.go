@@ -64,7 +64,7 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no such page: %s", r.URL.Path)}
 	}
 	if r.Method != http.MethodGet && r.Method != http.MethodHead {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+		return methodNotAllowed(w, r, http.MethodGet, http.MethodHead)
 	}
 	h := w.Header()
 	h.Set("Content-Type", "text/html; charset=utf-8")

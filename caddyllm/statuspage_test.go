@@ -2,12 +2,15 @@ package caddyllm
 
 import (
 	"encoding/json"
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // TestCheckSameOrigin: the site handler lets reads through, and changes
@@ -100,5 +103,40 @@ func TestDrainAUnixSocketUpstream(t *testing.T) {
 	// Unescaped, the slashes make it another path.
 	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", "/llm_affinity/upstreams/"+dial+"/drain", nil)); err == nil {
 		t.Fatal("an unescaped dial with slashes was taken")
+	}
+}
+
+// TestDrainRequestsAsked: a 405 names the methods the endpoint takes in
+// Allow, and a drain body with a field the endpoint does not know (a
+// misspelt deadline) is refused rather than drained with the default.
+func TestDrainRequestsAsked(t *testing.T) {
+	sh := acquireShared()
+	defer releaseShared()
+	const dial = "asked:1"
+	sh.fleet.Name(dial, time.Now())
+	defer sh.fleet.Forget(dial)
+	path := "/llm_affinity/upstreams/" + dial + "/drain"
+	w := httptest.NewRecorder()
+	var apiErr caddy.APIError
+	if err := handleDrain(w, httptest.NewRequest("GET", path, nil)); !errors.As(err, &apiErr) ||
+		apiErr.HTTPStatus != http.StatusMethodNotAllowed || w.Header().Get("Allow") != "POST, DELETE" {
+		t.Fatalf("GET: %v, Allow %q", err, w.Header().Get("Allow"))
+	}
+	w = httptest.NewRecorder()
+	if err := handleUpstreams(w, httptest.NewRequest("DELETE", "/llm_affinity/upstreams", nil)); err == nil || w.Header().Get("Allow") != "GET" {
+		t.Fatalf("DELETE upstreams: %v, Allow %q", err, w.Header().Get("Allow"))
+	}
+	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path, strings.NewReader(`{"dedline":"5s"}`))); !errors.As(err, &apiErr) ||
+		apiErr.HTTPStatus != http.StatusBadRequest {
+		t.Fatalf("a misspelt field: %v", err)
+	}
+	if got := sh.drains.Phase(dial).String(); got != "active" {
+		t.Fatalf("after a refused drain: %s", got)
+	}
+	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path, strings.NewReader(`{"deadline":"5s"}`))); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh.drains.Phase(dial).String(); got != "drained" {
+		t.Fatalf("after a drain: %s", got)
 	}
 }
