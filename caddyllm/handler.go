@@ -500,6 +500,11 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
+	if rec.responseID != "" && !st.req.NoStore {
+		// The engine stored the response: a request that names it as
+		// previous_response_id can only be answered there.
+		a.sh.fleet.RememberResponse(rec.responseID, a.charge.Dial())
+	}
 }
 
 // Interface guards

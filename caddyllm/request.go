@@ -77,7 +77,18 @@ type Request struct {
 	Hashes []uint64
 	// BlockTokens is the number of tokens one hash covers.
 	BlockTokens int
+	// PreviousResponseID is the Responses API's previous_response_id:
+	// the response, stored by the engine that answered it, whose
+	// conversation this request continues. Empty when none.
+	PreviousResponseID string
+	// NoStore is the Responses API's store set to false: the engine
+	// keeps no copy of the response for a later previous_response_id.
+	NoStore bool
 }
+
+// maxResponseIDBytes bounds previous_response_id: ids are short ("resp_"
+// and 32 hex digits in vLLM), and a longer one names nothing stored.
+const maxResponseIDBytes = 256
 
 // errBadRequest is returned for bodies that are not the API's shape;
 // param names the field at fault, as the API's errors do (empty: none).
@@ -199,7 +210,7 @@ const (
 // Fields of a request body, and of a chat message, that routing reads.
 // encoding/json matches keys case-insensitively, and so do we.
 var (
-	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens"}
+	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store"}
 	msgFields  = [...]string{"role", "content"}
 	itemFields = [...]string{"role", "content", "type"}
 )
@@ -215,6 +226,8 @@ const (
 	fieldInput
 	fieldInstructions
 	fieldMaxOutputTokens
+	fieldPreviousResponseID
+	fieldStore
 	fieldOther = -1
 )
 
@@ -312,6 +325,10 @@ type reading struct {
 	instructions    span
 	instructionsSet bool
 	maxOutput       optInt
+	previous        span
+	previousEscaped bool
+	previousSet     bool
+	noStore         bool
 
 	// Completions: the prompt's shape error, its size in tokens and, for
 	// text, in bytes (0 for token ids).
@@ -410,6 +427,10 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
 		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
+		req.NoStore = r.noStore
+		if r.previousSet && r.previous.end-r.previous.start <= maxResponseIDBytes {
+			req.PreviousResponseID = string(decodeString(sc.dec[:0], body[r.previous.start:r.previous.end], r.previousEscaped))
+		}
 	}
 	return req, nil
 }
@@ -501,6 +522,22 @@ func (r *reading) object() {
 			}
 		case fieldMaxOutputTokens:
 			r.optInt(&r.maxOutput, "max_output_tokens")
+		case fieldPreviousResponseID:
+			r.previousSet = r.optString(&r.previous, &r.previousEscaped, "previous_response_id") || r.previousSet
+		case fieldStore:
+			switch c := s.ws(); c {
+			case 't', 'f':
+				if s.literal() {
+					r.noStore = c == 'f'
+				}
+			case 'n':
+				if s.literal() {
+					r.noStore = false // the default, as encoding/json has it for a *bool
+				}
+			default:
+				r.typeError("store", "a boolean")
+				r.skip()
+			}
 		case fieldTools:
 			start, end, ok := s.skip()
 			if ok {

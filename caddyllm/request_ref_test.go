@@ -29,9 +29,11 @@ type refRequest struct {
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
 	// The Responses API's (added with it, not in the parser it replaced).
-	Input           json.RawMessage `json:"input"`
-	Instructions    json.RawMessage `json:"instructions"`
-	MaxOutputTokens *int            `json:"max_output_tokens"`
+	Input              json.RawMessage `json:"input"`
+	Instructions       json.RawMessage `json:"instructions"`
+	MaxOutputTokens    *int            `json:"max_output_tokens"`
+	PreviousResponseID string          `json:"previous_response_id"`
+	Store              *bool           `json:"store"`
 }
 
 // refItem is the part of a Responses API input item routing reads.
@@ -170,6 +172,10 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refRequest) er
 	}
 	req.Hashes = c.Chain(seed)
 	req.PromptTokens = p.tokens(c.Len())
+	req.NoStore = raw.Store != nil && !*raw.Store
+	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
+		req.PreviousResponseID = raw.PreviousResponseID
+	}
 	return nil
 }
 
@@ -318,7 +324,8 @@ func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 		return
 	}
 	if got.Model != want.Model || got.PromptTokens != want.PromptTokens || got.MaxTokens != want.MaxTokens ||
-		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) {
+		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) ||
+		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore {
 		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
 	}
 }
@@ -387,6 +394,11 @@ func referenceCorpus() []string {
 		`{"input":"x","instructions":5}`, `{"input":"x","instructions":["a"]}`, `{"input":"x","max_output_tokens":"5"}`,
 		`{"input":"x","max_output_tokens":-3,"max_tokens":9}`, `{"INPUT":"x","Instructions":"y","Max_Output_Tokens":2}`,
 		`{"messages":[{"role":"user","content":"hi"}],"input":"x","prompt":"y"}`,
+		`{"input":"x","previous_response_id":"resp_1","store":false}`, `{"input":"x","previous_response_id":"resp_\u0031","store":true}`,
+		`{"input":"x","previous_response_id":"a","previous_response_id":null,"store":false,"store":null}`,
+		`{"input":"x","previous_response_id":"a","previous_response_id":""}`, `{"input":"x","previous_response_id":5}`,
+		`{"input":"x","store":"no"}`, `{"input":"x","previous_response_id":"`+strings.Repeat("r", 300)+`"}`,
+		"{\"input\":\"x\",\"previous_response_id\":\"bad \xff utf8\"}",
 	)
 	for i := range 12 {
 		var items []map[string]any

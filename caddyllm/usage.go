@@ -7,6 +7,11 @@ package caddyllm
 // the wrong kind, nesting deeper than chunks have), leaving it to
 // encoding/json, so that what they return is what encoding/json would.
 
+import (
+	"bytes"
+	"encoding/json"
+)
+
 // chunkDepth bounds the nesting the chunk reader follows; deeper chunks
 // go to encoding/json.
 const chunkDepth = 127
@@ -160,12 +165,13 @@ func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
 // stream event, and responseKeys of the response an event carries.
 var (
 	responseEventKeys = [...]string{"type", "delta", "response"}
-	responseKeys      = [...]string{"usage"}
+	responseKeys      = [...]string{"usage", "id"}
 )
 
 // responseEvent is what readResponseEvent finds in an event's data.
 type responseEvent struct {
 	typ       span
+	id        span // the response's id (response.created has it)
 	delta     bool // a non-empty delta: a generated token
 	usage     usage
 	cached    int
@@ -195,12 +201,15 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 				return s.literal()
 			}
 			return s.fields(responseKeys[:], func(i int) bool {
-				if i == 0 {
+				switch i {
+				case 0:
 					ev.hasUsage = s.ws() != 'n'
 					if !ev.hasUsage {
 						return s.literal()
 					}
 					return s.readUsage(responsesUsageKeys[:], &ev.usage, &ev.cached, &ev.hasCached)
+				case 1:
+					return s.optString(&ev.id)
 				}
 				_, _, ok := s.skip()
 				return ok
@@ -209,6 +218,34 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 		_, _, ok := s.skip()
 		return ok
 	}) && s.end()
+}
+
+// idKeys is what responseIDOfBody reads of a response object.
+var idKeys = [...]string{"id"}
+
+// responseIDOfBody returns the id of a Responses API response body, ""
+// when it has none.
+func responseIDOfBody(body []byte) string {
+	var depth [chunkDepth/64 + 1]uint64
+	s := scanner{buf: body, inObject: depth[:]}
+	var id span
+	if s.fields(idKeys[:], func(i int) bool {
+		if i == 0 {
+			return s.optString(&id)
+		}
+		_, _, ok := s.skip()
+		return ok
+	}) && s.end() {
+		raw := body[id.start:id.end]
+		return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0))
+	}
+	var r struct {
+		ID string `json:"id"`
+	}
+	if json.Unmarshal(body, &r) != nil {
+		return ""
+	}
+	return r.ID
 }
 
 // readChunk reads a streamed chunk's data. It reports false when the

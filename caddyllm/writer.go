@@ -37,11 +37,13 @@ type tokenRecorder struct {
 	// what they are in their type and which ends with response.completed
 	// instead of [DONE].
 	responses bool
-	done      bool // saw data: [DONE] (or the Responses API's end)
-	failed    bool // saw an error event
-	line      []byte
-	skipLine  bool
-	tokens    int // text-bearing chunks sent to the client
+	// responseID is the Responses API response's id, once seen.
+	responseID string
+	done       bool // saw data: [DONE] (or the Responses API's end)
+	failed     bool // saw an error event
+	line       []byte
+	skipLine   bool
+	tokens     int // text-bearing chunks sent to the client
 	// unreported counts the tokens of the Write being scanned, reported
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
@@ -373,6 +375,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 			Type     string          `json:"type"`
 			Delta    json.RawMessage `json:"delta"`
 			Response *struct {
+				ID    string          `json:"id"`
 				Usage *responsesUsage `json:"usage"`
 			} `json:"response"`
 		}
@@ -385,6 +388,12 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		if e.Response != nil && e.Response.Usage != nil {
 			ev.usage, ev.hasUsage = e.Response.Usage.usage(), true
 		}
+		if e.Response != nil && t.responseID == "" {
+			t.responseID = e.Response.ID
+		}
+	}
+	if t.responseID == "" && ev.id.end > ev.id.start {
+		t.responseID = t.decode(data, ev.id)
 	}
 	switch {
 	case ev.delta && strings.HasSuffix(typ, ".delta"):
@@ -458,6 +467,9 @@ func (t *tokenRecorder) complete() bool {
 	u, ok := usageOfBody(t.body.Bytes(), t.responses)
 	if ok {
 		t.usage = u
+	}
+	if ok && t.responses {
+		t.responseID = responseIDOfBody(t.body.Bytes())
 	}
 	return ok
 }

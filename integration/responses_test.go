@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -98,4 +99,55 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 		return u.Completed == before.Completed+1 && u.InFlight == 0 && u.QueuedDecodeTokens == 0 &&
 			len(u.RecentTTFTSeconds) == len(before.RecentTTFTSeconds)+1
 	})
+}
+
+// TestPreviousResponseGoesHome: an engine keeps a stored response in its
+// own memory, so a request naming it as previous_response_id can only be
+// answered by the replica that answered it. Five conversations of three
+// turns, each turn continuing the one before by id (the second streamed,
+// its id learned from the stream's events), all succeed on their first
+// turn's replica, with other traffic between them; spread over four
+// replicas, about three in four would otherwise get the engine's 404.
+func TestPreviousResponseGoesHome(t *testing.T) {
+	fleet := startFleet(t, 4, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	for c := range 5 {
+		params := responses.ResponseNewParams{
+			Model:           kvsim.DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text(fmt.Sprint("conversation ", c), 4_000))},
+			MaxOutputTokens: openai.Int(4),
+		}
+		var first *http.Response
+		resp, err := client.Responses.New(ctx, params, option.WithResponseInto(&first))
+		if err != nil {
+			t.Fatalf("conversation %d turn 1: %v", c, err)
+		}
+		home := first.Header.Get(kvsim.ReplicaHeader)
+		for i := range 3 {
+			other := []msg{{"system", text(fmt.Sprint("other ", c, i), 6_000)}, {"user", "hi"}}
+			if o := post(t, "/v1/chat/completions", chat(other, 4)); o.status != 200 {
+				t.Fatalf("other traffic: %d %s", o.status, o.body)
+			}
+		}
+		params.PreviousResponseID = openai.String(resp.ID)
+		params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+		var second *http.Response
+		stream := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&second))
+		var id string
+		for stream.Next() {
+			if ev := stream.Current(); ev.Type == "response.created" {
+				id = ev.Response.ID
+			}
+		}
+		if err := stream.Err(); err != nil || second.Header.Get(kvsim.ReplicaHeader) != home || id == "" {
+			t.Fatalf("conversation %d turn 2: %v, on %s (home %s), id %q", c, err, second.Header.Get(kvsim.ReplicaHeader), home, id)
+		}
+		params.PreviousResponseID = openai.String(id)
+		var third *http.Response
+		if _, err := client.Responses.New(ctx, params, option.WithResponseInto(&third)); err != nil || third.Header.Get(kvsim.ReplicaHeader) != home {
+			t.Fatalf("conversation %d turn 3: %v (home %s)", c, err, home)
+		}
+	}
 }

@@ -34,6 +34,16 @@ type ParsedRequest struct {
 	LengthLimited bool
 	Stream        bool
 	IncludeUsage  bool
+	// The Responses API's: the conversation as chat messages (the input,
+	// without the instructions), the instructions and tools to render it
+	// with, the stored response it continues, and whether to store this
+	// one (store defaults to true). With a previous response the server
+	// renders Context once it has looked the response up.
+	Messages           []ChatMessage
+	Instructions       *string
+	Tools              json.RawMessage
+	PreviousResponseID string
+	Store              bool
 }
 
 // requestBody is the JSON of both endpoints; unknown fields are ignored, as vLLM ignores
@@ -57,9 +67,11 @@ type requestBody struct {
 	StreamOptions map[string]json.RawMessage `json:"stream_options"`
 	// The Responses API's: the input (a string or an array of items),
 	// the instructions (a system message) and max_output_tokens.
-	Input           json.RawMessage `json:"input"`
-	Instructions    *string         `json:"instructions"`
-	MaxOutputTokens *int            `json:"max_output_tokens"`
+	Input              json.RawMessage `json:"input"`
+	Instructions       *string         `json:"instructions"`
+	MaxOutputTokens    *int            `json:"max_output_tokens"`
+	PreviousResponseID *string         `json:"previous_response_id"`
+	Store              *bool           `json:"store"`
 }
 
 // completionsDefaultMaxTokens is vLLM's max_tokens for a completions request
@@ -141,10 +153,16 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
-		var msgs []ChatMessage
-		msgs, err = responsesMessages(rb.Instructions, rb.Input)
-		if err == nil {
-			p.Context, err = RenderChat(msgs, rb.Tools, true, false)
+		p.Instructions, p.Tools, p.Store = rb.Instructions, rb.Tools, rb.Store == nil || *rb.Store
+		if rb.PreviousResponseID != nil {
+			p.PreviousResponseID = *rb.PreviousResponseID
+		}
+		p.Messages, err = responsesMessages(rb.Input)
+		if err == nil && p.PreviousResponseID == "" {
+			p.Context, err = p.RenderResponses(nil)
+		}
+		if err == nil && p.PreviousResponseID != "" {
+			return p, nil // rendered once the previous response is found
 		}
 	default:
 		return nil, errBadRequest("unknown endpoint")

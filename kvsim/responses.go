@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
+	"sync"
 )
 
 // The Responses API (POST /v1/responses), as vLLM serves it: the input
@@ -25,17 +27,26 @@ type responseItem struct {
 	Output    json.RawMessage `json:"output"`
 }
 
-// responsesMessages turns the instructions and the input into the chat
-// messages the chat template renders: the instructions as a system
-// message, a string input as a user message, message items as they are,
-// a function call as an assistant message calling a tool and its output
-// as a tool message. Reasoning items are dropped, as engines do for
-// models that do not read them back.
-func responsesMessages(instructions *string, input json.RawMessage) ([]ChatMessage, error) {
+// RenderResponses renders a Responses API request with the chat template:
+// the instructions as a system message, then the stored conversation it
+// continues (previous: nil for none), then its input. Instructions are
+// not carried over from a previous response, as in OpenAI's API.
+func (p *ParsedRequest) RenderResponses(previous []ChatMessage) ([]byte, error) {
 	var msgs []ChatMessage
-	if instructions != nil {
-		msgs = append(msgs, ChatMessage{Role: "system", Content: mustJSON(*instructions)})
+	if p.Instructions != nil {
+		msgs = append(msgs, ChatMessage{Role: "system", Content: mustJSON(*p.Instructions)})
 	}
+	msgs = append(append(msgs, previous...), p.Messages...)
+	return RenderChat(msgs, p.Tools, true, false)
+}
+
+// responsesMessages turns the input into the chat messages the chat
+// template renders: a string as a user message, message items as they
+// are, a function call as an assistant message calling a tool and its
+// output as a tool message. Reasoning items are dropped, as engines do
+// for models that do not read them back.
+func responsesMessages(input json.RawMessage) ([]ChatMessage, error) {
+	var msgs []ChatMessage
 	input = bytes.TrimSpace(input)
 	switch {
 	case len(input) == 0 || bytes.Equal(input, []byte("null")):
@@ -71,6 +82,51 @@ func responsesMessages(instructions *string, input json.RawMessage) ([]ChatMessa
 		return nil, errBadRequest("input has no messages")
 	}
 	return msgs, nil
+}
+
+// maxStoredResponses bounds the responses a server keeps for
+// previous_response_id; the oldest goes first.
+const maxStoredResponses = 4096
+
+// responseStore is the server's stored responses: each one's
+// conversation (without instructions) and output, in memory, as vLLM
+// keeps them when its response store is on.
+type responseStore struct {
+	mu    sync.Mutex
+	byID  map[string][]ChatMessage
+	order []string
+}
+
+func (rs *responseStore) get(id string) ([]ChatMessage, bool) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	msgs, ok := rs.byID[id]
+	return msgs, ok
+}
+
+func (rs *responseStore) put(id string, msgs []ChatMessage) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if rs.byID == nil {
+		rs.byID = make(map[string][]ChatMessage)
+	}
+	rs.byID[id] = msgs
+	rs.order = append(rs.order, id)
+	if len(rs.order) > maxStoredResponses {
+		delete(rs.byID, rs.order[0])
+		rs.order = rs.order[1:]
+	}
+}
+
+// store keeps a finished response for later previous_response_id, when
+// the request asked for it.
+func (rs *responder) store(text []byte) {
+	if !rs.p.Store {
+		return
+	}
+	msgs := slices.Concat(rs.previous, rs.p.Messages,
+		[]ChatMessage{{Role: "assistant", Content: mustJSON(string(text))}})
+	rs.s.responses.put(rs.req.ID, msgs)
 }
 
 func mustJSON(v any) json.RawMessage {
@@ -151,6 +207,7 @@ func (rs *responder) collectResponse() {
 				}
 				continue
 			}
+			rs.store(text)
 			writeJSON(rs.w, http.StatusOK, rs.responseObject(newID("msg_"), text, &ev))
 			return
 		}
@@ -211,6 +268,7 @@ func (rs *responder) streamResponse() {
 				if ev.FinishReason == "length" {
 					typ = "response.incomplete"
 				}
+				rs.store(text)
 				_ = send("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}})) &&
 					send("response.content_part.done", at(map[string]any{"part": outputText(text)})) &&
 					send("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}) &&

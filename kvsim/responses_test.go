@@ -72,6 +72,45 @@ func TestOpenAIClientResponses(t *testing.T) {
 		t.Fatalf("events %v, text %q, final %+v", types, text.String(), done)
 	}
 
+	// A stored response is continued by its id, here and only here: the
+	// engine renders the stored conversation before the new input, so
+	// its prefix is cached; another server does not know the id.
+	third, err := client.Responses.New(ctx, responses.ResponseNewParams{
+		Model: DefaultModel, Instructions: openai.String(sys), PreviousResponseID: openai.String(resp.ID),
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("And 7 times 8?")},
+		MaxOutputTokens: openai.Int(3),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if third.Usage.InputTokens <= resp.Usage.InputTokens || third.Usage.InputTokensDetails.CachedTokens < resp.Usage.InputTokens-64 {
+		t.Fatalf("continued: usage %+v after %+v", third.Usage, resp.Usage)
+	}
+	_, other := newTestServer(t, Config{})
+	elsewhere := openai.NewClient(option.WithBaseURL(other.URL+"/v1/"), option.WithAPIKey("none"))
+	_, err = elsewhere.Responses.New(ctx, responses.ResponseNewParams{
+		Model: DefaultModel, PreviousResponseID: openai.String(resp.ID),
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("And 7 times 8?")},
+	})
+	var notFound *openai.Error
+	if !errors.As(err, &notFound) || notFound.StatusCode != 404 {
+		t.Fatalf("another server continued %s: %v", resp.ID, err)
+	}
+	// store false keeps nothing.
+	unstored, err := client.Responses.New(ctx, responses.ResponseNewParams{
+		Model: DefaultModel, Store: openai.Bool(false), MaxOutputTokens: openai.Int(2),
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("hi")},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err = client.Responses.New(ctx, responses.ResponseNewParams{
+		Model: DefaultModel, PreviousResponseID: openai.String(unstored.ID),
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("again")},
+	}); !errors.As(err, &notFound) || notFound.StatusCode != 404 {
+		t.Fatalf("a response with store false was continued: %v", err)
+	}
+
 	// An input of no known shape is the client's mistake.
 	_, err = client.Responses.New(ctx, responses.ResponseNewParams{Model: DefaultModel})
 	var apiErr *openai.Error

@@ -93,6 +93,9 @@ type Server struct {
 
 	faultsMu sync.Mutex
 	faults   Faults
+
+	// responses are the Responses API's stored responses.
+	responses responseStore
 }
 
 // NewServer builds a server and starts its engine driver.
@@ -245,6 +248,21 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		var previous []ChatMessage
+		if p.PreviousResponseID != "" {
+			// Stored in this server's memory only, as in vLLM: another
+			// replica does not know it.
+			var ok bool
+			if previous, ok = s.responses.get(p.PreviousResponseID); !ok {
+				writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
+					Message: fmt.Sprintf("Response with id '%s' not found.", p.PreviousResponseID)})
+				return
+			}
+			if p.Context, err = p.RenderResponses(previous); err != nil {
+				writeError(w, err)
+				return
+			}
+		}
 		model, adapter := p.Model, p.Model
 		if model == "" || model == s.model {
 			model, adapter = s.model, ""
@@ -268,7 +286,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		s.logger.Debug("request accepted", zap.String("id", req.ID), zap.String("model", model),
 			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
 		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
-			created: time.Now().Unix(), cutAfter: f.CutAfterTokens}
+			created: time.Now().Unix(), cutAfter: f.CutAfterTokens, previous: previous}
 		switch {
 		case endpoint == EndpointResponses && p.Stream:
 			rs.streamResponse()
@@ -294,6 +312,9 @@ type responder struct {
 	created  int64
 	cutAfter int
 	written  int
+	// previous is the stored conversation a Responses API request
+	// continues.
+	previous []ChatMessage
 }
 
 // next waits for the next events; false when the client went away.

@@ -33,6 +33,13 @@ type Request struct {
 	// the estimate: scorer.KVWaitSeconds); 0 means the request must fit
 	// now.
 	MaxWait time.Duration
+	// Home is the upstream that holds state only it can continue (the
+	// stored response a Responses API request names: see
+	// Fleet.ResponseHome). While it is a member, available and not
+	// draining, it is the only candidate; otherwise the request is
+	// routed as any other (and the engine it reaches answers for the
+	// state it lacks).
+	Home string
 }
 
 // Member is one upstream the request may go to, as the caller sees it now.
@@ -183,11 +190,20 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
 	}
+	home := -1
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(m, u, opts, adapter, bt, observe)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
+		if req.Home != "" && m.Dial == req.Home && m.Available && !m.Draining {
+			home = i
+		}
+	}
+	if home >= 0 {
+		for i := range cands {
+			cands[i].Available = cands[i].Available && i == home
+		}
 	}
 	return sreq, cands, states
 }

@@ -25,6 +25,9 @@ import (
 // concurrent use: one mutex serialises decisions with the charges they
 // make, so two concurrent requests never both see an idle upstream.
 type Fleet struct {
+	// homes are the stored responses' upstreams (see Request.Home).
+	homes responseHomes
+
 	mu        sync.Mutex
 	index     *prefixindex.Index
 	upstreams map[string]*upstream
