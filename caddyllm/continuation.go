@@ -121,6 +121,7 @@ func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	if rec.responses {
 		ev, _ := json.Marshal(map[string]any{
 			"type": "error", "code": "server_error", "message": "stream interrupted: " + msg, "param": nil,
+			"sequence_number": rec.lastSeq + 1,
 		})
 		_, err := fmt.Fprintf(w, "event: error\ndata: %s\n\n", ev)
 		http.NewResponseController(w).Flush()

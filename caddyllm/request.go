@@ -318,12 +318,15 @@ type reading struct {
 	hashedSet    bool
 
 	// Responses: whether the input was given (a string or an array; its
-	// items are in the scratch's msgs), its first semantic error, the
-	// instructions' string contents and max_output_tokens.
+	// items are in the scratch's msgs), its first error, the
+	// instructions' string contents (set when not empty) and their error,
+	// and max_output_tokens. The input's and instructions' errors are
+	// the last value's: a key given again replaces them, as its value.
 	inputSeen       bool
 	inputErr        error
 	instructions    span
 	instructionsSet bool
+	instructionsErr error
 	maxOutput       optInt
 	previous        span
 	previousEscaped bool
@@ -411,6 +414,8 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		switch {
 		case r.inputErr != nil:
 			return nil, r.inputErr
+		case r.instructionsErr != nil:
+			return nil, r.instructionsErr
 		case !r.inputSeen:
 			return nil, badRequestf("input", "invalid request: input is required")
 		}
@@ -491,35 +496,25 @@ func (r *reading) object() {
 		if !more {
 			return
 		}
-		switch fieldOf(key, topFields[:]) {
+		field := fieldOf(key, topFields[:])
+		if !r.reads(field) {
+			// Another API's field: the engine ignores it, and so do we.
+			r.skip()
+			continue
+		}
+		switch field {
 		case fieldModel:
 			if r.optString(&r.model, &r.modelEscaped, "model") {
 				r.modelSet = true
 			}
 		case fieldPrompt:
-			if r.endpoint == EndpointCompletions {
-				r.prompt()
-			} else {
-				r.skip()
-			}
+			r.prompt()
 		case fieldMessages:
-			if r.endpoint == EndpointResponses {
-				r.skip()
-			} else {
-				r.messages()
-			}
+			r.messages()
 		case fieldInput:
-			if r.endpoint == EndpointResponses {
-				r.input()
-			} else {
-				r.skip()
-			}
+			r.input()
 		case fieldInstructions:
-			if r.endpoint == EndpointResponses {
-				r.readInstructions()
-			} else {
-				r.skip()
-			}
+			r.readInstructions()
 		case fieldMaxOutputTokens:
 			r.optInt(&r.maxOutput, "max_output_tokens")
 		case fieldPreviousResponseID:
@@ -564,6 +559,19 @@ func (r *reading) object() {
 			r.skip()
 		}
 	}
+}
+
+// reads says whether the request's API has field.
+func (r *reading) reads(field int) bool {
+	switch field {
+	case fieldPrompt:
+		return r.endpoint == EndpointCompletions
+	case fieldMessages, fieldMaxTokens, fieldMaxCompletionTokens:
+		return r.endpoint != EndpointResponses
+	case fieldInput, fieldInstructions, fieldMaxOutputTokens, fieldPreviousResponseID, fieldStore:
+		return r.endpoint == EndpointResponses
+	}
+	return true
 }
 
 // optString reads a string field that may be null (null leaves dst as it
@@ -740,18 +748,16 @@ func (r *reading) hashMessage(m *msgRange) {
 // null for none (the last one given counts, as for every key).
 func (r *reading) readInstructions() {
 	s := r.s
+	r.instructionsSet, r.instructionsErr = false, nil
 	switch s.ws() {
 	case '"':
 		start, end, _, ok := s.str()
-		if ok {
-			r.instructions, r.instructionsSet = span{start, end}, true
-		}
+		// Empty instructions are none: vLLM adds no system message.
+		r.instructions, r.instructionsSet = span{start, end}, ok && end > start
 	case 'n':
-		if s.literal() {
-			r.instructionsSet = false
-		}
+		s.literal()
 	default:
-		r.typeError("instructions", "a string")
+		r.instructionsErr = badRequestf("instructions", "invalid request: instructions must be a string")
 		r.skip()
 	}
 }
@@ -776,7 +782,7 @@ func (r *reading) input() {
 		return
 	case '[':
 	default:
-		r.typeError("input", "a string or an array")
+		r.inputErr = badRequestf("input", "invalid request: input must be a string or an array")
 		r.skip()
 		return
 	}
@@ -817,7 +823,7 @@ func (r *reading) item(i int) {
 		}
 		switch fieldOf(key, itemFields[:]) {
 		case fieldRole:
-			r.optString(&m.role, &m.roleEscaped, "input.role")
+			r.itemString(i, &m.role, &m.roleEscaped)
 		case fieldContent:
 			if s.ws() == '"' {
 				if start, end, _, ok := s.str(); ok {
@@ -827,7 +833,7 @@ func (r *reading) item(i int) {
 				m.content = span{start, end}
 			}
 		case fieldType:
-			r.optString(&typ, &typEscaped, "input.type")
+			r.itemString(i, &typ, &typEscaped)
 		default:
 			r.skip()
 		}
@@ -844,6 +850,25 @@ func (r *reading) item(i int) {
 		return
 	}
 	r.sc.msgs = append(r.sc.msgs, m)
+}
+
+// itemString reads an input item's role or type: a string, or null
+// (which leaves dst); anything else is input[i]'s error.
+func (r *reading) itemString(i int, dst *span, escaped *bool) {
+	s := r.s
+	switch s.ws() {
+	case '"':
+		if start, end, esc, ok := s.str(); ok {
+			*dst, *escaped = span{start, end}, esc
+		}
+	case 'n':
+		s.literal()
+	default:
+		if r.inputErr == nil {
+			r.inputErr = badRequestf(fmt.Sprintf("input[%d]", i), "invalid request: input[%d] must be an object with string role and type", i)
+		}
+		r.skip()
+	}
 }
 
 // hashBuffer returns the slice the hashes go to, with room for every

@@ -28,7 +28,15 @@ type refRequest struct {
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
-	// The Responses API's (added with it, not in the parser it replaced).
+}
+
+// refResponsesRequest is the part of a Responses API body routing reads
+// (added with it, not in the parser it replaced): the other APIs' fields
+// are not its own, and the engine ignores them.
+type refResponsesRequest struct {
+	Model              string          `json:"model"`
+	Tools              json.RawMessage `json:"tools"`
+	Stream             bool            `json:"stream"`
 	Input              json.RawMessage `json:"input"`
 	Instructions       json.RawMessage `json:"instructions"`
 	MaxOutputTokens    *int            `json:"max_output_tokens"`
@@ -71,6 +79,9 @@ func refAPIType(t reflect.Type) string {
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
+	if endpoint == EndpointResponses {
+		return p.refParseResponses(body)
+	}
 	var raw refRequest
 	if err := json.Unmarshal(body, &raw); err != nil {
 		var syn *json.SyntaxError
@@ -88,10 +99,6 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 	}
 	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
 	switch {
-	case endpoint == EndpointResponses:
-		if raw.MaxOutputTokens != nil {
-			req.MaxTokens = max(0, *raw.MaxOutputTokens)
-		}
 	case raw.MaxCompletionTokens != nil:
 		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
 	case raw.MaxTokens != nil:
@@ -107,10 +114,25 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		if err := p.refHashChat(req, seed, &raw); err != nil {
 			return nil, err
 		}
-	case EndpointResponses:
-		if err := p.refHashResponses(req, seed, &raw); err != nil {
-			return nil, err
-		}
+	}
+	return req, nil
+}
+
+// refParseResponses is refParse for the Responses API.
+func (p *parser) refParseResponses(body []byte) (*Request, error) {
+	var raw refResponsesRequest
+	if err := json.Unmarshal(body, &raw); err != nil {
+		return nil, badRequestf("", "invalid JSON body: %v", err)
+	}
+	if len(raw.Model) > maxModelNameBytes {
+		return nil, errModelTooLong
+	}
+	req := &Request{Endpoint: EndpointResponses, Model: raw.Model, Stream: raw.Stream}
+	if raw.MaxOutputTokens != nil {
+		req.MaxTokens = max(0, *raw.MaxOutputTokens)
+	}
+	if err := p.refHashResponses(req, prefixindex.Seed(req.Model, "", p.salt), &raw); err != nil {
+		return nil, err
 	}
 	return req, nil
 }
@@ -119,7 +141,7 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 // the instructions as a system message, then the input (a string as a
 // user message; a message item by role and content; another item by its
 // type and the item as sent).
-func (p *parser) refHashResponses(req *Request, seed uint64, raw *refRequest) error {
+func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRequest) error {
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
 	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
@@ -139,7 +161,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refRequest) er
 	if err := json.Unmarshal(raw.Instructions, &instructions); len(raw.Instructions) > 0 && err != nil {
 		return badRequestf("", "invalid request: instructions must be a string")
 	}
-	if instructions != nil {
+	if instructions != nil && *instructions != "" {
 		message("system", bytes.TrimSpace(raw.Instructions))
 	}
 	in := bytes.TrimSpace(raw.Input)
@@ -397,6 +419,11 @@ func referenceCorpus() []string {
 		`{"input":"x","previous_response_id":"resp_1","store":false}`, `{"input":"x","previous_response_id":"resp_\u0031","store":true}`,
 		`{"input":"x","previous_response_id":"a","previous_response_id":null,"store":false,"store":null}`,
 		`{"input":"x","previous_response_id":"a","previous_response_id":""}`, `{"input":"x","previous_response_id":5}`,
+		`{"input":"x","messages":5}`, `{"input":"x","messages":[{"role":5}]}`, `{"input":5,"input":"x"}`,
+		`{"input":[{"role":5}],"input":"x"}`, `{"instructions":5,"instructions":"x","input":"y"}`, `{"instructions":"","input":"y"}`,
+		`{"input":[{"type":"message","role":"user","content":"a"}],"input":[{"role":5}],"input":"z"}`,
+		`{"input":"x","max_tokens":"many","max_completion_tokens":1.5,"prompt":7}`, `{"messages":[{"role":"u"}],"max_output_tokens":1.5,"store":"x"}`,
+		`{"input":[{"role":"user","type":7}]}`, `{"input":[{"role":null,"type":null}]}`,
 		`{"input":"x","store":"no"}`, `{"input":"x","previous_response_id":"`+strings.Repeat("r", 300)+`"}`,
 		"{\"input\":\"x\",\"previous_response_id\":\"bad \xff utf8\"}",
 	)

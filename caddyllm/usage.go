@@ -164,7 +164,7 @@ func (s *scanner) readDetails(cached *int, hasCached *bool) bool {
 // responseEventKeys are what the recorder reads of a Responses API
 // stream event, and responseKeys of the response an event carries.
 var (
-	responseEventKeys = [...]string{"type", "delta", "response"}
+	responseEventKeys = [...]string{"type", "delta", "response", "sequence_number"}
 	responseKeys      = [...]string{"usage", "id"}
 )
 
@@ -172,6 +172,8 @@ var (
 type responseEvent struct {
 	typ       span
 	id        span // the response's id (response.created has it)
+	seq       int64
+	hasSeq    bool
 	delta     bool // a non-empty delta: a generated token
 	usage     usage
 	cached    int
@@ -214,6 +216,9 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 				_, _, ok := s.skip()
 				return ok
 			})
+		case 3:
+			ev.hasSeq = s.ws() != 'n'
+			return s.optInt(&ev.seq)
 		}
 		_, _, ok := s.skip()
 		return ok

@@ -97,7 +97,7 @@ func sameEventAsDecode(t *testing.T, data []byte) {
 	decoded := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
 	decoded.responseEvent(append([]byte(`{"Type":null,`), bytes.TrimPrefix(bytes.TrimSpace(data), []byte("{"))...))
 	if read.tokens != decoded.tokens || read.done != decoded.done || read.failed != decoded.failed || !reflect.DeepEqual(read.usage, decoded.usage) ||
-		read.responseID != decoded.responseID {
+		read.responseID != decoded.responseID || read.lastSeq != decoded.lastSeq {
 		t.Fatalf("%q: read %d %v %v %+v %q, encoding/json %d %v %v %+v %q", data, read.tokens, read.done, read.failed, read.usage, read.responseID,
 			decoded.tokens, decoded.done, decoded.failed, decoded.usage, decoded.responseID)
 	}

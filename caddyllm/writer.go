@@ -37,8 +37,10 @@ type tokenRecorder struct {
 	// what they are in their type and which ends with response.completed
 	// instead of [DONE].
 	responses bool
-	// responseID is the Responses API response's id, once seen.
+	// responseID is the Responses API response's id, once seen, and
+	// lastSeq the last event's sequence_number.
 	responseID string
+	lastSeq    int64
 	done       bool // saw data: [DONE] (or the Responses API's end)
 	failed     bool // saw an error event
 	line       []byte
@@ -270,6 +272,15 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 // event handles one SSE line: it records tokens, text, identity and
 // usage. When rewriting it returns the line to send, or nil to drop it.
 func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
+	if t.responses {
+		// The event's name, on its own line before its data: the end is
+		// seen even when the data (response.completed carries the whole
+		// response) is too long to read.
+		if name, ok := bytes.CutPrefix(line, []byte("event:")); ok {
+			t.responseEventName(string(bytes.TrimSpace(name)))
+			return line
+		}
+	}
 	data, ok := bytes.CutPrefix(line, []byte("data:"))
 	if !ok {
 		if rewrite && len(line) > 0 {
@@ -372,9 +383,10 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		typ = string(data[ev.typ.start:ev.typ.end])
 	} else {
 		var e struct {
-			Type     string          `json:"type"`
-			Delta    json.RawMessage `json:"delta"`
-			Response *struct {
+			Type           string          `json:"type"`
+			Delta          json.RawMessage `json:"delta"`
+			SequenceNumber *int64          `json:"sequence_number"`
+			Response       *struct {
 				ID    string          `json:"id"`
 				Usage *responsesUsage `json:"usage"`
 			} `json:"response"`
@@ -391,18 +403,21 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		if e.Response != nil && t.responseID == "" {
 			t.responseID = e.Response.ID
 		}
+		if e.SequenceNumber != nil {
+			ev.seq, ev.hasSeq = *e.SequenceNumber, true
+		}
+	}
+	if ev.hasSeq {
+		t.lastSeq = ev.seq
 	}
 	if t.responseID == "" && ev.id.end > ev.id.start {
 		t.responseID = t.decode(data, ev.id)
 	}
-	switch {
-	case ev.delta && strings.HasSuffix(typ, ".delta"):
+	if ev.delta && strings.HasSuffix(typ, ".delta") {
 		t.tokens++
 		t.unreported++
-	case typ == "response.completed" || typ == "response.incomplete":
-		t.done = true
-	case typ == "response.failed" || typ == "error":
-		t.failed = true
+	} else {
+		t.responseEventName(typ)
 	}
 	if ev.hasUsage {
 		u := ev.usage
@@ -412,6 +427,18 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 			}{ev.cached}
 		}
 		t.usage = &u
+	}
+}
+
+// responseEventName records a Responses API event that ends the stream:
+// response.completed or response.incomplete (stopped at
+// max_output_tokens) completes it, response.failed and error fail it.
+func (t *tokenRecorder) responseEventName(typ string) {
+	switch typ {
+	case "response.completed", "response.incomplete":
+		t.done = true
+	case "response.failed", "error":
+		t.failed = true
 	}
 }
 
@@ -469,6 +496,11 @@ func (t *tokenRecorder) complete() bool {
 		t.usage = u
 	}
 	if ok && t.responses {
+		if rest, _ := usageValue(t.body.Bytes()); bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
+			// A response not done yet (background: true answers at once,
+			// queued): its engine still works on it.
+			return false
+		}
 		t.responseID = responseIDOfBody(t.body.Bytes())
 	}
 	return ok

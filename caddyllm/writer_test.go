@@ -139,3 +139,42 @@ func TestToolCallsAndReasoningAreGenerated(t *testing.T) {
 		t.Fatalf("%d tokens, text %q; want 3 and \"done\"", rec.tokens, rec.generated.String())
 	}
 }
+
+// TestResponsesRecorderEnds: a Responses API stream ends at the event
+// named response.completed even when its data, which carries the whole
+// response, is too long to read; a response answered before it is done
+// (background: its usage null) is not complete, and one done is, with
+// its id kept for previous_response_id.
+func TestResponsesRecorderEnds(t *testing.T) {
+	st := &requestState{req: &Request{Endpoint: EndpointResponses}}
+	rec := newTokenRecorder(httptest.NewRecorder(), st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte("event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_7\",\"usage\":null}}\n\n" +
+		"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\",\"sequence_number\":1}\n\n"))
+	long := []byte("event: response.completed\ndata: {\"response\":{\"output\":[{\"text\":\"" + strings.Repeat("x", 2*maxSSELine) +
+		"\"}]},\"type\":\"response.completed\",\"sequence_number\":2}\n\n")
+	for len(long) > 0 { // as a proxy passes it on: in pieces, the data line carried over
+		n := min(len(long), 64<<10)
+		rec.Write(long[:n])
+		long = long[n:]
+	}
+	if !rec.complete() || rec.tokens != 1 || rec.responseID != "resp_7" || rec.lastSeq != 1 {
+		t.Fatalf("complete %v tokens %d id %q seq %d", rec.complete(), rec.tokens, rec.responseID, rec.lastSeq)
+	}
+
+	for _, tc := range []struct {
+		body     string
+		complete bool
+	}{
+		{`{"id":"resp_8","status":"queued","background":true,"output":[],"usage":null}`, false},
+		{`{"id":"resp_9","status":"completed","output":[],"usage":{"input_tokens":5,"output_tokens":2,"total_tokens":7}}`, true},
+	} {
+		rec := newTokenRecorder(httptest.NewRecorder(), st)
+		rec.Header().Set("Content-Type", "application/json")
+		rec.Write([]byte(tc.body))
+		if rec.complete() != tc.complete || (tc.complete && (rec.responseID != "resp_9" || rec.completionTokens() != 2)) {
+			t.Errorf("%s: complete %v, id %q", tc.body, !tc.complete, rec.responseID)
+		}
+	}
+}

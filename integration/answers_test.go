@@ -180,6 +180,10 @@ func TestAnswers(t *testing.T) {
 		// Its expected output (256 tokens) would not fit beside it, but
 		// an engine stops a sequence at its context: it is the engine's
 		// to run (kvsim, as vLLM, gives a completion 16 tokens).
+		// vLLM cuts the Responses API's max_output_tokens to what the
+		// context leaves, where chat and completions refuse max_tokens.
+		answerRow{name: "a Responses request whose max_output_tokens exceeds the KV capacity", status: 200}.
+			post("/v1/responses", `{"model":"`+model+`","max_output_tokens":20000,"input":"`+text("tight", 16_200*4)+`"}`),
 		answerRow{name: "a prompt just under the KV capacity, without max_tokens", status: 200}.
 			post("/v1/completions", `{"model":"`+model+`","prompt":"`+text("near", 16_200*4)+`"}`),
 		// The router accepts and hashes a batch of token-id arrays and

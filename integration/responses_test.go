@@ -27,16 +27,21 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"))
 	ctx := context.Background()
 
+	// The conversation's length is in its input, not the instructions:
+	// the input's items must hash as they are sent again.
+	question := responses.ResponseInputItemParamOfMessage(text("Here is my question", 12_000), responses.EasyInputMessageRoleUser)
 	params := responses.ResponseNewParams{
 		Model:           kvsim.DefaultModel,
-		Instructions:    openai.String(text("You are a meticulous assistant", 12_000)),
-		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("What is 6 times 7?")},
+		Instructions:    openai.String("Be brief."),
+		Input:           responses.ResponseNewParamsInputUnion{OfInputItemList: responses.ResponseInputParam{question}},
 		MaxOutputTokens: openai.Int(8),
 	}
 	var first *http.Response
-	if _, err := client.Responses.New(ctx, params, option.WithResponseInto(&first)); err != nil {
+	answer, err := client.Responses.New(ctx, params, option.WithResponseInto(&first))
+	if err != nil {
 		t.Fatal(err)
 	}
+	said := answer.Output[0].AsMessage().ToParam()
 	replica := first.Header.Get(kvsim.ReplicaHeader)
 	if replica == "" || !strings.Contains(first.Header.Get("X-LLM-Affinity"), "reason=cold") {
 		t.Fatalf("turn 1: replica %q, explanation %q", replica, first.Header.Get("X-LLM-Affinity"))
@@ -65,8 +70,11 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 	})
 	before := upstream(t, dial)
 
+	// Turn 2 sends it all again: the question, the model's answer as it
+	// came, a tool call and its output.
 	params.Input = responses.ResponseNewParamsInputUnion{OfInputItemList: responses.ResponseInputParam{
-		responses.ResponseInputItemParamOfMessage("What is 6 times 7?", responses.EasyInputMessageRoleUser),
+		question,
+		{OfOutputMessage: &said},
 		responses.ResponseInputItemParamOfFunctionCall(`{"a":6,"b":7}`, "call_1", "multiply"),
 		{OfFunctionCallOutput: &responses.ResponseInputItemFunctionCallOutputParam{
 			CallID: openai.String("call_1"),

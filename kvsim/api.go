@@ -44,6 +44,9 @@ type ParsedRequest struct {
 	Tools              json.RawMessage
 	PreviousResponseID string
 	Store              bool
+	// CapsMaxTokens says MaxTokens is cut to what the context leaves after
+	// the prompt rather than refused beyond it (vLLM's Responses API).
+	CapsMaxTokens bool
 }
 
 // requestBody is the JSON of both endpoints; unknown fields are ignored, as vLLM ignores
@@ -67,11 +70,43 @@ type requestBody struct {
 	StreamOptions map[string]json.RawMessage `json:"stream_options"`
 	// The Responses API's: the input (a string or an array of items),
 	// the instructions (a system message) and max_output_tokens.
+	// Raw, as the chat and completions APIs ignore them whatever they
+	// hold.
 	Input              json.RawMessage `json:"input"`
-	Instructions       *string         `json:"instructions"`
-	MaxOutputTokens    *int            `json:"max_output_tokens"`
-	PreviousResponseID *string         `json:"previous_response_id"`
-	Store              *bool           `json:"store"`
+	Instructions       json.RawMessage `json:"instructions"`
+	MaxOutputTokens    json.RawMessage `json:"max_output_tokens"`
+	PreviousResponseID json.RawMessage `json:"previous_response_id"`
+	Store              json.RawMessage `json:"store"`
+}
+
+// responsesFields are the Responses API's own fields of a request.
+type responsesFields struct {
+	Instructions       *string `json:"instructions"`
+	MaxOutputTokens    *int    `json:"max_output_tokens"`
+	PreviousResponseID *string `json:"previous_response_id"`
+	Store              *bool   `json:"store"`
+}
+
+// decode reads the Responses API's fields of rb.
+func (rb *requestBody) responsesFields() (responsesFields, error) {
+	var f responsesFields
+	for _, field := range []struct {
+		raw  json.RawMessage
+		dst  any
+		name string
+	}{
+		{rb.Instructions, &f.Instructions, "instructions"},
+		{rb.MaxOutputTokens, &f.MaxOutputTokens, "max_output_tokens"},
+		{rb.PreviousResponseID, &f.PreviousResponseID, "previous_response_id"},
+		{rb.Store, &f.Store, "store"},
+	} {
+		if len(field.raw) > 0 {
+			if err := json.Unmarshal(field.raw, field.dst); err != nil {
+				return f, errBadRequestf("%s: %v", field.name, err)
+			}
+		}
+	}
+	return f, nil
 }
 
 // completionsDefaultMaxTokens is vLLM's max_tokens for a completions request
@@ -110,8 +145,14 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	if maxTokens == nil {
 		maxTokens = rb.MaxTokens
 	}
+	var rf responsesFields
 	if endpoint == EndpointResponses {
-		maxTokens = rb.MaxOutputTokens
+		var err error
+		if rf, err = rb.responsesFields(); err != nil {
+			return nil, err
+		}
+		maxTokens = rf.MaxOutputTokens
+		p.CapsMaxTokens = true
 	}
 	if maxTokens == nil && endpoint == EndpointCompletions {
 		n := completionsDefaultMaxTokens
@@ -153,9 +194,12 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
-		p.Instructions, p.Tools, p.Store = rb.Instructions, rb.Tools, rb.Store == nil || *rb.Store
-		if rb.PreviousResponseID != nil {
-			p.PreviousResponseID = *rb.PreviousResponseID
+		p.Tools, p.Store = rb.Tools, rf.Store == nil || *rf.Store
+		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
+			p.Instructions = rf.Instructions
+		}
+		if rf.PreviousResponseID != nil {
+			p.PreviousResponseID = *rf.PreviousResponseID
 		}
 		p.Messages, err = responsesMessages(rb.Input)
 		if err == nil && p.PreviousResponseID == "" {

@@ -29,6 +29,11 @@ type Request struct {
 	// "length" rather than "stop".
 	LengthLimited bool
 
+	// CapOutput cuts OutputTokens to what the context (max_model_len, and
+	// the KV cache) leaves after the prompt, where it would otherwise be
+	// refused: vLLM does so for the Responses API's max_output_tokens.
+	CapOutput bool
+
 	// Arrival is set by Submit to the virtual time the request arrived.
 	Arrival time.Duration
 
@@ -269,6 +274,9 @@ func (e *Engine) Submit(req *Request, now time.Duration) error {
 	promptTokens := e.tok.CountTokens(len(req.Context))
 	if promptTokens == 0 {
 		return errBadRequest("The prompt must not be empty.")
+	}
+	if room := min(e.cfg.MaxModelLen, e.cfg.NumGPUBlocks*e.cfg.BlockSize) - promptTokens; req.CapOutput && room >= 1 {
+		req.OutputTokens = min(req.OutputTokens, room)
 	}
 	if err := e.CheckFits(promptTokens, req.OutputTokens); err != nil {
 		return err

@@ -12,8 +12,9 @@ import (
 // The Responses API (POST /v1/responses), as vLLM serves it: the input
 // becomes chat messages rendered with the chat template, and the answer
 // is a response object, or a stream of typed events ending with
-// response.completed (response.incomplete when max_output_tokens stopped
-// it), without [DONE].
+// response.completed (its response's status "incomplete" when
+// max_output_tokens stopped it: vLLM sends no response.incomplete event),
+// without [DONE].
 
 // responseItem is the part of a Responses API input item kvsim reads.
 type responseItem struct {
@@ -264,15 +265,11 @@ func (rs *responder) streamResponse() {
 					return
 				}
 			case EventFinished:
-				typ := "response.completed"
-				if ev.FinishReason == "length" {
-					typ = "response.incomplete"
-				}
 				rs.store(text)
 				_ = send("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}})) &&
 					send("response.content_part.done", at(map[string]any{"part": outputText(text)})) &&
 					send("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}) &&
-					send(typ, map[string]any{"response": rs.responseObject(msgID, text, &ev)})
+					send("response.completed", map[string]any{"response": rs.responseObject(msgID, text, &ev)})
 				return
 			}
 		}

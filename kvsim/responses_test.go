@@ -59,14 +59,14 @@ func TestOpenAIClientResponses(t *testing.T) {
 		switch ev.Type {
 		case "response.output_text.delta":
 			text.WriteString(ev.Delta)
-		case "response.completed", "response.incomplete":
+		case "response.completed":
 			done = ev.Response
 		}
 	}
 	if err := stream.Err(); err != nil {
 		t.Fatal(err)
 	}
-	if types[0] != "response.created" || types[len(types)-1] != "response.incomplete" || text.Len() != 9*4 ||
+	if types[0] != "response.created" || types[len(types)-1] != "response.completed" || done.Status != responses.ResponseStatusIncomplete || text.Len() != 9*4 ||
 		done.OutputText() != text.String() || done.Usage.OutputTokens != 9 ||
 		done.Usage.InputTokensDetails.CachedTokens < int64(len(sys)/4)-64 {
 		t.Fatalf("events %v, text %q, final %+v", types, text.String(), done)
@@ -109,6 +109,21 @@ func TestOpenAIClientResponses(t *testing.T) {
 		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("again")},
 	}); !errors.As(err, &notFound) || notFound.StatusCode != 404 {
 		t.Fatalf("a response with store false was continued: %v", err)
+	}
+
+	// max_output_tokens beyond what the context leaves is cut to it, as
+	// vLLM does for this API (chat and completions refuse it).
+	_, small := newTestServer(t, Config{NumGPUBlocks: 64}) // 1,024 tokens
+	tight := openai.NewClient(option.WithBaseURL(small.URL+"/v1/"), option.WithAPIKey("none"))
+	capped, err := tight.Responses.New(ctx, responses.ResponseNewParams{
+		Model: DefaultModel, MaxOutputTokens: openai.Int(100_000),
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(strings.Repeat("word ", 160))},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if capped.Status != responses.ResponseStatusIncomplete || capped.Usage.InputTokens+capped.Usage.OutputTokens != 1024 {
+		t.Fatalf("capped: status %s, usage %+v", capped.Status, capped.Usage)
 	}
 
 	// An input of no known shape is the client's mistake.

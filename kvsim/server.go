@@ -275,7 +275,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			prefix = "resp_"
 		}
 		req := &Request{ID: newID(prefix), Adapter: adapter, Context: p.Context,
-			OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited}
+			OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
 		stream, err := s.driver.Submit(req)
 		if err != nil {
 			writeError(w, err)

@@ -24,6 +24,12 @@ type Request struct {
 	PromptBytes int
 	// MaxTokens is the request's output limit, 0 when it sets none.
 	MaxTokens int
+	// MaxTokensCapped says the engine cuts MaxTokens to what its context
+	// leaves after the prompt (vLLM does for the Responses API's
+	// max_output_tokens) rather than refusing a request whose prompt and
+	// MaxTokens exceed its context (as for chat and completions): it is
+	// then no part of what the request surely needs.
+	MaxTokensCapped bool
 	// Model is the request's model field: a base model or an adapter.
 	Model string
 	// MaxWait is how long the request may still wait to start. An
@@ -60,9 +66,10 @@ type Member struct {
 	// Engine is what its engine last reported, nil when not scraped or
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
-	// Scraped says the caller reads the engine's signals, fresh or not:
-	// the KV capacity learned from them outlives a stale scrape, and
-	// without scraping the configured capacity counts again.
+	// Scraped says the caller reads the engine's signals, fresh or not
+	// (implied by Engine): the KV capacity learned from them outlives a
+	// stale scrape, and a caller that does not scrape uses the
+	// configured capacity.
 	Scraped bool
 }
 
@@ -232,6 +239,9 @@ func leastKVTokens(req *Request, prompt int, learned bool) int {
 		}
 		least = int(float64(prompt) * (1 - tolerance))
 	}
+	if req.MaxTokensCapped {
+		return least
+	}
 	return least + min(max(0, req.MaxTokens), MaxTokens)
 }
 
@@ -298,13 +308,14 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 				c.QueuedDecodeTokens += tokensOf(float64(foreign) * f.meanOutputAnyModel(opts))
 			}
 		}
-	} else if observe && !m.Scraped {
-		u.engineCapacityTokens = 0 // a config that does not scrape: its own figure counts
 	}
 	// The engine's own figure, also while a scrape is stale: falling
 	// back to the configured one would shrink the index and evict what
 	// the engine still holds.
-	if u.engineCapacityTokens > 0 {
+	// A caller that does not scrape (a config reloaded without it, or
+	// another site) uses its own figure.
+	fromEngine := u.engineCapacityTokens > 0 && (m.Scraped || m.Engine != nil)
+	if fromEngine {
 		c.KVCapacityTokens = u.engineCapacityTokens
 	}
 	if c.KVCapacityTokens > 0 {
@@ -312,7 +323,7 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 		// (without the engine's own figure) must not shrink the index
 		// in turn: it keeps the largest.
 		index := c.KVCapacityTokens
-		if u.engineCapacityTokens == 0 {
+		if !fromEngine {
 			index = max(index, u.capacityTokens)
 		}
 		if observe {

@@ -141,6 +141,7 @@ func TestStaleScrapeKeepsTheEnginesCapacity(t *testing.T) {
 		served(f, f.Decide(t0, r, ms, &opts, rng(), nil).Charge, t0)
 	}
 	ms[0].Engine = nil // one decision while the scrape is stale
+	ms[0].Scraped = true
 	served(f, f.Decide(t0.Add(time.Second), reqs[19], ms, &opts, rng(), nil).Charge, t0)
 	ms[0].Engine = fresh
 	for i, r := range reqs {

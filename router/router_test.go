@@ -426,6 +426,7 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 		{"text estimated at 5,000 (unlearned: within a fifth)", Request{PromptTokens: 5000, PromptBytes: 20_000}, false},
 		{"text estimated at 5,200 (unlearned)", Request{PromptTokens: 5200, PromptBytes: 20_800}, true},
 		{"token ids, 4,097", Request{PromptTokens: 4097}, true},
+		{"prompt 3,000 and max_output_tokens 2,000, which the engine caps", Request{PromptTokens: 3000, MaxTokens: 2000, MaxTokensCapped: true}, false},
 	} {
 		d := decide(New(), tc.req)
 		if d.TooLong != tc.tooLong || (d.Charge != nil) == tc.tooLong {
@@ -443,6 +444,33 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 	longer := Request{Hashes: hashes(7, 6000), BlockTokens: 64, PromptTokens: 6000}
 	if d := decide(f, longer); !d.TooLong || d.Charge != nil {
 		t.Fatalf("6,000 tokens, 3,968 of them cached, against 4,096 of KV: %+v", d)
+	}
+}
+
+// TestWholeFitFirst: a replica whose KV holds a request only cut at its
+// context (its max_tokens, or its expected output, beyond what is left)
+// is taken only when no replica holds it whole.
+func TestWholeFitFirst(t *testing.T) {
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 500}.WithDefaults()
+	ms := members("small", "big")
+	ms[0].Hardware.KVCapacityTokens = 4096
+	ms[1].Hardware.KVCapacityTokens = 131_072
+	for seed := range uint64(20) {
+		for _, req := range []Request{
+			{PromptTokens: 3900, PromptBytes: 15_600, MaxTokens: 500},
+			{PromptTokens: 3900},
+		} {
+			f := New()
+			d := f.Decide(t0, req, ms, &opts, rand.New(rand.NewPCG(seed, 1)), nil)
+			if d.Charge == nil || d.Charge.Dial() != "big" {
+				t.Fatalf("seed %d, %+v: went to %v", seed, req, d.Charge)
+			}
+		}
+	}
+	// With big down, small runs what it can hold cut at its context.
+	ms[1].Available = false
+	if d := New().Decide(t0, Request{PromptTokens: 3900}, ms, &opts, rng(), nil); d.Charge == nil || d.Charge.Dial() != "small" {
+		t.Fatalf("big down: %+v", d)
 	}
 }
 

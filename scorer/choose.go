@@ -99,6 +99,23 @@ const explainTop = 3
 // When explain is non-nil it is filled in; otherwise explaining costs
 // nothing. Choose does not allocate unless explain is non-nil.
 func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) Decision {
+	d, kvFiltered := choose(&req, cands, opts, rng, explain)
+	if d.Chosen < 0 && kvFiltered > 0 && req.LeastKVTokens > 0 {
+		// No candidate holds the request's whole estimate: one whose KV
+		// holds what it surely needs may run it, cut at its context.
+		req.cutAtContext = true
+		if explain != nil {
+			explain.Filtered = explain.Filtered[:0]
+		}
+		d, _ = choose(&req, cands, opts, rng, explain)
+	}
+	return d
+}
+
+// choose is Choose with req as it is; it also returns how many candidates
+// the KV filter excluded.
+func choose(reqp *Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) (Decision, int) {
+	req := *reqp
 	d := Decision{Chosen: -1, Reason: Shed}
 	var blocked [5]int
 	bestMatch := 0
@@ -121,7 +138,7 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 				d.Blocked = FilterReason(f)
 			}
 		}
-		return d
+		return d, blocked[FilteredKV]
 	}
 
 	var k coster
@@ -150,12 +167,15 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 		}
 		explain.Top = explainBest(&k)
 	}
-	return d
+	return d, blocked[FilteredKV]
 }
 
 // Filter says whether Choose would consider c for req (NotFiltered) or
 // why it would not: the hard filters in order of how fundamental they are.
+// A request that c's KV holds only cut at its context passes (Choose
+// takes such a candidate only when none holds the request whole).
 func Filter(req Request, c *Candidate, opts Options) FilterReason {
+	req.cutAtContext = true
 	return filter(&req, c, opts.KVMarginTokens)
 }
 
@@ -208,11 +228,13 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 		if req.LeastKVTokens > c.KVCapacityTokens {
 			return math.Inf(1)
 		}
-		// Whatever it needs beyond that is an estimate (the expected
-		// output, the prompt's count from text): an engine stops a
-		// sequence at its context, so it never takes more than all the
-		// KV, and it starts once all of it is free.
-		need = min(need, c.KVCapacityTokens)
+		if req.cutAtContext {
+			// Whatever it needs beyond that is an estimate (the
+			// expected output, the prompt's count from text): an engine
+			// stops a sequence at its context, so it never takes more
+			// than all the KV, and it starts once all of it is free.
+			need = min(need, c.KVCapacityTokens)
+		}
 	}
 	over := max(0, c.KVOvercommitTokens)
 	short := need - c.FreeKVTokens + over

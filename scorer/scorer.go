@@ -112,6 +112,12 @@ type Request struct {
 	// capacity is smaller can never run it: an engine refuses a request
 	// longer than its context, and its KV holds its context. 0: unknown.
 	LeastKVTokens int
+
+	// cutAtContext lets a candidate whose KV holds LeastKVTokens but not
+	// the request's whole estimate pass the KV filter, its need cut to
+	// the whole KV (an engine stops a sequence at its context). Choose
+	// sets it only when no candidate holds the whole estimate.
+	cutAtContext bool
 }
 
 // Candidate is one upstream's state as the decision sees it.
