@@ -72,6 +72,12 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			// Nothing reached the client: send the same request again.
 			outcome("redispatched")
 			continue
+		case rec.responses && rec.sse && !rec.outputStarted && moves < maxRedispatch:
+			// Its stream had only announced the response (held back):
+			// send the same request again, its stream the client's.
+			outcome("redispatched")
+			rec.restart()
+			continue
 		case !rec.sse:
 			outcome("cut")
 			panic(http.ErrAbortHandler) // a partial JSON body cannot be mended

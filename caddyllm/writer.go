@@ -41,6 +41,11 @@ type tokenRecorder struct {
 	// lastSeq the last event's sequence_number.
 	responseID string
 	lastSeq    int64
+	// outputStarted says a Responses stream sent more than its
+	// response's creation (response.created, response.in_progress):
+	// until then its events are held back, so that a stream cut before
+	// its output is sent again elsewhere unseen.
+	outputStarted bool
 	done       bool // saw data: [DONE] (or the Responses API's end)
 	failed     bool // saw an error event
 	line       []byte
@@ -173,8 +178,12 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		if t.splice.refused != 0 {
 			return len(p), nil
 		}
-		_, err := t.scan(p, true)
-		return len(p), err
+		if !t.splice.restart {
+			_, err := t.scan(p, true)
+			return len(p), err
+		}
+		// A request sent again from the start: its stream is the
+		// client's, passed on as it comes.
 	}
 	if !t.wroteHeader {
 		t.WriteHeader(http.StatusOK)
@@ -182,6 +191,10 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	if t.status == http.StatusOK {
 		if t.sse {
 			end, _ := t.scan(p, false)
+			if t.responses && !t.outputStarted && len(t.held)+len(p) <= maxSSELine {
+				t.held = append(t.held, p...)
+				return len(p), nil
+			}
 			return t.writeEvents(p, end)
 		}
 		if t.body.Len()+len(p) <= maxUsageBody {
@@ -416,6 +429,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 	if ev.delta && strings.HasSuffix(typ, ".delta") {
 		t.tokens++
 		t.unreported++
+		t.outputStarted = true
 	} else {
 		t.responseEventName(typ)
 	}
@@ -439,7 +453,19 @@ func (t *tokenRecorder) responseEventName(typ string) {
 		t.done = true
 	case "response.failed", "error":
 		t.failed = true
+	case "", "response.created", "response.in_progress", "response.queued":
+		return // the response's creation: no output yet
 	}
+	t.outputStarted = true
+}
+
+// restart readies the recorder for its request, sent again from the start
+// after its Responses stream was cut before any output: what was held
+// back goes, and the new attempt's stream is passed on as the client's.
+func (t *tokenRecorder) restart() {
+	t.held, t.line, t.skipLine = t.held[:0], t.line[:0], false
+	t.done, t.failed, t.responseID, t.lastSeq = false, false, "", 0
+	t.splice = &spliceState{restart: true}
 }
 
 // responsesUsage is the Responses API's usage object, for encoding/json.
@@ -599,6 +625,10 @@ type spliceState struct {
 	// refused is the status of a continuation the upstream did not
 	// answer with an event stream (0: it did): its body is not spliced.
 	refused int
+	// restart says the request was sent again from the start (a
+	// Responses stream cut before its output): its stream is not
+	// rewritten but passed on as it comes.
+	restart bool
 }
 
 // rewrite gives a continuation chunk the original stream's identity and

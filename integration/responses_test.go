@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -158,4 +159,80 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 			t.Fatalf("conversation %d turn 3: %v (home %s)", c, err, home)
 		}
 	}
+}
+
+// TestDrainMovesAQueuedResponsesStream: a Responses stream announces its
+// response (response.created) before the engine has run it. At a drain
+// deadline, the one still queued at the engine, its announcement held
+// back, is sent again from the start to the other upstream: the client
+// sees one response, completed. The one whose output had begun cannot be
+// continued elsewhere (its events' ids and sequence numbers would
+// restart) and ends with the API's error event.
+func TestDrainMovesAQueuedResponsesStream(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{MaxNumSeqs: 1}) // one runs, one waits
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 30s", ""))
+	a, b := fleet[0], fleet[1]
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	type result struct {
+		types []string
+		ids   map[string]bool
+		final responses.Response
+		err   error
+	}
+	results := make([]result, 2)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := &results[i]
+			r.ids = map[string]bool{}
+			stream := client.Responses.NewStreaming(context.Background(), responses.ResponseNewParams{
+				Model:           kvsim.DefaultModel,
+				Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text(fmt.Sprint("queued ", i), 400))},
+				MaxOutputTokens: openai.Int(200),
+			})
+			for stream.Next() {
+				ev := stream.Current()
+				r.types = append(r.types, ev.Type)
+				if ev.Response.ID != "" {
+					r.ids[ev.Response.ID] = true
+				}
+				if ev.Type == "response.completed" {
+					r.final = ev.Response
+				}
+			}
+			r.err = stream.Err()
+		}()
+	}
+	eventually(t, 5*time.Second, "both on A", func() bool { return upstreams(t)[a.dial()].InFlight == 2 })
+	eventually(t, 5*time.Second, "one streaming from A", func() bool {
+		return upstreams(t)[a.dial()].QueuedDecodeTokens <= 2*200-10
+	})
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
+	wg.Wait()
+	moved, cut := 0, 0
+	for i, r := range results {
+		last := ""
+		if len(r.types) > 0 {
+			last = r.types[len(r.types)-1]
+		}
+		switch {
+		case r.err == nil && last == "response.completed" && len(r.ids) == 1 && r.types[0] == "response.created" && r.final.Usage.OutputTokens == 200:
+			moved++
+		case r.err == nil && last == "error":
+			cut++
+		default:
+			t.Errorf("stream %d: %v, ids %v, events %v", i, r.err, r.ids, r.types)
+		}
+	}
+	if moved != 1 || cut != 1 {
+		t.Fatalf("%d moved and %d cut, want 1 and 1", moved, cut)
+	}
+	if m := scrapeMetrics(t); !strings.Contains(m, `caddy_llm_affinity_moved_requests_total{cause="drain",outcome="redispatched"}`) {
+		t.Error("the queued stream's move was not counted")
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
