@@ -47,7 +47,10 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 				// upstream refused it): the headers are gone, so only an
 				// error event can tell the client.
 				msg := "the upstream failed"
-				if rec.splice != nil && rec.splice.refused != 0 {
+				switch {
+				case rec.splice != nil && rec.splice.refused != 0 && rec.splice.restart:
+					msg = fmt.Sprintf("the upstream it was sent again to answered %d", rec.splice.refused)
+				case rec.splice != nil && rec.splice.refused != 0:
 					msg = fmt.Sprintf("the continuation's upstream answered %d", rec.splice.refused)
 				}
 				h.logger.Debug("stream ended by a failed attempt", zap.Error(err), zap.String("why", msg))
@@ -125,6 +128,9 @@ func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	w := &rec.ResponseWriterWrapper
 	if rec.responses {
+		// What was held back goes first: the error follows the
+		// response's announcement, numbered after it.
+		rec.flushHeld()
 		ev, _ := json.Marshal(map[string]any{
 			"type": "error", "code": "server_error", "message": "stream interrupted: " + msg, "param": nil,
 			"sequence_number": rec.lastSeq + 1,

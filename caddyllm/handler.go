@@ -483,7 +483,14 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	if a == nil {
 		return
 	}
-	if rec.status != http.StatusOK || !rec.complete() {
+	complete := rec.status == http.StatusOK && rec.complete()
+	if rec.status == http.StatusOK && rec.responseID != "" && len(rec.responseID) <= maxResponseIDBytes && !st.req.NoStore {
+		// The engine stored the response (also one answered before it is
+		// done: background): a request that names it as
+		// previous_response_id can only be answered there.
+		a.sh.fleet.RememberResponse(rec.responseID, a.charge.Dial())
+	}
+	if !complete {
 		a.release()
 		return
 	}
@@ -496,15 +503,10 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// A continuation's prompt is the original one plus the text so far,
 	// and its usage is rewritten to cover the whole generation: neither
 	// tells the prompt's bytes per token.
-	if rec.usage != nil && rec.splice == nil {
+	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
-	if rec.responseID != "" && !st.req.NoStore {
-		// The engine stored the response: a request that names it as
-		// previous_response_id can only be answered there.
-		a.sh.fleet.RememberResponse(rec.responseID, a.charge.Dial())
-	}
 }
 
 // Interface guards

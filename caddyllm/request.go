@@ -525,12 +525,10 @@ func (r *reading) object() {
 				if s.literal() {
 					r.noStore = c == 'f'
 				}
-			case 'n':
-				if s.literal() {
-					r.noStore = false // the default, as encoding/json has it for a *bool
-				}
 			default:
-				r.typeError("store", "a boolean")
+				// null, or a value vLLM's lax parsing may take: the router
+				// only needs to know store is surely off, and refuses none.
+				r.noStore = false
 				r.skip()
 			}
 		case fieldTools:
@@ -566,7 +564,9 @@ func (r *reading) reads(field int) bool {
 	switch field {
 	case fieldPrompt:
 		return r.endpoint == EndpointCompletions
-	case fieldMessages, fieldMaxTokens, fieldMaxCompletionTokens:
+	case fieldMessages, fieldMaxCompletionTokens:
+		return r.endpoint == EndpointChatCompletions
+	case fieldMaxTokens:
 		return r.endpoint != EndpointResponses
 	case fieldInput, fieldInstructions, fieldMaxOutputTokens, fieldPreviousResponseID, fieldStore:
 		return r.endpoint == EndpointResponses

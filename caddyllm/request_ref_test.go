@@ -30,6 +30,15 @@ type refRequest struct {
 	Stream              bool            `json:"stream"`
 }
 
+// refCompletionsRequest is the part of a completions body routing reads:
+// the chat API's messages and max_completion_tokens are not its own.
+type refCompletionsRequest struct {
+	Model     string          `json:"model"`
+	Prompt    json.RawMessage `json:"prompt"`
+	MaxTokens *int            `json:"max_tokens"`
+	Stream    bool            `json:"stream"`
+}
+
 // refResponsesRequest is the part of a Responses API body routing reads
 // (added with it, not in the parser it replaced): the other APIs' fields
 // are not its own, and the engine ignores them.
@@ -41,7 +50,7 @@ type refResponsesRequest struct {
 	Instructions       json.RawMessage `json:"instructions"`
 	MaxOutputTokens    *int            `json:"max_output_tokens"`
 	PreviousResponseID string          `json:"previous_response_id"`
-	Store              *bool           `json:"store"`
+	Store              json.RawMessage `json:"store"`
 }
 
 // refItem is the part of a Responses API input item routing reads.
@@ -83,7 +92,12 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		return p.refParseResponses(body)
 	}
 	var raw refRequest
-	if err := json.Unmarshal(body, &raw); err != nil {
+	var into any = &raw
+	var completions refCompletionsRequest
+	if endpoint == EndpointCompletions {
+		into = &completions
+	}
+	if err := json.Unmarshal(body, into); err != nil {
 		var syn *json.SyntaxError
 		var typ *json.UnmarshalTypeError
 		switch {
@@ -93,6 +107,9 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 			return nil, badRequestf("", "invalid request: %s must be %s", typ.Field, refAPIType(typ.Type))
 		}
 		return nil, badRequestf("", "invalid JSON body: %v", err)
+	}
+	if endpoint == EndpointCompletions {
+		raw = refRequest{Model: completions.Model, Prompt: completions.Prompt, MaxTokens: completions.MaxTokens, Stream: completions.Stream}
 	}
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
@@ -194,7 +211,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 	}
 	req.Hashes = c.Chain(seed)
 	req.PromptTokens = p.tokens(c.Len())
-	req.NoStore = raw.Store != nil && !*raw.Store
+	req.NoStore = string(bytes.TrimSpace(raw.Store)) == "false"
 	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
 		req.PreviousResponseID = raw.PreviousResponseID
 	}
@@ -424,7 +441,8 @@ func referenceCorpus() []string {
 		`{"input":[{"type":"message","role":"user","content":"a"}],"input":[{"role":5}],"input":"z"}`,
 		`{"input":"x","max_tokens":"many","max_completion_tokens":1.5,"prompt":7}`, `{"messages":[{"role":"u"}],"max_output_tokens":1.5,"store":"x"}`,
 		`{"input":[{"role":"user","type":7}]}`, `{"input":[{"role":null,"type":null}]}`,
-		`{"input":"x","store":"no"}`, `{"input":"x","previous_response_id":"`+strings.Repeat("r", 300)+`"}`,
+		`{"prompt":"p","max_tokens":5,"max_completion_tokens":100000}`, `{"prompt":"p","messages":42,"max_completion_tokens":"x"}`,
+		`{"input":"x","store":"no"}`, `{"input":"x","store":0}`, `{"input":"x","store":false,"store":{}}`, `{"input":"x","previous_response_id":"`+strings.Repeat("r", 300)+`"}`,
 		"{\"input\":\"x\",\"previous_response_id\":\"bad \xff utf8\"}",
 	)
 	for i := range 12 {

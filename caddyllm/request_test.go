@@ -438,3 +438,24 @@ func TestInvalidMessagesCostNoRecords(t *testing.T) {
 		}
 	}
 }
+
+// TestEachAPIReadsItsOwnFields: a field of another API is ignored, as the
+// engine ignores it: max_completion_tokens and messages in a completion,
+// max_output_tokens in a chat, max_tokens in a Responses request.
+func TestEachAPIReadsItsOwnFields(t *testing.T) {
+	p := testParser()
+	for _, tc := range []struct {
+		ep        Endpoint
+		body      string
+		maxTokens int
+	}{
+		{EndpointCompletions, `{"prompt":"p","max_tokens":5,"max_completion_tokens":100000,"messages":42}`, 5},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"hi"}],"max_tokens":5,"max_output_tokens":"x","input":3}`, 5},
+		{EndpointResponses, `{"input":"hi","max_tokens":"x","max_completion_tokens":9,"max_output_tokens":7,"messages":1}`, 7},
+	} {
+		req, err := p.parse(tc.ep, []byte(tc.body))
+		if err != nil || req.MaxTokens != tc.maxTokens {
+			t.Errorf("%s %s: %v, max tokens %v", tc.ep, tc.body, err, req)
+		}
+	}
+}

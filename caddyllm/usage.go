@@ -229,18 +229,23 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 var idKeys = [...]string{"id"}
 
 // responseIDOfBody returns the id of a Responses API response body, ""
-// when it has none.
+// when it has none. The id comes first in a response (vLLM's and
+// OpenAI's), so a body kept only in part (one over maxUsageBody) gives it
+// too: the first top-level id is taken.
 func responseIDOfBody(body []byte) string {
 	var depth [chunkDepth/64 + 1]uint64
 	s := scanner{buf: body, inObject: depth[:]}
 	var id span
-	if s.fields(idKeys[:], func(i int) bool {
+	found := false
+	complete := s.fields(idKeys[:], func(i int) bool {
 		if i == 0 {
-			return s.optString(&id)
+			found = s.optString(&id) && id.end > id.start
+			return !found // stop at it
 		}
 		_, _, ok := s.skip()
 		return ok
-	}) && s.end() {
+	}) && s.end()
+	if found || complete {
 		raw := body[id.start:id.end]
 		return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0))
 	}

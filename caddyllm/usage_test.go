@@ -79,6 +79,12 @@ var responseEventCorpus = []string{
 	`{"type":"response.output_text.delta","delta":"a"} x`, `{"type":"x"`, `null`, `[]`, `{"response":[]}`,
 }
 
+// wholeEvent gives rec a Responses stream event: its data, then its end.
+func wholeEvent(rec *tokenRecorder, data []byte) {
+	rec.responseEvent(data)
+	rec.event(nil, false)
+}
+
 // sameEventAsDecode checks that when readResponseEvent reads an event,
 // the recorder records what it records from encoding/json's decoding.
 func sameEventAsDecode(t *testing.T, data []byte) {
@@ -91,11 +97,11 @@ func sameEventAsDecode(t *testing.T, data []byte) {
 		t.Fatalf("%q: read, but it is not JSON", data)
 	}
 	read := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
-	read.responseEvent(data)
+	wholeEvent(read, data)
 	// The same event with a key the reader gives up on goes to
 	// encoding/json.
 	decoded := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
-	decoded.responseEvent(append([]byte(`{"Type":null,`), bytes.TrimPrefix(bytes.TrimSpace(data), []byte("{"))...))
+	wholeEvent(decoded, append([]byte(`{"Type":null,`), bytes.TrimPrefix(bytes.TrimSpace(data), []byte("{"))...))
 	if read.tokens != decoded.tokens || read.done != decoded.done || read.failed != decoded.failed || !reflect.DeepEqual(read.usage, decoded.usage) ||
 		read.responseID != decoded.responseID || read.lastSeq != decoded.lastSeq {
 		t.Fatalf("%q: read %d %v %v %+v %q, encoding/json %d %v %v %+v %q", data, read.tokens, read.done, read.failed, read.usage, read.responseID,
@@ -109,14 +115,14 @@ func sameEventAsDecode(t *testing.T, data []byte) {
 func TestResponseEvents(t *testing.T) {
 	rec := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
 	for _, i := range []int{0, 1, 2, 3, 4, 5} {
-		rec.responseEvent([]byte(responseEventCorpus[i]))
+		wholeEvent(rec, []byte(responseEventCorpus[i]))
 	}
 	if rec.tokens != 3 || !rec.done || rec.failed || rec.usage == nil || rec.usage.PromptTokens != 12 ||
 		rec.usage.CompletionTokens != 3 || rec.cachedTokens() != 8 {
 		t.Fatalf("tokens %d done %v failed %v usage %+v cached %d", rec.tokens, rec.done, rec.failed, rec.usage, rec.cachedTokens())
 	}
 	failed := newTokenRecorder(nil, &requestState{req: &Request{Endpoint: EndpointResponses}})
-	failed.responseEvent([]byte(responseEventCorpus[7]))
+	wholeEvent(failed, []byte(responseEventCorpus[7]))
 	if !failed.failed {
 		t.Fatal("response.failed not recorded")
 	}

@@ -46,11 +46,14 @@ type tokenRecorder struct {
 	// until then its events are held back, so that a stream cut before
 	// its output is sent again elsewhere unseen.
 	outputStarted bool
-	done       bool // saw data: [DONE] (or the Responses API's end)
-	failed     bool // saw an error event
-	line       []byte
-	skipLine   bool
-	tokens     int // text-bearing chunks sent to the client
+	// pendingEvent is the type of the Responses event being read, which
+	// counts when its end (a blank line) comes.
+	pendingEvent string
+	done         bool // saw data: [DONE] (or the Responses API's end)
+	failed       bool // saw an error event
+	line         []byte
+	skipLine     bool
+	tokens       int // text-bearing chunks sent to the client
 	// unreported counts the tokens of the Write being scanned, reported
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
@@ -145,7 +148,10 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		// answered otherwise than with a stream (a 400 for a prompt now
 		// too long, a 500) is not spliced in; the handler ends the
 		// stream with an error event.
-		if status >= 200 && (status != http.StatusOK || !strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")) {
+		// The proxy adds the new answer's headers to those of the first
+		// (Add, not Set): its Content-Type is the last one.
+		types := t.Header().Values("Content-Type")
+		if status >= 200 && (status != http.StatusOK || len(types) == 0 || !strings.HasPrefix(types[len(types)-1], "text/event-stream")) {
 			t.splice.refused = status
 		}
 		return
@@ -191,9 +197,14 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	if t.status == http.StatusOK {
 		if t.sse {
 			end, _ := t.scan(p, false)
-			if t.responses && !t.outputStarted && len(t.held)+len(p) <= maxSSELine {
-				t.held = append(t.held, p...)
-				return len(p), nil
+			if t.responses && !t.outputStarted {
+				if len(t.held)+len(p) <= maxSSELine {
+					t.held = append(t.held, p...)
+					return len(p), nil
+				}
+				// Too large to hold: the client sees it, so the request
+				// can no longer be sent again unseen.
+				t.outputStarted = true
 			}
 			return t.writeEvents(p, end)
 		}
@@ -286,12 +297,17 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 // usage. When rewriting it returns the line to send, or nil to drop it.
 func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	if t.responses {
-		// The event's name, on its own line before its data: the end is
-		// seen even when the data (response.completed carries the whole
-		// response) is too long to read.
+		// The event's name, on its own line before its data, counts once
+		// the event ends (a blank line): the end is seen even when the
+		// data (response.completed carries the whole response) is too
+		// long to read, and not before the event has all come.
 		if name, ok := bytes.CutPrefix(line, []byte("event:")); ok {
-			t.responseEventName(string(bytes.TrimSpace(name)))
+			t.pendingEvent = string(bytes.TrimSpace(name))
 			return line
+		}
+		if len(line) == 0 && t.pendingEvent != "" {
+			t.responseEventName(t.pendingEvent)
+			t.pendingEvent = ""
 		}
 	}
 	data, ok := bytes.CutPrefix(line, []byte("data:"))
@@ -430,8 +446,8 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.tokens++
 		t.unreported++
 		t.outputStarted = true
-	} else {
-		t.responseEventName(typ)
+	} else if typ != "" {
+		t.pendingEvent = typ // counts when the event ends
 	}
 	if ev.hasUsage {
 		u := ev.usage
@@ -463,7 +479,7 @@ func (t *tokenRecorder) responseEventName(typ string) {
 // after its Responses stream was cut before any output: what was held
 // back goes, and the new attempt's stream is passed on as the client's.
 func (t *tokenRecorder) restart() {
-	t.held, t.line, t.skipLine = t.held[:0], t.line[:0], false
+	t.held, t.line, t.skipLine, t.pendingEvent = t.held[:0], t.line[:0], false, ""
 	t.done, t.failed, t.responseID, t.lastSeq = false, false, "", 0
 	t.splice = &spliceState{restart: true}
 }
@@ -521,13 +537,15 @@ func (t *tokenRecorder) complete() bool {
 	if ok {
 		t.usage = u
 	}
-	if ok && t.responses {
-		if rest, _ := usageValue(t.body.Bytes()); bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
+	if t.responses {
+		// Its id, also for a response not done (see below), which its
+		// engine has stored all the same.
+		t.responseID = responseIDOfBody(t.body.Bytes())
+		if rest, _ := usageValue(t.body.Bytes()); ok && bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
 			// A response not done yet (background: true answers at once,
 			// queued): its engine still works on it.
 			return false
 		}
-		t.responseID = responseIDOfBody(t.body.Bytes())
 	}
 	return ok
 }

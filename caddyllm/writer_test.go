@@ -165,16 +165,85 @@ func TestResponsesRecorderEnds(t *testing.T) {
 
 	for _, tc := range []struct {
 		body     string
+		id       string
 		complete bool
 	}{
-		{`{"id":"resp_8","status":"queued","background":true,"output":[],"usage":null}`, false},
-		{`{"id":"resp_9","status":"completed","output":[],"usage":{"input_tokens":5,"output_tokens":2,"total_tokens":7}}`, true},
+		// Not done, but stored: its id is kept all the same.
+		{`{"id":"resp_8","status":"queued","background":true,"output":[],"usage":null}`, "resp_8", false},
+		{`{"id":"resp_9","status":"completed","output":[],"usage":{"input_tokens":5,"output_tokens":2,"total_tokens":7}}`, "resp_9", true},
+		// Longer than the recorder keeps: the id, first, is still found.
+		{`{"id":"resp_10","output":[{"text":"` + strings.Repeat("y", maxUsageBody) + `"}],"usage":{"input_tokens":5,"output_tokens":2}}`, "resp_10", false},
 	} {
 		rec := newTokenRecorder(httptest.NewRecorder(), st)
 		rec.Header().Set("Content-Type", "application/json")
-		rec.Write([]byte(tc.body))
-		if rec.complete() != tc.complete || (tc.complete && (rec.responseID != "resp_9" || rec.completionTokens() != 2)) {
-			t.Errorf("%s: complete %v, id %q", tc.body, !tc.complete, rec.responseID)
+		for b := []byte(tc.body); len(b) > 0; {
+			n := min(len(b), 32<<10)
+			rec.Write(b[:n])
+			b = b[n:]
 		}
+		if rec.complete() != tc.complete || rec.responseID != tc.id {
+			t.Errorf("%.60s: complete %v, id %q", tc.body, !tc.complete, rec.responseID)
+		}
+	}
+
+	// An event counts once it has all come.
+	rec = newTokenRecorder(httptest.NewRecorder(), st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte("event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":"))
+	if rec.complete() {
+		t.Fatal("complete before its last event came")
+	}
+	rec.Write([]byte("{\"input_tokens\":3,\"output_tokens\":1}}}\n\n"))
+	if !rec.complete() {
+		t.Fatal("not complete once its last event came")
+	}
+}
+
+// TestResponsesHoldBack: a Responses stream's announcement is held back
+// until its output begins, unless it is too large to hold (it then goes
+// to the client, and the request can no longer be sent again unseen); a
+// request sent again whose new answer is not a stream is refused, though
+// the proxy adds its headers to the first answer's.
+func TestResponsesHoldBack(t *testing.T) {
+	st := &requestState{req: &Request{Endpoint: EndpointResponses}}
+	created := "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\"}}\n\n"
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte(created))
+	if w.Body.Len() != 0 || rec.outputStarted {
+		t.Fatalf("announcement passed on (%d bytes) or taken for output", w.Body.Len())
+	}
+	rec.restart()
+	rec.Header().Add("Content-Type", "application/json") // the new answer's, added
+	rec.WriteHeader(404)
+	if rec.splice.refused != 404 || w.Body.Len() != 0 {
+		t.Fatalf("refused %d, %d bytes passed on", rec.splice.refused, w.Body.Len())
+	}
+	rec = newTokenRecorder(httptest.NewRecorder(), st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte(created))
+	rec.restart()
+	rec.Header().Add("Content-Type", "application/json")
+	rec.WriteHeader(200)
+	if rec.splice.refused != 200 {
+		t.Fatal("a JSON answer to the request sent again was taken for its stream")
+	}
+
+	w = httptest.NewRecorder()
+	rec = newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	huge := "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"instructions\":\"" + strings.Repeat("i", maxSSELine) + "\"}}\n\n"
+	for b := []byte(huge); len(b) > 0; {
+		n := min(len(b), 64<<10)
+		rec.Write(b[:n])
+		b = b[n:]
+	}
+	if !rec.outputStarted || w.Body.Len() == 0 {
+		t.Fatalf("an announcement too large to hold: held %d bytes, passed on %d, started %v", len(rec.held), w.Body.Len(), rec.outputStarted)
 	}
 }

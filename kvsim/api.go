@@ -141,8 +141,9 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	}
 	// vLLM takes max_completion_tokens over max_tokens (the chat API's
 	// newer name), and gives a completions request without either 16.
+	// max_completion_tokens is the chat API's alone.
 	maxTokens := rb.MaxCompletionTokens
-	if maxTokens == nil {
+	if maxTokens == nil || endpoint != EndpointChatCompletions {
 		maxTokens = rb.MaxTokens
 	}
 	var rf responsesFields

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"slices"
 	"sync"
 )
 
@@ -28,17 +27,23 @@ type responseItem struct {
 	Output    json.RawMessage `json:"output"`
 }
 
-// RenderResponses renders a Responses API request with the chat template:
-// the instructions as a system message, then the stored conversation it
-// continues (previous: nil for none), then its input. Instructions are
-// not carried over from a previous response, as in OpenAI's API.
+// RenderResponses renders a Responses API request with the chat template
+// (see responseMessages).
 func (p *ParsedRequest) RenderResponses(previous []ChatMessage) ([]byte, error) {
+	return RenderChat(p.responseMessages(previous), p.Tools, true, false)
+}
+
+// responseMessages is the conversation a Responses API request renders,
+// as vLLM builds it: the instructions as a system message, then the
+// stored conversation it continues (previous, nil for none: the earlier
+// request's messages, its own instructions among them, and its output),
+// then its input.
+func (p *ParsedRequest) responseMessages(previous []ChatMessage) []ChatMessage {
 	var msgs []ChatMessage
 	if p.Instructions != nil {
 		msgs = append(msgs, ChatMessage{Role: "system", Content: mustJSON(*p.Instructions)})
 	}
-	msgs = append(append(msgs, previous...), p.Messages...)
-	return RenderChat(msgs, p.Tools, true, false)
+	return append(append(msgs, previous...), p.Messages...)
 }
 
 // responsesMessages turns the input into the chat messages the chat
@@ -125,8 +130,7 @@ func (rs *responder) store(text []byte) {
 	if !rs.p.Store {
 		return
 	}
-	msgs := slices.Concat(rs.previous, rs.p.Messages,
-		[]ChatMessage{{Role: "assistant", Content: mustJSON(string(text))}})
+	msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
 	rs.s.responses.put(rs.req.ID, msgs)
 }
 

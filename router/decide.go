@@ -41,10 +41,11 @@ type Request struct {
 	MaxWait time.Duration
 	// Home is the upstream that holds state only it can continue (the
 	// stored response a Responses API request names: see
-	// Fleet.ResponseHome). While it is a member, available and not
-	// draining, it is the only candidate; otherwise the request is
-	// routed as any other (and the engine it reaches answers for the
-	// state it lacks).
+	// Fleet.ResponseHome). While it is a member, healthy and not
+	// draining, it is the only candidate, tried before or not (when it is
+	// full the request waits for it); otherwise the request is routed as
+	// any other (and the engine it reaches answers for the state it
+	// lacks).
 	Home string
 }
 
@@ -203,16 +204,22 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		cands[i] = f.candidate(m, u, opts, adapter, bt, observe)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
-		if req.Home != "" && m.Dial == req.Home && m.Available && !m.Draining {
+		if home < 0 && isHome(&req, m) {
 			home = i
 		}
 	}
 	if home >= 0 {
 		for i := range cands {
-			cands[i].Available = cands[i].Available && i == home
+			cands[i].Available = i == home && members[i].Available
 		}
 	}
 	return sreq, cands, states
+}
+
+// isHome says m is req's home and can take it: healthy (a full upstream
+// is waited for) and not draining.
+func isHome(req *Request, m *Member) bool {
+	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining
 }
 
 // The share by which a prompt counted from text may be over its real

@@ -55,6 +55,10 @@ type Hold struct {
 	held, readied bool
 	by            *upstream
 	avoidTried    bool
+	// home is the index of the request's home among members (see
+	// Request.Home), -1 when it has none there: only its releases ready
+	// the hold.
+	home int
 }
 
 // Ready is closed when the request may fit where it did not: decide
@@ -92,8 +96,11 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 	h.members = append(h.members[:0], members...)
 	h.engines = slices.Grow(h.engines[:0], len(members))
 	h.upstreams = h.upstreams[:0]
-	h.avoidTried = false
+	h.avoidTried, h.home = false, -1
 	for i := range h.members {
+		if h.home < 0 && isHome(&req, &h.members[i]) {
+			h.home = i
+		}
 		h.avoidTried = h.avoidTried || (h.members[i].Available && !h.members[i].Tried)
 		h.upstreams = append(h.upstreams, f.upstreams[h.members[i].Dial])
 		if e := h.members[i].Engine; e != nil {
@@ -178,7 +185,10 @@ func (f *Fleet) readyNext(u *upstream, now time.Time) {
 		// upstream is unavailable until a request there ends): a release
 		// is what may change it.
 		m := h.members[i]
-		if m.Tried && h.avoidTried {
+		if h.home >= 0 && i != h.home {
+			continue // it goes home
+		}
+		if m.Tried && h.avoidTried && i != h.home {
 			continue // the decision avoids it
 		}
 		m.Available = m.Available || m.Healthy // full, not down

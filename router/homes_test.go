@@ -5,9 +5,11 @@ import (
 	"testing"
 )
 
-// TestRequestGoesHome: a request with a home goes there while it is an
-// available member that is not draining, whatever the others offer (one
-// holds its whole prefix, idle); otherwise it is routed as any other.
+// TestRequestGoesHome: a request with a home goes there while it is a
+// healthy member that is not draining, whatever the others offer (one
+// holds its whole prefix, idle) and though it was tried before; a full
+// home is waited for; a home down or draining leaves the request routed
+// as any other.
 func TestRequestGoesHome(t *testing.T) {
 	f := New()
 	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
@@ -22,28 +24,67 @@ func TestRequestGoesHome(t *testing.T) {
 	}
 	req := warm
 	req.Home = home
-	for range 5 {
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge == nil || d.Charge.Dial() != home {
-			t.Fatalf("went to %v, home %s (holder %s)", d.Charge, home, holder)
+	with := func(change func(m *Member)) []Member {
+		ms := members("a", "b", "c")
+		for i := range ms {
+			if ms[i].Dial == home {
+				change(&ms[i])
+			}
 		}
-		served(f, d.Charge, t0)
+		return ms
+	}
+	for _, ms := range [][]Member{
+		with(func(*Member) {}),
+		with(func(m *Member) { m.Tried = true }), // a retry after its stream broke there
+	} {
+		for range 3 {
+			d := f.Decide(t0, req, ms, &opts, rng(), nil)
+			if d.Charge == nil || d.Charge.Dial() != home {
+				t.Fatalf("went to %v, home %s (holder %s)", d.Charge, home, holder)
+			}
+			served(f, d.Charge, t0)
+		}
+	}
+	if d := f.Decide(t0, req, with(func(m *Member) { m.Available = false }), &opts, rng(), nil); d.Charge != nil {
+		t.Fatalf("home full: went to %s, want a wait", d.Charge.Dial())
 	}
 	for _, change := range []func(m *Member){
 		func(m *Member) { m.Draining = true },
-		func(m *Member) { m.Available = false },
+		func(m *Member) { m.Available, m.Healthy = false, false },
 	} {
-		moved := members("a", "b", "c")
-		for i := range moved {
-			if moved[i].Dial == home {
-				change(&moved[i])
-			}
-		}
-		d := f.Decide(t0, req, moved, &opts, rng(), nil)
+		d := f.Decide(t0, req, with(change), &opts, rng(), nil)
 		if d.Charge == nil || d.Charge.Dial() == home {
 			t.Fatalf("home %s draining or down: went to %v", home, d.Charge)
 		}
 		served(f, d.Charge, t0)
+	}
+}
+
+// TestPinnedHoldWaitsForItsHome: a request waiting for its full home is
+// readied by its home's releases only; another upstream's release readies
+// the request behind it that fits there.
+func TestPinnedHoldWaitsForItsHome(t *testing.T) {
+	q, ms := newQueue(t, OutputFixed), fleetOf(5000, "a", "b")
+	xa := q.place(1, 4800, ms) // a: 4900 of 5000
+	xb := q.place(2, 4800, ms) // b: 4900
+	if xa.Dial() == xb.Dial() {
+		t.Fatal("both on one upstream")
+	}
+	pinned := q.request(10, 1000)
+	pinned.Home = xa.Dial()
+	d := q.f.Decide(t0, pinned, ms, &q.opts, rng(), nil)
+	if d.Charge != nil {
+		t.Fatal("pinned request placed")
+	}
+	p := q.f.Hold(nil, &d, pinned, t0, ms, &q.opts)
+	_, other := q.hold(11, 1000, ms)
+	served(q.f, xb, t0) // b frees
+	if isReady(p) || !isReady(other) {
+		t.Fatalf("b's release readied the pinned request %v, the other %v", isReady(p), isReady(other))
+	}
+	served(q.f, xa, t0) // its home frees
+	if !isReady(p) {
+		t.Fatal("its home's release did not ready the pinned request")
 	}
 }
 
