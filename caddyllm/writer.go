@@ -379,13 +379,7 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		t.streamCreated = f.created
 	}
 	if f.hasUsage {
-		u := f.usage
-		if f.hasCached {
-			u.PromptTokensDetails = &struct {
-				CachedTokens int `json:"cached_tokens"`
-			}{f.cached}
-		}
-		t.usage = &u
+		t.usage = withCached(f.usage, f.cached, f.hasCached)
 	}
 	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
 		t.tokens++
@@ -450,13 +444,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.pendingEvent = typ // counts when the event ends
 	}
 	if ev.hasUsage {
-		u := ev.usage
-		if ev.hasCached {
-			u.PromptTokensDetails = &struct {
-				CachedTokens int `json:"cached_tokens"`
-			}{ev.cached}
-		}
-		t.usage = &u
+		t.usage = withCached(ev.usage, ev.cached, ev.hasCached)
 	}
 }
 
@@ -498,6 +486,16 @@ type responsesUsage struct {
 func (u *responsesUsage) usage() usage {
 	return usage{PromptTokens: u.InputTokens, CompletionTokens: u.OutputTokens, TotalTokens: u.TotalTokens,
 		PromptTokensDetails: u.InputTokensDetails}
+}
+
+// withCached returns u with its prompt's cached tokens, when reported.
+func withCached(u usage, cached int, hasCached bool) *usage {
+	if hasCached {
+		u.PromptTokensDetails = &struct {
+			CachedTokens int `json:"cached_tokens"`
+		}{cached}
+	}
+	return &u
 }
 
 // generatesOtherwise reports whether a chunk without text carries a tool
@@ -570,12 +568,7 @@ func usageOfBody(body []byte, responses bool) (*usage, bool) {
 		keys = responsesUsageKeys[:]
 	}
 	if s.readUsage(keys, &u, &cached, &hasCached) {
-		if hasCached {
-			u.PromptTokensDetails = &struct {
-				CachedTokens int `json:"cached_tokens"`
-			}{cached}
-		}
-		return &u, true
+		return withCached(u, cached, hasCached), true
 	}
 	// Anything unusual is for encoding/json to read.
 	return decodeUsage(rest, responses)

@@ -193,30 +193,12 @@ func outputText(text []byte) map[string]any {
 
 // collectResponse answers a non-streaming Responses API request.
 func (rs *responder) collectResponse() {
-	var text []byte
-	for {
-		evs, ok := rs.next()
-		if !ok {
-			if rs.r.Context().Err() == nil {
-				writeError(rs.w, newAPIError(http.StatusServiceUnavailable, "kvsim engine stopped"))
-			}
-			return
-		}
-		for _, ev := range evs {
-			if ev.Kind != EventFinished {
-				text = append(text, ev.Text...)
-				rs.written++
-				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
-					rs.cut()
-					return
-				}
-				continue
-			}
-			rs.store(text)
-			writeJSON(rs.w, http.StatusOK, rs.responseObject(newID("msg_"), text, &ev))
-			return
-		}
+	text, ev, ok := rs.generate()
+	if !ok {
+		return
 	}
+	rs.store(text)
+	writeJSON(rs.w, http.StatusOK, rs.responseObject(newID("msg_"), text, &ev))
 }
 
 // streamResponse streams a Responses API answer as its typed events.

@@ -340,7 +340,11 @@ func (rs *responder) cut() {
 	panic(http.ErrAbortHandler) // HTTP/2: net/http resets the stream without logging
 }
 
-func (rs *responder) collect() {
+// generate gathers the generated text until the request finishes and
+// returns it with the finishing event; false when there is nothing to
+// answer with (the client went away, the engine stopped, an injected cut),
+// what could be said being said.
+func (rs *responder) generate() ([]byte, Event, bool) {
 	var text []byte
 	for {
 		evs, ok := rs.next()
@@ -348,33 +352,40 @@ func (rs *responder) collect() {
 			if rs.r.Context().Err() == nil {
 				writeError(rs.w, newAPIError(http.StatusServiceUnavailable, "kvsim engine stopped"))
 			}
-			return
+			return nil, Event{}, false
 		}
 		for _, ev := range evs {
-			if ev.Kind != EventFinished {
-				text = append(text, ev.Text...)
-				rs.written++
-				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
-					rs.cut()
-					return
-				}
-				continue
+			if ev.Kind == EventFinished {
+				return text, ev, true
 			}
-			choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": ev.FinishReason, "stop_reason": nil}
-			object := "text_completion"
-			if rs.p.Endpoint == EndpointChatCompletions {
-				object = "chat.completion"
-				choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
-			} else {
-				choice["text"] = string(text)
+			text = append(text, ev.Text...)
+			rs.written++
+			if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+				rs.cut()
+				return nil, Event{}, false
 			}
-			writeJSON(rs.w, http.StatusOK, map[string]any{
-				"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model,
-				"choices": []any{choice}, "usage": usageOf(ev),
-			})
-			return
 		}
 	}
+}
+
+// collect answers a non-streaming completion or chat completion.
+func (rs *responder) collect() {
+	text, ev, ok := rs.generate()
+	if !ok {
+		return
+	}
+	choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": ev.FinishReason, "stop_reason": nil}
+	object := "text_completion"
+	if rs.p.Endpoint == EndpointChatCompletions {
+		object = "chat.completion"
+		choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
+	} else {
+		choice["text"] = string(text)
+	}
+	writeJSON(rs.w, http.StatusOK, map[string]any{
+		"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model,
+		"choices": []any{choice}, "usage": usageOf(ev),
+	})
 }
 
 func (rs *responder) streamSSE() {
