@@ -128,12 +128,18 @@ func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Hand
 func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	w := &rec.ResponseWriterWrapper
 	if rec.responses {
-		// What was held back goes first: the error follows the
-		// response's announcement, numbered after it.
+		// The whole events held back go first (the error follows the
+		// response's announcement, numbered after it); an event cut off
+		// in the middle does not.
+		rec.held = rec.held[:rec.heldEvents]
 		rec.flushHeld()
+		seq := int64(0)
+		if rec.seenSeq {
+			seq = rec.lastSeq + 1
+		}
 		ev, _ := json.Marshal(map[string]any{
 			"type": "error", "code": "server_error", "message": "stream interrupted: " + msg, "param": nil,
-			"sequence_number": rec.lastSeq + 1,
+			"sequence_number": seq,
 		})
 		_, err := fmt.Fprintf(w, "event: error\ndata: %s\n\n", ev)
 		http.NewResponseController(w).Flush()

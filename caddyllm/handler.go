@@ -503,7 +503,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// A continuation's prompt is the original one plus the text so far,
 	// and its usage is rewritten to cover the whole generation: neither
 	// tells the prompt's bytes per token.
-	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) {
+	// Nor does a Responses request continuing a stored response: the
+	// engine counts the stored conversation too.
+	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)

@@ -41,6 +41,7 @@ type tokenRecorder struct {
 	// lastSeq the last event's sequence_number.
 	responseID string
 	lastSeq    int64
+	seenSeq    bool
 	// outputStarted says a Responses stream sent more than its
 	// response's creation (response.created, response.in_progress):
 	// until then its events are held back, so that a stream cut before
@@ -77,8 +78,11 @@ type tokenRecorder struct {
 	discard atomic.Bool
 	// splice is set while a continuation's stream is spliced in.
 	splice *spliceState
-	// held is the start of an event whose end has not come yet.
-	held []byte
+	// held is the start of an event whose end has not come yet (and,
+	// for a Responses stream, the events held back before its output);
+	// heldEvents is how much of it is whole events.
+	held       []byte
+	heldEvents int
 }
 
 // usage is the OpenAI usage object (the Responses API's input_tokens and
@@ -199,6 +203,9 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 			end, _ := t.scan(p, false)
 			if t.responses && !t.outputStarted {
 				if len(t.held)+len(p) <= maxSSELine {
+					if end >= 0 {
+						t.heldEvents = len(t.held) + end
+					}
 					t.held = append(t.held, p...)
 					return len(p), nil
 				}
@@ -237,7 +244,7 @@ func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
 	if _, err := t.ResponseWriterWrapper.Write(p[:end]); err != nil {
 		return 0, err
 	}
-	t.held = append(t.held[:0], p[end:]...)
+	t.held, t.heldEvents = append(t.held[:0], p[end:]...), 0
 	return len(p), nil
 }
 
@@ -246,7 +253,7 @@ func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
 func (t *tokenRecorder) flushHeld() {
 	if len(t.held) > 0 {
 		t.ResponseWriterWrapper.Write(t.held)
-		t.held = t.held[:0]
+		t.held, t.heldEvents = t.held[:0], 0
 		http.NewResponseController(&t.ResponseWriterWrapper).Flush()
 	}
 }
@@ -431,7 +438,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		}
 	}
 	if ev.hasSeq {
-		t.lastSeq = ev.seq
+		t.lastSeq, t.seenSeq = ev.seq, true
 	}
 	if t.responseID == "" && ev.id.end > ev.id.start {
 		t.responseID = t.decode(data, ev.id)
@@ -467,8 +474,8 @@ func (t *tokenRecorder) responseEventName(typ string) {
 // after its Responses stream was cut before any output: what was held
 // back goes, and the new attempt's stream is passed on as the client's.
 func (t *tokenRecorder) restart() {
-	t.held, t.line, t.skipLine, t.pendingEvent = t.held[:0], t.line[:0], false, ""
-	t.done, t.failed, t.responseID, t.lastSeq = false, false, "", 0
+	t.held, t.heldEvents, t.line, t.skipLine, t.pendingEvent = t.held[:0], 0, t.line[:0], false, ""
+	t.done, t.failed, t.responseID, t.lastSeq, t.seenSeq = false, false, "", 0, false
 	t.splice = &spliceState{restart: true}
 }
 

@@ -247,3 +247,75 @@ func TestResponsesHoldBack(t *testing.T) {
 		t.Fatalf("an announcement too large to hold: held %d bytes, passed on %d, started %v", len(rec.held), w.Body.Len(), rec.outputStarted)
 	}
 }
+
+// TestResponsesStreamEndsWithWholeEvents: a Responses stream ended by the
+// router gets the whole events held back, never one cut off in the
+// middle, then the API's error event, numbered after the last event the
+// client may have seen (0 when none).
+func TestResponsesStreamEndsWithWholeEvents(t *testing.T) {
+	st := &requestState{req: &Request{Endpoint: EndpointResponses}}
+	created := "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\"}}\n\n"
+	for _, tc := range []struct {
+		name, written, want string
+		seq                 string
+	}{
+		{"announced, then cut in an event", created + "event: response.in_progress\ndata: {\"type\":\"resp",
+			created, `"sequence_number":1`},
+		{"output begun, then cut in an event", created + "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\",\"sequence_number\":1}\n\n" +
+			"event: response.output_text.delta\ndata: {\"ty", "", `"sequence_number":2`},
+	} {
+		w := httptest.NewRecorder()
+		rec := newTokenRecorder(w, st)
+		rec.Header().Set("Content-Type", "text/event-stream")
+		rec.WriteHeader(200)
+		rec.Write([]byte(tc.written))
+		if err := (&Handler{}).endStream(rec, "cut"); err != nil {
+			t.Fatal(err)
+		}
+		body := w.Body.String()
+		tail := body[strings.LastIndex(body, "event: error"):]
+		head := body[:len(body)-len(tail)]
+		if !strings.HasSuffix(head, "\n\n") && head != "" || strings.Contains(head, `{"ty"`) || strings.Contains(head, `{"type":"resp"`) ||
+			!strings.Contains(tail, tc.seq) || (tc.want != "" && head != tc.want) {
+			t.Errorf("%s: the client got %q", tc.name, body)
+		}
+	}
+	// Sent again, and the new attempt failed before any event: the error
+	// is the first event the client sees.
+	w := httptest.NewRecorder()
+	rec := newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte(created))
+	rec.restart()
+	(&Handler{}).endStream(rec, "cut")
+	if body := w.Body.String(); !strings.HasPrefix(body, "event: error") || !strings.Contains(body, `"sequence_number":0`) {
+		t.Errorf("after a restart: the client got %q", body)
+	}
+}
+
+// TestContinuedResponseTeachesNothing: the usage of a Responses request
+// continuing a stored response counts the stored conversation too, so it
+// does not teach the model's bytes per token; the same answers to a
+// request sending its whole conversation do.
+func TestContinuedResponseTeachesNothing(t *testing.T) {
+	for _, previous := range []string{"resp_earlier", ""} {
+		sh := newShared()
+		opts := router.Options{}.WithDefaults()
+		for range 5 {
+			st := &requestState{req: &Request{Endpoint: EndpointResponses, Model: "m", PromptTokens: 100, PromptBytes: 400, PreviousResponseID: previous}}
+			d := sh.fleet.Decide(time.Now(), router.Request{PromptTokens: 100, PromptBytes: 400, Model: "m"},
+				[]router.Member{{Dial: "w:1", Available: true, Healthy: true}}, &opts, newLockedRand(), nil)
+			st.current = &attempt{st: st, sh: sh, charge: d.Charge}
+			rec := newTokenRecorder(httptest.NewRecorder(), st)
+			rec.Header().Set("Content-Type", "application/json")
+			rec.Write([]byte(`{"id":"resp_1","usage":{"input_tokens":3000,"output_tokens":2,"total_tokens":3002}}`))
+			st.finish(rec)
+		}
+		_, learned := sh.fleet.BytesPerToken("m")
+		sh.Destruct()
+		if learned != (previous == "") {
+			t.Errorf("previous_response_id %q: learned %v", previous, learned)
+		}
+	}
+}

@@ -275,8 +275,8 @@ func (e *Engine) Submit(req *Request, now time.Duration) error {
 	if promptTokens == 0 {
 		return errBadRequest("The prompt must not be empty.")
 	}
-	if room := min(e.cfg.MaxModelLen, e.cfg.NumGPUBlocks*e.cfg.BlockSize) - promptTokens; req.CapOutput && room >= 1 {
-		req.OutputTokens = min(req.OutputTokens, room)
+	if room := min(e.cfg.MaxModelLen, e.cfg.NumGPUBlocks*e.cfg.BlockSize) - promptTokens; req.CapOutput && room >= 1 && req.OutputTokens > room {
+		req.OutputTokens, req.LengthLimited = room, true
 	}
 	if err := e.CheckFits(promptTokens, req.OutputTokens); err != nil {
 		return err
