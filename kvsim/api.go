@@ -3,6 +3,8 @@ package kvsim
 import (
 	"bytes"
 	"encoding/json"
+	"slices"
+	"strings"
 )
 
 // Endpoint says which OpenAI API a request body belongs to.
@@ -79,12 +81,24 @@ type requestBody struct {
 	Store              json.RawMessage `json:"store"`
 }
 
+// foreignFields are, for each API, the fields of the others that kvsim
+// reads.
+var foreignFields = map[Endpoint]map[string]bool{
+	EndpointCompletions: {"messages": true, "max_completion_tokens": true, "add_generation_prompt": true, "continue_final_message": true,
+		"input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true, "store": true},
+	EndpointChatCompletions: {"prompt": true, "input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true, "store": true},
+	EndpointResponses: {"prompt": true, "messages": true, "max_tokens": true, "max_completion_tokens": true, "n": true,
+		"add_generation_prompt": true, "continue_final_message": true, "stream_options": true},
+}
+
 // responsesFields are the Responses API's own fields of a request.
 type responsesFields struct {
 	Instructions       *string `json:"instructions"`
 	MaxOutputTokens    *int    `json:"max_output_tokens"`
 	PreviousResponseID *string `json:"previous_response_id"`
-	Store              *bool   `json:"store"`
+	// Store is read as pydantic's lax mode reads a boolean: false, 0 and
+	// "false" (and the like) are false.
+	Store any `json:"store"`
 }
 
 // decode reads the Responses API's fields of rb.
@@ -116,6 +130,18 @@ const completionsDefaultMaxTokens = 16
 // ParseRequest parses and validates a generation request body. defaultOutput is the length
 // when neither max_tokens nor kvsim_output_tokens is set. Errors are 400 *APIErrors.
 func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput int) (*ParsedRequest, error) {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &fields); err != nil {
+		return nil, errBadRequestf("Invalid JSON body: %v", err)
+	}
+	// Another API's fields are extra fields to this one, which vLLM
+	// ignores whatever they hold.
+	for key := range fields {
+		if foreignFields[endpoint][strings.ToLower(key)] {
+			delete(fields, key)
+		}
+	}
+	body, _ = json.Marshal(fields)
 	var rb requestBody
 	if err := json.Unmarshal(body, &rb); err != nil {
 		return nil, errBadRequestf("Invalid JSON body: %v", err)
@@ -147,6 +173,7 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		maxTokens = rb.MaxTokens
 	}
 	var rf responsesFields
+	p.Store = true
 	if endpoint == EndpointResponses {
 		var err error
 		if rf, err = rb.responsesFields(); err != nil {
@@ -195,7 +222,15 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
-		p.Tools, p.Store = rb.Tools, rf.Store == nil || *rf.Store
+		p.Tools = rb.Tools
+		switch v := rf.Store.(type) {
+		case bool:
+			p.Store = v
+		case float64:
+			p.Store = v != 0
+		case string:
+			p.Store = !slices.Contains([]string{"false", "f", "no", "n", "off", "0"}, strings.ToLower(v))
+		}
 		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
 			p.Instructions = rf.Instructions
 		}

@@ -133,3 +133,26 @@ func TestOpenAIClientResponses(t *testing.T) {
 		t.Fatalf("no input: %v", err)
 	}
 }
+
+// TestOtherAPIsFieldsIgnored: a field of another API is an extra field,
+// which vLLM ignores whatever it holds; store is read leniently.
+func TestOtherAPIsFieldsIgnored(t *testing.T) {
+	tok := NewTokenizer(4)
+	for _, tc := range []struct {
+		ep   Endpoint
+		body string
+	}{
+		{EndpointCompletions, `{"prompt":"p","messages":42,"max_completion_tokens":"x","input":5}`},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"hi"}],"prompt":7,"max_output_tokens":"x","store":"no"}`},
+		{EndpointResponses, `{"input":"hi","max_tokens":"x","messages":1,"n":"two","store":"false"}`},
+	} {
+		p, err := ParseRequest(tc.ep, []byte(tc.body), tok, 16)
+		if err != nil {
+			t.Errorf("%s: %v", tc.body, err)
+			continue
+		}
+		if tc.ep == EndpointResponses && p.Store {
+			t.Errorf(`%s: store "false" read as true`, tc.body)
+		}
+	}
+}
