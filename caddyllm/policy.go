@@ -804,6 +804,16 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	p.sh.metrics.decision(fallbackReason).Inc()
+	// A request about a stored response (its retrieval, its input items,
+	// its cancellation, its deletion) goes where the response is, as one
+	// continuing it does.
+	if dial := p.sh.fleet.ResponseHome(storedResponseID(r.URL.Path)); dial != "" {
+		for _, u := range pool {
+			if u.Dial == dial && u.Available() {
+				return u
+			}
+		}
+	}
 	// A generation request the handler did not read: the llm_affinity
 	// directive is missing from the route, or comes after reverse_proxy.
 	// Affinity is then off for every request; say so once.
@@ -834,6 +844,20 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		}
 	}
 	return best
+}
+
+// storedResponseID is the response id a path names below /responses/
+// (/v1/responses/{id}, /v1/responses/{id}/cancel, ...), "" for none.
+func storedResponseID(path string) string {
+	i := strings.LastIndex(path, "/responses/")
+	if i < 0 {
+		return ""
+	}
+	id, _, _ := strings.Cut(path[i+len("/responses/"):], "/")
+	if len(id) > maxResponseIDBytes {
+		return ""
+	}
+	return id
 }
 
 // requestStateOf returns the state the handler stored, if any.

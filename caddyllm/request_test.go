@@ -459,3 +459,20 @@ func TestEachAPIReadsItsOwnFields(t *testing.T) {
 		}
 	}
 }
+
+func TestStoredResponseID(t *testing.T) {
+	for path, want := range map[string]string{
+		"/v1/responses/resp_1":                      "resp_1",
+		"/v1/responses/resp_1/cancel":               "resp_1",
+		"/v1/responses/resp_1/input_items":          "resp_1",
+		"/openai/v1/responses/resp_2":               "resp_2",
+		"/v1/responses":                             "",
+		"/v1/responses/":                            "",
+		"/v1/chat/completions":                      "",
+		"/v1/responses/" + strings.Repeat("r", 300): "",
+	} {
+		if got := storedResponseID(path); got != want {
+			t.Errorf("%s: %q, want %q", path, got, want)
+		}
+	}
+}

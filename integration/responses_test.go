@@ -111,8 +111,8 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 }
 
 // TestPreviousResponseGoesHome: an engine keeps a stored response in its
-// own memory, so a request naming it as previous_response_id can only be
-// answered by the replica that answered it. Five conversations of three
+// own memory, so a request naming it as previous_response_id, or
+// retrieving it, can only be answered by the replica that answered it. Five conversations of three
 // turns, each turn continuing the one before by id (the second streamed,
 // its id learned from the stream's events), all succeed on their first
 // turn's replica, with other traffic between them; spread over four
@@ -157,6 +157,10 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 		var third *http.Response
 		if _, err := client.Responses.New(ctx, params, option.WithResponseInto(&third)); err != nil || third.Header.Get(kvsim.ReplicaHeader) != home {
 			t.Fatalf("conversation %d turn 3: %v (home %s)", c, err, home)
+		}
+		// Retrieving a stored response goes where it is too.
+		if got, err := client.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}); err != nil || got.ID != resp.ID {
+			t.Fatalf("conversation %d: retrieving %s: %v", c, resp.ID, err)
 		}
 	}
 }

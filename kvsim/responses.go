@@ -94,29 +94,35 @@ func responsesMessages(input json.RawMessage) ([]ChatMessage, error) {
 // previous_response_id; the oldest goes first.
 const maxStoredResponses = 4096
 
-// responseStore is the server's stored responses: each one's
-// conversation (without instructions) and output, in memory, as vLLM
-// keeps them when its response store is on.
+// responseStore is the server's stored responses, in memory, as vLLM
+// keeps them when its response store is on: each one's conversation (its
+// messages and output, to continue it) and the response object (to
+// retrieve it).
 type responseStore struct {
 	mu    sync.Mutex
-	byID  map[string][]ChatMessage
+	byID  map[string]storedResponse
 	order []string
 }
 
-func (rs *responseStore) get(id string) ([]ChatMessage, bool) {
-	rs.mu.Lock()
-	defer rs.mu.Unlock()
-	msgs, ok := rs.byID[id]
-	return msgs, ok
+type storedResponse struct {
+	msgs   []ChatMessage
+	object map[string]any
 }
 
-func (rs *responseStore) put(id string, msgs []ChatMessage) {
+func (rs *responseStore) get(id string) (storedResponse, bool) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	r, ok := rs.byID[id]
+	return r, ok
+}
+
+func (rs *responseStore) put(id string, r storedResponse) {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.byID == nil {
-		rs.byID = make(map[string][]ChatMessage)
+		rs.byID = make(map[string]storedResponse)
 	}
-	rs.byID[id] = msgs
+	rs.byID[id] = r
 	rs.order = append(rs.order, id)
 	if len(rs.order) > maxStoredResponses {
 		delete(rs.byID, rs.order[0])
@@ -124,14 +130,27 @@ func (rs *responseStore) put(id string, msgs []ChatMessage) {
 	}
 }
 
-// store keeps a finished response for later previous_response_id, when
-// the request asked for it.
-func (rs *responder) store(text []byte) {
+// store keeps a finished response, object, for later previous_response_id
+// and retrieval, when the request asked for it.
+func (rs *responder) store(text []byte, object map[string]any) {
 	if !rs.p.Store {
 		return
 	}
 	msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
-	rs.s.responses.put(rs.req.ID, msgs)
+	rs.s.responses.put(rs.req.ID, storedResponse{msgs: msgs, object: object})
+}
+
+// handleRetrieve answers GET /v1/responses/{id}: the stored response, or
+// 404 from a server that does not hold it.
+func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	stored, ok := s.responses.get(id)
+	if !ok {
+		writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
+			Message: fmt.Sprintf("Response with id '%s' not found.", id)})
+		return
+	}
+	writeJSON(w, http.StatusOK, stored.object)
 }
 
 func mustJSON(v any) json.RawMessage {
@@ -197,8 +216,9 @@ func (rs *responder) collectResponse() {
 	if !ok {
 		return
 	}
-	rs.store(text)
-	writeJSON(rs.w, http.StatusOK, rs.responseObject(newID("msg_"), text, &ev))
+	object := rs.responseObject(newID("msg_"), text, &ev)
+	rs.store(text, object)
+	writeJSON(rs.w, http.StatusOK, object)
 }
 
 // streamResponse streams a Responses API answer as its typed events.
@@ -251,11 +271,12 @@ func (rs *responder) streamResponse() {
 					return
 				}
 			case EventFinished:
-				rs.store(text)
+				object := rs.responseObject(msgID, text, &ev)
+				rs.store(text, object)
 				_ = send("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}})) &&
 					send("response.content_part.done", at(map[string]any{"part": outputText(text)})) &&
 					send("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}) &&
-					send("response.completed", map[string]any{"response": rs.responseObject(msgID, text, &ev)})
+					send("response.completed", map[string]any{"response": object})
 				return
 			}
 		}

@@ -86,8 +86,16 @@ func TestOpenAIClientResponses(t *testing.T) {
 	if third.Usage.InputTokens <= resp.Usage.InputTokens || third.Usage.InputTokensDetails.CachedTokens < resp.Usage.InputTokens-64 {
 		t.Fatalf("continued: usage %+v after %+v", third.Usage, resp.Usage)
 	}
+	// It is retrieved by its id, here only.
+	if got, err := client.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}); err != nil || got.ID != resp.ID || got.OutputText() != resp.OutputText() {
+		t.Fatalf("retrieved %v: %v", got, err)
+	}
 	_, other := newTestServer(t, Config{})
 	elsewhere := openai.NewClient(option.WithBaseURL(other.URL+"/v1/"), option.WithAPIKey("none"))
+	var missing *openai.Error
+	if _, err := elsewhere.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}); !errors.As(err, &missing) || missing.StatusCode != 404 {
+		t.Fatalf("another server retrieved %s: %v", resp.ID, err)
+	}
 	_, err = elsewhere.Responses.New(ctx, responses.ResponseNewParams{
 		Model: DefaultModel, PreviousResponseID: openai.String(resp.ID),
 		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("And 7 times 8?")},

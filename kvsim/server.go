@@ -132,6 +132,7 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/completions", s.handleGenerate(EndpointCompletions))
 	s.mux.HandleFunc("POST /v1/chat/completions", s.handleGenerate(EndpointChatCompletions))
 	s.mux.HandleFunc("POST /v1/responses", s.handleGenerate(EndpointResponses))
+	s.mux.HandleFunc("GET /v1/responses/{id}", s.handleRetrieve)
 	s.mux.HandleFunc("GET /v1/models", s.handleModels)
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
@@ -252,12 +253,13 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		if p.PreviousResponseID != "" {
 			// Stored in this server's memory only, as in vLLM: another
 			// replica does not know it.
-			var ok bool
-			if previous, ok = s.responses.get(p.PreviousResponseID); !ok {
+			stored, ok := s.responses.get(p.PreviousResponseID)
+			if !ok {
 				writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
 					Message: fmt.Sprintf("Response with id '%s' not found.", p.PreviousResponseID)})
 				return
 			}
+			previous = stored.msgs
 			if p.Context, err = p.RenderResponses(previous); err != nil {
 				writeError(w, err)
 				return
