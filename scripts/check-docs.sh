@@ -59,12 +59,16 @@ p='You are a code reviewer. Follow the style guide. '*1300
 for i in range(48):
     json.dump({'model':'meta-llama/Llama-3.1-8B-Instruct','prompt':p+' Review change %d: '%i+('diff line %d; '%i)*600,'max_tokens':200}, open('/tmp/hot%02d.json'%i,'w'))\""
 expect 'warm' "ls /tmp/hot*.json | xargs -P 48 -I{} curl -s -o /dev/null -D - localhost:8080/v1/completions -H 'Content-Type: application/json' -d @{} | grep -i x-llm-affinity | sed 's/.*upstream=\([^;]*\); reason=\([a-z]*\).*/\1 \2/' | sort | uniq -c"
-# The Responses API: previous_response_id stays where the response was stored.
-run 'curl -s localhost:8080/v1/responses -H "Content-Type: application/json" -D /tmp/resp1.headers -o /tmp/resp1.json -d "{\"model\":\"$M\",\"instructions\":\"$SYS\",\"input\":\"My order is late.\",\"max_output_tokens\":8}"'
-REPLICA=$(grep -i x-kvsim-replica /tmp/resp1.headers | tr -d '\r' | awk '{print $2}')
-R=$(python3 -c 'import json; print(json.load(open("/tmp/resp1.json"))["id"])')
-export R
-expect "X-Kvsim-Replica: $REPLICA" 'curl -s -o /dev/null -D - localhost:8080/v1/responses -H "Content-Type: application/json" -d "{\"model\":\"$M\",\"previous_response_id\":\"$R\",\"input\":\"Order 1234.\",\"max_output_tokens\":8}" | grep -iE "x-kvsim|x-llm"'
+# The Responses API: previous_response_id stays where the response was stored (three
+# conversations: a router that did not pin them would pass only by a 1-in-64 chance).
+for q in "My order is late." "My parcel is lost." "My bill is wrong."; do
+	export Q="$q"
+	run 'curl -s localhost:8080/v1/responses -H "Content-Type: application/json" -D /tmp/resp1.headers -o /tmp/resp1.json -d "{\"model\":\"$M\",\"instructions\":\"$SYS\",\"input\":\"$Q\",\"max_output_tokens\":8}"'
+	REPLICA=$(grep -i x-kvsim-replica /tmp/resp1.headers | tr -d '\r' | awk '{print $2}')
+	R=$(python3 -c 'import json; print(json.load(open("/tmp/resp1.json"))["id"])')
+	export R
+	expect "X-Kvsim-Replica: $REPLICA" 'curl -s -o /dev/null -D - localhost:8080/v1/responses -H "Content-Type: application/json" -d "{\"model\":\"$M\",\"previous_response_id\":\"$R\",\"input\":\"Order 1234.\",\"max_output_tokens\":8}" | grep -iE "x-kvsim|x-llm"'
+done
 expect '"dial":"127.0.0.1:9004"' 'curl -s localhost:2019/llm_affinity/upstreams'
 expect 'caddy_llm_affinity_time_to_first_token_seconds_count\{reason="[a-z]+",upstream="127.0.0.1:900[1-4]"\}' "curl -s localhost:2019/metrics | grep -E '^caddy_llm_affinity_time_to_first_token_seconds_count'"
 expect '<html' 'curl -s localhost:2020/llm_affinity/'
