@@ -114,13 +114,12 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 
 // choose is Choose with req as it is; it also returns how many candidates
 // the KV filter excluded.
-func choose(reqp *Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) (Decision, int) {
-	req := *reqp
+func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) (Decision, int) {
 	d := Decision{Chosen: -1, Reason: Shed}
 	var blocked [5]int
 	bestMatch := 0
 	for i := range cands {
-		f := filter(&req, &cands[i], opts.KVMarginTokens)
+		f := filter(req, &cands[i], opts.KVMarginTokens)
 		if f != NotFiltered {
 			blocked[f]++
 			if explain != nil {
@@ -143,14 +142,14 @@ func choose(reqp *Request, cands []Candidate, opts Options, rng Rand, explain *E
 
 	var k coster
 	if opts.Strategy == SGLang {
-		d.Chosen = chooseSGLang(&req, cands, opts, rng)
+		d.Chosen = chooseSGLang(req, cands, opts, rng)
 	} else {
-		k = newCoster(&req, cands, opts)
+		k = newCoster(req, cands, opts)
 		d.Chosen = pickLowest(&k, rng)
 	}
 
 	c := &cands[d.Chosen]
-	d.EstimatedTTFTSeconds = EstimateTTFT(&req, c)
+	d.EstimatedTTFTSeconds = EstimateTTFT(req, c)
 	switch {
 	case req.Adapter != "" && c.Adapter != AdapterResident:
 		d.Reason = Adapter
@@ -163,7 +162,7 @@ func choose(reqp *Request, cands []Candidate, opts Options, rng Rand, explain *E
 	}
 	if explain != nil {
 		if opts.Strategy == SGLang { // no per-candidate cost; rank by ttft
-			k = coster{req: &req, cands: cands, opts: opts, strategy: TTFT}
+			k = coster{req: req, cands: cands, opts: opts, strategy: TTFT}
 		}
 		explain.Top = explainBest(&k)
 	}
