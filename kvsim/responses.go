@@ -265,9 +265,7 @@ func (rs *responder) streamResponse() {
 				if !send("response.output_text.delta", at(map[string]any{"delta": string(ev.Text), "logprobs": []any{}})) {
 					return
 				}
-				rs.written++
-				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
-					rs.cut()
+				if rs.cutHere() {
 					return
 				}
 			case EventFinished:

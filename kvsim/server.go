@@ -331,6 +331,17 @@ func (rs *responder) next() ([]Event, bool) {
 	}
 }
 
+// cutHere counts a token written and, once the fault's CutAfterTokens
+// are, cuts the connection; it reports whether it did.
+func (rs *responder) cutHere() bool {
+	rs.written++
+	if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
+		rs.cut()
+		return true
+	}
+	return false
+}
+
 // cut closes the connection abruptly, as a crashed engine would.
 func (rs *responder) cut() {
 	rc := http.NewResponseController(rs.w)
@@ -361,9 +372,7 @@ func (rs *responder) generate() ([]byte, Event, bool) {
 				return text, ev, true
 			}
 			text = append(text, ev.Text...)
-			rs.written++
-			if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
-				rs.cut()
+			if rs.cutHere() {
 				return nil, Event{}, false
 			}
 		}
@@ -444,9 +453,7 @@ func (rs *responder) streamSSE() {
 				if !send(chunk(string(ev.Text), false, finish)) {
 					return
 				}
-				rs.written++
-				if rs.cutAfter > 0 && rs.written >= rs.cutAfter {
-					rs.cut()
+				if rs.cutHere() {
 					return
 				}
 			case EventFinished:
