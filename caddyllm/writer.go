@@ -538,7 +538,11 @@ func (t *tokenRecorder) complete() bool {
 	if t.sse {
 		return t.done && !t.failed
 	}
-	u, ok := usageOfBody(t.body.Bytes(), t.responses)
+	rest, ok := usageValue(t.body.Bytes())
+	var u *usage
+	if ok {
+		u, ok = usageOfValue(rest, t.responses)
+	}
 	if ok {
 		t.usage = u
 	}
@@ -546,7 +550,7 @@ func (t *tokenRecorder) complete() bool {
 		// Its id, also for a response not done (see below), which its
 		// engine has stored all the same.
 		t.responseID = responseIDOfBody(t.body.Bytes())
-		if rest, _ := usageValue(t.body.Bytes()); ok && bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
+		if ok && bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
 			// A response not done yet (background: true answers at once,
 			// queued): its engine still works on it.
 			return false
@@ -565,6 +569,12 @@ func usageOfBody(body []byte, responses bool) (*usage, bool) {
 	if !ok {
 		return nil, false
 	}
+	return usageOfValue(rest, responses)
+}
+
+// usageOfValue reads the usage object at the start of rest (what
+// usageValue found).
+func usageOfValue(rest []byte, responses bool) (*usage, bool) {
 	var u usage
 	var depth [1]uint64
 	s := scanner{buf: rest, inObject: depth[:]}
