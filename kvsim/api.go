@@ -91,6 +91,32 @@ var foreignFields = map[Endpoint]map[string]bool{
 		"add_generation_prompt": true, "continue_final_message": true, "stream_options": true},
 }
 
+// decodeRequestBody decodes body for endpoint. Another API's fields are
+// extra fields to this one, which vLLM ignores whatever they hold: a body
+// that does not decode is decoded again without them (the other APIs'
+// fields it holds are otherwise not read for this endpoint).
+func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
+	var rb requestBody
+	if json.Unmarshal(body, &rb) == nil {
+		return &rb, nil
+	}
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &fields); err != nil {
+		return nil, errBadRequestf("Invalid JSON body: %v", err)
+	}
+	for key := range fields {
+		if foreignFields[endpoint][strings.ToLower(key)] {
+			delete(fields, key)
+		}
+	}
+	body, _ = json.Marshal(fields)
+	rb = requestBody{}
+	if err := json.Unmarshal(body, &rb); err != nil {
+		return nil, errBadRequestf("Invalid JSON body: %v", err)
+	}
+	return &rb, nil
+}
+
 // responsesFields are the Responses API's own fields of a request.
 type responsesFields struct {
 	Instructions       *string `json:"instructions"`
@@ -130,23 +156,16 @@ const completionsDefaultMaxTokens = 16
 // ParseRequest parses and validates a generation request body. defaultOutput is the length
 // when neither max_tokens nor kvsim_output_tokens is set. Errors are 400 *APIErrors.
 func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput int) (*ParsedRequest, error) {
-	var fields map[string]json.RawMessage
-	if err := json.Unmarshal(body, &fields); err != nil {
-		return nil, errBadRequestf("Invalid JSON body: %v", err)
-	}
-	// Another API's fields are extra fields to this one, which vLLM
-	// ignores whatever they hold.
-	for key := range fields {
-		if foreignFields[endpoint][strings.ToLower(key)] {
-			delete(fields, key)
-		}
-	}
-	body, _ = json.Marshal(fields)
-	var rb requestBody
-	if err := json.Unmarshal(body, &rb); err != nil {
-		return nil, errBadRequestf("Invalid JSON body: %v", err)
+	rb, err := decodeRequestBody(endpoint, body)
+	if err != nil {
+		return nil, err
 	}
 	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: rb.Stream}
+	if endpoint == EndpointResponses {
+		// n and stream_options are not its own: ignored, as other APIs'
+		// fields are.
+		rb.N, rb.StreamOptions = nil, nil
+	}
 	if len(rb.StreamOptions) > 0 {
 		if !rb.Stream {
 			return nil, errBadRequest("Stream options can only be defined when `stream=True`.")
@@ -205,7 +224,6 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		}
 	}
 
-	var err error
 	switch endpoint {
 	case EndpointCompletions:
 		p.Context, err = parsePrompt(rb.Prompt, tok)

@@ -153,6 +153,7 @@ func TestOtherAPIsFieldsIgnored(t *testing.T) {
 		{EndpointCompletions, `{"prompt":"p","messages":42,"max_completion_tokens":"x","input":5}`},
 		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"hi"}],"prompt":7,"max_output_tokens":"x","store":"no"}`},
 		{EndpointResponses, `{"input":"hi","max_tokens":"x","messages":1,"n":"two","store":"false"}`},
+		{EndpointResponses, `{"input":"hi","n":2,"stream_options":{"include_usage":true},"store":false}`}, // decodes at once: still not read
 	} {
 		p, err := ParseRequest(tc.ep, []byte(tc.body), tok, 16)
 		if err != nil {
