@@ -469,6 +469,21 @@ func (st *requestState) countMove(cause, outcome string) {
 	}
 }
 
+// rememberResponse tells the fleet, and through it the peers, that the
+// current attempt's upstream stored the Responses API response id: a
+// request naming it as previous_response_id can only be answered there.
+func (st *requestState) rememberResponse(id string) {
+	if st.rec == nil || st.rec.status != http.StatusOK || st.req.NoStore {
+		return
+	}
+	st.mu.Lock()
+	a := st.current
+	st.mu.Unlock()
+	if a != nil {
+		a.sh.fleet.RememberResponse(id, a.charge.Dial())
+	}
+}
+
 // finish releases the current attempt and learns from the response.
 func (st *requestState) finish(rec *tokenRecorder) {
 	st.mu.Lock()
@@ -484,10 +499,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		return
 	}
 	complete := rec.status == http.StatusOK && rec.complete()
-	if rec.status == http.StatusOK && rec.responseID != "" && len(rec.responseID) <= maxResponseIDBytes && !st.req.NoStore {
-		// The engine stored the response (also one answered before it is
-		// done: background): a request that names it as
-		// previous_response_id can only be answered there.
+	if rec.status == http.StatusOK && !st.req.NoStore {
+		// Also a response answered before it is done (background): its
+		// engine has stored it all the same.
 		a.sh.fleet.RememberResponse(rec.responseID, a.charge.Dial())
 	}
 	if !complete {

@@ -10,6 +10,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // Endpoint says which OpenAI API a request targets.
@@ -87,8 +88,9 @@ type Request struct {
 }
 
 // maxResponseIDBytes bounds previous_response_id: ids are short ("resp_"
-// and 32 hex digits in vLLM), and a longer one names nothing stored.
-const maxResponseIDBytes = 256
+// and 32 hex digits in vLLM), and a longer one names nothing the fleet
+// remembers.
+const maxResponseIDBytes = router.MaxResponseIDBytes
 
 // errBadRequest is returned for bodies that are not the API's shape;
 // param names the field at fault, as the API's errors do (empty: none).

@@ -174,6 +174,9 @@ func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 type SyncView struct {
 	Connections []fleetsync.Stats `json:"connections"`
 	Peers       []PeerView        `json:"peers"`
+	// ResponseHomes counts the stored Responses API responses whose
+	// upstream this router knows, its own and its peers'.
+	ResponseHomes int `json:"response_homes"`
 }
 
 // PeerView is one peer router.
@@ -187,7 +190,7 @@ type PeerView struct {
 }
 
 func (sh *shared) syncView(now time.Time) SyncView {
-	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}}
+	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}, ResponseHomes: sh.fleet.ResponseHomes()}
 	for _, s := range sh.loadSyncers() {
 		v.Connections = append(v.Connections, s.Stats())
 	}

@@ -407,6 +407,7 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 // max_output_tokens), ends the stream with the usage; response.failed
 // and error end it failed.
 func (t *tokenRecorder) responseEvent(data []byte) {
+	known := t.responseID != ""
 	var ev responseEvent
 	var typ string
 	if readResponseEvent(data, &ev) {
@@ -442,6 +443,11 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 	}
 	if t.responseID == "" && ev.id.end > ev.id.start {
 		t.responseID = t.decode(data, ev.id)
+	}
+	if !known && t.responseID != "" && t.st != nil {
+		// Its first event names it: the peers learn its home while it
+		// runs, well before the client's next turn.
+		t.st.rememberResponse(t.responseID)
 	}
 	if ev.delta && strings.HasSuffix(typ, ".delta") {
 		t.tokens++

@@ -319,3 +319,62 @@ func TestContinuedResponseTeachesNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestStoredResponseHomeAtFirstEvent: a Responses stream's home is known
+// (and told to the peers) once its first event names the response, long
+// before it ends; a plain body's once it is read whole. A request with
+// store: false, or an answer that is not 200, leaves nothing.
+func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
+	created := "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_s\",\"status\":\"in_progress\"}}\n\n"
+	for _, tc := range []struct {
+		name    string
+		noStore bool
+		status  int
+		stream  bool
+		want    string
+	}{
+		{"stream", false, 200, true, "w:1"},
+		{"body", false, 200, false, "w:1"},
+		{"store false", true, 200, true, ""},
+		{"refused", false, 400, false, ""},
+	} {
+		sh := newShared()
+		var told []router.Event
+		sh.fleet.SetPublisher(func(ev router.Event) { told = append(told, ev) })
+		opts := router.Options{}.WithDefaults()
+		st := &requestState{req: &Request{Endpoint: EndpointResponses, Model: "m", NoStore: tc.noStore}}
+		d := sh.fleet.Decide(time.Now(), router.Request{PromptTokens: 100, Model: "m"},
+			[]router.Member{{Dial: "w:1", Available: true, Healthy: true}}, &opts, newLockedRand(), nil)
+		st.current = &attempt{st: st, sh: sh, charge: d.Charge}
+		rec := newTokenRecorder(httptest.NewRecorder(), st)
+		st.rec = rec
+		id := "resp_s"
+		if tc.stream {
+			rec.Header().Set("Content-Type", "text/event-stream")
+			rec.WriteHeader(tc.status)
+			rec.Write([]byte(created))
+			if got := sh.fleet.ResponseHome(id); got != tc.want {
+				t.Errorf("%s: after the first event, home %q, want %q", tc.name, got, tc.want)
+			}
+		} else {
+			id = "resp_b"
+			rec.Header().Set("Content-Type", "application/json")
+			rec.WriteHeader(tc.status)
+			rec.Write([]byte(`{"id":"resp_b","status":"completed","usage":{"input_tokens":30,"output_tokens":2,"total_tokens":32}}`))
+		}
+		st.finish(rec)
+		if got := sh.fleet.ResponseHome(id); got != tc.want {
+			t.Errorf("%s: home %q, want %q", tc.name, got, tc.want)
+		}
+		stored := 0
+		for _, ev := range told {
+			if ev.Kind == router.EventStored {
+				stored++
+			}
+		}
+		if want := min(1, len(tc.want)); stored != want {
+			t.Errorf("%s: told the peers %d times, want %d", tc.name, stored, want)
+		}
+		sh.Destruct()
+	}
+}

@@ -13,23 +13,33 @@ import (
 // The wire format of one batch: a version byte, the sender's name and
 // epoch, then the messages, each a kind byte and its fields. Integers are
 // unsigned varints, strings a length and bytes, block hashes 8 bytes
-// little-endian each. A batch carries hashes and counts only: the fields
-// below are all there is.
+// little-endian each. A batch carries hashes, counts and ids only: the
+// fields below are all there is.
 //
-//	batch   = version(3) name epoch instance count message*
+//	batch   = version(3 or 4) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
 //	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
+//	stored  = 5 id dial response        (version 4 only)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
-// Version 2 is version 3 without a completion's prompt bytes and tokens;
-// batches of either decode, so routers of the two share a view during a
-// rolling upgrade as far as the older one can read.
-const wireVersion = 3
+// A decoder rejects a batch with a kind it does not know, so a kind is
+// added with a version, and the messages of the new kind travel in
+// batches of their own: a router of the version before rejects those
+// (the Responses API's stored responses, which it cannot use) and keeps
+// reading the rest. Version 2 is version 3 without a completion's prompt
+// bytes and tokens; batches of every version from 2 decode, so routers of
+// different versions share a view during a rolling upgrade as far as the
+// older one can read.
+const wireVersion = 4
 
-// oldWireVersion is the version before, which DecodeBatch still reads.
+// chargeWireVersion is the version of batches without stored responses:
+// version 3, which routers of the version before read.
+const chargeWireVersion = 3
+
+// oldWireVersion is the oldest version DecodeBatch reads.
 const oldWireVersion = 2
 
 // Message kinds beyond the router's events.
@@ -52,7 +62,7 @@ const (
 func encodedSize(m *Message) int {
 	n := 64 + len(m.Drain) + len(m.Undrain)
 	if ev := m.Event; ev != nil {
-		n += len(ev.Dial) + len(ev.Adapter) + len(ev.Model) + 8*len(ev.Hashes)
+		n += len(ev.Dial) + len(ev.Adapter) + len(ev.Model) + len(ev.Response) + 8*len(ev.Hashes)
 	}
 	return n
 }
@@ -80,9 +90,17 @@ type Batch struct {
 	Messages []Message
 }
 
-// AppendBatch appends b's encoding to dst.
+// AppendBatch appends b's encoding to dst: version 4 if it carries a stored
+// response, else version 3.
 func AppendBatch(dst []byte, b *Batch) []byte {
-	dst = append(dst, wireVersion)
+	version := byte(chargeWireVersion)
+	for i := range b.Messages {
+		if needsCurrentVersion(&b.Messages[i]) {
+			version = wireVersion
+			break
+		}
+	}
+	dst = append(dst, version)
 	dst = appendString(dst, b.Sender)
 	dst = binary.AppendUvarint(dst, b.Epoch)
 	dst = binary.AppendUvarint(dst, b.Instance)
@@ -91,6 +109,11 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 		dst = appendMessage(dst, &b.Messages[i])
 	}
 	return dst
+}
+
+// needsCurrentVersion says m is of a kind version 3 does not have.
+func needsCurrentVersion(m *Message) bool {
+	return m.Event != nil && m.Event.Kind == router.EventStored
 }
 
 func appendMessage(dst []byte, m *Message) []byte {
@@ -117,6 +140,9 @@ func appendMessage(dst []byte, m *Message) []byte {
 			for _, n := range []int{ev.Tokens, ev.PromptBytes, ev.PromptTokens} {
 				dst = appendCount(dst, n)
 			}
+		case router.EventStored:
+			dst = appendString(dst, ev.Dial)
+			dst = appendString(dst, ev.Response)
 		}
 	case m.Drain != "":
 		dst = append(dst, kindDrain)
@@ -210,7 +236,7 @@ func (d *decoder) string() string {
 func DecodeBatch(p []byte) (*Batch, error) {
 	d := &decoder{b: p}
 	v := d.byte()
-	if d.err == nil && v != wireVersion && v != oldWireVersion {
+	if d.err == nil && (v < oldWireVersion || v > wireVersion) {
 		return nil, fmt.Errorf("%w: version %d", errMalformed, v)
 	}
 	d.version = v
@@ -242,6 +268,15 @@ func DecodeBatch(p []byte) (*Batch, error) {
 func (d *decoder) message() (Message, bool) {
 	var m Message
 	switch kind := d.byte(); kind {
+	case byte(router.EventStored):
+		if d.version < wireVersion {
+			d.fail("a stored response in a version 3 batch")
+			break
+		}
+		m.Event = &router.Event{Kind: router.EventStored, ID: d.uvarint(), Dial: d.string(), Response: d.string()}
+		if d.err == nil && (m.Event.Dial == "" || m.Event.Response == "") {
+			d.fail("stored response without a dial or an id")
+		}
 	case byte(router.EventRouted), byte(router.EventProgressed), byte(router.EventCompleted), byte(router.EventReleased):
 		ev := &router.Event{Kind: router.EventKind(kind), ID: d.uvarint()}
 		switch ev.Kind {

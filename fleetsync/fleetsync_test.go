@@ -1,6 +1,7 @@
 package fleetsync
 
 import (
+	"fmt"
 	"math"
 	"net"
 	"os"
@@ -79,8 +80,56 @@ func TestCodecReadsVersion2(t *testing.T) {
 	}
 }
 
+// storedBatch is a batch of the Responses API's stored responses.
+func storedBatch() *Batch {
+	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
+		{Event: &router.Event{Kind: router.EventStored, Dial: "10.0.0.1:8000", Response: "resp_0123456789abcdef"}},
+		{Event: &router.Event{Kind: router.EventStored, Dial: "10.0.0.2:8000", Response: "resp_fedcba9876543210"}},
+	}}
+}
+
+// TestCodecStoredResponses: a batch that carries a stored response is
+// version 4 and round-trips; one without stays version 3, which routers
+// of the version before read; a stored response in a version 3 batch, or
+// without its dial or id, is malformed.
+func TestCodecStoredResponses(t *testing.T) {
+	p := AppendBatch(nil, storedBatch())
+	if p[0] != 4 {
+		t.Fatalf("a batch of stored responses is version %d, want 4", p[0])
+	}
+	got, err := DecodeBatch(p)
+	if err != nil || !reflect.DeepEqual(got, storedBatch()) {
+		t.Fatalf("round trip: %+v, %v", got, err)
+	}
+	for i := range p {
+		if b, err := DecodeBatch(p[:i]); err == nil {
+			t.Fatalf("truncated at %d decoded: %+v", i, b)
+		}
+	}
+	if v := AppendBatch(nil, sampleBatch())[0]; v != 3 {
+		t.Fatalf("a batch of charges and drains is version %d, want 3", v)
+	}
+	v3 := append([]byte{3}, p[1:]...)
+	if _, err := DecodeBatch(v3); err == nil {
+		t.Fatal("a stored response in a version 3 batch decoded")
+	}
+	for _, ev := range []router.Event{
+		{Kind: router.EventStored, Dial: "", Response: "resp_1"},
+		{Kind: router.EventStored, Dial: "10.0.0.1:8000", Response: ""},
+	} {
+		b := &Batch{Sender: "r", Messages: []Message{{Event: &ev}}}
+		if _, err := DecodeBatch(AppendBatch(nil, b)); err == nil {
+			t.Fatalf("%+v decoded", ev)
+		}
+	}
+	if _, err := DecodeBatch(append([]byte{5}, p[1:]...)); err == nil {
+		t.Fatal("version 5 accepted")
+	}
+}
+
 func FuzzDecodeBatch(f *testing.F) {
 	f.Add(AppendBatch(nil, sampleBatch()))
+	f.Add(AppendBatch(nil, storedBatch()))
 	f.Add([]byte{wireVersion, 0, 0, 0})
 	f.Add([]byte{wireVersion, 1, 'a', 1, 1, 1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, p []byte) {
@@ -179,6 +228,75 @@ func TestPeersExchangeThroughNATS(t *testing.T) {
 	}
 	if st := b.Stats(); st.Applied != uint64(len(got)) || st.LastReceived.IsZero() {
 		t.Fatalf("b's stats %+v", st)
+	}
+}
+
+// TestStoredResponsesTravelApart: stored responses published among
+// charges reach the peer, and travel in batches of their own: every
+// batch on the wire that carries a charge is version 3, which a router of
+// the version before reads whole.
+func TestStoredResponsesTravelApart(t *testing.T) {
+	ns := startNATS(t, -1)
+	spy, err := nats.Connect(ns.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer spy.Close()
+	var wireMu sync.Mutex
+	var wire [][]byte
+	if _, err := spy.Subscribe("test.stored", func(m *nats.Msg) {
+		wireMu.Lock()
+		defer wireMu.Unlock()
+		wire = append(wire, m.Data)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := spy.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var ra, rb received
+	a := startSyncer(t, ra.config(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.stored"}))
+	startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.stored"}))
+	waitFor(t, "b hearing a", func() bool { rb.mu.Lock(); defer rb.mu.Unlock(); return rb.peers[a.Name()] })
+	var charges, stored []Message
+	for round := range 20 {
+		for _, m := range sampleBatch().Messages {
+			if m.Event != nil {
+				m.Event.ID += uint64(100 * round) // progress of one charge would merge
+			}
+			charges = append(charges, m)
+			a.Publish(m)
+		}
+		m := Message{Event: &router.Event{Kind: router.EventStored, Dial: "10.0.0.1:8000", Response: fmt.Sprint("resp_", round)}}
+		stored = append(stored, m)
+		a.Publish(m)
+	}
+	waitFor(t, "b receiving everything", func() bool { return rb.count() == len(charges)+len(stored) })
+	var gotCharges, gotStored []Message
+	rb.mu.Lock()
+	for _, m := range rb.msgs {
+		if m.Event != nil && m.Event.Kind == router.EventStored {
+			gotStored = append(gotStored, m)
+		} else {
+			gotCharges = append(gotCharges, m)
+		}
+	}
+	rb.mu.Unlock()
+	if !reflect.DeepEqual(gotCharges, charges) || !reflect.DeepEqual(gotStored, stored) {
+		t.Fatalf("b got charges %+v\nand stored %+v", gotCharges, gotStored)
+	}
+	wireMu.Lock()
+	defer wireMu.Unlock()
+	for _, p := range wire {
+		batch, err := DecodeBatch(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range batch.Messages {
+			if isStored := m.Event != nil && m.Event.Kind == router.EventStored; isStored != (p[0] == 4) {
+				t.Fatalf("a version %d batch carries %+v", p[0], m.Event)
+			}
+		}
 	}
 }
 

@@ -367,7 +367,10 @@ func (s *Syncer) Publish(m Message) bool {
 // and under load batches grow by themselves.
 func (s *Syncer) run() {
 	defer close(s.done)
+	// Stored responses travel in batches of their own (see AppendBatch),
+	// so that a router of the version before keeps reading the charges.
 	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch, Instance: s.cfg.Instance}
+	stored := batch
 	var buf []byte
 	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
 	defer heartbeat.Stop()
@@ -375,9 +378,9 @@ func (s *Syncer) run() {
 	// progressAt indexes the batch's progress events by charge: a later
 	// one replaces an earlier (they carry running totals).
 	progressAt := map[uint64]int{}
-	size := 0
-	publish := func() {
-		n := uint64(len(batch.Messages))
+	size, storedSize := 0, 0
+	send := func(b *Batch) {
+		n := uint64(len(b.Messages))
 		select {
 		case <-s.stop:
 			// Closing: what is left goes unsent rather than keep Close
@@ -391,7 +394,7 @@ func (s *Syncer) run() {
 				s.dropped.Add(n)
 				break
 			}
-			buf = AppendBatch(buf[:0], &batch)
+			buf = AppendBatch(buf[:0], b)
 			if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
 				s.dropped.Add(n)
 				if errors.Is(err, os.ErrDeadlineExceeded) {
@@ -406,11 +409,33 @@ func (s *Syncer) run() {
 				s.sent.Add(n)
 			}
 		}
-		batch.Messages, size = batch.Messages[:0], 0
-		clear(progressAt)
+		b.Messages = b.Messages[:0]
 		sentSinceBeat = true
 	}
+	// publish sends what is batched; with nothing batched, an empty batch
+	// (a heartbeat).
+	publish := func() {
+		if len(stored.Messages) > 0 {
+			send(&stored)
+			storedSize = 0
+			if len(batch.Messages) == 0 {
+				return
+			}
+		}
+		send(&batch)
+		size = 0
+		clear(progressAt)
+	}
 	add := func(m Message) {
+		n := encodedSize(&m)
+		if needsCurrentVersion(&m) {
+			if storedSize+n > maxBatchBytes && len(stored.Messages) > 0 {
+				publish()
+			}
+			stored.Messages = append(stored.Messages, m)
+			storedSize += n
+			return
+		}
 		if ev := m.Event; ev != nil && ev.Kind == router.EventProgressed {
 			if i, ok := progressAt[ev.ID]; ok {
 				batch.Messages[i] = m
@@ -419,11 +444,11 @@ func (s *Syncer) run() {
 			}
 			progressAt[ev.ID] = len(batch.Messages)
 		}
-		if n := encodedSize(&m); size+n > maxBatchBytes && len(batch.Messages) > 0 {
+		if size+n > maxBatchBytes && len(batch.Messages) > 0 {
 			publish()
 		}
 		batch.Messages = append(batch.Messages, m)
-		size += encodedSize(&m)
+		size += n
 	}
 	for {
 		// Stop first: a full queue must not keep Close waiting.
@@ -436,7 +461,7 @@ func (s *Syncer) run() {
 		case m := <-s.queue:
 			add(m)
 		more:
-			for len(batch.Messages) < maxBatch {
+			for len(batch.Messages)+len(stored.Messages) < maxBatch {
 				select {
 				case m := <-s.queue:
 					add(m)

@@ -240,3 +240,86 @@ func TestDrainMovesAQueuedResponsesStream(t *testing.T) {
 	}
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
+
+// TestStoredResponsesAcrossRouters: two routers (Caddy processes) sync
+// over a real NATS server; each turn of a Responses API conversation,
+// sent with the official OpenAI Go client, names the last response as
+// previous_response_id and goes through the other router than the turn
+// before. A replica keeps a stored response in its own memory, so only
+// the one that answered turn 1 can continue it: every turn must reach it,
+// which the router that did not answer the turn before knows only from
+// its peer. The test waits until both routers know the last response's
+// home before the next turn (a real client takes longer than the few
+// milliseconds the peer needs); streamed turns tell the peers at their
+// first event.
+func TestStoredResponsesAcrossRouters(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs two Caddy processes")
+	}
+	bin := buildCaddy(t)
+	natsPort := freePort(t)
+	natsServer(t, natsPort)
+	natsURL := fmt.Sprintf("nats://127.0.0.1:%d", natsPort)
+	fleet := startFleet(t, 4, 20, kvsim.Config{})
+	routers := []*routerProc{
+		startRouter(t, bin, "router-a", natsURL, fleet),
+		startRouter(t, bin, "router-b", natsURL, fleet),
+	}
+	allConnected(t, routers)
+	clients := make([]openai.Client, len(routers))
+	for i, r := range routers {
+		clients[i] = openai.NewClient(option.WithBaseURL(r.url+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	}
+	ctx := context.Background()
+	stored := 0
+	bothKnow := func() {
+		t.Helper()
+		for _, r := range routers {
+			eventually(t, 10*time.Second, fmt.Sprintf("%s knowing %d stored responses", r.name, stored), func() bool {
+				return r.sync(t).ResponseHomes == stored
+			})
+		}
+	}
+	for c := range 4 {
+		params := responses.ResponseNewParams{
+			Model:           kvsim.DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text(fmt.Sprint("conversation ", c), 4_000))},
+			MaxOutputTokens: openai.Int(4),
+		}
+		var first *http.Response
+		resp, err := clients[c%2].Responses.New(ctx, params, option.WithResponseInto(&first))
+		if err != nil {
+			t.Fatalf("conversation %d turn 1: %v", c, err)
+		}
+		home, last := first.Header.Get(kvsim.ReplicaHeader), resp.ID
+		stored++
+		for turn := 2; turn <= 4; turn++ {
+			bothKnow()
+			client := clients[(c+turn-1)%2]
+			params.PreviousResponseID = openai.String(last)
+			params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String(fmt.Sprint("Go on, turn ", turn))}
+			var got *http.Response
+			if turn%2 == 0 {
+				stream := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&got))
+				last = ""
+				for stream.Next() {
+					if ev := stream.Current(); ev.Type == "response.completed" {
+						last = ev.Response.ID
+					}
+				}
+				err = stream.Err()
+			} else {
+				var r *responses.Response
+				r, err = client.Responses.New(ctx, params, option.WithResponseInto(&got))
+				if err == nil {
+					last = r.ID
+				}
+			}
+			if err != nil || last == "" || got.Header.Get(kvsim.ReplicaHeader) != home {
+				t.Fatalf("conversation %d turn %d: %v, id %q, on %s (home %s)", c, turn, err, last, got.Header.Get(kvsim.ReplicaHeader), home)
+			}
+			stored++
+		}
+	}
+	bothKnow()
+}

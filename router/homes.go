@@ -6,8 +6,12 @@ import (
 )
 
 // MaxResponseHomes bounds the responses whose upstream the fleet
-// remembers; the least recently used goes first.
-const MaxResponseHomes = 1 << 16
+// remembers; the least recently used goes first. MaxResponseIDBytes
+// bounds an id it remembers (engines' are under 64 bytes).
+const (
+	MaxResponseHomes   = 1 << 16
+	MaxResponseIDBytes = 256
+)
 
 // responseHomes remembers which upstream answered each stored response
 // (the Responses API's store: an engine keeps a response in its own
@@ -22,21 +26,35 @@ type responseHomes struct {
 
 type responseHome struct{ id, dial string }
 
-// RememberResponse notes that dial answered, and stored, the response id.
+// RememberResponse notes that dial answered, and stored, the response id,
+// and tells the peers (EventStored): the next request of the conversation
+// may reach any router.
 func (f *Fleet) RememberResponse(id, dial string) {
-	if id == "" || dial == "" {
+	if !f.homes.remember(id, dial) {
 		return
 	}
-	h := &f.homes
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.publish(Event{Kind: EventStored, Dial: dial, Response: id})
+}
+
+// remember notes id's home and reports whether that is news: an id not
+// known, or known elsewhere.
+func (h *responseHomes) remember(id, dial string) bool {
+	if id == "" || dial == "" || len(id) > MaxResponseIDBytes {
+		return false
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.byID == nil {
 		h.byID = make(map[string]*list.Element)
 	}
 	if e, ok := h.byID[id]; ok {
-		e.Value.(*responseHome).dial = dial
+		home := e.Value.(*responseHome)
 		h.order.MoveToFront(e)
-		return
+		news := home.dial != dial
+		home.dial = dial
+		return news
 	}
 	h.byID[id] = h.order.PushFront(&responseHome{id: id, dial: dial})
 	if h.order.Len() > MaxResponseHomes {
@@ -44,6 +62,26 @@ func (f *Fleet) RememberResponse(id, dial string) {
 		h.order.Remove(last)
 		delete(h.byID, last.Value.(*responseHome).id)
 	}
+	return true
+}
+
+// forget drops what is known of id's home.
+func (h *responseHomes) forget(id string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if e, ok := h.byID[id]; ok {
+		h.order.Remove(e)
+		delete(h.byID, id)
+	}
+}
+
+// ResponseHomes counts the stored responses whose upstream the fleet
+// knows, its own and its peers'.
+func (f *Fleet) ResponseHomes() int {
+	h := &f.homes
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.order.Len()
 }
 
 // ResponseHome is the upstream that answered the stored response id, ""

@@ -2,6 +2,8 @@ package router
 
 import (
 	"fmt"
+	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -106,5 +108,43 @@ func TestResponseHomesBounded(t *testing.T) {
 	}
 	if n := len(f.homes.byID); n != MaxResponseHomes || f.homes.order.Len() != n {
 		t.Fatalf("%d remembered, want %d", n, MaxResponseHomes)
+	}
+}
+
+// TestStoredResponsesReachPeers: a router tells its peers which upstream
+// stored a response, once per id and home; a peer that routes to that
+// upstream remembers it without telling anyone again, one that does not
+// forgets what it knew of the id.
+func TestStoredResponsesReachPeers(t *testing.T) {
+	a, b, c := New(), New(), New()
+	var told []Event
+	a.SetPublisher(func(ev Event) { told = append(told, ev) })
+	b.SetPublisher(func(ev Event) { t.Errorf("b told its peers %+v", ev) })
+	b.Name("x", t0)
+	c.Name("y", t0)
+
+	a.RememberResponse("resp_1", "x")
+	a.RememberResponse("resp_1", "x") // the same again: nothing new
+	a.RememberResponse("resp_2", "x")
+	a.RememberResponse("resp_2", "y") // sent again, elsewhere
+	a.RememberResponse("", "x")
+	a.RememberResponse(strings.Repeat("r", MaxResponseIDBytes+1), "x")
+	want := []Event{
+		{Kind: EventStored, Dial: "x", Response: "resp_1"},
+		{Kind: EventStored, Dial: "x", Response: "resp_2"},
+		{Kind: EventStored, Dial: "y", Response: "resp_2"},
+	}
+	if !reflect.DeepEqual(told, want) {
+		t.Fatalf("a told %+v, want %+v", told, want)
+	}
+	for _, ev := range told {
+		b.Apply("a", ev, t0)
+		c.Apply("a", ev, t0)
+	}
+	if b.ResponseHome("resp_1") != "x" || b.ResponseHome("resp_2") != "" || b.ResponseHomes() != 1 {
+		t.Fatalf("b: resp_1 on %q, resp_2 on %q, %d homes", b.ResponseHome("resp_1"), b.ResponseHome("resp_2"), b.ResponseHomes())
+	}
+	if c.ResponseHome("resp_1") != "" || c.ResponseHome("resp_2") != "y" {
+		t.Fatalf("c: resp_1 on %q, resp_2 on %q", c.ResponseHome("resp_1"), c.ResponseHome("resp_2"))
 	}
 }

@@ -6,9 +6,10 @@ import "time"
 // each other what they charged: each Fleet publishes an Event for every
 // change to its own charges, and applies its peers' events to its state as
 // if it had made those charges itself. The prefix index learns what peers
-// routed, peers' charges count as queued work until released, and their
-// completions teach the output estimate. Events carry hashes and counts,
-// never prompt text. Delivery is best-effort: a lost event is made good by
+// routed, peers' charges count as queued work until released, their
+// completions teach the output estimate, and the responses they saw
+// stored tell where a conversation continues. Events carry hashes, counts
+// and response ids, never prompt text. Delivery is best-effort: a lost event is made good by
 // expiry, and a peer that goes silent loses its charges.
 
 // EventKind says what happened to a charge.
@@ -29,6 +30,9 @@ const (
 	// EventReleased: the request ended without a completed response; the
 	// charge is released.
 	EventReleased
+	// EventStored: Dial answered, and stored, the Responses API response
+	// Response (see Fleet.RememberResponse). It is about no charge.
+	EventStored
 )
 
 // Event is one change to a router's charges, as its peers learn it.
@@ -52,6 +56,8 @@ type Event struct {
 	// PromptBytes and PromptTokens of a completed request teach the
 	// model's bytes per token, as its own responses teach the router.
 	PromptBytes, PromptTokens int
+	// Response is a stored response's id.
+	Response string
 }
 
 // remoteKey names a peer's charge.
@@ -86,6 +92,15 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.peers[peer] = now
+	if ev.Kind == EventStored {
+		if u := f.upstreams[ev.Dial]; u == nil || u.forgotten {
+			// Stored where this router does not route: what it knew of
+			// the id is out of date.
+			f.homes.forget(ev.Response)
+			return false
+		}
+		return f.homes.remember(ev.Response, ev.Dial)
+	}
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
