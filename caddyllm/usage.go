@@ -233,6 +233,22 @@ var idKeys = [...]string{"id"}
 // OpenAI's), so a body kept only in part (one over maxUsageBody) gives it
 // too: the first top-level id is taken.
 func responseIDOfBody(body []byte) string {
+	if id, ok := scanResponseID(body); ok {
+		return id
+	}
+	var r struct {
+		ID string `json:"id"`
+	}
+	if json.Unmarshal(body, &r) != nil {
+		return ""
+	}
+	return r.ID
+}
+
+// scanResponseID reads the first top-level id of a response body, which
+// may be only its start. It reports false when the scan cannot tell: the
+// body is not yet read as far as an id, or is for encoding/json to read.
+func scanResponseID(body []byte) (string, bool) {
 	var depth [chunkDepth/64 + 1]uint64
 	s := scanner{buf: body, inObject: depth[:]}
 	var id span
@@ -245,17 +261,11 @@ func responseIDOfBody(body []byte) string {
 		_, _, ok := s.skip()
 		return ok
 	}) && s.end()
-	if found || complete {
-		raw := body[id.start:id.end]
-		return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0))
+	if !found && !complete {
+		return "", false
 	}
-	var r struct {
-		ID string `json:"id"`
-	}
-	if json.Unmarshal(body, &r) != nil {
-		return ""
-	}
-	return r.ID
+	raw := body[id.start:id.end]
+	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0)), true
 }
 
 // readChunk reads a streamed chunk's data. It reports false when the

@@ -218,9 +218,21 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		if t.body.Len()+len(p) <= maxUsageBody {
 			t.body.Write(p)
 		}
+		if t.responses && t.responseID == "" && t.st != nil && t.body.Len() <= maxIDScan {
+			// The id comes first: the peers learn the response's home
+			// before the client has read the body.
+			if id, ok := scanResponseID(t.body.Bytes()); ok && id != "" {
+				t.responseID = id
+				t.st.rememberResponse(id)
+			}
+		}
 	}
 	return t.ResponseWriterWrapper.Write(p)
 }
+
+// maxIDScan is how much of a Responses body is scanned for its id while it
+// arrives, at each write: the id comes first, within a few hundred bytes.
+const maxIDScan = 4 << 10
 
 // writeEvents passes on what was held back and the whole events in p,
 // whose last ends at end (-1: none ends in p), and holds back the start

@@ -322,7 +322,8 @@ func TestContinuedResponseTeachesNothing(t *testing.T) {
 
 // TestStoredResponseHomeAtFirstEvent: a Responses stream's home is known
 // (and told to the peers) once its first event names the response, long
-// before it ends; a plain body's once it is read whole. A request with
+// before it ends; a plain body's once its start, where the id is, is
+// read. A request with
 // store: false, or an answer that is not 200, leaves nothing.
 func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 	created := "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_s\",\"status\":\"in_progress\"}}\n\n"
@@ -360,7 +361,11 @@ func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 			id = "resp_b"
 			rec.Header().Set("Content-Type", "application/json")
 			rec.WriteHeader(tc.status)
-			rec.Write([]byte(`{"id":"resp_b","status":"completed","usage":{"input_tokens":30,"output_tokens":2,"total_tokens":32}}`))
+			rec.Write([]byte(`{"id":"resp_b","status":"comp`))
+			if got := sh.fleet.ResponseHome(id); got != tc.want {
+				t.Errorf("%s: after the body's start, home %q, want %q", tc.name, got, tc.want)
+			}
+			rec.Write([]byte(`leted","usage":{"input_tokens":30,"output_tokens":2,"total_tokens":32}}`))
 		}
 		st.finish(rec)
 		if got := sh.fleet.ResponseHome(id); got != tc.want {
