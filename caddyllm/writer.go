@@ -218,10 +218,12 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		if t.body.Len()+len(p) <= maxUsageBody {
 			t.body.Write(p)
 		}
-		if t.responses && t.responseID == "" && t.st != nil && t.body.Len() <= maxIDScan {
+		if t.responses && t.responseID == "" && t.st != nil && t.body.Len()-len(p) < maxIDScan {
 			// The id comes first: the peers learn the response's home
-			// before the client has read the body.
-			if id, ok := scanResponseID(t.body.Bytes()); ok && id != "" {
+			// before the client has read the body. Only the body's start
+			// is scanned, however large the write that brought it.
+			b := t.body.Bytes()
+			if id, ok := scanResponseID(b[:min(len(b), maxIDScan)]); ok && id != "" {
 				t.responseID = id
 				t.st.rememberResponse(id)
 			}

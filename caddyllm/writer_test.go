@@ -336,6 +336,7 @@ func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 	}{
 		{"stream", false, 200, true, "w:1"},
 		{"body", false, 200, false, "w:1"},
+		{"large body", false, 200, false, "w:1"},
 		{"store false", true, 200, true, ""},
 		{"refused", false, 400, false, ""},
 	} {
@@ -361,7 +362,13 @@ func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 			id = "resp_b"
 			rec.Header().Set("Content-Type", "application/json")
 			rec.WriteHeader(tc.status)
-			rec.Write([]byte(`{"id":"resp_b","status":"comp`))
+			start := `{"id":"resp_b","status":"comp`
+			if tc.name == "large body" {
+				// A first write beyond maxIDScan (Caddy copies 32 KiB at
+				// a time): its start is read all the same.
+				start = `{"id":"resp_b","instructions":"` + strings.Repeat("x", 2*maxIDScan) + `","status":"comp`
+			}
+			rec.Write([]byte(start))
 			if got := sh.fleet.ResponseHome(id); got != tc.want {
 				t.Errorf("%s: after the body's start, home %q, want %q", tc.name, got, tc.want)
 			}

@@ -270,7 +270,7 @@ func (d *decoder) message() (Message, bool) {
 	switch kind := d.byte(); kind {
 	case byte(router.EventStored):
 		if d.version < wireVersion {
-			d.fail("a stored response in a version 3 batch")
+			d.fail(fmt.Sprintf("a stored response in a version %d batch", d.version))
 			break
 		}
 		m.Event = &router.Event{Kind: router.EventStored, ID: d.uvarint(), Dial: d.string(), Response: d.string()}
