@@ -517,9 +517,10 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// A continuation's prompt is the original one plus the text so far,
 	// and its usage is rewritten to cover the whole generation: neither
 	// tells the prompt's bytes per token.
-	// Nor does a Responses request continuing a stored response: the
-	// engine counts the stored conversation too.
-	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" {
+	// Nor does a Responses request continuing a stored response (the
+	// engine counts the stored conversation too), nor a prompt with
+	// media (the engine counts the images' tokens).
+	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" && !st.req.Media {
 		usage.PromptTokens = rec.usage.PromptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)

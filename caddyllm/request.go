@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -67,8 +68,18 @@ type Request struct {
 	// the prompt was given as token ids).
 	PromptTokens int
 	// PromptBytes is the length of the text PromptTokens was estimated
-	// from (bytes_per_token), 0 when the prompt was token ids.
+	// from (bytes_per_token), 0 when the prompt was token ids. Media
+	// parts of a message (images, audio, files) are hashed but not
+	// counted: their bytes say nothing of their tokens.
 	PromptBytes int
+	// Media says the prompt has media parts: the engine's count of its
+	// tokens includes theirs, so its usage teaches no bytes per token.
+	Media bool
+	// LongestPromptTokens is, for a batch of completions prompts (an
+	// array of strings or of token-id arrays), the longest one's tokens,
+	// estimated as PromptTokens is: the engine runs each as a sequence of
+	// its own. 0 for a single prompt.
+	LongestPromptTokens int
 	// MaxTokens is max_tokens or max_completion_tokens (max_output_tokens
 	// for the Responses API), 0 when absent.
 	MaxTokens int
@@ -111,13 +122,21 @@ var errModelTooLong = badRequestf("model", "invalid request: model must be at mo
 // upstream, its prompt counted as prompt tokens (the decision's count).
 func (r *Request) tooLongMessage(prompt int) string {
 	if r.MaxTokens <= 0 {
-		return fmt.Sprintf("The prompt is about %d tokens, more than any upstream's KV cache holds.", prompt)
+		return fmt.Sprintf("The prompt is about %s, more than any upstream's KV cache holds.", tokensText(prompt))
 	}
 	name := "max_tokens"
 	if r.Endpoint == EndpointResponses {
 		name = "max_output_tokens"
 	}
-	return fmt.Sprintf("The prompt is about %d tokens and %s is %d, more in all than any upstream's KV cache holds.", prompt, name, r.MaxTokens)
+	return fmt.Sprintf("The prompt is about %s and %s is %d, more in all than any upstream's KV cache holds.", tokensText(prompt), name, r.MaxTokens)
+}
+
+// tokensText is n tokens in words.
+func tokensText(n int) string {
+	if n == 1 {
+		return "1 token"
+	}
+	return fmt.Sprintf("%d tokens", n)
 }
 
 // promptParam names the field that holds the request's prompt.
@@ -179,6 +198,7 @@ type parseScratch struct {
 	depth  [maxDepth/64 + 1]uint64
 	blocks prefixindex.Blocks
 	msgs   []msgRange
+	extras []msgExtra
 	key    [64]byte
 	dec    []byte
 }
@@ -199,7 +219,19 @@ type msgRange struct {
 	// impliedSystem (a byte, so a range stays 40 bytes: a body of
 	// millions of tiny messages keeps one each).
 	implied uint8
+	// extra is 1 + the index of the message's msgExtra in the scratch's
+	// extras, 0 when it has none.
+	extra   uint32
 	content span
+}
+
+// msgExtra is what few messages have: a chat message's name,
+// tool_call_id and tool_calls (a string's contents, or the value as
+// sent; unset when absent or null), which the engine's chat template
+// renders, and the bytes of the content's media parts.
+type msgExtra struct {
+	name, toolCallID, toolCalls span
+	media                       int
 }
 
 // Roles implied by the Responses API's input string and instructions.
@@ -213,9 +245,14 @@ const (
 // encoding/json matches keys case-insensitively, and so do we.
 var (
 	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store"}
-	msgFields  = [...]string{"role", "content"}
+	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
 	itemFields = [...]string{"role", "content", "type"}
+	partFields = [...]string{"type"}
 )
+
+// textParts are the content part types whose bytes are the prompt's text;
+// the others (images, audio, files) are media.
+var textParts = [...]string{"text", "input_text", "output_text", "refusal", "reasoning_text", "summary_text"}
 
 const (
 	fieldModel = iota
@@ -237,6 +274,9 @@ const (
 	fieldRole = iota
 	fieldContent
 	fieldType
+	fieldName
+	fieldToolCallID
+	fieldToolCalls
 )
 
 // fieldOf returns the index of key in names, or fieldOther.
@@ -341,6 +381,9 @@ type reading struct {
 	promptSet    bool
 	promptTokens int
 	promptBytes  int
+	// prompts counts a batch's prompts, longest is the longest one's
+	// tokens.
+	prompts, longest int
 }
 
 // parse reads body for endpoint. It never panics; errors are
@@ -349,13 +392,13 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	sc := p.scratch.Get().(*parseScratch)
 	defer func() {
 		// A huge request's buffers are not kept for the next one.
-		if cap(sc.msgs) > maxPooledMessages || cap(sc.dec) > maxPooledDecode {
-			sc.msgs, sc.dec = nil, nil
+		if cap(sc.msgs) > maxPooledMessages || cap(sc.extras) > maxPooledMessages || cap(sc.dec) > maxPooledDecode {
+			sc.msgs, sc.extras, sc.dec = nil, nil, nil
 		}
 		p.scratch.Put(sc)
 	}()
 	sc.s = scanner{buf: body, inObject: sc.depth[:]}
-	sc.msgs = sc.msgs[:0]
+	sc.msgs, sc.extras = sc.msgs[:0], sc.extras[:0]
 	r := reading{p: p, endpoint: endpoint, body: body, s: &sc.s, sc: sc}
 	r.read()
 	sc.s.buf = nil
@@ -394,6 +437,9 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		if r.promptSet {
 			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
 			req.PromptTokens, req.PromptBytes = r.promptTokens, r.promptBytes
+			if r.prompts > 1 {
+				req.LongestPromptTokens = r.longest
+			}
 		}
 	case EndpointChatCompletions:
 		switch {
@@ -411,7 +457,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			}
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
-		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
+		r.countText(req)
 	case EndpointResponses:
 		switch {
 		case r.inputErr != nil:
@@ -433,13 +479,21 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			r.hashMessage(&sc.msgs[i])
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
-		req.PromptTokens, req.PromptBytes = p.tokens(sc.blocks.Len()), sc.blocks.Len()
+		r.countText(req)
 		req.NoStore = r.noStore
 		if r.previousSet && r.previous.end-r.previous.start <= maxResponseIDBytes {
 			req.PreviousResponseID = string(decodeString(sc.dec[:0], body[r.previous.start:r.previous.end], r.previousEscaped))
 		}
 	}
 	return req, nil
+}
+
+// countText sets req's prompt size from the canonical text hashed, its
+// media parts left out.
+func (r *reading) countText(req *Request) {
+	media, any := r.mediaBytes()
+	req.PromptBytes = r.sc.blocks.Len() - media
+	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), any
 }
 
 // modelName returns name as a string, the last one's when equal.
@@ -671,30 +725,155 @@ func (r *reading) message(i int) {
 	if !s.push(true) {
 		return
 	}
+	var x msgExtra
 	for first := true; ; first = false {
 		key, more := s.member(first, r.sc.key[:0])
 		if !more {
 			if s.err == nil {
+				r.keepExtra(&m, &x)
 				r.addMessage(i, m)
 			}
 			return
 		}
-		switch fieldOf(key, msgFields[:]) {
+		switch f := fieldOf(key, msgFields[:]); f {
 		case fieldRole:
 			r.optString(&m.role, &m.roleEscaped, "messages.role")
 		case fieldContent:
-			if s.ws() == '"' {
-				start, end, _, ok := s.str()
-				if ok {
-					m.content = span{start, end}
-				}
-			} else if start, end, ok := s.skip(); ok {
-				m.content = span{start, end}
+			r.content(&m, &x)
+		case fieldName, fieldToolCallID, fieldToolCalls:
+			v := r.value()
+			switch f {
+			case fieldName:
+				x.name = v
+			case fieldToolCallID:
+				x.toolCallID = v
+			default:
+				x.toolCalls = v
 			}
 		default:
 			r.skip()
 		}
 	}
+}
+
+// value reads a value hashed as the message's content is: a string's
+// contents, or the value as sent; null (or an error) is the empty span.
+func (r *reading) value() span {
+	s := r.s
+	switch s.ws() {
+	case '"':
+		if start, end, _, ok := s.str(); ok {
+			return span{start, end}
+		}
+	case 'n':
+		s.literal()
+	default:
+		if start, end, ok := s.skip(); ok {
+			return span{start, end}
+		}
+	}
+	return span{}
+}
+
+// content reads a message's (or input item's) content into m (a string's
+// contents, or the value as sent) and, for an array of parts, counts in x
+// the bytes of its media parts: parts typed other than text, whose bytes
+// are hashed but tell nothing of their tokens.
+func (r *reading) content(m *msgRange, x *msgExtra) {
+	s := r.s
+	x.media = 0
+	switch s.ws() {
+	case '"':
+		if start, end, _, ok := s.str(); ok {
+			m.content = span{start, end}
+		}
+		return
+	case '[':
+	default:
+		if start, end, ok := s.skip(); ok {
+			m.content = span{start, end}
+		}
+		return
+	}
+	start := s.pos
+	s.pos++
+	if !s.push(false) {
+		return
+	}
+	for i := 0; s.element(i == 0); i++ {
+		if s.ws() != '{' {
+			r.skip()
+			continue
+		}
+		partStart := s.pos
+		s.pos++
+		if !s.push(true) {
+			return
+		}
+		media := false
+		for first := true; ; first = false {
+			key, more := s.member(first, r.sc.key[:0])
+			if !more {
+				break
+			}
+			if fieldOf(key, partFields[:]) != 0 {
+				r.skip()
+				continue
+			}
+			// The last type given counts, as for every key.
+			media = false
+			if s.ws() != '"' {
+				r.skip()
+				continue
+			}
+			if ts, te, esc, ok := s.str(); ok {
+				typ := r.body[ts:te]
+				if esc {
+					r.sc.dec = decodeString(r.sc.dec[:0], typ, true)
+					typ = r.sc.dec
+				}
+				media = !slices.Contains(textParts[:], string(typ))
+			}
+		}
+		if s.err != nil {
+			return
+		}
+		if media {
+			x.media += s.pos - partStart
+		}
+	}
+	if s.err == nil {
+		m.content = span{start, s.pos}
+	}
+}
+
+// extraOf returns m's extra, the zero one when it has none.
+func (r *reading) extraOf(m *msgRange) msgExtra {
+	if m.extra == 0 {
+		return msgExtra{}
+	}
+	return r.sc.extras[m.extra-1]
+}
+
+// keepExtra stores x for m, unless it is empty.
+func (r *reading) keepExtra(m *msgRange, x *msgExtra) {
+	if *x == (msgExtra{}) {
+		return
+	}
+	r.sc.extras = append(r.sc.extras, *x)
+	m.extra = uint32(len(r.sc.extras))
+}
+
+// mediaBytes is the media bytes of the messages read.
+func (r *reading) mediaBytes() (n int, any bool) {
+	for i := range r.sc.msgs {
+		if m := &r.sc.msgs[i]; m.extra != 0 {
+			if media := r.sc.extras[m.extra-1].media; media > 0 {
+				n, any = n+media, true
+			}
+		}
+	}
+	return n, any
 }
 
 // addMessage records and, for a chat, hashes messages[i].
@@ -743,6 +922,23 @@ func (r *reading) hashMessage(m *msgRange) {
 	}
 	b.WriteString(sepField)
 	b.Write(r.body[m.content.start:m.content.end])
+	if m.extra != 0 {
+		// What the chat template renders besides: after the content, in
+		// a fixed order whatever the body's, so that a message without
+		// them hashes as it always did.
+		x := &r.sc.extras[m.extra-1]
+		for _, f := range [...]struct {
+			name string
+			v    span
+		}{{"name", x.name}, {"tool_call_id", x.toolCallID}, {"tool_calls", x.toolCalls}} {
+			if f.v.end > f.v.start {
+				b.WriteString(sepField)
+				b.WriteString(f.name)
+				b.WriteString(sepField)
+				b.Write(r.body[f.v.start:f.v.end])
+			}
+		}
+	}
 	b.WriteString(sepMessage)
 }
 
@@ -816,6 +1012,7 @@ func (r *reading) item(i int) {
 		return
 	}
 	var m msgRange
+	var x msgExtra
 	var typ span
 	var typEscaped bool
 	for first := true; ; first = false {
@@ -827,13 +1024,7 @@ func (r *reading) item(i int) {
 		case fieldRole:
 			r.itemString(i, &m.role, &m.roleEscaped)
 		case fieldContent:
-			if s.ws() == '"' {
-				if start, end, _, ok := s.str(); ok {
-					m.content = span{start, end}
-				}
-			} else if start, end, ok := s.skip(); ok {
-				m.content = span{start, end}
-			}
+			r.content(&m, &x)
 		case fieldType:
 			r.itemString(i, &typ, &typEscaped)
 		default:
@@ -845,6 +1036,7 @@ func (r *reading) item(i int) {
 	}
 	switch {
 	case m.role.end > m.role.start:
+		r.keepExtra(&m, &x)
 	case typ.end > typ.start:
 		m = msgRange{role: typ, roleEscaped: typEscaped, content: span{start, s.pos}}
 	default:
@@ -908,7 +1100,7 @@ var errPromptShape = errBadRequest{param: "prompt", msg: "invalid request: promp
 // hash 4 bytes each, in blocks of BlockTokens.
 func (r *reading) prompt() {
 	s := r.s
-	r.promptErr, r.promptSet, r.promptTokens, r.promptBytes = nil, false, 0, 0
+	r.promptErr, r.promptSet, r.promptTokens, r.promptBytes, r.prompts, r.longest = nil, false, 0, 0, 0, 0
 	b := &r.sc.blocks
 	switch s.ws() {
 	case 'n':
@@ -969,9 +1161,12 @@ func (r *reading) prompt() {
 						b.WriteString(sepMessage)
 					}
 					b.Write(r.body[start:end])
+					r.prompts, r.longest = r.prompts+1, max(r.longest, r.p.tokens(end-start))
 				}
 			case formBatch:
+				before := r.promptTokens
 				r.tokenArray(i)
+				r.prompts, r.longest = r.prompts+1, max(r.longest, r.promptTokens-before)
 			}
 		}
 	}

@@ -61,8 +61,48 @@ type refItem struct {
 }
 
 type refMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
+	Role       string          `json:"role"`
+	Content    json.RawMessage `json:"content"`
+	Name       json.RawMessage `json:"name"`
+	ToolCallID json.RawMessage `json:"tool_call_id"`
+	ToolCalls  json.RawMessage `json:"tool_calls"`
+}
+
+// refMedia is the bytes of content's media parts: content-part objects
+// whose type is a string other than a text part's.
+func refMedia(content json.RawMessage) int {
+	var parts []json.RawMessage
+	if json.Unmarshal(content, &parts) != nil {
+		return 0
+	}
+	media := 0
+	for _, part := range parts {
+		var typed struct {
+			Type json.RawMessage `json:"type"`
+		}
+		if len(part) == 0 || part[0] != '{' || json.Unmarshal(part, &typed) != nil {
+			continue
+		}
+		var typ string
+		if len(typed.Type) > 0 && typed.Type[0] == '"' && json.Unmarshal(typed.Type, &typ) == nil &&
+			!slices.Contains(textParts[:], typ) {
+			media += len(part)
+		}
+	}
+	return media
+}
+
+// refRaw is a value as the canonical prompt has it: a string's contents
+// (escaped as sent), or the value as sent; nil when absent or null.
+func refRaw(v json.RawMessage) []byte {
+	v = bytes.TrimSpace(v)
+	if string(v) == "null" {
+		return nil
+	}
+	if len(v) >= 2 && v[0] == '"' {
+		return v[1 : len(v)-1]
+	}
+	return v
 }
 
 // refAPIType names a Go type of refRequest in the API's words, for errors
@@ -174,6 +214,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		c.Write(content)
 		c.WriteString(sepMessage)
 	}
+	media := 0
 	var instructions *string
 	if err := json.Unmarshal(raw.Instructions, &instructions); len(raw.Instructions) > 0 && err != nil {
 		return badRequestf("", "invalid request: instructions must be a string")
@@ -200,6 +241,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 			switch {
 			case it.Role != "":
 				message(it.Role, bytes.TrimSpace(it.Content))
+				media += refMedia(it.Content)
 			case it.Type != "":
 				message(it.Type, item)
 			default:
@@ -210,7 +252,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		return badRequestf("", "invalid request: input must be a string or an array")
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens = p.tokens(c.Len())
+	req.PromptTokens, req.Media = p.tokens(c.Len()-media), media > 0
 	req.NoStore = string(bytes.TrimSpace(raw.Store)) == "false"
 	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
 		req.PreviousResponseID = raw.PreviousResponseID
@@ -251,6 +293,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	}
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
+	longest := 0
 	for i, part := range parts {
 		part = bytes.TrimSpace(part)
 		if len(part) < 2 || part[0] != '"' {
@@ -260,9 +303,13 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 			c.WriteString(sepMessage)
 		}
 		c.Write(part[1 : len(part)-1])
+		longest = max(longest, p.tokens(len(part)-2))
 	}
 	req.Hashes = c.Chain(seed)
 	req.PromptTokens = p.tokens(c.Len())
+	if len(parts) > 1 {
+		req.LongestPromptTokens = longest
+	}
 	return nil
 }
 
@@ -272,15 +319,20 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 // array of strings is.
 func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMessage) error {
 	var all []int32
+	longest := 0
 	for i, part := range parts {
 		var tokens []int32
 		if err := json.Unmarshal(part, &tokens); err != nil {
 			return badRequestf("", "invalid request: prompt[%d] must be an array of token ids", i)
 		}
 		all = append(all, tokens...)
+		longest = max(longest, len(tokens))
 	}
 	req.Hashes = p.hasher.HashTokens(nil, seed, all)
 	req.PromptTokens = len(all)
+	if len(parts) > 1 {
+		req.LongestPromptTokens = longest
+	}
 	return nil
 }
 
@@ -297,6 +349,7 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 		c.Write(tools)
 		c.WriteString(sepMessage)
 	}
+	media := 0
 	for i, m := range raw.Messages {
 		if m.Role == "" {
 			return badRequestf("", "invalid request: messages[%d].role is required", i)
@@ -308,10 +361,22 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 			content = content[1 : len(content)-1]
 		}
 		c.Write(content)
+		for _, f := range []struct {
+			name string
+			v    json.RawMessage
+		}{{"name", m.Name}, {"tool_call_id", m.ToolCallID}, {"tool_calls", m.ToolCalls}} {
+			if v := refRaw(f.v); len(v) > 0 {
+				c.WriteString(sepField)
+				c.WriteString(f.name)
+				c.WriteString(sepField)
+				c.Write(v)
+			}
+		}
 		c.WriteString(sepMessage)
+		media += refMedia(m.Content)
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens = p.tokens(c.Len())
+	req.PromptTokens, req.Media = p.tokens(c.Len()-media), media > 0
 	return nil
 }
 
@@ -364,7 +429,8 @@ func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 	}
 	if got.Model != want.Model || got.PromptTokens != want.PromptTokens || got.MaxTokens != want.MaxTokens ||
 		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) ||
-		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore {
+		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore ||
+		got.Media != want.Media || got.LongestPromptTokens != want.LongestPromptTokens {
 		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
 	}
 }
@@ -390,6 +456,16 @@ func referenceCorpus() []string {
 		`{"tools":null,"messages":[{"role":"user","content":"hi"}],"tools":[2]}`,
 		`{"tools":[ 1 , 2 ],"messages":[{"role":"user","content":"hi"}],"tools":[ 1 , 2 ]}`,
 		`{"messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url","image_url":{"url":"data:..."}}]}]}`,
+		// Tool calls, their ids and names: what the chat template renders besides the content.
+		`{"messages":[{"role":"user","content":"weather?"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"call_1","content":"sunny"}]}`,
+		`{"messages":[{"tool_calls":[],"name":"bob","TOOL_CALL_ID":"c\u0031","role":"user","content":"x"}]}`,
+		`{"messages":[{"role":"user","name":"a","name":null,"tool_calls":null,"tool_call_id":"","content":"x"}]}`,
+		`{"messages":[{"role":"user","name":5,"tool_calls":{"a":1},"content":"x"},{"role":"user","name":"\u00e9"}]}`,
+		// Media parts: bytes hashed, not counted.
+		`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,` + strings.Repeat("QUJD", 300) + `"}},{"type":"text","text":"what is it?"}]}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}},{"type":"\u0074ext","text":"x"},{"TYPE":"file","file":{}},{"type":"image_url","type":"text"},{"type":"text","type":"image_url"},{"type":5},{"type":"image_url","type":null},"s",1,null,{}]}]}`,
+		`{"messages":[{"role":"user","content":[]}],"messages":[{"role":"user","content":[{"type":"refusal","refusal":"no"},{"type":"video_url"}]}]}`,
+		`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"x"},{"type":"input_image","image_url":"data:image/jpeg;base64,` + strings.Repeat("QUJD", 100) + `"},{"type":"input_file","file_data":"AAAA"}]},{"type":"function_call_output","call_id":"c","output":"[{\"type\":\"image\"}]"}]}`,
 		`{"messages":[{"content":"first","role":"system"},{"role":"user"},{"role":"user","content":null}]}`,
 		`{"messages":[{"role":"a","role":null,"content":"x","content":null}]}`,
 		`{"messages":[{"role":"a","role":"","content":"x"}]}`,

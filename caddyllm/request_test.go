@@ -476,3 +476,87 @@ func TestStoredResponseID(t *testing.T) {
 		}
 	}
 }
+
+// TestToolCallsAreThePrompt: an agent's turns carry their tool calls,
+// their ids and names outside the content; the chat template renders
+// them, so they are hashed and counted. Two conversations that differ
+// only in their tool calls are different prefixes, and a message without
+// them hashes as it always did (its role and content).
+func TestToolCallsAreThePrompt(t *testing.T) {
+	p := testParser()
+	call := func(city string) string {
+		return `{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"` + city + `\"}"}}]}`
+	}
+	body := func(city string) []byte {
+		return []byte(`{"model":"m","messages":[{"role":"user","content":"What is the weather?"},` + call(city) +
+			`,{"role":"tool","tool_call_id":"call_1","content":"sunny"}]}`)
+	}
+	paris, err := p.parse(EndpointChatCompletions, body("Paris"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rome, _ := p.parse(EndpointChatCompletions, body("Rome"))
+	if slices.Equal(paris.Hashes, rome.Hashes) {
+		t.Fatal("conversations differing in their tool calls hash alike")
+	}
+	if want := len(call("Paris")) - len(`{"role":"assistant","content":null,}`); paris.PromptBytes < want {
+		t.Fatalf("counted %d bytes, less than the tool call's %d", paris.PromptBytes, want)
+	}
+	// Without the extra fields: the canonical role and content alone.
+	plain, _ := p.parse(EndpointChatCompletions, []byte(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("abcd", 20)+`"}]}`))
+	var c prefixindex.Blocks
+	c.Reset(p.hasher, nil)
+	c.WriteString("user" + sepField + strings.Repeat("abcd", 20) + sepMessage)
+	if !slices.Equal(plain.Hashes, c.Chain(prefixindex.Seed("m", "", ""))) {
+		t.Fatal("a plain message no longer hashes as its role and content")
+	}
+}
+
+// TestMediaIsNotText: an image's bytes (base64 in a data URL) are hashed,
+// so the same image is the same prefix, but not counted as prompt text:
+// a photo must not make a request look too long, nor teach the model's
+// bytes per token (the engine's count includes the image's tokens).
+func TestMediaIsNotText(t *testing.T) {
+	p := testParser()
+	image := func(data string) []byte {
+		return []byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"What is in the picture?"},` +
+			`{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,` + data + `"}}]}]}`)
+	}
+	a, err := p.parse(EndpointChatCompletions, image(strings.Repeat("QUJD", 125_000)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := p.parse(EndpointChatCompletions, image(strings.Repeat("QUJE", 125_000)))
+	if !a.Media || a.PromptBytes > 200 || a.PromptTokens > 50 {
+		t.Fatalf("a 500 KB image counted: %+v", a)
+	}
+	if slices.Equal(a.Hashes, b.Hashes) {
+		t.Fatal("two images hash alike")
+	}
+	resp, err := p.parse(EndpointResponses, []byte(`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"x"},`+
+		`{"type":"input_image","image_url":"data:image/png;base64,`+strings.Repeat("QUJD", 50_000)+`"}]}]}`))
+	if err != nil || !resp.Media || resp.PromptBytes > 100 {
+		t.Fatalf("Responses input_image: %+v, %v", resp, err)
+	}
+	text, _ := p.parse(EndpointChatCompletions, []byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"`+strings.Repeat("x", 400)+`"}]}]}`))
+	if text.Media || text.PromptBytes < 400 {
+		t.Fatalf("text parts: %+v", text)
+	}
+}
+
+// TestBatchLongestPrompt: a batch of completions prompts runs as one
+// sequence each: the longest is what must fit.
+func TestBatchLongestPrompt(t *testing.T) {
+	p := testParser()
+	for body, want := range map[string]int{
+		`{"prompt":[[1,2,3],[4,5,6,7,8],[9]]}`: 5,
+		`{"prompt":["aaaa","aaaaaaaaaaaa"]}`:    3,
+		`{"prompt":[[1,2,3]]}`:                  0,
+		`{"prompt":"aaaaaaaa"}`:                 0,
+	} {
+		req, err := p.parse(EndpointCompletions, []byte(body))
+		if err != nil || req.LongestPromptTokens != want {
+			t.Errorf("%s: longest %d, want %d (%v)", body, req.LongestPromptTokens, want, err)
+		}
+	}
+}

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
@@ -82,5 +84,75 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestAgentTurnsAndImagesAreNotRefused: what an agent sends besides text
+// must not make an ordinary request look too long. Tool-calling turns
+// (short, mostly tool calls and chat template) used to teach the model a
+// ratio near 1 byte a token, after which a 60,000-token document was
+// refused as over 160,000; an image's base64 bytes were counted as text, so a
+// 500 KB photo was refused, and its usage (mostly the image's tokens)
+// taught the ratio too. Each request here gets 200 from the engine, and a
+// text prompt after the images is still estimated within 10%.
+func TestAgentTurnsAndImagesAreNotRefused(t *testing.T) {
+	model := fmt.Sprintf("acme/agent-model-run-%d", tokenTestRuns.Add(1))
+	fleet := startFleet(t, 2, 50, kvsim.Config{Model: model})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms", ""))
+	for _, r := range fleet {
+		eventually(t, 10*time.Second, "the engines' KV scraped", func() bool {
+			v := listedEngine(t, r.dial())
+			return v != nil && v.KVCapacity == 131_072
+		})
+	}
+	completed := int64(0)
+	send := func(what string, body map[string]any) completion {
+		t.Helper()
+		body["model"] = model
+		c := post(t, "/v1/chat/completions", body)
+		if c.status != 200 {
+			t.Fatalf("%s: %d %s", what, c.status, c.body)
+		}
+		// The router learns from a response just after the client has it:
+		// wait until it has, so the next request is decided after.
+		completed++
+		eventually(t, 10*time.Second, "the response learned from", func() bool {
+			var n int64
+			for _, u := range upstreams(t) {
+				n += u.Completed
+			}
+			return n >= completed
+		})
+		return c
+	}
+	for i := range 3 {
+		send(fmt.Sprint("tool-calling turn ", i), map[string]any{"max_tokens": 1, "messages": []any{
+			map[string]any{"role": "user", "content": fmt.Sprint("What is the weather in Paris? (", i, ")")},
+			map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{map[string]any{
+				"id": "call_1", "type": "function", "function": map[string]any{"name": "get_weather", "arguments": `{"city":"Paris"}`}}}},
+			map[string]any{"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+		}})
+	}
+	send("a 60,000-token document", chat([]msg{{"user", "Summarize: " + text("document", 240_000)}}, 16))
+	photo := strings.Repeat("QUJD", 125_000) // 500 KB of base64
+	for i := range 4 {
+		send(fmt.Sprint("a 500 KB photo ", i), map[string]any{"max_tokens": 4, "messages": []any{map[string]any{"role": "user", "content": []any{
+			map[string]any{"type": "text", "text": fmt.Sprint("What is in this picture? (", i, ")")},
+			map[string]any{"type": "image_url", "image_url": map[string]any{"url": "data:image/jpeg;base64," + photo}},
+		}}}})
+	}
+	c := send("text after the photos", chat([]msg{{"user", text("after the photos", 4000)}}, 4))
+	m := promptEstimate.FindStringSubmatch(c.explain)
+	var usage struct {
+		Usage struct {
+			PromptTokens int `json:"prompt_tokens"`
+		} `json:"usage"`
+	}
+	if m == nil || json.Unmarshal([]byte(c.body), &usage) != nil || usage.Usage.PromptTokens == 0 {
+		t.Fatalf("no estimate in %q or no usage in %s", c.explain, c.body)
+	}
+	est, _ := strconv.Atoi(m[1])
+	if e := float64(est-usage.Usage.PromptTokens) / float64(usage.Usage.PromptTokens); e < -0.1 || e > 0.1 {
+		t.Fatalf("after the photos a text prompt was estimated at %d tokens, the engine counted %d", est, usage.Usage.PromptTokens)
 	}
 }

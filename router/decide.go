@@ -22,6 +22,11 @@ type Request struct {
 	// usage reports taught the model's bytes per token, the decision
 	// estimates the prompt from it instead.
 	PromptBytes int
+	// LongestPromptTokens is, for a batch of prompts the engine runs as
+	// a sequence each, the longest one's tokens (estimated as
+	// PromptTokens is): what must fit in an upstream's KV. 0 for a single
+	// prompt.
+	LongestPromptTokens int
 	// MaxTokens is the request's output limit, 0 when it sets none.
 	MaxTokens int
 	// MaxTokensCapped says the engine cuts MaxTokens to what its context
@@ -236,15 +241,23 @@ const (
 )
 
 // leastKVTokens is the KV req surely takes (scorer.Request.LeastKVTokens),
-// its prompt counted as prompt tokens.
+// its prompt counted as prompt tokens. A prompt counted from text is
+// surely as long as both counts say with their tolerance: at the
+// configured bytes per token and, once learned, at the model's. The
+// learned ratio is the traffic's, not this prompt's (code, prose and CJK
+// text differ), so it never makes a refusal stricter than the configured
+// count.
 func leastKVTokens(req *Request, prompt int, learned bool) int {
 	least := prompt
 	if req.PromptBytes > 0 {
-		tolerance := promptToleranceUnlearned
+		least = int(float64(req.PromptTokens) * (1 - promptToleranceUnlearned))
 		if learned {
-			tolerance = promptToleranceLearned
+			least = min(least, int(float64(prompt)*(1-promptToleranceLearned)))
 		}
-		least = int(float64(prompt) * (1 - tolerance))
+	}
+	if req.LongestPromptTokens > 0 && req.PromptTokens > 0 {
+		// A batch: only its longest prompt must fit at once.
+		least = int(float64(least) * min(1, float64(req.LongestPromptTokens)/float64(req.PromptTokens)))
 	}
 	if req.MaxTokensCapped {
 		return least

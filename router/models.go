@@ -12,9 +12,10 @@ const maxModels = 256
 type modelStats struct {
 	// output is the running mean of output tokens.
 	output runningMean
-	// bytesPerToken is the running mean of prompt bytes per token as the
-	// engine counted them (usage.prompt_tokens), over text prompts.
-	bytesPerToken runningMean
+	// bytesPerToken is the mean of prompt bytes per token as the engine
+	// counted them (usage.prompt_tokens), over text prompts, weighted by
+	// their tokens.
+	bytesPerToken weightedMean
 	// used is Fleet.modelClock at the last use, for evicting the least
 	// recently used model when the table is full.
 	used uint64
@@ -29,10 +30,35 @@ const (
 	// minLearnTokens: shorter prompts are mostly chat template, whose
 	// tokens have no bytes in the request.
 	minLearnTokens = 32
-	// learnedAfter is how many responses the ratio needs before it
-	// replaces the configured bytes_per_token.
-	learnedAfter = 3
+	// learnedAfter is how many responses, and learnedAfterTokens how
+	// many of their prompt tokens (weighted as the mean weighs them), the
+	// ratio needs before it replaces the configured bytes_per_token: a
+	// few short agent turns, whose chat template is much of their tokens,
+	// do not decide it alone.
+	learnedAfter       = 3
+	learnedAfterTokens = 1024
 )
+
+// weightedMean is a mean of samples weighted by their size, recent ones
+// counting more: each older sample's weight decays by 5% per sample (as
+// runningMean's share of a new sample floors at 5%). A prompt's bytes per
+// token so counts by its tokens: a long prompt, in which the chat
+// template's own tokens are few, says more than a short one.
+type weightedMean struct {
+	value, weight float64
+	n             int
+}
+
+func (m *weightedMean) add(x, w float64) {
+	m.n++
+	m.weight = m.weight*0.95 + w
+	m.value += w / m.weight * (x - m.value)
+}
+
+// learned says enough was seen to use the mean.
+func (m *weightedMean) learned() bool {
+	return m.n >= learnedAfter && m.weight >= learnedAfterTokens
+}
 
 // model returns name's statistics, created (evicting the least recently
 // used model when the table is full) when create is set, else nil if
@@ -70,10 +96,10 @@ func (m *modelStats) learnPrompt(promptBytes, promptTokens int) {
 		return
 	}
 	ratio := float64(promptBytes) / float64(promptTokens)
-	if m.bytesPerToken.n >= learnedAfter {
+	if m.bytesPerToken.learned() {
 		ratio = min(max(ratio, m.bytesPerToken.value/2), m.bytesPerToken.value*2)
 	}
-	m.bytesPerToken.add(min(max(ratio, minBytesPerToken), maxBytesPerToken))
+	m.bytesPerToken.add(min(max(ratio, minBytesPerToken), maxBytesPerToken), float64(promptTokens))
 }
 
 // promptTokens is req's prompt length in tokens and the factor its
@@ -85,7 +111,7 @@ func (f *Fleet) promptTokens(req *Request) (tokens int, scale float64, learned b
 		return req.PromptTokens, 1, false
 	}
 	m := f.model(req.Model, false)
-	if m == nil || m.bytesPerToken.n < learnedAfter {
+	if m == nil || !m.bytesPerToken.learned() {
 		return req.PromptTokens, 1, false
 	}
 	tokens = max(1, int(math.Ceil(float64(req.PromptBytes)/m.bytesPerToken.value)))
@@ -98,7 +124,7 @@ func (f *Fleet) BytesPerToken(model string) (float64, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	m := f.models[model]
-	if m == nil || m.bytesPerToken.n < learnedAfter {
+	if m == nil || !m.bytesPerToken.learned() {
 		return 0, false
 	}
 	return m.bytesPerToken.value, true

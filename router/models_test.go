@@ -115,3 +115,21 @@ func TestModelTableIsBounded(t *testing.T) {
 		t.Errorf("the model in use was evicted: %+v", m)
 	}
 }
+
+// TestShortTurnsDoNotDecideTheRatio: an agent's short turns are mostly
+// chat template, whose tokens have no bytes in the request, so their
+// ratio is far below the text's. Three of them do not make the ratio
+// learned, and the first long prompt outweighs them.
+func TestShortTurnsDoNotDecideTheRatio(t *testing.T) {
+	var m modelStats
+	for range 3 {
+		m.learnPrompt(80, 80) // a tool call's turn: 1 byte a token
+	}
+	if m.bytesPerToken.learned() {
+		t.Fatalf("three 80-token turns made the ratio learned: %+v", m.bytesPerToken)
+	}
+	m.learnPrompt(18_000, 4000) // a document: 4.5 bytes a token
+	if v := m.bytesPerToken.value; !m.bytesPerToken.learned() || v < 4.2 || v > 4.5 {
+		t.Fatalf("after a 4,000-token prompt: %+v, want learned near 4.5", m.bytesPerToken)
+	}
+}

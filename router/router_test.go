@@ -427,11 +427,31 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 		{"text estimated at 5,200 (unlearned)", Request{PromptTokens: 5200, PromptBytes: 20_800}, true},
 		{"token ids, 4,097", Request{PromptTokens: 4097}, true},
 		{"prompt 3,000 and max_output_tokens 2,000, which the engine caps", Request{PromptTokens: 3000, MaxTokens: 2000, MaxTokensCapped: true}, false},
+		{"a batch of two 3,000-token prompts", Request{PromptTokens: 6000, LongestPromptTokens: 3000}, false},
+		{"a batch whose longest prompt is 4,097", Request{PromptTokens: 8194, LongestPromptTokens: 4097}, true},
 	} {
 		d := decide(New(), tc.req)
 		if d.TooLong != tc.tooLong || (d.Charge != nil) == tc.tooLong {
 			t.Errorf("%s: too long %v, chosen %d; want too long %v", tc.name, d.TooLong, d.Chosen, tc.tooLong)
 		}
+	}
+
+	// A learned ratio never makes a refusal stricter than the configured
+	// count: traffic at 1 byte a token (short agent turns, code) says
+	// little of the next prompt's text. Text at 5,000 bytes is refused
+	// only when the configured count, 1,250, is beyond the KV too.
+	dense := New()
+	dense.learn("m", 8000, Usage{PromptTokens: 8000})
+	dense.learn("m", 8000, Usage{PromptTokens: 8000})
+	dense.learn("m", 8000, Usage{PromptTokens: 8000})
+	if bpt, ok := dense.BytesPerToken("m"); !ok || bpt != 1 {
+		t.Fatalf("learned %v (%v), want 1", bpt, ok)
+	}
+	if d := decide(dense, Request{Model: "m", PromptTokens: 1250, PromptBytes: 5000}); d.TooLong {
+		t.Error("5,000 bytes of text refused on the learned ratio alone")
+	}
+	if d := decide(dense, Request{Model: "m", PromptTokens: 5200, PromptBytes: 20_800}); !d.TooLong {
+		t.Error("20,800 bytes of text not refused, though too long by both counts")
 	}
 
 	// A prompt longer than the KV is too long however much of it an
