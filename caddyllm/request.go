@@ -739,7 +739,13 @@ func (r *reading) message(i int) {
 		case fieldRole:
 			r.optString(&m.role, &m.roleEscaped, "messages.role")
 		case fieldContent:
-			r.content(&m, &x)
+			if s.ws() == '"' { // the usual content, read here: no call
+				if start, end, _, ok := s.str(); ok {
+					m.content, x.media = span{start, end}, 0
+				}
+			} else {
+				r.content(&m, &x)
+			}
 		case fieldName, fieldToolCallID, fieldToolCalls:
 			v := r.value()
 			switch f {
