@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"cmp"
 	"fmt"
+	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -389,6 +391,9 @@ type reading struct {
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
+	// A UTF-8 byte order mark before the JSON: vLLM reads the body with
+	// Python's json.loads, which skips it.
+	body = bytes.TrimPrefix(body, utf8BOM)
 	sc := p.scratch.Get().(*parseScratch)
 	defer func() {
 		// A huge request's buffers are not kept for the next one.
@@ -487,6 +492,9 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	}
 	return req, nil
 }
+
+// utf8BOM is the UTF-8 encoding of U+FEFF, the byte order mark.
+var utf8BOM = []byte("\xef\xbb\xbf")
 
 // countText sets req's prompt size from the canonical text hashed, its
 // media parts left out.
@@ -598,13 +606,30 @@ func (r *reading) object() {
 		case fieldMaxCompletionTokens:
 			r.optInt(&r.maxCompletion, "max_completion_tokens")
 		case fieldStream:
-			switch c := s.ws(); c {
-			case 't', 'f':
+			// Read as vLLM reads it (pydantic, lax): also "true", 1.
+			switch c := s.ws(); {
+			case c == 't' || c == 'f':
 				if s.literal() {
 					r.stream = c == 't'
 				}
-			case 'n':
+			case c == 'n':
 				s.literal()
+			case c == '"' || c == '-' || '0' <= c && c <= '9':
+				var start, end int
+				var esc, ok bool
+				if c == '"' {
+					start, end, esc, ok = s.str()
+				} else {
+					start, end, ok = s.number()
+				}
+				if !ok {
+					break
+				}
+				if v, ok := laxBool(r.unquoted(start, end, esc), c == '"'); ok {
+					r.stream = v
+				} else {
+					r.typeError("stream", "a boolean")
+				}
 			default:
 				r.typeError("stream", "a boolean")
 				r.skip()
@@ -650,7 +675,10 @@ func (r *reading) optString(dst *span, escaped *bool, name string) bool {
 	return false
 }
 
-// optInt reads an integer field that may be null.
+// optInt reads an integer field that may be null, as vLLM's request
+// models (pydantic, in its lax mode) read one: a number without a
+// fractional part (16, 16.0, 1e3), or a string holding an integer ("16").
+// What vLLM takes the router must not refuse.
 func (r *reading) optInt(dst *optInt, name string) {
 	s := r.s
 	switch c := s.ws(); {
@@ -663,8 +691,18 @@ func (r *reading) optInt(dst *optInt, name string) {
 		if !ok {
 			return
 		}
-		if v, ok := parseInt(r.body[start:end], 64); ok {
-			*dst = optInt{v: int(v), set: true}
+		if v, ok := laxInt(r.body[start:end], false); ok {
+			*dst = optInt{v: v, set: true}
+		} else {
+			r.typeError(name, "an integer")
+		}
+	case c == '"':
+		start, end, esc, ok := s.str()
+		if !ok {
+			return
+		}
+		if v, ok := laxInt(r.unquoted(start, end, esc), true); ok {
+			*dst = optInt{v: v, set: true}
 		} else {
 			r.typeError(name, "an integer")
 		}
@@ -672,6 +710,49 @@ func (r *reading) optInt(dst *optInt, name string) {
 		r.typeError(name, "an integer")
 		r.skip()
 	}
+}
+
+// unquoted is the body's bytes from start to end, decoded when escaped.
+func (r *reading) unquoted(start, end int, escaped bool) []byte {
+	if !escaped {
+		return r.body[start:end]
+	}
+	r.sc.dec = decodeString(r.sc.dec[:0], r.body[start:end], true)
+	return r.sc.dec
+}
+
+// laxInt reads p, a JSON number or a string's contents, as an integer the
+// way pydantic's lax mode does: a number with no fractional part, in a
+// string too. The router errs on the lenient side: what it takes and the
+// engine does not, the engine answers for.
+func laxInt(p []byte, quoted bool) (int, bool) {
+	if quoted {
+		p = bytes.TrimSpace(p)
+	}
+	if v, ok := parseInt(p, 64); ok {
+		return int(v), true
+	}
+	f, err := strconv.ParseFloat(string(p), 64)
+	if err != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+		return 0, false
+	}
+	return int(f), true
+}
+
+// laxBool reads p, a string's contents or a number, as pydantic's lax mode
+// reads a boolean: "true", "yes", "on", "1" and the like, 0 and 1.
+func laxBool(p []byte, quoted bool) (v, ok bool) {
+	if !quoted {
+		n, ok := laxInt(p, false)
+		return n == 1, ok && (n == 0 || n == 1)
+	}
+	switch strings.ToLower(string(p)) {
+	case "1", "on", "t", "true", "y", "yes":
+		return true, true
+	case "0", "off", "f", "false", "n", "no":
+		return false, true
+	}
+	return false, false
 }
 
 // messages reads the messages array. Each message is hashed when its

@@ -10,8 +10,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -25,9 +27,9 @@ type refRequest struct {
 	Prompt              json.RawMessage `json:"prompt"`
 	Messages            []refMessage    `json:"messages"`
 	Tools               json.RawMessage `json:"tools"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	Stream              bool            `json:"stream"`
+	MaxTokens           *refLaxInt      `json:"max_tokens"`
+	MaxCompletionTokens *refLaxInt      `json:"max_completion_tokens"`
+	Stream              refLaxBool      `json:"stream"`
 }
 
 // refCompletionsRequest is the part of a completions body routing reads:
@@ -35,8 +37,8 @@ type refRequest struct {
 type refCompletionsRequest struct {
 	Model     string          `json:"model"`
 	Prompt    json.RawMessage `json:"prompt"`
-	MaxTokens *int            `json:"max_tokens"`
-	Stream    bool            `json:"stream"`
+	MaxTokens *refLaxInt      `json:"max_tokens"`
+	Stream    refLaxBool      `json:"stream"`
 }
 
 // refResponsesRequest is the part of a Responses API body routing reads
@@ -45,10 +47,10 @@ type refCompletionsRequest struct {
 type refResponsesRequest struct {
 	Model              string          `json:"model"`
 	Tools              json.RawMessage `json:"tools"`
-	Stream             bool            `json:"stream"`
+	Stream             refLaxBool      `json:"stream"`
 	Input              json.RawMessage `json:"input"`
 	Instructions       json.RawMessage `json:"instructions"`
-	MaxOutputTokens    *int            `json:"max_output_tokens"`
+	MaxOutputTokens    *refLaxInt      `json:"max_output_tokens"`
 	PreviousResponseID string          `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
 }
@@ -105,6 +107,76 @@ func refRaw(v json.RawMessage) []byte {
 	return v
 }
 
+// refLaxInt is an integer read as pydantic's lax mode reads one (vLLM's
+// request models), leniently: a JSON number without a fractional part,
+// in a string too.
+type refLaxInt int
+
+func (n *refLaxInt) UnmarshalJSON(raw []byte) error {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		s = strings.TrimSpace(s)
+		if v, err := strconv.ParseInt(s, 10, 64); err == nil {
+			*n = refLaxInt(v)
+			return nil
+		}
+		f, err := strconv.ParseFloat(s, 64)
+		if err != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+			return errors.New("not an integer")
+		}
+		*n = refLaxInt(f)
+		return nil
+	}
+	var i int64
+	if json.Unmarshal(raw, &i) == nil {
+		*n = refLaxInt(i)
+		return nil
+	}
+	var f float64
+	if err := json.Unmarshal(raw, &f); err != nil {
+		return err
+	}
+	if f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+		return errors.New("not an integer")
+	}
+	*n = refLaxInt(f)
+	return nil
+}
+
+// refLaxBool is a boolean read as pydantic's lax mode reads one. null
+// leaves it as it was, as encoding/json leaves a bool.
+type refLaxBool bool
+
+func (b *refLaxBool) UnmarshalJSON(raw []byte) error {
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return err
+	}
+	switch v := v.(type) {
+	case nil:
+		return nil
+	case bool:
+		*b = refLaxBool(v)
+		return nil
+	case string:
+		switch strings.ToLower(v) {
+		case "1", "on", "t", "true", "y", "yes":
+			*b = true
+			return nil
+		case "0", "off", "f", "false", "n", "no":
+			*b = false
+			return nil
+		}
+	case float64:
+		var n refLaxInt
+		if n.UnmarshalJSON(raw) == nil && (n == 0 || n == 1) {
+			*b = n == 1
+			return nil
+		}
+	}
+	return errors.New("not a boolean")
+}
+
 // refAPIType names a Go type of refRequest in the API's words, for errors
 // a client can act on ("messages must be an array", not a Go type).
 func refAPIType(t reflect.Type) string {
@@ -128,6 +200,7 @@ func refAPIType(t reflect.Type) string {
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
+	body = bytes.TrimPrefix(body, utf8BOM)
 	if endpoint == EndpointResponses {
 		return p.refParseResponses(body)
 	}
@@ -154,12 +227,12 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
 	}
-	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: raw.Stream}
+	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: bool(raw.Stream)}
 	switch {
 	case raw.MaxCompletionTokens != nil:
-		req.MaxTokens = max(0, *raw.MaxCompletionTokens)
+		req.MaxTokens = max(0, int(*raw.MaxCompletionTokens))
 	case raw.MaxTokens != nil:
-		req.MaxTokens = max(0, *raw.MaxTokens)
+		req.MaxTokens = max(0, int(*raw.MaxTokens))
 	}
 	seed := prefixindex.Seed(req.Model, "", p.salt)
 	switch endpoint {
@@ -184,9 +257,9 @@ func (p *parser) refParseResponses(body []byte) (*Request, error) {
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
 	}
-	req := &Request{Endpoint: EndpointResponses, Model: raw.Model, Stream: raw.Stream}
+	req := &Request{Endpoint: EndpointResponses, Model: raw.Model, Stream: bool(raw.Stream)}
 	if raw.MaxOutputTokens != nil {
-		req.MaxTokens = max(0, *raw.MaxOutputTokens)
+		req.MaxTokens = max(0, int(*raw.MaxOutputTokens))
 	}
 	if err := p.refHashResponses(req, prefixindex.Seed(req.Model, "", p.salt), &raw); err != nil {
 		return nil, err

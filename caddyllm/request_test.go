@@ -159,7 +159,7 @@ func TestParseRejectsBadShapes(t *testing.T) {
 		{EndpointResponses, `{"input": ["x"]}`},
 		{EndpointResponses, `{"input": [{"content": "neither role nor type"}]}`},
 		{EndpointResponses, `{"input": "x", "instructions": 1}`},
-		{EndpointResponses, `{"input": "x", "max_output_tokens": "1"}`},
+		{EndpointResponses, `{"input": "x", "max_output_tokens": 1.5}`},
 	} {
 		_, err := p.parse(tc.ep, []byte(tc.body))
 		var bad errBadRequest
@@ -348,7 +348,7 @@ func TestTypeErrorsInTheAPIsWords(t *testing.T) {
 		{EndpointCompletions, `{"model":3}`, "model must be a string"},
 		{EndpointCompletions, `{"max_tokens":"x"}`, "max_tokens must be an integer"},
 		{EndpointCompletions, `{"max_tokens":1.5}`, "max_tokens must be an integer"},
-		{EndpointCompletions, `{"stream":"yes"}`, "stream must be a boolean"},
+		{EndpointCompletions, `{"stream":"maybe"}`, "stream must be a boolean"},
 	} {
 		_, err := p.parse(tc.ep, []byte(tc.body))
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "caddyllm") || strings.Contains(err.Error(), "int") && !strings.Contains(tc.want, "int") {
@@ -557,6 +557,45 @@ func TestBatchLongestPrompt(t *testing.T) {
 		req, err := p.parse(EndpointCompletions, []byte(body))
 		if err != nil || req.LongestPromptTokens != want {
 			t.Errorf("%s: longest %d, want %d (%v)", body, req.LongestPromptTokens, want, err)
+		}
+	}
+}
+
+// TestLaxNumbersAsVLLMReadsThem: vLLM's request models (pydantic, lax
+// mode) take an integral float or an integer string for max_tokens and
+// "true" or 1 for stream; a Python client sending max_tokens=1e3 or
+// 2048.0 works against vLLM, so the router takes them too (leniently:
+// the engine has the last word), and a UTF-8 byte order mark before the
+// body, which Python's json.loads skips. A fraction or a word is refused.
+func TestLaxNumbersAsVLLMReadsThem(t *testing.T) {
+	p := testParser()
+	for body, want := range map[string]int{
+		`{"prompt":"x","max_tokens":16.0}`: 16, `{"prompt":"x","max_tokens":1e3}`: 1000, `{"prompt":"x","max_tokens":"16"}`: 16,
+		`{"prompt":"x","max_tokens":"\u0031\u0036"}`: 16, `{"prompt":"x","max_tokens":-0.0}`: 0, `{"prompt":"x","max_tokens":" 16.0 "}`: 16,
+	} {
+		req, err := p.parse(EndpointCompletions, []byte(body))
+		if err != nil || req.MaxTokens != want {
+			t.Errorf("%s: %+v, %v; want max_tokens %d", body, req, err, want)
+		}
+	}
+	for body, want := range map[string]bool{
+		`{"prompt":"x","stream":"true"}`: true, `{"prompt":"x","stream":"Yes"}`: true, `{"prompt":"x","stream":1}`: true,
+		`{"prompt":"x","stream":"off"}`: false, `{"prompt":"x","stream":0}`: false, `{"prompt":"x","stream":true,"stream":null}`: true,
+	} {
+		req, err := p.parse(EndpointCompletions, []byte(body))
+		if err != nil || req.Stream != want {
+			t.Errorf("%s: %+v, %v; want stream %v", body, req, err, want)
+		}
+	}
+	if req, err := p.parse(EndpointCompletions, []byte("\xef\xbb\xbf"+`{"prompt":"x","max_tokens":3}`)); err != nil || req.MaxTokens != 3 {
+		t.Errorf("a body after a byte order mark: %+v, %v", req, err)
+	}
+	for _, body := range []string{
+		`{"prompt":"x","max_tokens":16.5}`, `{"prompt":"x","max_tokens":"16.5"}`, `{"prompt":"x","max_tokens":"sixteen"}`,
+		`{"prompt":"x","max_tokens":1e30}`, `{"prompt":"x","stream":"maybe"}`, `{"prompt":"x","stream":2}`,
+	} {
+		if _, err := p.parse(EndpointCompletions, []byte(body)); err == nil {
+			t.Errorf("%s accepted", body)
 		}
 	}
 }

@@ -58,13 +58,15 @@ type requestBody struct {
 	Prompt              json.RawMessage `json:"prompt"`
 	Messages            []ChatMessage   `json:"messages"`
 	Tools               json.RawMessage `json:"tools"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	// The numbers and stream are read as vLLM's pydantic models read them,
+	// in lax mode: 16.0 and "16" are 16, "true" and 1 are true.
+	MaxTokens           *laxInt         `json:"max_tokens"`
+	MaxCompletionTokens *laxInt         `json:"max_completion_tokens"`
 	// KvsimOutputTokens is kvsim's own field: the number of tokens the simulated model
 	// "wants" to generate before stopping, so trace replays reproduce recorded lengths.
-	KvsimOutputTokens    *int  `json:"kvsim_output_tokens"`
-	N                    *int  `json:"n"`
-	Stream               bool  `json:"stream"`
+	KvsimOutputTokens    *laxInt `json:"kvsim_output_tokens"`
+	N                    *laxInt `json:"n"`
+	Stream               laxBool `json:"stream"`
 	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
 	ContinueFinalMessage bool  `json:"continue_final_message"`
 	// StreamOptions is kept raw: vLLM refuses a non-empty one without
@@ -96,6 +98,9 @@ var foreignFields = map[Endpoint]map[string]bool{
 // that does not decode is decoded again without them (the other APIs'
 // fields it holds are otherwise not read for this endpoint).
 func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
+	// vLLM reads the body with Python's json.loads, which skips a UTF-8
+	// byte order mark.
+	body = bytes.TrimPrefix(body, []byte("\xef\xbb\xbf"))
 	var rb requestBody
 	if json.Unmarshal(body, &rb) == nil {
 		return &rb, nil
@@ -120,7 +125,7 @@ func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
 // responsesFields are the Responses API's own fields of a request.
 type responsesFields struct {
 	Instructions       *string `json:"instructions"`
-	MaxOutputTokens    *int    `json:"max_output_tokens"`
+	MaxOutputTokens    *laxInt `json:"max_output_tokens"`
 	PreviousResponseID *string `json:"previous_response_id"`
 	// Store is read as pydantic's lax mode reads a boolean: false, 0 and
 	// "false" (and the like) are false.
@@ -160,7 +165,7 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	if err != nil {
 		return nil, err
 	}
-	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: rb.Stream}
+	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: bool(rb.Stream)}
 	if endpoint == EndpointResponses {
 		// n and stream_options are not its own: ignored, as other APIs'
 		// fields are.
@@ -187,9 +192,9 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	// vLLM takes max_completion_tokens over max_tokens (the chat API's
 	// newer name), and gives a completions request without either 16.
 	// max_completion_tokens is the chat API's alone.
-	maxTokens := rb.MaxCompletionTokens
+	maxTokens := intOf(rb.MaxCompletionTokens)
 	if maxTokens == nil || endpoint != EndpointChatCompletions {
-		maxTokens = rb.MaxTokens
+		maxTokens = intOf(rb.MaxTokens)
 	}
 	var rf responsesFields
 	p.Store = true
@@ -198,7 +203,7 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		if rf, err = rb.responsesFields(); err != nil {
 			return nil, err
 		}
-		maxTokens = rf.MaxOutputTokens
+		maxTokens = intOf(rf.MaxOutputTokens)
 		p.CapsMaxTokens = true
 	}
 	if maxTokens == nil && endpoint == EndpointCompletions {
@@ -214,12 +219,12 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		p.OutputTokens = *maxTokens
 		p.LengthLimited = true
 	}
-	if rb.KvsimOutputTokens != nil {
-		if *rb.KvsimOutputTokens < 1 {
-			return nil, errBadRequestf("kvsim_output_tokens must be at least 1, got %d.", *rb.KvsimOutputTokens)
+	if want := intOf(rb.KvsimOutputTokens); want != nil {
+		if *want < 1 {
+			return nil, errBadRequestf("kvsim_output_tokens must be at least 1, got %d.", *want)
 		}
-		if maxTokens == nil || *rb.KvsimOutputTokens < *maxTokens {
-			p.OutputTokens = *rb.KvsimOutputTokens
+		if maxTokens == nil || *want < *maxTokens {
+			p.OutputTokens = *want
 			p.LengthLimited = false
 		}
 	}

@@ -675,3 +675,33 @@ func mustPost(t *testing.T, url, body string) string {
 	}
 	return out
 }
+
+// TestLaxFieldsAsVLLM: vLLM's request models are pydantic's, in lax mode:
+// max_tokens 16.0, 1e3 or "16" is an integer, stream "true" or 1 a
+// boolean, and a body may start with a UTF-8 byte order mark (Python's
+// json.loads skips it). A fraction or a word is still a 400.
+func TestLaxFieldsAsVLLM(t *testing.T) {
+	tok := NewTokenizer(4)
+	for body, want := range map[string]ParsedRequest{
+		`{"prompt":"hi","max_tokens":16.0}`:                       {MaxTokens: 16},
+		`{"prompt":"hi","max_tokens":1e3}`:                        {MaxTokens: 1000},
+		`{"prompt":"hi","max_tokens":"16","stream":"true"}`:       {MaxTokens: 16, Stream: true},
+		`{"prompt":"hi","max_tokens":2,"stream":1}`:               {MaxTokens: 2, Stream: true},
+		"\xef\xbb\xbf" + `{"prompt":"hi","max_tokens":3}`:         {MaxTokens: 3},
+		`{"input":"hi","max_output_tokens":"5","stream":"false"}`: {MaxTokens: 5},
+	} {
+		ep := EndpointCompletions
+		if strings.Contains(body, "input") {
+			ep = EndpointResponses
+		}
+		p, err := ParseRequest(ep, []byte(body), tok, 16)
+		if err != nil || p.MaxTokens != want.MaxTokens || p.Stream != want.Stream {
+			t.Errorf("%q: %+v, %v; want max_tokens %d, stream %v", body, p, err, want.MaxTokens, want.Stream)
+		}
+	}
+	for _, body := range []string{`{"prompt":"hi","max_tokens":16.5}`, `{"prompt":"hi","max_tokens":"many"}`, `{"prompt":"hi","stream":"maybe"}`} {
+		if _, err := ParseRequest(EndpointCompletions, []byte(body), tok, 16); err == nil {
+			t.Errorf("%s accepted", body)
+		}
+	}
+}
