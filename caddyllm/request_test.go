@@ -550,9 +550,9 @@ func TestBatchLongestPrompt(t *testing.T) {
 	p := testParser()
 	for body, want := range map[string]int{
 		`{"prompt":[[1,2,3],[4,5,6,7,8],[9]]}`: 5,
-		`{"prompt":["aaaa","aaaaaaaaaaaa"]}`:    3,
-		`{"prompt":[[1,2,3]]}`:                  0,
-		`{"prompt":"aaaaaaaa"}`:                 0,
+		`{"prompt":["aaaa","aaaaaaaaaaaa"]}`:   3,
+		`{"prompt":[[1,2,3]]}`:                 0,
+		`{"prompt":"aaaaaaaa"}`:                0,
 	} {
 		req, err := p.parse(EndpointCompletions, []byte(body))
 		if err != nil || req.LongestPromptTokens != want {

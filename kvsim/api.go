@@ -54,21 +54,21 @@ type ParsedRequest struct {
 // requestBody is the JSON of both endpoints; unknown fields are ignored, as vLLM ignores
 // sampling parameters a simulator does not need.
 type requestBody struct {
-	Model               string          `json:"model"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Messages            []ChatMessage   `json:"messages"`
-	Tools               json.RawMessage `json:"tools"`
+	Model    string          `json:"model"`
+	Prompt   json.RawMessage `json:"prompt"`
+	Messages []ChatMessage   `json:"messages"`
+	Tools    json.RawMessage `json:"tools"`
 	// The numbers and stream are read as vLLM's pydantic models read them,
 	// in lax mode: 16.0 and "16" are 16, "true" and 1 are true.
-	MaxTokens           *laxInt         `json:"max_tokens"`
-	MaxCompletionTokens *laxInt         `json:"max_completion_tokens"`
+	MaxTokens           *laxInt `json:"max_tokens"`
+	MaxCompletionTokens *laxInt `json:"max_completion_tokens"`
 	// KvsimOutputTokens is kvsim's own field: the number of tokens the simulated model
 	// "wants" to generate before stopping, so trace replays reproduce recorded lengths.
 	KvsimOutputTokens    *laxInt `json:"kvsim_output_tokens"`
 	N                    *laxInt `json:"n"`
 	Stream               laxBool `json:"stream"`
-	AddGenerationPrompt  *bool `json:"add_generation_prompt"`
-	ContinueFinalMessage bool  `json:"continue_final_message"`
+	AddGenerationPrompt  *bool   `json:"add_generation_prompt"`
+	ContinueFinalMessage bool    `json:"continue_final_message"`
 	// StreamOptions is kept raw: vLLM refuses a non-empty one without
 	// stream, and include_usage defaults to true in it.
 	StreamOptions map[string]json.RawMessage `json:"stream_options"`
