@@ -50,18 +50,8 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 				if c.status != 200 {
 					t.Fatalf("request %d: %d %s", i, c.status, c.body)
 				}
-				m := promptEstimate.FindStringSubmatch(c.explain)
-				var usage struct {
-					Usage struct {
-						PromptTokens int `json:"prompt_tokens"`
-					} `json:"usage"`
-				}
-				if m == nil || json.Unmarshal([]byte(c.body), &usage) != nil || usage.Usage.PromptTokens == 0 {
-					t.Fatalf("request %d: no estimate in %q or no usage in %s", i, c.explain, c.body)
-				}
-				est, _ := strconv.Atoi(m[1])
-				e := float64(est-usage.Usage.PromptTokens) / float64(usage.Usage.PromptTokens)
-				t.Logf("request %d: estimated %d prompt tokens, engine counted %d (error %+.1f%%)", i, est, usage.Usage.PromptTokens, 100*e)
+				est, counted, e := estimateError(t, c)
+				t.Logf("request %d: estimated %d prompt tokens, engine counted %d (error %+.1f%%)", i, est, counted, 100*e)
 				return e
 			}
 			within := func(e float64) bool { return e > -0.01 && e < 0.01 }
@@ -142,6 +132,16 @@ func TestAgentTurnsAndImagesAreNotRefused(t *testing.T) {
 		}}}})
 	}
 	c := send("text after the photos", chat([]msg{{"user", text("after the photos", 4000)}}, 4))
+	if est, counted, e := estimateError(t, c); e < -0.1 || e > 0.1 {
+		t.Fatalf("after the photos a text prompt was estimated at %d tokens, the engine counted %d", est, counted)
+	}
+}
+
+// estimateError reads a response's prompt estimate (the explanation
+// header's prompt=) and the engine's count (usage.prompt_tokens), and the
+// estimate's error relative to the count.
+func estimateError(t *testing.T, c completion) (estimate, counted int, relative float64) {
+	t.Helper()
 	m := promptEstimate.FindStringSubmatch(c.explain)
 	var usage struct {
 		Usage struct {
@@ -151,8 +151,7 @@ func TestAgentTurnsAndImagesAreNotRefused(t *testing.T) {
 	if m == nil || json.Unmarshal([]byte(c.body), &usage) != nil || usage.Usage.PromptTokens == 0 {
 		t.Fatalf("no estimate in %q or no usage in %s", c.explain, c.body)
 	}
-	est, _ := strconv.Atoi(m[1])
-	if e := float64(est-usage.Usage.PromptTokens) / float64(usage.Usage.PromptTokens); e < -0.1 || e > 0.1 {
-		t.Fatalf("after the photos a text prompt was estimated at %d tokens, the engine counted %d", est, usage.Usage.PromptTokens)
-	}
+	estimate, _ = strconv.Atoi(m[1])
+	counted = usage.Usage.PromptTokens
+	return estimate, counted, float64(estimate-counted) / float64(counted)
 }
