@@ -42,7 +42,7 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 			model := fmt.Sprintf("acme/code-model-%d-run-%d", tc.bytesPerToken, tokenTestRuns.Add(1))
 			fleet := startFleet(t, 2, 50, kvsim.Config{BytesPerToken: tc.bytesPerToken, Model: model})
 			startCaddy(t, caddyfile(fleet, "", "", ""))
-			estimateError := func(i int) float64 {
+			errorOf := func(i int) float64 {
 				convo := []msg{{"user", text(fmt.Sprint("snippet", i), 8000)}}
 				body := chat(convo, 4)
 				body["model"] = model
@@ -56,12 +56,12 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 			}
 			within := func(e float64) bool { return e > -0.01 && e < 0.01 }
 
-			if e := estimateError(0); e < tc.firstError[0] || e > tc.firstError[1] {
+			if e := errorOf(0); e < tc.firstError[0] || e > tc.firstError[1] {
 				t.Fatalf("before learning: error %+.1f%%, want within %v", 100*e, tc.firstError)
 			}
 			learned := -1
 			for i := 1; i <= 12 && learned < 0; i++ {
-				if within(estimateError(i)) && i >= 3 {
+				if within(errorOf(i)) && i >= 3 {
 					learned = i
 				}
 			}
@@ -69,7 +69,7 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 				t.Fatal("12 responses did not bring the estimate within 1% of the engine's count")
 			}
 			for i := learned + 1; i <= learned+3; i++ {
-				if e := estimateError(i); !within(e) {
+				if e := errorOf(i); !within(e) {
 					t.Errorf("request %d, after learning: error %+.1f%%, want within 1%%", i, 100*e)
 				}
 			}
