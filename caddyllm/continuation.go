@@ -13,7 +13,13 @@ import (
 )
 
 // errDrainCut is the cause of cancelling an attempt at a drain deadline.
-var errDrainCut = errors.New("llm_affinity: upstream drain deadline passed")
+// It is a context.Canceled: net/http's transport fails the round trip
+// with the cause, and Caddy's reverse_proxy takes a canceled request for
+// the client's doing, so it neither retries the dead attempt on other
+// upstreams (each retry failing at once) nor counts the failure against
+// them in its passive health checks, which then drained healthy
+// upstreams for fail_duration. The handler moves the request itself.
+var errDrainCut = fmt.Errorf("llm_affinity: upstream drain deadline passed: %w", context.Canceled)
 
 // maxRedispatch bounds how often one request moves because of drains.
 const maxRedispatch = 4

@@ -439,3 +439,48 @@ func TestConfigNamesOnlyItsUpstreams(t *testing.T) {
 		t.Fatalf("the running config after the refused ones: %d %s", c.status, c.body)
 	}
 }
+
+// TestDrainCutIsNoUpstreamFailure: with Caddy's retries and passive health
+// checks on (as in the quickstart), a drain deadline that cuts requests
+// not yet answered moves them to the other upstreams and counts against
+// none: Caddy takes the cut for the client's cancellation, so it neither
+// retries the dead attempt elsewhere nor strikes the upstreams it would
+// have retried on (which then drained as unhealthy for fail_duration, and
+// their requests got 503s).
+func TestDrainCutIsNoUpstreamFailure(t *testing.T) {
+	// One sequence at a time: of three requests on A two wait there.
+	fleet := startFleet(t, 3, 1, kvsim.Config{MaxNumSeqs: 1})
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 30s", `lb_retries 2
+		lb_retry_match {
+			method POST
+		}
+		fail_duration 10s`))
+	a, b, c := fleet[0], fleet[1], fleet[2]
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+c.dial()+"/drain")
+	var wg sync.WaitGroup
+	results := make([]completion, 3)
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = post(t, "/v1/chat/completions", chat([]msg{{"user", text(fmt.Sprint("cut ", i), 2000)}}, 60))
+		}()
+	}
+	eventually(t, 5*time.Second, "three requests on A", func() bool { return upstreams(t)[a.dial()].InFlight == 3 })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+c.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
+	wg.Wait()
+	for i, r := range results {
+		if r.status != 200 || r.replica == a.name {
+			t.Errorf("request %d: %d from %s: %s", i, r.status, r.replica, r.body)
+		}
+	}
+	for _, r := range []*replica{b, c} {
+		if u := upstreams(t)[r.dial()]; u.Drain != "active" || u.DrainCause != "" || (u.Healthy != nil && !*u.Healthy) {
+			t.Errorf("%s after the cut: drain %q, cause %q, healthy %v", r.name, u.Drain, u.DrainCause, u.Healthy)
+		}
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
