@@ -107,6 +107,7 @@ func TestPolicyValidate(t *testing.T) {
 		{OutputEstimate: OutputAverage, ShedStatus: 503, DecodeWeight: 101},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: math.NaN()},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, TieSeconds: math.Inf(1)},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, KVMarginTokens: -100_000}, // would turn the KV fit off
 	} {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%+v validated", p)

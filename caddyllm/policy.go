@@ -111,7 +111,7 @@ type Policy struct {
 	QueueLimit int `json:"queue_limit,omitempty"`
 
 	// KVMarginTokens is the KV headroom the fit filter keeps beyond the
-	// uncached prompt and expected output.
+	// uncached prompt and expected output: 0 or more.
 	KVMarginTokens int `json:"kv_margin_tokens,omitempty"`
 
 	// TieSeconds: ttft estimates closer than this are ties, broken by power
@@ -446,6 +446,10 @@ func (p *Policy) Validate() error {
 	if p.ImposedDelayWeight > maxCostWeight || p.DecodeWeight > maxCostWeight || p.EvictionWeight > maxCostWeight {
 		return fmt.Errorf("imposed_delay_weight, decode_weight and eviction_weight must be at most %v, got %v, %v and %v",
 			maxCostWeight, p.ImposedDelayWeight, p.DecodeWeight, p.EvictionWeight)
+	}
+	if p.KVMarginTokens < 0 {
+		// Negative headroom would let the fit filter pass what does not fit.
+		return fmt.Errorf("kv_margin must be 0 or more tokens, got %d", p.KVMarginTokens)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)
