@@ -33,6 +33,20 @@ const maxRedispatch = 4
 // anything else ends with an SSE error event, never a hang.
 func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Handler, st *requestState) error {
 	clientCtx := r.Context()
+	// The causes of the continuations under way: each counts as continued
+	// once the client has the stream's end, and as cut otherwise (the
+	// continuation's upstream refused it, none could take it, the client
+	// left).
+	var continuing []string
+	defer func() {
+		outcome := "cut"
+		if rec.done && !rec.failed && clientCtx.Err() == nil {
+			outcome = "continued"
+		}
+		for _, cause := range continuing {
+			st.countMove(cause, outcome)
+		}
+	}()
 	for moves := 0; ; moves++ {
 		ctx, cancel := context.WithCancelCause(clientCtx)
 		st.setCancel(cancel)
@@ -100,13 +114,14 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			h.logger.Debug("stream not continued", zap.Error(err))
 			return h.endStream(rec, err.Error())
 		}
-		outcome("continued")
 		// The cut event's start, held back, and the line being read go:
 		// the continuation begins at an event's start.
 		rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
 		if body == nil { // nothing left to generate
+			outcome("continued")
 			return h.endStream(rec, "")
 		}
+		continuing = append(continuing, cause)
 		st.replace(req, body)
 		rec.splice = &spliceState{priorTokens: rec.tokens}
 		r.Body, r.ContentLength = nil, int64(len(body))

@@ -163,7 +163,7 @@ func newMetrics(sh *shared) *metrics {
 		}),
 		movedRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "moved_requests_total",
-			Help: "Requests cut off their upstream (cause: drain deadline or upstream_error), by outcome: redispatched (not started, sent elsewhere), continued (stream continued elsewhere), cut (ended with an error event).",
+			Help: "Requests cut off their upstream (cause: drain deadline or upstream_error), by outcome: redispatched (not started, sent elsewhere), continued (stream continued elsewhere to its end), cut (ended with an error event, its continuation included, or the client left).",
 		}, []string{"cause", "outcome"}),
 		drainTransitions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_transitions_total",

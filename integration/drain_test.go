@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -481,6 +482,40 @@ func TestDrainCutIsNoUpstreamFailure(t *testing.T) {
 		if u := upstreams(t)[r.dial()]; u.Drain != "active" || u.DrainCause != "" || (u.Healthy != nil && !*u.Healthy) {
 			t.Errorf("%s after the cut: drain %q, cause %q, healthy %v", r.name, u.Drain, u.DrainCause, u.Healthy)
 		}
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
+// TestFailedContinuationCountsAsCut: a stream cut at its upstream's drain
+// deadline whose continuation finds no upstream (the only one drains) ends
+// with an error event, and counts as cut, not continued.
+func TestFailedContinuationCountsAsCut(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "queue_timeout 2s", ""))
+	a := fleet[0]
+	moved := func(outcome string) float64 {
+		prefix := `caddy_llm_affinity_moved_requests_total{cause="drain",outcome="` + outcome + `"} `
+		for _, line := range strings.Split(scrapeMetrics(t), "\n") {
+			if v, ok := strings.CutPrefix(line, prefix); ok {
+				n, _ := strconv.ParseFloat(v, 64)
+				return n
+			}
+		}
+		return 0
+	}
+	cut, continued := moved("cut"), moved("continued")
+	results, errs, wait := streamAll(requestBodies(1, "alone"))
+	eventually(t, 5*time.Second, "tokens streaming from A", func() bool {
+		u := upstreams(t)[a.dial()]
+		return u.InFlight == 1 && u.QueuedDecodeTokens <= 120-10
+	})
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
+	wait()
+	if errs[0] != nil || !results[0].errEvent {
+		t.Fatalf("the stream: %v %+v, want it ended with an error event", errs[0], results[0])
+	}
+	if d := moved("cut") - cut; d != 1 || moved("continued") != continued {
+		t.Errorf("moved: cut +%v, continued +%v; want +1 and +0", d, moved("continued")-continued)
 	}
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
