@@ -67,7 +67,9 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 				// upstream refused it): the headers are gone, so only an
 				// error event can tell the client.
 				msg := "the upstream failed"
-				switch {
+				switch shed := st.shedInfo(); {
+				case shed != nil:
+					msg = "no upstream could take its continuation: " + shed.message
 				case rec.splice != nil && rec.splice.refused != 0 && rec.splice.restart:
 					msg = fmt.Sprintf("the upstream it was sent again to answered %d", rec.splice.refused)
 				case rec.splice != nil && rec.splice.refused != 0:

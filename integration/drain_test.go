@@ -24,6 +24,7 @@ type streamResult struct {
 	prompt     int
 	done       bool
 	errEvent   bool
+	errText    string // the error event's data
 	replica    string
 }
 
@@ -68,7 +69,7 @@ func stream(ctx context.Context, path string, body map[string]any) (streamResult
 			return res, fmt.Errorf("bad chunk %q: %v", data, err)
 		}
 		if chunk.Error != nil {
-			res.errEvent = true
+			res.errEvent, res.errText = true, data
 		}
 		if chunk.ID != "" {
 			res.ids[chunk.ID] = true
@@ -513,6 +514,9 @@ func TestFailedContinuationCountsAsCut(t *testing.T) {
 	wait()
 	if errs[0] != nil || !results[0].errEvent {
 		t.Fatalf("the stream: %v %+v, want it ended with an error event", errs[0], results[0])
+	}
+	if !strings.Contains(results[0].errText, "no upstream could take its continuation") {
+		t.Errorf("the error event says %q, not why", results[0].errText)
 	}
 	if d := moved("cut") - cut; d != 1 || moved("continued") != continued {
 		t.Errorf("moved: cut +%v, continued +%v; want +1 and +0", d, moved("continued")-continued)
