@@ -131,6 +131,17 @@ func parentHasDynamicUpstreams(ctx caddy.Context) bool {
 	return false
 }
 
+// parentTryDuration is the lb_try_duration of the reverse_proxy handler
+// that loads this policy, 0 when none.
+func parentTryDuration(ctx caddy.Context) time.Duration {
+	for _, m := range ctx.Modules() {
+		if h, ok := m.(*reverseproxy.Handler); ok && h.LoadBalancing != nil {
+			return time.Duration(h.LoadBalancing.TryDuration)
+		}
+	}
+	return 0
+}
+
 // parentUpstreams finds the reverse_proxy handler that loads this policy
 // and returns a function listing its static upstreams. Its upstreams are
 // provisioned after the policy, so they are read lazily.

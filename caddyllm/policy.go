@@ -338,6 +338,12 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.parentDials = append(p.parentDials, u.Dial)
 	}
 	p.parentDynamic = parentHasDynamicUpstreams(ctx)
+	if try := parentTryDuration(ctx); try > 0 {
+		// Caddy asks a policy that chose nothing again and again until
+		// lb_try_duration passes, so the router's own answers wait for it.
+		p.logger.Warn("lb_try_duration delays the answers the router gives itself (404 model_not_found, 400 context_length_exceeded, 503 when shed) by up to its length: the policy already waits for an upstream that fits (queue_timeout); use lb_retries to retry failed attempts instead",
+			zap.Duration("lb_try_duration", try))
+	}
 	for dial := range p.Upstreams {
 		p.named = append(p.named, dial)
 	}
