@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"slices"
@@ -61,7 +62,7 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return methodNotAllowed(w, r, http.MethodGet)
 	}
-	var ups []UpstreamSnapshot
+	ups := []UpstreamSnapshot{} // [] rather than null while no policy is loaded
 	if sh := lookupShared(); sh != nil {
 		sh.applyPendingDrains("") // the view shows the running config's drains
 		ups = sh.snapshot()
@@ -152,6 +153,9 @@ func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, e
 		dec.DisallowUnknownFields() // a misspelt deadline must not drain with the default
 		if err := dec.Decode(&body); err != nil {
 			return 0, fmt.Errorf("reading drain request body: %v", err)
+		}
+		if _, err := dec.Token(); err != io.EOF {
+			return 0, fmt.Errorf("reading drain request body: more than one JSON object")
 		}
 		raw = body.Deadline
 	}

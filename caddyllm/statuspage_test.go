@@ -108,7 +108,8 @@ func TestDrainAUnixSocketUpstream(t *testing.T) {
 
 // TestDrainRequestsAsked: a 405 names the methods the endpoint takes in
 // Allow, and a drain body with a field the endpoint does not know (a
-// misspelt deadline) is refused rather than drained with the default.
+// misspelt deadline), or with more after its object, is refused rather
+// than drained with the default.
 func TestDrainRequestsAsked(t *testing.T) {
 	sh := acquireShared()
 	defer releaseShared()
@@ -126,9 +127,15 @@ func TestDrainRequestsAsked(t *testing.T) {
 	if err := handleUpstreams(w, httptest.NewRequest("DELETE", "/llm_affinity/upstreams", nil)); err == nil || w.Header().Get("Allow") != "GET" {
 		t.Fatalf("DELETE upstreams: %v, Allow %q", err, w.Header().Get("Allow"))
 	}
-	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path, strings.NewReader(`{"dedline":"5s"}`))); !errors.As(err, &apiErr) ||
-		apiErr.HTTPStatus != http.StatusBadRequest {
-		t.Fatalf("a misspelt field: %v", err)
+	w = httptest.NewRecorder()
+	if err := handleSync(w, httptest.NewRequest("POST", "/llm_affinity/sync", nil)); err == nil || w.Header().Get("Allow") != "GET" {
+		t.Fatalf("POST sync: %v, Allow %q", err, w.Header().Get("Allow"))
+	}
+	for _, body := range []string{`{"dedline":"5s"}`, `{"deadline":"5s"} trailing`, `{"deadline":"5s"}{"deadline":"1h"}`} {
+		if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path, strings.NewReader(body))); !errors.As(err, &apiErr) ||
+			apiErr.HTTPStatus != http.StatusBadRequest {
+			t.Fatalf("%s: %v", body, err)
+		}
 	}
 	if got := sh.drains.Phase(dial).String(); got != "active" {
 		t.Fatalf("after a refused drain: %s", got)

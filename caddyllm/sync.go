@@ -204,7 +204,7 @@ func (sh *shared) syncView(now time.Time) SyncView {
 // handleSync serves GET /llm_affinity/sync.
 func handleSync(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+		return methodNotAllowed(w, r, http.MethodGet)
 	}
 	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}}
 	if sh := lookupShared(); sh != nil {
