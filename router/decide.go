@@ -206,7 +206,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	home := -1
 	for i := range members {
 		m, u := &members[i], states[i]
-		cands[i] = f.candidate(m, u, opts, adapter, bt, observe)
+		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 		if home < 0 && isHome(&req, m) {
@@ -282,7 +282,8 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	}
 }
 
-// candidate describes member m to the scorer. Caller holds f.mu.
+// candidate describes member m to the scorer at the decision's time at.
+// Caller holds f.mu.
 //
 // Without engine signals it uses what the router itself knows: the work
 // it charged there and the configured hardware. With them:
@@ -294,7 +295,7 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 //     output lengths the router has seen;
 //   - the model list filters models, and the engine's running adapters say
 //     which adapters are resident.
-func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string, blockTokens int, observe bool) scorer.Candidate {
+func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, adapter string, blockTokens int, observe bool) scorer.Candidate {
 	hw := m.Hardware.WithDefaults()
 	c := scorer.Candidate{
 		Name:                   m.Dial,
@@ -341,10 +342,19 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	if c.KVCapacityTokens > 0 {
 		// Sites that configure different capacities for one upstream
 		// (without the engine's own figure) must not shrink the index
-		// in turn: it keeps the largest.
+		// in turn: it keeps the largest, while a decision has used it
+		// within capacityMemory. One not used for that long (a reload
+		// lowered it) gives way to the figure in use.
 		index := c.KVCapacityTokens
 		if !fromEngine {
-			index = max(index, u.capacityTokens)
+			switch {
+			case index >= u.capacityTokens, at.Sub(u.capacitySeen) > capacityMemory:
+				if observe {
+					u.capacitySeen = at
+				}
+			default:
+				index = u.capacityTokens
+			}
 		}
 		if observe {
 			f.sizeIndex(u, index, blockTokens)
@@ -363,6 +373,10 @@ func (f *Fleet) candidate(m *Member, u *upstream, opts *Options, adapter string,
 	}
 	return c
 }
+
+// capacityMemory is how long an upstream's index keeps the largest
+// configured KV capacity after the last decision that used it.
+const capacityMemory = time.Minute
 
 // sizeIndex gives u's prefix index the capacity of its KV cache, when that
 // changed or a smaller block size appeared. Caller holds f.mu.

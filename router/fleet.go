@@ -99,6 +99,9 @@ type upstream struct {
 	// each other's share of the index.
 	capacityTokens   int
 	indexBlockTokens int
+	// capacitySeen is when a decision last used a configured capacity of
+	// capacityTokens (see capacityMemory).
+	capacitySeen time.Time
 
 	// engineRestart is the latest engine restart a scraper reported;
 	// indexResets counts the times its prefixes were forgotten because

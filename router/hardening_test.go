@@ -179,3 +179,30 @@ func TestSitesDisagreeingOnCapacity(t *testing.T) {
 		served(f, d.Charge, t0)
 	}
 }
+
+// TestLoweredCapacityShrinksTheIndex: a configured capacity that no
+// decision uses any more (a reload lowered it) gives way, capacityMemory
+// after its last use, to the one in use: the index no longer believes in
+// prefixes the smaller cache cannot hold, and the admin view says so.
+func TestLoweredCapacityShrinksTheIndex(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	big, small := members("a"), members("a")
+	big[0].Hardware.KVCapacityTokens = 131_072
+	small[0].Hardware.KVCapacityTokens = 4096
+	req := func(seed uint64) Request {
+		return Request{Hashes: hashes(seed, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 1, Model: "m"}
+	}
+	served(f, f.Decide(t0, req(1), big, &opts, rng(), nil).Charge, t0)
+	capacity := func() int { return state(t, f, "a").KVCapacityTokens }
+	soon := t0.Add(capacityMemory / 2)
+	served(f, f.Decide(soon, req(2), small, &opts, rng(), nil).Charge, soon)
+	if got := capacity(); got != 131_072 {
+		t.Fatalf("within capacityMemory of the larger figure's use: index sized for %d, want 131072", got)
+	}
+	later := soon.Add(capacityMemory)
+	served(f, f.Decide(later, req(3), small, &opts, rng(), nil).Charge, later)
+	if got := capacity(); got != 4096 {
+		t.Fatalf("the larger figure unused for longer than capacityMemory: index sized for %d, want 4096", got)
+	}
+}

@@ -207,7 +207,7 @@ func TestEngineSignals(t *testing.T) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	u := f.upstream("a", t0)
-	c := f.candidate(&ms[0], u, &opts, "", 64, true)
+	c := f.candidate(t0, &ms[0], u, &opts, "", 64, true)
 	if c.KVCapacityTokens != 16000 || c.FreeKVTokens != 8000 || c.ForeignInFlight != 5 || c.Waiting != 2 || c.QueuedDecodeTokens != 500 {
 		t.Fatalf("candidate %+v", c)
 	}
