@@ -38,9 +38,10 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 	// continuation's upstream refused it, none could take it, the client
 	// left).
 	var continuing []string
+	endedClean := false // the stream was ended here with nothing left to generate
 	defer func() {
 		outcome := "cut"
-		if rec.done && !rec.failed && clientCtx.Err() == nil {
+		if rec.done && !rec.failed || endedClean {
 			outcome = "continued"
 		}
 		for _, cause := range continuing {
@@ -121,6 +122,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
 		if body == nil { // nothing left to generate
 			outcome("continued")
+			endedClean = true
 			return h.endStream(rec, "")
 		}
 		continuing = append(continuing, cause)
@@ -192,14 +194,13 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 		return nil, nil, errors.New("a Responses API stream cannot be continued on another upstream")
 	}
 	var m map[string]json.RawMessage
-	if err := json.Unmarshal(orig, &m); err != nil {
+	if err := json.Unmarshal(bytes.TrimPrefix(orig, utf8BOM), &m); err != nil {
 		return nil, nil, err
 	}
 	// The recorder keeps one choice's text, and no tool calls: a stream
 	// of several choices, or one that may be calling tools, cannot be
 	// rebuilt from it.
-	var n int
-	if json.Unmarshal(m["n"], &n) == nil && n > 1 {
+	if n, ok := rawLaxInt(m["n"]); ok && n > 1 {
 		return nil, nil, errors.New("a stream of several choices (n > 1) cannot be continued")
 	}
 	if tools, ok := m["tools"]; ok && string(tools) != "null" && string(tools) != "[]" {
@@ -227,8 +228,7 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 		return nil, nil, errors.New("not a generation endpoint")
 	}
 	for _, key := range []string{"max_tokens", "max_completion_tokens", "kvsim_output_tokens"} {
-		var n int
-		if raw, ok := m[key]; ok && json.Unmarshal(raw, &n) == nil && n > 0 {
+		if n, ok := rawLaxInt(m[key]); ok && n > 0 {
 			left := n - rec.tokens
 			if left <= 0 && key != "kvsim_output_tokens" {
 				return nil, nil, nil
@@ -243,6 +243,26 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	}
 	req.BlockTokens = h.BlockTokens
 	return body, req, nil
+}
+
+// rawLaxInt reads a raw JSON value as the parser reads an integer field
+// (16, 16.0, "16", true), as vLLM does; ok is false for anything else.
+func rawLaxInt(raw json.RawMessage) (int, bool) {
+	raw = bytes.TrimSpace(raw)
+	switch string(raw) {
+	case "true":
+		return 1, true
+	case "false":
+		return 0, true
+	}
+	if len(raw) > 0 && raw[0] == '"' {
+		var s string
+		if json.Unmarshal(raw, &s) != nil {
+			return 0, false
+		}
+		return laxInt([]byte(s), true)
+	}
+	return laxInt(raw, false)
 }
 
 func mustJSON(v any) json.RawMessage {

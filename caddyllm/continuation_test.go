@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // The handler's moves between upstreams, driven as reverse_proxy drives
@@ -44,6 +46,13 @@ func movePool() reverseproxy.UpstreamPool {
 // the handler's error.
 func moves(t *testing.T, extra string, attempt func(n int, w http.ResponseWriter, r *http.Request) error) (*httptest.ResponseRecorder, int, error) {
 	t.Helper()
+	rr, n, _, err := movesBody(t, `{"model":"m",`+extra+`"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`, attempt)
+	return rr, n, err
+}
+
+// movesBody is moves with the whole body given, and the policy returned.
+func movesBody(t *testing.T, body string, attempt func(n int, w http.ResponseWriter, r *http.Request) error) (*httptest.ResponseRecorder, int, *Policy, error) {
+	t.Helper()
 	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
 	t.Cleanup(func() {
 		// Whatever happened, nothing stays charged or registered.
@@ -58,8 +67,8 @@ func moves(t *testing.T, extra string, attempt func(n int, w http.ResponseWriter
 		return attempt(n, w, r)
 	})
 	rr := httptest.NewRecorder()
-	err := h.ServeHTTP(rr, moveRequest(`{"model":"m",`+extra+`"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`), next)
-	return rr, n, err
+	err := h.ServeHTTP(rr, moveRequest(body), next)
+	return rr, n, p, err
 }
 
 // startStream writes a stream's headers and its first chunk.
@@ -254,5 +263,76 @@ func TestCutInsideAnEventSplicesWholeEvents(t *testing.T) {
 		if err := json.Unmarshal([]byte(strings.TrimPrefix(ev, "data: ")), &chunk); err != nil || chunk.ID != "c1" {
 			t.Fatalf("event %q: id %q, %v", ev, chunk.ID, err)
 		}
+	}
+}
+
+// TestContinuationReadsWhatTheParserReads: the continuation reads the
+// body as the parser does. A lax n ("2", 2.0: several choices) is not
+// continued as one; a lax max_tokens ("7", 7.0) is cut by what was
+// generated; a body after a byte order mark is continued.
+func TestContinuationReadsWhatTheParserReads(t *testing.T) {
+	breaks := func(n int, w http.ResponseWriter, r *http.Request) error {
+		startStream(w)
+		panic(http.ErrAbortHandler)
+	}
+	for _, n := range []string{`"2"`, `2.0`} {
+		rr, attempts, _, _ := movesBody(t, `{"model":"m","stream":true,"n":`+n+`,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`, breaks)
+		if attempts != 1 || !strings.Contains(rr.Body.String(), "cannot be continued") {
+			t.Errorf("n %s: %d attempts, body %q; want 1, not continued", n, attempts, rr.Body)
+		}
+	}
+	for _, maxTokens := range []string{`"7"`, `7.0`, `7`} {
+		var second []byte
+		movesBody(t, `{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":`+maxTokens+`}`,
+			func(n int, w http.ResponseWriter, r *http.Request) error {
+				if n == 1 {
+					return breaks(n, w, r)
+				}
+				second, _ = io.ReadAll(r.Body)
+				startStream(w)
+				_, err := w.Write([]byte("data: [DONE]\n\n"))
+				return err
+			})
+		var body struct {
+			MaxTokens json.RawMessage `json:"max_tokens"`
+		}
+		if json.Unmarshal(second, &body) != nil || string(body.MaxTokens) != "6" {
+			t.Errorf("max_tokens %s: the continuation asks for %s, want 6", maxTokens, body.MaxTokens)
+		}
+	}
+	_, attempts, _, _ := movesBody(t, "\xef\xbb\xbf"+`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`,
+		func(n int, w http.ResponseWriter, r *http.Request) error {
+			if n == 1 {
+				return breaks(n, w, r)
+			}
+			startStream(w)
+			_, err := w.Write([]byte("data: [DONE]\n\n"))
+			return err
+		})
+	if attempts != 2 {
+		t.Errorf("a body after a byte order mark: %d attempts, want 2", attempts)
+	}
+}
+
+// TestMovedTwiceCountsContinued: a stream moved twice, the second time
+// with nothing left to generate, ends cleanly: both moves count as
+// continued.
+func TestMovedTwiceCountsContinued(t *testing.T) {
+	_, _, p, _ := movesBody(t, `{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}],"max_tokens":3}`,
+		func(n int, w http.ResponseWriter, _ *http.Request) error {
+			if n == 1 {
+				startStream(w)
+				panic(http.ErrAbortHandler)
+			}
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			for range 5 {
+				w.Write([]byte(sseChunk))
+			}
+			panic(http.ErrAbortHandler)
+		})
+	m := p.sh.metrics.movedRequests
+	if continued, cut := testutil.ToFloat64(m.WithLabelValues("upstream_error", "continued")), testutil.ToFloat64(m.WithLabelValues("upstream_error", "cut")); continued != 2 || cut != 0 {
+		t.Errorf("continued %v, cut %v; want 2 and 0", continued, cut)
 	}
 }

@@ -455,7 +455,7 @@ func (p *Policy) Validate() error {
 	}
 	if p.KVMarginTokens < 0 {
 		// Negative headroom would let the fit filter pass what does not fit.
-		return fmt.Errorf("kv_margin must be 0 or more tokens, got %d", p.KVMarginTokens)
+		return fmt.Errorf("kv_margin (kv_margin_tokens) must be 0 or more tokens, got %d", p.KVMarginTokens)
 	}
 	if p.ShedStatus < 400 || p.ShedStatus > 599 {
 		return fmt.Errorf("shed_status must be a 4xx or 5xx code, got %d", p.ShedStatus)

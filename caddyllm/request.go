@@ -677,7 +677,8 @@ func (r *reading) optString(dst *span, escaped *bool, name string) bool {
 
 // optInt reads an integer field that may be null, as vLLM's request
 // models (pydantic, in its lax mode) read one: a number without a
-// fractional part (16, 16.0, 1e3), or a string holding an integer ("16").
+// fractional part (16, 16.0, 1e3), a string holding one ("16"), or a
+// boolean (1 or 0).
 // What vLLM takes the router must not refuse.
 func (r *reading) optInt(dst *optInt, name string) {
 	s := r.s
@@ -685,6 +686,13 @@ func (r *reading) optInt(dst *optInt, name string) {
 	case c == 'n':
 		if s.literal() {
 			*dst = optInt{}
+		}
+	case c == 't' || c == 'f': // lax: true is 1, false 0
+		if s.literal() {
+			*dst = optInt{set: true}
+			if c == 't' {
+				dst.v = 1
+			}
 		}
 	case c == '-' || '0' <= c && c <= '9':
 		start, end, ok := s.number()

@@ -109,10 +109,18 @@ func refRaw(v json.RawMessage) []byte {
 
 // refLaxInt is an integer read as pydantic's lax mode reads one (vLLM's
 // request models), leniently: a JSON number without a fractional part,
-// in a string too.
+// in a string too, or a boolean (1, 0).
 type refLaxInt int
 
 func (n *refLaxInt) UnmarshalJSON(raw []byte) error {
+	var b bool
+	if json.Unmarshal(raw, &b) == nil {
+		*n = 0
+		if b {
+			*n = 1
+		}
+		return nil
+	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
 		s = strings.TrimSpace(s)
@@ -325,7 +333,8 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		return badRequestf("", "invalid request: input must be a string or an array")
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens, req.Media = p.tokens(c.Len()-media), media > 0
+	req.PromptBytes = c.Len() - media
+	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
 	req.NoStore = string(bytes.TrimSpace(raw.Store)) == "false"
 	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
 		req.PreviousResponseID = raw.PreviousResponseID
@@ -345,7 +354,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	case '"':
 		s := prompt[1 : len(prompt)-1] // valid JSON: ends with the quote
 		req.Hashes = p.hasher.HashBytes(nil, seed, s)
-		req.PromptTokens = p.tokens(len(s))
+		req.PromptTokens, req.PromptBytes = p.tokens(len(s)), len(s)
 		return nil
 	case '[':
 	default:
@@ -379,7 +388,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 		longest = max(longest, p.tokens(len(part)-2))
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens = p.tokens(c.Len())
+	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()), c.Len()
 	if len(parts) > 1 {
 		req.LongestPromptTokens = longest
 	}
@@ -449,7 +458,8 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 		media += refMedia(m.Content)
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens, req.Media = p.tokens(c.Len()-media), media > 0
+	req.PromptBytes = c.Len() - media
+	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
 	return nil
 }
 
@@ -503,7 +513,8 @@ func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 	if got.Model != want.Model || got.PromptTokens != want.PromptTokens || got.MaxTokens != want.MaxTokens ||
 		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) ||
 		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore ||
-		got.Media != want.Media || got.LongestPromptTokens != want.LongestPromptTokens {
+		got.Media != want.Media || got.LongestPromptTokens != want.LongestPromptTokens ||
+		got.PromptBytes != want.PromptBytes {
 		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
 	}
 }

@@ -571,7 +571,7 @@ func TestLaxNumbersAsVLLMReadsThem(t *testing.T) {
 	p := testParser()
 	for body, want := range map[string]int{
 		`{"prompt":"x","max_tokens":16.0}`: 16, `{"prompt":"x","max_tokens":1e3}`: 1000, `{"prompt":"x","max_tokens":"16"}`: 16,
-		`{"prompt":"x","max_tokens":"\u0031\u0036"}`: 16, `{"prompt":"x","max_tokens":-0.0}`: 0, `{"prompt":"x","max_tokens":" 16.0 "}`: 16,
+		`{"prompt":"x","max_tokens":"\u0031\u0036"}`: 16, `{"prompt":"x","max_tokens":-0.0}`: 0, `{"prompt":"x","max_tokens":" 16.0 "}`: 16, `{"prompt":"x","max_tokens":true}`: 1,
 	} {
 		req, err := p.parse(EndpointCompletions, []byte(body))
 		if err != nil || req.MaxTokens != want {

@@ -11,12 +11,21 @@ import (
 
 // laxInt is an integer field read as vLLM's request models (pydantic, in
 // its lax mode) read one: a JSON number without a fractional part (16,
-// 16.0, 1e3), also in a string ("16"). null is no value (a nil *laxInt).
+// 16.0, 1e3), also in a string ("16"), or a boolean (1, 0). null is no
+// value (a nil *laxInt).
 type laxInt int
 
 var errNotInteger = errors.New("Input should be a valid integer")
 
 func (n *laxInt) UnmarshalJSON(raw []byte) error {
+	switch string(raw) {
+	case "true":
+		*n = 1
+		return nil
+	case "false":
+		*n = 0
+		return nil
+	}
 	text := raw
 	if len(raw) > 0 && raw[0] == '"' {
 		var s string
