@@ -164,11 +164,16 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
+			// Given twice, one of them is a mistake: say so rather than
+			// let the later win silently.
+			dst := &p.OutputEstimate
 			if opt == "strategy" {
-				p.Strategy = d.Val()
-			} else {
-				p.OutputEstimate = d.Val()
+				dst = &p.Strategy
 			}
+			if *dst != "" {
+				return d.Errf("%s already specified", opt)
+			}
+			*dst = d.Val()
 		case "output_tokens":
 			if err := intArg(d, &p.OutputTokens); err != nil {
 				return err
@@ -193,6 +198,9 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			if p.Upstreams == nil {
 				p.Upstreams = make(map[string]*HardwareProfile)
+			}
+			if p.Upstreams[dial] != nil {
+				return d.Errf("upstream %s already specified", dial)
 			}
 			p.Upstreams[dial] = hp
 			continue

@@ -72,6 +72,9 @@ func TestCaddyfileErrors(t *testing.T) {
 		{`llm_affinity { tie Inf }`, `tie: not a finite number: "Inf"`},
 		{"llm_affinity {\n prefill_rate fast\n}", `prefill_rate: not a finite number: "fast"`},
 		{"llm_affinity {\n kv_capacity 1.5\n}", `kv_capacity: not an integer: "1.5"`},
+		{"llm_affinity {\n strategy ttft\n strategy sglang\n}", "strategy already specified"},
+		{"llm_affinity {\n output_estimate average\n output_estimate max_tokens\n}", "output_estimate already specified"},
+		{"llm_affinity {\n upstream a:1 {\n kv_capacity 1\n }\n upstream a:1\n}", "upstream a:1 already specified"},
 	} {
 		var p Policy
 		err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
