@@ -689,6 +689,8 @@ func TestStartChecksItsConfiguration(t *testing.T) {
 		"subject's tokens":     {URLs: []string{"nats://127.0.0.1:1"}, Subject: "llm..pool"},
 		"wildcard subject":     {URLs: []string{"nats://127.0.0.1:1"}, Subject: "llm.>"},
 		"mixed schemes":        {URLs: []string{"nats://127.0.0.1:1", "ws://127.0.0.1:2"}},
+		"scheme":               {URLs: []string{"http://127.0.0.1:8222"}},
+		"unknown scheme":       {URLs: []string{"foo://127.0.0.1:4222"}},
 	} {
 		s, err := New(c)
 		if err != nil {

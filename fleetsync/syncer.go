@@ -200,6 +200,13 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		if err != nil || parsed.Host == "" {
 			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", u)
 		}
+		switch parsed.Scheme {
+		case "nats", "tls", "ws", "wss":
+		default:
+			// nats.go would connect as to nats:// whatever the scheme:
+			// http:// is surely a mistake (NATS's monitoring port?).
+			return nil, fmt.Errorf("fleetsync: NATS server URL %q: scheme %q is not NATS's: want nats://, tls://, ws:// or wss://", u, parsed.Scheme)
+		}
 		if parsed.Scheme == "ws" || parsed.Scheme == "wss" {
 			websockets++
 		}
