@@ -61,7 +61,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			size, err := humanize.ParseBytes(d.Val())
 			if err != nil {
-				return d.Errf("parsing max_body: %v", err)
+				return d.Errf("parsing max_body %q: want a size such as 32MiB or 1MB: %v", d.Val(), err)
 			}
 			h.MaxBodyBytes = int64(size)
 		case "salt":

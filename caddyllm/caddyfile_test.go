@@ -84,6 +84,7 @@ func TestCaddyfileErrors(t *testing.T) {
 	}
 	for _, tc := range []struct{ in, want string }{
 		{`llm_affinity { max_body lots }`, "parsing max_body"},
+		{`llm_affinity { max_body -1 }`, `parsing max_body "-1": want a size such as 32MiB`},
 		{`llm_affinity { block_tokens x }`, `block_tokens: not an integer: "x"`},
 	} {
 		var h Handler
