@@ -499,9 +499,9 @@ var utf8BOM = []byte("\xef\xbb\xbf")
 // countText sets req's prompt size from the canonical text hashed, its
 // media parts left out.
 func (r *reading) countText(req *Request) {
-	media, any := r.mediaBytes()
+	media := r.mediaBytes()
 	req.PromptBytes = r.sc.blocks.Len() - media
-	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), any
+	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), media > 0
 }
 
 // modelName returns name as a string, the last one's when equal.
@@ -615,17 +615,11 @@ func (r *reading) object() {
 			case c == 'n':
 				s.literal()
 			case c == '"' || c == '-' || '0' <= c && c <= '9':
-				var start, end int
-				var esc, ok bool
-				if c == '"' {
-					start, end, esc, ok = s.str()
-				} else {
-					start, end, ok = s.number()
-				}
+				text, ok := r.scalar(c)
 				if !ok {
 					break
 				}
-				if v, ok := laxBool(r.unquoted(start, end, esc), c == '"'); ok {
+				if v, ok := laxBool(text, c == '"'); ok {
 					r.stream = v
 				} else {
 					r.typeError("stream", "a boolean")
@@ -694,22 +688,12 @@ func (r *reading) optInt(dst *optInt, name string) {
 				dst.v = 1
 			}
 		}
-	case c == '-' || '0' <= c && c <= '9':
-		start, end, ok := s.number()
+	case c == '"' || c == '-' || '0' <= c && c <= '9':
+		text, ok := r.scalar(c)
 		if !ok {
 			return
 		}
-		if v, ok := laxInt(r.body[start:end], false); ok {
-			*dst = optInt{v: v, set: true}
-		} else {
-			r.typeError(name, "an integer")
-		}
-	case c == '"':
-		start, end, esc, ok := s.str()
-		if !ok {
-			return
-		}
-		if v, ok := laxInt(r.unquoted(start, end, esc), true); ok {
+		if v, ok := laxInt(text, c == '"'); ok {
 			*dst = optInt{v: v, set: true}
 		} else {
 			r.typeError(name, "an integer")
@@ -718,6 +702,17 @@ func (r *reading) optInt(dst *optInt, name string) {
 		r.typeError(name, "an integer")
 		r.skip()
 	}
+}
+
+// scalar reads the string (c is its quote) or number at pos: a string's
+// contents decoded, a number's literal.
+func (r *reading) scalar(c byte) ([]byte, bool) {
+	if c == '"' {
+		start, end, esc, ok := r.s.str()
+		return r.unquoted(start, end, esc), ok
+	}
+	start, end, ok := r.s.number()
+	return r.body[start:end], ok
 }
 
 // unquoted is the body's bytes from start to end, decoded when escaped.
@@ -922,12 +917,7 @@ func (r *reading) content(m *msgRange, x *msgExtra) {
 				continue
 			}
 			if ts, te, esc, ok := s.str(); ok {
-				typ := r.body[ts:te]
-				if esc {
-					r.sc.dec = decodeString(r.sc.dec[:0], typ, true)
-					typ = r.sc.dec
-				}
-				media = !slices.Contains(textParts[:], string(typ))
+				media = !slices.Contains(textParts[:], string(r.unquoted(ts, te, esc)))
 			}
 		}
 		if s.err != nil {
@@ -942,14 +932,6 @@ func (r *reading) content(m *msgRange, x *msgExtra) {
 	}
 }
 
-// extraOf returns m's extra, the zero one when it has none.
-func (r *reading) extraOf(m *msgRange) msgExtra {
-	if m.extra == 0 {
-		return msgExtra{}
-	}
-	return r.sc.extras[m.extra-1]
-}
-
 // keepExtra stores x for m, unless it is empty.
 func (r *reading) keepExtra(m *msgRange, x *msgExtra) {
 	if *x == (msgExtra{}) {
@@ -960,15 +942,14 @@ func (r *reading) keepExtra(m *msgRange, x *msgExtra) {
 }
 
 // mediaBytes is the media bytes of the messages read.
-func (r *reading) mediaBytes() (n int, any bool) {
+func (r *reading) mediaBytes() int {
+	n := 0
 	for i := range r.sc.msgs {
 		if m := &r.sc.msgs[i]; m.extra != 0 {
-			if media := r.sc.extras[m.extra-1].media; media > 0 {
-				n, any = n+media, true
-			}
+			n += r.sc.extras[m.extra-1].media
 		}
 	}
-	return n, any
+	return n
 }
 
 // addMessage records and, for a chat, hashes messages[i].
