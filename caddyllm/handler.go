@@ -473,15 +473,19 @@ func (st *requestState) countMove(cause, outcome string) {
 // current attempt's upstream stored the Responses API response id: a
 // request naming it as previous_response_id can only be answered there.
 func (st *requestState) rememberResponse(id string) {
-	if st.rec == nil || st.rec.status != http.StatusOK || st.req.NoStore {
-		return
-	}
 	st.mu.Lock()
 	a := st.current
 	st.mu.Unlock()
-	if a != nil {
-		a.sh.fleet.RememberResponse(id, a.charge.Dial())
+	st.rememberResponseOf(a, id)
+}
+
+// rememberResponseOf notes that attempt a's upstream stored the response
+// id, if it answered 200 and was asked to store it.
+func (st *requestState) rememberResponseOf(a *attempt, id string) {
+	if a == nil || id == "" || st.rec == nil || st.rec.status != http.StatusOK || st.req.NoStore {
+		return
 	}
+	a.sh.fleet.RememberResponse(id, a.charge.Dial())
 }
 
 // finish releases the current attempt and learns from the response.
@@ -499,11 +503,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		return
 	}
 	complete := rec.status == http.StatusOK && rec.complete()
-	if rec.status == http.StatusOK && !st.req.NoStore {
-		// Also a response answered before it is done (background): its
-		// engine has stored it all the same.
-		a.sh.fleet.RememberResponse(rec.responseID, a.charge.Dial())
-	}
+	// Also a response answered before it is done (background): its
+	// engine has stored it all the same.
+	st.rememberResponseOf(a, rec.responseID)
 	if !complete {
 		a.release()
 		return

@@ -568,8 +568,11 @@ func (t *tokenRecorder) complete() bool {
 	}
 	if t.responses {
 		// Its id, also for a response not done (see below), which its
-		// engine has stored all the same.
-		t.responseID = responseIDOfBody(t.body.Bytes())
+		// engine has stored all the same; Write read it already from
+		// the body's start unless it lay further in.
+		if t.responseID == "" {
+			t.responseID = responseIDOfBody(t.body.Bytes())
+		}
 		if ok && bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
 			// A response not done yet (background: true answers at once,
 			// queued): its engine still works on it.
