@@ -15,7 +15,7 @@ import (
 // value (a nil *laxInt).
 type laxInt int
 
-var errNotInteger = errors.New("Input should be a valid integer")
+var errNotInteger = errors.New("input should be a valid integer")
 
 func (n *laxInt) UnmarshalJSON(raw []byte) error {
 	switch string(raw) {
@@ -88,5 +88,5 @@ func (b *laxBool) UnmarshalJSON(raw []byte) error {
 			return nil
 		}
 	}
-	return errors.New("Input should be a valid boolean")
+	return errors.New("input should be a valid boolean")
 }
