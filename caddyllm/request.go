@@ -584,15 +584,21 @@ func (r *reading) object() {
 		case fieldPreviousResponseID:
 			r.previousSet = r.optString(&r.previous, &r.previousEscaped, "previous_response_id") || r.previousSet
 		case fieldStore:
-			switch c := s.ws(); c {
-			case 't', 'f':
+			// Read as vLLM reads it (pydantic, lax): "false" and 0 turn it
+			// off too. The router only needs to know store is surely off,
+			// so it refuses no value: the engine answers for a bad one.
+			r.noStore = false
+			switch c := s.ws(); {
+			case c == 't' || c == 'f':
 				if s.literal() {
 					r.noStore = c == 'f'
 				}
+			case c == '"' || c == '-' || '0' <= c && c <= '9':
+				if text, ok := r.scalar(c); ok {
+					v, ok := laxBool(text, c == '"')
+					r.noStore = ok && !v
+				}
 			default:
-				// null, or a value vLLM's lax parsing may take: the router
-				// only needs to know store is surely off, and refuses none.
-				r.noStore = false
 				r.skip()
 			}
 		case fieldTools:

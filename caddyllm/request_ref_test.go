@@ -335,7 +335,8 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 	req.Hashes = c.Chain(seed)
 	req.PromptBytes = c.Len() - media
 	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
-	req.NoStore = string(bytes.TrimSpace(raw.Store)) == "false"
+	var store refLaxBool = true
+	req.NoStore = len(raw.Store) > 0 && store.UnmarshalJSON(raw.Store) == nil && !bool(store)
 	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
 		req.PreviousResponseID = raw.PreviousResponseID
 	}

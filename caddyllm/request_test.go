@@ -587,6 +587,18 @@ func TestLaxNumbersAsVLLMReadsThem(t *testing.T) {
 			t.Errorf("%s: %+v, %v; want stream %v", body, req, err, want)
 		}
 	}
+	// store is read as leniently, and a value vLLM refuses is no error
+	// here: only a surely-off store keeps a home from being remembered.
+	for body, want := range map[string]bool{
+		`{"input":"x","store":false}`: true, `{"input":"x","store":"false"}`: true, `{"input":"x","store":"Off"}`: true,
+		`{"input":"x","store":0}`: true, `{"input":"x","store":"no","store":null}`: false, `{"input":"x","store":"maybe"}`: false,
+		`{"input":"x","store":1}`: false, `{"input":"x","store":2}`: false, `{"input":"x","store":"true"}`: false,
+	} {
+		req, err := p.parse(EndpointResponses, []byte(body))
+		if err != nil || req.NoStore != want {
+			t.Errorf("%s: %+v, %v; want NoStore %v", body, req, err, want)
+		}
+	}
 	if req, err := p.parse(EndpointCompletions, []byte("\xef\xbb\xbf"+`{"prompt":"x","max_tokens":3}`)); err != nil || req.MaxTokens != 3 {
 		t.Errorf("a body after a byte order mark: %+v, %v", req, err)
 	}
