@@ -134,6 +134,32 @@ func (h *Handler) Validate() error {
 // routed and sent.
 const maxMaxBodyBytes = 1 << 30
 
+// encodedBody reports whether h says its message's body is compressed: a
+// Content-Encoding other than identity, in any of its values.
+func encodedBody(h http.Header) bool {
+	for _, v := range h.Values("Content-Encoding") {
+		for enc := range strings.SplitSeq(v, ",") {
+			if enc = strings.TrimSpace(enc); enc != "" && !strings.EqualFold(enc, "identity") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// closeUnread is for an answer given before the request's body is read
+// to its end: on HTTP/1 the connection closes with it. Otherwise net/http
+// reads the rest first, to keep the connection, and a client that holds
+// the body back (Expect: 100-continue, or a Content-Length it never
+// sends) gets no answer until Caddy's read idle timeout. HTTP/2 resets
+// just the stream, and a Connection header there would end the client's
+// other streams (Go sends GOAWAY).
+func closeUnread(w http.ResponseWriter, r *http.Request) {
+	if r.ProtoMajor == 1 {
+		w.Header().Set("Connection", "close")
+	}
+}
+
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	endpoint := endpointOf(r.Method, r.URL.Path)
@@ -142,25 +168,20 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		unrouted(repl)
 		return next.ServeHTTP(w, r)
 	}
-	arrived := time.Now()
-	if enc := r.Header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+	if encodedBody(r.Header) {
 		// Engines such as vLLM read request bodies uncompressed, and the
 		// prompt must be read to be routed.
 		unrouted(repl)
-		w.Header().Set("Connection", "close")
+		closeUnread(w, r)
 		writeAPIError(w, http.StatusUnsupportedMediaType, "invalid_request_error",
-			fmt.Sprintf("Content-Encoding %q is not supported: send the request body uncompressed", enc))
+			fmt.Sprintf("Content-Encoding %q is not supported: send the request body uncompressed",
+				strings.Join(r.Header.Values("Content-Encoding"), ", ")))
 		return nil
 	}
 	body, err := h.readBody(r)
 	if err != nil {
-		// The rest of the body is never read: close the connection with
-		// the answer. Otherwise net/http reads it first, to keep the
-		// connection, and a client that holds the body back (Expect:
-		// 100-continue, or a Content-Length it never sends) gets no answer
-		// until Caddy's read idle timeout.
 		unrouted(repl)
-		w.Header().Set("Connection", "close")
+		closeUnread(w, r)
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
 			writeAPIError(w, http.StatusRequestEntityTooLarge, "invalid_request_error",
@@ -170,6 +191,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
 		return nil
 	}
+	// TTFT and the request's duration count from here: a client's slow
+	// upload is not its upstream's time.
+	arrived := time.Now()
 	req, err := h.parser.parse(endpoint, body)
 	if err != nil {
 		var bad errBadRequest
@@ -193,6 +217,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	setContentLength(r.Header, len(body))
+	// The response is read on its way back (its first token, its usage,
+	// a stream to continue): the engine must not compress it. Caddy's
+	// encode handler, before this one, still compresses it for a client
+	// that asked.
+	r.Header.Set("Accept-Encoding", "identity")
 
 	// The recorder lives in the state: one allocation for both. The state
 	// reaches the policy through each attempt's context (see serve).
@@ -349,8 +378,9 @@ type requestState struct {
 	recorder  tokenRecorder
 	firstBody bodyReader
 
-	// arrived is when the handler got the request; sawFirstToken records
-	// that its first token was measured (a continuation's is not).
+	// arrived is when the handler had read the request's body;
+	// sawFirstToken records that its first token was measured (a
+	// continuation's is not).
 	arrived       time.Time
 	sawFirstToken bool
 	// ph holds the placeholders' values (see placeholder).

@@ -33,6 +33,10 @@ type tokenRecorder struct {
 	wroteHeader bool
 	status      int
 	sse         bool
+	// encoded: the engine compressed the body anyway (the handler asks
+	// for identity), so it passes on unread: no tokens, usage or
+	// continuation, and the first write stands for the first token.
+	encoded bool
 	// responses: the stream is the Responses API's, whose events say
 	// what they are in their type and which ends with response.completed
 	// instead of [DONE].
@@ -166,9 +170,10 @@ func (t *tokenRecorder) WriteHeader(status int) {
 	if status >= 200 {
 		t.wroteHeader = true
 		t.status = status
-		t.sse = strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")
+		t.encoded = encodedBody(t.Header())
+		t.sse = !t.encoded && strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")
 		t.headerSent.Store(true)
-		if status == http.StatusOK && !t.sse {
+		if status == http.StatusOK && !t.sse && !t.encoded {
 			// A non-streaming completion's headers come once the whole
 			// generation is done: its first token is here, its prefill
 			// long over (and peer routers learn so before the client can
@@ -197,6 +202,13 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	}
 	if !t.wroteHeader {
 		t.WriteHeader(http.StatusOK)
+	}
+	if t.encoded {
+		if t.status == http.StatusOK && t.tokens == 0 && len(p) > 0 && t.st != nil {
+			t.tokens = 1
+			t.st.progress(1)
+		}
+		return t.ResponseWriterWrapper.Write(p)
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
@@ -555,6 +567,9 @@ func (t *tokenRecorder) reportTokens() {
 
 // complete reports whether the response ended normally.
 func (t *tokenRecorder) complete() bool {
+	if t.encoded {
+		return false // its usage cannot be read: nothing to learn
+	}
 	if t.sse {
 		return t.done && !t.failed
 	}

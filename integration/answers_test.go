@@ -204,6 +204,8 @@ func TestAnswers(t *testing.T) {
 			post("/v1/completions", "x\x9c", "Content-Encoding: deflate\r\n"),
 		answerRow{name: "a zstd body", status: 415, typ: "invalid_request_error", code: `415`, message: "zstd"}.
 			post("/v1/completions", "(\xb5/\xfd", "Content-Encoding: zstd\r\n"),
+		answerRow{name: "a gzip body whose first Content-Encoding line says identity", status: 415, typ: "invalid_request_error", code: `415`, message: "identity, gzip"}.
+			post("/v1/completions", "\x1f\x8b\x08\x00", "Content-Encoding: identity\r\nContent-Encoding: gzip\r\n"),
 		{name: "a body shorter than its Content-Length",
 			head:   "POST /v1/completions HTTP/1.1\r\nHost: " + routerHost + "\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n",
 			body:   `{"model":"m","prompt":"short"}`,
