@@ -833,14 +833,16 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			"routing such requests with the fallback policy, without affinity; put the llm_affinity directive in the route before reverse_proxy",
 			zap.String("path", r.URL.Path))
 	}
+	// A drain closes an upstream to these requests too (the stored
+	// response's above aside: only its home has it).
 	if p.fallback != nil {
-		return p.fallback.Select(pool, r, w)
+		return p.fallback.Select(p.undrained(pool), r, w)
 	}
 	// Least queued work, then fewest requests, then random.
 	var best *reverseproxy.Upstream
 	bestWork, ties := math.MaxInt, 0
 	for _, u := range pool {
-		if !u.Available() {
+		if !u.Available() || p.sh.drains.IsDraining(u.Dial) {
 			continue
 		}
 		work := u.NumRequests() + p.sh.fleet.QueuedTokens(u.Dial)
@@ -855,6 +857,23 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		}
 	}
 	return best
+}
+
+// undrained is pool without its draining upstreams: pool itself when none
+// drains.
+func (p *Policy) undrained(pool reverseproxy.UpstreamPool) reverseproxy.UpstreamPool {
+	for i, u := range pool {
+		if p.sh.drains.IsDraining(u.Dial) {
+			open := slices.Clone(pool[:i])
+			for _, u := range pool[i+1:] {
+				if !p.sh.drains.IsDraining(u.Dial) {
+					open = append(open, u)
+				}
+			}
+			return open
+		}
+	}
+	return pool
 }
 
 // storedResponseID is the response id a path names below /responses/

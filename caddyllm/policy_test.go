@@ -346,3 +346,30 @@ func TestQueueLimitShedsAtOnce(t *testing.T) {
 		t.Fatalf("%d requests still held", n)
 	}
 }
+
+// TestFallbackSkipsDraining: a drain closes an upstream to the requests
+// the handler does not parse (GET /v1/models, embeddings) as well, with
+// the built-in fallback and with a configured one.
+func TestFallbackSkipsDraining(t *testing.T) {
+	p := testPolicy(t, zap.NewNop())
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: "fallback-a:1"}, {Host: new(reverseproxy.Host), Dial: "fallback-b:1"},
+		{Host: new(reverseproxy.Host), Dial: "fallback-c:1"},
+	}
+	p.sh.drains.Drain("fallback-a:1", time.Hour, drain.Admin)
+	p.sh.drains.Drain("fallback-c:1", time.Hour, drain.Admin)
+	for _, fallback := range []reverseproxy.Selector{nil, reverseproxy.FirstSelection{}} {
+		p.fallback = fallback
+		for range 20 {
+			r := httptest.NewRequest("GET", "/v1/models", nil)
+			if up := p.Select(pool, r, httptest.NewRecorder()); up == nil || up.Dial != "fallback-b:1" {
+				t.Fatalf("fallback %T chose %v, want the one upstream not draining", fallback, up)
+			}
+		}
+	}
+	p.sh.drains.Drain("fallback-b:1", time.Hour, drain.Admin)
+	p.fallback = nil
+	if up := p.Select(pool, httptest.NewRequest("GET", "/v1/models", nil), httptest.NewRecorder()); up != nil {
+		t.Fatalf("chose %s with every upstream draining", up.Dial)
+	}
+}
