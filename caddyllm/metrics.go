@@ -499,8 +499,8 @@ type UpstreamSnapshot struct {
 	// LastTTFTSeconds is the last observed time to first token, from the
 	// decision.
 	LastTTFTSeconds float64 `json:"last_ttft_seconds"`
-	// LastEstimatedTTFTSeconds is the estimate made for the last request
-	// routed here, to compare with LastTTFTSeconds.
+	// LastEstimatedTTFTSeconds is the estimate made for the request whose
+	// first token LastTTFTSeconds measured.
 	LastEstimatedTTFTSeconds float64 `json:"last_estimated_ttft_seconds"`
 	// RecentTTFTSeconds are the last (up to 60) observed times to first
 	// token, from the decision, oldest first, and RecentEstimatedSeconds

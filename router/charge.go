@@ -50,7 +50,7 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	u := c.up
 	if c.FirstToken.IsZero() {
 		c.FirstToken = now
-		u.lastTTFT = now.Sub(c.Started)
+		u.lastTTFT, u.lastEstimate = now.Sub(c.Started), c.Estimate
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
 		c.unconfirmed = nil

@@ -138,7 +138,6 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
-	u.lastEstimate = sd.EstimatedTTFTSeconds
 	if sreq.Adapter != "" {
 		u.useAdapter(sreq.Adapter)
 	}

@@ -89,7 +89,7 @@ type upstream struct {
 
 	completed    int64
 	lastTTFT     time.Duration
-	lastEstimate float64 // estimated TTFT of the last request charged here
+	lastEstimate float64 // estimated TTFT of the request lastTTFT measured
 	healthSeen   bool    // healthy holds the caller's verdict at the last decision
 	healthy      bool
 
@@ -256,8 +256,9 @@ type UpstreamState struct {
 	IndexCapacityBlocks int
 	Completed           int64
 	LastTTFT            time.Duration
-	// LastEstimatedTTFTSeconds is the estimate made for the last request
-	// charged here, to compare with LastTTFT.
+	// LastEstimatedTTFTSeconds is the estimate made for the request whose
+	// first token LastTTFT measured (not the last one routed here, which
+	// may have failed, been abandoned or still be prefilling).
 	LastEstimatedTTFTSeconds float64
 	// KVCapacityTokens is the KV capacity the index and filter use, 0
 	// when unknown.

@@ -83,9 +83,21 @@ func TestChargeLifecycle(t *testing.T) {
 	}
 	// The same prompt again: warm, and expected to generate what was
 	// learned (20), not the default.
+	first := d.Charge.Estimate
 	d = f.Decide(t0.Add(2*time.Second), req, members("a", "b"), &opts, rng(), nil)
 	if d.Reason != scorer.Warm || d.MatchedTokens != 1024 || state(t, f, "a").QueuedDecodeTokens != 20 {
 		t.Fatalf("second decision %+v, state %+v", d, state(t, f, "a"))
+	}
+	// The last TTFT and its estimate are one request's: a request not at
+	// its first token yet (or abandoned before it) does not pair its
+	// estimate with another's TTFT.
+	if u := state(t, f, "a"); u.LastTTFT != 100*time.Millisecond || u.LastEstimatedTTFTSeconds != first || first == d.Charge.Estimate {
+		t.Fatalf("before the second's first token: last TTFT %v with estimate %v; the first's estimate %v, the second's %v",
+			u.LastTTFT, u.LastEstimatedTTFTSeconds, first, d.Charge.Estimate)
+	}
+	f.Progress(d.Charge, 1, t0.Add(2*time.Second+5*time.Millisecond))
+	if u := state(t, f, "a"); u.LastTTFT != 5*time.Millisecond || u.LastEstimatedTTFTSeconds != d.Charge.Estimate {
+		t.Fatalf("after the second's first token: last TTFT %v with estimate %v, want 5ms with %v", u.LastTTFT, u.LastEstimatedTTFTSeconds, d.Charge.Estimate)
 	}
 }
 
