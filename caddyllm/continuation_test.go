@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +18,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -99,15 +101,32 @@ func TestFailedContinuationEndsTheStream(t *testing.T) {
 // TestTooManyMovesBeforeTheResponse: a request whose attempts are all cut
 // before any response began gets a 503 with Retry-After in JSON, not an
 // SSE error stream under 200.
+// It is a shed like any other: counted, and said so in the placeholders
+// and the explanation header rather than the last attempt's decision.
 func TestTooManyMovesBeforeTheResponse(t *testing.T) {
-	rr, attempts, err := moves(t, "", func(_ int, w http.ResponseWriter, r *http.Request) error {
-		requestStateOf(r).current.Cut() // its upstream's drain deadline
-		<-r.Context().Done()
-		return r.Context().Err()
-	})
+	var repl *caddy.Replacer
+	rr, attempts, p, err := movesBody(t, `{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`,
+		func(_ int, w http.ResponseWriter, r *http.Request) error {
+			repl = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			requestStateOf(r).current.Cut() // its upstream's drain deadline
+			<-r.Context().Done()
+			return r.Context().Err()
+		})
 	if err != nil || attempts != maxRedispatch+1 || rr.Code != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") == "" ||
 		rr.Header().Get("Content-Type") != "application/json" || !strings.Contains(rr.Body.String(), "moved between upstreams") {
 		t.Fatalf("attempts %d, error %v: %d %v %q", attempts, err, rr.Code, rr.Header(), rr.Body)
+	}
+	if got := rr.Header().Get(explainHeader); !strings.HasPrefix(got, "reason=shed; blocked_by=moved; prompt=") || !strings.HasSuffix(got, fmt.Sprintf("; attempt=%d", maxRedispatch+1)) {
+		t.Errorf("explanation %q", got)
+	}
+	reason, _ := repl.GetString("http.llm_affinity.reason")
+	blocked, _ := repl.GetString("http.llm_affinity.blocked_by")
+	upstream, _ := repl.GetString("http.llm_affinity.upstream")
+	if reason != "shed" || blocked != "moved" || upstream != "" {
+		t.Errorf("placeholders reason %q, blocked_by %q, upstream %q", reason, blocked, upstream)
+	}
+	if n := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(movedReason)); n != 1 {
+		t.Errorf("shed_total{blocked_by=moved} %v, want 1", n)
 	}
 }
 
@@ -334,5 +353,67 @@ func TestMovedTwiceCountsContinued(t *testing.T) {
 	m := p.sh.metrics.movedRequests
 	if continued, cut := testutil.ToFloat64(m.WithLabelValues("upstream_error", "continued")), testutil.ToFloat64(m.WithLabelValues("upstream_error", "cut")); continued != 2 || cut != 0 {
 		t.Errorf("continued %v, cut %v; want 2 and 0", continued, cut)
+	}
+}
+
+// TestAnswersExplained: with explain_header, a request the router answers
+// itself says so in X-LLM-Affinity, also after a failed attempt (whose
+// explanation used to stay on the 503), and the prompt length in the
+// header, the placeholder and a too-long refusal's message is one figure.
+func TestAnswersExplained(t *testing.T) {
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	p.hardwareByDial = map[string]router.Hardware{}
+	for _, u := range pool {
+		p.hardwareByDial[u.Dial] = router.Hardware{KVCapacityTokens: 1000}
+	}
+	serve := func(body string, failFirst func()) (*httptest.ResponseRecorder, *caddy.Replacer) {
+		t.Helper()
+		r := moveRequest(body)
+		repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			up := p.Select(pool, r, w)
+			if up != nil && failFirst != nil {
+				failFirst() // the attempt fails; the proxy asks again
+				up = p.Select(pool, r, w)
+			}
+			if up == nil {
+				return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
+			}
+			w.WriteHeader(http.StatusOK)
+			return nil
+		})
+		rr := httptest.NewRecorder()
+		if err := h.ServeHTTP(rr, r, next); err != nil {
+			t.Fatal(err)
+		}
+		return rr, repl
+	}
+	placeholder := func(repl *caddy.Replacer, name string) string {
+		v, _ := repl.GetString("http.llm_affinity." + name)
+		return v
+	}
+
+	rr, repl := serve(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`, func() {
+		for _, u := range pool {
+			p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+		}
+	})
+	want := fmt.Sprintf("reason=shed; blocked_by=%s; prompt=%s; attempt=2", placeholder(repl, "blocked_by"), placeholder(repl, "prompt_tokens"))
+	if rr.Code != http.StatusServiceUnavailable || rr.Header().Get(explainHeader) != want || placeholder(repl, "blocked_by") == "" {
+		t.Errorf("shed after a failed attempt: %d, explanation %q, want %q", rr.Code, rr.Header().Get(explainHeader), want)
+	}
+	for _, u := range pool {
+		p.sh.drains.Undrain(u.Dial, drain.Admin)
+	}
+
+	rr, repl = serve(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("many words ", 1000)+`"}],"max_tokens":7}`, nil)
+	prompt := placeholder(repl, "prompt_tokens")
+	want = fmt.Sprintf("reason=refused; blocked_by=context_length; prompt=%s; attempt=1", prompt)
+	var answer struct {
+		Error struct{ Message string } `json:"error"`
+	}
+	json.Unmarshal(rr.Body.Bytes(), &answer)
+	if rr.Code != http.StatusBadRequest || rr.Header().Get(explainHeader) != want || !strings.Contains(answer.Error.Message, prompt) {
+		t.Errorf("too long: %d, explanation %q, want %q; message %q", rr.Code, rr.Header().Get(explainHeader), want, answer.Error.Message)
 	}
 }

@@ -234,6 +234,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	err = h.serve(rec, r, next, st)
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
+		if shed.explained != "" {
+			w.Header().Set(explainHeader, shed.explained)
+		}
 		if shed.retryAfterSeconds > 0 {
 			w.Header().Set("Retry-After", strconv.Itoa(shed.retryAfterSeconds))
 		}
@@ -438,18 +441,52 @@ type shedding struct {
 	// refused marks a request that can never succeed (404, 400), as
 	// opposed to one shed for now.
 	refused bool
+	// explained is the X-LLM-Affinity header the answer carries (with
+	// explain_header), replacing a failed attempt's; "" for none.
+	explained string
 }
+
+// outcome is the answer's reason in metrics, placeholders and the
+// explanation header: refused or shed.
+func (s *shedding) outcome() string {
+	if s.refused {
+		return refusedReason
+	}
+	return string(scorer.Shed)
+}
+
+// explainHeader is the response header explain_header sets.
+const explainHeader = "X-LLM-Affinity"
+
+// explainAnswer is the explanation header of a request answered without
+// an upstream after attempt-1 attempts: its outcome, what blocked it, and
+// the prompt length the decision used.
+func explainAnswer(s *shedding, prompt, attempt int) string {
+	return fmt.Sprintf("reason=%s; blocked_by=%s; prompt=%d; attempt=%d", s.outcome(), s.reason, prompt, attempt)
+}
+
+// movedReason is the blocked_by of a request shed because drains moved it
+// too often.
+const movedReason = "moved"
 
 // refusedReason is the decision's reason, in metrics and placeholders, for
 // a request answered at once with a client error.
 const refusedReason = "refused"
 
 // giveUp records the answer the handler writes for a request it stops
-// trying to route.
-func (st *requestState) giveUp(answer *shedding) {
+// trying to route (a shed, counted as one), explained in a header when
+// explain is set.
+func (st *requestState) giveUp(answer *shedding, explain bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	st.shed = answer
+	st.setShedPlaceholders(answer.outcome(), answer.reason, 0)
+	if explain {
+		answer.explained = explainAnswer(answer, st.decision.prompt, len(st.tried)+1)
+	}
+	if st.sh != nil {
+		st.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
+	}
 }
 
 func (st *requestState) shedInfo() *shedding {

@@ -113,7 +113,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
-			Help: "Requests shed (503 with Retry-After) after waiting at the gateway for queue_timeout, or at once when queue_limit requests waited (blocked_by=queue_full), by what blocked them.",
+			Help: "Requests shed (503 with Retry-After) after waiting at the gateway for queue_timeout, or at once when queue_limit requests waited (blocked_by=queue_full) or drains moved them too often (blocked_by=moved), by what blocked them.",
 		}, []string{"blocked_by"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "refused_total",
@@ -176,7 +176,7 @@ func newMetrics(sh *shared) *metrics {
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
 	// The counters whose labels have a fixed set of values start at 0,
 	// so that a rate or an alert sees them before their first event.
-	for _, blockedBy := range []string{"kv", "draining", "unavailable", "model", "none", queueFullReason} {
+	for _, blockedBy := range []string{"kv", "draining", "unavailable", "model", "none", queueFullReason, movedReason} {
 		m.shed.WithLabelValues(blockedBy)
 	}
 	for _, code := range []string{"model_not_found", "context_length_exceeded"} {

@@ -123,12 +123,16 @@ func (st *requestState) setDecisionPlaceholders(attempt int) {
 	v.mu.Unlock()
 }
 
-// setShedPlaceholders marks a request the policy gave up on; caller holds
+// setShedPlaceholders marks a request the policy gave up on, with the
+// prompt length its answer used (0: keep the one recorded); caller holds
 // st.mu.
-func (st *requestState) setShedPlaceholders(reason, blockedBy string) {
+func (st *requestState) setShedPlaceholders(reason, blockedBy string, prompt int) {
 	v := &st.ph
 	v.mu.Lock()
 	v.shed, v.decided, v.upstream, v.reason, v.blockedBy = true, false, "", reason, blockedBy
+	if prompt > 0 {
+		v.promptTokens = prompt
+	}
 	v.mu.Unlock()
 }
 

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -562,20 +563,20 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// client to retry.
 		switch {
 		case d.Unservable:
-			return p.refuse(st, d.Decision, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
+			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
 				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
 		case d.TooLong:
-			return p.refuse(st, d.Decision, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
+			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
 				message: st.req.tooLongMessage(d.PromptTokens), reason: "context_length", refused: true})
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
 			p.sh.metrics.queueWaitOf(string(scorer.Shed)).Observe(time.Since(held).Seconds())
 			reason := blockedReason(d.Decision)
-			return p.shed(st, d.Decision, reason, reason)
+			return p.shed(st, d, reason, reason)
 		}
 		if st.hold == nil {
-			return p.shed(st, d.Decision, queueFullReason,
+			return p.shed(st, d, queueFullReason,
 				fmt.Sprintf("%d requests wait already: queue_limit", p.opts.QueueLimitValue()))
 		}
 		if !queued {
@@ -617,7 +618,7 @@ const queueFullReason = "queue_full"
 // shed gives up on st for now, blocked by reason (explained by why): the
 // handler answers with ShedStatus and a Retry-After of the queue timeout,
 // at least a second.
-func (p *Policy) shed(st *requestState, d scorer.Decision, reason, why string) *reverseproxy.Upstream {
+func (p *Policy) shed(st *requestState, d router.Decision, reason, why string) *reverseproxy.Upstream {
 	return p.refuse(st, d, &shedding{
 		status: p.ShedStatus, typ: "service_unavailable", code: p.ShedStatus,
 		message:           "no upstream can take this request now (" + why + "); retry later",
@@ -630,16 +631,20 @@ func (p *Policy) shed(st *requestState, d scorer.Decision, reason, why string) *
 // it by its reason: as shed when waiting might let it through later, as
 // refused when it can never succeed (a client's mistake, which an alert
 // on sheds should not see).
-func (p *Policy) refuse(st *requestState, d scorer.Decision, answer *shedding) *reverseproxy.Upstream {
+func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
-	outcome := string(scorer.Shed)
+	outcome := answer.outcome()
 	if answer.refused {
-		outcome = refusedReason
 		p.sh.metrics.refused.WithLabelValues(fmt.Sprint(answer.code)).Inc()
 	} else {
 		p.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
 	}
-	st.setShedPlaceholders(outcome, answer.reason)
+	// The prompt length the decision used, as the answer's message does.
+	prompt := cmp.Or(d.PromptTokens, st.req.PromptTokens)
+	st.setShedPlaceholders(outcome, answer.reason, prompt)
+	if p.ExplainHeader {
+		answer.explained = explainAnswer(answer, prompt, len(st.tried)+1)
+	}
 	p.sh.metrics.decision(outcome).Inc()
 	if c := p.logger.Check(zapcore.DebugLevel, outcome); c != nil {
 		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
@@ -764,7 +769,7 @@ func (a *attempt) release() {
 func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decision) {
 	rec := st.decision
 	if p.ExplainHeader {
-		w.Header().Set("X-LLM-Affinity", fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
+		w.Header().Set(explainHeader, fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
 			rec.upstream, rec.reason, rec.matched, rec.prompt, rec.estimate, len(st.tried)+1))
 	}
 	if c := p.logger.Check(zapcore.DebugLevel, "routed"); c != nil {
