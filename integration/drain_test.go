@@ -34,6 +34,7 @@ func stream(ctx context.Context, path string, body map[string]any) (streamResult
 	body["stream_options"] = map[string]any{"include_usage": true}
 	raw, _ := json.Marshal(body)
 	req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+path, strings.NewReader(string(raw)))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return streamResult{}, err

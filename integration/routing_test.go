@@ -143,6 +143,7 @@ func TestGatewayViewShowsHeldRequests(t *testing.T) {
 		defer close(done)
 		body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": "held", "max_tokens": 4})
 		req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(string(body)))
+		req.Header.Set("Content-Type", "application/json")
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()
 		}
@@ -180,6 +181,7 @@ func TestShedWhenNothingFits(t *testing.T) {
 			defer wg.Done()
 			body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("filler"+string(rune('a'+i)), 36_000), "max_tokens": 100})
 			req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(string(body)))
+			req.Header.Set("Content-Type", "application/json")
 			if resp, err := http.DefaultClient.Do(req); err == nil {
 				resp.Body.Close()
 			}
@@ -305,6 +307,7 @@ func TestClientAbortReleasesQueue(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	body := `{"model":"` + kvsim.DefaultModel + `","prompt":"` + text("abort", 4000) + `","max_tokens":2000,"stream":true}`
 	req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)

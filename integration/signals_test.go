@@ -27,6 +27,7 @@ func direct(ctx context.Context, t *testing.T, r *replica, n, promptBytes, maxTo
 			body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "max_tokens": maxTokens,
 				"prompt": text(fmt.Sprintf("direct %s %d", r.name, i), promptBytes)})
 			req, _ := http.NewRequestWithContext(ctx, "POST", r.http.URL+"/v1/completions", strings.NewReader(string(body)))
+			req.Header.Set("Content-Type", "application/json")
 			if resp, err := http.DefaultClient.Do(req); err == nil {
 				resp.Body.Close()
 			}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -191,6 +192,16 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.mux.ServeHTTP(w, r)
 }
 
+// jsonContentType reports whether a request's Content-Type is JSON as
+// vLLM checks it (validate_json_request): its media type, lowercased,
+// before any parameter, must be application/json; a missing one, or
+// curl's -d default of application/x-www-form-urlencoded, is refused
+// with 400.
+func jsonContentType(contentType string) bool {
+	mediaType, _, _ := strings.Cut(strings.ToLower(contentType), ";")
+	return mediaType == "application/json"
+}
+
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
@@ -237,6 +248,10 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		f := s.Faults()
 		if f.ErrorRate > 0 && rand.Float64() < f.ErrorRate {
 			writeError(w, newAPIError(http.StatusInternalServerError, "kvsim injected fault"))
+			return
+		}
+		if !jsonContentType(r.Header.Get("Content-Type")) {
+			writeError(w, errBadRequest("Unsupported Media Type: Only 'application/json' is allowed"))
 			return
 		}
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))

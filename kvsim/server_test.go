@@ -238,6 +238,7 @@ func TestClientDisconnectFreesBlocks(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	body := `{"prompt":"` + strings.Repeat("abcd", 2000) + `","max_tokens":100000,"stream":true}`
 	req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -314,6 +315,26 @@ func TestBadRequests(t *testing.T) {
 	resp, out := post(t, srv.URL+"/v1/completions", `{"model":"nope","prompt":"x"}`)
 	if resp.StatusCode != 404 || !strings.Contains(out, "The model `nope` does not exist.") {
 		t.Errorf("unknown model: %d %s", resp.StatusCode, out)
+	}
+	// The body's media type, as vLLM's validate_json_request checks it:
+	// curl's -d default and a missing one are refused.
+	for contentType, want := range map[string]int{
+		"application/json": 200, "Application/JSON; charset=utf-8": 200, "text/plain": 400,
+		"application/x-www-form-urlencoded": 400, "": 400, "application/jsonl": 400,
+	} {
+		req, _ := http.NewRequest("POST", srv.URL+"/v1/completions", strings.NewReader(`{"prompt":"x","max_tokens":1}`))
+		if contentType != "" {
+			req.Header.Set("Content-Type", contentType)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != want || want == 400 && !strings.Contains(string(b), "Only 'application/json' is allowed") {
+			t.Errorf("Content-Type %q: %d %s, want %d", contentType, resp.StatusCode, b, want)
+		}
 	}
 }
 
@@ -472,6 +493,7 @@ func TestConcurrentRequestsAndCancels(t *testing.T) {
 			defer cancel()
 			body := fmt.Sprintf(`{"prompt":"%s %d","max_tokens":%d,"stream":%v}`, strings.Repeat("shared ", 200), i, 20+i, i%2 == 0)
 			req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/completions", strings.NewReader(body))
+			req.Header.Set("Content-Type", "application/json")
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
 				return

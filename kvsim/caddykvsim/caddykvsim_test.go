@@ -179,6 +179,7 @@ func TestEngineSurvivesReload(t *testing.T) {
 	old := provision(`{"name":"replica-r","speed":100,"num_gpu_blocks":512}`)
 	rec := httptest.NewRecorder()
 	req := httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(`{"prompt":"hello","max_tokens":2}`))
+	req.Header.Set("Content-Type", "application/json")
 	if err := old.ServeHTTP(rec, req, nil); err != nil || rec.Code != 200 || rec.Header().Get(kvsim.ReplicaHeader) != "replica-r" {
 		t.Fatalf("serve: %v %d %s", err, rec.Code, rec.Body)
 	}
