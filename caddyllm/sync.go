@@ -84,6 +84,7 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 			URLs: c.URLs, Subject: c.Subject, Name: c.Name, Creds: c.Creds, TLSCA: c.TLSCA,
 			OnMessage: sh.applyPeer,
 			OnHeard:   func(peer string) { sh.fleet.Heard(peer, time.Now()) },
+			Resync:    sh.liveMessages,
 			Instance:  sh.instance,
 			Logger:    logger,
 		})
@@ -103,6 +104,17 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 }
 
 func (sh *shared) releaseSync(key string) { pool.Delete(key) }
+
+// liveMessages restates this router's charges in flight, for a Syncer
+// that lost some of its events (fleetsync.Config.Resync).
+func (sh *shared) liveMessages() []fleetsync.Message {
+	events := sh.fleet.LiveEvents()
+	msgs := make([]fleetsync.Message, len(events))
+	for i := range events {
+		msgs[i].Event = &events[i]
+	}
+	return msgs
+}
 
 // addSyncer and removeSyncer keep the list publishing reads without a
 // lock: the fleet publishes under its own lock, on every decision.
@@ -217,7 +229,7 @@ func handleSync(w http.ResponseWriter, r *http.Request) error {
 // syncCollector exports the connections' counters, summed, at scrape time.
 type syncCollector struct {
 	sh                                         *shared
-	events, connected, peers, disconnects, age *prometheus.Desc
+	events, connected, peers, disconnects, renewals, age *prometheus.Desc
 }
 
 func newSyncCollector(sh *shared) *syncCollector {
@@ -231,6 +243,8 @@ func newSyncCollector(sh *shared) *syncCollector {
 			"Peer routers heard from recently.", nil, nil),
 		disconnects: prometheus.NewDesc("caddy_llm_affinity_sync_disconnects_total",
 			"NATS connection losses.", nil, nil),
+		renewals: prometheus.NewDesc("caddy_llm_affinity_sync_renewals_total",
+			"New identities taken after events to the peers were lost, each restating the charges in flight.", nil, nil),
 		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
 			"Time since the last batch from a peer arrived (absent before the first).", nil, nil),
 	}
@@ -238,7 +252,7 @@ func newSyncCollector(sh *shared) *syncCollector {
 
 // Describe implements prometheus.Collector.
 func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.age} {
+	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.renewals, c.age} {
 		ch <- d
 	}
 }
@@ -249,12 +263,13 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	if len(syncers) == 0 {
 		return
 	}
-	var sent, applied, dropped, disconnects, connected float64
+	var sent, applied, dropped, disconnects, renewals, connected float64
 	var last time.Time
 	for _, s := range syncers {
 		st := s.Stats()
 		sent, applied, dropped = sent+float64(st.Sent), applied+float64(st.Applied), dropped+float64(st.Dropped)
 		disconnects += float64(st.Disconnects)
+		renewals += float64(st.Renewals)
 		if st.Connected {
 			connected++
 		}
@@ -268,6 +283,7 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, connected)
 	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(c.sh.fleet.Peers())))
 	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, disconnects)
+	ch <- prometheus.MustNewConstMetric(c.renewals, prometheus.CounterValue, renewals)
 	if !last.IsZero() {
 		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, time.Since(last).Seconds())
 	}

@@ -3,6 +3,7 @@ package fleetsync
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -700,5 +701,110 @@ func TestStartChecksItsConfiguration(t *testing.T) {
 			s.Close()
 			t.Errorf("a wrong %s started", name)
 		}
+	}
+}
+
+// TestShortOutageLeavesNoPhantomCharges: a NATS outage shorter than the
+// peers' silence expiry (a server restart) used to leave the releases of
+// the outage lost and their charges counted by the peers for an hour.
+// The router that lost events now takes a new name once reconnected and
+// restates its charges in flight under it, and the operators' drains it
+// could not send: expiring the old name (silent since the outage) leaves
+// the peer counting exactly what is in flight.
+func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
+	ns := startNATS(t, -1)
+	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
+	fa, fb := router.New(), router.New()
+	fa.Name("x:1", time.Now())
+	fb.Name("x:1", time.Now())
+	var drained sync.Map
+	startSyncer(t, Config{URLs: []string{url}, Name: "b", Subject: "test.renew",
+		OnHeard: func(peer string) { fb.Heard(peer, time.Now()) },
+		OnMessage: func(peer string, m Message) {
+			if m.Event != nil {
+				fb.Apply(peer, *m.Event, time.Now())
+			}
+			if m.Drain != "" {
+				drained.Store(m.Drain, true)
+			}
+		}})
+	a := startSyncer(t, Config{URLs: []string{url}, Name: "a", Subject: "test.renew", Resync: func() []Message {
+		var msgs []Message
+		for _, ev := range fa.LiveEvents() {
+			msgs = append(msgs, Message{Event: &ev})
+		}
+		return msgs
+	}})
+	fa.SetPublisher(func(ev router.Event) { a.Publish(Message{Event: &ev}) })
+	inFlight := func(f *router.Fleet) int {
+		for _, u := range f.Snapshot(time.Now()) {
+			if u.Dial == "x:1" {
+				return u.InFlight
+			}
+		}
+		return -1
+	}
+	first := a.Name()
+	waitFor(t, "b hearing a", func() bool {
+		for _, p := range fb.Peers() {
+			if p.Name == first {
+				return true
+			}
+		}
+		return false
+	})
+	opts := router.Options{}.WithDefaults()
+	members := []router.Member{{Dial: "x:1", Available: true, Healthy: true}}
+	decide := func() *router.Charge {
+		return fa.Decide(time.Now(), router.Request{Hashes: []uint64{1, 2}, BlockTokens: 16, PromptTokens: 32}, members, &opts, rand.New(rand.NewPCG(1, 2)), nil).Charge
+	}
+	early := decide()
+	waitFor(t, "b counting a's request", func() bool { return inFlight(fb) == 1 })
+
+	ns.Shutdown()
+	waitFor(t, "a noticing the loss", func() bool { return !a.Stats().Connected })
+	cut := time.Now()
+	fa.Release(early, time.Now()) // its release is lost
+	late := decide()              // and this one's routing
+	a.Publish(Message{Drain: "x:1", Deadline: time.Minute})
+	startNATS(t, port) // back within the peers' 5 s
+	waitFor(t, "a sharing again under a new name, its request in flight restated", func() bool {
+		for _, p := range fb.Peers() {
+			if p.Name == a.Name() && p.Name != first && p.Charges == 1 {
+				return true
+			}
+		}
+		return false
+	})
+	if st := a.Stats(); st.Renewals != 1 || st.Name == first {
+		t.Fatalf("stats after the outage: %+v", st)
+	}
+	waitFor(t, "the drain made during the outage reaching b", func() bool { _, ok := drained.Load("x:1"); return ok })
+	// The old name fell silent at the outage: the peers' expiry (5 s of
+	// silence) releases what it counted, the lost release's charge too.
+	fb.ExpirePeers(time.Now(), cut, time.Time{})
+	if got, want := inFlight(fb), inFlight(fa); got != want || want != 1 {
+		t.Fatalf("b counts %d in flight from a, a has %d", got, want)
+	}
+	fa.Release(late, time.Now())
+	waitFor(t, "the restated charge released", func() bool { return inFlight(fb) == 0 })
+}
+
+// TestFrozenServerIsNoticed: a server that stops answering while the
+// connection stays open (a frozen process; here a link that stops carrying
+// bytes) is counted lost within a few seconds by its unanswered pings,
+// though the few writes of an idle router (its heartbeats) fit in the
+// socket's buffers and never time out. nats.go's default noticed it only
+// after two minutes, meanwhile reporting the connection up and counting
+// the events buffered for a late delivery as sent.
+func TestFrozenServerIsNoticed(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newStallingLink(t, ns.Addr().String())
+	s := startSyncer(t, Config{URLs: []string{link.url()}, Name: "a", Subject: "test.frozen"})
+	waitFor(t, "connected", func() bool { return s.Stats().Connected })
+	link.stall()
+	waitFor(t, "the frozen server noticed", func() bool { return !s.Stats().Connected })
+	if s.Stats().Disconnects == 0 {
+		t.Fatal("the loss was not counted")
 	}
 }

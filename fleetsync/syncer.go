@@ -8,11 +8,16 @@
 // publishes, and NATS delivers peers' batches on its own goroutine. When
 // NATS is unreachable the router keeps routing on its own view, the loss
 // is logged once and counted, and the client reconnects for ever; events
-// of the outage are dropped rather than replayed late. It knows nothing of
-// Caddy.
+// of the outage are dropped rather than replayed late. Once connected
+// again, a router that lost messages renews its identity (a new epoch:
+// its peers release what they counted under the old one when it falls
+// silent, as for a restarted router) and restates its live charges
+// (Config.Resync) and the operators' drains it could not send. It knows
+// nothing of Caddy.
 package fleetsync
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -43,6 +48,19 @@ const (
 	// minute, would hold the publisher (and the client's lock) that long
 	// on a network path that silently stalls.
 	writeTimeout = 2 * time.Second
+	// pingInterval and maxPingsOutstanding find a server that stopped
+	// answering while the connection stays open (a frozen process, whose
+	// socket buffers take megabytes of writes without a timeout): within
+	// about three intervals the client counts it lost and reconnects,
+	// rather than at nats.go's default of two minutes, and the outage's
+	// messages are dropped rather than delivered late.
+	pingInterval        = 2 * time.Second
+	maxPingsOutstanding = 2
+	// renewInterval is the least time between two renewals of the
+	// router's identity after lost messages: each makes its peers count
+	// its live charges twice until the old identity has been silent for
+	// their expiry (router's peer silence, 5 s).
+	renewInterval = 5 * time.Second
 	// maxBatch is how many messages one publication carries at most, and
 	// maxBatchBytes how many bytes: well under NATS's default payload
 	// limit (1 MB), so a burst of long prompts never makes a publication
@@ -86,6 +104,12 @@ type Config struct {
 	OnMessage func(peer string, m Message)
 	// OnHeard receives every batch's sender, before its messages.
 	OnHeard func(peer string)
+	// Resync returns messages that restate this router's live state (its
+	// charges in flight). After messages were lost, they are published
+	// first under the router's new identity, so its peers count what is
+	// still in flight once the old identity's charges expire. Called on
+	// the publishing goroutine; optional.
+	Resync func() []Message
 	// Instance names the routing state this connection serves: the
 	// connections of one router (several sync configurations in one
 	// process) share it and never apply each other's batches, whatever
@@ -108,15 +132,19 @@ type Stats struct {
 	Dropped     uint64 `json:"events_dropped"`
 	Malformed   uint64 `json:"batches_malformed"`
 	Disconnects uint64 `json:"disconnects"`
+	// Renewals counts the new identities taken after lost messages.
+	Renewals uint64 `json:"renewals"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
 }
 
 // Syncer publishes this router's messages and receives its peers'.
 type Syncer struct {
-	cfg   Config
+	cfg Config
+	// epoch is the identity's, changed by the publisher only (renew);
+	// self is Name#epoch, read by Name and Stats.
 	epoch uint64
-	self  string // Name#epoch
+	self  atomic.Pointer[string]
 	// mu orders Close with connect's hand-over of the connection: nc is
 	// set under it, once, unless Close came first.
 	mu    sync.Mutex
@@ -128,8 +156,16 @@ type Syncer struct {
 	done chan struct{}
 	once sync.Once
 
-	sent, applied, dropped, malformed, disconnects atomic.Uint64
-	lastReceived                                   atomic.Int64
+	sent, applied, dropped, malformed, disconnects, renewals atomic.Uint64
+	lastReceived                                             atomic.Int64
+	// lost says a charge's message was dropped while connected or
+	// reconnecting: the peers' view of this router's charges is wrong
+	// until it renews its identity.
+	lost atomic.Bool
+	// lostOps are the operators' drains and undrains that could not be
+	// sent, the latest per upstream, sent once connected.
+	opsMu   sync.Mutex
+	lostOps map[string]Message
 	// connected follows the connection's handlers, so that Stats never
 	// asks the client, whose lock a write stuck on a stalled network
 	// holds.
@@ -160,18 +196,20 @@ func New(cfg Config) (*Syncer, error) {
 	if cfg.Instance == 0 {
 		cfg.Instance = rand.Uint64() | 1
 	}
-	epoch := uint64(time.Now().UnixNano())
-	return &Syncer{
-		cfg: cfg, epoch: epoch, self: peerName(cfg.Name, epoch),
+	s := &Syncer{
+		cfg: cfg, epoch: uint64(time.Now().UnixNano()),
 		queue: make(chan Message, cfg.QueueLength),
 		stop:  make(chan struct{}), done: make(chan struct{}),
-	}, nil
+	}
+	self := peerName(cfg.Name, s.epoch)
+	s.self.Store(&self)
+	return s, nil
 }
 
 func peerName(name string, epoch uint64) string { return name + "#" + strconv.FormatUint(epoch, 10) }
 
 // Name is this router's name as its peers see it.
-func (s *Syncer) Name() string { return s.self }
+func (s *Syncer) Name() string { return *s.self.Load() }
 
 // Start checks the configuration and starts connecting to NATS in the
 // background: it never waits on the network (a Caddy reload must not
@@ -226,6 +264,8 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		// Events of an outage are dropped, not replayed late.
 		nats.ReconnectBufSize(-1),
 		nats.FlusherTimeout(writeTimeout),
+		nats.PingInterval(pingInterval),
+		nats.MaxPingsOutstanding(maxPingsOutstanding),
 		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true) }), // a first connection made late
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.connected.Store(false)
@@ -355,16 +395,65 @@ func (s *Syncer) Publish(m Message) bool {
 		m.Event = &ev
 	}
 	if !s.live.Load() {
-		s.dropped.Add(1) // not connected yet (or closed)
+		// Not connected yet (or closed): no peer has heard of a charge
+		// yet, but an operator's drain is sent once connected.
+		s.dropped.Add(1)
+		select {
+		case <-s.stop:
+		default:
+			s.keepOp(m)
+		}
 		return false
 	}
 	select {
 	case s.queue <- m:
 		return true
 	default:
-		s.dropped.Add(1)
+		s.drop(m)
 		return false
 	}
+}
+
+// drop counts m as dropped and notes what the peers missed.
+func (s *Syncer) drop(m Message) {
+	s.dropped.Add(1)
+	if m.Event != nil {
+		s.lost.Store(true)
+	}
+	s.keepOp(m)
+}
+
+// keepOp keeps m, when it is an operator's drain or undrain, to send once
+// connected: it replaces an earlier one of the same upstream.
+func (s *Syncer) keepOp(m Message) {
+	dial := cmp.Or(m.Drain, m.Undrain)
+	if dial == "" {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	if s.lostOps == nil {
+		s.lostOps = make(map[string]Message)
+	}
+	if len(s.lostOps) < maxLostOps || s.lostOps[dial] != (Message{}) {
+		s.lostOps[dial] = m
+	}
+}
+
+// maxLostOps bounds the operators' drains kept while disconnected.
+const maxLostOps = 4096
+
+// takeLostOps returns the operators' drains that could not be sent, and
+// forgets them.
+func (s *Syncer) takeLostOps() []Message {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	out := make([]Message, 0, len(s.lostOps))
+	for _, m := range s.lostOps {
+		out = append(out, m)
+	}
+	clear(s.lostOps)
+	return out
 }
 
 // run publishes queued messages until Close, and sends heartbeats while
@@ -378,6 +467,7 @@ func (s *Syncer) run() {
 	// so that a router of the version before keeps reading the charges.
 	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch, Instance: s.cfg.Instance}
 	stored := batch
+	var lastRenewal time.Time
 	var buf []byte
 	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
 	defer heartbeat.Stop()
@@ -398,12 +488,16 @@ func (s *Syncer) run() {
 				// Disconnected: the client would refuse it anyway, and
 				// while it reconnects it holds its lock through each
 				// attempt, which the publication would wait for.
-				s.dropped.Add(n)
+				for _, m := range b.Messages {
+					s.drop(m)
+				}
 				break
 			}
 			buf = AppendBatch(buf[:0], b)
 			if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
-				s.dropped.Add(n)
+				for _, m := range b.Messages {
+					s.drop(m)
+				}
 				if errors.Is(err, os.ErrDeadlineExceeded) {
 					// The path to the server stalled without closing:
 					// the client would notice only at its next ping,
@@ -433,7 +527,35 @@ func (s *Syncer) run() {
 		size = 0
 		clear(progressAt)
 	}
-	add := func(m Message) {
+	var add func(m Message)
+	// renew, once connected after messages were lost, publishes under a
+	// new identity, first restating the live charges and the operators'
+	// drains that were not sent.
+	renew := func() {
+		if !s.connected.Load() {
+			return
+		}
+		if s.lost.Load() && time.Since(lastRenewal) >= renewInterval {
+			s.lost.Store(false)
+			lastRenewal = time.Now()
+			s.epoch = max(uint64(lastRenewal.UnixNano()), s.epoch+1)
+			batch.Epoch, stored.Epoch = s.epoch, s.epoch
+			self := peerName(s.cfg.Name, s.epoch)
+			s.self.Store(&self)
+			s.renewals.Add(1)
+			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
+				zap.String("name", self))
+			if s.cfg.Resync != nil {
+				for _, m := range s.cfg.Resync() {
+					add(m)
+				}
+			}
+		}
+		for _, m := range s.takeLostOps() {
+			add(m)
+		}
+	}
+	add = func(m Message) {
 		n := encodedSize(&m)
 		if needsCurrentVersion(&m) {
 			if storedSize+n > maxBatchBytes && len(stored.Messages) > 0 {
@@ -466,6 +588,7 @@ func (s *Syncer) run() {
 		}
 		select {
 		case m := <-s.queue:
+			renew()
 			add(m)
 		more:
 			for len(batch.Messages)+len(stored.Messages) < maxBatch {
@@ -478,8 +601,9 @@ func (s *Syncer) run() {
 			}
 			publish()
 		case <-heartbeat.C:
-			if !sentSinceBeat {
-				publish() // an empty batch: alive
+			renew()
+			if !sentSinceBeat || len(batch.Messages)+len(stored.Messages) > 0 {
+				publish() // what renew restated, or an empty batch: alive
 			}
 			sentSinceBeat = false
 		case <-s.stop:
@@ -541,7 +665,7 @@ func (s *Syncer) Close() {
 // Stats returns the counters.
 func (s *Syncer) Stats() Stats {
 	st := Stats{
-		Name: s.self, Subject: s.cfg.Subject,
+		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(),
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
 		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(),
 	}

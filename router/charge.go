@@ -140,6 +140,9 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.kvTokens -= c.kv
 	u.inFlight--
 	u.lastUsed = now
+	if f.local[c.id] == c {
+		delete(f.local, c.id)
+	}
 	c.up, c.prefill, c.decode, c.kv, c.unconfirmed = nil, 0, 0, 0, nil
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)

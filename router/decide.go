@@ -147,6 +147,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		c.unconfirmed = req.Hashes[held:]
 	}
 	f.index.Insert(u.id, req.Hashes)
+	if f.publisher != nil {
+		f.local[c.id] = c
+	}
 	f.publish(Event{
 		Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(req),
 		Prefill: c.prefill, Decode: c.decode, KV: c.kv, Adapter: sreq.Adapter,

@@ -55,6 +55,9 @@ type Fleet struct {
 	remoteCharges map[string]int
 	peers         map[string]time.Time
 	nextID        uint64
+	// local holds this router's charges in flight by id while a
+	// publisher is set, to restate them to the peers (LiveEvents).
+	local map[uint64]*Charge
 
 	// Scratch space of decisions, which all run under mu.
 	scratchCands  []scorer.Candidate
@@ -130,6 +133,7 @@ func New() *Fleet {
 		remote:        make(map[remoteKey]*Charge),
 		remoteCharges: make(map[string]int),
 		peers:         make(map[string]time.Time),
+		local:         make(map[uint64]*Charge),
 	}
 }
 

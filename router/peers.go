@@ -1,6 +1,9 @@
 package router
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // Several routers in front of the same upstreams share one view by telling
 // each other what they charged: each Fleet publishes an Event for every
@@ -58,6 +61,37 @@ type Event struct {
 	PromptBytes, PromptTokens int
 	// Response is a stored response's id.
 	Response string
+}
+
+// LiveEvents restates this router's charges in flight (those made while a
+// publisher was set) as the events a peer that never heard of them needs:
+// each one routed with what it still holds, then its output so far. A
+// router whose events to its peers were lost sends them under a new name
+// (see fleetsync), so that its peers count what is in flight, no more.
+// The prefix hashes are left out: the index learned them the first time,
+// and a peer's index entries do not go with the name.
+func (f *Fleet) LiveEvents() []Event {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ids := make([]uint64, 0, len(f.local))
+	for id, c := range f.local {
+		if c.up != nil {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	out := make([]Event, 0, 2*len(ids))
+	for _, id := range ids {
+		c := f.local[id]
+		// The output so far follows, and lowers the decode charge as it
+		// did here: routed with what it had then, it ends with what it
+		// holds now.
+		out = append(out, Event{Kind: EventRouted, ID: id, Dial: c.dial, Prefill: c.prefill, Decode: c.decode + c.Tokens, KV: c.kv})
+		if c.Tokens > 0 {
+			out = append(out, Event{Kind: EventProgressed, ID: id, Tokens: c.Tokens})
+		}
+	}
+	return out
 }
 
 // remoteKey names a peer's charge.

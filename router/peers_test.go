@@ -172,3 +172,56 @@ func TestPeersTeachBytesPerToken(t *testing.T) {
 		}
 	}
 }
+
+// TestLiveEventsRestateCharges: a peer that hears a router's charges in
+// flight restated (LiveEvents, under the router's new name after its
+// events were lost) counts on each upstream what one that heard every
+// event counts: released charges are gone, and a charge's output so far
+// has lowered its decode charge and ended its prefill.
+func TestLiveEventsRestateCharges(t *testing.T) {
+	a, heard, restated := New(), New(), New()
+	for _, f := range []*Fleet{a, heard, restated} {
+		f.Name("x", t0)
+		f.Name("y", t0)
+	}
+	var sent []Event
+	a.SetPublisher(func(ev Event) { sent = append(sent, ev) })
+	opts := Options{OutputTokens: 50}.WithDefaults()
+	var charges []*Charge
+	for i := range 6 {
+		req := Request{Hashes: hashes(uint64(100*i), 512*(i+1)), BlockTokens: 64, PromptTokens: 512 * (i + 1), MaxTokens: 100, Model: "m"}
+		charges = append(charges, a.Decide(t0, req, members("x", "y"), &opts, rng(), nil).Charge)
+	}
+	a.Progress(charges[0], 1, t0.Add(time.Second))
+	a.Progress(charges[0], 70, t0.Add(2*time.Second)) // beyond its expected 50
+	a.Progress(charges[1], 10, t0.Add(time.Second))
+	a.Complete(charges[2], "m", Usage{OutputTokens: 5}, t0.Add(time.Second))
+	a.Release(charges[3], t0.Add(time.Second))
+	for _, ev := range sent {
+		heard.Apply("a#1", ev, t0)
+	}
+	live := a.LiveEvents()
+	for _, ev := range live {
+		if len(ev.Hashes) != 0 {
+			t.Fatalf("restated with hashes: %+v", ev)
+		}
+		restated.Apply("a#2", ev, t0)
+	}
+	if n := len(live); n != 4+2 { // four in flight, two with output
+		t.Fatalf("%d events restate 4 charges: %+v", n, live)
+	}
+	for _, dial := range []string{"x", "y"} {
+		h, r := state(t, heard, dial), state(t, restated, dial)
+		if h.QueuedPrefillTokens != r.QueuedPrefillTokens || h.QueuedDecodeTokens != r.QueuedDecodeTokens ||
+			h.KVTokensInFlight != r.KVTokensInFlight || h.InFlight != r.InFlight {
+			t.Errorf("%s: heard every event %+v, restated %+v", dial, h, r)
+		}
+	}
+	// Released here, they are no longer restated.
+	for _, c := range charges {
+		a.Release(c, t0.Add(3*time.Second))
+	}
+	if live := a.LiveEvents(); len(live) != 0 {
+		t.Fatalf("restated after every release: %+v", live)
+	}
+}
