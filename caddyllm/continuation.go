@@ -92,7 +92,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			outcome("cut")
 			st.giveUp(&shedding{status: http.StatusServiceUnavailable, typ: "service_unavailable", code: http.StatusServiceUnavailable,
 				message:           "the request was moved between upstreams too many times (their drain deadlines passed); retry later",
-				retryAfterSeconds: 1, reason: movedReason}, rec.Header().Get(explainHeader) != "")
+				retryAfterSeconds: 1, reason: movedReason})
 			return nil
 		case !rec.wroteHeader:
 			// Nothing reached the client: send the same request again.

@@ -128,6 +128,9 @@ func TestTooManyMovesBeforeTheResponse(t *testing.T) {
 	if n := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(movedReason)); n != 1 {
 		t.Errorf("shed_total{blocked_by=moved} %v, want 1", n)
 	}
+	if n := testutil.ToFloat64(p.sh.metrics.decision("shed")); n != 1 {
+		t.Errorf("decisions_total{reason=shed} %v, want 1", n)
+	}
 }
 
 // TestCutAfterTheAttemptEnded: a drain's cut that lands after its attempt

@@ -134,6 +134,9 @@ func (h *Handler) Validate() error {
 // routed and sent.
 const maxMaxBodyBytes = 1 << 30
 
+// identityEncoding is the Accept-Encoding the handler sends engines.
+var identityEncoding = []string{"identity"}
+
 // encodedBody reports whether h says its message's body is compressed: a
 // Content-Encoding other than identity, in any of its values.
 func encodedBody(h http.Header) bool {
@@ -220,8 +223,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// The response is read on its way back (its first token, its usage,
 	// a stream to continue): the engine must not compress it. Caddy's
 	// encode handler, before this one, still compresses it for a client
-	// that asked.
-	r.Header.Set("Accept-Encoding", "identity")
+	// that asked. The client's header is back for the access log once
+	// the proxy is done.
+	acceptEncoding, hadAcceptEncoding := r.Header["Accept-Encoding"]
+	r.Header["Accept-Encoding"] = identityEncoding
+	defer func() {
+		if hadAcceptEncoding {
+			r.Header["Accept-Encoding"] = acceptEncoding
+		} else {
+			delete(r.Header, "Accept-Encoding")
+		}
+	}()
 
 	// The recorder lives in the state: one allocation for both. The state
 	// reaches the policy through each attempt's context (see serve).
@@ -365,8 +377,10 @@ type requestState struct {
 	// start it, nil when it does not wait.
 	hold     *router.Hold
 	decision decisionRecord
-	// explanation is the last decision's, when debug logging is on.
+	// explanation is the last decision's, when debug logging is on;
+	// explain says the policy sets the explanation header.
 	explanation *scorer.Explanation
+	explain     bool
 
 	// cancel cuts the current attempt; cut records that a drain did.
 	// cutTarget is the attempt a drain may cut: the current one until
@@ -474,18 +488,18 @@ const movedReason = "moved"
 const refusedReason = "refused"
 
 // giveUp records the answer the handler writes for a request it stops
-// trying to route (a shed, counted as one), explained in a header when
-// explain is set.
-func (st *requestState) giveUp(answer *shedding, explain bool) {
+// trying to route, and counts it as a shed (as the policy counts its own).
+func (st *requestState) giveUp(answer *shedding) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	st.shed = answer
 	st.setShedPlaceholders(answer.outcome(), answer.reason, 0)
-	if explain {
+	if st.explain {
 		answer.explained = explainAnswer(answer, st.decision.prompt, len(st.tried)+1)
 	}
 	if st.sh != nil {
 		st.sh.metrics.shed.WithLabelValues(answer.reason).Inc()
+		st.sh.metrics.decision(answer.outcome()).Inc()
 	}
 }
 

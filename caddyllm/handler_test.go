@@ -150,3 +150,32 @@ func TestDeclaredLengthIsNotAllocatedUpFront(t *testing.T) {
 		}
 	}
 }
+
+// TestEnginesAskedForIdentity: the request the proxy sends asks for an
+// uncompressed response (the router reads it on its way back), and the
+// client's own Accept-Encoding is back once the handler is done (the
+// access log records the client's request).
+func TestEnginesAskedForIdentity(t *testing.T) {
+	for _, clientSent := range [][]string{{"gzip, deflate"}, nil} {
+		h := moveHandler()
+		r := moveRequest(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+		if clientSent != nil {
+			r.Header["Accept-Encoding"] = clientSent
+		}
+		var proxied []string
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			proxied = r.Header.Values("Accept-Encoding")
+			w.WriteHeader(http.StatusOK)
+			return nil
+		})
+		if err := h.ServeHTTP(httptest.NewRecorder(), r, next); err != nil {
+			t.Fatal(err)
+		}
+		if len(proxied) != 1 || proxied[0] != "identity" {
+			t.Errorf("client sent %q: the proxy sent %q, want identity", clientSent, proxied)
+		}
+		if got, ok := r.Header["Accept-Encoding"]; ok != (clientSent != nil) || strings.Join(got, ",") != strings.Join(clientSent, ",") {
+			t.Errorf("client sent %q: %q after the handler", clientSent, got)
+		}
+	}
+}

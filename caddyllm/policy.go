@@ -768,6 +768,7 @@ func (a *attempt) release() {
 // explanation header. Neither carries prompt text.
 func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decision) {
 	rec := st.decision
+	st.explain = p.ExplainHeader
 	if p.ExplainHeader {
 		w.Header().Set(explainHeader, fmt.Sprintf("upstream=%s; reason=%s; matched=%d; prompt=%d; est_ttft=%.3fs; attempt=%d",
 			rec.upstream, rec.reason, rec.matched, rec.prompt, rec.estimate, len(st.tried)+1))

@@ -85,8 +85,11 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 			OnMessage: sh.applyPeer,
 			OnHeard:   func(peer string) { sh.fleet.Heard(peer, time.Now()) },
 			Resync:    sh.liveMessages,
-			Instance:  sh.instance,
-			Logger:    logger,
+			// The peer lost events and restates its charges under its
+			// new name: the old name's go now.
+			OnSuperseded: func(peer string) { sh.fleet.DropPeer(peer, time.Now()) },
+			Instance:     sh.instance,
+			Logger:       logger,
 		})
 		if err != nil {
 			return nil, err
@@ -105,8 +108,8 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 
 func (sh *shared) releaseSync(key string) { pool.Delete(key) }
 
-// liveMessages restates this router's charges in flight, for a Syncer
-// that lost some of its events (fleetsync.Config.Resync).
+// liveMessages restates this router's charges in flight, for a new
+// connection or one that lost some of its events (fleetsync.Config.Resync).
 func (sh *shared) liveMessages() []fleetsync.Message {
 	events := sh.fleet.LiveEvents()
 	msgs := make([]fleetsync.Message, len(events))
@@ -123,6 +126,9 @@ func (sh *shared) addSyncer(s *fleetsync.Syncer) {
 	defer sh.mu.Unlock()
 	list := append(slices.Clone(sh.loadSyncers()), s)
 	sh.syncers.Store(&list)
+	// The charges in flight are kept only while they are shared, for
+	// restating them (see liveMessages).
+	sh.fleet.KeepLive(true)
 }
 
 func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
@@ -130,6 +136,7 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 	defer sh.mu.Unlock()
 	list := slices.DeleteFunc(slices.Clone(sh.loadSyncers()), func(x *fleetsync.Syncer) bool { return x == s })
 	sh.syncers.Store(&list)
+	sh.fleet.KeepLive(len(list) > 0)
 }
 
 func (sh *shared) loadSyncers() []*fleetsync.Syncer {

@@ -158,8 +158,11 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		// stream with an error event.
 		// The proxy adds the new answer's headers to those of the first
 		// (Add, not Set): its Content-Type is the last one.
+		// A compressed one cannot join a stream the client reads
+		// uncompressed either.
 		types := t.Header().Values("Content-Type")
-		if status >= 200 && (status != http.StatusOK || len(types) == 0 || !strings.HasPrefix(types[len(types)-1], "text/event-stream")) {
+		if status >= 200 && (status != http.StatusOK || len(types) == 0 || !strings.HasPrefix(types[len(types)-1], "text/event-stream") ||
+			encodedBody(t.Header())) {
 			t.splice.refused = status
 		}
 		return

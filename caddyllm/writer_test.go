@@ -232,6 +232,21 @@ func TestResponsesHoldBack(t *testing.T) {
 	if rec.splice.refused != 200 {
 		t.Fatal("a JSON answer to the request sent again was taken for its stream")
 	}
+	// Nor is a compressed stream (its engine ignored the Accept-Encoding
+	// it was sent): the client reads this stream uncompressed.
+	w = httptest.NewRecorder()
+	rec = newTokenRecorder(w, st)
+	rec.Header().Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(200)
+	rec.Write([]byte(created))
+	rec.restart()
+	rec.Header().Add("Content-Type", "text/event-stream")
+	rec.Header().Add("Content-Encoding", "gzip")
+	rec.WriteHeader(200)
+	rec.Write([]byte("\x1f\x8b\x08\x00compressed events"))
+	if rec.splice.refused != 200 || strings.Contains(w.Body.String(), "\x1f\x8b") {
+		t.Fatalf("a compressed stream sent again was spliced in: refused %d, client has %q", rec.splice.refused, w.Body)
+	}
 
 	w = httptest.NewRecorder()
 	rec = newTokenRecorder(w, st)

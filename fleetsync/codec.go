@@ -76,6 +76,9 @@ type Message struct {
 	// Deadline) or undrained through this router's admin API.
 	Drain, Undrain string
 	Deadline       time.Duration
+	// seq orders an operator's messages within the sending router (see
+	// Syncer.numberOp); it is not sent.
+	seq uint64
 }
 
 // Batch is what one publication carries.

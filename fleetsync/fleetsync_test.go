@@ -709,8 +709,8 @@ func TestStartChecksItsConfiguration(t *testing.T) {
 // the outage lost and their charges counted by the peers for an hour.
 // The router that lost events now takes a new name once reconnected and
 // restates its charges in flight under it, and the operators' drains it
-// could not send: expiring the old name (silent since the outage) leaves
-// the peer counting exactly what is in flight.
+// could not send; the peer drops the old name's charges as soon as it
+// hears the new one, and counts exactly what is in flight.
 func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 	ns := startNATS(t, -1)
 	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
@@ -719,7 +719,8 @@ func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 	fb.Name("x:1", time.Now())
 	var drained sync.Map
 	startSyncer(t, Config{URLs: []string{url}, Name: "b", Subject: "test.renew",
-		OnHeard: func(peer string) { fb.Heard(peer, time.Now()) },
+		OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
+		OnSuperseded: func(peer string) { fb.DropPeer(peer, time.Now()) },
 		OnMessage: func(peer string, m Message) {
 			if m.Event != nil {
 				fb.Apply(peer, *m.Event, time.Now())
@@ -736,6 +737,7 @@ func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 		return msgs
 	}})
 	fa.SetPublisher(func(ev router.Event) { a.Publish(Message{Event: &ev}) })
+	fa.KeepLive(true)
 	inFlight := func(f *router.Fleet) int {
 		for _, u := range f.Snapshot(time.Now()) {
 			if u.Dial == "x:1" {
@@ -763,26 +765,18 @@ func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 
 	ns.Shutdown()
 	waitFor(t, "a noticing the loss", func() bool { return !a.Stats().Connected })
-	cut := time.Now()
 	fa.Release(early, time.Now()) // its release is lost
 	late := decide()              // and this one's routing
 	a.Publish(Message{Drain: "x:1", Deadline: time.Minute})
 	startNATS(t, port) // back within the peers' 5 s
-	waitFor(t, "a sharing again under a new name, its request in flight restated", func() bool {
-		for _, p := range fb.Peers() {
-			if p.Name == a.Name() && p.Name != first && p.Charges == 1 {
-				return true
-			}
-		}
-		return false
+	waitFor(t, "a sharing again under a new name, its request in flight restated, the old name dropped", func() bool {
+		peers := fb.Peers()
+		return len(peers) == 1 && peers[0].Name == a.Name() && peers[0].Name != first && peers[0].Charges == 1
 	})
 	if st := a.Stats(); st.Renewals != 1 || st.Name == first {
 		t.Fatalf("stats after the outage: %+v", st)
 	}
 	waitFor(t, "the drain made during the outage reaching b", func() bool { _, ok := drained.Load("x:1"); return ok })
-	// The old name fell silent at the outage: the peers' expiry (5 s of
-	// silence) releases what it counted, the lost release's charge too.
-	fb.ExpirePeers(time.Now(), cut, time.Time{})
 	if got, want := inFlight(fb), inFlight(fa); got != want || want != 1 {
 		t.Fatalf("b counts %d in flight from a, a has %d", got, want)
 	}
@@ -806,5 +800,153 @@ func TestFrozenServerIsNoticed(t *testing.T) {
 	waitFor(t, "the frozen server noticed", func() bool { return !s.Stats().Connected })
 	if s.Stats().Disconnects == 0 {
 		t.Fatal("the loss was not counted")
+	}
+}
+
+// freezingLink carries TCP between NATS clients and a server until freeze,
+// which stops the connections carried so far (a frozen server: nothing
+// answers, nothing closes); later connections are carried again.
+type freezingLink struct {
+	ln     net.Listener
+	mu     sync.Mutex
+	frozen chan struct{} // of the connections carried so far
+}
+
+func newFreezingLink(t *testing.T, target string) *freezingLink {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &freezingLink{ln: ln, frozen: make(chan struct{})}
+	var conns []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			client, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			server, err := net.Dial("tcp", target)
+			if err != nil {
+				client.Close()
+				continue
+			}
+			l.mu.Lock()
+			conns = append(conns, client, server)
+			frozen := l.frozen
+			l.mu.Unlock()
+			carry := func(src, dst net.Conn) {
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := src.Read(buf)
+					select {
+					case <-frozen:
+						return // swallowed
+					default:
+					}
+					if err != nil {
+						return
+					}
+					if _, err := dst.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}
+			go carry(client, server)
+			go carry(server, client)
+		}
+	}()
+	return l
+}
+
+func (l *freezingLink) freeze() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	close(l.frozen)
+	l.frozen = make(chan struct{})
+}
+
+// TestReleaseLostOnADyingConnection: a release written to a connection
+// whose server has stopped answering is counted as sent, yet never
+// arrives. Once the connection is found dead (its pings go unanswered)
+// and a new one is made, the router renews its name and restates what it
+// has in flight, so the peer drops the charge whose release was lost.
+func TestReleaseLostOnADyingConnection(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newFreezingLink(t, ns.Addr().String())
+	fa, fb := router.New(), router.New()
+	fa.Name("x:1", time.Now())
+	fb.Name("x:1", time.Now())
+	startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.dying",
+		OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
+		OnSuperseded: func(peer string) { fb.DropPeer(peer, time.Now()) },
+		OnMessage: func(peer string, m Message) {
+			if m.Event != nil {
+				fb.Apply(peer, *m.Event, time.Now())
+			}
+		}})
+	a := startSyncer(t, Config{URLs: []string{"nats://" + link.ln.Addr().String()}, Name: "a", Subject: "test.dying",
+		Resync: func() []Message {
+			var msgs []Message
+			for _, ev := range fa.LiveEvents() {
+				msgs = append(msgs, Message{Event: &ev})
+			}
+			return msgs
+		}})
+	fa.SetPublisher(func(ev router.Event) { a.Publish(Message{Event: &ev}) })
+	fa.KeepLive(true)
+	inFlight := func() int {
+		for _, u := range fb.Snapshot(time.Now()) {
+			if u.Dial == "x:1" {
+				return u.InFlight
+			}
+		}
+		return -1
+	}
+	waitFor(t, "a connected", func() bool { return a.Stats().Connected })
+	opts := router.Options{}.WithDefaults()
+	c := fa.Decide(time.Now(), router.Request{Hashes: []uint64{1}, BlockTokens: 16, PromptTokens: 16},
+		[]router.Member{{Dial: "x:1", Available: true, Healthy: true}}, &opts, rand.New(rand.NewPCG(1, 2)), nil).Charge
+	waitFor(t, "b counting a's request", func() bool { return inFlight() == 1 })
+
+	link.freeze()
+	before := a.Stats()
+	fa.Release(c, time.Now()) // written to the frozen connection
+	waitFor(t, "the release sent into the frozen connection", func() bool { return a.Stats().Sent > before.Sent })
+	if a.Stats().Dropped != before.Dropped {
+		t.Fatalf("the release was dropped, not lost in the connection: %+v", a.Stats())
+	}
+	waitFor(t, "a renewed on a new connection, b counting nothing in flight", func() bool {
+		return a.Stats().Renewals == 1 && inFlight() == 0
+	})
+}
+
+// TestKeptDrainIsNotUndone: an operator's drain kept while it could not
+// be sent goes out after earlier drains and undrains of the same upstream
+// that were still queued, which would otherwise undo it at the peers.
+func TestKeptDrainIsNotUndone(t *testing.T) {
+	s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	undrain, drain, other := Message{Undrain: "x:1"}, Message{Drain: "x:1", Deadline: time.Minute}, Message{Drain: "y:1"}
+	for _, m := range []*Message{&undrain, &drain, &other} {
+		s.numberOp(m)
+	}
+	s.keepOp(drain) // dropped on a full queue, after the undrain was queued
+	if !s.supersededOp(&undrain) || s.supersededOp(&drain) || s.supersededOp(&other) {
+		t.Fatalf("superseded: the undrain %v (want true), the kept drain %v, another upstream's %v",
+			s.supersededOp(&undrain), s.supersededOp(&drain), s.supersededOp(&other))
+	}
+	if kept := s.takeLostOps(); len(kept) != 1 || kept[0].Drain != "x:1" {
+		t.Fatalf("kept %+v", kept)
 	}
 }

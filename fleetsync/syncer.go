@@ -57,10 +57,13 @@ const (
 	pingInterval        = 2 * time.Second
 	maxPingsOutstanding = 2
 	// renewInterval is the least time between two renewals of the
-	// router's identity after lost messages: each makes its peers count
-	// its live charges twice until the old identity has been silent for
-	// their expiry (router's peer silence, 5 s).
+	// router's identity after lost messages, each of which restates every
+	// charge in flight: a queue that overflows for good must not turn
+	// into a stream of restatements.
 	renewInterval = 5 * time.Second
+	// senderMemory is how long a peer's latest name is remembered after
+	// its last batch, to tell its later names from its earlier ones.
+	senderMemory = time.Minute
 	// maxBatch is how many messages one publication carries at most, and
 	// maxBatchBytes how many bytes: well under NATS's default payload
 	// limit (1 MB), so a burst of long prompts never makes a publication
@@ -104,6 +107,12 @@ type Config struct {
 	OnMessage func(peer string, m Message)
 	// OnHeard receives every batch's sender, before its messages.
 	OnHeard func(peer string)
+	// OnSuperseded receives a peer's earlier name when the peer is first
+	// heard under a later one (the same router, which lost messages and
+	// restates its charges under the new name): what the earlier name
+	// holds is to be dropped at once. A late batch of an earlier name is
+	// ignored.
+	OnSuperseded func(peer string)
 	// Resync returns messages that restate this router's live state (its
 	// charges in flight). After messages were lost, they are published
 	// first under the router's new identity, so its peers count what is
@@ -132,8 +141,11 @@ type Stats struct {
 	Dropped     uint64 `json:"events_dropped"`
 	Malformed   uint64 `json:"batches_malformed"`
 	Disconnects uint64 `json:"disconnects"`
-	// Renewals counts the new identities taken after lost messages.
+	// Renewals counts the new identities taken after lost messages;
+	// Stale, peers' batches under a name they had replaced, delivered
+	// late and ignored.
 	Renewals uint64 `json:"renewals"`
+	Stale    uint64 `json:"batches_stale"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
 }
@@ -156,16 +168,26 @@ type Syncer struct {
 	done chan struct{}
 	once sync.Once
 
-	sent, applied, dropped, malformed, disconnects, renewals atomic.Uint64
-	lastReceived                                             atomic.Int64
-	// lost says a charge's message was dropped while connected or
-	// reconnecting: the peers' view of this router's charges is wrong
-	// until it renews its identity.
-	lost atomic.Bool
+	sent, applied, dropped, malformed, disconnects, renewals, stale atomic.Uint64
+	lastReceived                                                    atomic.Int64
+	// lost says a charge's routing or release may not have reached the
+	// peers (dropped, or sent on a connection that died): their view of
+	// this router's charges is wrong until it renews its identity.
+	// restate says the charges in flight are to be restated under the
+	// current one (a new connection).
+	lost, restate atomic.Bool
 	// lostOps are the operators' drains and undrains that could not be
-	// sent, the latest per upstream, sent once connected.
+	// sent, the latest per upstream, sent once connected. opSeq numbers
+	// operators' messages, and keptSeq is the number of the latest one
+	// kept per upstream: an earlier one still queued must not follow it.
 	opsMu   sync.Mutex
 	lostOps map[string]Message
+	opSeq   uint64
+	keptSeq map[string]uint64
+	// senders is each peer router's latest name (by the Instance and
+	// name of its batches), for the receiving goroutine only.
+	senders     map[senderKey]senderName
+	sendersSeen time.Time
 	// connected follows the connection's handlers, so that Stats never
 	// asks the client, whose lock a write stuck on a stalled network
 	// holds.
@@ -207,6 +229,19 @@ func New(cfg Config) (*Syncer, error) {
 }
 
 func peerName(name string, epoch uint64) string { return name + "#" + strconv.FormatUint(epoch, 10) }
+
+// senderKey names a peer router across its renewals; senderName is its
+// latest name and when it was last heard.
+type senderKey struct {
+	instance uint64
+	name     string
+}
+
+type senderName struct {
+	epoch uint64
+	peer  string
+	heard time.Time
+}
 
 // Name is this router's name as its peers see it.
 func (s *Syncer) Name() string { return *s.self.Load() }
@@ -270,6 +305,9 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.connected.Store(false)
 			s.disconnects.Add(1)
+			// What was written to the dead connection may never have
+			// reached the server.
+			s.lost.Store(true)
 			log.Warn("lost the NATS connection; routing on this router's own view until it is back", zap.Error(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
@@ -372,6 +410,9 @@ func (s *Syncer) connect(opts []nats.Option) {
 	select {
 	case <-s.stop:
 	default:
+		// A new connection restates what this router has in flight (a
+		// reload that changed the sync block made it under the old one).
+		s.restate.Store(true)
 		s.live.Store(true)
 	}
 	s.mu.Unlock()
@@ -394,6 +435,7 @@ func (s *Syncer) Publish(m Message) bool {
 		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), maxEventHashes)]...)
 		m.Event = &ev
 	}
+	s.numberOp(&m)
 	if !s.live.Load() {
 		// Not connected yet (or closed): no peer has heard of a charge
 		// yet, but an operator's drain is sent once connected.
@@ -414,13 +456,41 @@ func (s *Syncer) Publish(m Message) bool {
 	}
 }
 
-// drop counts m as dropped and notes what the peers missed.
+// drop counts m as dropped and notes what the peers missed: a charge's
+// routing or release (its progress carries running totals, which the
+// next one makes good), or an operator's drain.
 func (s *Syncer) drop(m Message) {
 	s.dropped.Add(1)
-	if m.Event != nil {
+	if m.Event != nil && m.Event.Kind != router.EventProgressed && m.Event.Kind != router.EventStored {
 		s.lost.Store(true)
 	}
 	s.keepOp(m)
+}
+
+// numberOp numbers m, when it is an operator's drain or undrain, in the
+// order they were made.
+func (s *Syncer) numberOp(m *Message) {
+	if m.Drain == "" && m.Undrain == "" {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	s.opSeq++
+	m.seq = s.opSeq
+}
+
+// supersededOp reports whether m is an operator's message of an upstream
+// that a later one, kept to be sent again, concerns: sent after it, m
+// would undo it.
+func (s *Syncer) supersededOp(m *Message) bool {
+	dial := cmp.Or(m.Drain, m.Undrain)
+	if dial == "" {
+		return false
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	kept, ok := s.keptSeq[dial]
+	return ok && m.seq < kept
 }
 
 // keepOp keeps m, when it is an operator's drain or undrain, to send once
@@ -435,8 +505,12 @@ func (s *Syncer) keepOp(m Message) {
 	if s.lostOps == nil {
 		s.lostOps = make(map[string]Message)
 	}
-	if len(s.lostOps) < maxLostOps || s.lostOps[dial] != (Message{}) {
+	if _, kept := s.lostOps[dial]; kept || len(s.lostOps) < maxLostOps {
 		s.lostOps[dial] = m
+		if s.keptSeq == nil || len(s.keptSeq) >= maxLostOps {
+			s.keptSeq = make(map[string]uint64)
+		}
+		s.keptSeq[dial] = max(s.keptSeq[dial], m.seq)
 	}
 }
 
@@ -535,6 +609,7 @@ func (s *Syncer) run() {
 		if !s.connected.Load() {
 			return
 		}
+		restate := s.restate.Swap(false)
 		if s.lost.Load() && time.Since(lastRenewal) >= renewInterval {
 			s.lost.Store(false)
 			lastRenewal = time.Now()
@@ -545,10 +620,11 @@ func (s *Syncer) run() {
 			s.renewals.Add(1)
 			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
 				zap.String("name", self))
-			if s.cfg.Resync != nil {
-				for _, m := range s.cfg.Resync() {
-					add(m)
-				}
+			restate = true
+		}
+		if restate && s.cfg.Resync != nil {
+			for _, m := range s.cfg.Resync() {
+				add(m)
 			}
 		}
 		for _, m := range s.takeLostOps() {
@@ -556,9 +632,12 @@ func (s *Syncer) run() {
 		}
 	}
 	add = func(m Message) {
+		if s.supersededOp(&m) {
+			return
+		}
 		n := encodedSize(&m)
 		if needsCurrentVersion(&m) {
-			if storedSize+n > maxBatchBytes && len(stored.Messages) > 0 {
+			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
 				publish()
 			}
 			stored.Messages = append(stored.Messages, m)
@@ -573,7 +652,7 @@ func (s *Syncer) run() {
 			}
 			progressAt[ev.ID] = len(batch.Messages)
 		}
-		if size+n > maxBatchBytes && len(batch.Messages) > 0 {
+		if (size+n > maxBatchBytes || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
 			publish()
 		}
 		batch.Messages = append(batch.Messages, m)
@@ -628,7 +707,12 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		return // this router's own, from another of its connections
 	}
 	peer := peerName(b.Sender, b.Epoch)
-	s.lastReceived.Store(time.Now().UnixNano())
+	now := time.Now()
+	if !s.latestName(b, peer, now) {
+		s.stale.Add(1)
+		return
+	}
+	s.lastReceived.Store(now.UnixNano())
 	if s.cfg.OnHeard != nil {
 		s.cfg.OnHeard(peer)
 	}
@@ -638,6 +722,36 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		}
 		s.applied.Add(1)
 	}
+}
+
+// latestName reports whether b comes under its sender's latest name, and
+// tells OnSuperseded of the name it replaces. Senders without an Instance
+// (the release before) are taken as they come.
+func (s *Syncer) latestName(b *Batch, peer string, now time.Time) bool {
+	if b.Instance == 0 {
+		return true
+	}
+	if now.Sub(s.sendersSeen) > senderMemory {
+		for k, n := range s.senders {
+			if now.Sub(n.heard) > senderMemory {
+				delete(s.senders, k)
+			}
+		}
+		s.sendersSeen = now
+	}
+	if s.senders == nil {
+		s.senders = make(map[senderKey]senderName)
+	}
+	key := senderKey{b.Instance, b.Sender}
+	latest, known := s.senders[key]
+	switch {
+	case known && b.Epoch < latest.epoch:
+		return false
+	case known && b.Epoch > latest.epoch && s.cfg.OnSuperseded != nil:
+		s.cfg.OnSuperseded(latest.peer)
+	}
+	s.senders[key] = senderName{epoch: b.Epoch, peer: peer, heard: now}
+	return true
 }
 
 // Close stops publishing and disconnects, without waiting on an
@@ -665,7 +779,7 @@ func (s *Syncer) Close() {
 // Stats returns the counters.
 func (s *Syncer) Stats() Stats {
 	st := Stats{
-		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(),
+		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(), Stale: s.stale.Load(),
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
 		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(),
 	}

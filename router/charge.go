@@ -27,6 +27,8 @@ type Charge struct {
 	// unconfirmed are the blocks the decision added to the upstream's
 	// index, until the first token says the engine prefilled them.
 	unconfirmed []uint64
+	// remote marks a peer's charge, applied from its events.
+	remote bool
 }
 
 // Dial is the upstream the charge is on.
@@ -50,7 +52,11 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	u := c.up
 	if c.FirstToken.IsZero() {
 		c.FirstToken = now
-		u.lastTTFT, u.lastEstimate = now.Sub(c.Started), c.Estimate
+		if !c.remote {
+			// A peer's first token is known only as the gap between two
+			// of its events, and comes with no estimate.
+			u.lastTTFT, u.lastEstimate = now.Sub(c.Started), c.Estimate
+		}
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
 		c.unconfirmed = nil
@@ -140,7 +146,7 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	u.kvTokens -= c.kv
 	u.inFlight--
 	u.lastUsed = now
-	if f.local[c.id] == c {
+	if !c.remote && f.local != nil {
 		delete(f.local, c.id)
 	}
 	c.up, c.prefill, c.decode, c.kv, c.unconfirmed = nil, 0, 0, 0, nil

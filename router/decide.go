@@ -147,7 +147,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		c.unconfirmed = req.Hashes[held:]
 	}
 	f.index.Insert(u.id, req.Hashes)
-	if f.publisher != nil {
+	if f.local != nil {
 		f.local[c.id] = c
 	}
 	f.publish(Event{

@@ -55,8 +55,8 @@ type Fleet struct {
 	remoteCharges map[string]int
 	peers         map[string]time.Time
 	nextID        uint64
-	// local holds this router's charges in flight by id while a
-	// publisher is set, to restate them to the peers (LiveEvents).
+	// local holds this router's charges in flight by id while KeepLive
+	// is on (nil otherwise), to restate them to the peers (LiveEvents).
 	local map[uint64]*Charge
 
 	// Scratch space of decisions, which all run under mu.
@@ -133,7 +133,6 @@ func New() *Fleet {
 		remote:        make(map[remoteKey]*Charge),
 		remoteCharges: make(map[string]int),
 		peers:         make(map[string]time.Time),
-		local:         make(map[uint64]*Charge),
 	}
 }
 

@@ -63,8 +63,22 @@ type Event struct {
 	Response string
 }
 
-// LiveEvents restates this router's charges in flight (those made while a
-// publisher was set) as the events a peer that never heard of them needs:
+// KeepLive makes f keep its own charges in flight, from now on, for
+// LiveEvents (a router that shares its view), or stop keeping them.
+func (f *Fleet) KeepLive(on bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if on == (f.local != nil) {
+		return
+	}
+	f.local = nil
+	if on {
+		f.local = make(map[uint64]*Charge)
+	}
+}
+
+// LiveEvents restates this router's charges in flight (those made while
+// KeepLive was on) as the events a peer that never heard of them needs:
 // each one routed with what it still holds, then its output so far. A
 // router whose events to its peers were lost sends them under a new name
 // (see fleetsync), so that its peers count what is in flight, no more.
@@ -149,7 +163,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 			limit = capacity
 		}
 		c := f.charge(u, min(max(0, ev.Prefill), limit), min(max(0, ev.Decode), limit), min(max(0, ev.KV), limit), now)
-		c.id = ev.ID
+		c.id, c.remote = ev.ID, true
 		f.remote[key] = c
 		f.remoteCharges[peer]++
 		if ev.Adapter != "" {
@@ -199,6 +213,26 @@ func (f *Fleet) dropRemote(key remoteKey) {
 	if f.remoteCharges[key.peer]--; f.remoteCharges[key.peer] <= 0 {
 		delete(f.remoteCharges, key.peer)
 	}
+}
+
+// DropPeer releases peer's charges and forgets it, at once: the peer took
+// a new name, under which it restates what it still has in flight (see
+// LiveEvents). It returns how many charges it released.
+func (f *Fleet) DropPeer(peer string, now time.Time) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	if f.remoteCharges[peer] > 0 {
+		for key, c := range f.remote {
+			if key.peer == peer {
+				f.dropRemote(key)
+				f.release(c, now)
+				n++
+			}
+		}
+	}
+	delete(f.peers, peer)
+	return n
 }
 
 // Heard records that peer was alive at now (a heartbeat), so its charges

@@ -177,15 +177,18 @@ func TestPeersTeachBytesPerToken(t *testing.T) {
 // flight restated (LiveEvents, under the router's new name after its
 // events were lost) counts on each upstream what one that heard every
 // event counts: released charges are gone, and a charge's output so far
-// has lowered its decode charge and ended its prefill.
+// has lowered its decode charge and ended its prefill. A peer that heard
+// the old name's events and then drops it (DropPeer, as it does on hearing
+// the new name) counts the same.
 func TestLiveEventsRestateCharges(t *testing.T) {
-	a, heard, restated := New(), New(), New()
-	for _, f := range []*Fleet{a, heard, restated} {
+	a, heard, restated, renamed := New(), New(), New(), New()
+	for _, f := range []*Fleet{a, heard, restated, renamed} {
 		f.Name("x", t0)
 		f.Name("y", t0)
 	}
 	var sent []Event
 	a.SetPublisher(func(ev Event) { sent = append(sent, ev) })
+	a.KeepLive(true)
 	opts := Options{OutputTokens: 50}.WithDefaults()
 	var charges []*Charge
 	for i := range 6 {
@@ -200,21 +203,37 @@ func TestLiveEventsRestateCharges(t *testing.T) {
 	for _, ev := range sent {
 		heard.Apply("a#1", ev, t0)
 	}
+	// renamed heard the first 3 routings under the old name, lost the
+	// rest, then hears the new name's restatement.
+	for _, ev := range sent[:3] {
+		renamed.Apply("a#1", ev, t0)
+	}
 	live := a.LiveEvents()
+	if renamed.DropPeer("a#1", t0) != 3 {
+		t.Fatal("the old name's 3 charges not dropped")
+	}
 	for _, ev := range live {
 		if len(ev.Hashes) != 0 {
 			t.Fatalf("restated with hashes: %+v", ev)
 		}
 		restated.Apply("a#2", ev, t0)
+		renamed.Apply("a#2", ev, t0)
 	}
 	if n := len(live); n != 4+2 { // four in flight, two with output
 		t.Fatalf("%d events restate 4 charges: %+v", n, live)
 	}
 	for _, dial := range []string{"x", "y"} {
-		h, r := state(t, heard, dial), state(t, restated, dial)
-		if h.QueuedPrefillTokens != r.QueuedPrefillTokens || h.QueuedDecodeTokens != r.QueuedDecodeTokens ||
-			h.KVTokensInFlight != r.KVTokensInFlight || h.InFlight != r.InFlight {
-			t.Errorf("%s: heard every event %+v, restated %+v", dial, h, r)
+		h := state(t, heard, dial)
+		for _, r := range []UpstreamState{state(t, restated, dial), state(t, renamed, dial)} {
+			if h.QueuedPrefillTokens != r.QueuedPrefillTokens || h.QueuedDecodeTokens != r.QueuedDecodeTokens ||
+				h.KVTokensInFlight != r.KVTokensInFlight || h.InFlight != r.InFlight {
+				t.Errorf("%s: heard every event %+v, restated %+v", dial, h, r)
+			}
+			// A peer's first token says nothing of this router's TTFT
+			// (it has no estimate here).
+			if r.LastTTFT != 0 || r.LastEstimatedTTFTSeconds != 0 {
+				t.Errorf("%s: a peer's first token set last TTFT %v, estimate %v", dial, r.LastTTFT, r.LastEstimatedTTFTSeconds)
+			}
 		}
 	}
 	// Released here, they are no longer restated.
