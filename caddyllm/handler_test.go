@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -177,5 +178,71 @@ func TestEnginesAskedForIdentity(t *testing.T) {
 		if got, ok := r.Header["Accept-Encoding"]; ok != (clientSent != nil) || strings.Join(got, ",") != strings.Join(clientSent, ",") {
 			t.Errorf("client sent %q: %q after the handler", clientSent, got)
 		}
+	}
+}
+
+// uploadBody is a request body that arrives in two parts: the second
+// only once the test lets it (a slow client), and it records when the
+// body ended.
+type uploadBody struct {
+	parts [][]byte
+	gate  chan struct{}
+	ended time.Time
+}
+
+func (b *uploadBody) Read(p []byte) (int, error) {
+	if len(b.parts) == 0 {
+		return 0, io.EOF
+	}
+	if len(b.parts) == 1 {
+		<-b.gate
+	}
+	n := copy(p, b.parts[0])
+	b.parts = b.parts[1:]
+	if len(b.parts) == 0 {
+		b.ended = time.Now()
+	}
+	return n, nil
+}
+
+func (*uploadBody) Close() error { return nil }
+
+// TestTTFTFromTheBodysEnd: the time to first token counts from the end
+// of the request's body: a client's slow upload is not its upstream's
+// time (it counted from the request's first byte).
+func TestTTFTFromTheBodysEnd(t *testing.T) {
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	body := `{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":2}`
+	upload := &uploadBody{parts: [][]byte{[]byte(body[:10]), []byte(body[10:])}, gate: make(chan struct{})}
+	r := moveRequest("")
+	r.Body, r.ContentLength = upload, int64(len(body))
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	var answered time.Time
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if p.Select(pool, r, w) == nil {
+			t.Fatal("no upstream")
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK) // a non-streaming answer's first token
+		answered = time.Now()
+		return nil
+	})
+	started := time.Now()
+	go func() {
+		// The client takes its time: the rest of the body comes once
+		// the handler has been reading for a while.
+		time.Sleep(50 * time.Millisecond)
+		close(upload.gate)
+	}()
+	if err := h.ServeHTTP(httptest.NewRecorder(), r, next); err != nil {
+		t.Fatal(err)
+	}
+	v, ok := repl.Get("http.llm_affinity.ttft")
+	ttft, _ := v.(float64)
+	if !ok || upload.ended.Sub(started) < 50*time.Millisecond {
+		t.Fatalf("ttft %v (%v); the body ended %v after the start", v, ok, upload.ended.Sub(started))
+	}
+	if limit := answered.Sub(upload.ended).Seconds(); ttft > limit {
+		t.Fatalf("ttft %.4fs, more than the %.4fs from the body's end to the answer: the upload counted", ttft, limit)
 	}
 }
