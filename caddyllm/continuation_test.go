@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -382,7 +383,11 @@ func TestAnswersExplained(t *testing.T) {
 			if up == nil {
 				return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
 			}
+			// An engine counting 2 bytes a token, as for code or CJK.
+			tokens := requestStateOf(r).req.PromptBytes / 2
+			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(http.StatusOK)
+			fmt.Fprintf(w, `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":2,"total_tokens":%d}}`, tokens, tokens+2)
 			return nil
 		})
 		rr := httptest.NewRecorder()
@@ -409,6 +414,13 @@ func TestAnswersExplained(t *testing.T) {
 		p.sh.drains.Undrain(u.Dial, drain.Admin)
 	}
 
+	// The engines' usage teaches the model's bytes per token; a refusal
+	// then says the learned count, everywhere.
+	for i := range 3 {
+		if rr, _ := serve(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"turn %d %s"}],"max_tokens":7}`, i, strings.Repeat("x", 1200)), nil); rr.Code != http.StatusOK {
+			t.Fatalf("teaching request: %d %s", rr.Code, rr.Body)
+		}
+	}
 	rr, repl = serve(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("many words ", 1000)+`"}],"max_tokens":7}`, nil)
 	prompt := placeholder(repl, "prompt_tokens")
 	want = fmt.Sprintf("reason=refused; blocked_by=context_length; prompt=%s; attempt=1", prompt)
@@ -416,6 +428,9 @@ func TestAnswersExplained(t *testing.T) {
 		Error struct{ Message string } `json:"error"`
 	}
 	json.Unmarshal(rr.Body.Bytes(), &answer)
+	if parsed, _ := strconv.Atoi(prompt); parsed < 5000 {
+		t.Errorf("the refusal's prompt %s tokens is not the learned count (11,000 bytes at 2 a token)", prompt)
+	}
 	if rr.Code != http.StatusBadRequest || rr.Header().Get(explainHeader) != want || !strings.Contains(answer.Error.Message, prompt) {
 		t.Errorf("too long: %d, explanation %q, want %q; message %q", rr.Code, rr.Header().Get(explainHeader), want, answer.Error.Message)
 	}

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/http/httptrace"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -166,6 +167,22 @@ func TestCompressedStreamPassesUnread(t *testing.T) {
 	text, _ := io.ReadAll(zr) // unexpected EOF: the stream was cut
 	if want := strings.Repeat(event, 3); string(text) != want {
 		t.Fatalf("decompressed %q, want the engine's three events", text)
+	}
+	// Nothing stays charged, and its first bytes were its first token.
+	mfs := metricFamilies(t, adminURL+"/metrics")
+	firstTokens := 0.0
+	for _, m := range mfs["caddy_llm_affinity_time_to_first_token_seconds"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "upstream" && slices.Contains(dials, l.GetValue()) {
+				firstTokens += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	if firstTokens != 1 {
+		t.Errorf("%v first tokens measured, want 1", firstTokens)
+	}
+	for _, dial := range dials {
+		eventually(t, 10*time.Second, dial+" holding nothing in flight", func() bool { return upstream(t, dial).InFlight == 0 })
 	}
 }
 
