@@ -176,7 +176,9 @@ func (r *received) count() int {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
+	// Generous: a busy machine (or -race) slows pings and reconnections;
+	// the wait ends as soon as cond holds.
+	deadline := time.Now().Add(60 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
@@ -431,11 +433,15 @@ func TestOneRoutersConnectionsIgnoreEachOther(t *testing.T) {
 // stallingLink is a TCP path to a NATS server that can stall: once
 // stalled it stops carrying bytes either way and stops reading, as a
 // network path that silently drops packets does, with both ends'
-// connections left open.
+// connections left open; it carries no later connection either. freeze
+// stops only the connections carried so far (a frozen server: nothing
+// answers, nothing closes); later ones are carried again.
 type stallingLink struct {
 	ln      net.Listener
 	stalled chan struct{}
 	once    sync.Once
+	mu      sync.Mutex
+	frozen  chan struct{} // of the connections carried so far
 }
 
 func newStallingLink(t *testing.T, target string) *stallingLink {
@@ -444,13 +450,12 @@ func newStallingLink(t *testing.T, target string) *stallingLink {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := &stallingLink{ln: ln, stalled: make(chan struct{})}
+	l := &stallingLink{ln: ln, stalled: make(chan struct{}), frozen: make(chan struct{})}
 	var conns []net.Conn
-	var mu sync.Mutex
 	t.Cleanup(func() {
 		l.ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
+		l.mu.Lock()
+		defer l.mu.Unlock()
 		for _, c := range conns {
 			c.Close()
 		}
@@ -466,33 +471,35 @@ func newStallingLink(t *testing.T, target string) *stallingLink {
 				client.Close()
 				continue
 			}
-			mu.Lock()
+			l.mu.Lock()
 			conns = append(conns, client, server)
-			mu.Unlock()
-			go l.carry(client, server)
-			go l.carry(server, client)
+			frozen := l.frozen
+			l.mu.Unlock()
+			go l.carry(client, server, frozen)
+			go l.carry(server, client, frozen)
 		}
 	}()
 	return l
 }
 
-// carry copies from src to dst until the link stalls, then reads no more.
-func (l *stallingLink) carry(src, dst net.Conn) {
+// carry copies from src to dst until the link stalls or this connection
+// freezes, then reads no more.
+func (l *stallingLink) carry(src, dst net.Conn, frozen chan struct{}) {
+	stopped := func() bool {
+		select {
+		case <-l.stalled:
+			return true
+		case <-frozen:
+			return true
+		default:
+			return false
+		}
+	}
 	buf := make([]byte, 32<<10)
-	for {
-		select {
-		case <-l.stalled:
-			return
-		default:
-		}
+	for !stopped() {
 		n, err := src.Read(buf)
-		if err != nil {
-			return
-		}
-		select {
-		case <-l.stalled:
-			return
-		default:
+		if err != nil || stopped() {
+			return // what was read is swallowed
 		}
 		if _, err := dst.Write(buf[:n]); err != nil {
 			return
@@ -503,6 +510,13 @@ func (l *stallingLink) carry(src, dst net.Conn) {
 func (l *stallingLink) url() string { return "nats://" + l.ln.Addr().String() }
 
 func (l *stallingLink) stall() { l.once.Do(func() { close(l.stalled) }) }
+
+func (l *stallingLink) freeze() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	close(l.frozen)
+	l.frozen = make(chan struct{})
+}
 
 // TestStalledNATSNeverStalls: when the path to NATS stalls (packets
 // dropped, no connection closed), the publisher's writes back up; the
@@ -803,77 +817,6 @@ func TestFrozenServerIsNoticed(t *testing.T) {
 	}
 }
 
-// freezingLink carries TCP between NATS clients and a server until freeze,
-// which stops the connections carried so far (a frozen server: nothing
-// answers, nothing closes); later connections are carried again.
-type freezingLink struct {
-	ln     net.Listener
-	mu     sync.Mutex
-	frozen chan struct{} // of the connections carried so far
-}
-
-func newFreezingLink(t *testing.T, target string) *freezingLink {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := &freezingLink{ln: ln, frozen: make(chan struct{})}
-	var conns []net.Conn
-	t.Cleanup(func() {
-		ln.Close()
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-	go func() {
-		for {
-			client, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			server, err := net.Dial("tcp", target)
-			if err != nil {
-				client.Close()
-				continue
-			}
-			l.mu.Lock()
-			conns = append(conns, client, server)
-			frozen := l.frozen
-			l.mu.Unlock()
-			carry := func(src, dst net.Conn) {
-				buf := make([]byte, 32<<10)
-				for {
-					n, err := src.Read(buf)
-					select {
-					case <-frozen:
-						return // swallowed
-					default:
-					}
-					if err != nil {
-						return
-					}
-					if _, err := dst.Write(buf[:n]); err != nil {
-						return
-					}
-				}
-			}
-			go carry(client, server)
-			go carry(server, client)
-		}
-	}()
-	return l
-}
-
-func (l *freezingLink) freeze() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	close(l.frozen)
-	l.frozen = make(chan struct{})
-}
-
 // TestReleaseLostOnADyingConnection: a release written to a connection
 // whose server has stopped answering is counted as sent, yet never
 // arrives. Once the connection is found dead (its pings go unanswered)
@@ -881,7 +824,7 @@ func (l *freezingLink) freeze() {
 // has in flight, so the peer drops the charge whose release was lost.
 func TestReleaseLostOnADyingConnection(t *testing.T) {
 	ns := startNATS(t, -1)
-	link := newFreezingLink(t, ns.Addr().String())
+	link := newStallingLink(t, ns.Addr().String())
 	fa, fb := router.New(), router.New()
 	fa.Name("x:1", time.Now())
 	fb.Name("x:1", time.Now())
@@ -893,7 +836,7 @@ func TestReleaseLostOnADyingConnection(t *testing.T) {
 				fb.Apply(peer, *m.Event, time.Now())
 			}
 		}})
-	a := startSyncer(t, Config{URLs: []string{"nats://" + link.ln.Addr().String()}, Name: "a", Subject: "test.dying",
+	a := startSyncer(t, Config{URLs: []string{link.url()}, Name: "a", Subject: "test.dying",
 		Resync: func() []Message {
 			var msgs []Message
 			for _, ev := range fa.LiveEvents() {
