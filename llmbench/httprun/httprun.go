@@ -411,6 +411,9 @@ func (p *pass) selectionPolicy() map[string]any {
 	if o.DecodeWeight != 0 {
 		sel["decode_weight"] = o.DecodeWeight
 	}
+	if o.EvictionWeight != 0 {
+		sel["eviction_weight"] = o.EvictionWeight
+	}
 	return sel
 }
 

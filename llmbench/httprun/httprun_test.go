@@ -2,9 +2,13 @@ package httprun
 
 import (
 	"context"
+	"encoding/json"
+	"slices"
 	"testing"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/llmbench"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // replayHTTP replays w under policy and checks that every request completed.
@@ -121,5 +125,39 @@ func TestNewRejectsBadSettings(t *testing.T) {
 		if _, err := New(tc.settings, tc.timeScale); err == nil {
 			t.Errorf("New(%+v, %v) accepted", tc.settings, tc.timeScale)
 		}
+	}
+}
+
+// TestEveryScorerSettingReachesThePlugin: each decision setting llmbench
+// takes reaches the plugin's policy in http mode, as it reaches the
+// simulator's (--eviction-weight was silently dropped).
+func TestEveryScorerSettingReachesThePlugin(t *testing.T) {
+	o := scorer.Options{
+		TieSeconds: 0.004, KVMarginTokens: 7, ImposedDelayWeight: 0.2, DecodeWeight: 0.3, EvictionWeight: -1,
+		SGLang: scorer.SGLangOptions{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5},
+		LLMD:   scorer.LLMDOptions{PrefixWeight: 3, QueueWeight: 2, KVWeight: 1},
+		Dynamo: scorer.DynamoOptions{OverlapWeight: 2},
+	}
+	p := &pass{r: &Runner{settings: llmbench.Sim{Scorer: o, DecodeTokensPerSecond: 1000}}, policy: "llm_affinity/ttft", timeScale: 1}
+	raw, err := json.Marshal(p.selectionPolicy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got caddyllm.Policy
+	if err := json.Unmarshal(raw, &got); err != nil {
+		t.Fatal(err)
+	}
+	want := caddyllm.Policy{
+		TieSeconds: o.TieSeconds, KVMarginTokens: o.KVMarginTokens, ImposedDelayWeight: o.ImposedDelayWeight,
+		DecodeWeight: o.DecodeWeight, EvictionWeight: o.EvictionWeight,
+		SGLangCacheThreshold: 0.3, SGLangBalanceAbs: 64, SGLangBalanceRel: 1.5,
+		LLMDWeights: []float64{3, 2, 1}, DynamoOverlapWeight: 2,
+	}
+	if got.TieSeconds != want.TieSeconds || got.KVMarginTokens != want.KVMarginTokens || got.ImposedDelayWeight != want.ImposedDelayWeight ||
+		got.DecodeWeight != want.DecodeWeight || got.EvictionWeight != want.EvictionWeight ||
+		got.SGLangCacheThreshold != want.SGLangCacheThreshold || got.SGLangBalanceAbs != want.SGLangBalanceAbs ||
+		got.SGLangBalanceRel != want.SGLangBalanceRel || !slices.Equal(got.LLMDWeights, want.LLMDWeights) ||
+		got.DynamoOverlapWeight != want.DynamoOverlapWeight {
+		t.Fatalf("the plugin's policy %s", raw)
 	}
 }
