@@ -23,13 +23,15 @@ type SGLangOptions struct {
 // (sgl-router src/policies/cache_aware.rs, research §1.2): load is the
 // router-local in-flight request count; when imbalanced, route to the
 // least loaded; otherwise to the worker with the deepest prefix match if
-// the match rate exceeds the threshold, else to the least loaded.
+// the match rate exceeds the threshold, else to the least loaded (SGLang
+// takes the worker with the smallest approximate tree there, which this
+// port does not keep; BENCHMARKS.md says so).
 //
-// Ties are broken at random, as SGLang's are in effect: the deepest node's
-// tenant is whichever one its concurrent map yields first, and SMG breaks
-// load ties by requests processed so far, which rotates among equal
-// workers. (Breaking them by index, as this port once did, piled work onto
-// low-numbered replicas at low load.) Without rng, the first wins.
+// Ties are broken at random. SGLang's deepest node's tenant is whichever
+// one its concurrent map yields first; its least-loaded choice takes the
+// first minimum, the lowest index, which is what piled work onto
+// low-numbered replicas at low load when this port copied it. Without
+// rng, the first wins.
 func chooseSGLang(req *Request, cands []Candidate, opts Options, rng Rand) int {
 	o := opts.SGLang
 	threshold := orDefault(o.CacheThreshold, 0.5)
