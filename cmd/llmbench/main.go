@@ -307,6 +307,8 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["imposed_delay_weight"] = o.imposedWeight
 	params["decode_weight"] = o.decodeWeight
 	params["eviction_weight"] = o.evictionWeight
+	params["router_kv_capacity"] = o.routerKV
+	params["queue_limit"] = o.queueLimit
 	params["routers"] = o.routers
 	params["spread_s"] = o.spread.Seconds()
 	params["sync"] = o.sync
