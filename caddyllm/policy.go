@@ -178,7 +178,8 @@ type Policy struct {
 	ScrapeInterval caddy.Duration `json:"scrape_interval,omitempty"`
 
 	// ScrapeMaxAge is how old scraped signals may be before the policy
-	// falls back to its own tracking. Default 3 scrape intervals.
+	// falls back to its own tracking (the last model list still filters).
+	// Default 3 scrape intervals.
 	ScrapeMaxAge caddy.Duration `json:"scrape_max_age,omitempty"`
 
 	// ModelsInterval is how often /v1/models is fetched when scraping.
@@ -339,6 +340,11 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.parentDials = append(p.parentDials, u.Dial)
 	}
 	p.parentDynamic = parentHasDynamicUpstreams(ctx)
+	if p.ScrapeInterval > 0 && p.ScrapeMaxAge > 0 && p.ScrapeMaxAge < p.ScrapeInterval {
+		// Signals are that old between two scrapes most of the time.
+		p.logger.Warn("scrape_max_age is shorter than scrape_interval: the engines' signals are ignored for most of each interval",
+			zap.Duration("scrape_max_age", time.Duration(p.ScrapeMaxAge)), zap.Duration("scrape_interval", time.Duration(p.ScrapeInterval)))
+	}
 	if try := parentTryDuration(ctx); try > 0 {
 		// Caddy asks a policy that chose nothing again and again until
 		// lb_try_duration passes, so the router's own answers wait for it.

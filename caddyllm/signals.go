@@ -14,7 +14,8 @@ import (
 // verdicts (available, healthy), the drains, whether an earlier attempt of
 // the request went there, the configured hardware and the engine's fresh
 // scraped signals. Only engine signals fresher than ScrapeMaxAge count;
-// older ones leave the router to its own accounting.
+// older ones leave the router to its own accounting, but for the list of
+// the models the engine serves, which keeps filtering.
 func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool reverseproxy.UpstreamPool, tried []string, now time.Time) ([]router.Member, []scrape.Signals) {
 	// Room for every engine up front: members point into it.
 	dst, engines = dst[:0], slices.Grow(engines[:0], len(pool))
@@ -38,6 +39,8 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
+			} else {
+				m.Models = sig.Models
 			}
 		}
 		dst = append(dst, m)

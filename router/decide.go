@@ -72,6 +72,11 @@ type Member struct {
 	// Engine is what its engine last reported, nil when not scraped or
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
+	// Models are the models its engine last listed (/v1/models), however
+	// old, for a member whose Engine is stale; nil when never listed. A
+	// stale scrape (an engine whose /metrics is slow or broken) stops the
+	// engine's figures from counting, not the list of what it serves.
+	Models []scrape.ModelInfo
 	// Scraped says the caller reads the engine's signals, fresh or not
 	// (implied by Engine): the KV capacity learned from them outlives a
 	// stale scrape, and a caller that does not scrape uses the
@@ -332,6 +337,9 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 			}
 		}
 	}
+	if m.Engine == nil && m.Models != nil {
+		c.Models = scrape.ModelIDs(m.Models)
+	}
 	// The engine's own figure, also while a scrape is stale: falling
 	// back to the configured one would shrink the index and evict what
 	// the engine still holds.
@@ -402,8 +410,13 @@ func (o *Options) adapterOf(model string, members []Member) string {
 	if o.Adapters[model] {
 		return model
 	}
+	isAdapter := func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }
 	for i := range members {
-		if e := members[i].Engine; e != nil && slices.ContainsFunc(e.Models, func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }) {
+		models := members[i].Models
+		if e := members[i].Engine; e != nil {
+			models = e.Models
+		}
+		if slices.ContainsFunc(models, isAdapter) {
 			return model
 		}
 	}

@@ -199,10 +199,15 @@ func TestAdapterResidency(t *testing.T) {
 	if got, _ := opts.adapterCost("l9", u, sig); got != scorer.AdapterResident {
 		t.Errorf("running adapter: %v", got)
 	}
-	// An adapter known only from an engine's model list is an adapter too.
+	// An adapter known only from an engine's model list is an adapter too,
+	// also from a list whose scrape went stale.
 	ms[0].Engine = &scrape.Signals{Models: []scrape.ModelInfo{{ID: "l7", Parent: "base"}}}
 	if got := opts.adapterOf("l7", ms); got != "l7" {
 		t.Errorf("adapter from /v1/models: %q", got)
+	}
+	ms[0].Engine, ms[0].Models = nil, []scrape.ModelInfo{{ID: "l8", Parent: "base"}}
+	if got := opts.adapterOf("l8", ms); got != "l8" {
+		t.Errorf("adapter from a stale /v1/models: %q", got)
 	}
 	if got := opts.adapterOf("base", ms); got != "" {
 		t.Errorf("base model taken for an adapter: %q", got)
@@ -321,6 +326,21 @@ func TestUnservableModel(t *testing.T) {
 	ms[1].Available = false
 	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable {
 		t.Fatalf("an unavailable member that may serve the model made it unservable: %+v", d)
+	}
+	// A member whose scrape went stale keeps its last model list: it
+	// still serves only what it listed (its /metrics failing says
+	// nothing of its models), and a model nobody listed is unservable.
+	ms[1].Available = true
+	ms[1].Models = []scrape.ModelInfo{{ID: "llama"}, {ID: "tenant-a", Parent: "llama"}}
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("a model no list has, b's list stale: %+v", d)
+	}
+	for range 10 {
+		d := f.Decide(t0, Request{Model: "tenant-a", PromptTokens: 10}, ms, &opts, rng(), nil)
+		if d.Charge == nil || d.Chosen != 1 {
+			t.Fatalf("an adapter only b's stale list has went elsewhere: %+v", d)
+		}
+		f.Release(d.Charge, t0)
 	}
 }
 

@@ -135,12 +135,15 @@ func (s Signals) FreeKVTokens() int {
 
 // ModelIDs returns the IDs of the served models, nil when unknown
 // (scorer.Candidate.Models).
-func (s Signals) ModelIDs() []string {
-	if s.Models == nil {
+func (s Signals) ModelIDs() []string { return ModelIDs(s.Models) }
+
+// ModelIDs returns the IDs of models, nil for nil.
+func ModelIDs(models []ModelInfo) []string {
+	if models == nil {
 		return nil
 	}
-	ids := make([]string, len(s.Models))
-	for i, m := range s.Models {
+	ids := make([]string, len(models))
+	for i, m := range models {
 		ids[i] = m.ID
 	}
 	return ids
