@@ -35,7 +35,7 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			m.Tried = m.Tried || t == u.Dial
 		}
 		if p.scraper != nil {
-			m.Scraped = true
+			m.Scraped, m.Down = true, p.scraper.Down(u.Dial)
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]

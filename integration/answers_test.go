@@ -285,3 +285,38 @@ func TestAnswers(t *testing.T) {
 	a := <-answered
 	row.check(t, a.resp, a.body, a.err)
 }
+
+// TestUnknownModelWithAnUpstreamDown: a model no engine lists gets the 404
+// at once also when one upstream has never answered a scrape (nothing
+// listens there, so its models are unknown): it used to wait
+// queue_timeout, its first attempt sent to the dead upstream, and get a
+// 503 a client retries.
+func TestUnknownModelWithAnUpstreamDown(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	dead := fmt.Sprintf("127.0.0.1:%d", freePort(t)) // nothing listens
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy %s %s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+			models_interval 100ms
+			queue_timeout %s
+		}
+		lb_retries 2
+	}
+}
+`, routerHost, dials(fleet), dead, answersQueueTimeout))
+	eventually(t, 10*time.Second, "both engines' models listed and the dead one's scrape refused", func() bool {
+		for _, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || len(v.Models) == 0 {
+				return false
+			}
+		}
+		v := listedEngine(t, dead)
+		return v != nil && strings.Contains(v.LastError, "refused")
+	})
+	row := answerRow{name: "a model no engine lists, one upstream down", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
+		post("/v1/chat/completions", `{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}`)
+	resp, b, err := row.send()
+	row.check(t, resp, b, err)
+}

@@ -72,6 +72,9 @@ type Member struct {
 	// Engine is what its engine last reported, nil when not scraped or
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
+	// Down says its engine's last scrape found nothing listening: it
+	// cannot be counted on to serve a model it never listed.
+	Down bool
 	// Models are the models its engine last listed (/v1/models), however
 	// old, for a member whose Engine is stale; nil when never listed. A
 	// stale scrape (an engine whose /metrics is slow or broken) stops the
@@ -101,8 +104,9 @@ type Decision struct {
 	releases uint64
 	at       time.Time
 	// Unservable, when nothing was chosen, says no member serves the
-	// request's model (every one lists its models, and none lists it):
-	// waiting cannot help.
+	// request's model (every one lists its models, and none lists it,
+	// but for members that are down, whose models are unknown): waiting
+	// cannot help.
 	Unservable bool
 	// TooLong, when nothing was chosen, says the request surely needs
 	// more KV than every member has (each one's capacity known; see
@@ -123,13 +127,19 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
 		d.releases, d.at = f.releases, now
-		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
+		// Unservable: some member lists its models, none lists the
+		// request's, and the others are down (nothing listens there).
+		listed := false
+		d.Unservable = len(cands) > 0
 		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
 		for i := range cands {
 			c := &cands[i]
-			d.Unservable = d.Unservable && scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
+			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
+			listed = listed || byModel
+			d.Unservable = d.Unservable && (byModel || c.Models == nil && members[i].Down)
 			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
 		}
+		d.Unservable = d.Unservable && listed
 		return d
 	}
 	u, cand := states[sd.Chosen], &cands[sd.Chosen]

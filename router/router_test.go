@@ -327,6 +327,12 @@ func TestUnservableModel(t *testing.T) {
 	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable {
 		t.Fatalf("an unavailable member that may serve the model made it unservable: %+v", d)
 	}
+	// Unless nothing listens there: its engine refused the last scrape.
+	ms[1].Down = true
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("a model only a member that is down might serve: %+v", d)
+	}
+	ms[1].Down = false
 	// A member whose scrape went stale keeps its last model list: it
 	// still serves only what it listed (its /metrics failing says
 	// nothing of its models), and a model nobody listed is unservable.

@@ -38,8 +38,10 @@ type scrapeTarget struct {
 	// conn is the target's kept connection for rawRequests.
 	conn keptConn
 
-	// latest is the last successful scrape, read without locks.
+	// latest is the last successful scrape, read without locks; down
+	// says the last attempt found nothing listening (see Scraper.Down).
 	latest atomic.Pointer[Signals]
+	down   atomic.Bool
 
 	// mu guards the fields below.
 	mu        sync.Mutex
@@ -356,6 +358,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	defer t.mu.Unlock()
 	t.busy = false
 	st := &t.status
+	t.down.Store(err != nil && refused(err))
 	if err != nil {
 		if refused(err) {
 			// Nothing listens on the engine's port: when it answers

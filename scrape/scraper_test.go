@@ -198,6 +198,13 @@ func TestScrapeFailuresDoNotBlock(t *testing.T) {
 			t.Errorf("%s: last error %q, want it to name the URL without its query", d, st.LastError)
 		}
 	}
+	// Only the target where nothing listens is down: the others answer,
+	// badly or late.
+	for _, d := range dials {
+		if s.Down(d) != (d == refused) {
+			t.Errorf("%s: down %v", d, s.Down(d))
+		}
+	}
 	// The models fetch failed, the metrics did not: signals without models.
 	sig, _ := s.Latest(hostOf(healthy), time.Now(), time.Hour)
 	st, _ := s.StatusOf(hostOf(healthy))

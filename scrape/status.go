@@ -69,6 +69,13 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 	return *p, true
 }
 
+// Down reports whether the last scrape of dial found nothing listening on
+// its port (the connection refused): its engine is not running.
+func (s *Scraper) Down(dial string) bool {
+	t := s.target(dial)
+	return t != nil && t.down.Load()
+}
+
 // Seq returns how many successful scrapes of dial there have been,
 // 0 when none: a cheap way to see that new signals arrived.
 func (s *Scraper) Seq(dial string) uint64 {
