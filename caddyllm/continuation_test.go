@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -53,10 +54,14 @@ func moves(t *testing.T, extra string, attempt func(n int, w http.ResponseWriter
 	return rr, n, err
 }
 
-// movesBody is moves with the whole body given, and the policy returned.
-func movesBody(t *testing.T, body string, attempt func(n int, w http.ResponseWriter, r *http.Request) error) (*httptest.ResponseRecorder, int, *Policy, error) {
+// movesBody is moves with the whole body given, and the policy returned;
+// configure, if any, changes the policy first.
+func movesBody(t *testing.T, body string, attempt func(n int, w http.ResponseWriter, r *http.Request) error, configure ...func(*Policy)) (*httptest.ResponseRecorder, int, *Policy, error) {
 	t.Helper()
 	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	for _, c := range configure {
+		c(p)
+	}
 	t.Cleanup(func() {
 		// Whatever happened, nothing stays charged or registered.
 		if f, d := inFlightLeft(p); f != 0 || d != 0 {
@@ -433,5 +438,26 @@ func TestAnswersExplained(t *testing.T) {
 	}
 	if rr.Code != http.StatusBadRequest || rr.Header().Get(explainHeader) != want || !strings.Contains(answer.Error.Message, prompt) {
 		t.Errorf("too long: %d, explanation %q, want %q; message %q", rr.Code, rr.Header().Get(explainHeader), want, answer.Error.Message)
+	}
+}
+
+// TestAdapterRefusedIsNotResident: an upstream that answered 404 for an
+// adapter is not presumed to hold it afterwards (the adapter's next
+// requests followed the first there, each to a 404).
+func TestAdapterRefusedIsNotResident(t *testing.T) {
+	_, _, p, err := movesBody(t, `{"model":"tenant-a","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`,
+		func(_ int, w http.ResponseWriter, r *http.Request) error {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusNotFound)
+			w.Write([]byte(`{"error":{"message":"The model tenant-a does not exist.","type":"NotFoundError","param":null,"code":404}}`))
+			return nil
+		}, func(p *Policy) { p.opts.Adapters = map[string]bool{"tenant-a": true} })
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range p.sh.fleet.Snapshot(time.Now()) {
+		if slices.Contains(u.Adapters, "tenant-a") {
+			t.Fatalf("%s presumed to hold tenant-a after its 404", u.Dial)
+		}
 	}
 }

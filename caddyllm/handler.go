@@ -588,7 +588,11 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// engine has stored it all the same.
 	st.rememberResponseOf(a, rec.responseID)
 	if !complete {
-		a.release()
+		if rec.status == http.StatusNotFound {
+			a.refused()
+		} else {
+			a.release()
+		}
 		return
 	}
 	a.flight.End()

@@ -770,6 +770,13 @@ func (a *attempt) release() {
 	a.sh.fleet.Release(a.charge, time.Now())
 }
 
+// refused releases a for a request its upstream answered 404 (see
+// router.Fleet.Refused).
+func (a *attempt) refused() {
+	a.flight.End()
+	a.sh.fleet.Refused(a.charge, time.Now())
+}
+
 // explain logs the decision at debug level and, when enabled, sets the
 // explanation header. Neither carries prompt text.
 func (p *Policy) explain(w http.ResponseWriter, st *requestState, d scorer.Decision) {

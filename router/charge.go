@@ -1,6 +1,9 @@
 package router
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // Charge is the work one routed request put on its upstream, from the
 // decision until Complete or Release. Its methods are not safe for
@@ -29,6 +32,9 @@ type Charge struct {
 	unconfirmed []uint64
 	// remote marks a peer's charge, applied from its events.
 	remote bool
+	// adapter is the LoRA adapter the decision presumed the upstream
+	// would load, "" for none.
+	adapter string
 }
 
 // Dial is the upstream the charge is on.
@@ -133,6 +139,23 @@ func (f *Fleet) Release(c *Charge, now time.Time) {
 		}
 	}
 	f.release(c, now)
+}
+
+// Refused is Release for a request its upstream refused outright (it
+// answered 404: it does not serve the model or adapter asked for). The
+// adapter the decision presumed it would load there is not presumed
+// resident any more, so the adapter's next requests do not follow this
+// one there.
+func (f *Fleet) Refused(c *Charge, now time.Time) {
+	if c == nil {
+		return
+	}
+	f.mu.Lock()
+	if u := c.up; u != nil && c.adapter != "" {
+		u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == c.adapter })
+	}
+	f.mu.Unlock()
+	f.Release(c, now)
 }
 
 // release is Release; caller holds f.mu.

@@ -155,6 +155,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	c.Estimate = sd.EstimatedTTFTSeconds
 	if sreq.Adapter != "" {
 		u.useAdapter(sreq.Adapter)
+		c.adapter = sreq.Adapter
 	}
 	// The blocks beyond what the upstream held are the decision's own
 	// (f.scratchDepths is the match of this decision).

@@ -195,6 +195,17 @@ func TestAdapterResidency(t *testing.T) {
 			t.Errorf("%s: %v, want %v", adapter, got, want)
 		}
 	}
+	// An engine that answered 404 for an adapter does not have it: it is
+	// not presumed resident there any more (its next requests followed
+	// the first there, each to a 404).
+	d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, rng(), nil)
+	if got, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterResident {
+		t.Fatalf("l0 just sent: %v", got)
+	}
+	f.Refused(d.Charge, t0)
+	if got, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterRemote || state(t, f, "a").InFlight != 0 {
+		t.Errorf("l0 refused: %v, %d in flight", got, state(t, f, "a").InFlight)
+	}
 	sig := &scrape.Signals{AdaptersKnown: true, RunningAdapters: []string{"l9"}}
 	if got, _ := opts.adapterCost("l9", u, sig); got != scorer.AdapterResident {
 		t.Errorf("running adapter: %v", got)
