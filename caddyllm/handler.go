@@ -480,8 +480,11 @@ func explainAnswer(s *shedding, prompt, attempt int) string {
 }
 
 // movedReason is the blocked_by of a request shed because drains moved it
-// too often.
-const movedReason = "moved"
+// too often; notRunningReason of one no running upstream may serve.
+const (
+	movedReason      = "moved"
+	notRunningReason = "not_running"
+)
 
 // refusedReason is the decision's reason, in metrics and placeholders, for
 // a request answered at once with a client error.

@@ -574,6 +574,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		case d.TooLong:
 			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
 				message: st.req.tooLongMessage(d.PromptTokens), reason: "context_length", refused: true})
+		case d.NotRunning:
+			// The only upstreams that might serve the model are down: a
+			// 503 at once rather than after queue_timeout (the model may
+			// exist, on an engine still starting).
+			return p.shed(st, d, notRunningReason, "no upstream that might serve the model is running")
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
@@ -707,7 +712,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	d := p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
-		if !d.Unservable && !d.TooLong && now.Before(deadline) {
+		if !d.Unservable && !d.TooLong && !d.NotRunning && now.Before(deadline) {
 			st.hold = p.sh.fleet.Hold(st.hold, &d, rreq, deadline, scratch.members, &p.opts)
 		}
 		return nil, d

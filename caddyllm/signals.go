@@ -39,7 +39,9 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
-			} else {
+			} else if sig.Models != nil && now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge() {
+				// Stale metrics; the model list, fetched on its own
+				// schedule, still says what the engine serves.
 				m.Models = sig.Models
 			}
 		}

@@ -104,10 +104,12 @@ type Decision struct {
 	releases uint64
 	at       time.Time
 	// Unservable, when nothing was chosen, says no member serves the
-	// request's model (every one lists its models, and none lists it,
-	// but for members that are down, whose models are unknown): waiting
-	// cannot help.
-	Unservable bool
+	// request's model (every one lists its models, and none lists it):
+	// waiting cannot help. NotRunning says the members that might serve
+	// it (their models unknown) are all down, nothing listening there: a
+	// wait of a few seconds is not likely to help either, but the model
+	// may exist (an engine still starting).
+	Unservable, NotRunning bool
 	// TooLong, when nothing was chosen, says the request surely needs
 	// more KV than every member has (each one's capacity known; see
 	// scorer.Request.LeastKVTokens): it can never run, wherever it waits.
@@ -127,19 +129,18 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
 		d.releases, d.at = f.releases, now
-		// Unservable: some member lists its models, none lists the
-		// request's, and the others are down (nothing listens there).
-		listed := false
-		d.Unservable = len(cands) > 0
+		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
 		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
+		listed, unlistedDown := false, len(cands) > 0
 		for i := range cands {
 			c := &cands[i]
 			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
 			listed = listed || byModel
-			d.Unservable = d.Unservable && (byModel || c.Models == nil && members[i].Down)
+			unlistedDown = unlistedDown && (byModel || c.Models == nil && members[i].Down)
+			d.Unservable = d.Unservable && byModel
 			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
 		}
-		d.Unservable = d.Unservable && listed
+		d.NotRunning = !d.Unservable && listed && unlistedDown
 		return d
 	}
 	u, cand := states[sd.Chosen], &cands[sd.Chosen]

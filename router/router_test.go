@@ -338,9 +338,10 @@ func TestUnservableModel(t *testing.T) {
 	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable {
 		t.Fatalf("an unavailable member that may serve the model made it unservable: %+v", d)
 	}
-	// Unless nothing listens there: its engine refused the last scrape.
+	// Nothing listens there (its engine refused the last scrape): not
+	// running, though not surely unservable (an engine still starting).
 	ms[1].Down = true
-	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable || !d.NotRunning {
 		t.Fatalf("a model only a member that is down might serve: %+v", d)
 	}
 	ms[1].Down = false

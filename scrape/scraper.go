@@ -48,6 +48,7 @@ type scrapeTarget struct {
 	busy      bool // a fetch is in flight
 	status    Status
 	models    []ModelInfo
+	modelsAt  time.Time // when models was fetched
 	modelsDue time.Time
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
@@ -342,7 +343,9 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	}
 
 	t.mu.Lock()
-	modelsDue := err == nil && s.cfg.ModelsInterval > 0 && !start.Before(t.modelsDue)
+	// The model list has a schedule of its own: an engine whose /metrics
+	// fails or is slow still says what it serves (unless nothing listens).
+	modelsDue := (err == nil || !refused(err)) && s.cfg.ModelsInterval > 0 && !start.Before(t.modelsDue)
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
 	}
@@ -371,6 +374,19 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		if st.ConsecutiveErrors == 1 {
 			s.cfg.Logger.Debug("engine metrics scrape failing", zap.String("upstream", t.dial), zap.Error(err))
 		}
+		if modelsDue {
+			t.noteModels(st, models, modelsErr, start)
+			if modelsErr == nil {
+				// The last signals, stale as they were, with the new list
+				// (none yet: signals that are all stale).
+				var sig Signals
+				if prev := t.latest.Load(); prev != nil {
+					sig = *prev
+				}
+				sig.Models, sig.ModelsAt = t.models, t.modelsAt
+				t.latest.Store(&sig)
+			}
+		}
 		return
 	}
 	if st.ConsecutiveErrors > 0 {
@@ -381,12 +397,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	st.ConsecutiveErrors = 0
 	st.LastSuccess = start
 	if modelsDue {
-		if modelsErr != nil {
-			st.ModelsError = truncate(modelsErr.Error(), maxScrapeErrorMessages)
-		} else {
-			st.ModelsError = ""
-			t.models = models
-		}
+		t.noteModels(st, models, modelsErr, start)
 	}
 
 	e := engineNamed(sig.Engine)
@@ -412,17 +423,31 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.prevSlow = sig
 	}
 	sig.LastRestart = t.lastRestart
-	sig.Models = t.models
+	sig.Models, sig.ModelsAt = t.models, t.modelsAt
 	sig.Seq = st.Scrapes
 	t.latest.Store(&sig)
+}
+
+// noteModels records a fetch of t's model list, sent at start; caller
+// holds t.mu.
+func (t *scrapeTarget) noteModels(st *Status, models []ModelInfo, err error, start time.Time) {
+	if err != nil {
+		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
+		return
+	}
+	st.ModelsError = ""
+	t.models, t.modelsAt = models, start
 }
 
 // refused reports whether err is a failure to connect (nothing listening),
 // rather than a slow or failing answer.
 func refused(err error) bool {
 	// Only a refusal: a timeout or a failed lookup is a network problem,
-	// which says nothing about the engine's process.
-	return errors.Is(err, syscall.ECONNREFUSED)
+	// which says nothing about the engine's process. Some dialers wrap
+	// the error without Unwrap (Caddy's reverse proxy transport, which
+	// engines behind TLS are scraped with, makes a DialError of it): its
+	// text still says so.
+	return errors.Is(err, syscall.ECONNREFUSED) || strings.Contains(err.Error(), syscall.ECONNREFUSED.Error())
 }
 
 // countersReset reports whether the engine's cumulative prefix counters

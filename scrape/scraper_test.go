@@ -374,8 +374,14 @@ func TestOnlyARefusalIsARestart(t *testing.T) {
 	closedPort := ln.Addr().String()
 	ln.Close()
 	var k keptConn
-	if _, _, err := k.take(context.Background(), closedPort, time.Now().Add(5*time.Second)); err == nil || !refused(err) {
+	_, _, err = k.take(context.Background(), closedPort, time.Now().Add(5*time.Second))
+	if err == nil || !refused(err) {
 		t.Errorf("a closed port: %v, refused %v", err, err != nil && refused(err))
+	}
+	// Also wrapped without Unwrap, as Caddy's transport wraps its dial
+	// errors (engines behind TLS are scraped through it).
+	if hidden := (opaqueError{err.Error()}); !refused(hidden) {
+		t.Errorf("a refusal wrapped without Unwrap: %v not taken for one", hidden)
 	}
 	for _, c := range []struct {
 		dial     string
@@ -390,4 +396,55 @@ func TestOnlyARefusalIsARestart(t *testing.T) {
 			t.Errorf("%s: %v taken for a refusal", c.dial, err)
 		}
 	}
+}
+
+// opaqueError is an error that hides its cause, as reverseproxy.DialError
+// does.
+type opaqueError struct{ msg string }
+
+func (e opaqueError) Error() string { return e.msg }
+
+// TestModelsWhileMetricsFail: the model list has a schedule of its own:
+// while an engine's /metrics fails, its /v1/models is still fetched, and
+// the (stale) signals carry the new list. A list frozen at the last good
+// metrics filtered a replaced engine's models, or an adapter loaded
+// meanwhile, for good.
+func TestModelsWhileMetricsFail(t *testing.T) {
+	var failing atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			id := "m1"
+			if failing.Load() {
+				id = "m2"
+			}
+			fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, id)
+			return
+		}
+		if failing.Load() {
+			http.Error(w, "broken", http.StatusInternalServerError)
+			return
+		}
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: 100 * time.Millisecond})
+	s.SetTargets([]string{hostOf(srv)})
+	s.Start(ctx)
+	modelsNow := func() string {
+		sig, _ := s.Latest(hostOf(srv), time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",")
+	}
+	waitFor(t, "m1 listed", 10*time.Second, func() bool { return modelsNow() == "m1" })
+	failing.Store(true)
+	waitFor(t, "m2 listed while the metrics fail", 10*time.Second, func() bool { return modelsNow() == "m2" })
+	sig, fresh := s.Latest(hostOf(srv), time.Now(), 150*time.Millisecond)
+	if st, _ := s.StatusOf(hostOf(srv)); st.ConsecutiveErrors == 0 || time.Since(sig.ModelsAt) > 10*time.Second {
+		t.Fatalf("status %+v, models fetched at %v", st, sig.ModelsAt)
+	}
+	waitFor(t, "the signals stale", 10*time.Second, func() bool {
+		_, fresh = s.Latest(hostOf(srv), time.Now(), 150*time.Millisecond)
+		return !fresh
+	})
 }

@@ -63,8 +63,12 @@ type Signals struct {
 	// (set by the scraper).
 	PrefixHitRate float64
 	// Models are the models the engine serves, from /v1/models; nil when
-	// not fetched yet (then any model is assumed servable).
-	Models []ModelInfo
+	// not fetched yet (then any model is assumed servable). ModelsAt is
+	// when they were fetched: the list is fetched on its own schedule, and
+	// also while the metrics fail (the signals are then the last good
+	// ones, stale, with the newer list).
+	Models   []ModelInfo
+	ModelsAt time.Time
 	// ScrapedAt is when the metrics request was sent: the snapshot
 	// includes the work routed before it and not the work routed after.
 	ScrapedAt time.Time

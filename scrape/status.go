@@ -69,6 +69,12 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 	return *p, true
 }
 
+// ModelsMaxAge is how long a model list stands without a newer fetch
+// (Signals.ModelsAt): as many fetch intervals as signals stay fresh.
+func (s *Scraper) ModelsMaxAge() time.Duration {
+	return defaultStaleIntervals * s.cfg.ModelsInterval
+}
+
 // Down reports whether the last scrape of dial found nothing listening on
 // its port (the connection refused): its engine is not running.
 func (s *Scraper) Down(dial string) bool {
