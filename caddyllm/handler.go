@@ -591,7 +591,10 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// engine has stored it all the same.
 	st.rememberResponseOf(a, rec.responseID)
 	if !complete {
-		if rec.status == http.StatusNotFound {
+		// A 404 says the upstream does not serve the model or adapter,
+		// unless the request continued a stored response (the engine's
+		// 404 is then for the response).
+		if rec.status == http.StatusNotFound && st.req.PreviousResponseID == "" {
 			a.refused()
 		} else {
 			a.release()
