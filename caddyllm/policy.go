@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"bytes"
 	"cmp"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -838,6 +839,27 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	up := p.chooseFallback(pool, r, w)
+	if up != nil && p.scraper != nil && changesAdapters(r) {
+		// The engine's model list changes with it: fetch it again once
+		// the engine has answered (the request's context ends with the
+		// response), not at the next models_interval, so that the
+		// adapter just loaded is routed (and not refused as unknown).
+		dial := up.Dial
+		context.AfterFunc(r.Context(), func() { p.scraper.RefreshModels(dial) })
+	}
+	return up
+}
+
+// changesAdapters says r loads or unloads a LoRA adapter (vLLM's runtime
+// adapter API).
+func changesAdapters(r *http.Request) bool {
+	return r.Method == http.MethodPost &&
+		(strings.HasSuffix(r.URL.Path, "/load_lora_adapter") || strings.HasSuffix(r.URL.Path, "/unload_lora_adapter"))
+}
+
+// chooseFallback is selectFallback's choice.
+func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	p.sh.metrics.decision(fallbackReason).Inc()
 	// A request about a stored response (its retrieval, its input items,
 	// its cancellation, its deletion) goes where the response is, as one

@@ -74,3 +74,35 @@ func listedEngine(t *testing.T, dial string) *caddyllm.EngineView {
 	}
 	return nil
 }
+
+// TestLoadedAdapterRoutedAtOnce: an adapter loaded through the router
+// (vLLM's POST /v1/load_lora_adapter) makes the router fetch that
+// engine's model list again once the load is answered, so the adapter's
+// requests are routed at once; they got the router's 404
+// model_not_found until the next models_interval (here an hour).
+func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	eventually(t, 10*time.Second, "the engines' model lists", func() bool {
+		for _, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || len(v.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	resp, err := http.Post(routerURL+"/v1/load_lora_adapter", "application/json",
+		strings.NewReader(`{"lora_name":"tenant-new","lora_path":"/adapters/tenant-new"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	loadedOn := resp.Header.Get(kvsim.ReplicaHeader)
+	if resp.StatusCode != http.StatusOK || loadedOn == "" {
+		t.Fatalf("load: %d on %q", resp.StatusCode, loadedOn)
+	}
+	eventually(t, 10*time.Second, "the adapter routed to the engine that loaded it", func() bool {
+		c := post(t, "/v1/completions", map[string]any{"model": "tenant-new", "prompt": "hi", "max_tokens": 2})
+		return c.status == http.StatusOK && c.replica == loadedOn
+	})
+}

@@ -69,6 +69,20 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 	return *p, true
 }
 
+// RefreshModels fetches dial's model list at the next round, which it
+// asks for now, rather than at its next models interval (an adapter was
+// loaded or unloaded there).
+func (s *Scraper) RefreshModels(dial string) {
+	t := s.target(dial)
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	t.modelsDue = time.Time{}
+	t.mu.Unlock()
+	s.poke()
+}
+
 // ModelsMaxAge is how long a model list stands without a newer fetch
 // (Signals.ModelsAt): as many fetch intervals as signals stay fresh.
 func (s *Scraper) ModelsMaxAge() time.Duration {
