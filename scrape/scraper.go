@@ -345,7 +345,10 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	t.mu.Lock()
 	// The model list has a schedule of its own: an engine whose /metrics
 	// fails or is slow still says what it serves (unless nothing listens).
-	modelsDue := (err == nil || !refused(err)) && s.cfg.ModelsInterval > 0 && !start.Before(t.modelsDue)
+	// So has an engine answering again after refusals (a new process,
+	// perhaps with other adapters).
+	modelsDue := (err == nil || !refused(err)) && s.cfg.ModelsInterval > 0 &&
+		(!start.Before(t.modelsDue) || err == nil && t.unreachable)
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
 	}

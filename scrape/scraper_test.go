@@ -448,3 +448,45 @@ func TestModelsWhileMetricsFail(t *testing.T) {
 		return !fresh
 	})
 }
+
+// TestRestartFetchesModels: an engine answering again after refusing
+// connections (a new process) has its model list fetched at once, not at
+// the next models interval: the new process may serve other adapters.
+func TestRestartFetchesModels(t *testing.T) {
+	engine := func(model string) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" {
+				fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, model)
+				return
+			}
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+		})
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	first := &http.Server{Handler: engine("m1")}
+	go first.Serve(ln)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: time.Hour})
+	s.SetTargets([]string{addr})
+	s.Start(ctx)
+	modelsNow := func() string {
+		sig, _ := s.Latest(addr, time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",")
+	}
+	waitFor(t, "m1 listed", 10*time.Second, func() bool { return modelsNow() == "m1" })
+	first.Close()
+	waitFor(t, "the engine down", 10*time.Second, func() bool { return s.Down(addr) })
+	ln, err = net.Listen("tcp", addr)
+	if err != nil {
+		t.Skipf("the port could not be listened on again: %v", err)
+	}
+	second := &http.Server{Handler: engine("m2")}
+	go second.Serve(ln)
+	defer second.Close()
+	waitFor(t, "m2 listed after the restart", 10*time.Second, func() bool { return modelsNow() == "m2" })
+}
