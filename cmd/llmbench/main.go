@@ -202,6 +202,27 @@ func bench(o options, stdout, stderr io.Writer) error {
 	if o.replicas < 1 {
 		return usageError{fmt.Errorf("--replicas must be at least 1")}
 	}
+	// Counts whose 0 means a default: below it is a mistake, refused
+	// before anything runs (the JSON would record the mistake).
+	for name, n := range map[string]int{"requests": o.requests, "max-tokens": o.maxTokens, "kv-blocks": o.kvBlocks,
+		"max-num-seqs": o.maxNumSeqs, "output-tokens": o.outputTokens} {
+		if n < 0 {
+			return usageError{fmt.Errorf("--%s must not be negative, got %d", name, n)}
+		}
+	}
+	if o.routerKV < -1 {
+		return usageError{fmt.Errorf("--router-kv-capacity must be -1 (unknown), 0 (the engines') or a number of tokens, got %d", o.routerKV)}
+	}
+	for name, v := range map[string]float64{"prefill-rate": o.prefillRate, "decode-rate": o.decodeRate, "lora-zipf": o.gen.LoRA.ZipfExponent} {
+		if !(v >= 0) || math.IsInf(v, 0) {
+			return usageError{fmt.Errorf("--%s must be a finite number, 0 or more, got %v", name, v)}
+		}
+	}
+	switch o.outputEstimate {
+	case llmbench.OutputAverage, llmbench.OutputMaxTokens, llmbench.OutputFixed:
+	default:
+		return usageError{fmt.Errorf("--output-estimate must be average, max_tokens or fixed, got %q", o.outputEstimate)}
+	}
 	// The runner reports progress to whichever policy's bar is current.
 	var bar *progressBar
 	cfg := llmbench.Config{

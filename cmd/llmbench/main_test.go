@@ -123,6 +123,8 @@ func TestBadArguments(t *testing.T) {
 		{"--mode", "http", "--time-scale", "0"},
 		{"--workload", "llmbench/testdata/none.jsonl", "--rate", "5"},
 		{"--replicas", "0"},
+		{"--requests", "-5"}, {"--kv-blocks", "-1"}, {"--output-tokens", "-5"}, {"--router-kv-capacity", "-7"},
+		{"--prefill-rate", "inf"}, {"--decode-rate", "NaN"}, {"--lora-zipf", "-1"}, {"--output-estimate", "bogus"},
 		{"stray"},
 	} {
 		var stdout, stderr bytes.Buffer
