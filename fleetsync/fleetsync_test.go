@@ -718,21 +718,16 @@ func TestStartChecksItsConfiguration(t *testing.T) {
 	}
 }
 
-// TestShortOutageLeavesNoPhantomCharges: a NATS outage shorter than the
-// peers' silence expiry (a server restart) used to leave the releases of
-// the outage lost and their charges counted by the peers for an hour.
-// The router that lost events now takes a new name once reconnected and
-// restates its charges in flight under it, and the operators' drains it
-// could not send; the peer drops the old name's charges as soon as it
-// hears the new one, and counts exactly what is in flight.
-func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
-	ns := startNATS(t, -1)
-	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
-	fa, fb := router.New(), router.New()
+// fleetPair wires two routers' fleets through NATS, each naming x:1: b
+// applies what a publishes (dropping a's earlier names), and records the
+// drains a's operators made; a publishes its charges and restates them
+// when it renews its name. a connects through aURL, b through bURL.
+func fleetPair(t *testing.T, bURL, aURL, subject string) (fa, fb *router.Fleet, a *Syncer, drained *sync.Map) {
+	t.Helper()
+	fa, fb, drained = router.New(), router.New(), new(sync.Map)
 	fa.Name("x:1", time.Now())
 	fb.Name("x:1", time.Now())
-	var drained sync.Map
-	startSyncer(t, Config{URLs: []string{url}, Name: "b", Subject: "test.renew",
+	startSyncer(t, Config{URLs: []string{bURL}, Name: "b", Subject: subject,
 		OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
 		OnSuperseded: func(peer string) { fb.DropPeer(peer, time.Now()) },
 		OnMessage: func(peer string, m Message) {
@@ -743,7 +738,7 @@ func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 				drained.Store(m.Drain, true)
 			}
 		}})
-	a := startSyncer(t, Config{URLs: []string{url}, Name: "a", Subject: "test.renew", Resync: func() []Message {
+	a = startSyncer(t, Config{URLs: []string{aURL}, Name: "a", Subject: subject, Resync: func() []Message {
 		var msgs []Message
 		for _, ev := range fa.LiveEvents() {
 			msgs = append(msgs, Message{Event: &ev})
@@ -752,14 +747,32 @@ func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
 	}})
 	fa.SetPublisher(func(ev router.Event) { a.Publish(Message{Event: &ev}) })
 	fa.KeepLive(true)
-	inFlight := func(f *router.Fleet) int {
-		for _, u := range f.Snapshot(time.Now()) {
-			if u.Dial == "x:1" {
-				return u.InFlight
-			}
+	return fa, fb, a, drained
+}
+
+// inFlightOn is the requests f counts in flight on dial, -1 when it does
+// not know dial.
+func inFlightOn(f *router.Fleet, dial string) int {
+	for _, u := range f.Snapshot(time.Now()) {
+		if u.Dial == dial {
+			return u.InFlight
 		}
-		return -1
 	}
+	return -1
+}
+
+// TestShortOutageLeavesNoPhantomCharges: a NATS outage shorter than the
+// peers' silence expiry (a server restart) used to leave the releases of
+// the outage lost and their charges counted by the peers for an hour.
+// The router that lost events now takes a new name once reconnected and
+// restates its charges in flight under it, and the operators' drains it
+// could not send; the peer drops the old name's charges as soon as it
+// hears the new one, and counts exactly what is in flight.
+func TestShortOutageLeavesNoPhantomCharges(t *testing.T) {
+	ns := startNATS(t, -1)
+	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
+	fa, fb, a, drained := fleetPair(t, url, url, "test.renew")
+	inFlight := func(f *router.Fleet) int { return inFlightOn(f, "x:1") }
 	first := a.Name()
 	waitFor(t, "b hearing a", func() bool {
 		for _, p := range fb.Peers() {
@@ -825,35 +838,8 @@ func TestFrozenServerIsNoticed(t *testing.T) {
 func TestReleaseLostOnADyingConnection(t *testing.T) {
 	ns := startNATS(t, -1)
 	link := newStallingLink(t, ns.Addr().String())
-	fa, fb := router.New(), router.New()
-	fa.Name("x:1", time.Now())
-	fb.Name("x:1", time.Now())
-	startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.dying",
-		OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
-		OnSuperseded: func(peer string) { fb.DropPeer(peer, time.Now()) },
-		OnMessage: func(peer string, m Message) {
-			if m.Event != nil {
-				fb.Apply(peer, *m.Event, time.Now())
-			}
-		}})
-	a := startSyncer(t, Config{URLs: []string{link.url()}, Name: "a", Subject: "test.dying",
-		Resync: func() []Message {
-			var msgs []Message
-			for _, ev := range fa.LiveEvents() {
-				msgs = append(msgs, Message{Event: &ev})
-			}
-			return msgs
-		}})
-	fa.SetPublisher(func(ev router.Event) { a.Publish(Message{Event: &ev}) })
-	fa.KeepLive(true)
-	inFlight := func() int {
-		for _, u := range fb.Snapshot(time.Now()) {
-			if u.Dial == "x:1" {
-				return u.InFlight
-			}
-		}
-		return -1
-	}
+	fa, fb, a, _ := fleetPair(t, ns.ClientURL(), link.url(), "test.dying")
+	inFlight := func() int { return inFlightOn(fb, "x:1") }
 	waitFor(t, "a connected", func() bool { return a.Stats().Connected })
 	opts := router.Options{}.WithDefaults()
 	c := fa.Decide(time.Now(), router.Request{Hashes: []uint64{1}, BlockTokens: 16, PromptTokens: 16},
