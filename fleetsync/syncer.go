@@ -494,7 +494,8 @@ func (s *Syncer) supersededOp(m *Message) bool {
 }
 
 // keepOp keeps m, when it is an operator's drain or undrain, to send once
-// connected: it replaces an earlier one of the same upstream.
+// connected: it replaces an earlier one of the same upstream, never a
+// later one (a batch that failed to send may hold an older one).
 func (s *Syncer) keepOp(m Message) {
 	dial := cmp.Or(m.Drain, m.Undrain)
 	if dial == "" {
@@ -505,7 +506,11 @@ func (s *Syncer) keepOp(m Message) {
 	if s.lostOps == nil {
 		s.lostOps = make(map[string]Message)
 	}
-	if _, kept := s.lostOps[dial]; kept || len(s.lostOps) < maxLostOps {
+	old, kept := s.lostOps[dial]
+	if kept && old.seq > m.seq {
+		return
+	}
+	if kept || len(s.lostOps) < maxLostOps {
 		s.lostOps[dial] = m
 		if s.keptSeq == nil || len(s.keptSeq) >= maxLostOps {
 			s.keptSeq = make(map[string]uint64)
