@@ -870,7 +870,7 @@ func TestKeptDrainIsNotUndone(t *testing.T) {
 	for _, m := range []*Message{&undrain, &drain, &other} {
 		s.numberOp(m)
 	}
-	s.keepOp(drain) // dropped on a full queue, after the undrain was queued
+	s.keepOp(drain)   // dropped on a full queue, after the undrain was queued
 	s.keepOp(undrain) // then the undrain, in a batch that failed to send
 	if !s.supersededOp(&undrain) || s.supersededOp(&drain) || s.supersededOp(&other) {
 		t.Fatalf("superseded: the undrain %v (want true), the kept drain %v, another upstream's %v",

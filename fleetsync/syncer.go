@@ -10,8 +10,8 @@
 // is logged once and counted, and the client reconnects for ever; events
 // of the outage are dropped rather than replayed late. Once connected
 // again, a router that lost messages renews its identity (a new epoch:
-// its peers release what they counted under the old one when it falls
-// silent, as for a restarted router) and restates its live charges
+// its peers drop what they counted under the old one when they hear the
+// new one, see Config.OnSuperseded) and restates its live charges
 // (Config.Resync) and the operators' drains it could not send. It knows
 // nothing of Caddy.
 package fleetsync
@@ -114,10 +114,10 @@ type Config struct {
 	// ignored.
 	OnSuperseded func(peer string)
 	// Resync returns messages that restate this router's live state (its
-	// charges in flight). After messages were lost, they are published
-	// first under the router's new identity, so its peers count what is
-	// still in flight once the old identity's charges expire. Called on
-	// the publishing goroutine; optional.
+	// charges in flight). They are published first on a new connection
+	// and under the router's new identity after messages were lost, so
+	// that its peers, which drop the old identity's charges, count what
+	// is still in flight. Called on the publishing goroutine; optional.
 	Resync func() []Message
 	// Instance names the routing state this connection serves: the
 	// connections of one router (several sync configurations in one
@@ -231,7 +231,7 @@ func New(cfg Config) (*Syncer, error) {
 func peerName(name string, epoch uint64) string { return name + "#" + strconv.FormatUint(epoch, 10) }
 
 // senderKey names a peer router across its renewals; senderName is its
-// latest name and when it was last heard.
+// latest epoch and when it was last heard.
 type senderKey struct {
 	instance uint64
 	name     string
@@ -239,7 +239,6 @@ type senderKey struct {
 
 type senderName struct {
 	epoch uint64
-	peer  string
 	heard time.Time
 }
 
@@ -606,7 +605,33 @@ func (s *Syncer) run() {
 		size = 0
 		clear(progressAt)
 	}
-	var add func(m Message)
+	add := func(m Message) {
+		if s.supersededOp(&m) {
+			return
+		}
+		n := encodedSize(&m)
+		if needsCurrentVersion(&m) {
+			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
+				publish()
+			}
+			stored.Messages = append(stored.Messages, m)
+			storedSize += n
+			return
+		}
+		if ev := m.Event; ev != nil && ev.Kind == router.EventProgressed {
+			if i, ok := progressAt[ev.ID]; ok {
+				batch.Messages[i] = m
+				s.sent.Add(1) // merged into the running total
+				return
+			}
+			progressAt[ev.ID] = len(batch.Messages)
+		}
+		if (size+n > maxBatchBytes || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
+			publish()
+		}
+		batch.Messages = append(batch.Messages, m)
+		size += n
+	}
 	// renew, once connected after messages were lost, publishes under a
 	// new identity, first restating the live charges and the operators'
 	// drains that were not sent.
@@ -635,33 +660,6 @@ func (s *Syncer) run() {
 		for _, m := range s.takeLostOps() {
 			add(m)
 		}
-	}
-	add = func(m Message) {
-		if s.supersededOp(&m) {
-			return
-		}
-		n := encodedSize(&m)
-		if needsCurrentVersion(&m) {
-			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
-				publish()
-			}
-			stored.Messages = append(stored.Messages, m)
-			storedSize += n
-			return
-		}
-		if ev := m.Event; ev != nil && ev.Kind == router.EventProgressed {
-			if i, ok := progressAt[ev.ID]; ok {
-				batch.Messages[i] = m
-				s.sent.Add(1) // merged into the running total
-				return
-			}
-			progressAt[ev.ID] = len(batch.Messages)
-		}
-		if (size+n > maxBatchBytes || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
-			publish()
-		}
-		batch.Messages = append(batch.Messages, m)
-		size += n
 	}
 	for {
 		// Stop first: a full queue must not keep Close waiting.
@@ -713,7 +711,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	peer := peerName(b.Sender, b.Epoch)
 	now := time.Now()
-	if !s.latestName(b, peer, now) {
+	if !s.latestName(b, now) {
 		s.stale.Add(1)
 		return
 	}
@@ -732,7 +730,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 // latestName reports whether b comes under its sender's latest name, and
 // tells OnSuperseded of the name it replaces. Senders without an Instance
 // (the release before) are taken as they come.
-func (s *Syncer) latestName(b *Batch, peer string, now time.Time) bool {
+func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 	if b.Instance == 0 {
 		return true
 	}
@@ -753,9 +751,9 @@ func (s *Syncer) latestName(b *Batch, peer string, now time.Time) bool {
 	case known && b.Epoch < latest.epoch:
 		return false
 	case known && b.Epoch > latest.epoch && s.cfg.OnSuperseded != nil:
-		s.cfg.OnSuperseded(latest.peer)
+		s.cfg.OnSuperseded(peerName(b.Sender, latest.epoch))
 	}
-	s.senders[key] = senderName{epoch: b.Epoch, peer: peer, heard: now}
+	s.senders[key] = senderName{epoch: b.Epoch, heard: now}
 	return true
 }
 
