@@ -129,16 +129,7 @@ func (f *Fleet) Release(c *Charge, now time.Time) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if c.up != nil {
-		f.publish(Event{Kind: EventReleased, ID: c.id})
-		// It failed before its first token: the engine most likely did
-		// not prefill what the decision added to the index, and the
-		// conversation's next turn must not be sent there as warm.
-		if len(c.unconfirmed) > 0 && !c.up.forgotten {
-			f.index.Forget(c.up.id, c.unconfirmed)
-		}
-	}
-	f.release(c, now)
+	f.failed(c, now)
 }
 
 // Refused is Release for a request its upstream refused outright (it
@@ -151,14 +142,28 @@ func (f *Fleet) Refused(c *Charge, now time.Time) {
 		return
 	}
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	if u := c.up; u != nil && c.adapter != "" {
 		u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == c.adapter })
 	}
-	f.mu.Unlock()
-	f.Release(c, now)
+	f.failed(c, now)
 }
 
-// release is Release; caller holds f.mu.
+// failed is Release; caller holds f.mu.
+func (f *Fleet) failed(c *Charge, now time.Time) {
+	if c.up != nil {
+		f.publish(Event{Kind: EventReleased, ID: c.id})
+		// It failed before its first token: the engine most likely did
+		// not prefill what the decision added to the index, and the
+		// conversation's next turn must not be sent there as warm.
+		if len(c.unconfirmed) > 0 && !c.up.forgotten {
+			f.index.Forget(c.up.id, c.unconfirmed)
+		}
+	}
+	f.release(c, now)
+}
+
+// release returns what c holds; caller holds f.mu.
 func (f *Fleet) release(c *Charge, now time.Time) {
 	u := c.up
 	if u == nil {

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"maps"
 	"slices"
 	"time"
 )
@@ -87,13 +88,8 @@ func (f *Fleet) KeepLive(on bool) {
 func (f *Fleet) LiveEvents() []Event {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	ids := make([]uint64, 0, len(f.local))
-	for id, c := range f.local {
-		if c.up != nil {
-			ids = append(ids, id)
-		}
-	}
-	slices.Sort(ids)
+	// A charge leaves local when released: all of them are in flight.
+	ids := slices.Sorted(maps.Keys(f.local))
 	out := make([]Event, 0, 2*len(ids))
 	for _, id := range ids {
 		c := f.local[id]
@@ -223,15 +219,23 @@ func (f *Fleet) DropPeer(peer string, now time.Time) int {
 	defer f.mu.Unlock()
 	n := 0
 	if f.remoteCharges[peer] > 0 {
-		for key, c := range f.remote {
-			if key.peer == peer {
-				f.dropRemote(key)
-				f.release(c, now)
-				n++
-			}
-		}
+		n = f.releaseRemote(now, func(key remoteKey, _ *Charge) bool { return key.peer == peer })
 	}
 	delete(f.peers, peer)
+	return n
+}
+
+// releaseRemote releases the peers' charges drop picks and returns how
+// many. Caller holds f.mu.
+func (f *Fleet) releaseRemote(now time.Time, drop func(remoteKey, *Charge) bool) int {
+	n := 0
+	for key, c := range f.remote {
+		if drop(key, c) {
+			f.dropRemote(key)
+			f.release(c, now)
+			n++
+		}
+	}
 	return n
 }
 
@@ -250,14 +254,9 @@ func (f *Fleet) Heard(peer string, now time.Time) {
 func (f *Fleet) ExpirePeers(now, silentSince, chargedBefore time.Time) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	n := 0
-	for key, c := range f.remote {
-		if f.peers[key.peer].Before(silentSince) || c.Started.Before(chargedBefore) {
-			f.dropRemote(key)
-			f.release(c, now)
-			n++
-		}
-	}
+	n := f.releaseRemote(now, func(key remoteKey, c *Charge) bool {
+		return f.peers[key.peer].Before(silentSince) || c.Started.Before(chargedBefore)
+	})
 	for peer, seen := range f.peers {
 		if seen.Before(silentSince) {
 			delete(f.peers, peer)
