@@ -113,7 +113,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"reason"}),
 		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "shed_total",
-			Help: "Requests shed (503 with Retry-After) after waiting at the gateway for queue_timeout, or at once when queue_limit requests waited (blocked_by=queue_full) or drains moved them too often (blocked_by=moved), by what blocked them.",
+			Help: "Requests shed (503 with Retry-After) after waiting at the gateway for queue_timeout, or at once when queue_limit requests waited (blocked_by=queue_full), drains moved them too often (blocked_by=moved) or only upstreams that are down might serve their model (blocked_by=not_running), by what blocked them.",
 		}, []string{"blocked_by"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "refused_total",

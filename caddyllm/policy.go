@@ -881,14 +881,15 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	}
 	// A drain closes an upstream to these requests too (the stored
 	// response's above aside: only its home has it).
+	pool = p.undrained(pool)
 	if p.fallback != nil {
-		return p.fallback.Select(p.undrained(pool), r, w)
+		return p.fallback.Select(pool, r, w)
 	}
 	// Least queued work, then fewest requests, then random.
 	var best *reverseproxy.Upstream
 	bestWork, ties := math.MaxInt, 0
 	for _, u := range pool {
-		if !u.Available() || p.sh.drains.IsDraining(u.Dial) {
+		if !u.Available() {
 			continue
 		}
 		work := u.NumRequests() + p.sh.fleet.QueuedTokens(u.Dial)

@@ -35,7 +35,7 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			m.Tried = m.Tried || t == u.Dial
 		}
 		if p.scraper != nil {
-			m.Scraped, m.Down = true, p.scraper.Down(u.Dial)
+			m.Scraped = true
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
@@ -44,6 +44,8 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 				// schedule, still says what the engine serves.
 				m.Models = sig.Models
 			}
+			// Down counts only for a member whose models are unknown.
+			m.Down = (m.Engine == nil || m.Engine.Models == nil) && m.Models == nil && p.scraper.Down(u.Dial)
 		}
 		dst = append(dst, m)
 	}

@@ -73,7 +73,8 @@ type Member struct {
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
 	// Down says its engine's last scrape found nothing listening: it
-	// cannot be counted on to serve a model it never listed.
+	// cannot be counted on to serve a model it never listed (it matters
+	// only while its models are unknown).
 	Down bool
 	// Models are the models its engine last listed (/v1/models), however
 	// old, for a member whose Engine is stale; nil when never listed. A

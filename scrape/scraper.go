@@ -342,12 +342,13 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		return // shutting down: not the upstream's fault
 	}
 
+	down := err != nil && refused(err)
 	t.mu.Lock()
 	// The model list has a schedule of its own: an engine whose /metrics
 	// fails or is slow still says what it serves (unless nothing listens).
 	// So has an engine answering again after refusals (a new process,
 	// perhaps with other adapters).
-	modelsDue := (err == nil || !refused(err)) && s.cfg.ModelsInterval > 0 &&
+	modelsDue := !down && s.cfg.ModelsInterval > 0 &&
 		(!start.Before(t.modelsDue) || err == nil && t.unreachable)
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
@@ -364,9 +365,9 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	defer t.mu.Unlock()
 	t.busy = false
 	st := &t.status
-	t.down.Store(err != nil && refused(err))
+	t.down.Store(down)
 	if err != nil {
-		if refused(err) {
+		if down {
 			// Nothing listens on the engine's port: when it answers
 			// again it is a new process, with an empty prefix cache.
 			t.unreachable = true
