@@ -231,6 +231,50 @@ func (ix *Index) Insert(id UpstreamID, hashes []uint64) {
 	}
 }
 
+// Entries appends to dst the blocks upstream id holds, most recently used
+// first, and returns it: what Restore takes, to give another index (a
+// router that starts) the same holdings in the same order.
+func (ix *Index) Entries(id UpstreamID, dst []uint64) []uint64 {
+	g, l, _ := ix.slot(id)
+	if g == nil {
+		return dst
+	}
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if len(l.entries) == 0 {
+		return dst
+	}
+	for s := l.entries[0].next; s != 0; s = l.entries[s].next {
+		dst = append(dst, l.entries[s].hash)
+	}
+	return dst
+}
+
+// Restore records that upstream id holds hashes, each less recently used
+// than the one before and than all it holds already, as far as its
+// capacity allows: it never evicts. hashes are another index's Entries
+// (in pieces, most recent first): a parent is more recent than its
+// children there, so it is restored before them and the holdings stay
+// prefix-closed at every step. Hashes it holds already keep their place.
+func (ix *Index) Restore(id UpstreamID, hashes []uint64) {
+	g, l, bit := ix.slot(id)
+	if g == nil {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, h := range hashes {
+		if l.slots.len() >= l.capacity {
+			return
+		}
+		if l.slots.find(h, l.entries) != 0 {
+			continue
+		}
+		l.slots.add(h, l.pushBack(h), l.entries)
+		g.holders[h] |= bit
+	}
+}
+
 // Forget forgets that upstream id holds hashes (a request routed there
 // failed before the engine prefilled them). Hashes it does not hold are
 // skipped.
@@ -343,6 +387,24 @@ func (g *group) drop(l *lru, s int32, bit uint64) {
 }
 
 func (l *lru) pushFront(h uint64) int32 {
+	s := l.newEntry(h)
+	l.linkFront(s)
+	return s
+}
+
+// pushBack adds h as the least recently used entry.
+func (l *lru) pushBack(h uint64) int32 {
+	s := l.newEntry(h)
+	tail := &l.entries[0]
+	e := &l.entries[s]
+	e.next, e.prev = 0, tail.prev
+	l.entries[tail.prev].next = s
+	tail.prev = s
+	return s
+}
+
+// newEntry takes a free slab position for h, unlinked.
+func (l *lru) newEntry(h uint64) int32 {
 	if l.entries == nil {
 		// Sentinel first; size the first allocation for a typical load.
 		n := min(l.capacity, 1024) + 1
@@ -357,7 +419,6 @@ func (l *lru) pushFront(h uint64) int32 {
 		l.entries = append(l.entries, lruEntry{})
 	}
 	l.entries[s] = lruEntry{hash: h}
-	l.linkFront(s)
 	return s
 }
 

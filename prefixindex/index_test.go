@@ -259,3 +259,75 @@ func TestForgetTakesBackOneChainsTail(t *testing.T) {
 		t.Fatalf("the trunk after 6 new blocks in a 10-block index: matched %d, holds %d", m[u], ix.Blocks(u))
 	}
 }
+
+// TestRestoreCopiesHoldingsInOrder: another index restored from Entries,
+// in pieces most recent first, holds the same blocks in the same recency
+// order: what it evicts first is what the original would. Restoring into
+// an index that learned something already puts the restored blocks
+// behind it, never evicts, and keeps every piece's holdings
+// prefix-closed.
+func TestRestoreCopiesHoldingsInOrder(t *testing.T) {
+	src := New(0)
+	s := src.Register("u:1")
+	src.SetCapacity(s, 64)
+	r := rand.New(rand.NewPCG(3, 4))
+	trunk := chainOf(nil, 20, 1)
+	var chains [][]uint64
+	for i := range 30 {
+		c := chainOf(trunk[:r.IntN(len(trunk)+1)], 1+r.IntN(10), uint64(i+2))
+		chains = append(chains, c)
+		src.Insert(s, c)
+	}
+	entries := src.Entries(s, nil)
+	if len(entries) != 64 || src.Blocks(s) != 64 {
+		t.Fatalf("%d entries of %d blocks, want 64", len(entries), src.Blocks(s))
+	}
+
+	dst := New(0)
+	d := dst.Register("u:1")
+	dst.SetCapacity(d, 64)
+	for len(entries) > 0 {
+		piece := entries[:min(7, len(entries))]
+		entries = entries[len(piece):]
+		dst.Restore(d, piece)
+		for _, c := range chains { // prefix-closed: no held block after one missing
+			gap := false
+			for i, h := range c {
+				switch held := holds(dst, d, h); {
+				case !held:
+					gap = true
+				case gap:
+					t.Fatalf("block %d of a chain held after a missing one", i)
+				}
+			}
+		}
+	}
+	if got, want := dst.Entries(d, nil), src.Entries(s, nil); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("restored order differs:\n got %v\nwant %v", got, want)
+	}
+	// Both evict the same blocks next.
+	extra := chainOf(nil, 10, 99)
+	src.Insert(s, extra)
+	dst.Insert(d, extra)
+	if got, want := dst.Entries(d, nil), src.Entries(s, nil); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("after an insert, orders differ:\n got %v\nwant %v", got, want)
+	}
+
+	// Into an index that holds something: behind it, up to the capacity.
+	live := New(0)
+	l := live.Register("u:1")
+	live.SetCapacity(l, 10)
+	fresh := chainOf(nil, 4, 50)
+	live.Insert(l, fresh)
+	live.Restore(l, src.Entries(s, nil))
+	got := live.Entries(l, nil)
+	if len(got) != 10 || fmt.Sprint(got[:4]) != fmt.Sprint(fresh) {
+		t.Fatalf("restore into a live index: %v, want the 4 fresh blocks first and 10 in all", got)
+	}
+	if want := src.Entries(s, nil)[:6]; fmt.Sprint(got[4:]) != fmt.Sprint(want) {
+		t.Fatalf("restored part %v, want the 6 most recent %v", got[4:], want)
+	}
+}
+
+// holds reports whether id holds h (Match of a one-block chain).
+func holds(ix *Index, id UpstreamID, h uint64) bool { return ix.Match([]uint64{h}, nil)[id] == 1 }

@@ -75,6 +75,17 @@ func (h *responseHomes) forget(id string) {
 	}
 }
 
+// oldestFirst returns the homes known, least recently used first.
+func (h *responseHomes) oldestFirst() []responseHome {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	homes := make([]responseHome, 0, h.order.Len())
+	for e := h.order.Back(); e != nil; e = e.Prev() {
+		homes = append(homes, *e.Value.(*responseHome))
+	}
+	return homes
+}
+
 // ResponseHomes counts the stored responses whose upstream the fleet
 // knows, its own and its peers'.
 func (f *Fleet) ResponseHomes() int {

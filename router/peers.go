@@ -3,7 +3,10 @@ package router
 import (
 	"maps"
 	"slices"
+	"strings"
 	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
 
 // Several routers in front of the same upstreams share one view by telling
@@ -37,6 +40,12 @@ const (
 	// EventStored: Dial answered, and stored, the Responses API response
 	// Response (see Fleet.RememberResponse). It is about no charge.
 	EventStored
+	// EventCached: Dial's engine holds the prefix blocks Hashes, as the
+	// sending router's index has them, most recently used first, in an
+	// index sized for KV tokens of blocks of BlockTokens. It is about no
+	// charge: a router that starts learns its peers' index this way (see
+	// SnapshotEvents).
+	EventCached
 )
 
 // Event is one change to a router's charges, as its peers learn it.
@@ -51,8 +60,10 @@ type Event struct {
 	BlockTokens int
 	Prefill     int
 	Decode      int
-	KV          int
-	Adapter     string
+	// KV is a routed request's KV tokens, or the KV capacity a cached
+	// event's index was sized for.
+	KV      int
+	Adapter string
 	// Model is a completed request's model field.
 	Model string
 	// Tokens is the output so far (progressed) or in all (completed).
@@ -104,6 +115,69 @@ func (f *Fleet) LiveEvents() []Event {
 	return out
 }
 
+// SnapshotEvents restates what this router knows that outlives any
+// charge, for a router that starts (see fleetsync): what its index holds
+// of each upstream (EventCached, at most maxHashes hashes an event, most
+// recent first, so that applied in order they restore the same recency)
+// and the stored responses' homes (EventStored, least recently used
+// first). Charges in flight are each router's own to restate (see
+// LiveEvents).
+func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
+	type holding struct {
+		dial                  string
+		id                    prefixindex.UpstreamID
+		capacity, blockTokens int
+	}
+	f.mu.Lock()
+	held := make([]holding, 0, len(f.upstreams))
+	for dial, u := range f.upstreams {
+		if !u.forgotten {
+			held = append(held, holding{dial, u.id, u.capacityTokens, u.indexBlockTokens})
+		}
+	}
+	f.mu.Unlock()
+	slices.SortFunc(held, func(a, b holding) int { return strings.Compare(a.dial, b.dial) })
+
+	// The index has locks of its own: decisions need not wait for the
+	// copy.
+	var out []Event
+	var hashes []uint64
+	maxHashes = max(1, maxHashes)
+	for _, h := range held {
+		hashes = f.index.Entries(h.id, hashes[:0])
+		for len(hashes) > 0 {
+			n := min(len(hashes), maxHashes)
+			out = append(out, Event{Kind: EventCached, Dial: h.dial, Hashes: slices.Clone(hashes[:n]), KV: h.capacity, BlockTokens: h.blockTokens})
+			hashes = hashes[n:]
+		}
+	}
+	for _, home := range f.homes.oldestFirst() {
+		out = append(out, Event{Kind: EventStored, Dial: home.dial, Response: home.id})
+	}
+	return out
+}
+
+// maxCachedCapacity bounds the KV capacity, in tokens, a peer's cached
+// event may size an index by.
+const maxCachedCapacity = 1 << 26
+
+// applyCached restores a peer's index holdings of u (see SnapshotEvents):
+// behind what this router learned itself, which is more recent. An index
+// this router never sized takes the peer's capacity, so that it is not
+// cut to the default. Caller holds f.mu.
+func (f *Fleet) applyCached(u *upstream, ev Event) {
+	if ev.BlockTokens >= minPeerBlockTokens {
+		capacity := u.capacityTokens
+		if capacity == 0 {
+			capacity = min(max(0, ev.KV), maxCachedCapacity)
+		}
+		if capacity > 0 {
+			f.sizeIndex(u, capacity, ev.BlockTokens)
+		}
+	}
+	f.index.Restore(u.id, ev.Hashes)
+}
+
 // remoteKey names a peer's charge.
 type remoteKey struct {
 	peer string
@@ -144,6 +218,14 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 			return false
 		}
 		return f.homes.remember(ev.Response, ev.Dial)
+	}
+	if ev.Kind == EventCached {
+		u := f.upstreams[ev.Dial]
+		if u == nil || u.forgotten {
+			return false
+		}
+		f.applyCached(u, ev)
+		return true
 	}
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {

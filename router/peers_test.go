@@ -1,6 +1,7 @@
 package router
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -242,5 +243,70 @@ func TestLiveEventsRestateCharges(t *testing.T) {
 	}
 	if live := a.LiveEvents(); len(live) != 0 {
 		t.Fatalf("restated after every release: %+v", live)
+	}
+}
+
+// TestSnapshotRestoresTheView: a router that starts, given a peer's
+// SnapshotEvents, holds what the peer's index holds (the same blocks in
+// the same recency order, in an index of the peer's size where its own
+// was never sized) and knows the stored responses' homes; upstreams it
+// does not route to are skipped.
+func TestSnapshotRestoresTheView(t *testing.T) {
+	a, b := New(), New()
+	for _, d := range []string{"x", "y", "z"} {
+		a.Name(d, t0)
+	}
+	b.Name("x", t0)
+	b.Name("y", t0)
+	ms := members("x", "y", "z")
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = 1 << 20 // 16384 blocks of 64
+	}
+	opts := Options{}.WithDefaults()
+	var reqs []Request
+	for i := range 120 {
+		req := Request{Hashes: hashes(uint64(i), 4096), BlockTokens: 64, PromptTokens: 4096, MaxTokens: 10}
+		reqs = append(reqs, req)
+		d := a.Decide(t0, req, ms[i%3:i%3+1], &opts, rng(), nil)
+		served(a, d.Charge, t0)
+	}
+	a.RememberResponse("resp_old", "x")
+	a.RememberResponse("resp_new", "y")
+	a.RememberResponse("resp_z", "z")
+
+	events := a.SnapshotEvents(1000)
+	for _, ev := range events {
+		if len(ev.Hashes) > 1000 {
+			t.Fatalf("an event of %d hashes", len(ev.Hashes))
+		}
+		b.Apply("a#1", ev, t0)
+	}
+	for _, dial := range []string{"x", "y"} {
+		ua, ub := state(t, a, dial), state(t, b, dial)
+		if ua.IndexBlocks <= 2048 || ub.IndexBlocks != ua.IndexBlocks || ub.IndexCapacityBlocks != ua.IndexCapacityBlocks {
+			t.Fatalf("%s: b's index %d of %d blocks, a's %d of %d (more than the default 2048 wanted)",
+				dial, ub.IndexBlocks, ub.IndexCapacityBlocks, ua.IndexBlocks, ua.IndexCapacityBlocks)
+		}
+		ia, _ := a.index.Lookup(dial)
+		ib, _ := b.index.Lookup(dial)
+		if !slices.Equal(a.index.Entries(ia, nil), b.index.Entries(ib, nil)) {
+			t.Fatalf("%s: b's index holds a's blocks in another order", dial)
+		}
+	}
+	for _, req := range reqs {
+		da, db := b.index.Match(req.Hashes, nil), a.index.Match(req.Hashes, nil)
+		for _, dial := range []string{"x", "y"} {
+			ia, _ := a.index.Lookup(dial)
+			ib, _ := b.index.Lookup(dial)
+			if db[ia] != da[ib] {
+				t.Fatalf("%s matches %d blocks on b, %d on a", dial, da[ib], db[ia])
+			}
+		}
+	}
+	if b.ResponseHome("resp_old") != "x" || b.ResponseHome("resp_new") != "y" || b.ResponseHome("resp_z") != "" || b.Known("z") {
+		t.Fatalf("homes on b: %q %q %q; z known: %v", b.ResponseHome("resp_old"), b.ResponseHome("resp_new"), b.ResponseHome("resp_z"), b.Known("z"))
+	}
+	if u := state(t, b, "x"); u.InFlight != 0 || u.QueuedPrefillTokens != 0 {
+		t.Fatalf("a snapshot charged b: %+v", u)
 	}
 }
