@@ -88,8 +88,13 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 			// The peer lost events and restates its charges under its
 			// new name: the old name's go now.
 			OnSuperseded: func(peer string) { sh.fleet.DropPeer(peer, time.Now()) },
-			Instance:     sh.instance,
-			Logger:       logger,
+			// This router lost its connection: its peers' releases of
+			// the outage may be lost too. They restate their charges
+			// when they hear its new name.
+			OnRenewed: func() { sh.fleet.DropPeers(time.Now()) },
+			Snapshot:  sh.snapshotMessages,
+			Instance:  sh.instance,
+			Logger:    logger,
 		})
 		if err != nil {
 			return nil, err
@@ -115,6 +120,24 @@ func (sh *shared) liveMessages() []fleetsync.Message {
 	msgs := make([]fleetsync.Message, len(events))
 	for i := range events {
 		msgs[i].Event = &events[i]
+	}
+	return msgs
+}
+
+// snapshotMessages restates, for a router that starts, the index, the
+// stored responses' homes and the operators' drains in force here, with
+// what is left of their deadlines (fleetsync.Config.Snapshot).
+func (sh *shared) snapshotMessages() []fleetsync.Message {
+	events := sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes)
+	msgs := make([]fleetsync.Message, len(events))
+	for i := range events {
+		msgs[i].Event = &events[i]
+	}
+	now := time.Now()
+	for _, st := range sh.drains.Snapshot() {
+		if st.Phase != drain.Active.String() && sh.drains.HeldBy(st.Key, drain.ByAdmin) {
+			msgs = append(msgs, fleetsync.Message{Drain: st.Key, Deadline: max(0, st.Deadline.Sub(now))})
+		}
 	}
 	return msgs
 }

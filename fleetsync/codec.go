@@ -16,12 +16,13 @@ import (
 // little-endian each. A batch carries hashes, counts and ids only: the
 // fields below are all there is.
 //
-//	batch   = version(3 or 4) name epoch instance count message*
+//	batch   = version(3 to 5) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
 //	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
-//	stored  = 5 id dial response        (version 4 only)
+//	stored  = 5 id dial response                 (version 4 on)
+//	cached  = 6 id dial blockTokens kv n hash*n  (version 5 on)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
@@ -29,15 +30,21 @@ import (
 // added with a version, and the messages of the new kind travel in
 // batches of their own: a router of the version before rejects those
 // (the Responses API's stored responses, which it cannot use) and keeps
-// reading the rest. Version 2 is version 3 without a completion's prompt
-// bytes and tokens; batches of every version from 2 decode, so routers of
-// different versions share a view during a rolling upgrade as far as the
-// older one can read.
-const wireVersion = 4
+// reading the rest. Cached blocks travel only in the answers to a
+// starting router's request for a snapshot, which routers of the versions
+// before never ask for. Version 2 is version 3 without a completion's
+// prompt bytes and tokens; batches of every version from 2 decode, so
+// routers of different versions share a view during a rolling upgrade as
+// far as the older one can read.
+const wireVersion = 5
 
-// chargeWireVersion is the version of batches without stored responses:
-// version 3, which routers of the version before read.
-const chargeWireVersion = 3
+// chargeWireVersion is the version of batches of charges and drains:
+// version 3, which routers of two versions before read. Stored
+// responses need storedWireVersion.
+const (
+	chargeWireVersion = 3
+	storedWireVersion = 4
+)
 
 // oldWireVersion is the oldest version DecodeBatch reads.
 const oldWireVersion = 2
@@ -93,15 +100,12 @@ type Batch struct {
 	Messages []Message
 }
 
-// AppendBatch appends b's encoding to dst: version 4 if it carries a stored
-// response, else version 3.
+// AppendBatch appends b's encoding to dst, in the oldest version that has
+// all its kinds of message.
 func AppendBatch(dst []byte, b *Batch) []byte {
 	version := byte(chargeWireVersion)
 	for i := range b.Messages {
-		if needsCurrentVersion(&b.Messages[i]) {
-			version = wireVersion
-			break
-		}
+		version = max(version, versionOf(&b.Messages[i]))
 	}
 	dst = append(dst, version)
 	dst = appendString(dst, b.Sender)
@@ -114,9 +118,17 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 	return dst
 }
 
-// needsCurrentVersion says m is of a kind version 3 does not have.
-func needsCurrentVersion(m *Message) bool {
-	return m.Event != nil && m.Event.Kind == router.EventStored
+// versionOf is the oldest wire version that has m's kind.
+func versionOf(m *Message) byte {
+	switch {
+	case m.Event == nil:
+		return chargeWireVersion
+	case m.Event.Kind == router.EventStored:
+		return storedWireVersion
+	case m.Event.Kind == router.EventCached:
+		return wireVersion
+	}
+	return chargeWireVersion
 }
 
 func appendMessage(dst []byte, m *Message) []byte {
@@ -132,10 +144,12 @@ func appendMessage(dst []byte, m *Message) []byte {
 				dst = appendCount(dst, n)
 			}
 			dst = appendString(dst, ev.Adapter)
-			dst = binary.AppendUvarint(dst, uint64(len(ev.Hashes)))
-			for _, h := range ev.Hashes {
-				dst = binary.LittleEndian.AppendUint64(dst, h)
-			}
+			dst = appendHashes(dst, ev.Hashes)
+		case router.EventCached:
+			dst = appendString(dst, ev.Dial)
+			dst = appendCount(dst, ev.BlockTokens)
+			dst = appendCount(dst, ev.KV)
+			dst = appendHashes(dst, ev.Hashes)
 		case router.EventProgressed:
 			dst = appendCount(dst, ev.Tokens)
 		case router.EventCompleted:
@@ -163,6 +177,14 @@ func appendMessage(dst []byte, m *Message) []byte {
 // reject the whole batch, and the releases in it.
 func appendCount(dst []byte, n int) []byte {
 	return binary.AppendUvarint(dst, uint64(min(max(0, n), math.MaxInt32)))
+}
+
+func appendHashes(dst []byte, hashes []uint64) []byte {
+	dst = binary.AppendUvarint(dst, uint64(len(hashes)))
+	for _, h := range hashes {
+		dst = binary.LittleEndian.AppendUint64(dst, h)
+	}
+	return dst
 }
 
 func appendString(dst []byte, s string) []byte {
@@ -220,6 +242,23 @@ func (d *decoder) int() int {
 	return int(v)
 }
 
+// hashes reads a count and that many block hashes.
+func (d *decoder) hashes() []uint64 {
+	n := d.uvarint()
+	if d.err == nil && (n > maxHashes || n*8 > uint64(len(d.b))) {
+		d.fail("bad hash count")
+	}
+	if d.err != nil {
+		return nil
+	}
+	hashes := make([]uint64, n)
+	for i := range hashes {
+		hashes[i] = binary.LittleEndian.Uint64(d.b[8*i:])
+	}
+	d.b = d.b[8*n:]
+	return hashes
+}
+
 func (d *decoder) string() string {
 	n := d.uvarint()
 	if d.err != nil {
@@ -271,8 +310,20 @@ func DecodeBatch(p []byte) (*Batch, error) {
 func (d *decoder) message() (Message, bool) {
 	var m Message
 	switch kind := d.byte(); kind {
-	case byte(router.EventStored):
+	case byte(router.EventCached):
 		if d.version < wireVersion {
+			d.fail(fmt.Sprintf("cached blocks in a version %d batch", d.version))
+			break
+		}
+		ev := &router.Event{Kind: router.EventCached, ID: d.uvarint(), Dial: d.string()}
+		ev.BlockTokens, ev.KV = d.int(), d.int()
+		ev.Hashes = d.hashes()
+		if d.err == nil && ev.Dial == "" {
+			d.fail("cached blocks without a dial")
+		}
+		m.Event = ev
+	case byte(router.EventStored):
+		if d.version < storedWireVersion {
 			d.fail(fmt.Sprintf("a stored response in a version %d batch", d.version))
 			break
 		}
@@ -287,17 +338,7 @@ func (d *decoder) message() (Message, bool) {
 			ev.Dial = d.string()
 			ev.BlockTokens, ev.Prefill, ev.Decode, ev.KV = d.int(), d.int(), d.int(), d.int()
 			ev.Adapter = d.string()
-			n := d.uvarint()
-			if d.err == nil && (n > maxHashes || n*8 > uint64(len(d.b))) {
-				d.fail("bad hash count")
-			}
-			if d.err == nil {
-				ev.Hashes = make([]uint64, n)
-				for i := range ev.Hashes {
-					ev.Hashes[i] = binary.LittleEndian.Uint64(d.b[8*i:])
-				}
-				d.b = d.b[8*n:]
-			}
+			ev.Hashes = d.hashes()
 		case router.EventProgressed:
 			ev.Tokens = d.int()
 		case router.EventCompleted:

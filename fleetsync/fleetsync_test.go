@@ -123,14 +123,49 @@ func TestCodecStoredResponses(t *testing.T) {
 			t.Fatalf("%+v decoded", ev)
 		}
 	}
-	if _, err := DecodeBatch(append([]byte{5}, p[1:]...)); err == nil {
-		t.Fatal("version 5 accepted")
+	if _, err := DecodeBatch(append([]byte{6}, p[1:]...)); err == nil {
+		t.Fatal("version 6 accepted")
+	}
+}
+
+func cachedBatch() *Batch {
+	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
+		{Event: &router.Event{Kind: router.EventCached, Dial: "10.0.0.1:8000", BlockTokens: 16, KV: 1 << 20, Hashes: []uint64{3, 2, 1}}},
+		{Event: &router.Event{Kind: router.EventStored, Dial: "10.0.0.2:8000", Response: "resp_1"}},
+		{Drain: "10.0.0.3:8000", Deadline: time.Minute},
+	}}
+}
+
+// TestCodecCachedBlocks: a snapshot's batch, which carries cached blocks,
+// is version 5 and round-trips; cached blocks in an older version, or
+// without a dial, are malformed.
+func TestCodecCachedBlocks(t *testing.T) {
+	p := AppendBatch(nil, cachedBatch())
+	if p[0] != 5 {
+		t.Fatalf("a batch of cached blocks is version %d, want 5", p[0])
+	}
+	got, err := DecodeBatch(p)
+	if err != nil || !reflect.DeepEqual(got, cachedBatch()) {
+		t.Fatalf("round trip: %+v, %v", got, err)
+	}
+	for i := range p {
+		if b, err := DecodeBatch(p[:i]); err == nil {
+			t.Fatalf("truncated at %d decoded: %+v", i, b)
+		}
+	}
+	if _, err := DecodeBatch(append([]byte{4}, p[1:]...)); err == nil {
+		t.Fatal("cached blocks in a version 4 batch decoded")
+	}
+	b := &Batch{Sender: "r", Messages: []Message{{Event: &router.Event{Kind: router.EventCached, Hashes: []uint64{1}}}}}
+	if _, err := DecodeBatch(AppendBatch(nil, b)); err == nil {
+		t.Fatal("cached blocks without a dial decoded")
 	}
 }
 
 func FuzzDecodeBatch(f *testing.F) {
 	f.Add(AppendBatch(nil, sampleBatch()))
 	f.Add(AppendBatch(nil, storedBatch()))
+	f.Add(AppendBatch(nil, cachedBatch()))
 	f.Add([]byte{wireVersion, 0, 0, 0})
 	f.Add([]byte{wireVersion, 1, 'a', 1, 1, 1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, p []byte) {
@@ -372,7 +407,7 @@ func TestLongPromptsNeverLoseReleases(t *testing.T) {
 			case m.Event == nil:
 			case m.Event.Kind == router.EventReleased:
 				releases.Add(1)
-			case m.Event.Kind == router.EventRouted && len(m.Event.Hashes) == maxEventHashes:
+			case m.Event.Kind == router.EventRouted && len(m.Event.Hashes) == MaxEventHashes:
 				routed.Add(1)
 			}
 		}})
@@ -388,7 +423,7 @@ func TestLongPromptsNeverLoseReleases(t *testing.T) {
 	}
 	t.Cleanup(a.Close)
 	waitFor(t, "a publishing", a.live.Load)
-	hashes := make([]uint64, 3*maxEventHashes) // capped to maxEventHashes on the wire
+	hashes := make([]uint64, 3*MaxEventHashes) // capped to MaxEventHashes on the wire
 	for i := range 200 {                       // faster than they are published: they batch
 		a.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i), Dial: "x:1", Hashes: hashes}})
 		a.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i)}})
@@ -539,7 +574,7 @@ func TestStalledNATSNeverStalls(t *testing.T) {
 
 	// Long routed events until the publisher has backed up: its queue
 	// overflows (drops) while it is stuck writing.
-	hashes := make([]uint64, maxEventHashes)
+	hashes := make([]uint64, MaxEventHashes)
 	for i := range hashes {
 		hashes[i] = uint64(i) * 0x9e3779b97f4a7c15
 	}
@@ -879,4 +914,152 @@ func TestKeptDrainIsNotUndone(t *testing.T) {
 	if kept := s.takeLostOps(); len(kept) != 1 || kept[0].Drain != "x:1" {
 		t.Fatalf("kept %+v", kept)
 	}
+}
+
+// peerRouter is one router's fleet wired to its Syncer as the plugin wires
+// them: peers' charges, drains (recorded in drained), renewals, its
+// restatements and snapshots.
+type peerRouter struct {
+	fleet   *router.Fleet
+	syncer  *Syncer
+	drained sync.Map // dial -> deadline
+}
+
+func startPeerRouter(t *testing.T, url, name, subject string, dials ...string) *peerRouter {
+	t.Helper()
+	r := &peerRouter{fleet: router.New()}
+	for _, d := range dials {
+		r.fleet.Name(d, time.Now())
+	}
+	events := func(evs []router.Event) []Message {
+		msgs := make([]Message, len(evs))
+		for i := range evs {
+			msgs[i].Event = &evs[i]
+		}
+		return msgs
+	}
+	r.syncer = startSyncer(t, Config{URLs: []string{url}, Name: name, Subject: subject,
+		OnHeard:      func(peer string) { r.fleet.Heard(peer, time.Now()) },
+		OnSuperseded: func(peer string) { r.fleet.DropPeer(peer, time.Now()) },
+		OnRenewed:    func() { r.fleet.DropPeers(time.Now()) },
+		Resync:       func() []Message { return events(r.fleet.LiveEvents()) },
+		Snapshot: func() []Message {
+			msgs := events(r.fleet.SnapshotEvents(MaxEventHashes))
+			r.drained.Range(func(dial, deadline any) bool {
+				msgs = append(msgs, Message{Drain: dial.(string), Deadline: deadline.(time.Duration)})
+				return true
+			})
+			return msgs
+		},
+		OnMessage: func(peer string, m Message) {
+			if m.Event != nil {
+				r.fleet.Apply(peer, *m.Event, time.Now())
+			}
+			if m.Drain != "" {
+				r.drained.Store(m.Drain, m.Deadline)
+			}
+		}})
+	r.fleet.SetPublisher(func(ev router.Event) { r.syncer.Publish(Message{Event: &ev}) })
+	r.fleet.KeepLive(true)
+	return r
+}
+
+// decide routes a request of prompt blocks hashes to the fleet's only
+// upstream, x:1.
+func (r *peerRouter) decide(hashes []uint64) router.Decision {
+	opts := router.Options{}.WithDefaults()
+	members := []router.Member{{Dial: "x:1", Available: true, Healthy: true, Hardware: router.Hardware{KVCapacityTokens: 1 << 20}}}
+	return r.fleet.Decide(time.Now(), router.Request{Hashes: hashes, BlockTokens: 16, PromptTokens: 16 * len(hashes)},
+		members, &opts, rand.New(rand.NewPCG(1, 2)), nil)
+}
+
+// answering waits until a router answers starting routers' requests on
+// subject (it joined their queue group).
+func answering(t *testing.T, ns *server.Server, subject string) {
+	waitFor(t, "a router answering requests for snapshots", func() bool {
+		sz, err := ns.Subsz(&server.SubszOptions{Test: subject + ".snapshot", Subscriptions: true})
+		return err == nil && sz.Total > 0
+	})
+}
+
+// TestStartingRouterGetsTheView: a router that starts while a peer has
+// routed for a while asks it for a snapshot and starts with its view:
+// the prefix index (more blocks than one event carries, in the same
+// recency order, so the next turn of a conversation is warm through
+// either), the stored responses' homes, the operators' drain in force,
+// and, restated by the peer when it hears the newcomer, the charges in
+// flight. It used to start with an empty index, none of these, and
+// counted none of the requests already in flight.
+func TestStartingRouterGetsTheView(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.snapshot", "x:1")
+	answering(t, ns, "test.snapshot")
+	if st := a.syncer.Stats(); st.SnapshotFrom != "" {
+		t.Fatalf("the first router started with a snapshot: %+v", st)
+	}
+	var convs [][]uint64
+	for i := range 40 {
+		h := make([]uint64, 512)
+		for j := range h {
+			h[j] = uint64(i)<<32 | uint64(j+1)
+		}
+		convs = append(convs, h)
+		d := a.decide(h)
+		a.fleet.Progress(d.Charge, 1, time.Now())
+		a.fleet.Release(d.Charge, time.Now())
+	}
+	inFlight := a.decide(convs[0][:64]).Charge
+	a.fleet.RememberResponse("resp_1", "x:1")
+	a.drained.Store("x:1", time.Minute)
+
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.snapshot", "x:1")
+	waitFor(t, "b starting with a's view", func() bool { return b.syncer.Stats().SnapshotFrom == a.syncer.Name() })
+	ua, ub := a.fleet.Snapshot(time.Now())[0], b.fleet.Snapshot(time.Now())[0]
+	if ub.IndexBlocks != ua.IndexBlocks || ua.IndexBlocks != 40*512 || ub.IndexCapacityBlocks != ua.IndexCapacityBlocks {
+		t.Fatalf("b's index holds %d of %d blocks, a's %d of %d", ub.IndexBlocks, ub.IndexCapacityBlocks, ua.IndexBlocks, ua.IndexCapacityBlocks)
+	}
+	if st := b.syncer.Stats(); st.SnapshotMessages == 0 || a.syncer.Stats().SnapshotsSent != 1 {
+		t.Fatalf("snapshot counters: b %+v, a %+v", st, a.syncer.Stats())
+	}
+	for i, h := range convs {
+		if d := b.decide(h); d.MatchedTokens != 16*512 {
+			t.Fatalf("conversation %d's next turn through b matched %d tokens, want %d", i, d.MatchedTokens, 16*512)
+		} else {
+			b.fleet.Release(d.Charge, time.Now())
+		}
+	}
+	if b.fleet.ResponseHome("resp_1") != "x:1" {
+		t.Fatal("b does not know where a's stored response is")
+	}
+	if deadline, ok := b.drained.Load("x:1"); !ok || deadline.(time.Duration) <= 0 || deadline.(time.Duration) > time.Minute {
+		t.Fatalf("the operators' drain reached b as %v, %v", deadline, ok)
+	}
+	waitFor(t, "b counting the request a had in flight when b started", func() bool { return inFlightOn(b.fleet, "x:1") == 1 })
+	a.fleet.Release(inFlight, time.Now())
+	waitFor(t, "its release reaching b", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
+}
+
+// TestCutOffRouterDropsPeersCharges: a router whose connection died
+// missed its peers' releases meanwhile, though its peers never lost
+// theirs and did not renew. Once connected again it renews, drops every
+// peer's charges and counts what they restate when they hear its new
+// name: exactly what is in flight. It used to count the released charges
+// for an hour.
+func TestCutOffRouterDropsPeersCharges(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newStallingLink(t, ns.Addr().String())
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.cutoff", "x:1")
+	b := startPeerRouter(t, link.url(), "b", "test.cutoff", "x:1")
+	waitFor(t, "both connected", func() bool { return a.syncer.Stats().Connected && b.syncer.Stats().Connected })
+	released, kept := a.decide([]uint64{1}).Charge, a.decide([]uint64{2}).Charge
+	waitFor(t, "b counting a's two requests", func() bool { return inFlightOn(b.fleet, "x:1") == 2 })
+
+	link.freeze()
+	waitFor(t, "b noticing its dead connection", func() bool { return b.syncer.Stats().Disconnects > 0 })
+	a.fleet.Release(released, time.Now()) // b is not there to hear it
+	waitFor(t, "b back under a new name, counting a's one request in flight", func() bool {
+		return b.syncer.Stats().Renewals == 1 && inFlightOn(b.fleet, "x:1") == 1
+	})
+	a.fleet.Release(kept, time.Now())
+	waitFor(t, "the restated charge released", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
 }

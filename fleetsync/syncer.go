@@ -12,12 +12,17 @@
 // again, a router that lost messages renews its identity (a new epoch:
 // its peers drop what they counted under the old one when they hear the
 // new one, see Config.OnSuperseded) and restates its live charges
-// (Config.Resync) and the operators' drains it could not send. It knows
-// nothing of Caddy.
+// (Config.Resync) and the operators' drains it could not send; its peers
+// restate theirs to it, as they do to a router they hear for the first
+// time or again after a silence. A router that starts asks one peer for a
+// snapshot of what outlives charges (Config.Snapshot: the prefix index,
+// stored responses' homes, drains in force), so that it does not start
+// cold. It knows nothing of Caddy.
 package fleetsync
 
 import (
 	"cmp"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -70,11 +75,13 @@ const (
 	// fail and take unrelated releases with it.
 	maxBatch      = 256
 	maxBatchBytes = 256 << 10
-	// maxEventHashes caps the block hashes one routed event carries (64
-	// KB; 512k tokens at 64-token blocks): a peer learns the prefix, the
-	// part that matters.
-	maxEventHashes = 8192
 )
+
+// MaxEventHashes caps the block hashes one event carries (64 KB; 512k
+// tokens at 64-token blocks): a routed event's peers learn the prefix,
+// the part that matters, and a snapshot sends an index in events of this
+// many.
+const MaxEventHashes = 8192
 
 // Config configures a Syncer. Zero values take the defaults.
 type Config struct {
@@ -102,11 +109,25 @@ type Config struct {
 	// DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
 	// OnMessage receives each message of a peer's batch, in order, on the
-	// Syncer's receiving goroutine. peer names the sending router
-	// (Name#epoch, so a restarted router is a new peer).
+	// Syncer's receiving goroutine, and those of the snapshot this router
+	// starts with on another. peer names the sending router (Name#epoch,
+	// so a restarted router is a new peer).
 	OnMessage func(peer string, m Message)
 	// OnHeard receives every batch's sender, before its messages.
 	OnHeard func(peer string)
+	// OnRenewed is called when this router takes a new name after lost
+	// messages, before it restates its charges: what it counted of its
+	// peers' charges may miss releases too (its connection was lost), so
+	// it drops them, and its peers restate theirs when they hear the new
+	// name. Called on the publishing goroutine; optional.
+	OnRenewed func()
+	// Snapshot restates, for a router that starts, what this one knows
+	// that outlives any charge: its prefix index, the stored responses'
+	// homes and the operators' drains in force (messages whose events are
+	// EventCached and EventStored). A starting router asks one of its
+	// peers for it; this router answers only with Snapshot set. Called on
+	// the goroutine that answers; optional.
+	Snapshot func() []Message
 	// OnSuperseded receives a peer's earlier name when the peer is first
 	// heard under a later one (the same router, which lost messages and
 	// restates its charges under the new name): what the earlier name
@@ -148,6 +169,14 @@ type Stats struct {
 	Stale    uint64 `json:"batches_stale"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
+	// SnapshotFrom names the peer whose snapshot this router started
+	// with ("" when none answered: it started first, or its peers are of
+	// a version without snapshots), and SnapshotMessages counts its
+	// messages; SnapshotsSent counts the snapshots this router gave
+	// routers that started.
+	SnapshotFrom     string `json:"snapshot_from,omitempty"`
+	SnapshotMessages uint64 `json:"snapshot_messages"`
+	SnapshotsSent    uint64 `json:"snapshots_sent"`
 }
 
 // Syncer publishes this router's messages and receives its peers'.
@@ -155,8 +184,11 @@ type Syncer struct {
 	cfg Config
 	// epoch is the identity's, changed by the publisher only (renew);
 	// self is Name#epoch, read by Name and Stats.
-	epoch uint64
+	epoch atomic.Uint64
 	self  atomic.Pointer[string]
+	// up is closed once the first connection is made.
+	up     chan struct{}
+	upOnce sync.Once
 	// mu orders Close with connect's hand-over of the connection: nc is
 	// set under it, once, unless Close came first.
 	mu    sync.Mutex
@@ -170,6 +202,8 @@ type Syncer struct {
 
 	sent, applied, dropped, malformed, disconnects, renewals, stale atomic.Uint64
 	lastReceived                                                    atomic.Int64
+	snapshotFrom                                                    atomic.Pointer[string]
+	snapshotMessages, snapshotsSent                                 atomic.Uint64
 	// lost says a charge's routing or release may not have reached the
 	// peers (dropped, or sent on a connection that died): their view of
 	// this router's charges is wrong until it renews its identity.
@@ -219,11 +253,12 @@ func New(cfg Config) (*Syncer, error) {
 		cfg.Instance = rand.Uint64() | 1
 	}
 	s := &Syncer{
-		cfg: cfg, epoch: uint64(time.Now().UnixNano()),
+		cfg:   cfg,
 		queue: make(chan Message, cfg.QueueLength),
-		stop:  make(chan struct{}), done: make(chan struct{}),
+		stop:  make(chan struct{}), done: make(chan struct{}), up: make(chan struct{}),
 	}
-	self := peerName(cfg.Name, s.epoch)
+	s.epoch.Store(uint64(time.Now().UnixNano()))
+	self := peerName(cfg.Name, s.epoch.Load())
 	s.self.Store(&self)
 	return s, nil
 }
@@ -300,7 +335,7 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.FlusherTimeout(writeTimeout),
 		nats.PingInterval(pingInterval),
 		nats.MaxPingsOutstanding(maxPingsOutstanding),
-		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true) }), // a first connection made late
+		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true); s.markUp() }), // a first connection made late
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.connected.Store(false)
 			s.disconnects.Add(1)
@@ -415,7 +450,139 @@ func (s *Syncer) connect(opts []nats.Option) {
 		s.live.Store(true)
 	}
 	s.mu.Unlock()
+	if nc.IsConnected() {
+		s.markUp()
+	}
+	go s.snapshots(nc)
 	s.run()
+}
+
+// markUp notes that the first connection is made.
+func (s *Syncer) markUp() { s.upOnce.Do(func() { close(s.up) }) }
+
+// snapshotSubject is where starting routers ask for a snapshot; one
+// router of the queue group of the same name answers each request.
+func (s *Syncer) snapshotSubject() string { return s.cfg.Subject + ".snapshot" }
+
+// Waits for a snapshot: its first answer (a peer answers at once, and
+// without one the server says so at once), and each next part.
+const (
+	snapshotFirstWait = 5 * time.Second
+	snapshotPartWait  = 10 * time.Second
+)
+
+// snapshots, once connected, asks a peer for a snapshot of the view and
+// applies it, then joins the routers that answer others' requests: only
+// then, so that its own request never reaches itself.
+func (s *Syncer) snapshots(nc *nats.Conn) {
+	select {
+	case <-s.up:
+	case <-s.stop:
+		return
+	}
+	if s.cfg.OnMessage != nil {
+		s.askSnapshot(nc)
+	}
+	if s.cfg.Snapshot == nil {
+		return
+	}
+	subject := s.snapshotSubject()
+	if _, err := nc.QueueSubscribe(subject, subject, s.answerSnapshot); err != nil && !errors.Is(err, nats.ErrConnectionClosed) {
+		s.cfg.Logger.Warn("cannot answer starting routers' requests for a snapshot", zap.String("subject", subject), zap.Error(err))
+	}
+}
+
+// askSnapshot asks one peer for a snapshot and applies its parts as they
+// come, until the empty batch that ends it. Whatever came before an
+// interruption stays applied: it is true, only less.
+func (s *Syncer) askSnapshot(nc *nats.Conn) {
+	log := s.cfg.Logger
+	inbox := nc.NewInbox()
+	sub, err := nc.SubscribeSync(inbox)
+	if err != nil {
+		log.Warn("cannot ask the peers for a snapshot; starting with an empty view", zap.Error(err))
+		return
+	}
+	defer sub.Unsubscribe()
+	if err := nc.PublishRequest(s.snapshotSubject(), inbox, binary.AppendUvarint(nil, s.cfg.Instance)); err != nil {
+		log.Warn("cannot ask the peers for a snapshot; starting with an empty view", zap.Error(err))
+		return
+	}
+	wait, from := snapshotFirstWait, ""
+	for {
+		msg, err := sub.NextMsg(wait)
+		switch {
+		case errors.Is(err, nats.ErrNoResponders):
+			return // no peer: this router is the first
+		case errors.Is(err, nats.ErrTimeout) && from == "":
+			log.Info("no peer answered the request for a snapshot; starting with an empty view")
+			return
+		case err != nil:
+			log.Warn("the snapshot was cut short; starting with what came of it", zap.String("from", from),
+				zap.Uint64("messages", s.snapshotMessages.Load()), zap.Error(err))
+			return
+		}
+		b, err := DecodeBatch(msg.Data)
+		if err != nil {
+			s.malformed.Add(1)
+			log.Warn("a part of the snapshot did not decode; starting with what came before it", zap.Error(err))
+			return
+		}
+		from = peerName(b.Sender, b.Epoch)
+		if len(b.Messages) == 0 {
+			s.snapshotFrom.Store(&from)
+			log.Info("started with a peer's view", zap.String("from", from), zap.Uint64("messages", s.snapshotMessages.Load()))
+			return
+		}
+		for _, m := range b.Messages {
+			select {
+			case <-s.stop:
+				return
+			default:
+			}
+			s.cfg.OnMessage(from, m)
+			s.snapshotMessages.Add(1)
+		}
+		wait = snapshotPartWait
+	}
+}
+
+// answerSnapshot answers a starting router's request with Config.Snapshot,
+// in batches within the publication bounds, and an empty batch to end it.
+func (s *Syncer) answerSnapshot(msg *nats.Msg) {
+	instance, n := binary.Uvarint(msg.Data)
+	if msg.Reply == "" || n <= 0 || instance == s.cfg.Instance {
+		return
+	}
+	msgs := s.cfg.Snapshot()
+	b := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
+	var buf []byte
+	size := 0
+	send := func() error {
+		buf = AppendBatch(buf[:0], &b)
+		b.Messages, size = b.Messages[:0], 0
+		return msg.Respond(buf)
+	}
+	for i := range msgs {
+		n := encodedSize(&msgs[i])
+		if len(b.Messages) > 0 && (size+n > maxBatchBytes || len(b.Messages) >= maxBatch) {
+			if err := send(); err != nil {
+				s.cfg.Logger.Warn("cannot send a starting router its snapshot", zap.Error(err))
+				return
+			}
+		}
+		b.Messages = append(b.Messages, msgs[i])
+		size += n
+	}
+	if len(b.Messages) > 0 {
+		if err := send(); err != nil {
+			s.cfg.Logger.Warn("cannot send a starting router its snapshot", zap.Error(err))
+			return
+		}
+	}
+	if send() == nil { // the end
+		s.snapshotsSent.Add(1)
+	}
 }
 
 // conn is the connection, nil until connect hands it over.
@@ -431,7 +598,7 @@ func (s *Syncer) conn() *nats.Conn {
 func (s *Syncer) Publish(m Message) bool {
 	if m.Event != nil {
 		ev := *m.Event
-		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), maxEventHashes)]...)
+		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), MaxEventHashes)]...)
 		m.Event = &ev
 	}
 	s.numberOp(&m)
@@ -543,7 +710,7 @@ func (s *Syncer) run() {
 	defer close(s.done)
 	// Stored responses travel in batches of their own (see AppendBatch),
 	// so that a router of the version before keeps reading the charges.
-	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch, Instance: s.cfg.Instance}
+	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
 	stored := batch
 	var lastRenewal time.Time
 	var buf []byte
@@ -610,7 +777,7 @@ func (s *Syncer) run() {
 			return
 		}
 		n := encodedSize(&m)
-		if needsCurrentVersion(&m) {
+		if versionOf(&m) > chargeWireVersion {
 			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
 				publish()
 			}
@@ -643,14 +810,18 @@ func (s *Syncer) run() {
 		if s.lost.Load() && time.Since(lastRenewal) >= renewInterval {
 			s.lost.Store(false)
 			lastRenewal = time.Now()
-			s.epoch = max(uint64(lastRenewal.UnixNano()), s.epoch+1)
-			batch.Epoch, stored.Epoch = s.epoch, s.epoch
-			self := peerName(s.cfg.Name, s.epoch)
+			epoch := max(uint64(lastRenewal.UnixNano()), s.epoch.Load()+1)
+			s.epoch.Store(epoch)
+			batch.Epoch, stored.Epoch = epoch, epoch
+			self := peerName(s.cfg.Name, epoch)
 			s.self.Store(&self)
 			s.renewals.Add(1)
 			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
 				zap.String("name", self))
 			restate = true
+			if s.cfg.OnRenewed != nil {
+				s.cfg.OnRenewed()
+			}
 		}
 		if restate && s.cfg.Resync != nil {
 			for _, m := range s.cfg.Resync() {
@@ -750,12 +921,27 @@ func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 	switch {
 	case known && b.Epoch < latest.epoch:
 		return false
-	case known && b.Epoch > latest.epoch && s.cfg.OnSuperseded != nil:
-		s.cfg.OnSuperseded(peerName(b.Sender, latest.epoch))
+	case known && b.Epoch > latest.epoch:
+		if s.cfg.OnSuperseded != nil {
+			s.cfg.OnSuperseded(peerName(b.Sender, latest.epoch))
+		}
+		// It renewed: it lost messages, and drops what it counted of
+		// this router's charges.
+		s.restate.Store(true)
+	case !known, now.Sub(latest.heard) > s.restateAfterSilence():
+		// A router that starts, or one that was cut off and may have
+		// dropped this router's charges as a silent peer's: it counts
+		// them again from the restatement (one it knows ignores it).
+		s.restate.Store(true)
 	}
 	s.senders[key] = senderName{epoch: b.Epoch, heard: now}
 	return true
 }
+
+// restateAfterSilence is how long a peer may go unheard before this
+// router restates its charges to it when it is heard again: three
+// heartbeats, under the 5 s after which routers drop a silent peer's.
+func (s *Syncer) restateAfterSilence() time.Duration { return 3 * s.cfg.HeartbeatInterval }
 
 // Close stops publishing and disconnects, without waiting on an
 // unreachable server.
@@ -790,5 +976,9 @@ func (s *Syncer) Stats() Stats {
 	if t := s.lastReceived.Load(); t != 0 {
 		st.LastReceived = time.Unix(0, t)
 	}
+	if from := s.snapshotFrom.Load(); from != nil {
+		st.SnapshotFrom = *from
+	}
+	st.SnapshotMessages, st.SnapshotsSent = s.snapshotMessages.Load(), s.snapshotsSent.Load()
 	return st
 }

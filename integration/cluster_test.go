@@ -240,12 +240,17 @@ func TestClusterSharesOneView(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer spy.Close()
-	if _, err := spy.Subscribe("llm_affinity", func(m *nats.Msg) {
-		wireMu.Lock()
-		wire = append(wire, m.Data)
-		wireMu.Unlock()
-	}); err != nil {
-		t.Fatal(err)
+	// The events, and the snapshots' answers to their requesters'
+	// inboxes (a subscriber of the requests themselves, which never
+	// answers, would keep each starting router waiting for it).
+	for _, subject := range []string{"llm_affinity", "_INBOX.>"} {
+		if _, err := spy.Subscribe(subject, func(m *nats.Msg) {
+			wireMu.Lock()
+			wire = append(wire, m.Data)
+			wireMu.Unlock()
+		}); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
@@ -306,6 +311,29 @@ func TestClusterSharesOneView(t *testing.T) {
 	allConnected(t, routers)
 	if share := conversations(t, routers, "healed", 8, 5); share < 0.9 {
 		t.Fatalf("after NATS came back only %.0f%% of later turns stayed on the first turn's replica", 100*share)
+	}
+
+	// A router that starts now gets its peers' view: the next turns of
+	// conversations the others routed go warm through it at once.
+	var convos [][]msg
+	var homes []string
+	for c := range 6 {
+		convo := []msg{{"system", marker + text(fmt.Sprintf("before the late router, conversation %d", c), 8000)}, {"user", "hello"}}
+		got, _ := routers[c%3].post(t, convo)
+		convos, homes = append(convos, append(convo, msg{"assistant", "ok"}, msg{"user", "again"})), append(homes, got)
+	}
+	late := startRouter(t, bin, "router-late", natsURL, fleet)
+	eventually(t, 30*time.Second, "the late router starting with a peer's view", func() bool {
+		v := late.sync(t)
+		return len(v.Connections) == 1 && v.Connections[0].SnapshotFrom != ""
+	})
+	for c, convo := range convos {
+		if got, explain := late.post(t, convo); got != homes[c] {
+			t.Errorf("conversation %d's next turn through the late router went to %s, its first to %s: %s", c, got, homes[c], explain)
+		}
+	}
+	if v := late.sync(t); v.Connections[0].SnapshotMessages == 0 {
+		t.Errorf("the late router's sync view: %+v", v)
 	}
 
 	wireMu.Lock()

@@ -307,6 +307,16 @@ func (f *Fleet) DropPeer(peer string, now time.Time) int {
 	return n
 }
 
+// DropPeers releases every peer's charges, at once: this router lost its
+// connection to them and with it, maybe, their releases. They restate
+// what they have in flight (see LiveEvents). It returns how many charges
+// it released.
+func (f *Fleet) DropPeers(now time.Time) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.releaseRemote(now, func(remoteKey, *Charge) bool { return true })
+}
+
 // releaseRemote releases the peers' charges drop picks and returns how
 // many. Caller holds f.mu.
 func (f *Fleet) releaseRemote(now time.Time, drop func(remoteKey, *Charge) bool) int {
