@@ -258,8 +258,8 @@ func handleSync(w http.ResponseWriter, r *http.Request) error {
 
 // syncCollector exports the connections' counters, summed, at scrape time.
 type syncCollector struct {
-	sh                                                   *shared
-	events, connected, peers, disconnects, renewals, age *prometheus.Desc
+	sh                                                              *shared
+	events, connected, peers, disconnects, renewals, snapshots, age *prometheus.Desc
 }
 
 func newSyncCollector(sh *shared) *syncCollector {
@@ -275,6 +275,8 @@ func newSyncCollector(sh *shared) *syncCollector {
 			"NATS connection losses.", nil, nil),
 		renewals: prometheus.NewDesc("caddy_llm_affinity_sync_renewals_total",
 			"New identities taken after events to the peers were lost, each restating the charges in flight.", nil, nil),
+		snapshots: prometheus.NewDesc("caddy_llm_affinity_sync_snapshots_total",
+			"Snapshots of the view (prefix index, stored responses' homes, drains): received, the one each connection started with; sent, to routers that started.", []string{"direction"}, nil),
 		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
 			"Time since the last batch from a peer arrived (absent before the first).", nil, nil),
 	}
@@ -282,7 +284,7 @@ func newSyncCollector(sh *shared) *syncCollector {
 
 // Describe implements prometheus.Collector.
 func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.renewals, c.age} {
+	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.renewals, c.snapshots, c.age} {
 		ch <- d
 	}
 }
@@ -293,13 +295,17 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	if len(syncers) == 0 {
 		return
 	}
-	var sent, applied, dropped, disconnects, renewals, connected float64
+	var sent, applied, dropped, disconnects, renewals, connected, snapshotsIn, snapshotsOut float64
 	var last time.Time
 	for _, s := range syncers {
 		st := s.Stats()
 		sent, applied, dropped = sent+float64(st.Sent), applied+float64(st.Applied), dropped+float64(st.Dropped)
 		disconnects += float64(st.Disconnects)
 		renewals += float64(st.Renewals)
+		snapshotsOut += float64(st.SnapshotsSent)
+		if st.SnapshotFrom != "" {
+			snapshotsIn++
+		}
 		if st.Connected {
 			connected++
 		}
@@ -314,6 +320,8 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(c.sh.fleet.Peers())))
 	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, disconnects)
 	ch <- prometheus.MustNewConstMetric(c.renewals, prometheus.CounterValue, renewals)
+	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, snapshotsIn, "received")
+	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, snapshotsOut, "sent")
 	if !last.IsZero() {
 		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, time.Since(last).Seconds())
 	}

@@ -1063,3 +1063,71 @@ func TestCutOffRouterDropsPeersCharges(t *testing.T) {
 	a.fleet.Release(kept, time.Now())
 	waitFor(t, "the restated charge released", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
 }
+
+// BenchmarkSnapshot measures a router's start with a peer's view through
+// a real NATS server: eight upstreams of 16,384 indexed blocks each (1 MB
+// of hashes; a 1M-token KV cache each at 64-token blocks), from the
+// request to the last block restored.
+func BenchmarkSnapshot(b *testing.B) {
+	ns := startNATS(b, -1)
+	var dials []string
+	for i := range 8 {
+		dials = append(dials, fmt.Sprintf("10.0.0.%d:8000", i))
+	}
+	a := router.New()
+	for _, d := range dials {
+		a.Name(d, time.Now())
+	}
+	opts := router.Options{}.WithDefaults()
+	for i, d := range dials {
+		m := []router.Member{{Dial: d, Available: true, Healthy: true, Hardware: router.Hardware{KVCapacityTokens: 1 << 20}}}
+		for c := range 32 {
+			h := make([]uint64, 512)
+			for j := range h {
+				h[j] = uint64(i)<<48 | uint64(c)<<32 | uint64(j+1)
+			}
+			d := a.Decide(time.Now(), router.Request{Hashes: h, BlockTokens: 64, PromptTokens: 64 * 512}, m, &opts, rand.New(rand.NewPCG(1, 2)), nil)
+			a.Progress(d.Charge, 1, time.Now())
+			a.Release(d.Charge, time.Now())
+		}
+	}
+	events := func(evs []router.Event) []Message {
+		msgs := make([]Message, len(evs))
+		for i := range evs {
+			msgs[i].Event = &evs[i]
+		}
+		return msgs
+	}
+	sa, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "bench.snapshot", OnMessage: func(string, Message) {},
+		Snapshot: func() []Message { return events(a.SnapshotEvents(MaxEventHashes)) }})
+	if err != nil || sa.Start() != nil {
+		b.Fatal(err)
+	}
+	defer sa.Close()
+	for {
+		sz, err := ns.Subsz(&server.SubszOptions{Test: "bench.snapshot.snapshot", Subscriptions: true})
+		if err == nil && sz.Total > 0 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	b.ResetTimer()
+	for b.Loop() {
+		f := router.New()
+		for _, d := range dials {
+			f.Name(d, time.Now())
+		}
+		s, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "bench.snapshot",
+			OnMessage: func(peer string, m Message) { f.Apply(peer, *m.Event, time.Now()) }})
+		if err != nil || s.Start() != nil {
+			b.Fatal(err)
+		}
+		for s.Stats().SnapshotFrom == "" {
+			time.Sleep(100 * time.Microsecond)
+		}
+		s.Close()
+		if n := f.Snapshot(time.Now())[0].IndexBlocks; n != 16384 {
+			b.Fatalf("restored %d blocks of the first upstream, want 16384", n)
+		}
+	}
+}
