@@ -158,8 +158,9 @@ func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
 }
 
 // maxCachedCapacity bounds the KV capacity, in tokens, a peer's cached
-// event may size an index by.
-const maxCachedCapacity = 1 << 26
+// event may size an index by: 8M tokens, past the largest engines'
+// caches, 512k blocks (about 20 MB of index) at vLLM's 16-token blocks.
+const maxCachedCapacity = 1 << 23
 
 // applyCached restores a peer's index holdings of u (see SnapshotEvents):
 // behind what this router learned itself, which is more recent. An index
