@@ -44,7 +44,7 @@ func AffinityStrategy(policy string) (scorer.Strategy, bool) {
 // or "all" means every policy.
 func ParsePolicies(list string) ([]string, error) {
 	list = strings.TrimSpace(list)
-	if list == "" || list == "all" {
+	if list == "all" {
 		return Policies(), nil
 	}
 	var out []string

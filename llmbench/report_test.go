@@ -137,7 +137,7 @@ func TestWriteSVG(t *testing.T) {
 }
 
 func TestParsePolicies(t *testing.T) {
-	all, err := ParsePolicies("")
+	all, err := ParsePolicies("all")
 	if err != nil || len(all) != 10 || all[0] != "llm_affinity/ttft" {
 		t.Fatalf("all = %v, %v", all, err)
 	}
@@ -145,7 +145,7 @@ func TestParsePolicies(t *testing.T) {
 	if err != nil || len(got) != 2 || got[1] != "llm_affinity/llmd" {
 		t.Errorf("got %v, %v", got, err)
 	}
-	for _, bad := range []string{"llm_affinity/bogus", "weighted", "llm_affinity/"} {
+	for _, bad := range []string{"llm_affinity/bogus", "weighted", "llm_affinity/", "", " , "} {
 		if _, err := ParsePolicies(bad); err == nil {
 			t.Errorf("%q accepted", bad)
 		}

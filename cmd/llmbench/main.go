@@ -210,6 +210,28 @@ func bench(o options, stdout, stderr io.Writer) error {
 			return usageError{fmt.Errorf("--%s must not be negative, got %d", name, n)}
 		}
 	}
+	// The generators' counts and lengths: their flags default to what a
+	// 0 would fall back to, so a 0 here is a mistake too.
+	for name, n := range map[string]int{
+		"gsp-groups": o.gen.GSP.Groups, "gsp-prompts-per-group": o.gen.GSP.PromptsPerGroup,
+		"gsp-system-len": o.gen.GSP.SystemTokens, "gsp-question-len": o.gen.GSP.QuestionTokens, "gsp-output-len": o.gen.GSP.OutputTokens,
+		"mrqa-users": o.gen.MRQA.Users, "mrqa-rounds": o.gen.MRQA.Rounds, "mrqa-system-len": o.gen.MRQA.SystemTokens,
+		"mrqa-history-len": o.gen.MRQA.HistoryTokens, "mrqa-question-len": o.gen.MRQA.QuestionTokens, "mrqa-answer-len": o.gen.MRQA.AnswerTokens,
+		"lora-adapters": o.gen.LoRA.Adapters, "lora-requests": o.gen.LoRA.Requests, "lora-system-len": o.gen.LoRA.SystemTokens,
+		"lora-question-len": o.gen.LoRA.QuestionTokens, "lora-output-len": o.gen.LoRA.OutputTokens,
+		"noprefix-requests": o.gen.NoPrefix.Requests,
+	} {
+		if n < 1 {
+			return usageError{fmt.Errorf("--%s must be at least 1, got %d", name, n)}
+		}
+	}
+	// The outputs are written after the replays, which may take minutes:
+	// a path that cannot be written fails now.
+	for _, path := range []string{o.jsonPath, o.svgPath} {
+		if err := checkWritable(path); err != nil {
+			return usageError{err}
+		}
+	}
 	if o.routerKV < -1 {
 		return usageError{fmt.Errorf("--router-kv-capacity must be -1 (unknown), 0 (the engines') or a number of tokens, got %d", o.routerKV)}
 	}
@@ -423,6 +445,24 @@ func shortName(workload string) string {
 		return workload[i+1:]
 	}
 	return workload
+}
+
+// checkWritable reports whether a file can be written at path ("" is no
+// file), leaving what is there as it was.
+func checkWritable(path string) error {
+	if path == "" {
+		return nil
+	}
+	_, statErr := os.Stat(path)
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o666)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	if os.IsNotExist(statErr) {
+		os.Remove(path)
+	}
+	return nil
 }
 
 func writeFile(path string, write func(io.Writer) error) error {
