@@ -3,7 +3,6 @@ package kvsim
 import (
 	"bytes"
 	"encoding/json"
-	"slices"
 	"strings"
 )
 
@@ -128,8 +127,8 @@ type responsesFields struct {
 	MaxOutputTokens    *laxInt `json:"max_output_tokens"`
 	PreviousResponseID *string `json:"previous_response_id"`
 	// Store is read as pydantic's lax mode reads a boolean: false, 0 and
-	// "false" (and the like) are false.
-	Store any `json:"store"`
+	// "false" (and the like) are false; "maybe" or 2 are no boolean.
+	Store *laxBool `json:"store"`
 }
 
 // decode reads the Responses API's fields of rb.
@@ -246,13 +245,8 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
 		p.Tools = rb.Tools
-		switch v := rf.Store.(type) {
-		case bool:
-			p.Store = v
-		case float64:
-			p.Store = v != 0
-		case string:
-			p.Store = !slices.Contains([]string{"false", "f", "no", "n", "off", "0"}, strings.ToLower(v))
+		if rf.Store != nil { // null: the default
+			p.Store = bool(*rf.Store)
 		}
 		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
 			p.Instructions = rf.Instructions

@@ -164,4 +164,16 @@ func TestOtherAPIsFieldsIgnored(t *testing.T) {
 			t.Errorf(`%s: store "false" read as true`, tc.body)
 		}
 	}
+	// As pydantic reads a boolean: its words and 0 and 1, nothing else.
+	for body, want := range map[string]bool{`"store":"YES"`: true, `"store":1`: true, `"store":0.0`: false, `"store":null`: true} {
+		p, err := ParseRequest(EndpointResponses, []byte(`{"input":"hi",`+body+`}`), tok, 16)
+		if err != nil || p.Store != want {
+			t.Errorf("%s: store %v, %v; want %v", body, p.Store, err, want)
+		}
+	}
+	for _, body := range []string{`"store":"maybe"`, `"store":2`, `"store":[]`} {
+		if _, err := ParseRequest(EndpointResponses, []byte(`{"input":"hi",`+body+`}`), tok, 16); err == nil {
+			t.Errorf("%s accepted; vLLM answers 400", body)
+		}
+	}
 }
