@@ -556,7 +556,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	held := time.Now()
 	deadline := held.Add(time.Duration(p.QueueTimeout))
 	defer p.unhold(st)
-	queued := false
+	queued, lookedAgain := false, false
 	for now := held; ; now = time.Now() {
 		up, d := p.decide(pool, st, now, deadline)
 		if up != nil {
@@ -569,6 +569,13 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// larger than every upstream's KV cache; a 503 would tell the
 		// client to retry.
 		switch {
+		case d.Unservable && !lookedAgain && p.scraper != nil:
+			// An adapter loaded on an engine directly, not through the
+			// router, is listed there before the next models_interval:
+			// look again, once, before a 404.
+			lookedAgain = true
+			p.fetchModelsAgain(r.Context(), pool, st, now, deadline)
+			continue
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
 				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
@@ -726,6 +733,26 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
+}
+
+// modelsRefetchWait is the longest a request for a model no engine lists
+// waits for the lists fetched anew (see scrape.Scraper.FetchModels).
+const modelsRefetchWait = 2 * time.Second
+
+// fetchModelsAgain has the model lists of pool's upstreams fetched anew,
+// unless fetched since st's arrival, and waits for them within the
+// request's deadline.
+func (p *Policy) fetchModelsAgain(ctx context.Context, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time) {
+	if wait := now.Add(modelsRefetchWait); wait.Before(deadline) {
+		deadline = wait
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	dials := make([]string, len(pool))
+	for i, u := range pool {
+		dials[i] = u.Dial
+	}
+	p.scraper.FetchModels(ctx, dials, st.arrived)
 }
 
 // bodyReader is the request body the handler installs for reverse_proxy,

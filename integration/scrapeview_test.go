@@ -106,3 +106,38 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 		return c.status == http.StatusOK && c.replica == loadedOn
 	})
 }
+
+// TestDirectlyLoadedAdapterFound: an adapter loaded on an engine directly,
+// not through the router, is routed there on its first request: before
+// answering that no engine serves a model, the router fetches the
+// engines' model lists again (those not fetched within a second) and
+// looks again. It answered 404 model_not_found until the next
+// models_interval (here an hour). A model no engine lists still gets the
+// 404.
+func TestDirectlyLoadedAdapterFound(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	eventually(t, 10*time.Second, "the engines' model lists", func() bool {
+		for _, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || len(v.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	resp, err := http.Post(fleet[1].http.URL+"/v1/load_lora_adapter", "application/json",
+		strings.NewReader(`{"lora_name":"tenant-direct","lora_path":"/adapters/tenant-direct"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("load on the engine: %d", resp.StatusCode)
+	}
+	if c := post(t, "/v1/completions", map[string]any{"model": "tenant-direct", "prompt": "hi", "max_tokens": 2}); c.status != http.StatusOK || c.replica != fleet[1].name {
+		t.Fatalf("the directly loaded adapter's first request: %d from %q, want 200 from %s: %s", c.status, c.replica, fleet[1].name, c.body)
+	}
+	if c := post(t, "/v1/completions", map[string]any{"model": "no-such-model", "prompt": "hi", "max_tokens": 2}); c.status != http.StatusNotFound || !strings.Contains(c.body, "model_not_found") {
+		t.Fatalf("a model no engine lists: %d %s", c.status, c.body)
+	}
+}

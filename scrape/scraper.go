@@ -50,6 +50,9 @@ type scrapeTarget struct {
 	models    []ModelInfo
 	modelsAt  time.Time // when models was fetched
 	modelsDue time.Time
+	// modelsSent is when the last fetch of the models was sent, and
+	// modelsTried when the last that has ended (answered or failed) was.
+	modelsSent, modelsTried time.Time
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -86,6 +89,9 @@ type Scraper struct {
 	kick    chan struct{} // asks for a round now
 	done    chan struct{} // closed when the run loop has stopped
 	started atomic.Bool
+	// modelsFetched is closed, and replaced, whenever a fetch of a
+	// target's models ends (see FetchModels).
+	modelsFetched atomic.Pointer[chan struct{}]
 }
 
 // New returns a scraper with cfg (defaults filled in). It does
@@ -99,6 +105,8 @@ func New(cfg Config) *Scraper {
 		kick:    make(chan struct{}, 1),
 		done:    make(chan struct{}),
 	}
+	fetched := make(chan struct{})
+	s.modelsFetched.Store(&fetched)
 	if s.client == nil {
 		s.transport = newTransport(cfg)
 		s.client = &http.Client{Transport: s.transport}
@@ -350,8 +358,11 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	// perhaps with other adapters).
 	modelsDue := !down && s.cfg.ModelsInterval > 0 &&
 		(!start.Before(t.modelsDue) || err == nil && t.unreachable)
+	var modelsSent time.Time
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
+		modelsSent = time.Now()
+		t.modelsSent = modelsSent
 	}
 	t.mu.Unlock()
 
@@ -359,11 +370,15 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	var modelsErr error
 	if modelsDue {
 		models, modelsErr = s.fetchModels(ctx, t)
+		defer s.modelsFetchEnded()
 	}
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.busy = false
+	if modelsDue {
+		t.modelsTried = modelsSent
+	}
 	st := &t.status
 	t.down.Store(down)
 	if err != nil {

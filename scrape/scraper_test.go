@@ -11,6 +11,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -490,4 +491,69 @@ func TestRestartFetchesModels(t *testing.T) {
 	go second.Serve(ln)
 	defer second.Close()
 	waitFor(t, "m2 listed after the restart", 10*time.Second, func() bool { return modelsNow() == "m2" })
+}
+
+// TestFetchModelsAnew: FetchModels has a list fetched again whose last
+// fetch was sent before the time given, and returns once the new one
+// came, with what the engine lists now; waiters at once share fetches,
+// and fetches it asks for are modelsRefetchSpacing apart at least,
+// however many callers ask. A list fetched since then, or an engine
+// where nothing listens, is not waited for.
+func TestFetchModelsAnew(t *testing.T) {
+	var fetches atomic.Int64
+	var model atomic.Pointer[string]
+	m1 := "m1"
+	model.Store(&m1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			fetches.Add(1)
+			fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, *model.Load())
+			return
+		}
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer srv.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := ln.Addr().String()
+	ln.Close() // nothing listens there
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	s.SetTargets([]string{hostOf(srv), down})
+	s.Start(ctx)
+	modelsNow := func() string {
+		sig, _ := s.Latest(hostOf(srv), time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",")
+	}
+	waitFor(t, "m1 listed and the other engine down", 10*time.Second, func() bool { return modelsNow() == "m1" && s.Down(down) })
+
+	m2 := "m2"
+	model.Store(&m2)
+	if !s.FetchModels(ctx, []string{hostOf(srv), down}, time.Now()) || modelsNow() != "m2" {
+		t.Fatalf("after FetchModels the list is %q, want m2", modelsNow())
+	}
+	before := fetches.Load()
+	if !s.FetchModels(ctx, []string{hostOf(srv)}, time.Now().Add(-time.Minute)) || fetches.Load() != before {
+		t.Fatal("a list fetched since the time given was fetched again")
+	}
+
+	// Many callers at once, again and again: fetches stay apart.
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 5 {
+				s.FetchModels(ctx, []string{hostOf(srv)}, time.Now())
+			}
+		})
+	}
+	wg.Wait()
+	n, most := fetches.Load()-before, int64(time.Since(start)/modelsRefetchSpacing)+1
+	if n < 5 || n > most {
+		t.Fatalf("%d fetches for 8 callers asking 5 times each in %v; want at least 5 (each caller's last one new) and %d at most",
+			n, time.Since(start), most)
+	}
 }

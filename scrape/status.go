@@ -1,6 +1,7 @@
 package scrape
 
 import (
+	"context"
 	"slices"
 	"strings"
 	"time"
@@ -81,6 +82,69 @@ func (s *Scraper) RefreshModels(dial string) {
 	t.modelsDue = time.Time{}
 	t.mu.Unlock()
 	s.poke()
+}
+
+// FetchModels has the model lists of dials fetched anew, those whose last
+// fetch was sent before since (a request's arrival), and waits until one
+// sent since then ended for each (answered or failed), ctx ends, or the
+// scraper stops; it reports whether each did. A router about to answer
+// that no engine serves a model looks again this way first: an adapter
+// loaded on an engine directly is listed there before the next models
+// interval. Fetches of one list are modelsRefetchSpacing apart at least,
+// and waiters share them, so that clients asking for unknown models cost
+// each engine ten fetches a second at most. Dials the scraper does not
+// scrape, or where nothing listens, are skipped.
+func (s *Scraper) FetchModels(ctx context.Context, dials []string, since time.Time) bool {
+	if s.cfg.ModelsInterval <= 0 {
+		return true // the lists are not fetched at all
+	}
+	var waiting []*scrapeTarget
+	for _, d := range dials {
+		t := s.target(d)
+		if t == nil || t.down.Load() {
+			continue
+		}
+		t.mu.Lock()
+		if t.modelsTried.Before(since) {
+			t.modelsDue = t.modelsSent.Add(modelsRefetchSpacing)
+			waiting = append(waiting, t)
+		}
+		t.mu.Unlock()
+	}
+	for {
+		// The channel before the check: a fetch that ends between the
+		// two closes it.
+		fetched := *s.modelsFetched.Load()
+		waiting = slices.DeleteFunc(waiting, func(t *scrapeTarget) bool {
+			t.mu.Lock()
+			defer t.mu.Unlock()
+			return !t.modelsTried.Before(since) || t.down.Load()
+		})
+		if len(waiting) == 0 {
+			return true
+		}
+		// A round now: a target busy with a fetch sent earlier, or one
+		// not due yet, is handed out at the first round it can be.
+		s.poke()
+		select {
+		case <-fetched:
+		case <-time.After(modelsRefetchSpacing):
+		case <-ctx.Done():
+			return false
+		case <-s.done:
+			return false
+		}
+	}
+}
+
+// modelsRefetchSpacing is the least time between two fetches of one
+// engine's models that FetchModels asks for.
+const modelsRefetchSpacing = 100 * time.Millisecond
+
+// modelsFetchEnded tells FetchModels' waiters that a fetch ended.
+func (s *Scraper) modelsFetchEnded() {
+	next := make(chan struct{})
+	close(*s.modelsFetched.Swap(&next))
 }
 
 // ModelsMaxAge is how long a model list stands without a newer fetch
