@@ -573,8 +573,15 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			// An adapter loaded on an engine directly, not through the
 			// router, is listed there before the next models_interval:
 			// look again, once, before a 404.
+			// The state is not held meanwhile, as while waiting for
+			// capacity.
 			lookedAgain = true
+			st.mu.Unlock()
 			p.fetchModelsAgain(r.Context(), pool, st, now, deadline)
+			st.mu.Lock()
+			if r.Context().Err() != nil {
+				return nil
+			}
 			continue
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
