@@ -91,10 +91,15 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 			// This router lost its connection: its peers' releases of
 			// the outage may be lost too. They restate their charges
 			// when they hear its new name.
-			OnRenewed: func() { sh.fleet.DropPeers(time.Now()) },
-			Snapshot:  sh.snapshotMessages,
-			Instance:  sh.instance,
-			Logger:    logger,
+			OnRenewed: func(peers []string) {
+				for _, peer := range peers {
+					sh.fleet.DropPeer(peer, time.Now())
+				}
+			},
+			Snapshot:   sh.snapshotMessages,
+			OnSnapshot: sh.applySnapshot,
+			Instance:   sh.instance,
+			Logger:     logger,
 		})
 		if err != nil {
 			return nil, err
@@ -124,22 +129,34 @@ func (sh *shared) liveMessages() []fleetsync.Message {
 	return msgs
 }
 
-// snapshotMessages restates, for a router that starts, the index, the
-// stored responses' homes and the operators' drains in force here, with
-// what is left of their deadlines (fleetsync.Config.Snapshot).
+// snapshotMessages restates, for a router that starts, the operators'
+// drains in force here, with what is left of their deadlines (first: they
+// matter most), the index and the stored responses' homes
+// (fleetsync.Config.Snapshot).
 func (sh *shared) snapshotMessages() []fleetsync.Message {
-	events := sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes)
-	msgs := make([]fleetsync.Message, len(events))
-	for i := range events {
-		msgs[i].Event = &events[i]
-	}
+	var msgs []fleetsync.Message
 	now := time.Now()
 	for _, st := range sh.drains.Snapshot() {
 		if st.Phase != drain.Active.String() && sh.drains.HeldBy(st.Key, drain.ByAdmin) {
 			msgs = append(msgs, fleetsync.Message{Drain: st.Key, Deadline: max(0, st.Deadline.Sub(now))})
 		}
 	}
+	events := sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes)
+	for i := range events {
+		msgs = append(msgs, fleetsync.Message{Event: &events[i]})
+	}
 	return msgs
+}
+
+// applySnapshot applies one message of the snapshot this router starts
+// with: the peer's index and homes behind what this router learned
+// itself, its operators' drains as a peer's drain is applied.
+func (sh *shared) applySnapshot(peer string, m fleetsync.Message) {
+	if m.Event != nil {
+		sh.fleet.Restore(*m.Event, time.Now())
+		return
+	}
+	sh.applyPeer(peer, m)
 }
 
 // addSyncer and removeSyncer keep the list publishing reads without a

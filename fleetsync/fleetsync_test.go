@@ -941,8 +941,12 @@ func startPeerRouter(t *testing.T, url, name, subject string, dials ...string) *
 	r.syncer = startSyncer(t, Config{URLs: []string{url}, Name: name, Subject: subject,
 		OnHeard:      func(peer string) { r.fleet.Heard(peer, time.Now()) },
 		OnSuperseded: func(peer string) { r.fleet.DropPeer(peer, time.Now()) },
-		OnRenewed:    func() { r.fleet.DropPeers(time.Now()) },
-		Resync:       func() []Message { return events(r.fleet.LiveEvents()) },
+		OnRenewed: func(peers []string) {
+			for _, p := range peers {
+				r.fleet.DropPeer(p, time.Now())
+			}
+		},
+		Resync: func() []Message { return events(r.fleet.LiveEvents()) },
 		Snapshot: func() []Message {
 			msgs := events(r.fleet.SnapshotEvents(MaxEventHashes))
 			r.drained.Range(func(dial, deadline any) bool {
@@ -955,13 +959,27 @@ func startPeerRouter(t *testing.T, url, name, subject string, dials ...string) *
 			if m.Event != nil {
 				r.fleet.Apply(peer, *m.Event, time.Now())
 			}
-			if m.Drain != "" {
-				r.drained.Store(m.Drain, m.Deadline)
+			r.applyOp(m)
+		},
+		OnSnapshot: func(peer string, m Message) {
+			if m.Event != nil {
+				r.fleet.Restore(*m.Event, time.Now())
 			}
+			r.applyOp(m)
 		}})
 	r.fleet.SetPublisher(func(ev router.Event) { r.syncer.Publish(Message{Event: &ev}) })
 	r.fleet.KeepLive(true)
 	return r
+}
+
+// applyOp records an operator's drain or undrain.
+func (r *peerRouter) applyOp(m Message) {
+	switch {
+	case m.Drain != "":
+		r.drained.Store(m.Drain, m.Deadline)
+	case m.Undrain != "":
+		r.drained.Delete(m.Undrain)
+	}
 }
 
 // decide routes a request of prompt blocks hashes to the fleet's only
@@ -1098,7 +1116,7 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		return msgs
 	}
-	sa, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "bench.snapshot", OnMessage: func(string, Message) {},
+	sa, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "bench.snapshot",
 		Snapshot: func() []Message { return events(a.SnapshotEvents(MaxEventHashes)) }})
 	if err != nil || sa.Start() != nil {
 		b.Fatal(err)
@@ -1118,7 +1136,7 @@ func BenchmarkSnapshot(b *testing.B) {
 			f.Name(d, time.Now())
 		}
 		s, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "bench.snapshot",
-			OnMessage: func(peer string, m Message) { f.Apply(peer, *m.Event, time.Now()) }})
+			OnSnapshot: func(_ string, m Message) { f.Restore(*m.Event, time.Now()) }})
 		if err != nil || s.Start() != nil {
 			b.Fatal(err)
 		}
@@ -1129,5 +1147,171 @@ func BenchmarkSnapshot(b *testing.B) {
 		if n := f.Snapshot(time.Now())[0].IndexBlocks; n != 16384 {
 			b.Fatalf("restored %d blocks of the first upstream, want 16384", n)
 		}
+	}
+}
+
+// snapshotResponder is a peer that answers starting routers' requests on
+// subject by hand, as the test says.
+type snapshotResponder struct {
+	t    *testing.T
+	nc   *nats.Conn
+	reqs *nats.Subscription
+}
+
+func newSnapshotResponder(t *testing.T, url, subject string) *snapshotResponder {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	reqs, err := nc.QueueSubscribeSync(subject+".snapshot", subject+".snapshot")
+	if err != nil || nc.Flush() != nil {
+		t.Fatal(err)
+	}
+	return &snapshotResponder{t: t, nc: nc, reqs: reqs}
+}
+
+// request waits for a starting router's request and returns its inbox.
+func (r *snapshotResponder) request() string {
+	req, err := r.reqs.NextMsg(30 * time.Second)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return req.Reply
+}
+
+// part sends part n of a snapshot to inbox.
+func (r *snapshotResponder) part(inbox string, n int, msgs ...Message) {
+	m := nats.NewMsg(inbox)
+	m.Header.Set(partHeader, fmt.Sprint(n))
+	m.Data = AppendBatch(nil, &Batch{Sender: "a", Epoch: 1, Instance: 7, Messages: msgs})
+	if err := r.nc.PublishMsg(m); err != nil || r.nc.Flush() != nil {
+		r.t.Fatal(err)
+	}
+}
+
+func cachedMessage(dial string, hashes ...uint64) Message {
+	return Message{Event: &router.Event{Kind: router.EventCached, Dial: dial, BlockTokens: 16, KV: 1 << 20, Hashes: hashes}}
+}
+
+// TestSnapshotStopsAtALostPart: a part of a snapshot lost on the way (the
+// requester reconnected meanwhile) ends what is applied of it: the part
+// after it could hold a chain's blocks without their parent, which the
+// index would then match as cached. The router asks again; a whole
+// snapshot then restores the rest.
+func TestSnapshotStopsAtALostPart(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := newSnapshotResponder(t, ns.ClientURL(), "test.gap")
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.gap", "x:1")
+	const A, B, C = 101, 102, 103 // one chain: A, then B, then C
+	inbox := a.request()
+	a.part(inbox, 1, cachedMessage("x:1", A))
+	a.part(inbox, 3, cachedMessage("x:1", C)) // part 2 (B) lost
+	a.part(inbox, 4)
+	inbox = a.request() // asked again
+	if d := b.decide([]uint64{A, B, C}); d.MatchedTokens != 16 || b.syncer.Stats().SnapshotFrom != "" {
+		t.Fatalf("after a lost part, chain A,B,C matches %d tokens (want 16: A alone); snapshot from %q", d.MatchedTokens, b.syncer.Stats().SnapshotFrom)
+	} else {
+		b.fleet.Release(d.Charge, time.Now())
+	}
+	for i, m := range []Message{cachedMessage("x:1", A), cachedMessage("x:1", B), cachedMessage("x:1", C)} {
+		a.part(inbox, i+1, m)
+	}
+	a.part(inbox, 4)
+	waitFor(t, "b's whole snapshot", func() bool { return b.syncer.Stats().SnapshotFrom == "a#1" })
+	if d := b.decide([]uint64{A, B, C}); d.MatchedTokens != 48 {
+		t.Fatalf("after the whole snapshot, chain A,B,C matches %d tokens, want 48", d.MatchedTokens)
+	}
+}
+
+// TestLiveUndrainBeatsSnapshotsDrain: an operator's undrain that reaches
+// a starting router live while its snapshot (made before the undrain)
+// still travels is not undone by the snapshot's drain of the same
+// upstream; a drain of another upstream in it still applies.
+func TestLiveUndrainBeatsSnapshotsDrain(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := newSnapshotResponder(t, ns.ClientURL(), "test.stale")
+	q := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "q", Subject: "test.stale"}) // neither asks nor answers
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.stale", "x:1", "y:1")
+	inbox := a.request()
+	waitFor(t, "b hearing q", func() bool { return len(b.fleet.Peers()) > 0 && q.Stats().Connected })
+	b.drained.Store("x:1", time.Minute) // as the live drain before it left it
+	q.Publish(Message{Undrain: "x:1"})
+	waitFor(t, "b hearing the undrain", func() bool { _, drained := b.drained.Load("x:1"); return !drained })
+	a.part(inbox, 1, Message{Drain: "x:1", Deadline: time.Minute}, Message{Drain: "y:1", Deadline: time.Minute})
+	a.part(inbox, 2)
+	waitFor(t, "b's snapshot", func() bool { return b.syncer.Stats().SnapshotFrom != "" })
+	_, x := b.drained.Load("x:1")
+	_, y := b.drained.Load("y:1")
+	if x || !y {
+		t.Fatalf("after the snapshot b has x:1 drained %v (want false: the live undrain is newer), y:1 %v (want true)", x, y)
+	}
+}
+
+// TestRenewalDropsOnlyItsOwnPeers: one router with two sync connections
+// (two subjects, one fleet). The first loses its connection and renews:
+// it drops the charges of the peers it heard, which restate theirs when
+// they hear its new name, and not those of the second connection's peers,
+// which never hear it.
+func TestRenewalDropsOnlyItsOwnPeers(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newStallingLink(t, ns.Addr().String())
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.two", "x:1")
+	fb := router.New()
+	fb.Name("x:1", time.Now())
+	cfg := func(url, subject string) Config {
+		return Config{URLs: []string{url}, Name: "b", Subject: subject, Instance: 77,
+			OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
+			OnSuperseded: func(peer string) { fb.DropPeer(peer, time.Now()) },
+			OnRenewed: func(peers []string) {
+				for _, p := range peers {
+					fb.DropPeer(p, time.Now())
+				}
+			},
+			OnMessage: func(peer string, m Message) {
+				if m.Event != nil {
+					fb.Apply(peer, *m.Event, time.Now())
+				}
+			}}
+	}
+	one := startSyncer(t, cfg(link.url(), "test.one"))
+	startSyncer(t, cfg(ns.ClientURL(), "test.two"))
+	waitFor(t, "b's first connection up", func() bool { return one.Stats().Connected })
+	a.decide([]uint64{1})
+	waitFor(t, "b counting a's request", func() bool { return inFlightOn(fb, "x:1") == 1 })
+	link.freeze()
+	waitFor(t, "the first connection renewed", func() bool { return one.Stats().Renewals == 1 })
+	if got := inFlightOn(fb, "x:1"); got != 1 {
+		t.Fatalf("a has 1 request in flight on the other subject; b counts %d after its first connection renewed", got)
+	}
+}
+
+// TestSnapshotWithDocumentedPermissions: the NATS permissions the README
+// gives a router's user are enough to ask for a snapshot and to answer
+// one.
+func TestSnapshotWithDocumentedPermissions(t *testing.T) {
+	perms := &server.Permissions{
+		Publish:   &server.SubjectPermission{Allow: []string{"test.perm", "test.perm.snapshot"}},
+		Subscribe: &server.SubjectPermission{Allow: []string{"test.perm", "test.perm.snapshot", "_INBOX.>"}},
+		Response:  &server.ResponsePermission{MaxMsgs: -1, Expires: time.Minute},
+	}
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true,
+		Users: []*server.User{{Username: "r", Password: "p", Permissions: perms}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("NATS server not ready")
+	}
+	t.Cleanup(ns.Shutdown)
+	url := "nats://r:p@" + ns.Addr().String()
+	a := startPeerRouter(t, url, "a", "test.perm", "x:1")
+	answering(t, ns, "test.perm")
+	a.decide([]uint64{1, 2, 3})
+	b := startPeerRouter(t, url, "b", "test.perm", "x:1")
+	waitFor(t, "b starting with a's view", func() bool { return b.syncer.Stats().SnapshotFrom == a.syncer.Name() })
+	if d := b.decide([]uint64{1, 2, 3}); d.MatchedTokens != 48 {
+		t.Fatalf("b matched %d tokens of a's request, want 48", d.MatchedTokens)
 	}
 }

@@ -109,25 +109,31 @@ type Config struct {
 	// DefaultHeartbeatInterval.
 	HeartbeatInterval time.Duration
 	// OnMessage receives each message of a peer's batch, in order, on the
-	// Syncer's receiving goroutine, and those of the snapshot this router
-	// starts with on another. peer names the sending router (Name#epoch,
-	// so a restarted router is a new peer).
+	// Syncer's receiving goroutine. peer names the sending router
+	// (Name#epoch, so a restarted router is a new peer).
 	OnMessage func(peer string, m Message)
 	// OnHeard receives every batch's sender, before its messages.
 	OnHeard func(peer string)
-	// OnRenewed is called when this router takes a new name after lost
-	// messages, before it restates its charges: what it counted of its
-	// peers' charges may miss releases too (its connection was lost), so
-	// it drops them, and its peers restate theirs when they hear the new
-	// name. Called on the publishing goroutine; optional.
-	OnRenewed func()
+	// OnRenewed is called when this router takes a new name after its
+	// connection was lost, before it restates its charges, with the
+	// names of the peers this connection heard: what it counted of their
+	// charges may miss releases of the outage, so it drops them, and they
+	// restate theirs when they hear the new name. Called on the
+	// publishing goroutine; optional.
+	OnRenewed func(peers []string)
 	// Snapshot restates, for a router that starts, what this one knows
-	// that outlives any charge: its prefix index, the stored responses'
-	// homes and the operators' drains in force (messages whose events are
-	// EventCached and EventStored). A starting router asks one of its
+	// that outlives any charge: the operators' drains in force, its
+	// prefix index and the stored responses' homes (messages whose events
+	// are EventCached and EventStored). A starting router asks one of its
 	// peers for it; this router answers only with Snapshot set. Called on
 	// the goroutine that answers; optional.
 	Snapshot func() []Message
+	// OnSnapshot receives, in order, the messages of the snapshot this
+	// router starts with (a peer's Snapshot), on a goroutine of its own;
+	// without it the router asks for none. An operator's drain in it is
+	// left out when a drain or undrain of the same upstream arrived live
+	// since the snapshot was asked for: that one is newer.
+	OnSnapshot func(peer string, m Message)
 	// OnSuperseded receives a peer's earlier name when the peer is first
 	// heard under a later one (the same router, which lost messages and
 	// restates its charges under the new name): what the earlier name
@@ -219,9 +225,16 @@ type Syncer struct {
 	opSeq   uint64
 	keptSeq map[string]uint64
 	// senders is each peer router's latest name (by the Instance and
-	// name of its batches), for the receiving goroutine only.
+	// name of its batches), written by the receiving goroutine.
+	sendersMu   sync.Mutex
 	senders     map[senderKey]senderName
 	sendersSeen time.Time
+	// cut says the connection was lost since the last renewal.
+	cut atomic.Bool
+	// liveOps, while a snapshot is being applied (non-nil), holds the
+	// upstreams whose drains or undrains arrived live meanwhile.
+	liveOpsMu sync.Mutex
+	liveOps   map[string]bool
 	// connected follows the connection's handlers, so that Stats never
 	// asks the client, whose lock a write stuck on a stalled network
 	// holds.
@@ -340,8 +353,10 @@ func (s *Syncer) options() ([]nats.Option, error) {
 			s.connected.Store(false)
 			s.disconnects.Add(1)
 			// What was written to the dead connection may never have
-			// reached the server.
+			// reached the server, nor what peers sent meanwhile this
+			// router.
 			s.lost.Store(true)
+			s.cut.Store(true)
 			log.Warn("lost the NATS connection; routing on this router's own view until it is back", zap.Error(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
@@ -465,23 +480,39 @@ func (s *Syncer) markUp() { s.upOnce.Do(func() { close(s.up) }) }
 func (s *Syncer) snapshotSubject() string { return s.cfg.Subject + ".snapshot" }
 
 // Waits for a snapshot: its first answer (a peer answers at once, and
-// without one the server says so at once), and each next part.
+// without one the server says so at once), and each next part. A snapshot
+// cut short is asked for again, snapshotTries times in all, a second
+// apart.
 const (
 	snapshotFirstWait = 5 * time.Second
 	snapshotPartWait  = 10 * time.Second
+	snapshotTries     = 3
+	snapshotRetryWait = time.Second
 )
+
+// partHeader numbers a snapshot's parts, from 1, so that a requester
+// stops at a part lost (a reconnection in the middle): what follows a
+// gap could restore a chain's blocks without their parent.
+const partHeader = "Llm-Affinity-Part"
 
 // snapshots, once connected, asks a peer for a snapshot of the view and
 // applies it, then joins the routers that answer others' requests: only
-// then, so that its own request never reaches itself.
+// once it has a view to give (a whole snapshot, or no peer to ask), and
+// never before asking, so that its own request never reaches itself.
 func (s *Syncer) snapshots(nc *nats.Conn) {
 	select {
 	case <-s.up:
 	case <-s.stop:
 		return
 	}
-	if s.cfg.OnMessage != nil {
-		s.askSnapshot(nc)
+	if s.cfg.OnSnapshot != nil {
+		for try := 1; !s.askSnapshot(nc) && try < snapshotTries; try++ {
+			select {
+			case <-time.After(snapshotRetryWait):
+			case <-s.stop:
+				return
+			}
+		}
 	}
 	if s.cfg.Snapshot == nil {
 		return
@@ -493,58 +524,99 @@ func (s *Syncer) snapshots(nc *nats.Conn) {
 }
 
 // askSnapshot asks one peer for a snapshot and applies its parts as they
-// come, until the empty batch that ends it. Whatever came before an
-// interruption stays applied: it is true, only less.
-func (s *Syncer) askSnapshot(nc *nats.Conn) {
+// come, until the empty batch that ends it. It reports false when the
+// snapshot was cut short (asking again may do better); whatever came
+// before stays applied: it is true, only less.
+func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 	log := s.cfg.Logger
 	inbox := nc.NewInbox()
 	sub, err := nc.SubscribeSync(inbox)
 	if err != nil {
-		log.Warn("cannot ask the peers for a snapshot; starting with an empty view", zap.Error(err))
-		return
+		log.Warn("cannot ask the peers for a snapshot", zap.Error(err))
+		return false
 	}
 	defer sub.Unsubscribe()
+	s.liveOpsMu.Lock()
+	s.liveOps = map[string]bool{}
+	s.liveOpsMu.Unlock()
+	defer func() {
+		s.liveOpsMu.Lock()
+		s.liveOps = nil
+		s.liveOpsMu.Unlock()
+	}()
 	if err := nc.PublishRequest(s.snapshotSubject(), inbox, binary.AppendUvarint(nil, s.cfg.Instance)); err != nil {
-		log.Warn("cannot ask the peers for a snapshot; starting with an empty view", zap.Error(err))
-		return
+		log.Warn("cannot ask the peers for a snapshot", zap.Error(err))
+		return false
 	}
-	wait, from := snapshotFirstWait, ""
+	wait, from, parts := snapshotFirstWait, "", 0
 	for {
 		msg, err := sub.NextMsg(wait)
 		switch {
 		case errors.Is(err, nats.ErrNoResponders):
-			return // no peer: this router is the first
+			return true // no peer: this router is the first
 		case errors.Is(err, nats.ErrTimeout) && from == "":
 			log.Info("no peer answered the request for a snapshot; starting with an empty view")
-			return
+			return true
 		case err != nil:
-			log.Warn("the snapshot was cut short; starting with what came of it", zap.String("from", from),
-				zap.Uint64("messages", s.snapshotMessages.Load()), zap.Error(err))
-			return
+			log.Warn("the snapshot was cut short", zap.String("from", from), zap.Int("parts", parts), zap.Error(err))
+			return false
 		}
+		if n, _ := strconv.Atoi(msg.Header.Get(partHeader)); n != parts+1 {
+			log.Warn("a part of the snapshot was lost; keeping the parts before it", zap.String("from", from), zap.Int("parts", parts))
+			return false
+		}
+		parts++
 		b, err := DecodeBatch(msg.Data)
 		if err != nil {
 			s.malformed.Add(1)
-			log.Warn("a part of the snapshot did not decode; starting with what came before it", zap.Error(err))
-			return
+			log.Warn("a part of the snapshot did not decode; keeping the parts before it", zap.Error(err))
+			return false
 		}
 		from = peerName(b.Sender, b.Epoch)
 		if len(b.Messages) == 0 {
 			s.snapshotFrom.Store(&from)
 			log.Info("started with a peer's view", zap.String("from", from), zap.Uint64("messages", s.snapshotMessages.Load()))
-			return
+			return true
 		}
 		for _, m := range b.Messages {
 			select {
 			case <-s.stop:
-				return
+				return true
 			default:
 			}
-			s.cfg.OnMessage(from, m)
+			if s.newerLiveOp(&m) {
+				continue
+			}
+			s.cfg.OnSnapshot(from, m)
 			s.snapshotMessages.Add(1)
 		}
 		wait = snapshotPartWait
 	}
+}
+
+// noteLiveOp records, while a snapshot is being applied, an operator's
+// drain or undrain that arrived live.
+func (s *Syncer) noteLiveOp(m *Message) {
+	dial := cmp.Or(m.Drain, m.Undrain)
+	if dial == "" {
+		return
+	}
+	s.liveOpsMu.Lock()
+	defer s.liveOpsMu.Unlock()
+	if s.liveOps != nil {
+		s.liveOps[dial] = true
+	}
+}
+
+// newerLiveOp reports whether m is a snapshot's drain of an upstream whose
+// drain or undrain arrived live since the snapshot was asked for.
+func (s *Syncer) newerLiveOp(m *Message) bool {
+	if m.Drain == "" {
+		return false
+	}
+	s.liveOpsMu.Lock()
+	defer s.liveOpsMu.Unlock()
+	return s.liveOps[m.Drain]
 }
 
 // answerSnapshot answers a starting router's request with Config.Snapshot,
@@ -554,14 +626,17 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	if msg.Reply == "" || n <= 0 || instance == s.cfg.Instance {
 		return
 	}
+	nc := s.conn()
 	msgs := s.cfg.Snapshot()
 	b := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
-	var buf []byte
-	size := 0
+	size, parts := 0, 0
 	send := func() error {
-		buf = AppendBatch(buf[:0], &b)
+		parts++
+		reply := nats.NewMsg(msg.Reply)
+		reply.Header.Set(partHeader, strconv.Itoa(parts))
+		reply.Data = AppendBatch(nil, &b)
 		b.Messages, size = b.Messages[:0], 0
-		return msg.Respond(buf)
+		return nc.PublishMsg(reply)
 	}
 	for i := range msgs {
 		n := encodedSize(&msgs[i])
@@ -815,13 +890,13 @@ func (s *Syncer) run() {
 			batch.Epoch, stored.Epoch = epoch, epoch
 			self := peerName(s.cfg.Name, epoch)
 			s.self.Store(&self)
-			s.renewals.Add(1)
 			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
 				zap.String("name", self))
 			restate = true
-			if s.cfg.OnRenewed != nil {
-				s.cfg.OnRenewed()
+			if s.cut.Swap(false) && s.cfg.OnRenewed != nil {
+				s.cfg.OnRenewed(s.peersHeard())
 			}
+			s.renewals.Add(1) // after OnRenewed: counted, it is done
 		}
 		if restate && s.cfg.Resync != nil {
 			for _, m := range s.cfg.Resync() {
@@ -891,6 +966,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 		s.cfg.OnHeard(peer)
 	}
 	for _, m := range b.Messages {
+		s.noteLiveOp(&m)
 		if s.cfg.OnMessage != nil {
 			s.cfg.OnMessage(peer, m)
 		}
@@ -905,6 +981,8 @@ func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 	if b.Instance == 0 {
 		return true
 	}
+	s.sendersMu.Lock()
+	defer s.sendersMu.Unlock()
 	if now.Sub(s.sendersSeen) > senderMemory {
 		for k, n := range s.senders {
 			if now.Sub(n.heard) > senderMemory {
@@ -936,6 +1014,18 @@ func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 	}
 	s.senders[key] = senderName{epoch: b.Epoch, heard: now}
 	return true
+}
+
+// peersHeard returns the latest names of the peers this connection heard
+// within senderMemory.
+func (s *Syncer) peersHeard() []string {
+	s.sendersMu.Lock()
+	defer s.sendersMu.Unlock()
+	names := make([]string, 0, len(s.senders))
+	for k, n := range s.senders {
+		names = append(names, peerName(k.name, n.epoch))
+	}
+	return names
 }
 
 // restateAfterSilence is how long a peer may go unheard before this

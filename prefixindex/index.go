@@ -2,6 +2,7 @@ package prefixindex
 
 import (
 	"math/bits"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -231,21 +232,31 @@ func (ix *Index) Insert(id UpstreamID, hashes []uint64) {
 	}
 }
 
-// Entries appends to dst the blocks upstream id holds, most recently used
-// first, and returns it: what Restore takes, to give another index (a
-// router that starts) the same holdings in the same order.
-func (ix *Index) Entries(id UpstreamID, dst []uint64) []uint64 {
+// Entries appends to dst the blocks the upstream registered as key holds,
+// most recently used first, and returns it: what Restore takes, to give
+// another index (a router that starts) the same holdings in the same
+// order. The group's lock is held only to copy the list, which is walked
+// after: a long list must not hold up the inserts of the group's other
+// members.
+func (ix *Index) Entries(key string, dst []uint64) []uint64 {
+	id, ok := ix.Lookup(key)
+	if !ok {
+		return dst
+	}
 	g, l, _ := ix.slot(id)
 	if g == nil {
 		return dst
 	}
 	g.mu.RLock()
-	defer g.mu.RUnlock()
-	if len(l.entries) == 0 {
+	// The handle may have gone to another upstream since the lookup.
+	if ix.Key(id) != key || len(l.entries) == 0 {
+		g.mu.RUnlock()
 		return dst
 	}
-	for s := l.entries[0].next; s != 0; s = l.entries[s].next {
-		dst = append(dst, l.entries[s].hash)
+	entries := slices.Clone(l.entries)
+	g.mu.RUnlock()
+	for s := entries[0].next; s != 0; s = entries[s].next {
+		dst = append(dst, entries[s].hash)
 	}
 	return dst
 }

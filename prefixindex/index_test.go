@@ -278,8 +278,8 @@ func TestRestoreCopiesHoldingsInOrder(t *testing.T) {
 		chains = append(chains, c)
 		src.Insert(s, c)
 	}
-	entries := src.Entries(s, nil)
-	if len(entries) != 64 || src.Blocks(s) != 64 {
+	entries := src.Entries("u:1", nil)
+	if len(entries) != 64 || src.Blocks(s) != 64 || len(src.Entries("v:1", nil)) != 0 {
 		t.Fatalf("%d entries of %d blocks, want 64", len(entries), src.Blocks(s))
 	}
 
@@ -302,14 +302,14 @@ func TestRestoreCopiesHoldingsInOrder(t *testing.T) {
 			}
 		}
 	}
-	if got, want := dst.Entries(d, nil), src.Entries(s, nil); fmt.Sprint(got) != fmt.Sprint(want) {
+	if got, want := dst.Entries("u:1", nil), src.Entries("u:1", nil); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("restored order differs:\n got %v\nwant %v", got, want)
 	}
 	// Both evict the same blocks next.
 	extra := chainOf(nil, 10, 99)
 	src.Insert(s, extra)
 	dst.Insert(d, extra)
-	if got, want := dst.Entries(d, nil), src.Entries(s, nil); fmt.Sprint(got) != fmt.Sprint(want) {
+	if got, want := dst.Entries("u:1", nil), src.Entries("u:1", nil); fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("after an insert, orders differ:\n got %v\nwant %v", got, want)
 	}
 
@@ -319,12 +319,12 @@ func TestRestoreCopiesHoldingsInOrder(t *testing.T) {
 	live.SetCapacity(l, 10)
 	fresh := chainOf(nil, 4, 50)
 	live.Insert(l, fresh)
-	live.Restore(l, src.Entries(s, nil))
-	got := live.Entries(l, nil)
+	live.Restore(l, src.Entries("u:1", nil))
+	got := live.Entries("u:1", nil)
 	if len(got) != 10 || fmt.Sprint(got[:4]) != fmt.Sprint(fresh) {
 		t.Fatalf("restore into a live index: %v, want the 4 fresh blocks first and 10 in all", got)
 	}
-	if want := src.Entries(s, nil)[:6]; fmt.Sprint(got[4:]) != fmt.Sprint(want) {
+	if want := src.Entries("u:1", nil)[:6]; fmt.Sprint(got[4:]) != fmt.Sprint(want) {
 		t.Fatalf("restored part %v, want the 6 most recent %v", got[4:], want)
 	}
 }

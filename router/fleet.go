@@ -27,6 +27,10 @@ import (
 type Fleet struct {
 	// homes are the stored responses' upstreams (see Request.Home).
 	homes responseHomes
+	// pending holds a peer's snapshot events for upstreams not known yet
+	// (see Restore), pendingHashes and pendingResponses what they hold.
+	pending                         map[string]*pendingRestore
+	pendingHashes, pendingResponses int
 
 	mu        sync.Mutex
 	index     *prefixindex.Index
@@ -142,6 +146,7 @@ func (f *Fleet) upstream(dial string, now time.Time) *upstream {
 	if !ok {
 		u = &upstream{dial: dial, id: f.index.Register(dial)}
 		f.upstreams[dial] = u
+		f.restorePending(u, now)
 	}
 	u.lastUsed = now
 	return u

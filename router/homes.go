@@ -75,15 +75,34 @@ func (h *responseHomes) forget(id string) {
 	}
 }
 
-// oldestFirst returns the homes known, least recently used first.
-func (h *responseHomes) oldestFirst() []responseHome {
+// newestFirst returns the homes known, most recently used first.
+func (h *responseHomes) newestFirst() []responseHome {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	homes := make([]responseHome, 0, h.order.Len())
-	for e := h.order.Back(); e != nil; e = e.Prev() {
+	for e := h.order.Front(); e != nil; e = e.Next() {
 		homes = append(homes, *e.Value.(*responseHome))
 	}
 	return homes
+}
+
+// restore notes id's home as a peer's snapshot has it, less recently used
+// than every home known, and reports whether it did: an id known already
+// keeps what this router learned, and a full table evicts nothing.
+func (h *responseHomes) restore(id, dial string) bool {
+	if id == "" || dial == "" || len(id) > MaxResponseIDBytes {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.byID == nil {
+		h.byID = make(map[string]*list.Element)
+	}
+	if _, ok := h.byID[id]; ok || h.order.Len() >= MaxResponseHomes {
+		return false
+	}
+	h.byID[id] = h.order.PushBack(&responseHome{id: id, dial: dial})
+	return true
 }
 
 // ResponseHomes counts the stored responses whose upstream the fleet

@@ -5,8 +5,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
 
 // Several routers in front of the same upstreams share one view by telling
@@ -44,7 +42,7 @@ const (
 	// sending router's index has them, most recently used first, in an
 	// index sized for KV tokens of blocks of BlockTokens. It is about no
 	// charge: a router that starts learns its peers' index this way (see
-	// SnapshotEvents).
+	// SnapshotEvents and Restore; Apply ignores it).
 	EventCached
 )
 
@@ -116,23 +114,21 @@ func (f *Fleet) LiveEvents() []Event {
 }
 
 // SnapshotEvents restates what this router knows that outlives any
-// charge, for a router that starts (see fleetsync): what its index holds
-// of each upstream (EventCached, at most maxHashes hashes an event, most
-// recent first, so that applied in order they restore the same recency)
-// and the stored responses' homes (EventStored, least recently used
-// first). Charges in flight are each router's own to restate (see
-// LiveEvents).
+// charge, for a router that starts (see fleetsync), which applies them in
+// order with Restore: what its index holds of each upstream (EventCached,
+// at most maxHashes hashes an event) and the stored responses' homes
+// (EventStored), each most recent first. Charges in flight are each
+// router's own to restate (see LiveEvents).
 func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
 	type holding struct {
 		dial                  string
-		id                    prefixindex.UpstreamID
 		capacity, blockTokens int
 	}
 	f.mu.Lock()
 	held := make([]holding, 0, len(f.upstreams))
 	for dial, u := range f.upstreams {
 		if !u.forgotten {
-			held = append(held, holding{dial, u.id, u.capacityTokens, u.indexBlockTokens})
+			held = append(held, holding{dial, u.capacityTokens, u.indexBlockTokens})
 		}
 	}
 	f.mu.Unlock()
@@ -144,17 +140,113 @@ func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
 	var hashes []uint64
 	maxHashes = max(1, maxHashes)
 	for _, h := range held {
-		hashes = f.index.Entries(h.id, hashes[:0])
+		hashes = f.index.Entries(h.dial, hashes[:0])
 		for len(hashes) > 0 {
 			n := min(len(hashes), maxHashes)
 			out = append(out, Event{Kind: EventCached, Dial: h.dial, Hashes: slices.Clone(hashes[:n]), KV: h.capacity, BlockTokens: h.blockTokens})
 			hashes = hashes[n:]
 		}
 	}
-	for _, home := range f.homes.oldestFirst() {
+	for _, home := range f.homes.newestFirst() {
 		out = append(out, Event{Kind: EventStored, Dial: home.dial, Response: home.id})
 	}
 	return out
+}
+
+// Restore applies one of a peer's SnapshotEvents, in their order, and
+// reports whether it changed anything. What it restores goes behind what
+// this router learned itself, which is more recent, and never evicts
+// that: index blocks (see prefixindex.Index.Restore) and stored
+// responses' homes. Events for an upstream this router does not know yet
+// (a dynamic one, known at its first request) are kept for it, within
+// pendingRestoreLife; those for an upstream it forgot are ignored.
+func (f *Fleet) Restore(ev Event, now time.Time) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams[ev.Dial]
+	switch {
+	case u == nil:
+		f.keepForLater(ev, now)
+		return false
+	case u.forgotten:
+		return false
+	}
+	return f.restore(u, ev)
+}
+
+// restore applies a snapshot's event to u. Caller holds f.mu.
+func (f *Fleet) restore(u *upstream, ev Event) bool {
+	switch ev.Kind {
+	case EventCached:
+		f.applyCached(u, ev)
+		return true
+	case EventStored:
+		return f.homes.restore(ev.Response, u.dial)
+	}
+	return false
+}
+
+// Bounds of the snapshot events kept for upstreams not known yet.
+const (
+	pendingRestoreLife  = 5 * time.Minute
+	maxPendingDials     = 1024
+	maxPendingHashes    = 1 << 20
+	maxPendingResponses = MaxResponseHomes
+)
+
+// pendingRestore is a peer's snapshot events for one upstream this router
+// does not know yet, and when they came.
+type pendingRestore struct {
+	at     time.Time
+	events []Event
+}
+
+// keepForLater keeps ev for its upstream, within bounds. Caller holds
+// f.mu.
+func (f *Fleet) keepForLater(ev Event, now time.Time) {
+	if ev.Kind != EventCached && ev.Kind != EventStored || ev.Dial == "" {
+		return
+	}
+	if f.pending == nil {
+		f.pending = make(map[string]*pendingRestore)
+	}
+	p := f.pending[ev.Dial]
+	if p == nil {
+		if len(f.pending) >= maxPendingDials {
+			return
+		}
+		p = &pendingRestore{at: now}
+		f.pending[ev.Dial] = p
+	}
+	switch {
+	case ev.Kind == EventCached && f.pendingHashes+len(ev.Hashes) > maxPendingHashes,
+		ev.Kind == EventStored && f.pendingResponses >= maxPendingResponses:
+		return
+	}
+	f.pendingHashes += len(ev.Hashes)
+	if ev.Kind == EventStored {
+		f.pendingResponses++
+	}
+	p.events = append(p.events, ev)
+}
+
+// restorePending applies what a peer's snapshot had for u, a new
+// upstream, if it came within pendingRestoreLife. Caller holds f.mu.
+func (f *Fleet) restorePending(u *upstream, now time.Time) {
+	p := f.pending[u.dial]
+	if p == nil {
+		return
+	}
+	delete(f.pending, u.dial)
+	for _, ev := range p.events {
+		f.pendingHashes -= len(ev.Hashes)
+		if ev.Kind == EventStored {
+			f.pendingResponses--
+		}
+		if now.Sub(p.at) <= pendingRestoreLife {
+			f.restore(u, ev)
+		}
+	}
 }
 
 // maxCachedCapacity bounds the KV capacity, in tokens, a peer's cached
@@ -220,19 +312,18 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		}
 		return f.homes.remember(ev.Response, ev.Dial)
 	}
-	if ev.Kind == EventCached {
-		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten {
-			return false
-		}
-		f.applyCached(u, ev)
-		return true
-	}
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten || f.remote[key] != nil || f.remoteCharges[peer] >= maxPeerCharges {
+		if u == nil || u.forgotten || f.remoteCharges[peer] >= maxPeerCharges {
 			return false
+		}
+		if f.remote[key] != nil {
+			// Counted already, from a restatement that overtook the
+			// routing (restatements carry no hashes): the prefix is
+			// still news.
+			f.index.Insert(u.id, ev.Hashes)
+			return len(ev.Hashes) > 0
 		}
 		// A peer's figures are bounded by what one request can hold: a
 		// wrong one (or a hostile peer) must not fill the upstream's KV
@@ -306,16 +397,6 @@ func (f *Fleet) DropPeer(peer string, now time.Time) int {
 	}
 	delete(f.peers, peer)
 	return n
-}
-
-// DropPeers releases every peer's charges, at once: this router lost its
-// connection to them and with it, maybe, their releases. They restate
-// what they have in flight (see LiveEvents). It returns how many charges
-// it released.
-func (f *Fleet) DropPeers(now time.Time) int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.releaseRemote(now, func(remoteKey, *Charge) bool { return true })
 }
 
 // releaseRemote releases the peers' charges drop picks and returns how

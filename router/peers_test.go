@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -247,7 +248,7 @@ func TestLiveEventsRestateCharges(t *testing.T) {
 }
 
 // TestSnapshotRestoresTheView: a router that starts, given a peer's
-// SnapshotEvents, holds what the peer's index holds (the same blocks in
+// SnapshotEvents (through Restore), holds what the peer's index holds (the same blocks in
 // the same recency order, in an index of the peer's size where its own
 // was never sized) and knows the stored responses' homes; upstreams it
 // does not route to are skipped.
@@ -279,7 +280,7 @@ func TestSnapshotRestoresTheView(t *testing.T) {
 		if len(ev.Hashes) > 1000 {
 			t.Fatalf("an event of %d hashes", len(ev.Hashes))
 		}
-		b.Apply("a#1", ev, t0)
+		b.Restore(ev, t0)
 	}
 	for _, dial := range []string{"x", "y"} {
 		ua, ub := state(t, a, dial), state(t, b, dial)
@@ -287,9 +288,7 @@ func TestSnapshotRestoresTheView(t *testing.T) {
 			t.Fatalf("%s: b's index %d of %d blocks, a's %d of %d (more than the default 2048 wanted)",
 				dial, ub.IndexBlocks, ub.IndexCapacityBlocks, ua.IndexBlocks, ua.IndexCapacityBlocks)
 		}
-		ia, _ := a.index.Lookup(dial)
-		ib, _ := b.index.Lookup(dial)
-		if !slices.Equal(a.index.Entries(ia, nil), b.index.Entries(ib, nil)) {
+		if !slices.Equal(a.index.Entries(dial, nil), b.index.Entries(dial, nil)) {
 			t.Fatalf("%s: b's index holds a's blocks in another order", dial)
 		}
 	}
@@ -308,5 +307,122 @@ func TestSnapshotRestoresTheView(t *testing.T) {
 	}
 	if u := state(t, b, "x"); u.InFlight != 0 || u.QueuedPrefillTokens != 0 {
 		t.Fatalf("a snapshot charged b: %+v", u)
+	}
+}
+
+// TestSnapshotSendsNoOtherUpstreamsBlocks: an upstream forgotten while a
+// snapshot is made gives its index handle to the next one named; the
+// snapshot must not send the new one's blocks under the old one's dial.
+func TestSnapshotSendsNoOtherUpstreamsBlocks(t *testing.T) {
+	for iter := range 200 {
+		f := New()
+		for i := range 4 {
+			d := fmt.Sprintf("a%d", i)
+			f.Name(d, t0)
+			id, _ := f.index.Lookup(d)
+			f.index.SetCapacity(id, 1<<12)
+			chain := make([]uint64, 1<<12)
+			for j := range chain {
+				chain[j] = uint64(i+1)<<40 | uint64(j)
+			}
+			f.index.Insert(id, chain)
+		}
+		f.Name("y", t0)
+		yid, _ := f.index.Lookup("y")
+		f.index.Insert(yid, []uint64{1 << 50})
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			f.Forget("y")   // a reload drops y...
+			f.Name("z", t0) // ...and names z, which takes y's handle
+			zid, _ := f.index.Lookup("z")
+			f.index.Insert(zid, []uint64{2 << 50})
+		}()
+		events := f.SnapshotEvents(8192)
+		<-done
+		for _, ev := range events {
+			if ev.Kind == EventCached && ev.Dial == "y" && ev.Hashes[0] == 2<<50 {
+				t.Fatalf("iteration %d: z's block sent as y's", iter)
+			}
+		}
+	}
+}
+
+// TestRestoredHomesGoBehind: a peer's snapshot of stored responses' homes
+// goes behind what this router learned itself meanwhile, and a full table
+// evicts none of its own: its own newest response's home stays known.
+func TestRestoredHomesGoBehind(t *testing.T) {
+	a, b := New(), New()
+	a.Name("x", t0)
+	b.Name("x", t0)
+	for i := range MaxResponseHomes {
+		a.RememberResponse(fmt.Sprintf("resp_%d", i), "x")
+	}
+	events := a.SnapshotEvents(8192)
+	b.RememberResponse("resp_mine", "x") // stored through b while the snapshot travels
+	for _, ev := range events {
+		b.Restore(ev, t0)
+	}
+	if b.ResponseHome("resp_mine") != "x" || b.ResponseHomes() != MaxResponseHomes {
+		t.Fatalf("b's own newest home: %q, %d homes", b.ResponseHome("resp_mine"), b.ResponseHomes())
+	}
+	// The restored ones keep the peer's order: its newest are kept.
+	if b.ResponseHome(fmt.Sprintf("resp_%d", MaxResponseHomes-1)) != "x" || b.ResponseHome("resp_0") != "" {
+		t.Fatal("b kept the peer's oldest home rather than its newest")
+	}
+}
+
+// TestRoutingAfterItsRestatement: a peer's routed event that arrives after
+// a restatement of the same charge (restatements carry no hashes, and may
+// overtake the routing in the peer's queue) is not counted twice, and its
+// prefix is indexed.
+func TestRoutingAfterItsRestatement(t *testing.T) {
+	b := New()
+	b.Name("x", t0)
+	h := hashes(1, 512)
+	b.Apply("a#1", Event{Kind: EventRouted, ID: 7, Dial: "x", Prefill: 512, KV: 600}, t0)
+	b.Apply("a#1", Event{Kind: EventRouted, ID: 7, Dial: "x", Prefill: 512, KV: 600, Hashes: h, BlockTokens: 64}, t0)
+	if u := state(t, b, "x"); u.InFlight != 1 || u.IndexBlocks != len(h) {
+		t.Fatalf("after the restatement and the routing: %+v", u)
+	}
+}
+
+// TestSnapshotOfAnUpstreamNotKnownYet: a peer's snapshot of an upstream
+// this router does not know yet (a dynamic one, known at its first
+// request) is restored when the upstream comes, within
+// pendingRestoreLife, behind what the first request put in the index;
+// later than that it is dropped.
+func TestSnapshotOfAnUpstreamNotKnownYet(t *testing.T) {
+	a := New()
+	a.Name("x", t0)
+	a.Name("late", t0)
+	ms := members("x")
+	ms[0].Hardware.KVCapacityTokens = 1 << 20
+	req := Request{Hashes: hashes(1, 4096), BlockTokens: 64, PromptTokens: 4096}
+	aOpts := Options{}.WithDefaults()
+	served(a, a.Decide(t0, req, ms, &aOpts, rng(), nil).Charge, t0)
+	a.RememberResponse("resp_1", "x")
+	events := a.SnapshotEvents(16)
+	for _, tc := range []struct {
+		name   string
+		after  time.Duration
+		blocks int
+		home   string
+	}{{"soon", time.Minute, 64, "x"}, {"too late", pendingRestoreLife + time.Second, 0, ""}} {
+		b := New()
+		for _, ev := range events {
+			if b.Restore(ev, t0) {
+				t.Fatalf("%s: restored %v for an upstream b does not know", tc.name, ev.Kind)
+			}
+		}
+		opts := Options{}.WithDefaults()
+		d := b.Decide(t0.Add(tc.after), Request{Hashes: hashes(2, 64), BlockTokens: 64, PromptTokens: 64}, members("x"), &opts, rng(), nil)
+		served(b, d.Charge, t0.Add(tc.after))
+		if u := state(t, b, "x"); u.IndexBlocks != 1+tc.blocks || b.ResponseHome("resp_1") != tc.home {
+			t.Fatalf("%s: b's index holds %d blocks and resp_1's home is %q; want %d and %q", tc.name, u.IndexBlocks, b.ResponseHome("resp_1"), 1+tc.blocks, tc.home)
+		}
+		if b.pending != nil && len(b.pending) != 0 || b.pendingHashes != 0 || b.pendingResponses != 0 {
+			t.Fatalf("%s: pending left: %d dials, %d hashes, %d responses", tc.name, len(b.pending), b.pendingHashes, b.pendingResponses)
+		}
 	}
 }
