@@ -75,7 +75,7 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 	return err
 }
 
-// StatusHandler serves the status page, the upstreams and gateway JSON and the drain
+// StatusHandler serves the status page, the upstreams, gateway and sync JSON and the drain
 // endpoints on an ordinary site, under /llm_affinity/, exactly as the
 // admin API does:
 //
@@ -111,6 +111,8 @@ func (StatusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyht
 		err = handleUpstreams(w, r)
 	case p == "/llm_affinity/gateway":
 		err = handleGateway(w, r)
+	case p == "/llm_affinity/sync":
+		err = handleSync(w, r)
 	case strings.HasPrefix(p, "/llm_affinity/upstreams/"):
 		if err = checkSameOrigin(r); err == nil {
 			err = handleDrain(w, r)

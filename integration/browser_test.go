@@ -17,6 +17,8 @@ import (
 	"github.com/chromedp/cdproto/page"
 	"github.com/chromedp/chromedp"
 
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
+	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -50,9 +52,9 @@ func chromium(t *testing.T) string {
 	return ""
 }
 
-// statusSite is the router's site in front of fleet with engine scraping
-// and the status page.
-func statusSite(fleet []*replica) string {
+// statusSite is the router's site in front of fleet with engine scraping,
+// sync over natsURL and the status page.
+func statusSite(fleet []*replica, natsURL string) string {
 	return fmt.Sprintf(`handle /llm_affinity/* {
 		llm_affinity_status
 	}
@@ -62,8 +64,11 @@ func statusSite(fleet []*replica) string {
 			explain_header
 			kv_capacity 131072
 			scrape_interval 100ms
+			sync %s {
+				name browser-router
+			}
 		}
-	}`, dials(fleet))
+	}`, dials(fleet), natsURL)
 }
 
 // TestStatusPageInBrowser loads the status page in headless chromium
@@ -76,7 +81,14 @@ func statusSite(fleet []*replica) string {
 func TestStatusPageInBrowser(t *testing.T) {
 	browser := chromium(t)
 	fleet := startFleet(t, 3, 1, kvsim.Config{})
-	r := startObserved(t, "browser", "", statusSite(fleet))
+	ns := natstest.Start(t, -1)
+	r := startObserved(t, "browser", "", statusSite(fleet, ns.ClientURL()))
+	// A peer router, heard on the page's sync line.
+	peer, err := fleetsync.New(fleetsync.Config{URLs: []string{ns.ClientURL()}, Name: "peer-router", Subject: fleetsync.DefaultSubject})
+	if err != nil || peer.Start() != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(peer.Close)
 
 	// Traffic until every replica has served a request.
 	seen := map[string]bool{}
@@ -179,6 +191,10 @@ func TestStatusPageInBrowser(t *testing.T) {
 	if summary := js(`document.getElementById("summary").textContent`); !strings.Contains(summary, "0 waiting at the gateway") {
 		t.Errorf("the summary does not count the requests held at the gateway: %q", summary)
 	}
+	syncLine := func() string { return js(`document.getElementById("sync").hidden ? "" : document.getElementById("sync").textContent`) }
+	eventually(t, 60*time.Second, "the sync line naming the peer", func() bool {
+		return strings.HasPrefix(syncLine(), "sync: NATS connected, 1 peer (peer-router#")
+	})
 
 	target := fleet[1].dial()
 	click(row(target) + " button.drain")
@@ -226,6 +242,13 @@ func TestStatusPageInBrowser(t *testing.T) {
 	if phase := r.phase(t, target); phase != "active" {
 		t.Fatalf("after undrain from the admin page the admin API says %s", phase)
 	}
+
+	// NATS gone: the line says the router routes on its own view.
+	ns.Shutdown()
+	eventually(t, 60*time.Second, "the sync line saying NATS is down", func() bool {
+		return strings.Contains(syncLine(), "0 of 1 NATS connections up") &&
+			js(`document.getElementById("sync").className`) == "bad"
+	})
 
 	// A phone's width: the rows are cards, and nothing runs past the
 	// screen or out of its cell.

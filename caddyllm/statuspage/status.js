@@ -105,18 +105,41 @@ function showError(e) {
   p.hidden = false;
 }
 
+// syncLine says how this router shares its view with its peers (the sync
+// option), "" without sync.
+function syncLine(v) {
+  const conns = (v && v.connections) || [];
+  if (conns.length === 0) return ["", ""];
+  const up = conns.filter((c) => c.connected).length;
+  const peers = (v.peers || []).map((p) => p.name);
+  let text = "sync: " + (up === conns.length ? "NATS connected" : up + " of " + conns.length + " NATS connections up, the others routing on this router's own view");
+  text += ", " + peers.length + (peers.length === 1 ? " peer" : " peers") + (peers.length ? " (" + peers.join(", ") + ")" : "");
+  const from = conns.map((c) => c.snapshot_from).filter(Boolean);
+  if (from.length) text += ", started with " + from.join(", ") + "'s view";
+  const dropped = conns.reduce((n, c) => n + c.events_dropped, 0);
+  if (dropped) text += ", " + fmtInt(dropped) + " events dropped";
+  return [text, up === conns.length ? "" : "bad"];
+}
+
 let timer;
 async function refresh() {
   clearTimeout(timer);
   try {
-    const [res, gw] = await Promise.all([
+    const [res, gw, sy] = await Promise.all([
       fetch("upstreams", { cache: "no-store" }),
       fetch("gateway", { cache: "no-store" }),
+      fetch("sync", { cache: "no-store" }),
     ]);
     if (!res.ok) throw new Error("upstreams: " + res.status + " " + (await res.text()));
     if (!gw.ok) throw new Error("gateway: " + gw.status + " " + (await gw.text()));
+    if (!sy.ok) throw new Error("sync: " + sy.status + " " + (await sy.text()));
     const ups = await res.json() || [];
     const gateway = await gw.json();
+    const [syncText, syncCls] = syncLine(await sy.json());
+    const line = document.getElementById("sync");
+    line.textContent = syncText;
+    line.className = syncCls;
+    line.hidden = syncText === "";
     document.querySelector("#upstreams tbody").replaceChildren(...ups.map(row));
     const inFlight = ups.reduce((n, u) => n + u.in_flight, 0);
     document.getElementById("summary").textContent =
