@@ -84,8 +84,10 @@ type Message struct {
 	Drain, Undrain string
 	Deadline       time.Duration
 	// seq orders an operator's messages within the sending router (see
-	// Syncer.numberOp); it is not sent.
-	seq uint64
+	// Syncer.numberOp), and made is when the operator made it; they are
+	// not sent.
+	seq  uint64
+	made time.Time
 }
 
 // Batch is what one publication carries.

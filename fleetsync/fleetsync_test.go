@@ -916,6 +916,32 @@ func TestKeptDrainIsNotUndone(t *testing.T) {
 	}
 }
 
+// TestKeptDrainKeepsItsDeadline: a drain kept while the router was cut off
+// reaches the peers with what is left of its deadline, counted from when
+// the operator made it (as it is on this router), not a whole one from
+// the reconnection.
+func TestKeptDrainKeepsItsDeadline(t *testing.T) {
+	s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	drain, gone := Message{Drain: "x:1", Deadline: time.Minute}, Message{Drain: "y:1", Deadline: time.Minute}
+	s.numberOp(&drain)
+	s.numberOp(&gone)
+	drain.made = drain.made.Add(-20 * time.Second) // made 20 s ago
+	gone.made = gone.made.Add(-2 * time.Minute)    // its deadline passed while cut off
+	s.keepOp(drain)
+	s.keepOp(gone)
+	for _, m := range s.takeLostOps() {
+		switch {
+		case m.Drain == "x:1" && (m.Deadline > 40*time.Second || m.Deadline < 30*time.Second):
+			t.Errorf("x:1's drain goes with %v left of its minute, made 20 s ago", m.Deadline)
+		case m.Drain == "y:1" && m.Deadline != 0:
+			t.Errorf("y:1's drain goes with %v left; its deadline passed", m.Deadline)
+		}
+	}
+}
+
 // peerRouter is one router's fleet wired to its Syncer as the plugin wires
 // them: peers' charges, drains (recorded in drained), renewals, its
 // restatements and snapshots.

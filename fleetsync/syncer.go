@@ -717,7 +717,7 @@ func (s *Syncer) numberOp(m *Message) {
 	s.opsMu.Lock()
 	defer s.opsMu.Unlock()
 	s.opSeq++
-	m.seq = s.opSeq
+	m.seq, m.made = s.opSeq, time.Now()
 }
 
 // supersededOp reports whether m is an operator's message of an upstream
@@ -764,12 +764,16 @@ func (s *Syncer) keepOp(m Message) {
 const maxLostOps = 4096
 
 // takeLostOps returns the operators' drains that could not be sent, and
-// forgets them.
+// forgets them. A drain's deadline counts from when the operator made it,
+// as it does on this router: what is left of it goes.
 func (s *Syncer) takeLostOps() []Message {
 	s.opsMu.Lock()
 	defer s.opsMu.Unlock()
 	out := make([]Message, 0, len(s.lostOps))
 	for _, m := range s.lostOps {
+		if m.Drain != "" && !m.made.IsZero() {
+			m.Deadline = max(0, m.Deadline-time.Since(m.made))
+		}
 		out = append(out, m)
 	}
 	clear(s.lostOps)
