@@ -556,7 +556,8 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	held := time.Now()
 	deadline := held.Add(time.Duration(p.QueueTimeout))
 	defer p.unhold(st)
-	queued, lookedAgain := false, false
+	queued := false
+	var lookUntil time.Time // while the model lists are fetched anew
 	for now := held; ; now = time.Now() {
 		up, d := p.decide(pool, st, now, deadline)
 		if up != nil {
@@ -569,16 +570,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// larger than every upstream's KV cache; a 503 would tell the
 		// client to retry.
 		switch {
-		case d.Unservable && !lookedAgain && p.scraper != nil:
-			// An adapter loaded on an engine directly, not through the
-			// router, is listed there before the next models_interval:
-			// look again, once, before a 404.
-			// The state is not held meanwhile, as while waiting for
-			// capacity.
-			lookedAgain = true
-			st.mu.Unlock()
-			p.fetchModelsAgain(r.Context(), pool, st, now, deadline)
-			st.mu.Lock()
+		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil):
 			if r.Context().Err() != nil {
 				return nil
 			}
@@ -743,23 +735,48 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 }
 
 // modelsRefetchWait is the longest a request for a model no engine lists
-// waits for the lists fetched anew (see scrape.Scraper.FetchModels).
+// waits for the lists fetched anew (see scrape.Scraper.AskModels).
 const modelsRefetchWait = 2 * time.Second
 
-// fetchModelsAgain has the model lists of pool's upstreams fetched anew,
-// unless fetched since st's arrival, and waits for them within the
-// request's deadline.
-func (p *Policy) fetchModelsAgain(ctx context.Context, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time) {
-	if wait := now.Add(modelsRefetchWait); wait.Before(deadline) {
-		deadline = wait
+// lookAgain, for a request whose model no engine lists, has the engines'
+// lists fetched anew (those not fetched since it arrived) and waits for
+// the next to come, within modelsRefetchWait and the request's deadline
+// (lookUntil keeps the end across calls), and reports whether it did:
+// then the request is decided again, once per list fetched. An adapter
+// loaded on an engine directly, not through the router, is listed there
+// before the next models_interval. It reports false, and the 404 goes,
+// once every list is as new as the request, or the time is up. Caller
+// holds st.mu, which is not held while it waits, as while waiting for
+// capacity.
+func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time, lookUntil *time.Time) bool {
+	if lookUntil.IsZero() {
+		*lookUntil = now.Add(modelsRefetchWait)
+		if deadline.Before(*lookUntil) {
+			*lookUntil = deadline
+		}
 	}
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
+	wait := lookUntil.Sub(now)
+	if wait <= 0 {
+		return false
+	}
 	dials := make([]string, len(pool))
 	for i, u := range pool {
 		dials[i] = u.Dial
 	}
-	p.scraper.FetchModels(ctx, dials, st.arrived)
+	outstanding, fetched := p.scraper.AskModels(dials, st.arrived)
+	if outstanding == 0 {
+		return false
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	st.mu.Unlock()
+	defer st.mu.Lock()
+	select {
+	case <-fetched:
+	case <-timer.C:
+	case <-r.Context().Done():
+	}
+	return true
 }
 
 // bodyReader is the request body the handler installs for reverse_proxy,

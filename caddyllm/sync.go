@@ -293,7 +293,7 @@ func newSyncCollector(sh *shared) *syncCollector {
 		renewals: prometheus.NewDesc("caddy_llm_affinity_sync_renewals_total",
 			"New identities taken after events to the peers were lost, each restating the charges in flight.", nil, nil),
 		snapshots: prometheus.NewDesc("caddy_llm_affinity_sync_snapshots_total",
-			"Snapshots of the view (prefix index, stored responses' homes, drains): received, the one each connection started with; sent, to routers that started.", []string{"direction"}, nil),
+			"Snapshots of the view (prefix index, stored responses' homes, drains): received, the connections loaded now that started with one; sent, by them to routers that started.", []string{"direction"}, nil),
 		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
 			"Time since the last batch from a peer arrived (absent before the first).", nil, nil),
 	}

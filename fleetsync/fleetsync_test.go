@@ -1062,7 +1062,10 @@ func TestStartingRouterGetsTheView(t *testing.T) {
 	if ub.IndexBlocks != ua.IndexBlocks || ua.IndexBlocks != 40*512 || ub.IndexCapacityBlocks != ua.IndexCapacityBlocks {
 		t.Fatalf("b's index holds %d of %d blocks, a's %d of %d", ub.IndexBlocks, ub.IndexCapacityBlocks, ua.IndexBlocks, ua.IndexCapacityBlocks)
 	}
-	if st := b.syncer.Stats(); st.SnapshotMessages == 0 || a.syncer.Stats().SnapshotsSent != 1 {
+	// a counts its answer once it has sent the end, which b may have
+	// read before that.
+	waitFor(t, "a counting the snapshot it sent", func() bool { return a.syncer.Stats().SnapshotsSent == 1 })
+	if st := b.syncer.Stats(); st.SnapshotMessages == 0 {
 		t.Fatalf("snapshot counters: b %+v, a %+v", st, a.syncer.Stats())
 	}
 	for i, h := range convs {

@@ -110,10 +110,10 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 // TestDirectlyLoadedAdapterFound: an adapter loaded on an engine directly,
 // not through the router, is routed there on its first request: before
 // answering that no engine serves a model, the router fetches the
-// engines' model lists again (those not fetched within a second) and
-// looks again. It answered 404 model_not_found until the next
-// models_interval (here an hour). A model no engine lists still gets the
-// 404.
+// engines' model lists again (those not fetched since the request
+// arrived) and decides again as each comes. It answered 404
+// model_not_found until the next models_interval (here an hour). A model
+// no engine lists still gets the 404.
 func TestDirectlyLoadedAdapterFound(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))

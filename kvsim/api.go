@@ -128,7 +128,9 @@ type responsesFields struct {
 	PreviousResponseID *string `json:"previous_response_id"`
 	// Store is read as pydantic's lax mode reads a boolean: false, 0 and
 	// "false" (and the like) are false; "maybe" or 2 are no boolean.
-	Store *laxBool `json:"store"`
+	// StoreSet says the request has the field (null included).
+	Store    *laxBool `json:"store"`
+	StoreSet bool     `json:"-"`
 }
 
 // decode reads the Responses API's fields of rb.
@@ -150,6 +152,7 @@ func (rb *requestBody) responsesFields() (responsesFields, error) {
 			}
 		}
 	}
+	f.StoreSet = len(rb.Store) > 0
 	return f, nil
 }
 
@@ -245,8 +248,8 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
 		p.Tools = rb.Tools
-		if rf.Store != nil { // null: the default
-			p.Store = bool(*rf.Store)
+		if rf.StoreSet { // null is None in vLLM's request: not stored
+			p.Store = rf.Store != nil && bool(*rf.Store)
 		}
 		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
 			p.Instructions = rf.Instructions

@@ -40,8 +40,8 @@ func AffinityStrategy(policy string) (scorer.Strategy, bool) {
 	return s, true
 }
 
-// ParsePolicies splits a comma-separated list of policy names and checks each; an empty list
-// or "all" means every policy.
+// ParsePolicies splits a comma-separated list of policy names and checks each; "all" means
+// every policy, and a list with no name in it is an error.
 func ParsePolicies(list string) ([]string, error) {
 	list = strings.TrimSpace(list)
 	if list == "all" {

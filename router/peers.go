@@ -230,6 +230,23 @@ func (f *Fleet) keepForLater(ev Event, now time.Time) {
 	p.events = append(p.events, ev)
 }
 
+// expirePending drops what peers' snapshots had for upstreams that did not
+// come within pendingRestoreLife (a peer's other sites). Caller holds
+// f.mu.
+func (f *Fleet) expirePending(now time.Time) {
+	for dial, p := range f.pending {
+		if now.Sub(p.at) > pendingRestoreLife {
+			for _, ev := range p.events {
+				f.pendingHashes -= len(ev.Hashes)
+				if ev.Kind == EventStored {
+					f.pendingResponses--
+				}
+			}
+			delete(f.pending, dial)
+		}
+	}
+}
+
 // restorePending applies what a peer's snapshot had for u, a new
 // upstream, if it came within pendingRestoreLife. Caller holds f.mu.
 func (f *Fleet) restorePending(u *upstream, now time.Time) {
@@ -424,13 +441,16 @@ func (f *Fleet) Heard(peer string, now time.Time) {
 // ExpirePeers releases the charges of peers not heard from since
 // silentSince (the router died or the network parted: its requests are
 // finished or will never be reported) and peers' charges made before
-// chargedBefore (their release was lost). It returns how many it released.
+// chargedBefore (their release was lost), and drops what peers'
+// snapshots had for upstreams that never came. It returns how many
+// charges it released.
 func (f *Fleet) ExpirePeers(now, silentSince, chargedBefore time.Time) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n := f.releaseRemote(now, func(key remoteKey, c *Charge) bool {
 		return f.peers[key.peer].Before(silentSince) || c.Started.Before(chargedBefore)
 	})
+	f.expirePending(now)
 	for peer, seen := range f.peers {
 		if seen.Before(silentSince) {
 			delete(f.peers, peer)

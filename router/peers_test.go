@@ -425,4 +425,18 @@ func TestSnapshotOfAnUpstreamNotKnownYet(t *testing.T) {
 			t.Fatalf("%s: pending left: %d dials, %d hashes, %d responses", tc.name, len(b.pending), b.pendingHashes, b.pendingResponses)
 		}
 	}
+	// An upstream that never comes (a peer's other site): what the
+	// snapshot had for it goes once its time is up.
+	b := New()
+	for _, ev := range events {
+		b.Restore(ev, t0)
+	}
+	b.ExpirePeers(t0.Add(time.Minute), t0, t0)
+	if len(b.pending) != 1 || b.pendingHashes == 0 {
+		t.Fatalf("kept for a minute: %d dials, %d hashes", len(b.pending), b.pendingHashes)
+	}
+	b.ExpirePeers(t0.Add(pendingRestoreLife+time.Second), t0, t0)
+	if len(b.pending) != 0 || b.pendingHashes != 0 || b.pendingResponses != 0 {
+		t.Fatalf("after its time: %d dials, %d hashes, %d responses", len(b.pending), b.pendingHashes, b.pendingResponses)
+	}
 }

@@ -51,8 +51,12 @@ type scrapeTarget struct {
 	modelsAt  time.Time // when models was fetched
 	modelsDue time.Time
 	// modelsSent is when the last fetch of the models was sent, and
-	// modelsTried when the last that has ended (answered or failed) was.
+	// modelsTried when the last that has ended (answered or failed) was;
+	// modelsFetching says one is under way, and modelsTimer that one is
+	// to be sent (see AskModels).
 	modelsSent, modelsTried time.Time
+	modelsFetching          bool
+	modelsTimer             *time.Timer
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -90,8 +94,10 @@ type Scraper struct {
 	done    chan struct{} // closed when the run loop has stopped
 	started atomic.Bool
 	// modelsFetched is closed, and replaced, whenever a fetch of a
-	// target's models ends (see FetchModels).
+	// target's models ends (see AskModels).
 	modelsFetched atomic.Pointer[chan struct{}]
+	// ctx is the context Start was given, for fetches AskModels sends.
+	ctx atomic.Pointer[context.Context]
 }
 
 // New returns a scraper with cfg (defaults filled in). It does
@@ -258,7 +264,16 @@ func (s *Scraper) Start(ctx context.Context) {
 	if !s.started.CompareAndSwap(false, true) {
 		return
 	}
+	s.ctx.Store(&ctx)
 	go s.run(ctx)
+}
+
+// runCtx is the context the scraper runs with (Background before Start).
+func (s *Scraper) runCtx() context.Context {
+	if ctx := s.ctx.Load(); ctx != nil {
+		return *ctx
+	}
+	return context.Background()
 }
 
 // Stopped returns a channel closed once the scraper has stopped and its
@@ -356,13 +371,13 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	// fails or is slow still says what it serves (unless nothing listens).
 	// So has an engine answering again after refusals (a new process,
 	// perhaps with other adapters).
-	modelsDue := !down && s.cfg.ModelsInterval > 0 &&
+	modelsDue := !down && s.cfg.ModelsInterval > 0 && !t.modelsFetching &&
 		(!start.Before(t.modelsDue) || err == nil && t.unreachable)
 	var modelsSent time.Time
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
 		modelsSent = time.Now()
-		t.modelsSent = modelsSent
+		t.modelsSent, t.modelsFetching = modelsSent, true
 	}
 	t.mu.Unlock()
 
@@ -377,7 +392,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	defer t.mu.Unlock()
 	t.busy = false
 	if modelsDue {
-		t.modelsTried = modelsSent
+		t.modelsTried, t.modelsFetching = modelsSent, false
 	}
 	st := &t.status
 	t.down.Store(down)

@@ -493,14 +493,31 @@ func TestRestartFetchesModels(t *testing.T) {
 	waitFor(t, "m2 listed after the restart", 10*time.Second, func() bool { return modelsNow() == "m2" })
 }
 
-// TestFetchModelsAnew: FetchModels has a list fetched again whose last
-// fetch was sent before the time given, and returns once the new one
-// came, with what the engine lists now; waiters at once share fetches,
-// and fetches it asks for are modelsRefetchSpacing apart at least,
-// however many callers ask. A list fetched since then, or an engine
-// where nothing listens, is not waited for.
-func TestFetchModelsAnew(t *testing.T) {
-	var fetches atomic.Int64
+// askModels asks s for the lists of dials fetched since since and waits
+// until each was.
+func askModels(t *testing.T, s *Scraper, dials []string, since time.Time) {
+	t.Helper()
+	for {
+		n, fetched := s.AskModels(dials, since)
+		if n == 0 {
+			return
+		}
+		select {
+		case <-fetched:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d lists not fetched", n)
+		}
+	}
+}
+
+// TestAskModels: AskModels has a list fetched again whose last fetch was
+// sent before the time given, alone (no metrics scrape), with what the
+// engine lists now; callers at once share fetches, and fetches it asks
+// for are modelsRefetchSpacing apart at least, however many callers ask.
+// A list fetched since then, an engine where nothing listens and one
+// whose scrapes fail (a hung engine) are not waited for.
+func TestAskModels(t *testing.T) {
+	var fetches, scrapes atomic.Int64
 	var model atomic.Pointer[string]
 	m1 := "m1"
 	model.Store(&m1)
@@ -510,9 +527,22 @@ func TestFetchModelsAnew(t *testing.T) {
 			fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, *model.Load())
 			return
 		}
+		scrapes.Add(1)
 		_, _ = w.Write(readTestdata(t, "vllm.prom"))
 	}))
 	defer srv.Close()
+	// A hung engine: its metrics fail, and its list, after the first,
+	// never comes (until the test ends).
+	var failingLists atomic.Int64
+	hung := make(chan struct{})
+	failing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" && failingLists.Add(1) > 1 {
+			<-hung
+		}
+		http.Error(w, "broken", http.StatusInternalServerError)
+	}))
+	defer failing.Close()
+	defer close(hung)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -522,22 +552,28 @@ func TestFetchModelsAnew(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
-	s.SetTargets([]string{hostOf(srv), down})
+	all := []string{hostOf(srv), hostOf(failing), down}
+	s.SetTargets(all)
 	s.Start(ctx)
 	modelsNow := func() string {
 		sig, _ := s.Latest(hostOf(srv), time.Now(), time.Hour)
 		return strings.Join(sig.ModelIDs(), ",")
 	}
-	waitFor(t, "m1 listed and the other engine down", 10*time.Second, func() bool { return modelsNow() == "m1" && s.Down(down) })
+	waitFor(t, "m1 listed, the other engines failing and down", 10*time.Second, func() bool {
+		st, _ := s.StatusOf(hostOf(failing))
+		return modelsNow() == "m1" && s.Down(down) && st.ConsecutiveErrors > 0
+	})
 
 	m2 := "m2"
 	model.Store(&m2)
-	if !s.FetchModels(ctx, []string{hostOf(srv), down}, time.Now()) || modelsNow() != "m2" {
-		t.Fatalf("after FetchModels the list is %q, want m2", modelsNow())
+	scrapesBefore := scrapes.Load()
+	askModels(t, s, all, time.Now())
+	if modelsNow() != "m2" {
+		t.Fatalf("after AskModels the list is %q, want m2", modelsNow())
 	}
 	before := fetches.Load()
-	if !s.FetchModels(ctx, []string{hostOf(srv)}, time.Now().Add(-time.Minute)) || fetches.Load() != before {
-		t.Fatal("a list fetched since the time given was fetched again")
+	if n, _ := s.AskModels(all, time.Now().Add(-time.Minute)); n != 0 || fetches.Load() != before {
+		t.Fatal("a list fetched since the time given is fetched again")
 	}
 
 	// Many callers at once, again and again: fetches stay apart.
@@ -546,7 +582,7 @@ func TestFetchModelsAnew(t *testing.T) {
 	for range 8 {
 		wg.Go(func() {
 			for range 5 {
-				s.FetchModels(ctx, []string{hostOf(srv)}, time.Now())
+				askModels(t, s, []string{hostOf(srv)}, time.Now())
 			}
 		})
 	}
@@ -555,5 +591,11 @@ func TestFetchModelsAnew(t *testing.T) {
 	if n < 5 || n > most {
 		t.Fatalf("%d fetches for 8 callers asking 5 times each in %v; want at least 5 (each caller's last one new) and %d at most",
 			n, time.Since(start), most)
+	}
+	if got := scrapes.Load() - scrapesBefore; got != 0 {
+		t.Fatalf("asking for lists scraped the metrics %d times", got)
+	}
+	if failingLists.Load() != 1 {
+		t.Fatalf("the hung engine's list was asked for %d times, want once (its first scrape)", failingLists.Load())
 	}
 }

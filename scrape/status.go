@@ -1,7 +1,6 @@
 package scrape
 
 import (
-	"context"
 	"slices"
 	"strings"
 	"time"
@@ -84,64 +83,90 @@ func (s *Scraper) RefreshModels(dial string) {
 	s.poke()
 }
 
-// FetchModels has the model lists of dials fetched anew, those whose last
-// fetch was sent before since (a request's arrival), and waits until one
-// sent since then ended for each (answered or failed), ctx ends, or the
-// scraper stops; it reports whether each did. A router about to answer
-// that no engine serves a model looks again this way first: an adapter
-// loaded on an engine directly is listed there before the next models
-// interval. Fetches of one list are modelsRefetchSpacing apart at least,
-// and waiters share them, so that clients asking for unknown models cost
-// each engine ten fetches a second at most. Dials the scraper does not
-// scrape, or where nothing listens, are skipped.
-func (s *Scraper) FetchModels(ctx context.Context, dials []string, since time.Time) bool {
+// AskModels has the model lists of dials fetched anew, by themselves (no
+// metrics scrape), where the last fetch was sent before since (a
+// request's arrival), and returns how many of them have not ended a fetch
+// sent since then, and a channel closed when the next fetch of any list
+// ends. A router about to answer that no engine serves a model looks
+// again this way, deciding again at each fetch's end: an adapter loaded on
+// an engine directly is listed there before the next models interval.
+// Fetches of one list are modelsRefetchSpacing apart at least, and shared
+// by all who ask, so that clients asking for unknown models cost each
+// engine ten fetches a second at most and nothing more. Dials the scraper
+// does not scrape, where nothing listens or whose last scrape failed (a
+// list would be as late as its metrics) are left out.
+func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int, fetched <-chan struct{}) {
+	// The channel before looking: a fetch that ends meanwhile closes it.
+	fetched = *s.modelsFetched.Load()
 	if s.cfg.ModelsInterval <= 0 {
-		return true // the lists are not fetched at all
+		return 0, fetched // the lists are not fetched at all
 	}
-	var waiting []*scrapeTarget
+	select {
+	case <-s.done:
+		return 0, fetched
+	default:
+	}
+	now := time.Now()
 	for _, d := range dials {
 		t := s.target(d)
 		if t == nil || t.down.Load() {
 			continue
 		}
 		t.mu.Lock()
-		if t.modelsTried.Before(since) {
-			t.modelsDue = t.modelsSent.Add(modelsRefetchSpacing)
-			waiting = append(waiting, t)
+		if t.status.ConsecutiveErrors == 0 && t.modelsTried.Before(since) {
+			outstanding++
+			s.scheduleModelsLocked(t, now)
 		}
 		t.mu.Unlock()
 	}
-	for {
-		// The channel before the check: a fetch that ends between the
-		// two closes it.
-		fetched := *s.modelsFetched.Load()
-		waiting = slices.DeleteFunc(waiting, func(t *scrapeTarget) bool {
+	return outstanding, fetched
+}
+
+// scheduleModelsLocked starts a fetch of t's list, now or, to keep fetches
+// modelsRefetchSpacing apart, when the last one sent is that old, unless
+// one is under way or scheduled. Caller holds t.mu.
+func (s *Scraper) scheduleModelsLocked(t *scrapeTarget, now time.Time) {
+	if t.modelsFetching || t.modelsTimer != nil {
+		return
+	}
+	if wait := t.modelsSent.Add(modelsRefetchSpacing).Sub(now); wait > 0 {
+		t.modelsTimer = time.AfterFunc(wait, func() {
 			t.mu.Lock()
 			defer t.mu.Unlock()
-			return !t.modelsTried.Before(since) || t.down.Load()
+			t.modelsTimer = nil
+			s.scheduleModelsLocked(t, time.Now())
 		})
-		if len(waiting) == 0 {
-			return true
+		return
+	}
+	t.modelsFetching, t.modelsSent = true, now
+	go s.fetchModelsAlone(t, now)
+}
+
+// fetchModelsAlone fetches t's list, sent at sent, and records it.
+func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
+	defer s.modelsFetchEnded()
+	models, err := s.fetchModels(s.runCtx(), t)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.modelsFetching, t.modelsTried = false, sent
+	t.noteModels(&t.status, models, err, sent)
+	if err == nil {
+		// The last signals with the new list (none yet: signals all
+		// stale, as for a list fetched while the metrics fail).
+		var sig Signals
+		if prev := t.latest.Load(); prev != nil {
+			sig = *prev
 		}
-		// A round now: a target busy with a fetch sent earlier, or one
-		// not due yet, is handed out at the first round it can be.
-		s.poke()
-		select {
-		case <-fetched:
-		case <-time.After(modelsRefetchSpacing):
-		case <-ctx.Done():
-			return false
-		case <-s.done:
-			return false
-		}
+		sig.Models, sig.ModelsAt = t.models, t.modelsAt
+		t.latest.Store(&sig)
 	}
 }
 
 // modelsRefetchSpacing is the least time between two fetches of one
-// engine's models that FetchModels asks for.
+// engine's list that AskModels sends.
 const modelsRefetchSpacing = 100 * time.Millisecond
 
-// modelsFetchEnded tells FetchModels' waiters that a fetch ended.
+// modelsFetchEnded tells AskModels' callers that a fetch ended.
 func (s *Scraper) modelsFetchEnded() {
 	next := make(chan struct{})
 	close(*s.modelsFetched.Swap(&next))
