@@ -191,7 +191,9 @@ func TestStatusPageInBrowser(t *testing.T) {
 	if summary := js(`document.getElementById("summary").textContent`); !strings.Contains(summary, "0 waiting at the gateway") {
 		t.Errorf("the summary does not count the requests held at the gateway: %q", summary)
 	}
-	syncLine := func() string { return js(`document.getElementById("sync").hidden ? "" : document.getElementById("sync").textContent`) }
+	syncLine := func() string {
+		return js(`document.getElementById("sync").hidden ? "" : document.getElementById("sync").textContent`)
+	}
 	eventually(t, 60*time.Second, "the sync line naming the peer", func() bool {
 		return strings.HasPrefix(syncLine(), "sync: NATS connected, 1 peer (peer-router#")
 	})
