@@ -421,7 +421,7 @@ func TestSnapshotOfAnUpstreamNotKnownYet(t *testing.T) {
 		if u := state(t, b, "x"); u.IndexBlocks != 1+tc.blocks || b.ResponseHome("resp_1") != tc.home {
 			t.Fatalf("%s: b's index holds %d blocks and resp_1's home is %q; want %d and %q", tc.name, u.IndexBlocks, b.ResponseHome("resp_1"), 1+tc.blocks, tc.home)
 		}
-		if b.pending != nil && len(b.pending) != 0 || b.pendingHashes != 0 || b.pendingResponses != 0 {
+		if len(b.pending) != 0 || b.pendingHashes != 0 || b.pendingResponses != 0 {
 			t.Fatalf("%s: pending left: %d dials, %d hashes, %d responses", tc.name, len(b.pending), b.pendingHashes, b.pendingResponses)
 		}
 	}
