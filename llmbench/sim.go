@@ -99,6 +99,14 @@ type Sim struct {
 	// (the plugin's kv_capacity, or what scraping reads): 0 is the engines' own; negative
 	// leaves it unknown, as the plugin is without kv_capacity and scrape_interval.
 	KVCapacityTokens int
+	// RestartAt, when positive, restarts the first llm_affinity router at that time of the
+	// replay: a new process under a new name takes its arrivals (a rolling restart: the old
+	// one finishes what it has in flight). With Sync its peers restate their charges to it,
+	// and with RestartSnapshot it starts with the next router's snapshot of the view (index
+	// and homes), as the plugin's sync gives a router that starts; without, its index is
+	// empty.
+	RestartAt       time.Duration
+	RestartSnapshot bool
 }
 
 // Rates returns the prefill and decode rates the scorer is given for workload w: prefill is
@@ -137,6 +145,7 @@ type inflight struct {
 	replica int
 	router  *simRouter
 	charge  *router.Charge // llm_affinity's charge, nil under Caddy's policies
+	fleet   *router.Fleet  // the fleet that made charge (a restarted router's old one)
 	kreq    kvsim.Request
 }
 
@@ -149,10 +158,12 @@ type simRouter struct {
 	pool     reverseproxy.UpstreamPool
 }
 
-// delivery is an event of one router's charges on its way to the others.
+// delivery is an event of one router's charges on its way to the others: from is the
+// sending router's index, name its name when it sent it.
 type delivery struct {
 	at   time.Duration
 	from int
+	name string
 	ev   router.Event
 }
 
@@ -211,6 +222,7 @@ type simRun struct {
 	outbox     []delivery
 	now        time.Duration
 	httpReq    *http.Request
+	restarted  bool // router 0 was restarted (see Sim.RestartAt)
 
 	inflight map[*kvsim.Request]*inflight
 	gateway  []waiter
@@ -338,19 +350,54 @@ func (s *Sim) newRun(w *Workload, policy string) (*simRun, error) {
 		run.members = append(run.members, router.Member{Dial: run.replicas[i].name, Available: true, Healthy: true, Hardware: hw})
 	}
 	for i := range run.routers {
-		rt := &run.routers[i]
-		rt.name, rt.fleet = "router-"+strconv.Itoa(i), router.New()
-		for _, m := range run.members {
-			rt.fleet.Name(m.Dial, at(0))
-		}
-		if s.Sync && len(run.routers) > 1 {
-			rt.fleet.SetPublisher(func(ev router.Event) {
-				run.outbox = append(run.outbox, delivery{at: run.now + max(0, s.SyncDelay), from: i, ev: ev})
-			})
-		}
+		run.startRouter(i, "router-"+strconv.Itoa(i))
 	}
 	return run, nil
 }
+
+// startRouter gives router i a new fleet under name, publishing to the others with sync.
+func (run *simRun) startRouter(i int, name string) {
+	rt := &run.routers[i]
+	rt.name, rt.fleet = name, router.New()
+	for _, m := range run.members {
+		rt.fleet.Name(m.Dial, at(0))
+	}
+	if s := run.sim; s.Sync && len(run.routers) > 1 {
+		rt.fleet.KeepLive(true) // for restating them to a router that starts
+		rt.fleet.SetPublisher(func(ev router.Event) {
+			run.outbox = append(run.outbox, delivery{at: run.now + max(0, s.SyncDelay), from: i, name: name, ev: ev})
+		})
+	}
+}
+
+// restart restarts router 0 at now (see Sim.RestartAt).
+func (run *simRun) restart(now time.Duration) {
+	// Its waiters' holds are the old fleet's: they wait at the new one's gateway.
+	for i := range run.gateway {
+		if wt := &run.gateway[i]; wt.router == &run.routers[0] {
+			wt.unhold(now)
+		}
+	}
+	run.startRouter(0, "router-0#restarted")
+	if !run.sim.Sync || len(run.routers) < 2 {
+		return
+	}
+	fresh := run.routers[0].fleet
+	if run.sim.RestartSnapshot {
+		for _, ev := range run.routers[1].fleet.SnapshotEvents(fleetsyncMaxEventHashes) {
+			fresh.Restore(ev, at(now))
+		}
+	}
+	// Its peers hear it and restate their charges in flight.
+	for j := 1; j < len(run.routers); j++ {
+		for _, ev := range run.routers[j].fleet.LiveEvents() {
+			run.outbox = append(run.outbox, delivery{at: now + max(0, run.sim.SyncDelay), from: j, name: run.routers[j].name, ev: ev})
+		}
+	}
+}
+
+// fleetsyncMaxEventHashes is the hashes a snapshot's event carries (fleetsync's).
+const fleetsyncMaxEventHashes = 8192
 
 // deliver applies the next event in flight between routers to every router but its sender.
 func (run *simRun) deliver() {
@@ -358,7 +405,7 @@ func (run *simRun) deliver() {
 	run.outbox = run.outbox[1:]
 	for i := range run.routers {
 		if i != d.from {
-			run.routers[i].fleet.Apply(run.routers[d.from].name, d.ev, at(d.at))
+			run.routers[i].fleet.Apply(d.name, d.ev, at(d.at))
 		}
 	}
 	if d.ev.Kind == router.EventCompleted || d.ev.Kind == router.EventReleased {
@@ -419,6 +466,10 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 		if len(run.gateway) > 0 {
 			tPoll = run.nextPoll
 		}
+		tRestart := never
+		if run.affinity && !run.restarted && run.sim.RestartAt > 0 {
+			tRestart = run.sim.RestartAt
+		}
 		switch {
 		case tArrive == never && tEngine == never && tDeliver == never && tPoll == never:
 			// Nothing runs and nothing arrives: whoever still waits can never fit.
@@ -428,6 +479,10 @@ func (run *simRun) loop(ctx context.Context, w *Workload) error {
 			}
 			run.gateway = nil
 			return nil
+		case tRestart <= tArrive && tRestart <= tEngine && tRestart <= tDeliver && tRestart <= tPoll:
+			run.now = tRestart
+			run.restarted = true
+			run.restart(tRestart)
 		case tEngine <= tArrive && tEngine <= tDeliver && tEngine <= tPoll:
 			run.now = tEngine
 			run.events = run.replicas[ei].engine.AdvanceTo(tEngine, run.events[:0])
@@ -480,11 +535,11 @@ func (run *simRun) handle(ev *kvsim.Event) {
 			f.res.TTFT = max(ev.Time-f.req.Arrival, 1)
 		}
 		if f.charge != nil {
-			f.router.fleet.Progress(f.charge, 1, at(ev.Time))
+			f.fleet.Progress(f.charge, 1, at(ev.Time))
 		}
 	case kvsim.EventFinished:
 		if f.charge != nil {
-			f.router.fleet.Complete(f.charge, run.modelName(f.req), router.Usage{PromptTokens: f.req.PromptTokens, OutputTokens: ev.GeneratedTokens}, at(ev.Time))
+			f.fleet.Complete(f.charge, run.modelName(f.req), router.Usage{PromptTokens: f.req.PromptTokens, OutputTokens: ev.GeneratedTokens}, at(ev.Time))
 		} else {
 			countRequest(f.router.pool[f.replica].Host, -1)
 		}
@@ -626,7 +681,7 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 		return
 	}
 	rep := &run.replicas[choice]
-	f := &inflight{req: r, res: res, replica: choice, router: rt, charge: charge}
+	f := &inflight{req: r, res: res, replica: choice, router: rt, charge: charge, fleet: rt.fleet}
 	f.kreq = kvsim.Request{
 		ID:            strconv.Itoa(r.Index),
 		Adapter:       r.Model,

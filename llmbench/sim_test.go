@@ -297,3 +297,47 @@ func TestSimGatewayQueue(t *testing.T) {
 		t.Errorf("shed %d with a queue limit of 1, %d with 2: want a difference of one, and some shed", one, two)
 	}
 }
+
+// TestSimRestartedRouter: a router restarted halfway through (a rolling
+// restart; the old process finishes what it has in flight) that starts
+// with a peer's snapshot of the view routes the rest as if it had never
+// restarted: every request served, the same hit rate and the same
+// placements; one that starts with an empty index sends some next turns
+// cold (a lower hit rate).
+func TestSimRestartedRouter(t *testing.T) {
+	w, err := Generate("mrqa", GeneratorOptions{Seed: 1, MRQA: MRQAParams{Users: 16, Rounds: 6}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := func(restart time.Duration, snapshot bool) *Results {
+		t.Helper()
+		sim := &Sim{Config: Config{Replicas: 4, Seed: 1}, Routers: 4, Sync: true, SyncDelay: time.Millisecond,
+			RestartAt: restart, RestartSnapshot: snapshot}
+		res, err := sim.Replay(context.Background(), w, "llm_affinity/ttft")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, r := range res.Requests {
+			if r.Shed || r.Err != "" || r.E2E == 0 {
+				t.Fatalf("restart %v, snapshot %v: request %d not served: %+v", restart, snapshot, i, r)
+			}
+		}
+		return res
+	}
+	half := w.Requests[len(w.Requests)/2].Arrival
+	never, with, without := run(0, false), run(half, true), run(half, false)
+	hit := func(r *Results) float64 { return Summarize(r).HitRate }
+	t.Logf("hit rate: no restart %.4f, restarted with the snapshot %.4f, without %.4f", hit(never), hit(with), hit(without))
+	moved := 0
+	for i := range never.Requests {
+		if never.Requests[i].Replica != with.Requests[i].Replica {
+			moved++
+		}
+	}
+	if hit(with) < hit(never)-0.001 || moved > len(w.Requests)/50 {
+		t.Errorf("restarted with the snapshot: hit rate %.4f against %.4f, %d requests placed elsewhere", hit(with), hit(never), moved)
+	}
+	if hit(without) > hit(never)-0.01 {
+		t.Errorf("restarted with an empty index, the hit rate stayed %.4f (against %.4f): the test shows nothing", hit(without), hit(never))
+	}
+}

@@ -62,6 +62,8 @@ type options struct {
 	spread         time.Duration
 	sync           string
 	syncDelay      time.Duration
+	restartAt      time.Duration
+	restartSnap    string
 	routerKV       int
 	gen            llmbench.GeneratorOptions
 }
@@ -102,6 +104,8 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
 	fs.StringVar(&o.sync, "sync", "off", "sim, llm_affinity with --routers > 1: `on` shares the routers' state (each applies the others' routing events, as the plugin's sync option does over NATS), off keeps each router's own view")
 	fs.DurationVar(&o.syncDelay, "sync-delay", 0, "sim with --sync on: how long an event takes to reach the other routers")
+	fs.DurationVar(&o.restartAt, "restart-router-at", 0, "sim, llm_affinity: restart the first router at this time of the replay (`d`; 0 = never): a new process under a new name takes its arrivals while the old one finishes what it has in flight")
+	fs.StringVar(&o.restartSnap, "restart-snapshot", "on", "sim with --sync on and --restart-router-at: `on` starts the restarted router with the next router's snapshot of the view (index and stored responses' homes), as the plugin's sync does; off starts it with an empty index")
 	fs.IntVar(&o.routerKV, "router-kv-capacity", 0, "sim: the KV capacity in `tokens` the llm_affinity routers are told each replica has (0 = the engines' own, as kv_capacity set right or scraping gives the plugin; -1 = unknown, as the plugin is with neither)")
 	fs.BoolVar(&o.progress, "progress", true, "show a progress bar on stderr when a replay runs longer than 2s")
 
@@ -274,11 +278,19 @@ func bench(o options, stdout, stderr io.Writer) error {
 	if o.syncDelay < 0 {
 		return usageError{fmt.Errorf("--sync-delay must not be negative, got %v", o.syncDelay)}
 	}
+	if o.restartAt < 0 || (o.restartAt > 0 && o.mode != "sim") {
+		return usageError{fmt.Errorf("--restart-router-at must not be negative, and is for sim mode only, got %v", o.restartAt)}
+	}
+	if o.restartSnap != "on" && o.restartSnap != "off" {
+		return usageError{fmt.Errorf("--restart-snapshot must be on or off, got %q", o.restartSnap)}
+	}
 	// Both modes configure the llm_affinity policy from the same settings.
 	settings := &llmbench.Sim{
 		Routers:                o.routers,
 		Sync:                   o.sync == "on",
 		SyncDelay:              o.syncDelay,
+		RestartAt:              o.restartAt,
+		RestartSnapshot:        o.restartSnap == "on",
 		KVCapacityTokens:       o.routerKV,
 		Config:                 cfg,
 		QueueTimeout:           o.queueTimeout,
@@ -356,6 +368,10 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["spread_s"] = o.spread.Seconds()
 	params["sync"] = o.sync
 	params["sync_delay_s"] = o.syncDelay.Seconds()
+	if o.restartAt > 0 {
+		params["restart_router_at_s"] = o.restartAt.Seconds()
+		params["restart_snapshot"] = o.restartSnap
+	}
 	if o.mode == "http" {
 		params["time_scale"] = o.timeScale
 	}

@@ -126,6 +126,7 @@ func TestBadArguments(t *testing.T) {
 		{"--requests", "-5"}, {"--kv-blocks", "-1"}, {"--output-tokens", "-5"}, {"--router-kv-capacity", "-7"},
 		{"--prefill-rate", "inf"}, {"--decode-rate", "NaN"}, {"--lora-zipf", "-1"}, {"--output-estimate", "bogus"},
 		{"stray"},
+		{"--restart-router-at", "-1s"}, {"--restart-snapshot", "maybe"}, {"--mode", "http", "--restart-router-at", "1s"},
 		{"--policies", ""}, {"--gsp-groups", "0"}, {"--mrqa-users", "-1"}, {"--noprefix-requests", "0"},
 		{"--json", filepath.Join(t.TempDir(), "missing", "out.json")}, {"--svg", t.TempDir()},
 	} {
