@@ -22,7 +22,7 @@ import (
 //	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
 //	stored  = 5 id dial response                 (version 4 on)
-//	cached  = 6 id dial blockTokens kv n hash*n  (version 5 on)
+//	cached  = 6 id dial blockTokens kv adapter n hash*n  (version 5 on)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
@@ -151,6 +151,7 @@ func appendMessage(dst []byte, m *Message) []byte {
 			dst = appendString(dst, ev.Dial)
 			dst = appendCount(dst, ev.BlockTokens)
 			dst = appendCount(dst, ev.KV)
+			dst = appendString(dst, ev.Adapter)
 			dst = appendHashes(dst, ev.Hashes)
 		case router.EventProgressed:
 			dst = appendCount(dst, ev.Tokens)
@@ -319,6 +320,7 @@ func (d *decoder) message() (Message, bool) {
 		}
 		ev := &router.Event{Kind: router.EventCached, ID: d.uvarint(), Dial: d.string()}
 		ev.BlockTokens, ev.KV = d.int(), d.int()
+		ev.Adapter = d.string()
 		ev.Hashes = d.hashes()
 		if d.err == nil && ev.Dial == "" {
 			d.fail("cached blocks without a dial")

@@ -131,6 +131,7 @@ func TestCodecStoredResponses(t *testing.T) {
 func cachedBatch() *Batch {
 	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
 		{Event: &router.Event{Kind: router.EventCached, Dial: "10.0.0.1:8000", BlockTokens: 16, KV: 1 << 20, Hashes: []uint64{3, 2, 1}}},
+		{Event: &router.Event{Kind: router.EventCached, Dial: "10.0.0.1:8000", Adapter: "sql-lora", Hashes: []uint64{}}},
 		{Event: &router.Event{Kind: router.EventStored, Dial: "10.0.0.2:8000", Response: "resp_1"}},
 		{Drain: "10.0.0.3:8000", Deadline: time.Minute},
 	}}

@@ -465,6 +465,15 @@ func (u *upstream) useAdapter(adapter string) {
 	}
 }
 
+// restoreAdapter notes, from a peer's snapshot, that adapter was charged
+// here: less recently than every adapter this router charged here itself.
+func (u *upstream) restoreAdapter(adapter string) {
+	if adapter == "" || slices.Contains(u.adapters, adapter) || len(u.adapters) >= maxRememberedAdapters {
+		return
+	}
+	u.adapters = append(u.adapters, adapter)
+}
+
 // expectedOutput estimates req's output length. Caller holds f.mu.
 func (f *Fleet) expectedOutput(req Request, opts *Options) int {
 	est := opts.OutputTokens

@@ -40,8 +40,9 @@ const (
 	EventStored
 	// EventCached: Dial's engine holds the prefix blocks Hashes, as the
 	// sending router's index has them, most recently used first, in an
-	// index sized for KV tokens of blocks of BlockTokens. It is about no
-	// charge: a router that starts learns its peers' index this way (see
+	// index sized for KV tokens of blocks of BlockTokens, or (with
+	// Adapter) the LoRA adapter Adapter was charged there. It is about no
+	// charge: a router that starts learns its peers' view this way (see
 	// SnapshotEvents and Restore; Apply ignores it).
 	EventCached
 )
@@ -116,19 +117,21 @@ func (f *Fleet) LiveEvents() []Event {
 // SnapshotEvents restates what this router knows that outlives any
 // charge, for a router that starts (see fleetsync), which applies them in
 // order with Restore: what its index holds of each upstream (EventCached,
-// at most maxHashes hashes an event) and the stored responses' homes
+// at most maxHashes hashes an event), the adapters charged there
+// (EventCached with Adapter) and the stored responses' homes
 // (EventStored), each most recent first. Charges in flight are each
 // router's own to restate (see LiveEvents).
 func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
 	type holding struct {
 		dial                  string
 		capacity, blockTokens int
+		adapters              []string
 	}
 	f.mu.Lock()
 	held := make([]holding, 0, len(f.upstreams))
 	for dial, u := range f.upstreams {
 		if !u.forgotten {
-			held = append(held, holding{dial, u.capacityTokens, u.indexBlockTokens})
+			held = append(held, holding{dial, u.capacityTokens, u.indexBlockTokens, slices.Clone(u.adapters)})
 		}
 	}
 	f.mu.Unlock()
@@ -145,6 +148,9 @@ func (f *Fleet) SnapshotEvents(maxHashes int) []Event {
 			n := min(len(hashes), maxHashes)
 			out = append(out, Event{Kind: EventCached, Dial: h.dial, Hashes: slices.Clone(hashes[:n]), KV: h.capacity, BlockTokens: h.blockTokens})
 			hashes = hashes[n:]
+		}
+		for _, a := range h.adapters {
+			out = append(out, Event{Kind: EventCached, Dial: h.dial, Adapter: a})
 		}
 	}
 	for _, home := range f.homes.newestFirst() {
@@ -178,6 +184,10 @@ func (f *Fleet) Restore(ev Event, now time.Time) bool {
 func (f *Fleet) restore(u *upstream, ev Event) bool {
 	switch ev.Kind {
 	case EventCached:
+		if ev.Adapter != "" {
+			u.restoreAdapter(ev.Adapter)
+			return true
+		}
 		f.applyCached(u, ev)
 		return true
 	case EventStored:

@@ -440,3 +440,24 @@ func TestSnapshotOfAnUpstreamNotKnownYet(t *testing.T) {
 		t.Fatalf("after its time: %d dials, %d hashes, %d responses", len(b.pending), b.pendingHashes, b.pendingResponses)
 	}
 }
+
+// TestSnapshotRestoresAdapters: the adapters a peer charged on each
+// upstream come with its snapshot, behind the ones this router charged
+// there itself, so an adapter resident by the peer's traffic is resident
+// here too.
+func TestSnapshotRestoresAdapters(t *testing.T) {
+	a, b := New(), New()
+	a.Name("x", t0)
+	b.Name("x", t0)
+	opts := Options{MaxLoras: 2, Adapters: map[string]bool{"l1": true, "l2": true, "l3": true, "l9": true}}.WithDefaults()
+	for _, ad := range []string{"l1", "l2", "l3"} {
+		served(a, a.Decide(t0, Request{Hashes: hashes(1, 64), BlockTokens: 64, PromptTokens: 64, Model: ad}, members("x"), &opts, rng(), nil).Charge, t0)
+	}
+	served(b, b.Decide(t0, Request{Hashes: hashes(2, 64), BlockTokens: 64, PromptTokens: 64, Model: "l9"}, members("x"), &opts, rng(), nil).Charge, t0)
+	for _, ev := range a.SnapshotEvents(8192) {
+		b.Restore(ev, t0)
+	}
+	if got := state(t, b, "x").Adapters; !slices.Equal(got, []string{"l9", "l3", "l2", "l1"}) {
+		t.Fatalf("b's adapters on x: %v, want its own l9, then a's l3 l2 l1", got)
+	}
+}
