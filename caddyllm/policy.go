@@ -558,7 +558,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	defer p.unhold(st)
 	queued := false
 	var lookUntil time.Time // while the model lists are fetched anew
+	var listed <-chan struct{}
 	for now := held; ; now = time.Now() {
+		if p.scraper != nil {
+			listed = p.scraper.ModelsFetched() // before the decision reads the lists
+		}
 		up, d := p.decide(pool, st, now, deadline)
 		if up != nil {
 			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
@@ -570,7 +574,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// larger than every upstream's KV cache; a 503 would tell the
 		// client to retry.
 		switch {
-		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil):
+		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed):
 			if r.Context().Err() != nil {
 				return nil
 			}
@@ -741,14 +745,16 @@ const modelsRefetchWait = 2 * time.Second
 // lookAgain, for a request whose model no engine lists, has the engines'
 // lists fetched anew (those not fetched since it arrived) and waits for
 // the next to come, within modelsRefetchWait and the request's deadline
-// (lookUntil keeps the end across calls), and reports whether it did:
-// then the request is decided again, once per list fetched. An adapter
-// loaded on an engine directly, not through the router, is listed there
-// before the next models_interval. It reports false, and the 404 goes,
-// once every list is as new as the request, or the time is up. Caller
+// (lookUntil keeps the end across calls), and reports whether one did:
+// then the request is decided again, once per list fetched. listed is the
+// scraper's ModelsFetched channel taken before the decision, so a list
+// that came during it is not missed. An adapter loaded on an engine
+// directly, not through the router, is listed there before the next
+// models_interval. It reports false, and the 404 goes, once every list
+// the decision read is as new as the request, or the time is up. Caller
 // holds st.mu, which is not held while it waits, as while waiting for
 // capacity.
-func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time, lookUntil *time.Time) bool {
+func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time, lookUntil *time.Time, listed <-chan struct{}) bool {
 	if lookUntil.IsZero() {
 		*lookUntil = now.Add(modelsRefetchWait)
 		if deadline.Before(*lookUntil) {
@@ -763,16 +769,20 @@ func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *
 	for i, u := range pool {
 		dials[i] = u.Dial
 	}
-	outstanding, fetched := p.scraper.AskModels(dials, st.arrived)
-	if outstanding == 0 {
-		return false
+	if p.scraper.AskModels(dials, st.arrived) == 0 {
+		select {
+		case <-listed:
+			return true // a list came since the decision read them
+		default:
+			return false
+		}
 	}
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	st.mu.Unlock()
 	defer st.mu.Lock()
 	select {
-	case <-fetched:
+	case <-listed:
 	case <-timer.C:
 	case <-r.Context().Done():
 	}

@@ -96,8 +96,15 @@ type Scraper struct {
 	// modelsFetched is closed, and replaced, whenever a fetch of a
 	// target's models ends (see AskModels).
 	modelsFetched atomic.Pointer[chan struct{}]
-	// ctx is the context Start was given, for fetches AskModels sends.
-	ctx atomic.Pointer[context.Context]
+	// ctx is the context Start was given, for fetches AskModels sends;
+	// alone counts those fetches under way, and stopping (under aloneMu)
+	// says the run loop is waiting for them: no new one starts.
+	ctx      atomic.Pointer[context.Context]
+	aloneMu  sync.Mutex
+	alone    sync.WaitGroup
+	stopping bool
+	// refetchSpacing is modelsRefetchSpacing (tests lengthen it).
+	refetchSpacing time.Duration
 }
 
 // New returns a scraper with cfg (defaults filled in). It does
@@ -113,6 +120,7 @@ func New(cfg Config) *Scraper {
 	}
 	fetched := make(chan struct{})
 	s.modelsFetched.Store(&fetched)
+	s.refetchSpacing = modelsRefetchSpacing
 	if s.client == nil {
 		s.transport = newTransport(cfg)
 		s.client = &http.Client{Transport: s.transport}
@@ -167,8 +175,21 @@ func (s *Scraper) dropLocked(d string) bool {
 	if ok {
 		t.conn.close()
 		delete(s.targets, d)
+		s.cancelScheduledModels(t)
 	}
 	return ok
+}
+
+// cancelScheduledModels drops the fetch of t's list AskModels held back,
+// if any, and tells the waiters, to decide without it.
+func (s *Scraper) cancelScheduledModels(t *scrapeTarget) {
+	t.mu.Lock()
+	timer := t.modelsTimer
+	t.modelsTimer = nil
+	t.mu.Unlock()
+	if timer != nil && timer.Stop() {
+		s.modelsFetchEnded()
+	}
 }
 
 // dropped closes idle connections after targets were dropped: theirs go;
@@ -297,6 +318,13 @@ func (s *Scraper) run(ctx context.Context) {
 	defer func() {
 		close(jobs)
 		wg.Wait()
+		s.aloneMu.Lock()
+		s.stopping = true
+		s.aloneMu.Unlock()
+		s.alone.Wait()
+		for _, t := range s.targetList() {
+			s.cancelScheduledModels(t)
+		}
 		if s.transport != nil {
 			s.transport.CloseIdleConnections()
 		}

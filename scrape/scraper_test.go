@@ -498,7 +498,8 @@ func TestRestartFetchesModels(t *testing.T) {
 func askModels(t *testing.T, s *Scraper, dials []string, since time.Time) {
 	t.Helper()
 	for {
-		n, fetched := s.AskModels(dials, since)
+		fetched := s.ModelsFetched()
+		n := s.AskModels(dials, since)
 		if n == 0 {
 			return
 		}
@@ -572,7 +573,7 @@ func TestAskModels(t *testing.T) {
 		t.Fatalf("after AskModels the list is %q, want m2", modelsNow())
 	}
 	before := fetches.Load()
-	if n, _ := s.AskModels(all, time.Now().Add(-time.Minute)); n != 0 || fetches.Load() != before {
+	if n := s.AskModels(all, time.Now().Add(-time.Minute)); n != 0 || fetches.Load() != before {
 		t.Fatal("a list fetched since the time given is fetched again")
 	}
 
@@ -597,5 +598,122 @@ func TestAskModels(t *testing.T) {
 	}
 	if failingLists.Load() != 1 {
 		t.Fatalf("the hung engine's list was asked for %d times, want once (its first scrape)", failingLists.Load())
+	}
+}
+
+// listEngine is an engine whose list is model, and whose list requests
+// block while hold is set until release is closed (entered tells when one
+// did).
+type listEngine struct {
+	srv      *httptest.Server
+	model    atomic.Pointer[string]
+	lists    atomic.Int64
+	hold     atomic.Bool
+	entered  chan struct{}
+	released chan struct{}
+}
+
+func newListEngine(t *testing.T) *listEngine {
+	e := &listEngine{entered: make(chan struct{}, 16), released: make(chan struct{})}
+	e.set("m1")
+	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		e.lists.Add(1)
+		id := *e.model.Load() // the list as the request finds it
+		if e.hold.Load() {
+			e.entered <- struct{}{}
+			<-e.released
+		}
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, id)
+	}))
+	t.Cleanup(e.srv.Close)
+	t.Cleanup(func() {
+		if e.hold.Load() {
+			close(e.released)
+		}
+	})
+	return e
+}
+
+func (e *listEngine) set(m string) { e.model.Store(&m) }
+
+// startListScraper scrapes e (metrics once, an hour apart) until the test
+// ends, once its first list is in.
+func startListScraper(t *testing.T, e *listEngine) (*Scraper, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	s.SetTargets([]string{hostOf(e.srv)})
+	s.Start(ctx)
+	waitFor(t, "the first list", 10*time.Second, func() bool {
+		sig, _ := s.Latest(hostOf(e.srv), time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",") == "m1"
+	})
+	return s, cancel
+}
+
+// TestRefreshDuringAnAskedFetch: an adapter loaded through the router
+// (RefreshModels once the load is answered) while a fetch AskModels sent
+// before the load is under way gets its list at once, not at the next
+// round (here an hour later): the fetch under way, which found the old
+// list, ends by asking for a round.
+func TestRefreshDuringAnAskedFetch(t *testing.T) {
+	e := newListEngine(t)
+	s, _ := startListScraper(t, e)
+	d := hostOf(e.srv)
+	e.hold.Store(true)
+	for s.AskModels([]string{d}, time.Now()) == 1 {
+		select {
+		case <-e.entered: // the asked fetch is at the engine
+		case <-s.ModelsFetched(): // held back by the spacing: ask again
+			continue
+		}
+		break
+	}
+	e.hold.Store(false)
+	e.set("m2")        // the load is answered...
+	s.RefreshModels(d) // ...and the router refreshes
+	close(e.released)  // the fetch under way answers the old list
+	waitFor(t, "the new list", 10*time.Second, func() bool {
+		sig, _ := s.Latest(d, time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",") == "m2"
+	})
+}
+
+// TestScheduledFetchChecksItsTarget: a fetch AskModels held back for the
+// spacing is not sent to a target removed meanwhile, nor once the scraper
+// stopped (it would record the stop as the engine's error); its waiters
+// are told, to decide without it.
+func TestScheduledFetchChecksItsTarget(t *testing.T) {
+	for _, c := range []string{"removed", "stopped"} {
+		t.Run(c, func(t *testing.T) {
+			e := newListEngine(t)
+			s, stop := startListScraper(t, e)
+			s.refetchSpacing = time.Hour // the fetch is surely held back
+			d := hostOf(e.srv)
+			fetched := s.ModelsFetched()
+			if s.AskModels([]string{d}, time.Now()) != 1 {
+				t.Fatal("the list was not asked for")
+			}
+			before := e.lists.Load()
+			if c == "removed" {
+				s.RemoveTargets(d)
+			} else {
+				stop()
+				<-s.Stopped()
+			}
+			select {
+			case <-fetched:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the waiters were not told")
+			}
+			st, _ := s.StatusOf(d)
+			if got := e.lists.Load() - before; got != 0 || st.ModelsError != "" {
+				t.Fatalf("%d fetches sent after the target was %s; models error %q", got, c, st.ModelsError)
+			}
+		})
 	}
 }

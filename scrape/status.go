@@ -86,24 +86,23 @@ func (s *Scraper) RefreshModels(dial string) {
 // AskModels has the model lists of dials fetched anew, by themselves (no
 // metrics scrape), where the last fetch was sent before since (a
 // request's arrival), and returns how many of them have not ended a fetch
-// sent since then, and a channel closed when the next fetch of any list
-// ends. A router about to answer that no engine serves a model looks
-// again this way, deciding again at each fetch's end: an adapter loaded on
-// an engine directly is listed there before the next models interval.
-// Fetches of one list are modelsRefetchSpacing apart at least, and shared
-// by all who ask, so that clients asking for unknown models cost each
-// engine ten fetches a second at most and nothing more. Dials the scraper
-// does not scrape, where nothing listens or whose last scrape failed (a
-// list would be as late as its metrics) are left out.
-func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int, fetched <-chan struct{}) {
-	// The channel before looking: a fetch that ends meanwhile closes it.
-	fetched = *s.modelsFetched.Load()
+// sent since then. ModelsFetched's channel, taken before the lists were
+// last read, tells when one more has come. A router about to answer that
+// no engine serves a model looks again this way, deciding again at each
+// fetch's end: an adapter loaded on an engine directly is listed there
+// before the next models interval. Fetches of one list are
+// modelsRefetchSpacing apart at least, and shared by all who ask, so that
+// clients asking for unknown models cost each engine ten fetches a second
+// at most and nothing more. Dials the scraper does not scrape, where
+// nothing listens or whose last scrape failed (a list would be as late as
+// its metrics) are left out.
+func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int) {
 	if s.cfg.ModelsInterval <= 0 {
-		return 0, fetched // the lists are not fetched at all
+		return 0 // the lists are not fetched at all
 	}
 	select {
 	case <-s.done:
-		return 0, fetched
+		return 0
 	default:
 	}
 	now := time.Now()
@@ -119,8 +118,12 @@ func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int, f
 		}
 		t.mu.Unlock()
 	}
-	return outstanding, fetched
+	return outstanding
 }
+
+// ModelsFetched returns a channel closed when the next fetch of any model
+// list ends (see AskModels).
+func (s *Scraper) ModelsFetched() <-chan struct{} { return *s.modelsFetched.Load() }
 
 // scheduleModelsLocked starts a fetch of t's list, now or, to keep fetches
 // modelsRefetchSpacing apart, when the last one sent is that old, unless
@@ -129,26 +132,55 @@ func (s *Scraper) scheduleModelsLocked(t *scrapeTarget, now time.Time) {
 	if t.modelsFetching || t.modelsTimer != nil {
 		return
 	}
-	if wait := t.modelsSent.Add(modelsRefetchSpacing).Sub(now); wait > 0 {
-		t.modelsTimer = time.AfterFunc(wait, func() {
-			t.mu.Lock()
-			defer t.mu.Unlock()
-			t.modelsTimer = nil
-			s.scheduleModelsLocked(t, time.Now())
-		})
+	if wait := t.modelsSent.Add(s.refetchSpacing).Sub(now); wait > 0 {
+		t.modelsTimer = time.AfterFunc(wait, func() { s.scheduledModels(t) })
+		return
+	}
+	if !s.startAlone() {
 		return
 	}
 	t.modelsFetching, t.modelsSent = true, now
 	go s.fetchModelsAlone(t, now)
 }
 
+// scheduledModels sends the fetch of t's list a timer held back, unless t
+// is no longer one to fetch: removed, down, failing, or the scraper
+// stopping. Then the waiters are told, to decide without it.
+func (s *Scraper) scheduledModels(t *scrapeTarget) {
+	current := s.target(t.dial) == t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.modelsTimer = nil
+	if !current || t.down.Load() || t.status.ConsecutiveErrors > 0 || s.runCtx().Err() != nil {
+		defer s.modelsFetchEnded()
+		return
+	}
+	s.scheduleModelsLocked(t, time.Now())
+}
+
+// startAlone counts a fetch AskModels sends, unless the scraper stops.
+func (s *Scraper) startAlone() bool {
+	s.aloneMu.Lock()
+	defer s.aloneMu.Unlock()
+	if s.stopping {
+		return false
+	}
+	s.alone.Add(1)
+	return true
+}
+
 // fetchModelsAlone fetches t's list, sent at sent, and records it.
 func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
+	defer s.alone.Done()
 	defer s.modelsFetchEnded()
-	models, err := s.fetchModels(s.runCtx(), t)
+	ctx := s.runCtx()
+	models, err := s.fetchModels(ctx, t)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.modelsFetching, t.modelsTried = false, sent
+	if ctx.Err() != nil {
+		return // stopping: not the engine's fault
+	}
 	t.noteModels(&t.status, models, err, sent)
 	if err == nil {
 		// The last signals with the new list (none yet: signals all
@@ -159,6 +191,11 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 		}
 		sig.Models, sig.ModelsAt = t.models, t.modelsAt
 		t.latest.Store(&sig)
+	}
+	if !t.modelsDue.After(time.Now()) {
+		// RefreshModels asked for a list while this one, sent before,
+		// was under way: the round it asked for passed it by.
+		s.poke()
 	}
 }
 

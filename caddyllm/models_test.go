@@ -1,0 +1,92 @@
+package caddyllm
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
+
+// listingEngine serves vLLM's metrics and a model list of one model,
+// list(), answering the list after delay (spun, to land within
+// microseconds).
+func listingEngine(t *testing.T, list func() string, delay *atomic.Int64) *httptest.Server {
+	prom, err := os.ReadFile("../scrape/testdata/vllm.prom")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(prom)
+			return
+		}
+		model := list() // the list as the request finds it
+		for end := time.Now().Add(time.Duration(delay.Load())); time.Now().Before(end); {
+		}
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model"}]}`, model)
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestListDuringTheDecisionIsNotMissed: a request for an adapter loaded on
+// engine B directly has both engines' lists fetched anew; A's answer wakes
+// it, and B's, which lists the adapter, comes microseconds later, at
+// times while the request is being decided again. It must still find the
+// adapter: it used to get 404 model_not_found about one time in ten, B
+// counted as fetched and nothing left to wait for.
+func TestListDuringTheDecisionIsNotMissed(t *testing.T) {
+	var trial, noDelay, bDelay atomic.Int64
+	a := listingEngine(t, func() string { return "base" }, &noDelay)
+	b := listingEngine(t, func() string { return fmt.Sprintf("adapter-%d", trial.Load()) }, &bDelay)
+	s := scrape.New(scrape.Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: a.Listener.Addr().String()},
+		{Host: new(reverseproxy.Host), Dial: b.Listener.Addr().String()},
+	}
+	s.SetTargets([]string{pool[0].Dial, pool[1].Dial})
+	s.Start(ctx)
+	for s.Seq(pool[0].Dial) == 0 || s.Seq(pool[1].Dial) == 0 {
+		select {
+		case <-s.ModelsFetched():
+		case <-time.After(time.Second): // the first scrapes' metrics
+		}
+	}
+	p := testPolicy(t, zap.NewNop())
+	p.QueueTimeout = caddy.Duration(10 * time.Second)
+	p.scraper = s
+	missed, n := 0, 0
+	for _, d := range []time.Duration{6 * time.Microsecond, 10 * time.Microsecond, 15 * time.Microsecond} {
+		bDelay.Store(int64(d))
+		for range 12 {
+			i := trial.Add(1)
+			body := fmt.Sprintf(`{"model":"adapter-%d","messages":[{"role":"user","content":"hi"}]}`, i)
+			st := &requestState{req: mustParse(t, body), body: []byte(body), origBody: []byte(body), arrived: time.Now()}
+			r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+			up := p.Select(pool, r, httptest.NewRecorder())
+			if st.current != nil {
+				st.current.release()
+			}
+			n++
+			if up == nil {
+				missed++
+				t.Logf("B answering %v after A, trial %d: %d %s", d, i, st.shed.status, st.shed.code)
+			}
+		}
+	}
+	if missed > 0 {
+		t.Fatalf("%d of %d requests for an adapter B lists got no upstream", missed, n)
+	}
+}
