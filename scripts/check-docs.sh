@@ -127,6 +127,7 @@ run "go build -o llmbench-bin ./cmd/llmbench"
 # The variables the sections set before their loops, at one of their values.
 export TRACE=traces/mooncake_conversation_trace.jsonl P=llm_affinity/ttft,round_robin R=2 s=1
 export W="--workload gsp --replicas 4 --requests 40"
+export WL=gsp RESTART="--restart-router-at 300ms --restart-snapshot on"
 grep -oE '^\s*\./llmbench-bin [^#]*' BENCHMARKS.md | sed 's/\\$//' | sort -u | while read -r line; do
 	line=${line//--speed \$S/--speed 2}
 	line=${line//--sync \$S/--sync on}
