@@ -537,6 +537,7 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 		drainOf[s.Key] = s
 	}
 	states := sh.fleet.Snapshot(now)
+	configured := sh.configuredKV()
 	out := make([]UpstreamSnapshot, 0, len(states))
 	known := make(map[string]bool, len(states))
 	for _, u := range states {
@@ -549,6 +550,10 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 			LastEstimatedTTFTSeconds: u.LastEstimatedTTFTSeconds, KVCapacityTokens: u.KVCapacityTokens,
 			Healthy: u.Healthy, Adapters: u.Adapters, IdleSeconds: u.Idle.Seconds(), IndexResets: u.IndexResets,
 			Drain: "active", Engine: engines[u.Dial],
+		}
+		if s.KVCapacityTokens == 0 {
+			// Not routed to yet: the figure a loaded config gives.
+			s.KVCapacityTokens = configured[u.Dial]
 		}
 		s.RecentTTFTSeconds, s.RecentEstimatedSeconds = sh.metrics.recentTTFT(u.Dial)
 		if d, ok := drainOf[u.Dial]; ok {

@@ -361,7 +361,13 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 
 	p.sh = acquireShared()
 	p.sh.nameUpstreams(p.named)
-	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named)
+	kv := make(map[string]int)
+	for _, dial := range p.named {
+		if n := p.hardware(dial).KVCapacityTokens; n > 0 {
+			kv[dial] = n
+		}
+	}
+	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named, kv)
 	// A config drain already in force (the running config has it too) is
 	// held by this site from now on, so a reload never lets it lapse; a
 	// new one takes effect once this config runs: Caddy may still reject

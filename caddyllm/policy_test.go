@@ -36,7 +36,7 @@ func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 	p.rng, p.scratch = newLockedRand(), newScratchPool()
 	p.logger = logger
 	p.sh = newShared()
-	p.site = p.sh.addSite(defaultDrainDeadline, nil)
+	p.site = p.sh.addSite(defaultDrainDeadline, nil, nil)
 	tb.Cleanup(func() { p.sh.Destruct() })
 	return p
 }

@@ -68,6 +68,9 @@ type shared struct {
 type site struct {
 	drainDeadline time.Duration
 	dials         []string
+	// kvCapacity is the KV capacity the site configures for each of its
+	// dials, where it configures one.
+	kvCapacity map[string]int
 	// pending are the config's drains not in force yet: they take effect
 	// once the config runs (a config Caddy rejects must not drain, nor
 	// cut, anything), which is when running differs from the config that
@@ -164,13 +167,28 @@ func (sh *shared) expireIdle(cutoff time.Time) {
 
 // addSite registers a provisioned policy naming dials and returns its
 // owner name.
-func (sh *shared) addSite(drainDeadline time.Duration, dials []string) string {
+func (sh *shared) addSite(drainDeadline time.Duration, dials []string, kvCapacity map[string]int) string {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	sh.nextSite++
 	owner := "site-" + strconv.FormatUint(sh.nextSite, 10)
-	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials}
+	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials, kvCapacity: kvCapacity}
 	return owner
+}
+
+// configuredKV is the largest KV capacity a loaded site configures for
+// each dial (kv_capacity), for the admin view of upstreams not routed to
+// yet.
+func (sh *shared) configuredKV() map[string]int {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	out := make(map[string]int)
+	for _, s := range sh.sites {
+		for dial, n := range s.kvCapacity {
+			out[dial] = max(out[dial], n)
+		}
+	}
+	return out
 }
 
 // deferDrains records drains of owner's config that take effect once the

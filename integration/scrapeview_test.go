@@ -141,3 +141,16 @@ func TestDirectlyLoadedAdapterFound(t *testing.T) {
 		t.Fatalf("a model no engine lists: %d %s", c.status, c.body)
 	}
 }
+
+// TestConfiguredCapacityShownAtOnce: the admin view shows an upstream's
+// configured kv_capacity before any request was routed there; it showed
+// 0 until the first decision.
+func TestConfiguredCapacityShownAtOnce(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "kv_capacity 65536", ""))
+	for _, r := range fleet {
+		if u, ok := upstreams(t)[r.dial()]; !ok || u.KVCapacityTokens != 65536 || u.InFlight != 0 || u.Completed != 0 {
+			t.Fatalf("%s before any request: listed %v, %+v", r.dial(), ok, u)
+		}
+	}
+}
