@@ -50,13 +50,15 @@ type scrapeTarget struct {
 	models    []ModelInfo
 	modelsAt  time.Time // when models was fetched
 	modelsDue time.Time
-	// modelsSent is when the last fetch of the models was sent, and
-	// modelsTried when the last that has ended (answered or failed) was;
+	// modelsSent is when the last fetch of the models was sent;
 	// modelsFetching says one is under way, and modelsTimer that one is
 	// to be sent (see AskModels).
-	modelsSent, modelsTried time.Time
-	modelsFetching          bool
-	modelsTimer             *time.Timer
+	modelsSent     time.Time
+	modelsFetching bool
+	modelsTimer    *time.Timer
+	// modelsFailures counts the list's fetches that failed since the
+	// last that did not.
+	modelsFailures int
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -401,11 +403,9 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	// perhaps with other adapters).
 	modelsDue := !down && s.cfg.ModelsInterval > 0 && !t.modelsFetching &&
 		(!start.Before(t.modelsDue) || err == nil && t.unreachable)
-	var modelsSent time.Time
 	if modelsDue {
 		t.modelsDue = start.Add(s.cfg.ModelsInterval)
-		modelsSent = time.Now()
-		t.modelsSent, t.modelsFetching = modelsSent, true
+		t.modelsSent, t.modelsFetching = time.Now(), true
 	}
 	t.mu.Unlock()
 
@@ -413,14 +413,16 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	var modelsErr error
 	if modelsDue {
 		models, modelsErr = s.fetchModels(ctx, t)
-		defer s.modelsFetchEnded()
 	}
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.busy = false
 	if modelsDue {
-		t.modelsTried, t.modelsFetching = modelsSent, false
+		t.modelsFetching = false
+		// Under t.mu, once the list is recorded: whoever sees the new list
+		// (AskModels, which takes t.mu) sees the channel closed.
+		defer s.modelsFetchEnded()
 	}
 	st := &t.status
 	t.down.Store(down)
@@ -495,10 +497,11 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 func (t *scrapeTarget) noteModels(st *Status, models []ModelInfo, err error, start time.Time) {
 	if err != nil {
 		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
+		t.modelsFailures++
 		return
 	}
 	st.ModelsError = ""
-	t.models, t.modelsAt = models, start
+	t.models, t.modelsAt, t.modelsFailures = models, start, 0
 }
 
 // refused reports whether err is a failure to connect (nothing listening),

@@ -84,9 +84,10 @@ func (s *Scraper) RefreshModels(dial string) {
 }
 
 // AskModels has the model lists of dials fetched anew, by themselves (no
-// metrics scrape), where the last fetch was sent before since (a
-// request's arrival), and returns how many of them have not ended a fetch
-// sent since then. ModelsFetched's channel, taken before the lists were
+// metrics scrape), where the list in hand was fetched before since (a
+// request's arrival), and returns how many of them have no list fetched
+// since then. A fetch that fails is sent again (an engine whose list
+// failed twice running is not waited for). ModelsFetched's channel, taken before the lists were
 // last read, tells when one more has come. A router about to answer that
 // no engine serves a model looks again this way, deciding again at each
 // fetch's end: an adapter loaded on an engine directly is listed there
@@ -112,7 +113,7 @@ func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int) {
 			continue
 		}
 		t.mu.Lock()
-		if t.status.ConsecutiveErrors == 0 && t.modelsTried.Before(since) {
+		if t.status.ConsecutiveErrors == 0 && t.modelsFailures < 2 && t.modelsAt.Before(since) {
 			outstanding++
 			s.scheduleModelsLocked(t, now)
 		}
@@ -172,12 +173,14 @@ func (s *Scraper) startAlone() bool {
 // fetchModelsAlone fetches t's list, sent at sent, and records it.
 func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 	defer s.alone.Done()
-	defer s.modelsFetchEnded()
 	ctx := s.runCtx()
 	models, err := s.fetchModels(ctx, t)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.modelsFetching, t.modelsTried = false, sent
+	// Under t.mu, once the list is recorded: whoever sees the new list
+	// (AskModels, which takes t.mu) sees the channel closed.
+	defer s.modelsFetchEnded()
+	t.modelsFetching = false
 	if ctx.Err() != nil {
 		return // stopping: not the engine's fault
 	}
@@ -203,7 +206,8 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 // engine's list that AskModels sends.
 const modelsRefetchSpacing = 100 * time.Millisecond
 
-// modelsFetchEnded tells AskModels' callers that a fetch ended.
+// modelsFetchEnded tells AskModels' callers that a fetch ended. It is
+// called with the target's lock held, after its list is recorded.
 func (s *Scraper) modelsFetchEnded() {
 	next := make(chan struct{})
 	close(*s.modelsFetched.Swap(&next))
