@@ -101,10 +101,10 @@ type Sim struct {
 	KVCapacityTokens int
 	// RestartAt, when positive, restarts the first llm_affinity router at that time of the
 	// replay: a new process under a new name takes its arrivals (a rolling restart: the old
-	// one finishes what it has in flight). With Sync its peers restate their charges to it,
-	// and with RestartSnapshot it starts with the next router's snapshot of the view (index
-	// and homes), as the plugin's sync gives a router that starts; without, its index is
-	// empty.
+	// one finishes what it has in flight, and with Sync the new one hears it as a peer).
+	// With Sync its peers restate their charges to it, and with RestartSnapshot it starts
+	// with the next router's snapshot of the view (index, adapters and homes), as the
+	// plugin's sync gives a router that starts; without, its index is empty.
 	RestartAt       time.Duration
 	RestartSnapshot bool
 }
@@ -378,6 +378,7 @@ func (run *simRun) restart(now time.Duration) {
 			wt.unhold(now)
 		}
 	}
+	old, oldName := run.routers[0].fleet, run.routers[0].name
 	run.startRouter(0, "router-0#restarted")
 	if !run.sim.Sync || len(run.routers) < 2 {
 		return
@@ -388,11 +389,16 @@ func (run *simRun) restart(now time.Duration) {
 			fresh.Restore(ev, at(now))
 		}
 	}
-	// Its peers hear it and restate their charges in flight.
-	for j := 1; j < len(run.routers); j++ {
-		for _, ev := range run.routers[j].fleet.LiveEvents() {
-			run.outbox = append(run.outbox, delivery{at: now + max(0, run.sim.SyncDelay), from: j, name: run.routers[j].name, ev: ev})
+	// Its peers, its predecessor among them, hear it and restate their
+	// charges in flight.
+	restate := func(f *router.Fleet, from int, name string) {
+		for _, ev := range f.LiveEvents() {
+			run.outbox = append(run.outbox, delivery{at: now + max(0, run.sim.SyncDelay), from: from, name: name, ev: ev})
 		}
+	}
+	restate(old, 0, oldName)
+	for j := 1; j < len(run.routers); j++ {
+		restate(run.routers[j].fleet, j, run.routers[j].name)
 	}
 }
 
@@ -404,7 +410,9 @@ func (run *simRun) deliver() {
 	d := run.outbox[0]
 	run.outbox = run.outbox[1:]
 	for i := range run.routers {
-		if i != d.from {
+		// A restarted router hears its predecessor, which finishes
+		// what it has in flight, as a peer.
+		if run.routers[i].name != d.name {
 			run.routers[i].fleet.Apply(d.name, d.ev, at(d.at))
 		}
 	}
