@@ -16,13 +16,13 @@ import (
 // little-endian each. A batch carries hashes, counts and ids only: the
 // fields below are all there is.
 //
-//	batch   = version(3 to 5) name epoch instance count message*
+//	batch   = version(3 to 6) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
 //	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
 //	stored  = 5 id dial response                 (version 4 on)
-//	cached  = 6 id dial blockTokens kv adapter n hash*n  (version 5 on)
+//	cached  = 6 id dial blockTokens kv adapter n hash*n  (version 6; 5 had no adapter)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
@@ -36,7 +36,7 @@ import (
 // prompt bytes and tokens; batches of every version from 2 decode, so
 // routers of different versions share a view during a rolling upgrade as
 // far as the older one can read.
-const wireVersion = 5
+const wireVersion = 6
 
 // chargeWireVersion is the version of batches of charges and drains:
 // version 3, which routers of two versions before read. Stored
@@ -44,6 +44,7 @@ const wireVersion = 5
 const (
 	chargeWireVersion = 3
 	storedWireVersion = 4
+	cachedWireVersion = 5
 )
 
 // oldWireVersion is the oldest version DecodeBatch reads.
@@ -314,13 +315,15 @@ func (d *decoder) message() (Message, bool) {
 	var m Message
 	switch kind := d.byte(); kind {
 	case byte(router.EventCached):
-		if d.version < wireVersion {
+		if d.version < cachedWireVersion {
 			d.fail(fmt.Sprintf("cached blocks in a version %d batch", d.version))
 			break
 		}
 		ev := &router.Event{Kind: router.EventCached, ID: d.uvarint(), Dial: d.string()}
 		ev.BlockTokens, ev.KV = d.int(), d.int()
-		ev.Adapter = d.string()
+		if d.version >= 6 {
+			ev.Adapter = d.string()
+		}
 		ev.Hashes = d.hashes()
 		if d.err == nil && ev.Dial == "" {
 			d.fail("cached blocks without a dial")

@@ -1,6 +1,7 @@
 package fleetsync
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -123,8 +124,8 @@ func TestCodecStoredResponses(t *testing.T) {
 			t.Fatalf("%+v decoded", ev)
 		}
 	}
-	if _, err := DecodeBatch(append([]byte{6}, p[1:]...)); err == nil {
-		t.Fatal("version 6 accepted")
+	if _, err := DecodeBatch(append([]byte{7}, p[1:]...)); err == nil {
+		t.Fatal("version 7 accepted")
 	}
 }
 
@@ -138,12 +139,12 @@ func cachedBatch() *Batch {
 }
 
 // TestCodecCachedBlocks: a snapshot's batch, which carries cached blocks,
-// is version 5 and round-trips; cached blocks in an older version, or
+// is version 6 and round-trips; cached blocks in an older version, or
 // without a dial, are malformed.
 func TestCodecCachedBlocks(t *testing.T) {
 	p := AppendBatch(nil, cachedBatch())
-	if p[0] != 5 {
-		t.Fatalf("a batch of cached blocks is version %d, want 5", p[0])
+	if p[0] != 6 {
+		t.Fatalf("a batch of cached blocks is version %d, want 6", p[0])
 	}
 	got, err := DecodeBatch(p)
 	if err != nil || !reflect.DeepEqual(got, cachedBatch()) {
@@ -156,6 +157,22 @@ func TestCodecCachedBlocks(t *testing.T) {
 	}
 	if _, err := DecodeBatch(append([]byte{4}, p[1:]...)); err == nil {
 		t.Fatal("cached blocks in a version 4 batch decoded")
+	}
+	// Version 5 (this snapshot's first form) had no adapter: its parts
+	// still decode, from a router of that version in a rolling upgrade.
+	v5 := []byte{5}
+	v5 = appendString(v5, "router-1")
+	v5 = binary.AppendUvarint(v5, 42)
+	v5 = binary.AppendUvarint(v5, 9)
+	v5 = binary.AppendUvarint(v5, 1)
+	v5 = append(v5, byte(router.EventCached), 0)
+	v5 = appendString(v5, "10.0.0.1:8000")
+	v5 = binary.AppendUvarint(v5, 16)
+	v5 = binary.AppendUvarint(v5, 1<<20)
+	v5 = appendHashes(v5, []uint64{3, 2, 1})
+	b5, err := DecodeBatch(v5)
+	if err != nil || len(b5.Messages) != 1 || !reflect.DeepEqual(b5.Messages[0].Event.Hashes, []uint64{3, 2, 1}) || b5.Messages[0].Event.KV != 1<<20 {
+		t.Fatalf("a version 5 part: %+v, %v", b5, err)
 	}
 	b := &Batch{Sender: "r", Messages: []Message{{Event: &router.Event{Kind: router.EventCached, Hashes: []uint64{1}}}}}
 	if _, err := DecodeBatch(AppendBatch(nil, b)); err == nil {

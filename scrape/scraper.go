@@ -57,8 +57,9 @@ type scrapeTarget struct {
 	modelsFetching bool
 	modelsTimer    *time.Timer
 	// modelsFailures counts the list's fetches that failed since the
-	// last that did not.
+	// last that did not; removed says the target is no longer scraped.
 	modelsFailures int
+	removed        bool
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -187,7 +188,7 @@ func (s *Scraper) dropLocked(d string) bool {
 func (s *Scraper) cancelScheduledModels(t *scrapeTarget) {
 	t.mu.Lock()
 	timer := t.modelsTimer
-	t.modelsTimer = nil
+	t.modelsTimer, t.removed = nil, true
 	t.mu.Unlock()
 	if timer != nil && timer.Stop() {
 		s.modelsFetchEnded()

@@ -148,11 +148,10 @@ func (s *Scraper) scheduleModelsLocked(t *scrapeTarget, now time.Time) {
 // is no longer one to fetch: removed, down, failing, or the scraper
 // stopping. Then the waiters are told, to decide without it.
 func (s *Scraper) scheduledModels(t *scrapeTarget) {
-	current := s.target(t.dial) == t
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.modelsTimer = nil
-	if !current || t.down.Load() || t.status.ConsecutiveErrors > 0 || s.runCtx().Err() != nil {
+	if t.removed || t.down.Load() || t.status.ConsecutiveErrors > 0 || s.runCtx().Err() != nil {
 		defer s.modelsFetchEnded()
 		return
 	}

@@ -369,8 +369,14 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["sync"] = o.sync
 	params["sync_delay_s"] = o.syncDelay.Seconds()
 	if o.restartAt > 0 {
+		// llm_affinity's routers only; a snapshot only from a peer.
 		params["restart_router_at_s"] = o.restartAt.Seconds()
-		params["restart_snapshot"] = o.restartSnap
+		snapshot := "off (no peer)"
+		if o.sync == "on" && o.routers > 1 {
+			snapshot = o.restartSnap
+		}
+		params["restart_snapshot"] = snapshot
+		fmt.Fprintf(stderr, "llmbench: the first llm_affinity router restarts at %v, snapshot %s (Caddy's policies do not restart)\n", o.restartAt, snapshot)
 	}
 	if o.mode == "http" {
 		params["time_scale"] = o.timeScale
