@@ -341,3 +341,38 @@ func TestSimRestartedRouter(t *testing.T) {
 		t.Errorf("restarted with an empty index, the hit rate stayed %.4f (against %.4f): the test shows nothing", hit(without), hit(never))
 	}
 }
+
+// TestSimRestartedRouterSeesItsPredecessor: a restarted router counts the
+// requests its predecessor still has in flight, as its peers do (in the
+// plugin the old process hears the new one and restates its charges).
+func TestSimRestartedRouterSeesItsPredecessor(t *testing.T) {
+	w := tinyGSP(t)
+	sim := &Sim{Config: Config{Replicas: 4, Seed: 1}, Routers: 2, Sync: true, RestartAt: time.Second, RestartSnapshot: true}
+	run, err := sim.newRun(w, "llm_affinity/ttft")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inFlight := func(rt *simRouter) (n int) {
+		for _, u := range rt.fleet.Snapshot(at(0)) {
+			n += u.InFlight
+		}
+		return n
+	}
+	for i := range 6 { // router 0 routes 6 requests at 0; all are in flight
+		r := &w.Requests[i]
+		run.arrive(waiter{router: &run.routers[0], req: r, text: r.AppendPrompt(nil), deadline: time.Minute}, 0)
+	}
+	for len(run.outbox) > 0 {
+		run.deliver()
+	}
+	if a, b := inFlight(&run.routers[0]), inFlight(&run.routers[1]); a != 6 || b != 6 {
+		t.Fatalf("before the restart: router 0 counts %d in flight, router 1 %d", a, b)
+	}
+	run.restart(0)
+	for len(run.outbox) > 0 {
+		run.deliver()
+	}
+	if a, b := inFlight(&run.routers[0]), inFlight(&run.routers[1]); a != 6 || b != 6 {
+		t.Fatalf("after the restart: the restarted router counts %d in flight, router 1 %d", a, b)
+	}
+}
