@@ -121,10 +121,13 @@ func (sh *shared) releaseSync(key string) { pool.Delete(key) }
 // liveMessages restates this router's charges in flight, for a new
 // connection or one that lost some of its events (fleetsync.Config.Resync).
 func (sh *shared) liveMessages() []fleetsync.Message {
-	events := sh.fleet.LiveEvents()
-	msgs := make([]fleetsync.Message, len(events))
+	return eventMessages(nil, sh.fleet.LiveEvents())
+}
+
+// eventMessages appends events to msgs as messages.
+func eventMessages(msgs []fleetsync.Message, events []router.Event) []fleetsync.Message {
 	for i := range events {
-		msgs[i].Event = &events[i]
+		msgs = append(msgs, fleetsync.Message{Event: &events[i]})
 	}
 	return msgs
 }
@@ -141,11 +144,7 @@ func (sh *shared) snapshotMessages() []fleetsync.Message {
 			msgs = append(msgs, fleetsync.Message{Drain: st.Key, Deadline: max(0, st.Deadline.Sub(now))})
 		}
 	}
-	events := sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes)
-	for i := range events {
-		msgs = append(msgs, fleetsync.Message{Event: &events[i]})
-	}
-	return msgs
+	return eventMessages(msgs, sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes))
 }
 
 // applySnapshot applies one message of the snapshot this router starts

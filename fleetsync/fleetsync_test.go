@@ -1342,16 +1342,7 @@ func TestSnapshotWithDocumentedPermissions(t *testing.T) {
 		Subscribe: &server.SubjectPermission{Allow: []string{"test.perm", "test.perm.snapshot", "_INBOX.>"}},
 		Response:  &server.ResponsePermission{MaxMsgs: -1, Expires: time.Minute},
 	}
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: -1, NoLog: true, NoSigs: true,
-		Users: []*server.User{{Username: "r", Password: "p", Permissions: perms}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go ns.Start()
-	if !ns.ReadyForConnections(10 * time.Second) {
-		t.Fatal("NATS server not ready")
-	}
-	t.Cleanup(ns.Shutdown)
+	ns := natstest.StartWith(t, &server.Options{Port: -1, Users: []*server.User{{Username: "r", Password: "p", Permissions: perms}}})
 	url := "nats://r:p@" + ns.Addr().String()
 	a := startPeerRouter(t, url, "a", "test.perm", "x:1")
 	answering(t, ns, "test.perm")

@@ -75,14 +75,10 @@ func listedEngine(t *testing.T, dial string) *caddyllm.EngineView {
 	return nil
 }
 
-// TestLoadedAdapterRoutedAtOnce: an adapter loaded through the router
-// (vLLM's POST /v1/load_lora_adapter) makes the router fetch that
-// engine's model list again once the load is answered, so the adapter's
-// requests are routed at once; they got the router's 404
-// model_not_found until the next models_interval (here an hour).
-func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
-	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+// waitForModelLists waits until the admin view shows each engine's model
+// list.
+func waitForModelLists(t *testing.T, fleet []*replica) {
+	t.Helper()
 	eventually(t, 10*time.Second, "the engines' model lists", func() bool {
 		for _, r := range fleet {
 			if v := listedEngine(t, r.dial()); v == nil || len(v.Models) == 0 {
@@ -91,6 +87,17 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// TestLoadedAdapterRoutedAtOnce: an adapter loaded through the router
+// (vLLM's POST /v1/load_lora_adapter) makes the router fetch that
+// engine's model list again once the load is answered, so the adapter's
+// requests are routed at once; they got the router's 404
+// model_not_found until the next models_interval (here an hour).
+func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	waitForModelLists(t, fleet)
 	resp, err := http.Post(routerURL+"/v1/load_lora_adapter", "application/json",
 		strings.NewReader(`{"lora_name":"tenant-new","lora_path":"/adapters/tenant-new"}`))
 	if err != nil {
@@ -117,14 +124,7 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 func TestDirectlyLoadedAdapterFound(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
-	eventually(t, 10*time.Second, "the engines' model lists", func() bool {
-		for _, r := range fleet {
-			if v := listedEngine(t, r.dial()); v == nil || len(v.Models) == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	waitForModelLists(t, fleet)
 	resp, err := http.Post(fleet[1].http.URL+"/v1/load_lora_adapter", "application/json",
 		strings.NewReader(`{"lora_name":"tenant-direct","lora_path":"/adapters/tenant-direct"}`))
 	if err != nil {

@@ -41,14 +41,11 @@ func (f *Fleet) RememberResponse(id, dial string) {
 // remember notes id's home and reports whether that is news: an id not
 // known, or known elsewhere.
 func (h *responseHomes) remember(id, dial string) bool {
-	if id == "" || dial == "" || len(id) > MaxResponseIDBytes {
+	if !validHome(id, dial) {
 		return false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.byID == nil {
-		h.byID = make(map[string]*list.Element)
-	}
 	if e, ok := h.byID[id]; ok {
 		home := e.Value.(*responseHome)
 		h.order.MoveToFront(e)
@@ -56,7 +53,7 @@ func (h *responseHomes) remember(id, dial string) bool {
 		home.dial = dial
 		return news
 	}
-	h.byID[id] = h.order.PushFront(&responseHome{id: id, dial: dial})
+	h.add(id, h.order.PushFront(&responseHome{id: id, dial: dial}))
 	if h.order.Len() > MaxResponseHomes {
 		last := h.order.Back()
 		h.order.Remove(last)
@@ -90,19 +87,29 @@ func (h *responseHomes) newestFirst() []responseHome {
 // than every home known, and reports whether it did: an id known already
 // keeps what this router learned, and a full table evicts nothing.
 func (h *responseHomes) restore(id, dial string) bool {
-	if id == "" || dial == "" || len(id) > MaxResponseIDBytes {
+	if !validHome(id, dial) {
 		return false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.byID == nil {
-		h.byID = make(map[string]*list.Element)
-	}
 	if _, ok := h.byID[id]; ok || h.order.Len() >= MaxResponseHomes {
 		return false
 	}
-	h.byID[id] = h.order.PushBack(&responseHome{id: id, dial: dial})
+	h.add(id, h.order.PushBack(&responseHome{id: id, dial: dial}))
 	return true
+}
+
+// validHome reports whether a home of id at dial may be remembered.
+func validHome(id, dial string) bool {
+	return id != "" && dial != "" && len(id) <= MaxResponseIDBytes
+}
+
+// add indexes the list element e of id. Caller holds h.mu.
+func (h *responseHomes) add(id string, e *list.Element) {
+	if h.byID == nil {
+		h.byID = make(map[string]*list.Element)
+	}
+	h.byID[id] = e
 }
 
 // ResponseHomes counts the stored responses whose upstream the fleet

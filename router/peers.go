@@ -246,13 +246,7 @@ func (f *Fleet) keepForLater(ev Event, now time.Time) {
 func (f *Fleet) expirePending(now time.Time) {
 	for dial, p := range f.pending {
 		if now.Sub(p.at) > pendingRestoreLife {
-			for _, ev := range p.events {
-				f.pendingHashes -= len(ev.Hashes)
-				if ev.Kind == EventStored {
-					f.pendingResponses--
-				}
-			}
-			delete(f.pending, dial)
+			f.takePending(dial)
 		}
 	}
 }
@@ -260,20 +254,30 @@ func (f *Fleet) expirePending(now time.Time) {
 // restorePending applies what a peer's snapshot had for u, a new
 // upstream, if it came within pendingRestoreLife. Caller holds f.mu.
 func (f *Fleet) restorePending(u *upstream, now time.Time) {
-	p := f.pending[u.dial]
-	if p == nil {
+	p := f.takePending(u.dial)
+	if p == nil || now.Sub(p.at) > pendingRestoreLife {
 		return
 	}
-	delete(f.pending, u.dial)
+	for _, ev := range p.events {
+		f.restore(u, ev)
+	}
+}
+
+// takePending removes and returns what is kept for dial, nil for nothing.
+// Caller holds f.mu.
+func (f *Fleet) takePending(dial string) *pendingRestore {
+	p := f.pending[dial]
+	if p == nil {
+		return nil
+	}
+	delete(f.pending, dial)
 	for _, ev := range p.events {
 		f.pendingHashes -= len(ev.Hashes)
 		if ev.Kind == EventStored {
 			f.pendingResponses--
 		}
-		if now.Sub(p.at) <= pendingRestoreLife {
-			f.restore(u, ev)
-		}
 	}
+	return p
 }
 
 // maxCachedCapacity bounds the KV capacity, in tokens, a peer's cached

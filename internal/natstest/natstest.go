@@ -13,7 +13,15 @@ import (
 // the test ends.
 func Start(tb testing.TB, port int) *server.Server {
 	tb.Helper()
-	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, NoLog: true, NoSigs: true})
+	return StartWith(tb, &server.Options{Port: port})
+}
+
+// StartWith runs a NATS server with opts (users, permissions) on
+// 127.0.0.1, quiet, until the test ends.
+func StartWith(tb testing.TB, opts *server.Options) *server.Server {
+	tb.Helper()
+	opts.Host, opts.NoLog, opts.NoSigs = "127.0.0.1", true, true
+	ns, err := server.NewServer(opts)
 	if err != nil {
 		tb.Fatal(err)
 	}
