@@ -60,6 +60,9 @@ type scrapeTarget struct {
 	// last that did not; removed says the target is no longer scraped.
 	modelsFailures int
 	removed        bool
+	// modelsAgain says RefreshModels asked for a list while one sent
+	// before was under way.
+	modelsAgain bool
 	// mode is how the metrics are asked for; see metricsMode. In
 	// modeWhole the filtered query is tried again from probeDue on.
 	mode     metricsMode
@@ -420,7 +423,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	defer t.mu.Unlock()
 	t.busy = false
 	if modelsDue {
-		t.modelsFetching = false
+		s.endModelsFetchLocked(t)
 		// Under t.mu, once the list is recorded: whoever sees the new list
 		// (AskModels, which takes t.mu) sees the channel closed.
 		defer s.modelsFetchEnded()
@@ -442,14 +445,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		if modelsDue {
 			t.noteModels(st, models, modelsErr, start)
 			if modelsErr == nil {
-				// The last signals, stale as they were, with the new list
-				// (none yet: signals that are all stale).
-				var sig Signals
-				if prev := t.latest.Load(); prev != nil {
-					sig = *prev
-				}
-				sig.Models, sig.ModelsAt = t.models, t.modelsAt
-				t.latest.Store(&sig)
+				t.publishModelsLocked()
 			}
 		}
 		return
@@ -503,6 +499,19 @@ func (t *scrapeTarget) noteModels(st *Status, models []ModelInfo, err error, sta
 	}
 	st.ModelsError = ""
 	t.models, t.modelsAt, t.modelsFailures = models, start, 0
+}
+
+// publishModelsLocked makes the list just fetched part of t's latest
+// signals, which stay as stale as they were (none yet: signals all stale),
+// for a list fetched without a metrics scrape that succeeded. Caller holds
+// t.mu.
+func (t *scrapeTarget) publishModelsLocked() {
+	var sig Signals
+	if prev := t.latest.Load(); prev != nil {
+		sig = *prev
+	}
+	sig.Models, sig.ModelsAt = t.models, t.modelsAt
+	t.latest.Store(&sig)
 }
 
 // refused reports whether err is a failure to connect (nothing listening),

@@ -659,7 +659,7 @@ func startListScraper(t *testing.T, e *listEngine) (*Scraper, context.CancelFunc
 // (RefreshModels once the load is answered) while a fetch AskModels sent
 // before the load is under way gets its list at once, not at the next
 // round (here an hour later): the fetch under way, which found the old
-// list, ends by asking for a round.
+// list, ends by sending the one asked for.
 func TestRefreshDuringAnAskedFetch(t *testing.T) {
 	e := newListEngine(t)
 	s, _ := startListScraper(t, e)

@@ -71,16 +71,30 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 
 // RefreshModels fetches dial's model list at the next round, which it
 // asks for now, rather than at its next models interval (an adapter was
-// loaded or unloaded there).
+// loaded or unloaded there): alone, as AskModels fetches it, and again
+// after a fetch under way, which was sent before.
 func (s *Scraper) RefreshModels(dial string) {
 	t := s.target(dial)
 	if t == nil {
 		return
 	}
 	t.mu.Lock()
-	t.modelsDue = time.Time{}
-	t.mu.Unlock()
-	s.poke()
+	defer t.mu.Unlock()
+	if t.modelsFetching {
+		t.modelsAgain = true
+		return
+	}
+	s.scheduleModelsLocked(t, time.Now())
+}
+
+// endModelsFetchLocked notes that t's list fetch under way ended, and
+// sends the one RefreshModels asked for meanwhile. Caller holds t.mu.
+func (s *Scraper) endModelsFetchLocked(t *scrapeTarget) {
+	t.modelsFetching = false
+	if t.modelsAgain {
+		t.modelsAgain = false
+		s.scheduleModelsLocked(t, time.Now())
+	}
 }
 
 // AskModels has the model lists of dials fetched anew, by themselves (no
@@ -179,25 +193,13 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 	// Under t.mu, once the list is recorded: whoever sees the new list
 	// (AskModels, which takes t.mu) sees the channel closed.
 	defer s.modelsFetchEnded()
-	t.modelsFetching = false
+	s.endModelsFetchLocked(t)
 	if ctx.Err() != nil {
 		return // stopping: not the engine's fault
 	}
 	t.noteModels(&t.status, models, err, sent)
 	if err == nil {
-		// The last signals with the new list (none yet: signals all
-		// stale, as for a list fetched while the metrics fail).
-		var sig Signals
-		if prev := t.latest.Load(); prev != nil {
-			sig = *prev
-		}
-		sig.Models, sig.ModelsAt = t.models, t.modelsAt
-		t.latest.Store(&sig)
-	}
-	if !t.modelsDue.After(time.Now()) {
-		// RefreshModels asked for a list while this one, sent before,
-		// was under way: the round it asked for passed it by.
-		s.poke()
+		t.publishModelsLocked()
 	}
 }
 
