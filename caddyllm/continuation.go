@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -50,7 +51,11 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 	}()
 	for moves := 0; ; moves++ {
 		ctx, cancel := context.WithCancelCause(clientCtx)
-		st.setCancel(cancel)
+		since := st.arrived // queue_timeout counts from the arrival, and anew after a move
+		if moves > 0 {
+			since = time.Now()
+		}
+		st.setCancel(cancel, since)
 		err, aborted := serveRecovering(rec, r.WithContext(&attemptContext{Context: ctx, st: st}), next)
 		cut := st.takeCut() // also ends the discarding of a cut attempt's output
 		cancel(nil)

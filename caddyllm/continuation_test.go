@@ -175,7 +175,7 @@ func TestStaleCutDuringSelectWait(t *testing.T) {
 	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 	ctx, cancel := context.WithCancelCause(context.WithValue(context.Background(), stateKey{}, st))
 	defer cancel(nil)
-	st.setCancel(cancel)
+	st.setCancel(cancel, time.Now())
 	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
 	first := p.Select(pool, r, httptest.NewRecorder())
 	cutFirst := st.current

@@ -400,15 +400,23 @@ type requestState struct {
 	// continuation's is not).
 	arrived       time.Time
 	sawFirstToken bool
+	// waitSince is when the current dispatch began, from which it may
+	// wait queue_timeout to start: the arrival, or a move off a drained
+	// upstream. heldSince is when the current attempt, now held at the
+	// gateway, began (zero when it is not held); queued records that the
+	// request was counted as held once.
+	waitSince, heldSince time.Time
+	queued               bool
 	// ph holds the placeholders' values (see placeholder).
 	ph placeholderValues
 }
 
 // setCancel installs the function that cuts the current attempt.
-func (st *requestState) setCancel(cancel context.CancelCauseFunc) {
+// since is when the dispatch began (see waitSince).
+func (st *requestState) setCancel(cancel context.CancelCauseFunc, since time.Time) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	st.cancel, st.cut = cancel, false
+	st.cancel, st.cut, st.waitSince = cancel, false, since
 }
 
 // takeCut reports and clears whether a drain cut the last attempt.

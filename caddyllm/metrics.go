@@ -67,6 +67,7 @@ type metrics struct {
 // reasons are the decision reasons the router gives.
 var reasons = []string{
 	string(scorer.Warm), string(scorer.Cold), string(scorer.Spill), string(scorer.Adapter), string(scorer.Shed), fallbackReason, refusedReason,
+	canceledWhileHeld,
 }
 
 // fallbackReason is the reason of requests balanced without parsed

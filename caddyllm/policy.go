@@ -94,11 +94,12 @@ type Policy struct {
 	// resident. Default 2s.
 	AdapterLoadRemote caddy.Duration `json:"adapter_load_remote,omitempty"`
 
-	// QueueTimeout is how long a request may wait to start: queued at an
-	// engine for KV to free, or at the gateway when no upstream can start
-	// it in time, after which it is shed. Default 5s; a negative value
-	// sends a request only where it fits now and sheds it at once
-	// otherwise.
+	// QueueTimeout is how long a request may wait to start, from its
+	// arrival (Caddy's retries share it; a request moved off a drained
+	// upstream has it anew): queued at an engine for KV to free, or at
+	// the gateway when no upstream can start it in time, after which it
+	// is shed. Default 5s; a negative value sends a request only where it
+	// fits now and sheds it at once otherwise.
 	QueueTimeout caddy.Duration `json:"queue_timeout,omitempty"`
 
 	// ShedStatus is the HTTP status of a shed request. Default 503.
@@ -541,7 +542,10 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.shed != nil {
+	if st.shed != nil || r.Context().Err() != nil {
+		// Answered already, or the client is gone: Caddy asks again
+		// after a nil (lb_retries, lb_try_duration), and neither may be
+		// routed, charged or held again.
 		return nil
 	}
 	if a := st.current; a != nil {
@@ -557,12 +561,13 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	r.Body = io.NopCloser(bytes.NewReader(st.body))
 	r.ContentLength = int64(len(st.body))
 
-	// The request may start within QueueTimeout: queued at an engine
-	// until KV frees there, or held here until some upstream can take it.
+	// The request may start within QueueTimeout of its arrival (or of its
+	// move off a drained upstream; Caddy's retries share it): queued at
+	// an engine until KV frees there, or held here until some upstream
+	// can take it.
 	held := time.Now()
-	deadline := held.Add(time.Duration(p.QueueTimeout))
+	deadline := cmp.Or(st.waitSince, held).Add(time.Duration(p.QueueTimeout))
 	defer p.unhold(st)
-	queued := false
 	var lookUntil time.Time // while the model lists are fetched anew
 	var listed <-chan struct{}
 	for now := held; ; now = time.Now() {
@@ -571,6 +576,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		up, d := p.decide(pool, st, now, deadline)
 		if up != nil {
+			st.heldSince = time.Time{}
 			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
 			st.setDecisionPlaceholders(len(st.tried) + 1)
 			p.explain(w, st, d.Decision)
@@ -599,7 +605,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
-			p.sh.metrics.queueWaitOf(string(scorer.Shed)).Observe(time.Since(held).Seconds())
+			st.heldSince = held // observed as shed, also if it never waited
 			reason := blockedReason(d.Decision)
 			return p.shed(st, d, reason, reason)
 		}
@@ -607,8 +613,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			return p.shed(st, d, queueFullReason,
 				fmt.Sprintf("%d requests wait already: queue_limit", p.opts.QueueLimitValue()))
 		}
-		if !queued {
-			queued = true
+		if st.heldSince.IsZero() {
+			st.heldSince = held
+		}
+		if !st.queued {
+			st.queued = true
 			p.sh.metrics.queued.Inc()
 		}
 		// The hold is readied, first come first served, when an upstream
@@ -626,10 +635,16 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		timer.Stop()
 		st.mu.Lock()
 		if r.Context().Err() != nil {
+			p.sh.metrics.queueWaitOf(canceledWhileHeld).Observe(time.Since(st.heldSince).Seconds())
+			st.heldSince = time.Time{}
 			return nil
 		}
 	}
 }
+
+// canceledWhileHeld is the queue wait's reason for a held request whose
+// client left.
+const canceledWhileHeld = "canceled"
 
 // unhold ends st's wait at the gateway, if it waits. Caller holds st.mu.
 func (p *Policy) unhold(st *requestState) {
@@ -662,6 +677,10 @@ func (p *Policy) shed(st *requestState, d router.Decision, reason, why string) *
 func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
 	outcome := answer.outcome()
+	if !st.heldSince.IsZero() {
+		p.sh.metrics.queueWaitOf(outcome).Observe(time.Since(st.heldSince).Seconds())
+		st.heldSince = time.Time{}
+	}
 	if answer.refused {
 		p.sh.metrics.refused.WithLabelValues(fmt.Sprint(answer.code)).Inc()
 	} else {

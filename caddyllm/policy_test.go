@@ -14,7 +14,9 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -345,6 +347,93 @@ func TestQueueLimitShedsAtOnce(t *testing.T) {
 	if n := p.sh.fleet.Held(); n != 0 {
 		t.Fatalf("%d requests still held", n)
 	}
+}
+
+// TestNoSelectAfterTheClientLeft: a held request whose client leaves ends
+// its wait (counted as canceled), and Caddy's retries after it (lb_retries,
+// lb_try_duration: Caddy asks again after a nil, waiting on the config's
+// context, not the request's) neither route, charge nor hold it again, nor
+// count it as held twice.
+func TestNoSelectAfterTheClientLeft(t *testing.T) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	p.QueueTimeout = caddy.Duration(time.Hour)
+	for _, u := range pool {
+		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+	}
+	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+	ctx, cancel := context.WithCancel(context.WithValue(context.Background(), stateKey{}, st))
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		p.Select(pool, r, httptest.NewRecorder())
+	}()
+	for p.sh.fleet.Held() < 1 {
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	<-done
+	p.sh.drains.Undrain(pool[0].Dial, drain.Admin) // room frees as Caddy asks again
+	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil {
+		st.current.release()
+		t.Fatalf("the client is gone, yet the request was routed to %s", up.Dial)
+	}
+	p.sh.drains.Drain(pool[0].Dial, time.Hour, drain.Admin)
+	for range 3 {
+		p.Select(pool, r, httptest.NewRecorder())
+	}
+	if n := p.sh.fleet.Held(); n != 0 {
+		t.Errorf("%d requests held after their client left", n)
+	}
+	if got := testutil.ToFloat64(p.sh.metrics.queued); got != 1 {
+		t.Errorf("gateway_queued_total = %v for one request, want 1", got)
+	}
+	if got := histogramCount(t, p.sh.metrics.queueWaitOf(canceledWhileHeld)); got != 1 {
+		t.Errorf("queue_wait_seconds{reason=canceled} count = %d, want 1", got)
+	}
+}
+
+// TestQueueTimeoutCountsFromArrival: queue_timeout counts from the
+// request's arrival (its dispatch), not from each of Caddy's attempts: a
+// retry after it has passed decides once and is shed, without waiting.
+func TestQueueTimeoutCountsFromArrival(t *testing.T) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	p.QueueTimeout = caddy.Duration(time.Hour)
+	for _, u := range pool {
+		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+	}
+	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`),
+		waitSince: time.Now().Add(-time.Hour - time.Second)}
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+	done := make(chan *reverseproxy.Upstream)
+	go func() { done <- p.Select(pool, r, httptest.NewRecorder()) }()
+	for {
+		select {
+		case up := <-done:
+			if up != nil || st.shed == nil || st.shed.status != 503 {
+				t.Fatalf("routed to %v, shed %+v; want a 503", up, st.shed)
+			}
+			if got := histogramCount(t, p.sh.metrics.queueWaitOf(string(scorer.Shed))); got != 1 {
+				t.Errorf("queue_wait_seconds{reason=shed} count = %d, want 1", got)
+			}
+			return
+		default:
+		}
+		if p.sh.fleet.Held() > 0 {
+			t.Fatal("a request past its queue_timeout was held for another")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// histogramCount is how many observations o, a histogram's series, has.
+func histogramCount(t *testing.T, o prometheus.Observer) uint64 {
+	t.Helper()
+	var m dto.Metric
+	if err := o.(prometheus.Metric).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetHistogram().GetSampleCount()
 }
 
 // TestFallbackSkipsDraining: a drain closes an upstream to the requests

@@ -27,7 +27,8 @@ const HoldPollInterval = 250 * time.Millisecond
 // When that request ends its wait (Unhold: routed, shed or gone), the next
 // hold that fits there is readied, and so on while they fit; releases
 // there meanwhile ready nothing more, but if the readied request fits
-// nowhere after all and waits again, what they freed goes to the next.
+// nowhere after all (a new request took part of the room) and waits
+// again, the next that fits in what is left there is readied.
 // A release under overload so costs one filter check per held request and
 // a whole decision for each request it lets through (and one more), not
 // one for every request held; and held requests are served first come,
@@ -112,11 +113,14 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 	if d.releases != f.releases {
 		close(h.ready)
 		h.readied, h.by = true, prev // it keeps the turn a release gave it
-	} else if prev != nil && prev.owed {
-		// It had prev's turn and fitted nowhere after all: what prev
-		// released while it was to decide goes to the next that fits.
+	} else if prev != nil {
+		// It had prev's turn and fitted nowhere after all (a new request
+		// may have taken part of the room): what is left there, and what
+		// prev released while it was to decide, goes to the next that
+		// fits, not to it again (a fit the decision refused, such as an
+		// upstream Caddy counts as full, would ready it in a loop).
 		prev.owed = false
-		f.readyNext(prev, d.at)
+		f.readyNext(prev, d.at, h)
 	}
 	return h
 }
@@ -143,7 +147,7 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	if by := h.by; by != nil && f.upstreams[by.dial] == by {
 		h.by = nil
 		by.owed = false
-		f.readyNext(by, now)
+		f.readyNext(by, now, nil)
 	}
 }
 
@@ -160,13 +164,13 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}
-	f.readyNext(u, now)
+	f.readyNext(u, now, nil)
 }
 
-// readyNext readies the first held request, in arrival order, that would
-// now pass the filters on u, unless one readied by u has not decided yet.
-// Caller holds f.mu.
-func (f *Fleet) readyNext(u *upstream, now time.Time) {
+// readyNext readies the first held request but skip, in arrival order,
+// that would now pass the filters on u, unless one readied by u has not
+// decided yet. Caller holds f.mu.
+func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
 	for _, h := range f.holds {
 		if h.by == u {
 			u.owed = true
@@ -174,7 +178,7 @@ func (f *Fleet) readyNext(u *upstream, now time.Time) {
 		}
 	}
 	for _, h := range f.holds {
-		if h.readied {
+		if h.readied || h == skip {
 			continue
 		}
 		i := slices.Index(h.upstreams, u)

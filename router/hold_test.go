@@ -400,6 +400,34 @@ func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
 	}
 }
 
+// TestFailedTurnPassesOn: the readied hold fits nowhere after all, because
+// a new request took part of what the release freed, and no release came
+// meanwhile: what is left goes to the next held request that fits there.
+// (Before, it waited for its own poll.)
+func TestFailedTurnPassesOn(t *testing.T) {
+	q, ms := newQueue(t, OutputFixed), fleetOf(5000, "a")
+	x1, _, _ := q.place(1, 1400, ms), q.place(2, 500, ms), q.place(3, 2700, ms) // 4900 of 5000
+	reqA, a := q.hold(10, 1400, ms)                                             // needs 1500
+	reqB, b := q.hold(11, 400, ms)                                              // needs 500
+	served(q.f, x1, t0)                                                         // free 1600: A readied
+	if !isReady(a) || isReady(b) {
+		t.Fatalf("A %v B %v", isReady(a), isReady(b))
+	}
+	q.place(20, 900, ms) // a new arrival takes 1000: free 600
+	if q.retry(reqA, a, ms) {
+		t.Fatal("A placed")
+	}
+	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
+		t.Fatal("B would not be placed")
+	}
+	if !isReady(b) {
+		t.Errorf("B fits in the 600 left, A gave up a's turn, yet B's hold waits")
+	}
+	if isReady(a) {
+		t.Errorf("A, which fitted nowhere, was readied again")
+	}
+}
+
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
