@@ -96,6 +96,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults.
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
+	registerRunningMetrics(ctx)
 	if h.BlockTokens <= 0 {
 		h.BlockTokens = prefixindex.DefaultBlockTokens
 	}

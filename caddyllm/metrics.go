@@ -211,6 +211,18 @@ func (m *metrics) register(ctx caddy.Context) {
 	}
 }
 
+// registerRunningMetrics registers the running configs' router metrics
+// with the registry of ctx, the config being loaded, before anything in
+// it can fail. Caddy's admin API serves the registry of the last config it
+// tried to load, also when it rejected it (the running one goes on): the
+// router's metrics then stay there until a load succeeds, as long as the
+// rejection came from the router's own modules or after them.
+func registerRunningMetrics(ctx caddy.Context) {
+	if sh := lookupShared(); sh != nil {
+		sh.metrics.register(ctx)
+	}
+}
+
 // name makes dial a label value: a loaded config names it.
 func (m *metrics) name(dial string) {
 	m.mu.Lock()

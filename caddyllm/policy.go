@@ -271,6 +271,7 @@ const maxCostWeight = 100
 // of the routing state.
 func (p *Policy) Provision(ctx caddy.Context) error {
 	p.logger = ctx.Logger()
+	registerRunningMetrics(ctx)
 	strategy, err := scorer.ParseStrategy(p.Strategy)
 	if err != nil {
 		return err

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -420,6 +422,45 @@ http://127.0.0.1:%d {
 	if n := draining(); n != before {
 		t.Fatalf("the rejected config drained an upstream for a moment (%v drain transitions, %v before)", n, before)
 	}
+}
+
+// TestRejectedConfigKeepsRouterMetrics: Caddy's admin API serves the
+// metrics registry of the last config it tried to load, also one it
+// rejected. A config rejected by the router's own modules (a policy's
+// Provision, the handler's Validate) leaves the running config's router
+// metrics there all the same; they were all gone before.
+func TestRejectedConfigKeepsRouterMetrics(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2}); c.status != 200 {
+		t.Fatalf("status %d: %s", c.status, c.body)
+	}
+	for _, bad := range []struct{ name, handlerOpts, policyOpts string }{
+		{"policy", "", "strategy no_such_strategy"},
+		{"handler", "max_body 2GiB", ""},
+	} {
+		status, body := load(t, tester, "text/caddyfile", caddyfile(fleet, bad.handlerOpts, bad.policyOpts, ""))
+		if status == 200 {
+			t.Fatalf("%s: a bad config was accepted", bad.name)
+		}
+		mfs := metricFamilies(t, adminURL+"/metrics")
+		if n := counterValue(mfs, "caddy_llm_affinity_decisions_total", "reason", "cold") +
+			counterValue(mfs, "caddy_llm_affinity_decisions_total", "reason", "warm"); n < 1 {
+			t.Fatalf("%s rejected (%s): the router's decisions are gone from /metrics (%d router families)",
+				bad.name, strings.TrimSpace(body), routerFamilies(mfs))
+		}
+	}
+}
+
+// routerFamilies counts the router's metric families in mfs.
+func routerFamilies(mfs map[string]*dto.MetricFamily) int {
+	n := 0
+	for name := range mfs {
+		if strings.HasPrefix(name, "caddy_llm_affinity_") {
+			n++
+		}
+	}
+	return n
 }
 
 // TestConfigNamesOnlyItsUpstreams: drain and upstream name the proxy's
