@@ -22,6 +22,10 @@ import (
 // upstreams for fail_duration. The handler moves the request itself.
 var errDrainCut = fmt.Errorf("llm_affinity: upstream drain deadline passed: %w", context.Canceled)
 
+// statusClientClosedRequest is the status Caddy's proxy logs for a
+// request whose client left (nginx's 499).
+const statusClientClosedRequest = 499
+
 // maxRedispatch bounds how often one request moves because of drains.
 const maxRedispatch = 4
 
@@ -139,10 +143,18 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 }
 
 // serveRecovering calls next, turning the proxy's abort of an
-// interrupted stream (a panic with http.ErrAbortHandler) into a flag.
+// interrupted stream (a panic with http.ErrAbortHandler) into a flag, and
+// returning when the policy answered the request itself (see
+// Policy.answered).
 func serveRecovering(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) (err error, aborted bool) {
 	defer func() {
 		if v := recover(); v != nil {
+			if _, ok := v.(policyAnswered); ok {
+				if cause := r.Context().Err(); cause != nil {
+					err = caddyhttp.Error(statusClientClosedRequest, cause)
+				}
+				return
+			}
 			if v != http.ErrAbortHandler { //nolint:errorlint // the sentinel is panicked as is
 				panic(v)
 			}

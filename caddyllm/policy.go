@@ -216,6 +216,8 @@ type Policy struct {
 	// ones too, which cannot be checked.
 	parentDials   []string
 	parentDynamic bool
+	// parentTries says the parent has lb_try_duration: see answered.
+	parentTries bool
 	health        *healthWatch
 
 	// sh is the shared routing state; site names this policy as the
@@ -348,12 +350,9 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.logger.Warn("scrape_max_age is shorter than scrape_interval: the engines' signals are ignored for most of each interval",
 			zap.Duration("scrape_max_age", time.Duration(p.ScrapeMaxAge)), zap.Duration("scrape_interval", time.Duration(p.ScrapeInterval)))
 	}
-	if try := parentTryDuration(ctx); try > 0 {
-		// Caddy asks a policy that chose nothing again and again until
-		// lb_try_duration passes, so the router's own answers wait for it.
-		p.logger.Warn("lb_try_duration delays the answers the router gives itself (404 model_not_found, 400 context_length_exceeded, 503 when shed) by up to its length: the policy already waits for an upstream that fits (queue_timeout); use lb_retries to retry failed attempts instead",
-			zap.Duration("lb_try_duration", try))
-	}
+	// Caddy asks a policy that chose nothing again and again until
+	// lb_try_duration passes: the router's own answers must not wait.
+	p.parentTries = parentTryDuration(ctx) > 0
 	for dial := range p.Upstreams {
 		p.named = append(p.named, dial)
 	}
@@ -547,7 +546,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// Answered already, or the client is gone: Caddy asks again
 		// after a nil (lb_retries, lb_try_duration), and neither may be
 		// routed, charged or held again.
-		return nil
+		return p.answered()
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
@@ -589,7 +588,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		switch {
 		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed):
 			if r.Context().Err() != nil {
-				return nil
+				return p.answered()
 			}
 			continue
 		case d.Unservable:
@@ -638,7 +637,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		if r.Context().Err() != nil {
 			p.sh.metrics.queueWaitOf(canceledWhileHeld).Observe(time.Since(st.heldSince).Seconds())
 			st.heldSince = time.Time{}
-			return nil
+			return p.answered()
 		}
 	}
 }
@@ -698,8 +697,26 @@ func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *
 		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
 			zap.Int("prompt_tokens", st.req.PromptTokens), zap.Int("eligible", d.Eligible))
 	}
+	return p.answered()
+}
+
+// answered ends Select for a request the router answers itself (st.shed)
+// or whose client left. Caddy asks a policy that chose nothing again every
+// lb_try_interval until lb_try_duration passes, which would hold the
+// answer back that long (its wait watches the config, not the request):
+// under lb_try_duration the policy unwinds the proxy instead, with a panic
+// the handler recovers (serveRecovering), as the proxy's own aborts
+// unwind it. The handler, which put the request's state where Select
+// found it, is always on the stack.
+func (p *Policy) answered() *reverseproxy.Upstream {
+	if p.parentTries {
+		panic(policyAnswered{})
+	}
 	return nil
 }
+
+// policyAnswered is the panic value of answered.
+type policyAnswered struct{}
 
 func blockedReason(d scorer.Decision) string {
 	if s := d.Blocked.String(); s != "" {
