@@ -131,7 +131,10 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	if sd.Chosen < 0 {
 		d.releases, d.at = f.releases, now
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
-		d.TooLong = len(cands) > 0 && sd.Blocked == scorer.FilteredKV
+		// Too long: larger than the KV of every upstream that may serve
+		// the model, whatever else keeps each from taking it now (a drain,
+		// Caddy's health checks, a full queue), none of which lasts.
+		servers, tooSmall := 0, true
 		listed, unlistedDown := false, len(cands) > 0
 		for i := range cands {
 			c := &cands[i]
@@ -139,8 +142,12 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 			listed = listed || byModel
 			unlistedDown = unlistedDown && (byModel || c.Models == nil && members[i].Down)
 			d.Unservable = d.Unservable && byModel
-			d.TooLong = d.TooLong && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
+			if !byModel {
+				servers++
+				tooSmall = tooSmall && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
+			}
 		}
+		d.TooLong = servers > 0 && tooSmall
 		d.NotRunning = !d.Unservable && listed && unlistedDown
 		return d
 	}

@@ -387,6 +387,55 @@ func TestTooLong(t *testing.T) {
 	}
 }
 
+// TestTooLongWhateverBlocksTheOthers: a prompt larger than the KV of every
+// upstream that may serve its model is too long however many of them are
+// draining, down or full, and whatever upstreams serving other models
+// hold (it was refused only when the KV filter was the commonest reason,
+// and otherwise shed with a 503 after queue_timeout). One that only a
+// draining upstream could hold waits for it.
+func TestTooLongWhateverBlocksTheOthers(t *testing.T) {
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	other := []scrape.ModelInfo{{ID: "other"}}
+	mine := []scrape.ModelInfo{{ID: "m"}}
+	for _, tc := range []struct {
+		name    string
+		setup   func(ms []Member)
+		tooLong bool
+	}{
+		{"three of four draining", func(ms []Member) {
+			for i := range 3 {
+				ms[i].Draining = true
+			}
+		}, true},
+		{"all draining", func(ms []Member) {
+			for i := range ms {
+				ms[i].Draining = true
+			}
+		}, true},
+		{"two down", func(ms []Member) { ms[0].Available, ms[1].Available = false, false }, true},
+		{"the others serve another model, with more KV", func(ms []Member) {
+			for i := range 3 {
+				ms[i].Models, ms[i].Hardware.KVCapacityTokens = other, 1<<20
+			}
+			ms[3].Models = mine
+		}, true},
+		{"only a draining upstream could hold it", func(ms []Member) {
+			ms[0].Hardware.KVCapacityTokens, ms[0].Draining = 1<<20, true
+		}, false},
+	} {
+		f := New()
+		ms := members("a", "b", "c", "d")
+		for i := range ms {
+			ms[i].Hardware.KVCapacityTokens = 4096
+		}
+		tc.setup(ms)
+		d := f.Decide(t0, Request{Model: "m", PromptTokens: 5000}, ms, &opts, rng(), nil)
+		if d.Charge != nil || d.TooLong != tc.tooLong || d.Unservable {
+			t.Errorf("%s: too long %v, want %v (%+v)", tc.name, d.TooLong, tc.tooLong, d)
+		}
+	}
+}
+
 // TestEngineRestartForgetsTheIndex: a restart the scraper reports clears
 // what the index says the upstream holds, and counts as an index reset;
 // one reported before anything was routed there (an engine not yet
