@@ -45,8 +45,10 @@ type ParsedRequest struct {
 	Tools              json.RawMessage
 	PreviousResponseID string
 	Store              bool
-	// CapsMaxTokens says MaxTokens is cut to what the context leaves after
-	// the prompt rather than refused beyond it (vLLM's Responses API).
+	// CapsMaxTokens says the output is cut to what the context leaves
+	// after the prompt rather than refused beyond it: vLLM's Responses
+	// API's max_output_tokens, and a chat request without max_tokens
+	// (vLLM then lets it run to the context's end).
 	CapsMaxTokens bool
 }
 
@@ -211,6 +213,9 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	if maxTokens == nil && endpoint == EndpointCompletions {
 		n := completionsDefaultMaxTokens
 		maxTokens = &n
+	}
+	if maxTokens == nil {
+		p.CapsMaxTokens = true
 	}
 	p.OutputTokens = defaultOutput
 	if maxTokens != nil {

@@ -285,6 +285,37 @@ func TestChatContinuationOverHTTP(t *testing.T) {
 	}
 }
 
+// TestChatWithoutMaxTokensRunsToTheContext: a chat request without
+// max_tokens is refused only when its prompt fills the context; its output
+// is cut to what the context leaves (finish_reason "length"), as vLLM
+// does. kvsim refused it when its default output did not fit.
+func TestChatWithoutMaxTokensRunsToTheContext(t *testing.T) {
+	_, srv := newTestServer(t, Config{NumGPUBlocks: 64, MaxModelLen: 1000, DefaultOutputTokens: 128})
+	chat := func(chars int) string {
+		return `{"messages":[{"role":"user","content":"` + strings.Repeat("a", chars) + `"}]}`
+	}
+	resp, out := post(t, srv.URL+"/v1/chat/completions", chat(3900)) // ~980 tokens with the template
+	var c struct {
+		Choices []struct {
+			FinishReason string `json:"finish_reason"`
+		}
+		Usage struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(out), &c) != nil || len(c.Choices) != 1 {
+		t.Fatalf("%d %s", resp.StatusCode, out)
+	}
+	if c.Usage.PromptTokens+c.Usage.CompletionTokens != 1000 || c.Usage.CompletionTokens >= 128 || c.Choices[0].FinishReason != "length" {
+		t.Errorf("usage %+v, finish %q: want the output cut to the context's end", c.Usage, c.Choices[0].FinishReason)
+	}
+	if resp, out := post(t, srv.URL+"/v1/chat/completions", chat(4100)); resp.StatusCode != 400 ||
+		!strings.Contains(out, "maximum context length is 1000") {
+		t.Errorf("a prompt over the context: %d %s", resp.StatusCode, out)
+	}
+}
+
 func TestBadRequests(t *testing.T) {
 	_, srv := newTestServer(t, Config{NumGPUBlocks: 64, MaxModelLen: 100000})
 	cases := map[string]string{
