@@ -170,6 +170,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if endpoint == EndpointOther {
 		unrouted(repl)
+		if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/v1/models") {
+			return serveModels(w, r, next)
+		}
 		return next.ServeHTTP(w, r)
 	}
 	if encodedBody(r.Header) {
@@ -256,6 +259,25 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		writeAPIErrorCode(w, shed.status, cmp.Or(shed.typ, "invalid_request_error"), shed.code, shed.param, shed.message)
 		return nil
 	}
+	return err
+}
+
+// serveModels serves GET /v1/models: the policy answers it with what
+// every engine of its pool lists (see Policy.listModels), or sends it to
+// one engine, as any request it does not route, when it cannot.
+func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	st := &requestState{listModels: true}
+	err, aborted := serveRecovering(w, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
+	if aborted {
+		panic(http.ErrAbortHandler) // the proxy's, passed on
+	}
+	if st.modelList == nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(st.modelList)))
+	w.WriteHeader(http.StatusOK)
+	_, err = w.Write(st.modelList)
 	return err
 }
 
@@ -410,6 +432,10 @@ type requestState struct {
 	queued               bool
 	// ph holds the placeholders' values (see placeholder).
 	ph placeholderValues
+	// listModels marks a GET /v1/models, which the policy answers with
+	// modelList, the whole pool's (see Policy.listModels).
+	listModels bool
+	modelList  []byte
 }
 
 // setCancel installs the function that cuts the current attempt.

@@ -540,6 +540,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	if st == nil {
 		return p.selectFallback(pool, r, w)
 	}
+	if st.listModels {
+		return p.listModels(pool, r, w, st)
+	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.shed != nil || r.Context().Err() != nil {
@@ -697,6 +700,63 @@ func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *
 		c.Write(zap.String("blocked_by", answer.reason), zap.Int("status", answer.status),
 			zap.Int("prompt_tokens", st.req.PromptTokens), zap.Int("eligible", d.Eligible))
 	}
+	return p.answered()
+}
+
+// listModels answers GET /v1/models for the whole pool: every model and
+// adapter its engines list, each once, as the first engine listing it
+// described it, where one engine's own answer would list only what that
+// replica serves (adapters are loaded per replica). Upstreams Caddy has
+// down or full, draining ones and engines nothing listens at are left
+// out. When an engine that counts has no list (scraping is off, or its
+// list has not come or is stale), the request goes to one engine, as
+// before.
+func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, st *requestState) *reverseproxy.Upstream {
+	if st.modelList != nil {
+		return p.answered() // Caddy asks again after a nil (lb_retries)
+	}
+	if p.scraper == nil {
+		return p.selectFallback(pool, r, w)
+	}
+	now := time.Now()
+	data := []json.RawMessage{}
+	seen := make(map[string]bool)
+	listed := 0
+	for _, u := range pool {
+		if !u.Available() || p.sh.drains.IsDraining(u.Dial) {
+			continue
+		}
+		sig, _ := p.scraper.Latest(u.Dial, now, 0)
+		if sig.Models == nil || now.Sub(sig.ModelsAt) > p.scraper.ModelsMaxAge() {
+			if p.scraper.Down(u.Dial) {
+				continue
+			}
+			return p.selectFallback(pool, r, w)
+		}
+		listed++
+		for _, m := range sig.Models {
+			if seen[m.ID] {
+				continue
+			}
+			seen[m.ID] = true
+			card := m.Card
+			if len(card) == 0 {
+				var parent any // null for a base model, as vLLM has it
+				if m.Parent != "" {
+					parent = m.Parent
+				}
+				card, _ = json.Marshal(map[string]any{"id": m.ID, "object": "model", "root": m.Root, "parent": parent})
+			}
+			data = append(data, card)
+		}
+	}
+	if listed == 0 {
+		return p.selectFallback(pool, r, w)
+	}
+	st.modelList, _ = json.Marshal(struct {
+		Object string            `json:"object"`
+		Data   []json.RawMessage `json:"data"`
+	}{"list", data})
 	return p.answered()
 }
 

@@ -1,12 +1,18 @@
 package integration
 
 import (
+	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
 
 	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
@@ -139,6 +145,63 @@ func TestDirectlyLoadedAdapterFound(t *testing.T) {
 	}
 	if c := post(t, "/v1/completions", map[string]any{"model": "no-such-model", "prompt": "hi", "max_tokens": 2}); c.status != http.StatusNotFound || !strings.Contains(c.body, "model_not_found") {
 		t.Fatalf("a model no engine lists: %d %s", c.status, c.body)
+	}
+}
+
+// TestModelsListTheWholeFleet: GET /v1/models through the router lists
+// every model and adapter its engines serve, each once and as the engine
+// described it, whichever replica would have answered: with an adapter
+// loaded on each replica directly, one engine's own list (what the request
+// got before) lacks the other's. A drained replica's adapter leaves the
+// list. Read with the official OpenAI client.
+func TestModelsListTheWholeFleet(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	for i, r := range fleet {
+		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
+			strings.NewReader(fmt.Sprintf(`{"lora_name":"tenant-%d","lora_path":"/adapters/tenant-%d"}`, i, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	eventually(t, 10*time.Second, "both adapters in the router's lists", func() bool {
+		for i, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || !slices.Contains(v.Models, fmt.Sprintf("tenant-%d", i)) {
+				return false
+			}
+		}
+		return true
+	})
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	list := func() []string {
+		t.Helper()
+		page, err := client.Models.List(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, m := range page.Data {
+			ids = append(ids, m.ID)
+			if m.ID == kvsim.DefaultModel && !strings.Contains(m.RawJSON(), `"max_model_len"`) {
+				t.Errorf("the base model's entry lost the engine's fields: %s", m.RawJSON())
+			}
+		}
+		slices.Sort(ids)
+		return ids
+	}
+	want := []string{kvsim.DefaultModel, "tenant-0", "tenant-1"}
+	for range 6 { // two replicas: one engine's answer would show within a few
+		if got := list(); !slices.Equal(got, want) {
+			t.Fatalf("models %v, want %v", got, want)
+		}
+	}
+	drainURL := adminURL + "/llm_affinity/upstreams/" + fleet[1].dial() + "/drain"
+	if resp, err := http.Post(drainURL, "application/json", nil); err != nil || resp.StatusCode/100 != 2 {
+		t.Fatalf("drain: %v %v", resp, err)
+	}
+	if got := list(); !slices.Equal(got, want[:2]) {
+		t.Fatalf("with replica 1 drained: models %v, want %v", got, want[:2])
 	}
 }
 

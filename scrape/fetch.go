@@ -193,13 +193,17 @@ func (c *capReader) Read(p []byte) (int, error) {
 // parseModels reads an OpenAI /v1/models response.
 func parseModels(r io.Reader) ([]ModelInfo, error) {
 	var body struct {
-		Data []ModelInfo `json:"data"`
+		Data []json.RawMessage `json:"data"`
 	}
 	if err := json.NewDecoder(r).Decode(&body); err != nil {
 		return nil, fmt.Errorf("parsing models list: %w", err)
 	}
-	if body.Data == nil {
-		body.Data = []ModelInfo{}
+	models := make([]ModelInfo, len(body.Data))
+	for i, card := range body.Data {
+		if err := json.Unmarshal(card, &models[i]); err != nil {
+			return nil, fmt.Errorf("parsing models list: entry %d: %w", i, err)
+		}
+		models[i].Card = card
 	}
-	return body.Data, nil
+	return models, nil
 }

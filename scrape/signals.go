@@ -1,6 +1,7 @@
 package scrape
 
 import (
+	"encoding/json"
 	"math"
 	"time"
 )
@@ -15,6 +16,9 @@ type ModelInfo struct {
 	// Root is the model's origin: the base model's name or the adapter's
 	// path.
 	Root string `json:"root,omitempty"`
+	// Card is the entry as the engine sent it (its max_model_len,
+	// owned_by and the rest), for a gateway's list of the whole fleet.
+	Card json.RawMessage `json:"-"`
 }
 
 // Signals is one engine's state as its /metrics (and /v1/models)
