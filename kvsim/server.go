@@ -9,6 +9,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"time"
@@ -189,7 +190,23 @@ func (s *Server) SetFaults(f Faults) {
 // ServeHTTP implements http.Handler.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set(ReplicaHeader, s.name)
-	s.mux.ServeHTTP(w, r)
+	if h, pattern := s.mux.Handler(r); pattern == "" {
+		s.noRoute(w, r, h)
+		return
+	}
+	s.mux.ServeHTTP(w, r) // which sets the path's wildcards, as Handler does not
+}
+
+// noRoute answers a request no route takes as vLLM's server (FastAPI)
+// does: 404 or 405 (with Allow) and a JSON body {"detail": ...}, where
+// the mux, h, answers in plain text.
+func (s *Server) noRoute(w http.ResponseWriter, r *http.Request, h http.Handler) {
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, r)
+	if allow := rec.Header().Get("Allow"); allow != "" {
+		w.Header().Set("Allow", allow)
+	}
+	writeJSON(w, rec.Code, map[string]string{"detail": http.StatusText(rec.Code)})
 }
 
 // jsonContentType reports whether a request's Content-Type is JSON as

@@ -316,6 +316,35 @@ func TestChatWithoutMaxTokensRunsToTheContext(t *testing.T) {
 	}
 }
 
+// TestNoRouteAnswersAsFastAPI: a path no route takes gets vLLM's 404, and
+// a route's path with another method its 405 with Allow, both as JSON
+// {"detail": ...} (FastAPI's), not Go's plain text.
+func TestNoRouteAnswersAsFastAPI(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	for _, tc := range []struct {
+		method, path, detail string
+		status               int
+	}{
+		{"GET", "/v1/nope", "Not Found", 404},
+		{"GET", "/v1/chat/completions", "Method Not Allowed", 405},
+	} {
+		req, _ := http.NewRequest(tc.method, srv.URL+tc.path, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var body struct{ Detail string }
+		err = json.NewDecoder(resp.Body).Decode(&body)
+		resp.Body.Close()
+		if err != nil || resp.StatusCode != tc.status || body.Detail != tc.detail || resp.Header.Get("Content-Type") != "application/json" {
+			t.Errorf("%s %s: %d %q %v, want %d %q", tc.method, tc.path, resp.StatusCode, body.Detail, err, tc.status, tc.detail)
+		}
+		if tc.status == 405 && !strings.Contains(resp.Header.Get("Allow"), "POST") {
+			t.Errorf("405 without Allow: POST: %v", resp.Header)
+		}
+	}
+}
+
 func TestBadRequests(t *testing.T) {
 	_, srv := newTestServer(t, Config{NumGPUBlocks: 64, MaxModelLen: 100000})
 	cases := map[string]string{
