@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"strings"
+	"unicode/utf8"
 )
 
 // Endpoint says which OpenAI API a request body belongs to.
@@ -102,6 +103,11 @@ func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
 	// vLLM reads the body with Python's json.loads, which skips a UTF-8
 	// byte order mark.
 	body = bytes.TrimPrefix(body, []byte("\xef\xbb\xbf"))
+	if !utf8.Valid(body) {
+		// Python decodes the body before parsing it; FastAPI answers a
+		// body that is not UTF-8 so (Go's parser would put U+FFFD in).
+		return nil, errBadRequest("There was an error parsing the body")
+	}
 	var rb requestBody
 	if json.Unmarshal(body, &rb) == nil {
 		return &rb, nil

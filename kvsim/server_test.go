@@ -351,7 +351,7 @@ func TestBadRequests(t *testing.T) {
 		"/v1/completions":      `{not json`,
 		"/v1/chat/completions": `{"messages":[]}`,
 	}
-	bad := []string{`{`, `[]`, `null`, `{"prompt":5}`, `{"prompt":["a","b"]}`, `{"prompt":[-1]}`, `{"prompt":"x","max_tokens":0}`,
+	bad := []string{`{`, `[]`, `null`, `{"prompt":5}`, "{\"prompt\":\"x \xff y\"}", // not UTF-8 `{"prompt":["a","b"]}`, `{"prompt":[-1]}`, `{"prompt":"x","max_tokens":0}`,
 		`{"prompt":"x","stream_options":{"include_usage":true}}`, `{"prompt":""}`, `{"prompt":"` + strings.Repeat("x", 5000) + `"}`}
 	for _, b := range bad {
 		resp, out := post(t, srv.URL+"/v1/completions", b)
