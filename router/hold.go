@@ -117,10 +117,13 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		// It had prev's turn and fitted nowhere after all (a new request
 		// may have taken part of the room): what is left there, and what
 		// prev released while it was to decide, goes to the next that
-		// fits, not to it again (a fit the decision refused, such as an
-		// upstream Caddy counts as full, would ready it in a loop).
+		// fits, not to it again. Without such a release, prev is no less
+		// full to Caddy than the holds saw it: otherwise two holds behind
+		// an upstream at max_requests would hand the turn to each other
+		// without end.
+		released := prev.owed
 		prev.owed = false
-		f.readyNext(prev, d.at, h)
+		f.readyNext(prev, d.at, h, released)
 	}
 	return h
 }
@@ -147,7 +150,7 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	if by := h.by; by != nil && f.upstreams[by.dial] == by {
 		h.by = nil
 		by.owed = false
-		f.readyNext(by, now, nil)
+		f.readyNext(by, now, nil, true)
 	}
 }
 
@@ -164,13 +167,14 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}
-	f.readyNext(u, now, nil)
+	f.readyNext(u, now, nil, true)
 }
 
 // readyNext readies the first held request but skip, in arrival order,
 // that would now pass the filters on u, unless one readied by u has not
-// decided yet. Caller holds f.mu.
-func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
+// decided yet. released says work ended on u since the holds looked, so
+// that u may no longer be full to Caddy. Caller holds f.mu.
+func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, released bool) {
 	for _, h := range f.holds {
 		if h.by == u {
 			u.owed = true
@@ -195,7 +199,9 @@ func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
 		if m.Tried && h.avoidTried && i != h.home {
 			continue // the decision avoids it
 		}
-		m.Available = m.Available || m.Healthy // full, not down
+		if released {
+			m.Available = m.Available || m.Healthy // full, not down
+		}
 		req := h.req
 		req.MaxWait = max(0, h.deadline.Sub(now))
 		if f.fits(now, req, m, h.opts, false) {

@@ -428,6 +428,40 @@ func TestFailedTurnPassesOn(t *testing.T) {
 	}
 }
 
+// TestFullUpstreamTurnsDoNotLoop: holds behind an upstream Caddy counts as
+// full (max_requests) do not hand the turn to each other when each fits
+// nowhere and nothing was released: they wait for a release or the poll.
+// (The failed turn's hand-on assumed a release, and looped.)
+func TestFullUpstreamTurnsDoNotLoop(t *testing.T) {
+	q, free := newQueue(t, OutputFixed), fleetOf(50000, "a")
+	full := fleetOf(50000, "a")
+	full[0].Available = false // Caddy: max_requests reached
+	x := q.place(1, 1000, free)
+	req1, h1 := q.hold(10, 500, full)
+	req2, h2 := q.hold(11, 500, full)
+	req3, h3 := q.hold(12, 500, full)
+	served(q.f, x, t0)
+	if !isReady(h1) || !q.retry(req1, h1, free) {
+		t.Fatal("h1 not readied and placed by the release")
+	}
+	q.f.Unhold(h1, t0) // a is full again
+	for range 5 {
+		if !isReady(h2) {
+			return
+		}
+		if q.retry(req2, h2, full) {
+			t.Fatal("h2 placed")
+		}
+		if !isReady(h3) {
+			return
+		}
+		if q.retry(req3, h3, full) {
+			t.Fatal("h3 placed")
+		}
+	}
+	t.Error("h2 and h3 readied each other 5 times without a release")
+}
+
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
