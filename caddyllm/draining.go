@@ -131,15 +131,18 @@ func parentHasDynamicUpstreams(ctx caddy.Context) bool {
 	return false
 }
 
-// parentTryDuration is the lb_try_duration of the reverse_proxy handler
-// that loads this policy, 0 when none.
-func parentTryDuration(ctx caddy.Context) time.Duration {
+// parentWaitsToRetry says the reverse_proxy handler that loads this
+// policy waits before asking it again after it chose nothing: under
+// lb_try_duration (lb_try_interval, 250 ms by default, until the duration
+// passes), or lb_retries with an lb_try_interval.
+func parentWaitsToRetry(ctx caddy.Context) bool {
 	for _, m := range ctx.Modules() {
 		if h, ok := m.(*reverseproxy.Handler); ok && h.LoadBalancing != nil {
-			return time.Duration(h.LoadBalancing.TryDuration)
+			lb := h.LoadBalancing
+			return lb.TryDuration > 0 || lb.Retries > 0 && lb.TryInterval > 0
 		}
 	}
-	return 0
+	return false
 }
 
 // parentUpstreams finds the reverse_proxy handler that loads this policy

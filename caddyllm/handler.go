@@ -267,18 +267,59 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // one engine, as any request it does not route, when it cannot.
 func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	st := &requestState{listModels: true}
-	err, aborted := serveRecovering(w, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
+	mw := &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
+	err, aborted := serveRecovering(mw, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
 	if aborted {
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
-	if st.modelList == nil {
+	if st.modelList == nil || mw.wroteHeader {
 		return err
 	}
+	// No engine could take it: the list is the answer.
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(st.modelList)))
 	w.WriteHeader(http.StatusOK)
 	_, err = w.Write(st.modelList)
 	return err
+}
+
+// modelsWriter passes an engine's answer to GET /v1/models on with its
+// body replaced by the pool's list, when the policy made one: the status
+// and headers (CORS, the proxy's header_down) stay the engine's. An error,
+// or a body the engine compressed, goes as it is.
+type modelsWriter struct {
+	caddyhttp.ResponseWriterWrapper
+	st                    *requestState
+	wroteHeader, replaced bool
+}
+
+// WriteHeader writes the list in place of a 200's body.
+func (m *modelsWriter) WriteHeader(status int) {
+	if m.wroteHeader || status < 200 {
+		m.ResponseWriterWrapper.WriteHeader(status)
+		return
+	}
+	m.wroteHeader = true
+	list := m.st.modelList
+	if status != http.StatusOK || list == nil || encodedBody(m.Header()) {
+		m.ResponseWriterWrapper.WriteHeader(status)
+		return
+	}
+	m.replaced = true
+	m.Header().Set("Content-Length", strconv.Itoa(len(list)))
+	m.ResponseWriterWrapper.WriteHeader(status)
+	_, _ = m.ResponseWriterWrapper.Write(list)
+}
+
+// Write drops the engine's own list once replaced.
+func (m *modelsWriter) Write(p []byte) (int, error) {
+	if !m.wroteHeader {
+		m.WriteHeader(http.StatusOK)
+	}
+	if m.replaced {
+		return len(p), nil
+	}
+	return m.ResponseWriterWrapper.Write(p)
 }
 
 // unrouted gives a request the handler does not route its placeholders:

@@ -216,9 +216,9 @@ type Policy struct {
 	// ones too, which cannot be checked.
 	parentDials   []string
 	parentDynamic bool
-	// parentTries says the parent has lb_try_duration: see answered.
+	// parentTries says the parent waits to ask again: see answered.
 	parentTries bool
-	health        *healthWatch
+	health      *healthWatch
 
 	// sh is the shared routing state; site names this policy as the
 	// owner of its drains there; named lists the upstreams it references.
@@ -350,9 +350,10 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.logger.Warn("scrape_max_age is shorter than scrape_interval: the engines' signals are ignored for most of each interval",
 			zap.Duration("scrape_max_age", time.Duration(p.ScrapeMaxAge)), zap.Duration("scrape_interval", time.Duration(p.ScrapeInterval)))
 	}
-	// Caddy asks a policy that chose nothing again and again until
-	// lb_try_duration passes: the router's own answers must not wait.
-	p.parentTries = parentTryDuration(ctx) > 0
+	// Caddy asks a policy that chose nothing again, after a wait, until
+	// lb_try_duration passes (or lb_retries are spent): the router's own
+	// answers must not wait.
+	p.parentTries = parentWaitsToRetry(ctx)
 	for dial := range p.Upstreams {
 		p.named = append(p.named, dial)
 	}
@@ -706,24 +707,33 @@ func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *
 // listModels answers GET /v1/models for the whole pool: every model and
 // adapter its engines list, each once, as the first engine listing it
 // described it, where one engine's own answer would list only what that
-// replica serves (adapters are loaded per replica). Upstreams Caddy has
-// down or full, draining ones and engines nothing listens at are left
-// out. When an engine that counts has no list (scraping is off, or its
-// list has not come or is stale), the request goes to one engine, as
-// before.
+// replica serves (adapters are loaded per replica). The request still
+// goes to one engine, whose answer's headers (CORS, header_down) the
+// client gets, its body replaced by the list (see modelsWriter); when no
+// engine can take it, the list is the answer. Upstreams Caddy finds
+// unhealthy, draining ones and engines nothing listens at are left out.
+// When an engine that counts has no list (scraping is off, or its list
+// has not come or is stale), the engine's answer goes as it is.
 func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, st *requestState) *reverseproxy.Upstream {
-	if st.modelList != nil {
-		return p.answered() // Caddy asks again after a nil (lb_retries)
+	if st.modelList == nil && p.scraper != nil {
+		st.modelList = p.modelList(pool)
 	}
-	if p.scraper == nil {
-		return p.selectFallback(pool, r, w)
+	if up := p.selectFallback(pool, r, w); up != nil || st.modelList == nil {
+		return up
 	}
+	return p.answered()
+}
+
+// modelList is the pool's models list (see listModels), nil when an
+// engine's list is missing.
+func (p *Policy) modelList(pool reverseproxy.UpstreamPool) []byte {
 	now := time.Now()
 	data := []json.RawMessage{}
 	seen := make(map[string]bool)
 	listed := 0
 	for _, u := range pool {
-		if !u.Available() || p.sh.drains.IsDraining(u.Dial) {
+		// Full or not, an upstream serves what it serves.
+		if !u.Healthy() || p.sh.drains.IsDraining(u.Dial) {
 			continue
 		}
 		sig, _ := p.scraper.Latest(u.Dial, now, 0)
@@ -731,7 +741,7 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 			if p.scraper.Down(u.Dial) {
 				continue
 			}
-			return p.selectFallback(pool, r, w)
+			return nil
 		}
 		listed++
 		for _, m := range sig.Models {
@@ -751,20 +761,20 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 		}
 	}
 	if listed == 0 {
-		return p.selectFallback(pool, r, w)
+		return nil
 	}
-	st.modelList, _ = json.Marshal(struct {
+	list, _ := json.Marshal(struct {
 		Object string            `json:"object"`
 		Data   []json.RawMessage `json:"data"`
 	}{"list", data})
-	return p.answered()
+	return list
 }
 
 // answered ends Select for a request the router answers itself (st.shed)
 // or whose client left. Caddy asks a policy that chose nothing again every
-// lb_try_interval until lb_try_duration passes, which would hold the
-// answer back that long (its wait watches the config, not the request):
-// under lb_try_duration the policy unwinds the proxy instead, with a panic
+// lb_try_interval until lb_try_duration passes (or lb_retries are spent),
+// which would hold the answer back that long (its wait watches the
+// config, not the request): then the policy unwinds the proxy instead, with a panic
 // the handler recovers (serveRecovering), as the proxy's own aborts
 // unwind it. The handler, which put the request's state where Select
 // found it, is always on the stack.

@@ -289,6 +289,20 @@ func TestAnswers(t *testing.T) {
 	row.check(t, a.resp, a.body, a.err)
 }
 
+// TestOwnAnswerUnderRetryInterval: with lb_retries and an lb_try_interval,
+// Caddy waits the interval before asking a policy that chose nothing again;
+// the router's own answer (here the 404 for a model no engine lists) comes
+// at once all the same.
+func TestOwnAnswerUnderRetryInterval(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "lb_retries 2\n\t\tlb_try_interval 1h"))
+	waitForModelLists(t, fleet)
+	row := answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
+		post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`)
+	resp, b, err := row.send() // within answerDeadline
+	row.check(t, resp, b, err)
+}
+
 // TestUnknownModelWithAnUpstreamDown: a model no engine lists, while the
 // one upstream whose models are unknown is down (nothing listens there),
 // gets a 503 at once: it used to wait queue_timeout, holding a place at

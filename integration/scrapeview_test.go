@@ -156,7 +156,7 @@ func TestDirectlyLoadedAdapterFound(t *testing.T) {
 // list. Read with the official OpenAI client.
 func TestModelsListTheWholeFleet(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "header_down X-Proxy-Header kept"))
 	for i, r := range fleet {
 		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
 			strings.NewReader(fmt.Sprintf(`{"lora_name":"tenant-%d","lora_path":"/adapters/tenant-%d"}`, i, i)))
@@ -189,6 +189,16 @@ func TestModelsListTheWholeFleet(t *testing.T) {
 		}
 		slices.Sort(ids)
 		return ids
+	}
+	// The answer is an engine's, its body replaced: its headers and the
+	// proxy's header_down stay.
+	resp, err := http.Get(routerURL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get(kvsim.ReplicaHeader) == "" || resp.Header.Get("X-Proxy-Header") != "kept" {
+		t.Fatalf("%d, headers %v: want the engine's and header_down's", resp.StatusCode, resp.Header)
 	}
 	want := []string{kvsim.DefaultModel, "tenant-0", "tenant-1"}
 	for range 6 { // two replicas: one engine's answer would show within a few
