@@ -119,8 +119,10 @@ type upstream struct {
 	indexResets          int
 	engineCapacityTokens int
 	// owed says a release here readied nothing because the hold an
-	// earlier one readied had not decided yet (see Hold).
-	owed bool
+	// earlier one readied had not decided yet (see Hold); releases
+	// counts the releases of work here.
+	owed     bool
+	releases uint64
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras are presumed on the GPU, the rest in host memory.

@@ -48,6 +48,9 @@ type Hold struct {
 	// releasing upstream among them without comparing addresses (nil for
 	// one removed since the decision).
 	upstreams []*upstream
+	// releasesSeen are the members' release counts at the hold: an
+	// upstream Caddy counted full may have room only after a release.
+	releasesSeen []uint64
 	// Guarded by Fleet.mu: held says the hold is in Fleet.holds; readied
 	// that ready is closed; by the upstream whose release readied it (it
 	// has that upstream's turn), whose next fitting hold it readies when
@@ -96,14 +99,20 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 	h.req, h.deadline = req, deadline
 	h.members = append(h.members[:0], members...)
 	h.engines = slices.Grow(h.engines[:0], len(members))
-	h.upstreams = h.upstreams[:0]
+	h.upstreams, h.releasesSeen = h.upstreams[:0], h.releasesSeen[:0]
 	h.avoidTried, h.home = false, -1
 	for i := range h.members {
 		if h.home < 0 && isHome(&req, &h.members[i]) {
 			h.home = i
 		}
 		h.avoidTried = h.avoidTried || (h.members[i].Available && !h.members[i].Tried)
-		h.upstreams = append(h.upstreams, f.upstreams[h.members[i].Dial])
+		u := f.upstreams[h.members[i].Dial]
+		h.upstreams = append(h.upstreams, u)
+		var seen uint64
+		if u != nil {
+			seen = u.releases
+		}
+		h.releasesSeen = append(h.releasesSeen, seen)
 		if e := h.members[i].Engine; e != nil {
 			h.engines = append(h.engines, *e)
 			h.members[i].Engine = &h.engines[len(h.engines)-1]
@@ -117,13 +126,9 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		// It had prev's turn and fitted nowhere after all (a new request
 		// may have taken part of the room): what is left there, and what
 		// prev released while it was to decide, goes to the next that
-		// fits, not to it again. Without such a release, prev is no less
-		// full to Caddy than the holds saw it: otherwise two holds behind
-		// an upstream at max_requests would hand the turn to each other
-		// without end.
-		released := prev.owed
+		// fits, not to it again.
 		prev.owed = false
-		f.readyNext(prev, d.at, h, released)
+		f.readyNext(prev, d.at, h)
 	}
 	return h
 }
@@ -150,7 +155,7 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	if by := h.by; by != nil && f.upstreams[by.dial] == by {
 		h.by = nil
 		by.owed = false
-		f.readyNext(by, now, nil, true)
+		f.readyNext(by, now, nil)
 	}
 }
 
@@ -164,17 +169,17 @@ func (f *Fleet) Held() int {
 // readyHolds follows a release of work on u. Caller holds f.mu.
 func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	f.releases++
+	u.releases++
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}
-	f.readyNext(u, now, nil, true)
+	f.readyNext(u, now, nil)
 }
 
 // readyNext readies the first held request but skip, in arrival order,
 // that would now pass the filters on u, unless one readied by u has not
-// decided yet. released says work ended on u since the holds looked, so
-// that u may no longer be full to Caddy. Caller holds f.mu.
-func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, released bool) {
+// decided yet. Caller holds f.mu.
+func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
 	for _, h := range f.holds {
 		if h.by == u {
 			u.owed = true
@@ -199,8 +204,12 @@ func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, released bool)
 		if m.Tried && h.avoidTried && i != h.home {
 			continue // the decision avoids it
 		}
-		if released {
-			m.Available = m.Available || m.Healthy // full, not down
+		if u.releases != h.releasesSeen[i] {
+			// Full to Caddy at the hold, not down: work ended there
+			// since, which may have made room. (Without a release it is
+			// as full as it was: two holds behind an upstream at
+			// max_requests would hand the turn to each other without end.)
+			m.Available = m.Available || m.Healthy
 		}
 		req := h.req
 		req.MaxWait = max(0, h.deadline.Sub(now))

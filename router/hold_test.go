@@ -462,6 +462,40 @@ func TestFullUpstreamTurnsDoNotLoop(t *testing.T) {
 	t.Error("h2 and h3 readied each other 5 times without a release")
 }
 
+// TestFailedTurnAfterAReleaseStillPassesOn: holds recorded an upstream
+// Caddy counted full; a release there readies A, which fits nowhere after
+// all for another reason (a completion elsewhere raised the output
+// estimate). The slot the release freed goes to B, which fits: a release
+// since B's hold counts, not only one while A was deciding.
+func TestFailedTurnAfterAReleaseStillPassesOn(t *testing.T) {
+	q := newQueue(t, OutputAverage)
+	q.model = "m"
+	a, b := fleetOf(5000, "a"), fleetOf(5000, "b")
+	fullA := fleetOf(5000, "a")
+	fullA[0].Available = false // Caddy: max_requests reached on a
+	x1 := q.place(1, 4550, a)
+	q.place(3, 50, a)
+	x2 := q.place(2, 100, b)
+	q.f.Progress(x1, 1, t0)
+	q.f.Progress(x2, 1, t0)
+	reqA, hA := q.hold(10, 4500, fullA)
+	reqB, hB := q.hold(11, 300, fullA)
+	q.f.Complete(x1, "m", Usage{OutputTokens: 1}, t0) // release on a: A readied
+	if !isReady(hA) || isReady(hB) {
+		t.Fatalf("A %v B %v", isReady(hA), isReady(hB))
+	}
+	q.f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // on b: estimate ~1000
+	if q.retry(reqA, hA, a) { // a available now; A no longer fits
+		t.Fatal("A placed")
+	}
+	if !q.f.Fits(t0, reqB, a[0], &q.opts) {
+		t.Fatal("B would not be placed on a")
+	}
+	if !isReady(hB) {
+		t.Error("B fits on a (a has the slot x1 freed), A gave up a's turn, yet B's hold waits for its poll")
+	}
+}
+
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
