@@ -266,27 +266,32 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // every engine of its pool lists (see Policy.listModels), or sends it to
 // one engine, as any request it does not route, when it cannot.
 func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	// The engine's body is replaced, so it must come uncompressed; Caddy's
+	// encode handler, before this one, compresses the list for a client
+	// that asked.
+	acceptEncoding, hadAcceptEncoding := r.Header["Accept-Encoding"]
+	r.Header["Accept-Encoding"] = identityEncoding
+	defer func() {
+		if hadAcceptEncoding {
+			r.Header["Accept-Encoding"] = acceptEncoding
+		} else {
+			delete(r.Header, "Accept-Encoding")
+		}
+	}()
 	st := &requestState{listModels: true}
 	mw := &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
 	err, aborted := serveRecovering(mw, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
 	if aborted {
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
-	if st.modelList == nil || mw.wroteHeader {
-		return err
-	}
-	// No engine could take it: the list is the answer.
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Content-Length", strconv.Itoa(len(st.modelList)))
-	w.WriteHeader(http.StatusOK)
-	_, err = w.Write(st.modelList)
 	return err
 }
 
 // modelsWriter passes an engine's answer to GET /v1/models on with its
 // body replaced by the pool's list, when the policy made one: the status
-// and headers (CORS, the proxy's header_down) stay the engine's. An error,
-// or a body the engine compressed, goes as it is.
+// and headers (CORS, the proxy's header_down) stay the engine's. An
+// error, a body that is not JSON (not an engine's list) or one the engine
+// compressed all the same goes as it is.
 type modelsWriter struct {
 	caddyhttp.ResponseWriterWrapper
 	st                    *requestState
@@ -301,15 +306,30 @@ func (m *modelsWriter) WriteHeader(status int) {
 	}
 	m.wroteHeader = true
 	list := m.st.modelList
-	if status != http.StatusOK || list == nil || encodedBody(m.Header()) {
+	mediaType, _, _ := strings.Cut(m.Header().Get("Content-Type"), ";")
+	if status != http.StatusOK || list == nil || encodedBody(m.Header()) ||
+		!strings.EqualFold(strings.TrimSpace(mediaType), "application/json") {
 		m.ResponseWriterWrapper.WriteHeader(status)
 		return
 	}
 	m.replaced = true
 	m.Header().Set("Content-Length", strconv.Itoa(len(list)))
+	// The engine's validators describe its own list, not this one.
+	m.Header().Del("ETag")
+	m.Header().Del("Last-Modified")
 	m.ResponseWriterWrapper.WriteHeader(status)
 	_, _ = m.ResponseWriterWrapper.Write(list)
 }
+
+// ReadFrom copies through Write: the embedded wrapper's would write to
+// the client directly (Caddy's proxy writes, but a handle_response route
+// may copy).
+func (m *modelsWriter) ReadFrom(r io.Reader) (int64, error) {
+	return io.Copy(writerOnly{m}, r)
+}
+
+// writerOnly hides a writer's ReadFrom from io.Copy.
+type writerOnly struct{ io.Writer }
 
 // Write drops the engine's own list once replaced.
 func (m *modelsWriter) Write(p []byte) (int, error) {

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -244,5 +245,44 @@ func TestTTFTFromTheBodysEnd(t *testing.T) {
 	}
 	if limit := answered.Sub(upload.ended).Seconds(); ttft > limit {
 		t.Fatalf("ttft %.4fs, more than the %.4fs from the body's end to the answer: the upload counted", ttft, limit)
+	}
+}
+
+// modelsWriterWith is a modelsWriter over a recorder, with the pool's list.
+func modelsWriterWith(list string) (*httptest.ResponseRecorder, *modelsWriter) {
+	rec := httptest.NewRecorder()
+	st := &requestState{listModels: true, modelList: []byte(list)}
+	return rec, &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: rec}, st: st}
+}
+
+// TestModelsWriterReplacesOnlyJSON: an engine's JSON 200 gets the pool's
+// list in its place, without the engine's validators, also when copied in
+// through ReadFrom (which the embedded wrapper would send to the client
+// directly); a 200 that is not JSON (another server behind the path) and
+// an error go as they are.
+func TestModelsWriterReplacesOnlyJSON(t *testing.T) {
+	const list = `{"object":"list","data":[{"id":"m"},{"id":"tenant-0"}]}`
+	rec, mw := modelsWriterWith(list)
+	mw.Header().Set("Content-Type", "application/json")
+	mw.Header().Set("ETag", `"engine-list"`)
+	if _, err := io.CopyN(mw, strings.NewReader(`{"object":"list","data":[{"id":"m"}]}`), 1<<20); err != io.EOF {
+		t.Fatal(err)
+	}
+	if rec.Body.String() != list || rec.Header().Get("ETag") != "" || rec.Header().Get("Content-Length") != strconv.Itoa(len(list)) {
+		t.Errorf("JSON 200 copied in: %q, headers %v", rec.Body.String(), rec.Header())
+	}
+	rec, mw = modelsWriterWith(list)
+	mw.Header().Set("Content-Type", "text/html; charset=utf-8")
+	mw.WriteHeader(http.StatusOK)
+	mw.Write([]byte("<html>not a models list</html>"))
+	if rec.Body.String() != "<html>not a models list</html>" {
+		t.Errorf("an HTML 200 was replaced: %q", rec.Body.String())
+	}
+	rec, mw = modelsWriterWith(list)
+	mw.Header().Set("Content-Type", "application/json")
+	mw.WriteHeader(http.StatusUnauthorized)
+	mw.Write([]byte(`{"error":"Unauthorized"}`))
+	if rec.Code != 401 || rec.Body.String() != `{"error":"Unauthorized"}` {
+		t.Errorf("the engine's 401 became %d %q", rec.Code, rec.Body.String())
 	}
 }

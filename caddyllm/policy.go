@@ -708,9 +708,10 @@ func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *
 // adapter its engines list, each once, as the first engine listing it
 // described it, where one engine's own answer would list only what that
 // replica serves (adapters are loaded per replica). The request still
-// goes to one engine, whose answer's headers (CORS, header_down) the
-// client gets, its body replaced by the list (see modelsWriter); when no
-// engine can take it, the list is the answer. Upstreams Caddy finds
+// goes to one engine, whose answer (its status: an engine behind an API
+// key refuses a client without it; its headers: CORS, header_down) the
+// client gets, a 200's body replaced by the list (see modelsWriter).
+// Without an engine to take it, Caddy's 503 stands. Upstreams Caddy finds
 // unhealthy, draining ones and engines nothing listens at are left out.
 // When an engine that counts has no list (scraping is off, or its list
 // has not come or is stale), the engine's answer goes as it is.
@@ -718,10 +719,7 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 	if st.modelList == nil && p.scraper != nil {
 		st.modelList = p.modelList(pool)
 	}
-	if up := p.selectFallback(pool, r, w); up != nil || st.modelList == nil {
-		return up
-	}
-	return p.answered()
+	return p.selectFallback(pool, r, w)
 }
 
 // modelList is the pool's models list (see listModels), nil when an

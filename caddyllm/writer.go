@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strings"
 	"sync/atomic"
@@ -185,6 +186,12 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		}
 	}
 	t.ResponseWriterWrapper.WriteHeader(status)
+}
+
+// ReadFrom copies through Write, so that what is copied is counted: the
+// embedded wrapper's would write to the client directly.
+func (t *tokenRecorder) ReadFrom(r io.Reader) (int64, error) {
+	return io.Copy(writerOnly{t}, r)
 }
 
 // Write counts tokens in p and passes it on.
