@@ -135,6 +135,30 @@ func (h *Handler) Validate() error {
 // routed and sent.
 const maxMaxBodyBytes = 1 << 30
 
+// clientEncoding is a client's Accept-Encoding, kept while the engine is
+// asked for identity.
+type clientEncoding struct {
+	values []string
+	had    bool
+}
+
+// askIdentity asks r's engine for an uncompressed answer, returning the
+// client's Accept-Encoding to restore.
+func askIdentity(r *http.Request) clientEncoding {
+	values, had := r.Header["Accept-Encoding"]
+	r.Header["Accept-Encoding"] = identityEncoding
+	return clientEncoding{values, had}
+}
+
+// restore puts the client's Accept-Encoding back on r.
+func (c clientEncoding) restore(r *http.Request) {
+	if c.had {
+		r.Header["Accept-Encoding"] = c.values
+	} else {
+		delete(r.Header, "Accept-Encoding")
+	}
+}
+
 // identityEncoding is the Accept-Encoding the handler sends engines.
 var identityEncoding = []string{"identity"}
 
@@ -229,15 +253,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// encode handler, before this one, still compresses it for a client
 	// that asked. The client's header is back for the access log once
 	// the proxy is done.
-	acceptEncoding, hadAcceptEncoding := r.Header["Accept-Encoding"]
-	r.Header["Accept-Encoding"] = identityEncoding
-	defer func() {
-		if hadAcceptEncoding {
-			r.Header["Accept-Encoding"] = acceptEncoding
-		} else {
-			delete(r.Header, "Accept-Encoding")
-		}
-	}()
+	defer askIdentity(r).restore(r)
 
 	// The recorder lives in the state: one allocation for both. The state
 	// reaches the policy through each attempt's context (see serve).
@@ -269,15 +285,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	// The engine's body is replaced, so it must come uncompressed; Caddy's
 	// encode handler, before this one, compresses the list for a client
 	// that asked.
-	acceptEncoding, hadAcceptEncoding := r.Header["Accept-Encoding"]
-	r.Header["Accept-Encoding"] = identityEncoding
-	defer func() {
-		if hadAcceptEncoding {
-			r.Header["Accept-Encoding"] = acceptEncoding
-		} else {
-			delete(r.Header, "Accept-Encoding")
-		}
-	}()
+	defer askIdentity(r).restore(r)
 	st := &requestState{listModels: true}
 	mw := &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
 	err, aborted := serveRecovering(mw, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)

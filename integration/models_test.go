@@ -129,22 +129,7 @@ func TestModelsListBehindACompressingEngine(t *testing.T) {
 	}
 	fleet := wrappedFleet(t, gzipped, gzipped)
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
-	for i, r := range fleet {
-		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
-			strings.NewReader(fmt.Sprintf(`{"lora_name":"tenant-%d","lora_path":"/adapters/tenant-%d"}`, i, i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-	}
-	eventually(t, 10*time.Second, "both adapters in the router's lists", func() bool {
-		for i, r := range fleet {
-			if v := listedEngine(t, r.dial()); v == nil || !slices.Contains(v.Models, fmt.Sprintf("tenant-%d", i)) {
-				return false
-			}
-		}
-		return true
-	})
+	loadTenantAdapters(t, fleet)
 	want := []string{kvsim.DefaultModel, "tenant-0", "tenant-1"}
 	for range 6 {
 		resp, b := getModels(t)
@@ -169,3 +154,25 @@ type gzipWriter struct {
 }
 
 func (g gzipWriter) Write(p []byte) (int, error) { return g.z.Write(p) }
+
+// loadTenantAdapters loads adapter tenant-i on replica i directly (not
+// through the router) and waits until the router's model lists show them.
+func loadTenantAdapters(t *testing.T, fleet []*replica) {
+	t.Helper()
+	for i, r := range fleet {
+		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
+			strings.NewReader(fmt.Sprintf(`{"lora_name":"tenant-%d","lora_path":"/adapters/tenant-%d"}`, i, i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	eventually(t, 10*time.Second, "every replica's adapter in the router's lists", func() bool {
+		for i, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || !slices.Contains(v.Models, fmt.Sprintf("tenant-%d", i)) {
+				return false
+			}
+		}
+		return true
+	})
+}

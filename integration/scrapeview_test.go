@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -157,22 +156,7 @@ func TestDirectlyLoadedAdapterFound(t *testing.T) {
 func TestModelsListTheWholeFleet(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "header_down X-Proxy-Header kept"))
-	for i, r := range fleet {
-		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
-			strings.NewReader(fmt.Sprintf(`{"lora_name":"tenant-%d","lora_path":"/adapters/tenant-%d"}`, i, i)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-	}
-	eventually(t, 10*time.Second, "both adapters in the router's lists", func() bool {
-		for i, r := range fleet {
-			if v := listedEngine(t, r.dial()); v == nil || !slices.Contains(v.Models, fmt.Sprintf("tenant-%d", i)) {
-				return false
-			}
-		}
-		return true
-	})
+	loadTenantAdapters(t, fleet)
 	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	list := func() []string {
 		t.Helper()
