@@ -143,10 +143,13 @@ type clientEncoding struct {
 }
 
 // askIdentity asks r's engine for an uncompressed answer, returning the
-// client's Accept-Encoding to restore.
-func askIdentity(r *http.Request) clientEncoding {
+// client's Accept-Encoding to restore. identity is the request's own
+// one-element slice to hold the value: a handler after this one (a
+// request_header replace) may change it in place.
+func askIdentity(r *http.Request, identity []string) clientEncoding {
 	values, had := r.Header["Accept-Encoding"]
-	r.Header["Accept-Encoding"] = identityEncoding
+	identity[0] = "identity"
+	r.Header["Accept-Encoding"] = identity[:1]
 	return clientEncoding{values, had}
 }
 
@@ -159,8 +162,6 @@ func (c clientEncoding) restore(r *http.Request) {
 	}
 }
 
-// identityEncoding is the Accept-Encoding the handler sends engines.
-var identityEncoding = []string{"identity"}
 
 // encodedBody reports whether h says its message's body is compressed: a
 // Content-Encoding other than identity, in any of its values.
@@ -253,7 +254,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// encode handler, before this one, still compresses it for a client
 	// that asked. The client's header is back for the access log once
 	// the proxy is done.
-	defer askIdentity(r).restore(r)
+	defer askIdentity(r, st.identity[:]).restore(r)
 
 	// The recorder lives in the state: one allocation for both. The state
 	// reaches the policy through each attempt's context (see serve).
@@ -285,7 +286,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	// The engine's body is replaced, so it must come uncompressed; Caddy's
 	// encode handler, before this one, compresses the list for a client
 	// that asked.
-	defer askIdentity(r).restore(r)
+	defer askIdentity(r, make([]string, 1)).restore(r)
 	st := &requestState{listModels: true}
 	mw := &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
 	err, aborted := serveRecovering(mw, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
@@ -501,6 +502,9 @@ type requestState struct {
 	queued               bool
 	// ph holds the placeholders' values (see placeholder).
 	ph placeholderValues
+	// identity holds the Accept-Encoding value sent to engines (see
+	// askIdentity), saving an allocation.
+	identity [1]string
 	// listModels marks a GET /v1/models, which the policy answers with
 	// modelList, the whole pool's (see Policy.listModels).
 	listModels bool

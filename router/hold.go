@@ -126,9 +126,16 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		// It had prev's turn and fitted nowhere after all (a new request
 		// may have taken part of the room): what is left there, and what
 		// prev released while it was to decide, goes to the next that
-		// fits, not to it again.
+		// fits, not to it again. If its decision found prev full to Caddy
+		// (max_requests), the releases the others have not seen made no
+		// room there, unless one came while it decided: otherwise one
+		// release would cost a failed decision of every hold in turn.
+		room := prev.owed
+		if i := slices.Index(h.upstreams, prev); i >= 0 {
+			room = room || h.members[i].Available || !h.members[i].Healthy
+		}
 		prev.owed = false
-		f.readyNext(prev, d.at, h)
+		f.readyNext(prev, d.at, h, room)
 	}
 	return h
 }
@@ -155,7 +162,7 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	if by := h.by; by != nil && f.upstreams[by.dial] == by {
 		h.by = nil
 		by.owed = false
-		f.readyNext(by, now, nil)
+		f.readyNext(by, now, nil, true)
 	}
 }
 
@@ -173,13 +180,14 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time) {
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}
-	f.readyNext(u, now, nil)
+	f.readyNext(u, now, nil, true)
 }
 
 // readyNext readies the first held request but skip, in arrival order,
 // that would now pass the filters on u, unless one readied by u has not
-// decided yet. Caller holds f.mu.
-func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
+// decided yet. mayHaveRoom says u may no longer be full to Caddy for the
+// holds that saw it so before a release there. Caller holds f.mu.
+func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, mayHaveRoom bool) {
 	for _, h := range f.holds {
 		if h.by == u {
 			u.owed = true
@@ -204,7 +212,7 @@ func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold) {
 		if m.Tried && h.avoidTried && i != h.home {
 			continue // the decision avoids it
 		}
-		if u.releases != h.releasesSeen[i] {
+		if mayHaveRoom && u.releases != h.releasesSeen[i] {
 			// Full to Caddy at the hold, not down: work ended there
 			// since, which may have made room. (Without a release it is
 			// as full as it was: two holds behind an upstream at

@@ -485,7 +485,7 @@ func TestFailedTurnAfterAReleaseStillPassesOn(t *testing.T) {
 		t.Fatalf("A %v B %v", isReady(hA), isReady(hB))
 	}
 	q.f.Complete(x2, "m", Usage{OutputTokens: 2000}, t0) // on b: estimate ~1000
-	if q.retry(reqA, hA, a) { // a available now; A no longer fits
+	if q.retry(reqA, hA, a) {                            // a available now; A no longer fits
 		t.Fatal("A placed")
 	}
 	if !q.f.Fits(t0, reqB, a[0], &q.opts) {
@@ -493,6 +493,47 @@ func TestFailedTurnAfterAReleaseStillPassesOn(t *testing.T) {
 	}
 	if !isReady(hB) {
 		t.Error("B fits on a (a has the slot x1 freed), A gave up a's turn, yet B's hold waits for its poll")
+	}
+}
+
+// TestFullUpstreamReleaseWakesOneMore: a release on an upstream Caddy
+// counts full (max_requests) readies the first hold, which takes the
+// slot; its turn then wakes at most one more decision, not every hold in
+// turn (each saw the upstream full before the release).
+func TestFullUpstreamReleaseWakesOneMore(t *testing.T) {
+	q, free := newQueue(t, OutputFixed), fleetOf(50000, "a")
+	full := fleetOf(50000, "a")
+	full[0].Available = false
+	x := q.place(1, 1000, free)
+	var reqs []Request
+	var hs []*Hold
+	for i := range 6 {
+		r, h := q.hold(uint64(10+i), 500, full)
+		reqs, hs = append(reqs, r), append(hs, h)
+	}
+	served(q.f, x, t0)
+	if !isReady(hs[0]) || !q.retry(reqs[0], hs[0], free) {
+		t.Fatal("h1 not readied and placed")
+	}
+	q.f.Unhold(hs[0], t0) // a is full again (Caddy)
+	wasted := 0
+	for progress := true; progress; {
+		progress = false
+		for i := 1; i < len(hs); i++ {
+			if isReady(hs[i]) {
+				if q.retry(reqs[i], hs[i], full) {
+					t.Fatal("placed on a full upstream")
+				}
+				wasted++
+				progress = true
+			}
+			if wasted > 100 {
+				t.Fatal("loop")
+			}
+		}
+	}
+	if wasted > 1 {
+		t.Errorf("one release whose slot h1 took readied %d more holds in a row, each a failed decision (want at most 1)", wasted)
 	}
 }
 
