@@ -162,7 +162,6 @@ func (c clientEncoding) restore(r *http.Request) {
 	}
 }
 
-
 // encodedBody reports whether h says its message's body is compressed: a
 // Content-Encoding other than identity, in any of its values.
 func encodedBody(h http.Header) bool {

@@ -817,6 +817,9 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	}
 	scratch := p.scratch.Get().(*decisionScratch)
 	defer p.scratch.Put(scratch)
+	// Read before Caddy's view of the members: a release after it, which
+	// that view may not show, readies the request's hold at once.
+	releasesBefore := p.sh.fleet.Releases()
 	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, now)
 	// The full explanation (top candidates, filter reasons) costs
 	// allocations, so it is built only when debug logs are on.
@@ -830,6 +833,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 		MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: max(0, deadline.Sub(now)),
 		Home:            p.sh.fleet.ResponseHome(req.PreviousResponseID),
 		MaxTokensCapped: req.Endpoint == EndpointResponses,
+		ReleasesBefore:  releasesBefore,
 	}
 	d := p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex

@@ -52,6 +52,11 @@ type Request struct {
 	// any other (and the engine it reaches answers for the state it
 	// lacks).
 	Home string
+	// ReleasesBefore is Fleet.Releases read before the caller took its
+	// view of the members (Caddy's availability), 0 when not read: a
+	// release after it readies the request's Hold at once, as one after
+	// the decision does, since that view may predate it.
+	ReleasesBefore uint64
 }
 
 // Member is one upstream the request may go to, as the caller sees it now.
@@ -129,7 +134,10 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
-		d.releases, d.at = f.releases, now
+		d.releases, d.at = f.releases.Load(), now
+		if req.ReleasesBefore != 0 {
+			d.releases = req.ReleasesBefore
+		}
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
 		// Too long: larger than the KV of every upstream that may serve
 		// the model, whatever else keeps each from taking it now (a drain,

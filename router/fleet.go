@@ -14,6 +14,7 @@ package router
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
@@ -46,9 +47,10 @@ type Fleet struct {
 
 	// holds are the requests waiting at the gateway (see Hold), held
 	// counts them by their Options, and releases counts releases of work.
-	holds    []*Hold
-	held     map[*Options]int
-	releases uint64
+	holds []*Hold
+	held  map[*Options]int
+	// releases is written under mu; Releases reads it without.
+	releases atomic.Uint64
 
 	// publisher receives the events of this router's own charges; remote
 	// holds the peers' charges applied here, peers when each peer was
@@ -131,7 +133,7 @@ type upstream struct {
 
 // New returns an empty fleet.
 func New() *Fleet {
-	return &Fleet{
+	f := &Fleet{
 		index:         prefixindex.New(0),
 		upstreams:     make(map[string]*upstream),
 		models:        make(map[string]*modelStats),
@@ -140,6 +142,8 @@ func New() *Fleet {
 		remoteCharges: make(map[string]int),
 		peers:         make(map[string]time.Time),
 	}
+	f.releases.Store(1) // 0 is "not read" (Request.ReleasesBefore)
+	return f
 }
 
 // upstream returns the state of dial, creating it. Caller holds f.mu.

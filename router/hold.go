@@ -119,7 +119,7 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		}
 	}
 	h.ready, h.readied, h.by = make(chan struct{}), false, nil
-	if d.releases != f.releases {
+	if d.releases != f.releases.Load() {
 		close(h.ready)
 		h.readied, h.by = true, prev // it keeps the turn a release gave it
 	} else if prev != nil {
@@ -166,6 +166,10 @@ func (f *Fleet) Unhold(h *Hold, now time.Time) {
 	}
 }
 
+// Releases counts the releases of work so far, from 1 (see
+// Request.ReleasesBefore). It does not take the fleet's lock.
+func (f *Fleet) Releases() uint64 { return f.releases.Load() }
+
 // Held returns how many requests wait at the gateway.
 func (f *Fleet) Held() int {
 	f.mu.Lock()
@@ -175,7 +179,7 @@ func (f *Fleet) Held() int {
 
 // readyHolds follows a release of work on u. Caller holds f.mu.
 func (f *Fleet) readyHolds(u *upstream, now time.Time) {
-	f.releases++
+	f.releases.Add(1)
 	u.releases++
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request

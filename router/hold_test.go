@@ -537,6 +537,32 @@ func TestFullUpstreamReleaseWakesOneMore(t *testing.T) {
 	}
 }
 
+// TestReleaseBeforeTheDecisionReadiesTheHold: a held request's poll took
+// Caddy's view (its upstream full) just before a release there, and
+// decided after it: the view may predate the release, so its hold is
+// readied at once, to decide again with a fresh view, rather than count
+// the release as seen and wait for its next poll.
+func TestReleaseBeforeTheDecisionReadiesTheHold(t *testing.T) {
+	q := newQueue(t, OutputFixed)
+	a, fullA := fleetOf(5000, "a"), fleetOf(5000, "a")
+	fullA[0].Available = false // Caddy: max_requests reached on a
+	x := q.place(1, 4000, a)
+	q.f.Progress(x, 1, t0)
+	reqB, hB := q.hold(11, 300, fullA)
+	before := q.f.Releases() // B's poll reads it, then Caddy's view: a full
+	q.f.Release(x, t0)       // x ends on a
+	reqB.ReleasesBefore = before
+	if q.retry(reqB, hB, fullA) {
+		t.Fatal("B placed on a view of a full upstream")
+	}
+	if !isReady(hB) {
+		t.Error("a release came after B's view was taken, yet B's hold waits for its poll")
+	}
+	if !q.retry(reqB, hB, a) {
+		t.Error("B, deciding again with a fresh view, was not placed")
+	}
+}
+
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
