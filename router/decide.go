@@ -54,8 +54,9 @@ type Request struct {
 	Home string
 	// ReleasesBefore is Fleet.Releases read before the caller took its
 	// view of the members (Caddy's availability), 0 when not read: a
-	// release after it readies the request's Hold at once, as one after
-	// the decision does, since that view may predate it.
+	// release after it on a member the view showed full readies the
+	// request's Hold at once, as a release after the decision does, since
+	// the view may predate it.
 	ReleasesBefore uint64
 }
 
@@ -135,9 +136,6 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
 		d.releases, d.at = f.releases.Load(), now
-		if req.ReleasesBefore != 0 {
-			d.releases = req.ReleasesBefore
-		}
 		d.Unservable = len(cands) > 0 && sd.Blocked == scorer.FilteredModel
 		// Too long: larger than the KV of every upstream that may serve
 		// the model, whatever else keeps each from taking it now (a drain,

@@ -119,7 +119,7 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		}
 	}
 	h.ready, h.readied, h.by = make(chan struct{}), false, nil
-	if d.releases != f.releases.Load() {
+	if d.releases != f.releases.Load() || h.releasedSinceView(req.ReleasesBefore) {
 		close(h.ready)
 		h.readied, h.by = true, prev // it keeps the turn a release gave it
 	} else if prev != nil {
@@ -138,6 +138,21 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		f.readyNext(prev, d.at, h, room)
 	}
 	return h
+}
+
+// releasedSinceView says work ended, after the fleet's release count was
+// before (0: not known), on a member the caller's view showed full to
+// Caddy (max_requests): the view may predate it. Caller holds f.mu.
+func (h *Hold) releasedSinceView(before uint64) bool {
+	if before == 0 {
+		return false
+	}
+	for i, u := range h.upstreams {
+		if m := &h.members[i]; u != nil && !m.Available && m.Healthy && u.lastRelease > before {
+			return true
+		}
+	}
+	return false
 }
 
 // Unhold ends h's wait at now: its request was routed, shed or abandoned.
@@ -179,8 +194,8 @@ func (f *Fleet) Held() int {
 
 // readyHolds follows a release of work on u. Caller holds f.mu.
 func (f *Fleet) readyHolds(u *upstream, now time.Time) {
-	f.releases.Add(1)
 	u.releases++
+	u.lastRelease = f.releases.Add(1)
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}

@@ -541,17 +541,25 @@ func TestFullUpstreamReleaseWakesOneMore(t *testing.T) {
 // Caddy's view (its upstream full) just before a release there, and
 // decided after it: the view may predate the release, so its hold is
 // readied at once, to decide again with a fresh view, rather than count
-// the release as seen and wait for its next poll.
+// the release as seen and wait for its next poll. A release on an
+// upstream that is not its own readies nothing.
 func TestReleaseBeforeTheDecisionReadiesTheHold(t *testing.T) {
 	q := newQueue(t, OutputFixed)
-	a, fullA := fleetOf(5000, "a"), fleetOf(5000, "a")
+	a, b, fullA := fleetOf(5000, "a"), fleetOf(5000, "b"), fleetOf(5000, "a")
 	fullA[0].Available = false // Caddy: max_requests reached on a
-	x := q.place(1, 4000, a)
+	x, y := q.place(1, 4000, a), q.place(2, 100, b)
 	q.f.Progress(x, 1, t0)
+	q.f.Progress(y, 1, t0)
 	reqB, hB := q.hold(11, 300, fullA)
-	before := q.f.Releases() // B's poll reads it, then Caddy's view: a full
-	q.f.Release(x, t0)       // x ends on a
-	reqB.ReleasesBefore = before
+	// A release elsewhere (b is not B's) readies nothing: no poll storm
+	// from the fleet's other releases.
+	reqB.ReleasesBefore = q.f.Releases()
+	q.f.Release(y, t0)
+	if q.retry(reqB, hB, fullA) || isReady(hB) {
+		t.Fatal("a release on another upstream readied B")
+	}
+	reqB.ReleasesBefore = q.f.Releases() // B's poll reads it, then Caddy's view: a full
+	q.f.Release(x, t0)                   // x ends on a
 	if q.retry(reqB, hB, fullA) {
 		t.Fatal("B placed on a view of a full upstream")
 	}
