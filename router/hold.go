@@ -148,9 +148,14 @@ func (h *Hold) releasedSinceView(before uint64) bool {
 		return false
 	}
 	for i, u := range h.upstreams {
-		if m := &h.members[i]; u != nil && !m.Available && m.Healthy && u.lastRelease > before {
-			return true
+		m := &h.members[i]
+		if u == nil || m.Available || !m.Healthy || u.lastRelease <= before {
+			continue
 		}
+		if h.home >= 0 && i != h.home || m.Tried && h.avoidTried && i != h.home {
+			continue // it would not go there
+		}
+		return true
 	}
 	return false
 }
