@@ -571,6 +571,41 @@ func TestReleaseBeforeTheDecisionReadiesTheHold(t *testing.T) {
 	}
 }
 
+// TestFailedTurnPassesOnDespiteReleasesElsewhere: H has a's turn and fails
+// (a new arrival took part of the room); G fits in what is left. Releases
+// on b, which H cannot use, landing while H decides must not ready H again
+// with a's turn kept, which would keep a's turn from G.
+func TestFailedTurnPassesOnDespiteReleasesElsewhere(t *testing.T) {
+	q := newQueue(t, OutputFixed)
+	ms := fleetOf(5000, "a", "b")
+	ms[1].Hardware.KVCapacityTokens = 400
+	x1 := q.place(1, 1400, ms[:1])
+	q.place(2, 500, ms[:1])
+	q.place(3, 2700, ms[:1])
+	reqH, hH := q.hold(10, 1400, ms[:1]) // H and G: a only (b is not even theirs)
+	reqG, hG := q.hold(11, 400, ms[:1])
+	served(q.f, x1, t0) // H readied by a
+	if !isReady(hH) || isReady(hG) {
+		t.Fatalf("H %v G %v", isReady(hH), isReady(hG))
+	}
+	q.place(20, 900, ms[:1]) // new arrival: 600 left on a
+	for i := range 5 {
+		y := q.place(uint64(200+i), 200, ms[1:]) // on b
+		before := q.f.Releases()
+		served(q.f, y, t0)
+		reqH.ReleasesBefore = before
+		if q.retry(reqH, hH, ms[:1]) {
+			t.Fatal("H placed")
+		}
+	}
+	if !q.f.Fits(t0, reqG, ms[0], &q.opts) {
+		t.Fatal("G does not fit on a")
+	}
+	if !isReady(hG) {
+		t.Errorf("G fits on a, H failed a's turn 5 times, yet G waits (H ready %v, kept a's turn)", isReady(hH))
+	}
+}
+
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
 // request's decision and its renewal (the plugin's two lock sections)
 // gives it the turn all the same: once it routes, the next is readied.
