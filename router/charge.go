@@ -181,5 +181,5 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}
-	f.readyHolds(u, now)
+	f.readyHolds(u, now, !c.remote)
 }

@@ -197,10 +197,16 @@ func (f *Fleet) Held() int {
 	return len(f.holds)
 }
 
-// readyHolds follows a release of work on u. Caller holds f.mu.
-func (f *Fleet) readyHolds(u *upstream, now time.Time) {
-	u.releases++
-	u.lastRelease = f.releases.Add(1)
+// readyHolds follows a release of work on u, this router's own (local)
+// or a peer's. Caller holds f.mu.
+func (f *Fleet) readyHolds(u *upstream, now time.Time, local bool) {
+	n := f.releases.Add(1)
+	if local {
+		// Only this router's requests count in Caddy's max_requests
+		// here: a peer's release makes no room in that count.
+		u.releases++
+		u.lastRelease = n
+	}
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
 		return // nothing waits, or u was forgotten with its last request
 	}

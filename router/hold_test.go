@@ -571,6 +571,24 @@ func TestReleaseBeforeTheDecisionReadiesTheHold(t *testing.T) {
 	}
 }
 
+// TestPeersReleaseIsNoRoomToCaddy: a peer router's release on an upstream
+// Caddy counts full here (max_requests counts this router's requests only)
+// does not count as a release since the hold's view: it does not ready
+// the hold at once.
+func TestPeersReleaseIsNoRoomToCaddy(t *testing.T) {
+	q := newQueue(t, OutputFixed)
+	fullA := fleetOf(5000, "a")
+	fullA[0].Available = false
+	q.f.Name("a", t0)
+	q.f.Apply("peer", Event{Kind: EventRouted, ID: 1, Dial: "a", Prefill: 100, Decode: 10, KV: 110}, t0)
+	reqB, hB := q.hold(11, 300, fullA)
+	reqB.ReleasesBefore = q.f.Releases()
+	q.f.Apply("peer", Event{Kind: EventReleased, ID: 1}, t0)
+	if q.retry(reqB, hB, fullA) || isReady(hB) {
+		t.Error("a peer's release readied a hold behind an upstream full to Caddy")
+	}
+}
+
 // TestFailedTurnPassesOnDespiteReleasesElsewhere: H has a's turn and fails
 // (a new arrival took part of the room); G fits in what is left. Releases
 // on b, which H cannot use, landing while H decides must not ready H again
