@@ -121,11 +121,11 @@ type upstream struct {
 	indexResets          int
 	engineCapacityTokens int
 	// owed says a release here readied nothing because the hold an
-	// earlier one readied had not decided yet (see Hold); releases
-	// counts the releases of work here, and lastRelease is the fleet's
-	// count at the latest.
-	owed                  bool
-	releases, lastRelease uint64
+	// earlier one readied had not decided yet (see Hold); lastRelease is
+	// the fleet's release count at this router's latest release of work
+	// here.
+	owed        bool
+	lastRelease uint64
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras are presumed on the GPU, the rest in host memory.

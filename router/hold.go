@@ -48,8 +48,8 @@ type Hold struct {
 	// releasing upstream among them without comparing addresses (nil for
 	// one removed since the decision).
 	upstreams []*upstream
-	// releasesSeen are the members' release counts at the hold: an
-	// upstream Caddy counted full may have room only after a release.
+	// releasesSeen are the members' lastRelease at the hold: an upstream
+	// Caddy counted full may have room only after a release.
 	releasesSeen []uint64
 	// Guarded by Fleet.mu: held says the hold is in Fleet.holds; readied
 	// that ready is closed; by the upstream whose release readied it (it
@@ -110,7 +110,7 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		h.upstreams = append(h.upstreams, u)
 		var seen uint64
 		if u != nil {
-			seen = u.releases
+			seen = u.lastRelease
 		}
 		h.releasesSeen = append(h.releasesSeen, seen)
 		if e := h.members[i].Engine; e != nil {
@@ -132,7 +132,7 @@ func (f *Fleet) Hold(h *Hold, d *Decision, req Request, deadline time.Time, memb
 		// release would cost a failed decision of every hold in turn.
 		room := prev.owed
 		if i := slices.Index(h.upstreams, prev); i >= 0 {
-			room = room || h.members[i].Available || !h.members[i].Healthy
+			room = room || !fullToCaddy(&h.members[i])
 		}
 		prev.owed = false
 		f.readyNext(prev, d.at, h, room)
@@ -148,16 +148,24 @@ func (h *Hold) releasedSinceView(before uint64) bool {
 		return false
 	}
 	for i, u := range h.upstreams {
-		m := &h.members[i]
-		if u == nil || m.Available || !m.Healthy || u.lastRelease <= before {
-			continue
+		if u != nil && u.lastRelease > before && fullToCaddy(&h.members[i]) && h.considers(i) {
+			return true
 		}
-		if h.home >= 0 && i != h.home || m.Tried && h.avoidTried && i != h.home {
-			continue // it would not go there
-		}
-		return true
 	}
 	return false
+}
+
+// fullToCaddy says Caddy counted m full (max_requests), not down.
+func fullToCaddy(m *Member) bool { return !m.Available && m.Healthy }
+
+// considers says h's decision would send its request to member i: its
+// home, if it has one among them, and not one it tried while another is
+// available.
+func (h *Hold) considers(i int) bool {
+	if h.home >= 0 {
+		return i == h.home
+	}
+	return !(h.members[i].Tried && h.avoidTried)
 }
 
 // Unhold ends h's wait at now: its request was routed, shed or abandoned.
@@ -204,7 +212,6 @@ func (f *Fleet) readyHolds(u *upstream, now time.Time, local bool) {
 	if local {
 		// Only this router's requests count in Caddy's max_requests
 		// here: a peer's release makes no room in that count.
-		u.releases++
 		u.lastRelease = n
 	}
 	if len(f.holds) == 0 || f.upstreams[u.dial] != u {
@@ -235,14 +242,11 @@ func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, mayHaveRoom bo
 		// The member's availability was Caddy's at the hold (a full
 		// upstream is unavailable until a request there ends): a release
 		// is what may change it.
+		if !h.considers(i) {
+			continue // it goes home, or its decision avoids it
+		}
 		m := h.members[i]
-		if h.home >= 0 && i != h.home {
-			continue // it goes home
-		}
-		if m.Tried && h.avoidTried && i != h.home {
-			continue // the decision avoids it
-		}
-		if mayHaveRoom && u.releases != h.releasesSeen[i] {
+		if mayHaveRoom && u.lastRelease != h.releasesSeen[i] {
 			// Full to Caddy at the hold, not down: work ended there
 			// since, which may have made room. (Without a release it is
 			// as full as it was: two holds behind an upstream at
