@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"strconv"
 	"strings"
@@ -278,9 +279,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return err
 }
 
-// serveModels serves GET /v1/models: the policy answers it with what
-// every engine of its pool lists (see Policy.listModels), or sends it to
-// one engine, as any request it does not route, when it cannot.
+// serveModels serves GET /v1/models: the policy sends it to one engine,
+// as any request the router does not route, and makes the pool's list
+// (see Policy.listModels), which replaces the engine's (modelsWriter).
 func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	// The engine's body is replaced, so it must come uncompressed; Caddy's
 	// encode handler, before this one, compresses the list for a client
@@ -314,9 +315,8 @@ func (m *modelsWriter) WriteHeader(status int) {
 	}
 	m.wroteHeader = true
 	list := m.st.modelList
-	mediaType, _, _ := strings.Cut(m.Header().Get("Content-Type"), ";")
-	if status != http.StatusOK || list == nil || encodedBody(m.Header()) ||
-		!strings.EqualFold(strings.TrimSpace(mediaType), "application/json") {
+	mediaType, _, _ := mime.ParseMediaType(m.Header().Get("Content-Type"))
+	if status != http.StatusOK || list == nil || encodedBody(m.Header()) || mediaType != "application/json" {
 		m.ResponseWriterWrapper.WriteHeader(status)
 		return
 	}

@@ -639,8 +639,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		timer.Stop()
 		st.mu.Lock()
 		if r.Context().Err() != nil {
-			p.sh.metrics.queueWaitOf(canceledWhileHeld).Observe(time.Since(st.heldSince).Seconds())
-			st.heldSince = time.Time{}
+			p.endHeldWait(st, canceledWhileHeld)
 			return p.answered()
 		}
 	}
@@ -649,6 +648,15 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 // canceledWhileHeld is the queue wait's reason for a held request whose
 // client left.
 const canceledWhileHeld = "canceled"
+
+// endHeldWait observes the wait of st's attempt held at the gateway, if it
+// was held, as ended for reason. Caller holds st.mu.
+func (p *Policy) endHeldWait(st *requestState, reason string) {
+	if !st.heldSince.IsZero() {
+		p.sh.metrics.queueWaitOf(reason).Observe(time.Since(st.heldSince).Seconds())
+		st.heldSince = time.Time{}
+	}
+}
 
 // unhold ends st's wait at the gateway, if it waits. Caller holds st.mu.
 func (p *Policy) unhold(st *requestState) {
@@ -681,10 +689,7 @@ func (p *Policy) shed(st *requestState, d router.Decision, reason, why string) *
 func (p *Policy) refuse(st *requestState, d router.Decision, answer *shedding) *reverseproxy.Upstream {
 	st.shed = answer
 	outcome := answer.outcome()
-	if !st.heldSince.IsZero() {
-		p.sh.metrics.queueWaitOf(outcome).Observe(time.Since(st.heldSince).Seconds())
-		st.heldSince = time.Time{}
-	}
+	p.endHeldWait(st, outcome)
 	if answer.refused {
 		p.sh.metrics.refused.WithLabelValues(fmt.Sprint(answer.code)).Inc()
 	} else {
@@ -747,15 +752,7 @@ func (p *Policy) modelList(pool reverseproxy.UpstreamPool) []byte {
 				continue
 			}
 			seen[m.ID] = true
-			card := m.Card
-			if len(card) == 0 {
-				var parent any // null for a base model, as vLLM has it
-				if m.Parent != "" {
-					parent = m.Parent
-				}
-				card, _ = json.Marshal(map[string]any{"id": m.ID, "object": "model", "root": m.Root, "parent": parent})
-			}
-			data = append(data, card)
+			data = append(data, m.Card)
 		}
 	}
 	if listed == 0 {

@@ -17,7 +17,8 @@ type ModelInfo struct {
 	// path.
 	Root string `json:"root,omitempty"`
 	// Card is the entry as the engine sent it (its max_model_len,
-	// owned_by and the rest), for a gateway's list of the whole fleet.
+	// owned_by and the rest), for a gateway's list of the whole fleet;
+	// every list the scraper fetched has it.
 	Card json.RawMessage `json:"-"`
 }
 
