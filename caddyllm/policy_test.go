@@ -303,20 +303,11 @@ func TestIdleDynamicUpstreamForgetsItsDrain(t *testing.T) {
 // reason, not held for queue_timeout; the waiting ones still route when
 // an upstream can take them.
 func TestQueueLimitShedsAtOnce(t *testing.T) {
-	p, pool := testPolicy(t, zap.NewNop()), movePool()
-	p.QueueTimeout = caddy.Duration(time.Hour)
+	p, pool := nothingFits(t)
 	p.QueueLimit, p.opts.QueueLimit = 2, 2
-	for _, u := range pool {
-		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
-	}
-	request := func() (*requestState, *http.Request) {
-		st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-		ctx := context.WithValue(context.Background(), stateKey{}, st)
-		return st, httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
-	}
 	routed := make(chan *reverseproxy.Upstream, 2)
 	for range 2 {
-		st, r := request()
+		st, r := heldRequest(t, context.Background())
 		go func() {
 			up := p.Select(pool, r, httptest.NewRecorder())
 			if st.current != nil {
@@ -328,7 +319,7 @@ func TestQueueLimitShedsAtOnce(t *testing.T) {
 	for p.sh.fleet.Held() < 2 {
 		time.Sleep(time.Millisecond)
 	}
-	st, r := request()
+	st, r := heldRequest(t, context.Background())
 	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil {
 		t.Fatalf("a third request over queue_limit 2: routed to %v, shed %+v", up, st.shed)
 	}
@@ -355,14 +346,9 @@ func TestQueueLimitShedsAtOnce(t *testing.T) {
 // context, not the request's) neither route, charge nor hold it again, nor
 // count it as held twice.
 func TestNoSelectAfterTheClientLeft(t *testing.T) {
-	p, pool := testPolicy(t, zap.NewNop()), movePool()
-	p.QueueTimeout = caddy.Duration(time.Hour)
-	for _, u := range pool {
-		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
-	}
-	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-	ctx, cancel := context.WithCancel(context.WithValue(context.Background(), stateKey{}, st))
-	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(ctx)
+	p, pool := nothingFits(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	st, r := heldRequest(t, ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -397,14 +383,9 @@ func TestNoSelectAfterTheClientLeft(t *testing.T) {
 // request's arrival (its dispatch), not from each of Caddy's attempts: a
 // retry after it has passed decides once and is shed, without waiting.
 func TestQueueTimeoutCountsFromArrival(t *testing.T) {
-	p, pool := testPolicy(t, zap.NewNop()), movePool()
-	p.QueueTimeout = caddy.Duration(time.Hour)
-	for _, u := range pool {
-		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
-	}
-	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`),
-		waitSince: time.Now().Add(-time.Hour - time.Second)}
-	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+	p, pool := nothingFits(t)
+	st, r := heldRequest(t, context.Background())
+	st.waitSince = time.Now().Add(-time.Hour - time.Second)
 	done := make(chan *reverseproxy.Upstream)
 	go func() { done <- p.Select(pool, r, httptest.NewRecorder()) }()
 	for {
@@ -424,6 +405,24 @@ func TestQueueTimeoutCountsFromArrival(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// nothingFits is a policy whose upstreams are all drained (an admin drain
+// of an hour), so that requests wait at the gateway, for an hour at most.
+func nothingFits(t *testing.T) (*Policy, reverseproxy.UpstreamPool) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	p.QueueTimeout = caddy.Duration(time.Hour)
+	for _, u := range pool {
+		p.sh.drains.Drain(u.Dial, time.Hour, drain.Admin)
+	}
+	return p, pool
+}
+
+// heldRequest is a parsed chat request with its state in ctx, as the
+// handler passes it to the policy.
+func heldRequest(t *testing.T, ctx context.Context) (*requestState, *http.Request) {
+	st := &requestState{req: mustParse(t, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+	return st, httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(ctx, stateKey{}, st))
 }
 
 // histogramCount is how many observations o, a histogram's series, has.

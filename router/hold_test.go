@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -335,6 +336,18 @@ func (q *queue) hold(seed uint64, prompt int, ms []Member) (Request, *Hold) {
 	return req, q.f.Hold(nil, &d, req, t0, ms, &q.opts)
 }
 
+// wantReadied checks that req, held as h, would now be placed on m and
+// that its hold is ready; why says what should have readied it.
+func (q *queue) wantReadied(req Request, h *Hold, m Member, why string) {
+	q.t.Helper()
+	if !q.f.Fits(t0, req, m, &q.opts) {
+		q.t.Fatalf("it would not be placed on %s", m.Dial)
+	}
+	if !isReady(h) {
+		q.t.Errorf("its hold waits: %s", why)
+	}
+}
+
 // retry decides req again; it reports whether it was placed, and renews h
 // when it was not.
 func (q *queue) retry(req Request, h *Hold, ms []Member) bool {
@@ -362,12 +375,7 @@ func TestHoldSkippedReleasesPassOn(t *testing.T) {
 	if q.retry(reqA, a, ms) {
 		t.Fatal("A (1,500) placed in 1,100")
 	}
-	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
-		t.Fatal("B does not fit")
-	}
-	if !isReady(b) {
-		t.Errorf("B fits on a (1100 free, needs 500), a has released, yet no hold is readied (A ready %v)", isReady(a))
-	}
+	q.wantReadied(reqB, b, ms[0], fmt.Sprintf("B fits on a (1100 free, needs 500), a has released, yet no hold is readied (A ready %v)", isReady(a)))
 }
 
 // TestHoldLearnedEstimateStrandsNone: completions on one upstream, the
@@ -392,12 +400,7 @@ func TestHoldLearnedEstimateStrandsNone(t *testing.T) {
 	if q.retry(reqA, a, ms) { // needs 5000 (its context, at most all the KV), 4850 free
 		t.Fatal("A placed")
 	}
-	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
-		t.Fatal("B would not be placed")
-	}
-	if !isReady(b) {
-		t.Errorf("B fits on a, A failed, yet B's hold waits for a's next release")
-	}
+	q.wantReadied(reqB, b, ms[0], "B fits on a, A failed, yet B's hold waits for a's next release")
 }
 
 // TestFailedTurnPassesOn: the readied hold fits nowhere after all, because
@@ -417,12 +420,7 @@ func TestFailedTurnPassesOn(t *testing.T) {
 	if q.retry(reqA, a, ms) {
 		t.Fatal("A placed")
 	}
-	if !q.f.Fits(t0, reqB, ms[0], &q.opts) {
-		t.Fatal("B would not be placed")
-	}
-	if !isReady(b) {
-		t.Errorf("B fits in the 600 left, A gave up a's turn, yet B's hold waits")
-	}
+	q.wantReadied(reqB, b, ms[0], "B fits in the 600 left, A gave up a's turn, yet B's hold waits")
 	if isReady(a) {
 		t.Errorf("A, which fitted nowhere, was readied again")
 	}
@@ -488,12 +486,7 @@ func TestFailedTurnAfterAReleaseStillPassesOn(t *testing.T) {
 	if q.retry(reqA, hA, a) {                            // a available now; A no longer fits
 		t.Fatal("A placed")
 	}
-	if !q.f.Fits(t0, reqB, a[0], &q.opts) {
-		t.Fatal("B would not be placed on a")
-	}
-	if !isReady(hB) {
-		t.Error("B fits on a (a has the slot x1 freed), A gave up a's turn, yet B's hold waits for its poll")
-	}
+	q.wantReadied(reqB, hB, a[0], "B fits on a (a has the slot x1 freed), A gave up a's turn, yet B's hold waits for its poll")
 }
 
 // TestFullUpstreamReleaseWakesOneMore: a release on an upstream Caddy
@@ -616,12 +609,7 @@ func TestFailedTurnPassesOnDespiteReleasesElsewhere(t *testing.T) {
 			t.Fatal("H placed")
 		}
 	}
-	if !q.f.Fits(t0, reqG, ms[0], &q.opts) {
-		t.Fatal("G does not fit on a")
-	}
-	if !isReady(hG) {
-		t.Errorf("G fits on a, H failed a's turn 5 times, yet G waits (H ready %v, kept a's turn)", isReady(hH))
-	}
+	q.wantReadied(reqG, hG, ms[0], fmt.Sprintf("G fits on a, H failed a's turn 5 times, yet G waits (H ready %v, kept a's turn)", isReady(hH)))
 }
 
 // TestHoldRenewalKeepsItsTurn: a release that readies a hold between its
@@ -643,12 +631,7 @@ func TestHoldRenewalKeepsItsTurn(t *testing.T) {
 		t.Fatal("A not placed")
 	}
 	q.f.Unhold(a, t0)
-	if !q.f.Fits(t0, reqC, ms[0], &q.opts) {
-		t.Fatal("C would not be placed")
-	}
-	if !isReady(c) {
-		t.Errorf("C fits in the 700 tokens left on a, but no hold is ready")
-	}
+	q.wantReadied(reqC, c, ms[0], "C fits in the 700 tokens left on a, but no hold is ready")
 }
 
 // TestHoldTriedUpstreamSkipped: a retried request is not readied by
