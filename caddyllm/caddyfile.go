@@ -151,11 +151,17 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("parsing %s: %v", opt, err)
 			}
 			*dst = caddy.Duration(dur)
+			if d.NextArg() {
+				return d.ArgErr()
+			}
 			continue
 		}
 		if dst, ok := numbers[opt]; ok {
 			if err := floatArg(d, dst); err != nil {
 				return err
+			}
+			if d.NextArg() {
+				return d.ArgErr()
 			}
 			continue
 		}
@@ -190,10 +196,18 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			dial := d.Val()
+			// A profile's options go in the block: on the upstream's own
+			// line they would read as pool-wide defaults.
+			if d.NextArg() {
+				return d.ArgErr()
+			}
 			hp := new(HardwareProfile)
 			for nesting := d.Nesting(); d.NextBlock(nesting); {
 				if err := hardwareArg(d, d.Val(), hp); err != nil {
 					return err
+				}
+				if d.NextArg() {
+					return d.ArgErr()
 				}
 			}
 			if p.Upstreams == nil {

@@ -75,6 +75,11 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"llm_affinity {\n strategy ttft\n strategy sglang\n}", "strategy already specified"},
 		{"llm_affinity {\n output_estimate average\n output_estimate max_tokens\n}", "output_estimate already specified"},
 		{"llm_affinity {\n upstream a:1 {\n kv_capacity 1\n }\n upstream a:1\n}", "upstream a:1 already specified"},
+		// A profile on the upstream's own line would set pool-wide defaults.
+		{"llm_affinity {\n upstream a:1 prefill_rate 20000\n}", "wrong argument count or unexpected line ending after 'prefill_rate'"},
+		{"llm_affinity {\n upstream a:1 {\n kv_capacity 1 decode_rate 2\n }\n}", "wrong argument count or unexpected line ending after 'decode_rate'"},
+		{"llm_affinity {\n queue_timeout 5s drain_deadline 1s\n}", "wrong argument count or unexpected line ending after 'drain_deadline'"},
+		{"llm_affinity {\n tie 0.01 0.02\n}", "wrong argument count or unexpected line ending after '0.02'"},
 	} {
 		var p Policy
 		err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
