@@ -141,25 +141,47 @@ func methodNotAllowed(w http.ResponseWriter, r *http.Request, allowed ...string)
 		Err: fmt.Errorf("method %s not allowed; use %s", r.Method, strings.Join(allowed, " or "))}
 }
 
-// drainDeadlineOf reads the deadline from the query or a JSON body;
-// without one it is byDefault.
+// drainDeadlineOf reads the deadline from the query (?deadline=30s) or a
+// JSON body ({"deadline":"30s"}); without one it is byDefault. Anything
+// it does not understand is refused: a misspelt or doubled deadline must
+// not drain with another one.
 func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, error) {
-	raw := r.URL.Query().Get("deadline")
-	if raw == "" && r.Body != nil && r.ContentLength != 0 {
-		var body struct {
-			Deadline string `json:"deadline"`
+	query := r.URL.Query()
+	for key, vals := range query {
+		if key != "deadline" {
+			return 0, fmt.Errorf("unknown query parameter %q: the only one is deadline", key)
+		}
+		if len(vals) > 1 {
+			return 0, fmt.Errorf("deadline given %d times", len(vals))
+		}
+	}
+	raw, given := query.Get("deadline"), query.Has("deadline")
+	if r.Body != nil && r.ContentLength != 0 {
+		var body *struct {
+			Deadline *string `json:"deadline"`
 		}
 		dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, 4096))
-		dec.DisallowUnknownFields() // a misspelt deadline must not drain with the default
-		if err := dec.Decode(&body); err != nil {
+		dec.DisallowUnknownFields()
+		switch err := dec.Decode(&body); {
+		case err == io.EOF && r.ContentLength < 0:
+			// An empty chunked body: no body after all.
+		case err != nil:
 			return 0, fmt.Errorf("reading drain request body: %v", err)
+		case body == nil:
+			return 0, fmt.Errorf("reading drain request body: want a JSON object such as {\"deadline\":\"30s\"}")
+		default:
+			if _, err := dec.Token(); err != io.EOF {
+				return 0, fmt.Errorf("reading drain request body: more than one JSON object")
+			}
+			if body.Deadline != nil {
+				if given {
+					return 0, fmt.Errorf("deadline given in both the query and the body")
+				}
+				raw, given = *body.Deadline, true
+			}
 		}
-		if _, err := dec.Token(); err != io.EOF {
-			return 0, fmt.Errorf("reading drain request body: more than one JSON object")
-		}
-		raw = body.Deadline
 	}
-	if raw == "" {
+	if !given {
 		return byDefault, nil
 	}
 	d, err := caddy.ParseDuration(raw)

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -107,9 +108,10 @@ func TestDrainAUnixSocketUpstream(t *testing.T) {
 }
 
 // TestDrainRequestsAsked: a 405 names the methods the endpoint takes in
-// Allow, and a drain body with a field the endpoint does not know (a
-// misspelt deadline), or with more after its object, is refused rather
-// than drained with the default.
+// Allow, and a drain request the endpoint does not fully understand (a
+// misspelt deadline in the query or the body, one given twice or in both,
+// a body that is not one object) is refused rather than drained with
+// another deadline.
 func TestDrainRequestsAsked(t *testing.T) {
 	sh := acquireShared()
 	defer releaseShared()
@@ -131,10 +133,19 @@ func TestDrainRequestsAsked(t *testing.T) {
 	if err := handleSync(w, httptest.NewRequest("POST", "/llm_affinity/sync", nil)); err == nil || w.Header().Get("Allow") != "GET" {
 		t.Fatalf("POST sync: %v, Allow %q", err, w.Header().Get("Allow"))
 	}
-	for _, body := range []string{`{"dedline":"5s"}`, `{"deadline":"5s"} trailing`, `{"deadline":"5s"}{"deadline":"1h"}`} {
-		if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path, strings.NewReader(body))); !errors.As(err, &apiErr) ||
+	for _, tc := range []struct{ query, body string }{
+		{"", `{"dedline":"5s"}`}, {"", `{"deadline":"5s"} trailing`}, {"", `{"deadline":"5s"}{"deadline":"1h"}`},
+		{"", `null`}, {"", `["5s"]`}, {"", `{"deadline":""}`},
+		{"?deadlin=5s", ""}, {"?deadline=1s&deadline=1h", ""}, {"?deadline=", ""}, {"?deadline=-1s", ""},
+		{"?deadline=10s", `{"deadline":"1h"}`},
+	} {
+		var body io.Reader
+		if tc.body != "" {
+			body = strings.NewReader(tc.body)
+		}
+		if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path+tc.query, body)); !errors.As(err, &apiErr) ||
 			apiErr.HTTPStatus != http.StatusBadRequest {
-			t.Fatalf("%s: %v", body, err)
+			t.Fatalf("%s %s: %v", tc.query, tc.body, err)
 		}
 	}
 	if got := sh.drains.Phase(dial).String(); got != "active" {
