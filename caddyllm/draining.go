@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"cmp"
 	"context"
 	"sync"
 	"time"
@@ -26,6 +27,11 @@ const healthPollInterval = 250 * time.Millisecond
 type healthWatch struct {
 	mu     sync.Mutex
 	closed bool
+	// inherited are the upstreams another site's health checks drained
+	// when this one was provisioned; their holds stay until
+	// keepInheritedUntil, unless this site finds them unhealthy itself.
+	inherited          map[string]bool
+	keepInheritedUntil time.Time
 }
 
 // close stops the watcher's drain changes; it returns once none is in
@@ -107,17 +113,47 @@ func (p *Policy) checkHealth(upstreams []*reverseproxy.Upstream) bool {
 	// The hold is this site's: another site sharing the upstream with a
 	// different verdict neither lifts it nor is lifted by it.
 	hold := drain.Hold{Cause: drain.ByHealth, Owner: p.site}
+	settling := time.Now().Before(p.health.keepInheritedUntil)
 	for _, u := range upstreams {
 		healthy, held := u.Healthy(), p.sh.drains.Held(u.Dial, hold)
 		p.sh.fleet.SetHealthy(u.Dial, healthy)
 		switch {
-		case !healthy && !held:
-			p.sh.drains.Drain(u.Dial, time.Duration(p.DrainDeadline), hold)
-		case healthy && held:
+		case !healthy:
+			delete(p.health.inherited, u.Dial) // this site's own verdict now
+			if !held {
+				p.sh.drains.Drain(u.Dial, time.Duration(p.DrainDeadline), hold)
+			}
+		case held && !(settling && p.health.inherited[u.Dial]):
 			p.sh.drains.Undrain(u.Dial, hold)
+			delete(p.health.inherited, u.Dial)
 		}
 	}
 	return true
+}
+
+// parentHealthVerdictDelay is how long after its provisioning the parent
+// reverse_proxy's active health checks may take to find an upstream
+// unhealthy: Caddy checks at once and then every interval, each check
+// bounded by its timeout, and an upstream turns unhealthy after fails
+// checks failed in a row. It is zero without active checks: passive
+// health state is the host's, which outlives a reload.
+func parentHealthVerdictDelay(ctx caddy.Context) time.Duration {
+	for _, m := range ctx.Modules() {
+		h, ok := m.(*reverseproxy.Handler)
+		if !ok {
+			continue
+		}
+		if h.HealthChecks == nil || h.HealthChecks.Active == nil || !h.HealthChecks.Active.IsEnabled() {
+			return 0
+		}
+		// Caddy's defaults, which its Provision sets after this policy's.
+		a := h.HealthChecks.Active
+		interval := cmp.Or(time.Duration(a.Interval), 30*time.Second)
+		timeout := cmp.Or(time.Duration(a.Timeout), 5*time.Second)
+		// A second for the checks' own scheduling on a busy machine.
+		return time.Duration(max(a.Fails, 1)-1)*interval + timeout + time.Second
+	}
+	return 0
 }
 
 // parentHasDynamicUpstreams reports whether the reverse_proxy handler that

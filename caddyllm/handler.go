@@ -26,6 +26,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
@@ -198,7 +199,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/v1/models") {
 			return serveModels(w, r, next)
 		}
-		return next.ServeHTTP(w, r)
+		return servePassThrough(w, r, next)
 	}
 	if encodedBody(r.Header) {
 		// Engines such as vLLM read request bodies uncompressed, and the
@@ -277,6 +278,116 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return nil
 	}
 	return err
+}
+
+// servePassThrough proxies a request the router does not read
+// (embeddings, tokenization, a stored response, ...). The policy registers
+// each of its attempts with the drain registry, as it does a routed one's
+// (see Policy.enterPassThrough), so a drain waits for it; the drain's
+// deadline cancels it. Its body was not kept, so it cannot be sent again
+// from here: one cut before its response began is answered 503 with
+// Retry-After, which a client may retry at once, on another upstream.
+func servePassThrough(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	ctx, cancel := context.WithCancelCause(r.Context())
+	pt := &passThrough{cancel: cancel}
+	pt.writer.ResponseWriter, pt.writer.pt = w, pt
+	defer pt.end()
+	defer cancel(nil)
+	err := next.ServeHTTP(&pt.writer, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)))
+	if pt.wasCut() && !pt.writer.started && r.Context().Err() == nil {
+		w.Header().Set("Retry-After", "1")
+		writeAPIErrorCode(w, http.StatusServiceUnavailable, "service_unavailable", http.StatusServiceUnavailable, "",
+			"the upstream's drain deadline passed before it answered; retry")
+		return nil
+	}
+	return err
+}
+
+// passThroughWriter is a pass-through request's response writer: it
+// notes whether the response began, and keeps back the 499 Caddy's proxy
+// writes for an attempt the drain deadline cancelled (the client is
+// there, and gets a 503 instead).
+type passThroughWriter struct {
+	caddyhttp.ResponseWriterWrapper
+	pt      *passThrough
+	started bool
+}
+
+// WriteHeader implements http.ResponseWriter.
+func (w *passThroughWriter) WriteHeader(status int) {
+	if status == statusClientClosedRequest && !w.started && w.pt.wasCut() {
+		return
+	}
+	w.started = w.started || status >= 200
+	w.ResponseWriterWrapper.WriteHeader(status)
+}
+
+// Write implements http.ResponseWriter.
+func (w *passThroughWriter) Write(p []byte) (int, error) {
+	w.started = true
+	return w.ResponseWriterWrapper.Write(p)
+}
+
+// ReadFrom implements io.ReaderFrom, keeping the wrapped writer's.
+func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
+	w.started = true
+	return w.ResponseWriterWrapper.ReadFrom(r)
+}
+
+// passThroughKey is the context key of a pass-through request's
+// *passThrough.
+type passThroughKey struct{}
+
+// passThrough is a request the handler does not read, in flight: its
+// current attempt's registration with the drain registry, and what the
+// drain deadline cancels.
+type passThrough struct {
+	writer passThroughWriter
+	cancel context.CancelCauseFunc
+	mu     sync.Mutex
+	flight drain.Flight
+	// attempts counts the attempts routed; a cut is for one of them, and
+	// one for an attempt the proxy has left does nothing.
+	attempts int
+	cut      bool
+}
+
+// enter registers the request's next attempt, on dial, ending the last.
+func (pt *passThrough) enter(drains *drain.Registry, dial string) {
+	pt.mu.Lock()
+	pt.attempts++
+	n, last := pt.attempts, pt.flight
+	pt.mu.Unlock()
+	last.End()
+	f := drains.Enter(dial, drain.CutFunc(func() { pt.cutAttempt(n) }))
+	pt.mu.Lock()
+	pt.flight = f
+	pt.mu.Unlock()
+}
+
+// cutAttempt cancels the request if attempt n is still its current one.
+func (pt *passThrough) cutAttempt(n int) {
+	pt.mu.Lock()
+	current := n == pt.attempts
+	pt.cut = pt.cut || current
+	pt.mu.Unlock()
+	if current {
+		pt.cancel(errDrainCut)
+	}
+}
+
+func (pt *passThrough) wasCut() bool {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	return pt.cut
+}
+
+// end ends the last attempt's registration.
+func (pt *passThrough) end() {
+	pt.mu.Lock()
+	f := pt.flight
+	pt.mu.Unlock()
+	f.End()
 }
 
 // serveModels serves GET /v1/models: the policy sends it to one engine,

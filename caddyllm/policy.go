@@ -386,11 +386,19 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// reload the old site lets go of its hold before this site's watcher
 	// has looked, and the drain must not lapse, nor its deadline change,
 	// meanwhile.
+	// Caddy's verdicts start over with the new config (its upstreams
+	// start healthy), so the hold stays at least until this config's
+	// active checks could have found the upstream unhealthy.
 	for _, dial := range p.named {
 		if p.sh.drains.HeldBy(dial, drain.ByHealth) {
 			p.sh.drains.AddHold(dial, drain.Hold{Cause: drain.ByHealth, Owner: p.site})
+			if p.health.inherited == nil {
+				p.health.inherited = make(map[string]bool)
+			}
+			p.health.inherited[dial] = true
 		}
 	}
+	p.health.keepInheritedUntil = time.Now().Add(parentHealthVerdictDelay(ctx))
 	if p.ScrapeInterval > 0 {
 		cfg := scrape.Config{
 			Interval:       time.Duration(p.ScrapeInterval),
@@ -1013,6 +1021,9 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 // selectFallback balances requests without parsed content.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	up := p.chooseFallback(pool, r, w)
+	if up != nil && requestStateOf(r) == nil {
+		p.enterPassThrough(r, up.Dial)
+	}
 	if up != nil && p.scraper != nil && changesAdapters(r) {
 		// The engine's model list changes with it: fetch it again once
 		// the engine has answered (the request's context ends with the
@@ -1022,6 +1033,19 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		context.AfterFunc(r.Context(), func() { p.scraper.RefreshModels(dial) })
 	}
 	return up
+}
+
+// enterPassThrough registers a request the handler did not read with the
+// drain registry, on dial, so that a drain of dial waits for it. Through
+// the handler its drain deadline can cut it (see servePassThrough);
+// without the handler in the route the drain only waits for its end.
+func (p *Policy) enterPassThrough(r *http.Request, dial string) {
+	if pt, ok := r.Context().Value(passThroughKey{}).(*passThrough); ok {
+		pt.enter(p.sh.drains, dial)
+		return
+	}
+	f := p.sh.drains.Enter(dial, drain.CutFunc(func() {}))
+	context.AfterFunc(r.Context(), f.End)
 }
 
 // changesAdapters says r loads or unloads a LoRA adapter (vLLM's runtime

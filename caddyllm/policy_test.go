@@ -461,3 +461,28 @@ func TestFallbackSkipsDraining(t *testing.T) {
 		t.Fatalf("chose %s with every upstream draining", up.Dial)
 	}
 }
+
+// TestPassThroughWithoutHandlerHoldsItsDrain: a request the policy routes
+// without the handler (not in the route) is in flight on its upstream
+// until it ends: a drain of the upstream waits for it.
+func TestPassThroughWithoutHandlerHoldsItsDrain(t *testing.T) {
+	p := testPolicy(t, zap.NewNop())
+	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "pass-a:1"}}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := httptest.NewRequestWithContext(ctx, "POST", "/v1/embeddings", strings.NewReader(`{}`))
+	if up := p.Select(pool, r, httptest.NewRecorder()); up == nil {
+		t.Fatal("no upstream chosen")
+	}
+	p.sh.drains.Drain("pass-a:1", time.Hour, drain.Admin)
+	if got := p.sh.drains.Phase("pass-a:1"); got != drain.Draining {
+		t.Fatalf("with the request in flight: %s, want draining", got)
+	}
+	cancel() // the request ends
+	deadline := time.Now().Add(10 * time.Second)
+	for p.sh.drains.Phase("pass-a:1") != drain.Drained {
+		if time.Now().After(deadline) {
+			t.Fatalf("still %s after the request ended", p.sh.drains.Phase("pass-a:1"))
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

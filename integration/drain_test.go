@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -250,6 +251,97 @@ func TestDrainShortDeadlineMovesRequests(t *testing.T) {
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
 
+// TestDrainWaitsForPassThrough: a request the router does not read (here
+// an embeddings request) counts as in flight on its upstream: a drain
+// waits for it, and at the deadline cuts it, and its client gets a 503 it
+// may retry at once.
+func TestDrainWaitsForPassThrough(t *testing.T) {
+	release := make(chan struct{})
+	arrived := make(chan string, 4)
+	// POST /v1/embeddings answers at once, or for the input "hold" when
+	// released, or for "cut" never (until the router cancels it).
+	fleet := startFleetServing(t, 2, 1, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/embeddings" {
+				sim.ServeHTTP(w, r)
+				return
+			}
+			var body struct{ Input string }
+			if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			arrived <- name
+			hold := release
+			if body.Input == "cut" {
+				hold = nil
+			}
+			if body.Input != "now" {
+				select {
+				case <-hold:
+				case <-r.Context().Done():
+					return
+				}
+			}
+			w.Header().Set(kvsim.ReplicaHeader, name)
+			fmt.Fprint(w, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}]}`)
+		})
+	})
+	startCaddy(t, caddyfile(fleet, "", "drain_deadline 30s", ""))
+	a, b := fleet[0], fleet[1]
+	embed := func(input string) chan completion {
+		done := make(chan completion, 1)
+		go func() {
+			resp, err := http.Post(routerURL+"/v1/embeddings", "application/json", strings.NewReader(`{"model":"m","input":"`+input+`"}`))
+			if err != nil {
+				done <- completion{body: err.Error()}
+				return
+			}
+			defer resp.Body.Close()
+			raw, _ := io.ReadAll(resp.Body)
+			done <- completion{status: resp.StatusCode, replica: resp.Header.Get(kvsim.ReplicaHeader), body: string(raw), header: resp.Header}
+		}()
+		return done
+	}
+	onA := func(input string) chan completion {
+		t.Helper()
+		done := embed(input)
+		if got := <-arrived; got != a.name {
+			t.Fatalf("%s went to %s with B drained", input, got)
+		}
+		return done
+	}
+
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain") // everything to A
+	held := onA("hold")
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=30s")
+	if p := drainPhase(t, a.dial()); p != "draining" {
+		t.Fatalf("A is %s with an embeddings request in flight, want draining", p)
+	}
+	if c := <-embed("now"); c.status != 200 || c.replica != b.name {
+		t.Fatalf("a new request while A drains: %d from %q", c.status, c.replica)
+	}
+	<-arrived
+	close(release)
+	if c := <-held; c.status != 200 || c.replica != a.name {
+		t.Fatalf("the held request: %d from %q: %s", c.status, c.replica, c.body)
+	}
+	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+
+	// At the deadline the request is cut; its client may retry at once.
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	cut := onA("cut")
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
+	if c := <-cut; c.status != http.StatusServiceUnavailable || c.header.Get("Retry-After") != "1" || !strings.Contains(c.body, "drain deadline") {
+		t.Fatalf("the cut request: %d, Retry-After %q: %s", c.status, c.header.Get("Retry-After"), c.body)
+	}
+	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
 func scrapeMetrics(t *testing.T) string {
 	t.Helper()
 	resp, err := http.Get(adminURL + "/metrics")
@@ -290,6 +382,49 @@ func TestHealthDrainsAndUndrains(t *testing.T) {
 		h := upstream(t, a.dial()).Healthy
 		return h != nil && *h
 	})
+}
+
+// TestHealthDrainSurvivesReload: an upstream the health checks drained
+// stays drained through a reload, although the new config's checks start
+// by calling it healthy (here, with two failures needed and an hour
+// between checks, for an hour); it is undrained once they find it healthy.
+func TestHealthDrainSurvivesReload(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	health := func(interval string) string {
+		return "health_uri /health\n\t\thealth_interval " + interval + "\n\t\thealth_timeout 200ms\n\t\thealth_fails 2"
+	}
+	tester := startCaddy(t, caddyfile(fleet, "", "drain_deadline 5s", health("100ms")))
+	a := fleet[0]
+	a.sim.SetFaults(kvsim.Faults{Unhealthy: true})
+	eventually(t, 5*time.Second, "A drained by health", func() bool { return drainPhase(t, a.dial()) != "active" })
+	reload := func(config string) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(config))
+		req.Header.Set("Content-Type", "text/caddyfile")
+		resp, err := tester.Client.Do(req)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("reload: %v %v", err, resp)
+		}
+		resp.Body.Close()
+	}
+	reload(caddyfile(fleet, "", "drain_deadline 6s", health("1h")))
+	// The new config's health poll has run once it shows A healthy, as
+	// Caddy's new checks have it.
+	eventually(t, 5*time.Second, "A shown healthy by the new config", func() bool {
+		h := upstream(t, a.dial()).Healthy
+		return h != nil && *h
+	})
+	if p := drainPhase(t, a.dial()); p == "active" {
+		t.Fatal("the health drain lapsed in the reload")
+	}
+	for i := 0; i < 4; i++ {
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("sick", i), 500), "max_tokens": 2}); c.replica == a.name || c.status != 200 {
+			t.Fatalf("after the reload a request went to %q (%d)", c.replica, c.status)
+		}
+	}
+	a.sim.SetFaults(kvsim.Faults{})
+	reload(caddyfile(fleet, "", "drain_deadline 6s", health("100ms")))
+	eventually(t, 15*time.Second, "A undrained once the checks find it healthy", func() bool { return drainPhase(t, a.dial()) == "active" })
 }
 
 // TestDrainSurvivesReload: a drain set through the admin API holds after

@@ -58,6 +58,12 @@ func (r *replica) dial() string { return strings.TrimPrefix(r.http.URL, "http://
 
 // startFleet starts n kvsim replicas; they stop with the test.
 func startFleet(t *testing.T, n int, speed float64, cfg kvsim.Config) []*replica {
+	return startFleetServing(t, n, speed, cfg, nil)
+}
+
+// startFleetServing is startFleet with each replica's HTTP handler
+// wrapped, when wrap is given: to add an endpoint kvsim does not have.
+func startFleetServing(t *testing.T, n int, speed float64, cfg kvsim.Config, wrap func(name string, sim http.Handler) http.Handler) []*replica {
 	t.Helper()
 	var out []*replica
 	for i := 0; i < n; i++ {
@@ -66,7 +72,11 @@ func startFleet(t *testing.T, n int, speed float64, cfg kvsim.Config) []*replica
 		if err != nil {
 			t.Fatal(err)
 		}
-		hs := httptest.NewServer(sim)
+		var h http.Handler = sim
+		if wrap != nil {
+			h = wrap(name, sim)
+		}
+		hs := httptest.NewServer(h)
 		t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
 		out = append(out, &replica{name: name, sim: sim, http: hs})
 	}
