@@ -70,12 +70,15 @@ func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reve
 }
 
 // start does what starts with the config running: its deferred drains
-// take effect and its health watcher starts. It runs once, through
-// p.started (which holds a concurrent first request until the drains are
-// in force): the config's first request calls it, or runOnceActive,
+// take effect, its health watcher starts, and so does its scraper if it
+// has not. It runs once, through p.started (which holds a concurrent
+// first request until the drains are in force): the config's first request calls it, or runOnceActive,
 // whichever comes first.
 func (p *Policy) start() {
 	p.sh.applyPendingDrains(p.site)
+	if p.scraper != nil {
+		p.scraper.Start(p.ctx) // started already, unless this is the process's first config
+	}
 	go p.watchUpstreamHealth(p.ctx, p.parent)
 }
 

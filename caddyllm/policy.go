@@ -420,7 +420,13 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		// Dynamic upstreams are added as requests see them.
 		p.scraper.SetTargets(p.named)
-		p.scraper.Start(ctx)
+		if running != nil {
+			// A reload: scrape now, so that the config has the engines'
+			// state when it takes over. The process's first config starts
+			// its scraper once it runs (see start): its own sites (an
+			// embedded kvsim fleet) listen only then.
+			p.scraper.Start(ctx)
+		}
 		p.sh.addScraper(p.scraper)
 	}
 	if p.Sync != nil {
@@ -445,6 +451,9 @@ func (p *Policy) Cleanup() error {
 	p.health.close()
 	if p.scraper != nil {
 		p.sh.removeScraper(p.scraper)
+		// One the config never started stops at once (its context is
+		// done), which closes its Stopped channel.
+		p.scraper.Start(p.ctx)
 	}
 	if p.syncKey != "" {
 		p.sh.releaseSync(p.syncKey)

@@ -19,6 +19,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 )
 
 // caddyProc is a Caddy process running a config file.
@@ -204,6 +206,25 @@ func sendChat(t *testing.T, url string, body map[string]any) string {
 // by the kvsim engines.
 func TestQuickstartMetrics(t *testing.T) {
 	proc, url, statusURL, dials := quickstartWithStatus(t)
+	// The replicas are the quickstart's own sites, which listen only once
+	// its config runs: the scraper starts then, and never finds them
+	// refusing.
+	eventually(t, 30*time.Second, "every replica scraped", func() bool {
+		var ups []caddyllm.UpstreamSnapshot
+		if code, body := do(t, "GET", proc.admin+"/llm_affinity/upstreams", nil); code != 200 || json.Unmarshal([]byte(body), &ups) != nil {
+			return false
+		}
+		scraped := 0
+		for _, u := range ups {
+			if u.Engine != nil && u.Engine.Errors > 0 {
+				t.Fatalf("%s: %d scrape errors at startup (%s)", u.Dial, u.Engine.Errors, u.Engine.LastError)
+			}
+			if u.Engine != nil && u.Engine.KVCapacity > 0 {
+				scraped++
+			}
+		}
+		return scraped == len(dials)
+	})
 	if code, body := do(t, "GET", statusURL, map[string]string{"Sec-Fetch-Mode": "navigate"}); code != 200 || !strings.Contains(body, "llm_affinity") {
 		t.Fatalf("the quickstart's status page: %d %.200s", code, body)
 	}
