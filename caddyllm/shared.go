@@ -54,8 +54,14 @@ type shared struct {
 	// fleet's publisher without a lock; written under mu.
 	syncers atomic.Pointer[[]*fleetsync.Syncer]
 
-	mu    sync.Mutex
-	sites map[string]*site
+	mu sync.Mutex
+	// closingSyncers are connections no config uses any more, closing;
+	// closedSync sums the counters of those closed. Under mu, so that the
+	// metrics find each connection in exactly one place (in use, closing,
+	// closed) and their counters never go down on a reload.
+	closingSyncers []*fleetsync.Syncer
+	closedSync     syncTotals
+	sites          map[string]*site
 	// pendingSites counts the sites with deferred drains, so that the
 	// routing path skips applyPendingDrains' lock when there are none.
 	pendingSites atomic.Int32

@@ -72,6 +72,7 @@ type syncEntry struct {
 func (e *syncEntry) Destruct() error {
 	e.sh.removeSyncer(e.syncer)
 	e.syncer.Close()
+	e.sh.closedSyncer(e.syncer)
 	return nil
 }
 
@@ -170,12 +171,39 @@ func (sh *shared) addSyncer(s *fleetsync.Syncer) {
 	sh.fleet.KeepLive(true)
 }
 
+// removeSyncer stops publishing to s, which is closing; closedSyncer
+// keeps its counters once it has closed.
 func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	list := slices.DeleteFunc(slices.Clone(sh.loadSyncers()), func(x *fleetsync.Syncer) bool { return x == s })
 	sh.syncers.Store(&list)
+	sh.closingSyncers = append(sh.closingSyncers, s)
 	sh.fleet.KeepLive(len(list) > 0)
+}
+
+func (sh *shared) closedSyncer(s *fleetsync.Syncer) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	sh.closedSync.add(s.Stats())
+	sh.closingSyncers = slices.DeleteFunc(sh.closingSyncers, func(x *fleetsync.Syncer) bool { return x == s })
+}
+
+// syncTotals are the sync connections' counters, summed.
+type syncTotals struct {
+	sent, applied, dropped, disconnects, renewals, snapshotsIn, snapshotsOut float64
+}
+
+func (t *syncTotals) add(st fleetsync.Stats) {
+	t.sent += float64(st.Sent)
+	t.applied += float64(st.Applied)
+	t.dropped += float64(st.Dropped)
+	t.disconnects += float64(st.Disconnects)
+	t.renewals += float64(st.Renewals)
+	t.snapshotsOut += float64(st.SnapshotsSent)
+	if st.SnapshotFrom != "" {
+		t.snapshotsIn++
+	}
 }
 
 func (sh *shared) loadSyncers() []*fleetsync.Syncer {
@@ -292,7 +320,7 @@ func newSyncCollector(sh *shared) *syncCollector {
 		renewals: prometheus.NewDesc("caddy_llm_affinity_sync_renewals_total",
 			"New identities taken after events to the peers were lost, each restating the charges in flight.", nil, nil),
 		snapshots: prometheus.NewDesc("caddy_llm_affinity_sync_snapshots_total",
-			"Snapshots of the view (prefix index, stored responses' homes, drains): received, the connections loaded now that started with one; sent, by them to routers that started.", []string{"direction"}, nil),
+			"Snapshots of the view (prefix index, stored responses' homes, drains): received, by the connections that started with one; sent, to routers that started.", []string{"direction"}, nil),
 		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
 			"Time since the last batch from a peer arrived (absent before the first).", nil, nil),
 	}
@@ -307,37 +335,38 @@ func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
-	syncers := c.sh.loadSyncers()
-	if len(syncers) == 0 {
+	// Closed connections' counters stay in the sums: a counter that went
+	// down on a reload would read as a reset, and rate() as a spike.
+	sh := c.sh
+	sh.mu.Lock()
+	syncers := append(slices.Clone(sh.loadSyncers()), sh.closingSyncers...)
+	live := len(sh.loadSyncers())
+	totals := sh.closedSync
+	sh.mu.Unlock()
+	if len(syncers) == 0 && totals == (syncTotals{}) {
 		return
 	}
-	var sent, applied, dropped, disconnects, renewals, connected, snapshotsIn, snapshotsOut float64
+	var connected float64
 	var last time.Time
-	for _, s := range syncers {
+	for i, s := range syncers {
 		st := s.Stats()
-		sent, applied, dropped = sent+float64(st.Sent), applied+float64(st.Applied), dropped+float64(st.Dropped)
-		disconnects += float64(st.Disconnects)
-		renewals += float64(st.Renewals)
-		snapshotsOut += float64(st.SnapshotsSent)
-		if st.SnapshotFrom != "" {
-			snapshotsIn++
-		}
-		if st.Connected {
+		totals.add(st)
+		if st.Connected && i < live {
 			connected++
 		}
 		if st.LastReceived.After(last) {
 			last = st.LastReceived
 		}
 	}
-	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, sent, "sent")
-	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, applied, "applied")
-	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, dropped, "dropped")
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, totals.sent, "sent")
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, totals.applied, "applied")
+	ch <- prometheus.MustNewConstMetric(c.events, prometheus.CounterValue, totals.dropped, "dropped")
 	ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, connected)
-	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(c.sh.fleet.Peers())))
-	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, disconnects)
-	ch <- prometheus.MustNewConstMetric(c.renewals, prometheus.CounterValue, renewals)
-	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, snapshotsIn, "received")
-	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, snapshotsOut, "sent")
+	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(sh.fleet.Peers())))
+	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, totals.disconnects)
+	ch <- prometheus.MustNewConstMetric(c.renewals, prometheus.CounterValue, totals.renewals)
+	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, totals.snapshotsIn, "received")
+	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, totals.snapshotsOut, "sent")
 	if !last.IsZero() {
 		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, time.Since(last).Seconds())
 	}
