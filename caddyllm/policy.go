@@ -595,7 +595,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		if p.scraper != nil {
 			listed = p.scraper.ModelsFetched() // before the decision reads the lists
 		}
-		up, d := p.decide(pool, st, now, deadline)
+		up, d := p.decide(p.stillNamed(pool), st, now, deadline)
 		if up != nil {
 			st.heldSince = time.Time{}
 			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
@@ -1110,6 +1110,18 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		}
 	}
 	return best
+}
+
+// stillNamed is pool for a decision: pool itself while this config is
+// loaded. A request held since before a reload decides with the replaced
+// config's pool, of which the static upstreams the new config dropped are
+// gone: deciding with one would bring its state back, as a dynamic
+// upstream's.
+func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.UpstreamPool {
+	if p.parentDynamic || p.ctx.Context == nil || p.ctx.Err() == nil {
+		return pool
+	}
+	return slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return !p.sh.fleet.Routable(u.Dial) })
 }
 
 // undrained is pool without its draining upstreams: pool itself when none

@@ -486,3 +486,30 @@ func TestPassThroughWithoutHandlerHoldsItsDrain(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// TestUnloadedConfigSkipsDroppedUpstreams: a request still deciding with a
+// config a reload replaced (it was held at the gateway) does not go to,
+// nor bring back the state of, an upstream the new config dropped.
+func TestUnloadedConfigSkipsDroppedUpstreams(t *testing.T) {
+	p := testPolicy(t, zap.NewNop())
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	p.ctx = ctx
+	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "dropped:1"}, {Host: new(reverseproxy.Host), Dial: "kept:1"}}
+	p.parentDials = []string{"dropped:1", "kept:1"}
+	now := time.Now()
+	p.sh.fleet.Name("dropped:1", now)
+	p.sh.fleet.Name("kept:1", now)
+	// dropped:1 is much the faster: loaded, it would take the request.
+	body := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("a long prompt ", 400) + `"}]}`
+	p.hardwareByDial = map[string]router.Hardware{"dropped:1": {PrefillTokensPerSecond: 1e6, DecodeTokensPerSecond: 100, KVCapacityTokens: 1 << 20}}
+	cancel() // the reload: this config is unloaded, and the new one does not name dropped:1
+	p.sh.fleet.Forget("dropped:1")
+	for range 5 {
+		if up, _ := selectFor(t, p, pool, body); up == nil || up.Dial != "kept:1" {
+			t.Fatalf("after the reload: %v, want kept:1", up)
+		}
+	}
+	if p.sh.fleet.Known("dropped:1") {
+		t.Fatal("the dropped upstream's state came back")
+	}
+}
