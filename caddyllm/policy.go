@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -749,7 +750,8 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 func (p *Policy) modelList(pool reverseproxy.UpstreamPool) []byte {
 	now := time.Now()
 	data := []json.RawMessage{}
-	seen := make(map[string]bool)
+	var longest []int        // each entry's max_model_len
+	seen := map[string]int{} // a model's entry in data
 	listed := 0
 	for _, u := range pool {
 		// Full or not, an upstream serves what it serves.
@@ -765,11 +767,17 @@ func (p *Policy) modelList(pool reverseproxy.UpstreamPool) []byte {
 		}
 		listed++
 		for _, m := range sig.Models {
-			if seen[m.ID] {
+			if at, ok := seen[m.ID]; ok {
+				// The router sends a request to an engine whose context
+				// holds it: the pool's is the longest.
+				if m.MaxModelLen > longest[at] {
+					longest[at], data[at] = m.MaxModelLen, withMaxModelLen(data[at], m.MaxModelLen)
+				}
 				continue
 			}
-			seen[m.ID] = true
+			seen[m.ID] = len(data)
 			data = append(data, m.Card)
+			longest = append(longest, m.MaxModelLen)
 		}
 	}
 	if listed == 0 {
@@ -780,6 +788,20 @@ func (p *Policy) modelList(pool reverseproxy.UpstreamPool) []byte {
 		Data   []json.RawMessage `json:"data"`
 	}{"list", data})
 	return list
+}
+
+// withMaxModelLen is the model card with its max_model_len set to n.
+func withMaxModelLen(card json.RawMessage, n int) json.RawMessage {
+	var fields map[string]json.RawMessage
+	if json.Unmarshal(card, &fields) != nil {
+		return card
+	}
+	fields["max_model_len"] = json.RawMessage(strconv.Itoa(n))
+	out, err := json.Marshal(fields)
+	if err != nil {
+		return card
+	}
+	return out
 }
 
 // answered ends Select for a request the router answers itself (st.shed)

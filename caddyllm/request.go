@@ -124,13 +124,13 @@ var errModelTooLong = badRequestf("model", "invalid request: model must be at mo
 // upstream, its prompt counted as prompt tokens (the decision's count).
 func (r *Request) tooLongMessage(prompt int) string {
 	if r.MaxTokens <= 0 {
-		return fmt.Sprintf("The prompt is about %s, more than any upstream's KV cache holds.", tokensText(prompt))
+		return fmt.Sprintf("The prompt is about %s, more than any upstream serving the model holds (its KV cache, or the model's context length there).", tokensText(prompt))
 	}
 	name := "max_tokens"
 	if r.Endpoint == EndpointResponses {
 		name = "max_output_tokens"
 	}
-	return fmt.Sprintf("The prompt is about %s and %s is %d, more in all than any upstream's KV cache holds.", tokensText(prompt), name, r.MaxTokens)
+	return fmt.Sprintf("The prompt is about %s and %s is %d, more in all than any upstream serving the model holds (its KV cache, or the model's context length there).", tokensText(prompt), name, r.MaxTokens)
 }
 
 // tokensText is n tokens in words.

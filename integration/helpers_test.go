@@ -67,20 +67,26 @@ func startFleetServing(t *testing.T, n int, speed float64, cfg kvsim.Config, wra
 	t.Helper()
 	var out []*replica
 	for i := 0; i < n; i++ {
-		name := fmt.Sprintf("%s-%d", t.Name(), i)
-		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Engine: cfg, Speed: speed})
-		if err != nil {
-			t.Fatal(err)
-		}
-		var h http.Handler = sim
-		if wrap != nil {
-			h = wrap(name, sim)
-		}
-		hs := httptest.NewServer(h)
-		t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
-		out = append(out, &replica{name: name, sim: sim, http: hs})
+		out = append(out, startReplica(t, fmt.Sprintf("%s-%d", t.Name(), i), speed, cfg, wrap))
 	}
 	return out
+}
+
+// startReplica starts one kvsim replica named name, its handler wrapped
+// when wrap is given; it stops with the test.
+func startReplica(t *testing.T, name string, speed float64, cfg kvsim.Config, wrap func(name string, sim http.Handler) http.Handler) *replica {
+	t.Helper()
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Engine: cfg, Speed: speed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var h http.Handler = sim
+	if wrap != nil {
+		h = wrap(name, sim)
+	}
+	hs := httptest.NewServer(h)
+	t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
+	return &replica{name: name, sim: sim, http: hs}
 }
 
 func dials(fleet []*replica) string {

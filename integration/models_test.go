@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
@@ -25,14 +24,8 @@ func wrappedFleet(t *testing.T, wraps ...func(http.Handler) http.Handler) []*rep
 	t.Helper()
 	var fleet []*replica
 	for i, wrap := range wraps {
-		name := fmt.Sprintf("%s-%d", t.Name(), i)
-		sim, err := kvsim.NewServer(kvsim.ServerConfig{Name: name, Speed: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		hs := httptest.NewServer(wrap(sim))
-		t.Cleanup(func() { hs.CloseClientConnections(); hs.Close(); sim.Close() })
-		fleet = append(fleet, &replica{name: name, sim: sim, http: hs})
+		fleet = append(fleet, startReplica(t, fmt.Sprintf("%s-%d", t.Name(), i), 1, kvsim.Config{},
+			func(_ string, sim http.Handler) http.Handler { return wrap(sim) }))
 	}
 	return fleet
 }
@@ -175,4 +168,50 @@ func loadTenantAdapters(t *testing.T, fleet []*replica) {
 		}
 		return true
 	})
+}
+
+// TestContextLengthPerReplica: replicas whose engines serve the model with
+// different context lengths (max_model_len): a request longer than one's
+// goes to the other, never to the engine that would refuse it; one longer
+// than every context gets 400 context_length_exceeded from the router at
+// once. The pool's models list gives the longest context.
+func TestContextLengthPerReplica(t *testing.T) {
+	short := startReplica(t, t.Name()+"-short", 20, kvsim.Config{MaxModelLen: 4096}, nil)
+	long := startReplica(t, t.Name()+"-long", 20, kvsim.Config{}, nil) // 131,072
+	fleet := []*replica{short, long}
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
+		ups := upstreams(t)
+		for _, r := range fleet {
+			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for i := range 6 {
+		// About 5,000 tokens with max_tokens: over short's context.
+		c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("ctx", i), 20_000), "max_tokens": 8})
+		if c.status != 200 || c.replica != long.name {
+			t.Fatalf("request %d: %d from %q: %s", i, c.status, c.replica, c.body)
+		}
+		// Short ones go anywhere.
+		if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": fmt.Sprint("short ", i), "max_tokens": 8}); c.status != 200 {
+			t.Fatalf("short request %d: %d: %s", i, c.status, c.body)
+		}
+	}
+	c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hi", "max_tokens": 200_000})
+	if c.status != 400 || !strings.Contains(c.body, `"code":"context_length_exceeded"`) || !strings.Contains(c.explain, "blocked_by=context_length") {
+		t.Fatalf("max_tokens over every context: %d %s (%s)", c.status, c.body, c.explain)
+	}
+	_, body := getModels(t)
+	var list struct {
+		Data []struct {
+			ID          string `json:"id"`
+			MaxModelLen int    `json:"max_model_len"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(body, &list); err != nil || len(list.Data) != 1 || list.Data[0].MaxModelLen != 131072 {
+		t.Fatalf("models list %s (%v)", body, err)
+	}
 }

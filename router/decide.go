@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"math"
 	"slices"
 	"time"
@@ -118,8 +119,10 @@ type Decision struct {
 	// may exist (an engine still starting).
 	Unservable, NotRunning bool
 	// TooLong, when nothing was chosen, says the request surely needs
-	// more KV than every member has (each one's capacity known; see
-	// scorer.Request.LeastKVTokens): it can never run, wherever it waits.
+	// more KV than every member serving its model has, or more than the
+	// model's context length there (each one's capacity or context length
+	// known; see scorer.Request.LeastKVTokens): it can never run,
+	// wherever it waits.
 	TooLong bool
 }
 
@@ -150,7 +153,8 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 			d.Unservable = d.Unservable && byModel
 			if !byModel {
 				servers++
-				tooSmall = tooSmall && c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens
+				tooSmall = tooSmall && (c.KVCapacityTokens > 0 && sreq.LeastKVTokens > c.KVCapacityTokens ||
+					c.ContextTokens > 0 && sreq.LeastKVTokens > c.ContextTokens)
 			}
 		}
 		d.TooLong = servers > 0 && tooSmall
@@ -235,11 +239,13 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
+		ContextTokens:    expectedContextTokens(&req, prompt),
 	}
 	home := -1
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
+		cands[i].ContextTokens = contextTokens(m, cmp.Or(adapter, req.Model))
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 		if home < 0 && isHome(&req, m) {
@@ -252,6 +258,16 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		}
 	}
 	return sreq, cands, states
+}
+
+// contextTokens is model's context length on m, as its engine last
+// listed it; 0 when unknown.
+func contextTokens(m *Member, model string) int {
+	models := m.Models
+	if m.Engine != nil && m.Engine.Models != nil {
+		models = m.Engine.Models
+	}
+	return scrape.ContextTokens(models, model)
 }
 
 // isHome says m is req's home and can take it: healthy (a full upstream
@@ -296,6 +312,21 @@ func leastKVTokens(req *Request, prompt int, learned bool) int {
 		return least
 	}
 	return least + min(max(0, req.MaxTokens), MaxTokens)
+}
+
+// expectedContextTokens is the context req is expected to take
+// (scorer.Request.ContextTokens): its prompt as estimated, its longest
+// prompt for a batch, and its max_tokens, which the engine checks
+// against the model's context length (but for the Responses API, whose
+// max_output_tokens vLLM cuts to what the context leaves).
+func expectedContextTokens(req *Request, prompt int) int {
+	if req.LongestPromptTokens > 0 && req.PromptTokens > 0 {
+		prompt = int(float64(prompt) * min(1, float64(req.LongestPromptTokens)/float64(req.PromptTokens)))
+	}
+	if req.MaxTokensCapped {
+		return prompt
+	}
+	return prompt + min(max(0, req.MaxTokens), MaxTokens)
 }
 
 // noteRestart takes the time a scraper last saw u's engine restart: a

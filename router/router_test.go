@@ -387,6 +387,45 @@ func TestTooLong(t *testing.T) {
 	}
 }
 
+// TestContextLength: a member whose context for the model (its engine's
+// max_model_len) is shorter than the prompt and max_tokens is left out,
+// as the engine would refuse the request; an adapter listed without one
+// has its base model's. Longer than the context on every member serving
+// the model, the request is TooLong.
+func TestContextLength(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	ms := members("short", "long")
+	ms[0].Models = []scrape.ModelInfo{{ID: "m", MaxModelLen: 4096}, {ID: "lora", Parent: "m"}}
+	ms[1].Models = []scrape.ModelInfo{{ID: "m", MaxModelLen: 32768}, {ID: "lora", Parent: "m"}}
+	for _, model := range []string{"m", "lora"} {
+		for range 10 {
+			d := f.Decide(t0, Request{Model: model, PromptTokens: 4000, MaxTokens: 200}, ms, &opts, rng(), nil)
+			if d.Charge == nil || d.Chosen != 1 {
+				t.Fatalf("%s: 4,200 tokens against contexts of 4,096 and 32,768: %+v", model, d)
+			}
+			f.Release(d.Charge, t0)
+		}
+	}
+	if d := f.Decide(t0, Request{Model: "m", PromptTokens: 40000}, ms, &opts, rng(), nil); d.Charge != nil || !d.TooLong {
+		t.Fatalf("longer than every context: %+v", d)
+	}
+	// Counted from text, 4,200 tokens may be fewer: short may hold it,
+	// and takes it when long cannot.
+	fromText := Request{Model: "m", PromptTokens: 4200, PromptBytes: 4 * 4200}
+	ms[1].Draining = true
+	d := f.Decide(t0, fromText, ms, &opts, rng(), nil)
+	if d.Charge == nil || d.Chosen != 0 {
+		t.Fatalf("an estimate over short's context, with long draining: %+v", d)
+	}
+	f.Release(d.Charge, t0)
+	ms[1].Draining = false
+	ms[1].Models = []scrape.ModelInfo{{ID: "m"}} // unknown: it may hold it
+	if d := f.Decide(t0, Request{Model: "m", PromptTokens: 40000}, ms, &opts, rng(), nil); d.TooLong || d.Chosen != 1 {
+		t.Fatalf("with long's context unknown: %+v", d)
+	}
+}
+
 // TestTooLongWhateverBlocksTheOthers: a prompt larger than the KV of every
 // upstream that may serve its model is too long however many of them are
 // draining, down or full, and whatever upstreams serving other models

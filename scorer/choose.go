@@ -99,10 +99,11 @@ const explainTop = 3
 // When explain is non-nil it is filled in; otherwise explaining costs
 // nothing. Choose does not allocate unless explain is non-nil.
 func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) Decision {
-	d, kvFiltered := choose(&req, cands, opts, rng, explain)
-	if d.Chosen < 0 && kvFiltered > 0 && req.LeastKVTokens > 0 {
+	d, estimateFiltered := choose(&req, cands, opts, rng, explain)
+	if d.Chosen < 0 && estimateFiltered > 0 && req.LeastKVTokens > 0 {
 		// No candidate holds the request's whole estimate: one whose KV
-		// holds what it surely needs may run it, cut at its context.
+		// holds what it surely needs may run it, cut at its context, and
+		// one whose context may hold it may take it.
 		req.cutAtContext = true
 		if explain != nil {
 			explain.Filtered = explain.Filtered[:0]
@@ -113,10 +114,10 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 }
 
 // choose is Choose with req as it is; it also returns how many candidates
-// the KV filter excluded.
+// the KV and context filters excluded.
 func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) (Decision, int) {
 	d := Decision{Chosen: -1, Reason: Shed}
-	var blocked [5]int
+	var blocked [FilteredContext + 1]int
 	bestMatch := 0
 	for i := range cands {
 		f := filter(req, &cands[i], opts.KVMarginTokens)
@@ -137,7 +138,7 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 				d.Blocked = FilterReason(f)
 			}
 		}
-		return d, blocked[FilteredKV]
+		return d, blocked[FilteredKV] + blocked[FilteredContext]
 	}
 
 	var k coster
@@ -166,7 +167,7 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 		}
 		explain.Top = explainBest(&k)
 	}
-	return d, blocked[FilteredKV]
+	return d, blocked[FilteredKV] + blocked[FilteredContext]
 }
 
 // Filter says whether Choose would consider c for req (NotFiltered) or
@@ -181,6 +182,15 @@ func Filter(req Request, c *Candidate, opts Options) FilterReason {
 func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	if c.Models != nil && !servesModel(c.Models, req) {
 		return FilteredModel
+	}
+	if c.ContextTokens > 0 {
+		need := max(req.ContextTokens, req.LeastKVTokens)
+		if req.cutAtContext {
+			need = req.LeastKVTokens // what it surely takes
+		}
+		if need > c.ContextTokens {
+			return FilteredContext
+		}
 	}
 	if !c.Available {
 		return FilteredUnavailable

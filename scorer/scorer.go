@@ -112,11 +112,20 @@ type Request struct {
 	// capacity is smaller can never run it: an engine refuses a request
 	// longer than its context, and its KV holds its context. 0: unknown.
 	LeastKVTokens int
+	// ContextTokens is the context the request is expected to take: its
+	// prompt as estimated and its max_tokens when the client set one. An
+	// engine refuses a request whose prompt and max_tokens exceed the
+	// model's context length (vLLM's max_model_len), so a candidate with
+	// a shorter one is left out while another can take the request; only
+	// one shorter than LeastKVTokens surely refuses it. 0: unknown.
+	ContextTokens int
 
 	// cutAtContext lets a candidate whose KV holds LeastKVTokens but not
 	// the request's whole estimate pass the KV filter, its need cut to
-	// the whole KV (an engine stops a sequence at its context). Choose
-	// sets it only when no candidate holds the whole estimate.
+	// the whole KV (an engine stops a sequence at its context), and one
+	// whose context holds LeastKVTokens but not ContextTokens pass the
+	// context filter. Choose sets it only when no candidate holds the
+	// whole estimate.
 	cutAtContext bool
 }
 
@@ -154,6 +163,10 @@ type Candidate struct {
 	FreeKVTokens int
 	// KVCapacityTokens is its whole KV cache in tokens, 0 when unknown.
 	KVCapacityTokens int
+	// ContextTokens is the requested model's context length there (the
+	// engine's max_model_len), 0 when unknown: the engine refuses a
+	// request whose prompt and max_tokens together exceed it.
+	ContextTokens int
 	// UncachedRoomTokens is how many more prompt tokens its prefix cache
 	// takes before each new one evicts a cached one (the router's index
 	// of what it sent there, against the KV capacity), or -1 when unknown.
@@ -182,6 +195,9 @@ const (
 	FilteredUnavailable
 	FilteredDraining
 	FilteredKV
+	// FilteredContext: the request is longer than the model's context
+	// length there (max_model_len), which the engine refuses with 400.
+	FilteredContext
 )
 
 func (f FilterReason) String() string {
@@ -194,6 +210,8 @@ func (f FilterReason) String() string {
 		return "draining"
 	case FilteredKV:
 		return "kv"
+	case FilteredContext:
+		return "context"
 	}
 	return ""
 }

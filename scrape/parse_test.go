@@ -226,13 +226,19 @@ func TestParseModels(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []ModelInfo{{ID: "base", Root: "base"}, {ID: "sql-lora", Parent: "base", Root: "/adapters/sql"}}
-	if !slices.EqualFunc(models, want, func(a, b ModelInfo) bool { return a.ID == b.ID && a.Parent == b.Parent && a.Root == b.Root }) {
+	want := []ModelInfo{{ID: "base", Root: "base", MaxModelLen: 8192}, {ID: "sql-lora", Parent: "base", Root: "/adapters/sql"}}
+	if !slices.EqualFunc(models, want, func(a, b ModelInfo) bool {
+		return a.ID == b.ID && a.Parent == b.Parent && a.Root == b.Root && a.MaxModelLen == b.MaxModelLen
+	}) {
 		t.Fatalf("models %+v", models)
 	}
 	// The entry as the engine sent it, for the gateway's own list.
 	if !strings.Contains(string(models[0].Card), `"max_model_len":8192`) || !strings.HasPrefix(string(models[1].Card), `{"id":"sql-lora"`) {
 		t.Fatalf("cards %s, %s", models[0].Card, models[1].Card)
+	}
+	// An adapter is listed without a context length: its base model's.
+	if got := ContextTokens(models, "sql-lora"); got != 8192 {
+		t.Fatalf("the adapter's context: %d", got)
 	}
 	if _, err := parseModels(strings.NewReader("not json")); err == nil {
 		t.Fatal("bad json parsed")

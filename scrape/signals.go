@@ -16,6 +16,10 @@ type ModelInfo struct {
 	// Root is the model's origin: the base model's name or the adapter's
 	// path.
 	Root string `json:"root,omitempty"`
+	// MaxModelLen is the model's context length on this engine, in
+	// tokens (vLLM's max_model_len: prompt and output together); 0 when
+	// not listed (vLLM lists none for an adapter: its base model's holds).
+	MaxModelLen int `json:"max_model_len,omitempty"`
 	// Card is the entry as the engine sent it (its max_model_len,
 	// owned_by and the rest), for a gateway's list of the whole fleet;
 	// every list the scraper fetched has it.
@@ -145,6 +149,28 @@ func (s Signals) FreeKVTokens() int {
 // ModelIDs returns the IDs of the served models, nil when unknown
 // (scorer.Candidate.Models).
 func (s Signals) ModelIDs() []string { return ModelIDs(s.Models) }
+
+// ContextTokens is the context length (MaxModelLen) of the model named
+// id among models, or of its base model when it is an adapter listed
+// without one; 0 when unknown.
+func ContextTokens(models []ModelInfo, id string) int {
+	for i := range models {
+		if models[i].ID != id {
+			continue
+		}
+		if n := models[i].MaxModelLen; n > 0 || models[i].Parent == "" {
+			return n
+		}
+		parent := models[i].Parent
+		for j := range models {
+			if models[j].ID == parent {
+				return models[j].MaxModelLen
+			}
+		}
+		return 0
+	}
+	return 0
+}
 
 // ModelIDs returns the IDs of models, nil for nil.
 func ModelIDs(models []ModelInfo) []string {
