@@ -421,6 +421,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		// Dynamic upstreams are added as requests see them.
 		p.scraper.SetTargets(p.named)
+		p.sh.inheritScrapes(p.scraper)
 		if running != nil {
 			// A reload: scrape now, so that the config has the engines'
 			// state when it takes over. The process's first config starts

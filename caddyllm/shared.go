@@ -307,6 +307,14 @@ func (sh *shared) addScraper(s *scrape.Scraper) {
 	sh.scrapers[s] = true
 }
 
+// inheritScrapes gives a new config's scraper what the loaded configs'
+// scrapers saw of its upstreams (see scrape.Scraper.Inherit).
+func (sh *shared) inheritScrapes(s *scrape.Scraper) {
+	for _, from := range sh.liveScrapers() {
+		s.Inherit(from)
+	}
+}
+
 func (sh *shared) removeScraper(s *scrape.Scraper) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()

@@ -39,13 +39,15 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
-			} else if sig.Models != nil && now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge() {
+			} else if sig.Models != nil && (now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge() || p.scraper.Down(u.Dial)) {
 				// Stale metrics; the model list, fetched on its own
-				// schedule, still says what the engine serves.
+				// schedule, still says what the engine serves. So does a
+				// down engine's last list, however old: a model it never
+				// listed is not one it serves (404), and one it listed is
+				// one it does not run now (503).
 				m.Models = sig.Models
 			}
-			// Down counts only for a member whose models are unknown.
-			m.Down = (m.Engine == nil || m.Engine.Models == nil) && m.Models == nil && p.scraper.Down(u.Dial)
+			m.Down = m.Engine == nil && p.scraper.Down(u.Dial)
 		}
 		dst = append(dst, m)
 	}

@@ -397,17 +397,7 @@ func TestHealthDrainSurvivesReload(t *testing.T) {
 	a := fleet[0]
 	a.sim.SetFaults(kvsim.Faults{Unhealthy: true})
 	eventually(t, 5*time.Second, "A drained by health", func() bool { return drainPhase(t, a.dial()) != "active" })
-	reload := func(config string) {
-		t.Helper()
-		req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(config))
-		req.Header.Set("Content-Type", "text/caddyfile")
-		resp, err := tester.Client.Do(req)
-		if err != nil || resp.StatusCode != 200 {
-			t.Fatalf("reload: %v %v", err, resp)
-		}
-		resp.Body.Close()
-	}
-	reload(caddyfile(fleet, "", "drain_deadline 6s", health("1h")))
+	reload(t, tester, caddyfile(fleet, "", "drain_deadline 6s", health("1h")))
 	// The new config's health poll has run once it shows A healthy, as
 	// Caddy's new checks have it.
 	eventually(t, 5*time.Second, "A shown healthy by the new config", func() bool {
@@ -423,7 +413,7 @@ func TestHealthDrainSurvivesReload(t *testing.T) {
 		}
 	}
 	a.sim.SetFaults(kvsim.Faults{})
-	reload(caddyfile(fleet, "", "drain_deadline 6s", health("100ms")))
+	reload(t, tester, caddyfile(fleet, "", "drain_deadline 6s", health("100ms")))
 	eventually(t, 15*time.Second, "A undrained once the checks find it healthy", func() bool { return drainPhase(t, a.dial()) == "active" })
 }
 
@@ -434,13 +424,7 @@ func TestDrainSurvivesReload(t *testing.T) {
 	tester := startCaddy(t, caddyfile(fleet, "", "", ""))
 	a := fleet[0]
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain")
-	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", "queue_timeout 2s", "")))
-	req.Header.Set("Content-Type", "text/caddyfile")
-	resp, err := tester.Client.Do(req)
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("reload: %v %v", err, resp)
-	}
-	resp.Body.Close()
+	reload(t, tester, caddyfile(fleet, "", "queue_timeout 2s", ""))
 	if p := drainPhase(t, a.dial()); p == "active" {
 		t.Fatal("drain lost in reload")
 	}
@@ -488,13 +472,7 @@ func TestConfigDrainList(t *testing.T) {
 			t.Fatalf("request %d went to %q while A is drained by config", i, c.replica)
 		}
 	}
-	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(caddyfile(fleet, "", "", "")))
-	req.Header.Set("Content-Type", "text/caddyfile")
-	resp, err := tester.Client.Do(req)
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("reload: %v %v", err, resp)
-	}
-	resp.Body.Close()
+	reload(t, tester, caddyfile(fleet, "", "", ""))
 	if p := drainPhase(t, a.dial()); p != "active" {
 		t.Fatalf("A is %s after the config stopped listing it", p)
 	}

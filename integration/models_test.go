@@ -215,3 +215,42 @@ func TestContextLengthPerReplica(t *testing.T) {
 		t.Fatalf("models list %s (%v)", body, err)
 	}
 }
+
+// TestDownReplicaKeepsItsModels: a replica whose engine stopped keeps the
+// model list it last gave, also across a reload: a model no replica ever
+// listed gets the router's 404 (it got a 503 saying the model might be
+// on the engine that is down).
+func TestDownReplicaKeepsItsModels(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	config := func(deadline string) string {
+		return caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms\n\t\t\tdrain_deadline "+deadline, "")
+	}
+	tester := startCaddy(t, config("30s"))
+	down := fleet[1]
+	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
+		ups := upstreams(t)
+		for _, r := range fleet {
+			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	down.http.CloseClientConnections()
+	down.http.Close()
+	// Its list is older than three models intervals: it used to lapse.
+	eventually(t, 10*time.Second, "the stopped replica's list is old", func() bool {
+		e := upstream(t, down.dial()).Engine
+		return e != nil && strings.Contains(e.LastError, "refused") && e.AgeSeconds > 1
+	})
+	unknown := func(when string) {
+		t.Helper()
+		c := post(t, "/v1/completions", map[string]any{"model": "no-such-model", "prompt": "hi", "max_tokens": 2})
+		if c.status != 404 || !strings.Contains(c.body, `"code":"model_not_found"`) || c.header.Get("Retry-After") != "" {
+			t.Fatalf("%s: %d %s (%s)", when, c.status, c.body, c.explain)
+		}
+	}
+	unknown("with a replica down")
+	reload(t, tester, config("20s"))
+	unknown("after a reload")
+}

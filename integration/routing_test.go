@@ -57,13 +57,7 @@ func TestConversationStaysWarm(t *testing.T) {
 
 	// Reload with a changed config through the admin API.
 	cfg := caddyfile(fleet, "", "queue_timeout 3s", "")
-	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(cfg))
-	req.Header.Set("Content-Type", "text/caddyfile")
-	resp, err := tester.Client.Do(req)
-	if err != nil || resp.StatusCode != 200 {
-		t.Fatalf("reload: %v %v", err, resp)
-	}
-	resp.Body.Close()
+	reload(t, tester, cfg)
 
 	convo = append(convo, msg{"assistant", "Details follow."}, msg{"user", "And the risks?"})
 	third := post(t, "/v1/chat/completions", chat(convo, 16))

@@ -38,12 +38,14 @@ http://127.0.0.1:%[5]d {
 }
 
 // reload loads a Caddyfile through the admin API and fails the test
-// unless Caddy takes it.
+// unless Caddy takes it. The replaced server closes the connections it
+// kept, so the test's client drops its idle ones: a POST on one fails.
 func reload(t *testing.T, tester *caddytest.Tester, config string) {
 	t.Helper()
 	if status, body := load(t, tester, "text/caddyfile", config); status != 200 {
 		t.Fatalf("reload: %d %s", status, body)
 	}
+	http.DefaultClient.CloseIdleConnections()
 }
 
 // load posts config (of the content type, a Caddyfile or JSON) to the

@@ -80,8 +80,8 @@ type Member struct {
 	// stale: then only the router's own accounting counts.
 	Engine *scrape.Signals
 	// Down says its engine's last scrape found nothing listening: it
-	// cannot be counted on to serve a model it never listed (it matters
-	// only while its models are unknown).
+	// does not run now a model it listed, nor can it be counted on to
+	// serve one while its models are unknown.
 	Down bool
 	// Models are the models its engine last listed (/v1/models), however
 	// old, for a member whose Engine is stale; nil when never listed. A
@@ -149,7 +149,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 			c := &cands[i]
 			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
 			listed = listed || byModel
-			unlistedDown = unlistedDown && (byModel || c.Models == nil && members[i].Down)
+			unlistedDown = unlistedDown && (byModel || members[i].Down)
 			d.Unservable = d.Unservable && byModel
 			if !byModel {
 				servers++

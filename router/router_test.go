@@ -360,6 +360,16 @@ func TestUnservableModel(t *testing.T) {
 		}
 		f.Release(d.Charge, t0)
 	}
+	// Down with its last list: a model it never listed is unservable,
+	// one it listed is not running (nothing else serves it).
+	ms[1].Down = true
+	if d := f.Decide(t0, Request{Model: "gpt-4", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("a model no list has, b down: %+v", d)
+	}
+	ms[1].Available = false // tried already, or Caddy's verdict
+	if d := f.Decide(t0, Request{Model: "tenant-a", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable || !d.NotRunning {
+		t.Fatalf("an adapter only b, down, listed: %+v", d)
+	}
 }
 
 // TestTooLong: a prompt larger than every member's KV capacity can never

@@ -266,3 +266,40 @@ func (s *Scraper) Statuses() []Status {
 	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Dial, b.Dial) })
 	return out
 }
+
+// Inherit gives each of s's targets what from last saw of the same dial:
+// its latest signals, its model list, whether nothing listened there,
+// and what tells an engine's restart (its last counters, a refusal not
+// yet followed by an answer). A reloaded config's scraper so starts where
+// the replaced one left off: it routes with the engines' state at once,
+// keeps the model list of an engine that is down, and sees an engine that
+// restarted across the reload. Call it before Start.
+func (s *Scraper) Inherit(from *Scraper) {
+	for _, t := range s.targetList() {
+		ft := from.target(t.dial)
+		if ft == nil || ft == t {
+			continue
+		}
+		ft.mu.Lock()
+		models, modelsAt := ft.models, ft.modelsAt
+		unreachable, prevSlow, lastRestart := ft.unreachable, ft.prevSlow, ft.lastRestart
+		ft.mu.Unlock()
+		latest := ft.latest.Load()
+
+		t.mu.Lock()
+		if t.latest.Load() == nil && t.status.Scrapes+t.status.Errors == 0 { // nothing of its own yet
+			if latest != nil {
+				sig := *latest
+				sig.Seq = 0 // this scraper's count of its own scrapes
+				t.latest.Store(&sig)
+			}
+			t.down.Store(ft.down.Load())
+			t.unreachable, t.prevSlow, t.lastRestart = unreachable, prevSlow, lastRestart
+		}
+		if models != nil && modelsAt.After(t.modelsAt) {
+			t.models, t.modelsAt = models, modelsAt
+			t.publishModelsLocked()
+		}
+		t.mu.Unlock()
+	}
+}
