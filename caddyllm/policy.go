@@ -617,6 +617,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
 				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
+		case d.ModelRequired:
+			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest, param: "model",
+				message: "you must provide a model parameter: the upstreams serve more than one model", reason: "model_required", refused: true})
 		case d.TooLong:
 			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: "context_length_exceeded", param: st.req.promptParam(),
 				message: st.req.tooLongMessage(d.PromptTokens), reason: "context_length", refused: true})
@@ -875,7 +878,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	d := p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
-		if !d.Unservable && !d.TooLong && !d.NotRunning && now.Before(deadline) {
+		if !d.Unservable && !d.TooLong && !d.NotRunning && !d.ModelRequired && now.Before(deadline) {
 			st.hold = p.sh.fleet.Hold(st.hold, &d, rreq, deadline, scratch.members, &p.opts)
 		}
 		return nil, d

@@ -254,3 +254,34 @@ func TestDownReplicaKeepsItsModels(t *testing.T) {
 	reload(t, tester, config("20s"))
 	unknown("after a reload")
 }
+
+// TestModelRequiredInAMixedPool: replicas serving different models: a
+// request that names none gets 400 from the router (an engine would serve
+// its own, so the model would depend on the replica); one that names a
+// model goes to the replica serving it.
+func TestModelRequiredInAMixedPool(t *testing.T) {
+	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, nil)
+	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: "Qwen/Qwen2.5-7B-Instruct"}, nil)
+	fleet := []*replica{llama, qwen}
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
+		ups := upstreams(t)
+		for _, r := range fleet {
+			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for _, body := range []string{`{"prompt":"hi","max_tokens":2}`, `{"model":"","prompt":"hi","max_tokens":2}`} {
+		c := postRaw(t, "/v1/completions", []byte(body))
+		if c.status != 400 || !strings.Contains(c.body, `"param":"model"`) || !strings.Contains(c.body, "must provide a model") {
+			t.Fatalf("%s: %d %s", body, c.status, c.body)
+		}
+	}
+	for range 4 {
+		if c := post(t, "/v1/completions", map[string]any{"model": "Qwen/Qwen2.5-7B-Instruct", "prompt": "hi", "max_tokens": 2}); c.status != 200 || c.replica != qwen.name {
+			t.Fatalf("qwen: %d from %q", c.status, c.replica)
+		}
+	}
+}

@@ -118,6 +118,11 @@ type Decision struct {
 	// wait of a few seconds is not likely to help either, but the model
 	// may exist (an engine still starting).
 	Unservable, NotRunning bool
+	// ModelRequired says the request names no model while the members
+	// serve more than one base model (by their lists): an engine serves
+	// its own when none is named, so which model answers would depend on
+	// the replica. The OpenAI API requires the model.
+	ModelRequired bool
 	// TooLong, when nothing was chosen, says the request surely needs
 	// more KV than every member serving its model has, or more than the
 	// model's context length there (each one's capacity or context length
@@ -132,6 +137,9 @@ type Decision struct {
 // upstream's prefix index. rng breaks ties; explain, when non-nil, is
 // filled in.
 func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) Decision {
+	if req.Model == "" && severalBaseModels(members) {
+		return Decision{Decision: scorer.Decision{Chosen: -1, Reason: scorer.Shed}, ModelRequired: true}
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
@@ -258,6 +266,28 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		}
 	}
 	return sreq, cands, states
+}
+
+// severalBaseModels says members' model lists name more than one base
+// model.
+func severalBaseModels(members []Member) bool {
+	first := ""
+	for i := range members {
+		models := members[i].Models
+		if e := members[i].Engine; e != nil && e.Models != nil {
+			models = e.Models
+		}
+		for _, m := range models {
+			switch {
+			case m.Parent != "":
+			case first == "":
+				first = m.ID
+			case m.ID != first:
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // contextTokens is model's context length on m, as its engine last

@@ -372,6 +372,29 @@ func TestUnservableModel(t *testing.T) {
 	}
 }
 
+// TestModelRequired: a request naming no model goes anywhere while the
+// members serve one base model (adapters aside), and is refused when they
+// serve several.
+func TestModelRequired(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a", "b")
+	ms[0].Models = []scrape.ModelInfo{{ID: "llama"}}
+	ms[1].Models = []scrape.ModelInfo{{ID: "llama"}, {ID: "tenant-a", Parent: "llama"}}
+	d := f.Decide(t0, Request{PromptTokens: 10}, ms, &opts, rng(), nil)
+	if d.Charge == nil || d.ModelRequired {
+		t.Fatalf("one base model: %+v", d)
+	}
+	f.Release(d.Charge, t0)
+	ms[1].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "qwen"}}}
+	if d := f.Decide(t0, Request{PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || !d.ModelRequired {
+		t.Fatalf("two base models: %+v", d)
+	}
+	if d := f.Decide(t0, Request{Model: "qwen", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge == nil || d.Chosen != 1 {
+		t.Fatalf("a named model: %+v", d)
+	}
+}
+
 // TestTooLong: a prompt larger than every member's KV capacity can never
 // run; one that fits an empty member only waits.
 func TestTooLong(t *testing.T) {
