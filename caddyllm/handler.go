@@ -199,7 +199,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/v1/models") {
 			return serveModels(w, r, next)
 		}
-		return servePassThrough(w, r, next)
+		return h.servePassThrough(w, r, next)
 	}
 	if encodedBody(r.Header) {
 		// Engines such as vLLM read request bodies uncompressed, and the
@@ -280,20 +280,43 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return err
 }
 
-// servePassThrough proxies a request the router does not read
-// (embeddings, tokenization, a stored response, ...). The policy registers
-// each of its attempts with the drain registry, as it does a routed one's
-// (see Policy.enterPassThrough), so a drain waits for it; the drain's
-// deadline cancels it. Its body was not kept, so it cannot be sent again
-// from here: one cut before its response began is answered 503 with
-// Retry-After, which a client may retry at once, on another upstream.
-func servePassThrough(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+// servePassThrough proxies a request the router does not route by its
+// prompt (embeddings, tokenization, scoring, a stored response, ...). A
+// JSON POST body up to maxModelPeekBytes is read for its model, so that
+// the policy sends it to an upstream serving that model, or answers 404
+// for one no upstream lists (see Policy.chooseFallback). The policy
+// registers each of its attempts with the drain registry, as it does a
+// routed one's (see Policy.enterPassThrough), so a drain waits for it;
+// the drain's deadline cancels it. It is not sent again from here: one
+// cut before its response began is answered 503 with Retry-After, which a
+// client may retry at once, on another upstream.
+func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	ctx, cancel := context.WithCancelCause(r.Context())
 	pt := &passThrough{cancel: cancel}
 	pt.writer.ResponseWriter, pt.writer.pt = w, pt
 	defer pt.end()
 	defer cancel(nil)
-	err := next.ServeHTTP(&pt.writer, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)))
+	if r.Method == http.MethodPost && r.Body != nil && r.ContentLength > 0 &&
+		r.ContentLength <= min(maxModelPeekBytes, h.MaxBodyBytes) && isJSON(r.Header) {
+		body, err := readDeclared(r.Body, r.ContentLength)
+		if err != nil {
+			closeUnread(w, r)
+			writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+			return nil
+		}
+		r.Body.Close()
+		pt.model = modelOfBody(body)
+		r.Body = io.NopCloser(bytes.NewReader(body))
+	}
+	err, aborted := serveRecovering(&pt.writer, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
+	if aborted {
+		panic(http.ErrAbortHandler) // the proxy's, passed on
+	}
+	if pt.notFound && !pt.writer.started {
+		writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model",
+			fmt.Sprintf("The model `%s` does not exist.", pt.model))
+		return nil
+	}
 	if pt.wasCut() && !pt.writer.started && r.Context().Err() == nil {
 		w.Header().Set("Retry-After", "1")
 		writeAPIErrorCode(w, http.StatusServiceUnavailable, "service_unavailable", http.StatusServiceUnavailable, "",
@@ -334,6 +357,21 @@ func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
 	return w.ResponseWriterWrapper.ReadFrom(r)
 }
 
+// maxModelPeekBytes is the largest pass-through body read for its model;
+// a larger one is streamed to an upstream chosen without it.
+const maxModelPeekBytes = 1 << 20
+
+// isJSON says the request's Content-Type is JSON (or unset, as some
+// clients send it).
+func isJSON(h http.Header) bool {
+	ct := h.Get("Content-Type")
+	if ct == "" {
+		return true
+	}
+	mt, _, err := mime.ParseMediaType(ct)
+	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
+}
+
 // passThroughKey is the context key of a pass-through request's
 // *passThrough.
 type passThroughKey struct{}
@@ -344,8 +382,12 @@ type passThroughKey struct{}
 type passThrough struct {
 	writer passThroughWriter
 	cancel context.CancelCauseFunc
-	mu     sync.Mutex
-	flight drain.Flight
+	// model is the body's model, "" when not read; notFound says no
+	// upstream lists it (the policy chose none).
+	model    string
+	notFound bool
+	mu       sync.Mutex
+	flight   drain.Flight
 	// attempts counts the attempts routed; a cut is for one of them, and
 	// one for an attempt the proxy has left does nothing.
 	attempts int

@@ -1114,6 +1114,19 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// A drain closes an upstream to these requests too (the stored
 	// response's above aside: only its home has it).
 	pool = p.undrained(pool)
+	// A request for a model (an embedding, a tokenization, a score) goes
+	// where the model is served: to an upstream listing it, or whose list
+	// is unknown. When every list is known and none has it, it is not
+	// served here.
+	if pt, ok := r.Context().Value(passThroughKey{}).(*passThrough); ok && pt.model != "" && p.scraper != nil {
+		serving, known := p.servingModel(pool, pt.model)
+		if len(serving) == 0 && known {
+			pt.notFound = true
+			p.sh.metrics.refused.WithLabelValues("model_not_found").Inc()
+			return p.answered()
+		}
+		pool = serving
+	}
 	if p.fallback != nil {
 		return p.fallback.Select(pool, r, w)
 	}
@@ -1148,6 +1161,25 @@ func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.Upstrea
 		return pool
 	}
 	return slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return !p.sh.fleet.Routable(u.Dial) })
+}
+
+// servingModel is pool without the upstreams whose model lists (fresh, or
+// however old for an engine that is down) lack model; known says some
+// upstream had such a list.
+func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (serving reverseproxy.UpstreamPool, known bool) {
+	now := time.Now()
+	for _, u := range pool {
+		sig, _ := p.scraper.Latest(u.Dial, now, 0)
+		if sig.Models == nil || now.Sub(sig.ModelsAt) > p.scraper.ModelsMaxAge() && !p.scraper.Down(u.Dial) {
+			serving = append(serving, u) // unknown: it may serve it
+			continue
+		}
+		known = true
+		if slices.ContainsFunc(sig.Models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
+			serving = append(serving, u)
+		}
+	}
+	return serving, known
 }
 
 // undrained is pool without its draining upstreams: pool itself when none

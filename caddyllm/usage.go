@@ -268,6 +268,30 @@ func scanResponseID(body []byte) (string, bool) {
 	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0)), true
 }
 
+// modelKeys is the member modelOfBody reads.
+var modelKeys = [...]string{"model"}
+
+// modelOfBody reads the top-level model of a request body, "" when it has
+// none or the body is not an object the scanner reads whole (malformed,
+// nested too deep, a key given twice): the engine then answers for it.
+func modelOfBody(body []byte) string {
+	var depth [chunkDepth/64 + 1]uint64
+	s := scanner{buf: body, inObject: depth[:]}
+	var model span
+	ok := s.fields(modelKeys[:], func(i int) bool {
+		if i == 0 {
+			return s.optString(&model)
+		}
+		_, _, ok := s.skip()
+		return ok
+	}) && s.end()
+	if !ok || model.end <= model.start {
+		return ""
+	}
+	raw := body[model.start:model.end]
+	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0))
+}
+
 // readChunk reads a streamed chunk's data. It reports false when the
 // chunk is for encoding/json to read.
 func readChunk(data []byte, f *chunkFields) bool {

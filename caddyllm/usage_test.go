@@ -246,3 +246,47 @@ func BenchmarkResponseUsage(b *testing.B) {
 		}
 	})
 }
+
+// modelBodies are request bodies for modelOfBody, with the model it reads.
+var modelBodies = []struct{ body, model string }{
+	{`{"model":"embed-B","input":"hello"}`, "embed-B"},
+	{` {"input":["a","b"], "model" : "org\/m\u00e9"} `, "org/mé"},
+	{`{"input":"hello"}`, ""},
+	{`{"model":null,"input":"x"}`, ""},
+	{`{"model":7}`, ""},
+	{`{"model":"a","model":"b"}`, ""}, // twice: for the engine to read
+	{`{"Model":"a"}`, ""},
+	{`{"model":"a"`, ""},
+	{`{"model":"a"} trailing`, ""},
+	{`["model","a"]`, ""},
+	{`{"input":` + strings.Repeat("[", 200) + strings.Repeat("]", 200) + `,"model":"deep"}`, ""},
+	{`{"input":[[1,2]],"extra":{"model":"inner"},"model":"outer"}`, "outer"},
+}
+
+// TestModelOfBody: the model of a pass-through request, read without
+// decoding the body.
+func TestModelOfBody(t *testing.T) {
+	for _, tc := range modelBodies {
+		if got := modelOfBody([]byte(tc.body)); got != tc.model {
+			t.Errorf("%.60s: %q, want %q", tc.body, got, tc.model)
+		}
+	}
+}
+
+// FuzzModelOfBody: a model read from a body is the one encoding/json
+// decodes from it.
+func FuzzModelOfBody(f *testing.F) {
+	for _, tc := range modelBodies {
+		f.Add([]byte(tc.body))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		model := modelOfBody(body)
+		if model == "" {
+			return
+		}
+		var v struct{ Model *string }
+		if err := json.Unmarshal(body, &v); err != nil || v.Model == nil || *v.Model != model {
+			t.Fatalf("%q: read %q, encoding/json %v %v", body, model, v.Model, err)
+		}
+	})
+}

@@ -285,3 +285,59 @@ func TestModelRequiredInAMixedPool(t *testing.T) {
 		}
 	}
 }
+
+// TestPassThroughGoesWhereTheModelIs: requests the router does not route
+// by their prompt but that name a model (here embeddings, which kvsim
+// does not serve: a stub answers them, as vLLM does, only for its own
+// model) go to an upstream serving that model; a model no upstream lists
+// gets the router's 404.
+func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
+	embeddings := func(model string) func(string, http.Handler) http.Handler {
+		return func(name string, sim http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != "/v1/embeddings" {
+					sim.ServeHTTP(w, r)
+					return
+				}
+				var body struct{ Model string }
+				if json.NewDecoder(r.Body).Decode(&body) != nil || body.Model != model && body.Model != "" {
+					w.WriteHeader(http.StatusNotFound)
+					fmt.Fprintf(w, `{"error":{"message":"The model %q does not exist.","type":"NotFoundError","param":null,"code":404}}`, body.Model)
+					return
+				}
+				w.Header().Set(kvsim.ReplicaHeader, name)
+				fmt.Fprint(w, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}]}`)
+			})
+		}
+	}
+	const qwenModel = "Qwen/Qwen2.5-7B-Instruct"
+	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, embeddings(kvsim.DefaultModel))
+	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: qwenModel}, embeddings(qwenModel))
+	fleet := []*replica{llama, qwen}
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
+		ups := upstreams(t)
+		for _, r := range fleet {
+			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	for i := range 8 {
+		for _, want := range fleet {
+			model := kvsim.DefaultModel
+			if want == qwen {
+				model = qwenModel
+			}
+			c := postRaw(t, "/v1/embeddings", []byte(`{"model":"`+model+`","input":"hello `+fmt.Sprint(i)+`"}`))
+			if c.status != 200 || c.replica != want.name {
+				t.Fatalf("%s: %d from %q: %s", model, c.status, c.replica, c.body)
+			}
+		}
+	}
+	c := postRaw(t, "/v1/embeddings", []byte(`{"model":"no-such-model","input":"hello"}`))
+	if c.status != 404 || !strings.Contains(c.body, `"code":"model_not_found"`) || !strings.Contains(c.body, "no-such-model") {
+		t.Fatalf("an unknown model: %d %s", c.status, c.body)
+	}
+}
