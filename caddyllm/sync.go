@@ -191,7 +191,7 @@ func (sh *shared) closedSyncer(s *fleetsync.Syncer) {
 
 // syncTotals are the sync connections' counters, summed.
 type syncTotals struct {
-	sent, applied, dropped, disconnects, renewals, snapshotsIn, snapshotsOut float64
+	sent, applied, dropped, disconnects, renewals, missed, snapshotsIn, snapshotsOut float64
 }
 
 func (t *syncTotals) add(st fleetsync.Stats) {
@@ -200,6 +200,7 @@ func (t *syncTotals) add(st fleetsync.Stats) {
 	t.dropped += float64(st.Dropped)
 	t.disconnects += float64(st.Disconnects)
 	t.renewals += float64(st.Renewals)
+	t.missed += float64(st.Missed)
 	t.snapshotsOut += float64(st.SnapshotsSent)
 	if st.SnapshotFrom != "" {
 		t.snapshotsIn++
@@ -303,7 +304,7 @@ func handleSync(w http.ResponseWriter, r *http.Request) error {
 // syncCollector exports the connections' counters, summed, at scrape time.
 type syncCollector struct {
 	sh                                                              *shared
-	events, connected, peers, disconnects, renewals, snapshots, age *prometheus.Desc
+	events, connected, peers, disconnects, renewals, missed, snapshots, age *prometheus.Desc
 }
 
 func newSyncCollector(sh *shared) *syncCollector {
@@ -319,6 +320,8 @@ func newSyncCollector(sh *shared) *syncCollector {
 			"NATS connection losses.", nil, nil),
 		renewals: prometheus.NewDesc("caddy_llm_affinity_sync_renewals_total",
 			"New identities taken after events to the peers were lost, each restating the charges in flight.", nil, nil),
+		missed: prometheus.NewDesc("caddy_llm_affinity_sync_missed_total",
+			"Times peers' batches were lost on the way while connected (a gap in their numbering: a route between NATS servers broke; or the NATS client dropped them, this router reading too slowly), each followed by a renewal.", nil, nil),
 		snapshots: prometheus.NewDesc("caddy_llm_affinity_sync_snapshots_total",
 			"Snapshots of the view (prefix index, stored responses' homes, drains): received, by the connections that started with one; sent, to routers that started.", []string{"direction"}, nil),
 		age: prometheus.NewDesc("caddy_llm_affinity_sync_last_event_age_seconds",
@@ -328,7 +331,7 @@ func newSyncCollector(sh *shared) *syncCollector {
 
 // Describe implements prometheus.Collector.
 func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.renewals, c.snapshots, c.age} {
+	for _, d := range []*prometheus.Desc{c.events, c.connected, c.peers, c.disconnects, c.renewals, c.missed, c.snapshots, c.age} {
 		ch <- d
 	}
 }
@@ -365,6 +368,7 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.peers, prometheus.GaugeValue, float64(len(sh.fleet.Peers())))
 	ch <- prometheus.MustNewConstMetric(c.disconnects, prometheus.CounterValue, totals.disconnects)
 	ch <- prometheus.MustNewConstMetric(c.renewals, prometheus.CounterValue, totals.renewals)
+	ch <- prometheus.MustNewConstMetric(c.missed, prometheus.CounterValue, totals.missed)
 	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, totals.snapshotsIn, "received")
 	ch <- prometheus.MustNewConstMetric(c.snapshots, prometheus.CounterValue, totals.snapshotsOut, "sent")
 	if !last.IsZero() {

@@ -101,6 +101,11 @@ type Config struct {
 	// QueueLength bounds the messages waiting to be published; a full
 	// queue drops (and counts) new ones. Default DefaultQueueLength.
 	QueueLength int
+	// PendingBytes bounds the peers' batches received and not yet
+	// applied; past it the NATS client drops them, and the router renews
+	// to have its peers restate (see Stats.Missed). Default: nats.go's,
+	// 64 MiB.
+	PendingBytes int
 	// ConnectTimeout bounds one connection attempt to one server. Default:
 	// nats.go's, 2 seconds.
 	ConnectTimeout time.Duration
@@ -170,9 +175,13 @@ type Stats struct {
 	Disconnects uint64 `json:"disconnects"`
 	// Renewals counts the new identities taken after lost messages;
 	// Stale, peers' batches under a name they had replaced, delivered
-	// late and ignored.
+	// late and ignored; Missed, the times peers' batches were lost on the
+	// way while the connection stayed up (a gap in a peer's numbering: a
+	// route between NATS servers broke; or the client dropped them, this
+	// router reading too slowly), each followed by a renewal.
 	Renewals uint64 `json:"renewals"`
 	Stale    uint64 `json:"batches_stale"`
+	Missed   uint64 `json:"batches_missed"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
 	// SnapshotFrom names the peer whose snapshot this router started
@@ -206,7 +215,7 @@ type Syncer struct {
 	done chan struct{}
 	once sync.Once
 
-	sent, applied, dropped, malformed, disconnects, renewals, stale atomic.Uint64
+	sent, applied, dropped, malformed, disconnects, renewals, stale, missed atomic.Uint64
 	lastReceived                                                    atomic.Int64
 	snapshotFrom                                                    atomic.Pointer[string]
 	snapshotMessages, snapshotsSent                                 atomic.Uint64
@@ -216,6 +225,11 @@ type Syncer struct {
 	// restate says the charges in flight are to be restated under the
 	// current one (a new connection).
 	lost, restate atomic.Bool
+	// restateOps says this router's operators' latest drains and undrains
+	// are to be restated too: a peer renewed (it missed batches), or was
+	// heard again after a silence. (A peer heard for the first time has
+	// them from its snapshot.)
+	restateOps atomic.Bool
 	// lostOps are the operators' drains and undrains that could not be
 	// sent, the latest per upstream, sent once connected. opSeq numbers
 	// operators' messages, and keptSeq is the number of the latest one
@@ -224,6 +238,11 @@ type Syncer struct {
 	lostOps map[string]Message
 	opSeq   uint64
 	keptSeq map[string]uint64
+	// ownOps are this router's operators' latest drain or undrain per
+	// upstream that no peer's later one replaced: restated with the
+	// charges, since a peer may have missed it without either side
+	// losing its connection.
+	ownOps map[string]Message
 	// senders is each peer router's latest name (by the Instance and
 	// name of its batches), written by the receiving goroutine.
 	sendersMu   sync.Mutex
@@ -288,7 +307,19 @@ type senderKey struct {
 type senderName struct {
 	epoch uint64
 	heard time.Time
+	// seq is the number of its last batch under epoch (see seqHeader), 0
+	// when unnumbered (a router of a version before).
+	seq uint64
 }
+
+// seqHeader numbers the batches one connection publishes, heartbeats
+// included, 1, 2, 3...: a receiver that sees a number skipped lost
+// batches while both stayed connected (a route between NATS servers that
+// broke and healed, or a subscription the client dropped messages of),
+// which no disconnection tells either side. A header, which routers of
+// the versions before ignore, where a field in the batch would make them
+// reject it.
+const seqHeader = "Llm-Affinity-Seq"
 
 // Name is this router's name as its peers see it.
 func (s *Syncer) Name() string { return *s.self.Load() }
@@ -365,6 +396,12 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		}),
 		nats.ClosedHandler(func(*nats.Conn) { s.connected.Store(false) }),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			if errors.Is(err, nats.ErrSlowConsumer) {
+				// The client dropped peers' batches this router did not
+				// read in time: their charges and releases are lost here.
+				s.missedBatches("this router read the peers' batches too slowly; the NATS client dropped some")
+				return
+			}
 			log.Warn("NATS error", zap.Error(err))
 		}),
 	}
@@ -446,10 +483,14 @@ func (s *Syncer) connect(opts []nats.Option) {
 	}
 	s.nc = nc
 	s.mu.Unlock()
-	if _, err := nc.Subscribe(s.cfg.Subject, s.receive); err != nil {
+	sub, err := nc.Subscribe(s.cfg.Subject, s.receive)
+	if err != nil {
 		log.Error("cannot subscribe to the sync subject; routing on this router's own view", zap.String("subject", s.cfg.Subject), zap.Error(err))
 		close(s.done) // Close closes nc
 		return
+	}
+	if s.cfg.PendingBytes > 0 {
+		sub.SetPendingLimits(nats.DefaultSubPendingMsgsLimit, s.cfg.PendingBytes)
 	}
 	// Events from now on are published; the ones before were dropped,
 	// as an outage's are: replayed late, they would charge peers with
@@ -677,6 +718,7 @@ func (s *Syncer) Publish(m Message) bool {
 		m.Event = &ev
 	}
 	s.numberOp(&m)
+	s.noteOwnOp(m)
 	if !s.live.Load() {
 		// Not connected yet (or closed): no peer has heard of a charge
 		// yet, but an operator's drain is sent once connected.
@@ -718,6 +760,50 @@ func (s *Syncer) numberOp(m *Message) {
 	defer s.opsMu.Unlock()
 	s.opSeq++
 	m.seq, m.made = s.opSeq, time.Now()
+}
+
+// noteOwnOp keeps m, when it is this router's operator's drain or
+// undrain, to restate (see ownOps).
+func (s *Syncer) noteOwnOp(m Message) {
+	dial := cmp.Or(m.Drain, m.Undrain)
+	if dial == "" {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	if s.ownOps == nil {
+		s.ownOps = make(map[string]Message)
+	}
+	if _, ok := s.ownOps[dial]; ok || len(s.ownOps) < maxLostOps {
+		s.ownOps[dial] = m
+	}
+}
+
+// peerOp forgets this router's own op of the upstream a peer's drain or
+// undrain m concerns: the later one stands.
+func (s *Syncer) peerOp(m *Message) {
+	dial := cmp.Or(m.Drain, m.Undrain)
+	if dial == "" {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	delete(s.ownOps, dial)
+}
+
+// ownOpsToRestate returns this router's operators' latest drains and
+// undrains, a drain with what is left of its deadline.
+func (s *Syncer) ownOpsToRestate() []Message {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	out := make([]Message, 0, len(s.ownOps))
+	for _, m := range s.ownOps {
+		if m.Drain != "" && !m.made.IsZero() {
+			m.Deadline = max(0, m.Deadline-time.Since(m.made))
+		}
+		out = append(out, m)
+	}
+	return out
 }
 
 // supersededOp reports whether m is an operator's message of an upstream
@@ -800,6 +886,9 @@ func (s *Syncer) run() {
 	// one replaces an earlier (they carry running totals).
 	progressAt := map[uint64]int{}
 	size, storedSize := 0, 0
+	// One message, its header reused: the client encodes it at once.
+	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
+	var seq uint64 // the last batch number sent (see seqHeader)
 	send := func(b *Batch) {
 		n := uint64(len(b.Messages))
 		select {
@@ -818,7 +907,9 @@ func (s *Syncer) run() {
 				break
 			}
 			buf = AppendBatch(buf[:0], b)
-			if err := s.nc.Publish(s.cfg.Subject, buf); err != nil {
+			msg.Data = buf
+			msg.Header.Set(seqHeader, strconv.FormatUint(seq+1, 10))
+			if err := s.nc.PublishMsg(msg); err != nil {
 				for _, m := range b.Messages {
 					s.drop(m)
 				}
@@ -831,6 +922,7 @@ func (s *Syncer) run() {
 					s.nc.ForceReconnect()
 				}
 			} else {
+				seq++
 				s.sent.Add(n)
 			}
 		}
@@ -879,8 +971,9 @@ func (s *Syncer) run() {
 		size += n
 	}
 	// renew, once connected after messages were lost, publishes under a
-	// new identity, first restating the live charges and the operators'
-	// drains that were not sent.
+	// new identity; whenever charges are to be restated, it restates them
+	// with this router's operators' latest drains and undrains, and sends
+	// the ones that were not sent.
 	renew := func() {
 		if !s.connected.Load() {
 			return
@@ -904,6 +997,11 @@ func (s *Syncer) run() {
 		}
 		if restate && s.cfg.Resync != nil {
 			for _, m := range s.cfg.Resync() {
+				add(m)
+			}
+		}
+		if s.restateOps.Swap(false) {
+			for _, m := range s.ownOpsToRestate() {
 				add(m)
 			}
 		}
@@ -944,6 +1042,27 @@ func (s *Syncer) run() {
 	}
 }
 
+// missedBatches notes that peers' batches were lost on their way here:
+// what this router counts of their charges may be wrong (releases lost),
+// and an operator's drain may be missing. It renews its identity, which
+// drops their charges here and makes every peer restate what it has in
+// flight, drains included.
+func (s *Syncer) missedBatches(why string) {
+	s.missed.Add(1)
+	s.lost.Store(true)
+	s.cut.Store(true)
+	s.cfg.Logger.Warn("peers' routing events were lost on the way; renewing to have them restated", zap.String("why", why))
+}
+
+// batchSeq is msg's batch number, 0 when it has none.
+func batchSeq(msg *nats.Msg) uint64 {
+	if msg.Header == nil {
+		return 0
+	}
+	n, _ := strconv.ParseUint(msg.Header.Get(seqHeader), 10, 64)
+	return n
+}
+
 // receive handles one peer batch.
 func (s *Syncer) receive(msg *nats.Msg) {
 	select {
@@ -961,9 +1080,13 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	peer := peerName(b.Sender, b.Epoch)
 	now := time.Now()
-	if !s.latestName(b, now) {
+	latest, gap := s.latestName(b, batchSeq(msg), now)
+	if !latest {
 		s.stale.Add(1)
 		return
+	}
+	if gap {
+		s.missedBatches("a gap in " + peer + "'s batch numbers")
 	}
 	s.lastReceived.Store(now.UnixNano())
 	if s.cfg.OnHeard != nil {
@@ -971,6 +1094,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	for _, m := range b.Messages {
 		s.noteLiveOp(&m)
+		s.peerOp(&m)
 		if s.cfg.OnMessage != nil {
 			s.cfg.OnMessage(peer, m)
 		}
@@ -979,11 +1103,12 @@ func (s *Syncer) receive(msg *nats.Msg) {
 }
 
 // latestName reports whether b comes under its sender's latest name, and
-// tells OnSuperseded of the name it replaces. Senders without an Instance
-// (the release before) are taken as they come.
-func (s *Syncer) latestName(b *Batch, now time.Time) bool {
+// tells OnSuperseded of the name it replaces; gap says batches of that
+// name numbered between its last and this one's seq never came. Senders
+// without an Instance (the release before) are taken as they come.
+func (s *Syncer) latestName(b *Batch, seq uint64, now time.Time) (current, gap bool) {
 	if b.Instance == 0 {
-		return true
+		return true, false
 	}
 	s.sendersMu.Lock()
 	defer s.sendersMu.Unlock()
@@ -1002,7 +1127,9 @@ func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 	latest, known := s.senders[key]
 	switch {
 	case known && b.Epoch < latest.epoch:
-		return false
+		return false, false
+	case known && b.Epoch == latest.epoch:
+		gap = seq != 0 && latest.seq != 0 && seq != latest.seq+1
 	case known && b.Epoch > latest.epoch:
 		if s.cfg.OnSuperseded != nil {
 			s.cfg.OnSuperseded(peerName(b.Sender, latest.epoch))
@@ -1010,14 +1137,19 @@ func (s *Syncer) latestName(b *Batch, now time.Time) bool {
 		// It renewed: it lost messages, and drops what it counted of
 		// this router's charges.
 		s.restate.Store(true)
-	case !known, now.Sub(latest.heard) > s.restateAfterSilence():
-		// A router that starts, or one that was cut off and may have
-		// dropped this router's charges as a silent peer's: it counts
-		// them again from the restatement (one it knows ignores it).
+		s.restateOps.Store(true)
+	case !known:
+		// A router that starts: it counts this router's charges from
+		// the restatement (one it knows ignores it).
 		s.restate.Store(true)
+	case now.Sub(latest.heard) > s.restateAfterSilence():
+		// One that was cut off, and may have dropped this router's
+		// charges as a silent peer's, and missed its operators' drains.
+		s.restate.Store(true)
+		s.restateOps.Store(true)
 	}
-	s.senders[key] = senderName{epoch: b.Epoch, heard: now}
-	return true
+	s.senders[key] = senderName{epoch: b.Epoch, heard: now, seq: seq}
+	return true, gap
 }
 
 // peersHeard returns the latest names of the peers this connection heard
@@ -1064,7 +1196,7 @@ func (s *Syncer) Stats() Stats {
 	st := Stats{
 		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(), Stale: s.stale.Load(),
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
-		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(),
+		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(), Missed: s.missed.Load(),
 	}
 	st.Connected = s.connected.Load()
 	if t := s.lastReceived.Load(); t != 0 {

@@ -1,0 +1,173 @@
+package fleetsync
+
+import (
+	"io"
+	"net"
+	"net/url"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+
+	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
+)
+
+// cuttableLink forwards TCP to target; cut closes its connections and
+// refuses new ones until heal.
+type cuttableLink struct {
+	ln      net.Listener
+	mu      sync.Mutex
+	conns   []net.Conn
+	refused bool
+}
+
+func newCuttableLink(t *testing.T, target string) *cuttableLink {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &cuttableLink{ln: ln}
+	t.Cleanup(func() { ln.Close(); l.cut() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			l.mu.Lock()
+			refused := l.refused
+			l.mu.Unlock()
+			s, err := net.Dial("tcp", target)
+			if refused || err != nil {
+				c.Close()
+				if s != nil {
+					s.Close()
+				}
+				continue
+			}
+			l.mu.Lock()
+			l.conns = append(l.conns, c, s)
+			l.mu.Unlock()
+			go func() { io.Copy(s, c); s.Close() }()
+			go func() { io.Copy(c, s); c.Close() }()
+		}
+	}()
+	return l
+}
+
+func (l *cuttableLink) cut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.refused = true
+	for _, c := range l.conns {
+		c.Close()
+	}
+	l.conns = nil
+}
+
+func (l *cuttableLink) heal() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.refused = false
+}
+
+// routedCluster runs two clustered NATS servers whose route goes through
+// a link the test can cut: their clients stay connected while it is cut.
+func routedCluster(t *testing.T) (s1, s2 *server.Server, link *cuttableLink) {
+	t.Helper()
+	cluster := func() server.ClusterOpts {
+		return server.ClusterOpts{Name: "c", Host: "127.0.0.1", Port: -1, NoAdvertise: true, PoolSize: -1}
+	}
+	s1 = natstest.StartWith(t, &server.Options{Port: -1, ServerName: "s1", Cluster: cluster()})
+	link = newCuttableLink(t, s1.ClusterAddr().String())
+	route, _ := url.Parse("nats-route://" + link.ln.Addr().String())
+	s2 = natstest.StartWith(t, &server.Options{Port: -1, ServerName: "s2", Routes: []*url.URL{route}, Cluster: cluster()})
+	waitFor(t, "the route up", func() bool { return s1.NumRoutes() > 0 && s2.NumRoutes() > 0 })
+	return s1, s2, link
+}
+
+// TestRouteBreakIsNoticed: two routers on two servers of one NATS cluster,
+// whose route breaks for a moment while both stay connected: what one
+// publishes meanwhile (a release, an operator's drain) is lost for the
+// other, and no disconnection tells either. The gap in its batch numbers
+// does: the receiver renews, drops the peer's charges and has them
+// restated, with the drain, so it counts what is in flight again.
+func TestRouteBreakIsNoticed(t *testing.T) {
+	s1, s2, link := routedCluster(t)
+	a := startPeerRouter(t, s1.ClientURL(), "a", "test.route", "x:1")
+	b := startPeerRouter(t, s2.ClientURL(), "b", "test.route", "x:1")
+	waitFor(t, "both connected", func() bool { return a.syncer.Stats().Connected && b.syncer.Stats().Connected })
+	released, kept := a.decide([]uint64{1}).Charge, a.decide([]uint64{2}).Charge
+	waitFor(t, "b counting a's two requests", func() bool { return inFlightOn(b.fleet, "x:1") == 2 })
+	// A router a has heard from before is one whose renewal makes a
+	// restate its operators' drains (a new one has them from a snapshot).
+	waitFor(t, "a hearing b", func() bool { return len(a.fleet.Peers()) == 1 })
+
+	link.cut()
+	waitFor(t, "the route down", func() bool { return s1.NumRoutes() == 0 && s2.NumRoutes() == 0 })
+	sent := a.syncer.Stats().Sent
+	a.fleet.Release(released, time.Now())
+	a.syncer.Publish(Message{Drain: "x:1", Deadline: time.Minute}) // an operator's drain through a
+	waitFor(t, "a publishing both", func() bool { return a.syncer.Stats().Sent >= sent+2 })
+	link.heal()
+
+	waitFor(t, "b counting only what a has in flight, and a's drain", func() bool {
+		_, drained := b.drained.Load("x:1")
+		return drained && inFlightOn(b.fleet, "x:1") == 1
+	})
+	if st := b.syncer.Stats(); st.Missed == 0 || st.Renewals == 0 || !st.Connected {
+		t.Fatalf("b: %+v", st)
+	}
+	a.fleet.Release(kept, time.Now())
+	waitFor(t, "b counting nothing in flight", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
+}
+
+// TestSlowReaderIsNoticed: a router that reads its peers' batches too
+// slowly has some dropped by the NATS client (past its pending limit)
+// while the connection stays up. The client says so; the router renews,
+// drops the peer's charges and has them restated, so a release among the
+// dropped batches does not leave a charge counted for an hour.
+func TestSlowReaderIsNoticed(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.slow", "x:1")
+	fb := router.New()
+	fb.Name("x:1", time.Now())
+	var gate sync.RWMutex
+	b := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.slow",
+		PendingBytes: 64 << 10,
+		OnHeard:      func(peer string) { fb.Heard(peer, time.Now()) },
+		OnRenewed: func(peers []string) {
+			for _, p := range peers {
+				fb.DropPeer(p, time.Now())
+			}
+		},
+		OnMessage: func(peer string, m Message) {
+			gate.RLock() // a slow apply
+			defer gate.RUnlock()
+			if m.Event != nil {
+				fb.Apply(peer, *m.Event, time.Now())
+			}
+		}})
+	waitFor(t, "both connected", func() bool { return a.syncer.Stats().Connected && b.Stats().Connected })
+	waitFor(t, "b hearing a", func() bool { return len(fb.Peers()) == 1 })
+	first := a.decide([]uint64{1}).Charge
+	waitFor(t, "b counting a's request", func() bool { return inFlightOn(fb, "x:1") == 1 })
+
+	gate.Lock() // b falls behind
+	hashes := make([]uint64, 2048) // 16 KB a message: a few fill b's 64 KB
+	for i := range 64 {
+		sent := a.syncer.Stats().Sent
+		a.syncer.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(1000 + i), Dial: "x:1", Hashes: hashes, BlockTokens: 16, Prefill: 1, KV: 1}})
+		a.syncer.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(1000 + i)}})
+		waitFor(t, "a publishing", func() bool { return a.syncer.Stats().Sent >= sent+2 })
+	}
+	a.fleet.Release(first, time.Now())
+	waitFor(t, "the client dropping b's batches", func() bool { return b.Stats().Missed > 0 })
+	gate.Unlock()
+	waitFor(t, "b renewing, then counting nothing of a's in flight", func() bool {
+		return b.Stats().Renewals > 0 && inFlightOn(fb, "x:1") == 0
+	})
+}
