@@ -303,7 +303,7 @@ func handleSync(w http.ResponseWriter, r *http.Request) error {
 
 // syncCollector exports the connections' counters, summed, at scrape time.
 type syncCollector struct {
-	sh                                                              *shared
+	sh                                                                      *shared
 	events, connected, peers, disconnects, renewals, missed, snapshots, age *prometheus.Desc
 }
 

@@ -156,7 +156,7 @@ func TestSlowReaderIsNoticed(t *testing.T) {
 	first := a.decide([]uint64{1}).Charge
 	waitFor(t, "b counting a's request", func() bool { return inFlightOn(fb, "x:1") == 1 })
 
-	gate.Lock() // b falls behind
+	gate.Lock()                    // b falls behind
 	hashes := make([]uint64, 2048) // 16 KB a message: a few fill b's 64 KB
 	for i := range 64 {
 		sent := a.syncer.Stats().Sent

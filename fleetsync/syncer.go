@@ -216,9 +216,9 @@ type Syncer struct {
 	once sync.Once
 
 	sent, applied, dropped, malformed, disconnects, renewals, stale, missed atomic.Uint64
-	lastReceived                                                    atomic.Int64
-	snapshotFrom                                                    atomic.Pointer[string]
-	snapshotMessages, snapshotsSent                                 atomic.Uint64
+	lastReceived                                                            atomic.Int64
+	snapshotFrom                                                            atomic.Pointer[string]
+	snapshotMessages, snapshotsSent                                         atomic.Uint64
 	// lost says a charge's routing or release may not have reached the
 	// peers (dropped, or sent on a connection that died): their view of
 	// this router's charges is wrong until it renews its identity.
