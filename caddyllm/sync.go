@@ -108,6 +108,13 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 		if err := s.Start(); err != nil {
 			return nil, err
 		}
+		// A reload that changed the sync options, keeping the name: the
+		// old connection lives until the old config is cleaned up.
+		for _, old := range sh.loadSyncers() {
+			if s.SameRouter(old) {
+				s.Replaces(old)
+			}
+		}
 		sh.addSyncer(s)
 		return &syncEntry{sh: sh, syncer: s}, nil
 	})

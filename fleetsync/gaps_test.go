@@ -2,6 +2,7 @@ package fleetsync
 
 import (
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"sync"
@@ -170,4 +171,63 @@ func TestSlowReaderIsNoticed(t *testing.T) {
 	waitFor(t, "b renewing, then counting nothing of a's in flight", func() bool {
 		return b.Stats().Renewals > 0 && inFlightOn(fb, "x:1") == 0
 	})
+}
+
+// TestReplacedConnectionStaysQuiet: a reload that changes the sync options
+// but keeps the name opens a new connection (same Instance and name, a
+// later epoch) while the old one lives until the old config is cleaned
+// up. Once the new one is up the old publishes nothing, and a blip of its
+// server does not make it renew: a renewal would give it the router's
+// latest name, and the peers would ignore the new connection's batches.
+func TestReplacedConnectionStaysQuiet(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newCuttableLink(t, ns.Addr().String())
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.overlap", "x:1")
+	fa := router.New()
+	fa.Name("x:1", time.Now())
+	resync := func() []Message {
+		var msgs []Message
+		for _, ev := range fa.LiveEvents() {
+			msgs = append(msgs, Message{Event: &ev})
+		}
+		return msgs
+	}
+	const instance = 77
+	old := startSyncer(t, Config{URLs: []string{"nats://" + link.ln.Addr().String()}, Name: "a", Subject: "test.overlap", Instance: instance, Resync: resync})
+	waitFor(t, "the old connection up", func() bool { return old.Stats().Connected })
+	replacing := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.overlap", Instance: instance, Resync: resync})
+	if !replacing.SameRouter(old) {
+		t.Fatal("two connections of one name and subject are not the same router")
+	}
+	replacing.Replaces(old)
+	fa.SetPublisher(func(ev router.Event) {
+		old.Publish(Message{Event: &ev})
+		replacing.Publish(Message{Event: &ev})
+	})
+	fa.KeepLive(true)
+	waitFor(t, "the old connection retired", func() bool { return old.Stats().Retired })
+	waitFor(t, "b hearing the new connection", func() bool {
+		for _, p := range b.fleet.Peers() {
+			if p.Name == replacing.Name() {
+				return true
+			}
+		}
+		return false
+	})
+
+	link.cut() // the old connection's server blips
+	waitFor(t, "the old connection noticing", func() bool { return !old.Stats().Connected })
+	link.heal()
+	waitFor(t, "the old connection back", func() bool { return old.Stats().Connected })
+	old.Close() // the old config is cleaned up
+
+	opts := router.Options{}.WithDefaults()
+	c := fa.Decide(time.Now(), router.Request{Hashes: []uint64{1}, BlockTokens: 16, PromptTokens: 16},
+		[]router.Member{{Dial: "x:1", Available: true, Healthy: true}}, &opts, rand.New(rand.NewPCG(1, 2)), nil).Charge
+	waitFor(t, "b counting the request routed through the new connection", func() bool { return inFlightOn(b.fleet, "x:1") == 1 })
+	if st := old.Stats(); st.Renewals != 0 || st.Sent != 0 {
+		t.Fatalf("the retired connection renewed or sent: %+v", st)
+	}
+	fa.Release(c, time.Now())
+	waitFor(t, "b counting nothing in flight", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
 }

@@ -182,6 +182,9 @@ type Stats struct {
 	Renewals uint64 `json:"renewals"`
 	Stale    uint64 `json:"batches_stale"`
 	Missed   uint64 `json:"batches_missed"`
+	// Retired says a newer connection of this router publishes in its
+	// place (see Replaces) until it is closed.
+	Retired bool `json:"retired,omitempty"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
 	// SnapshotFrom names the peer whose snapshot this router started
@@ -254,6 +257,9 @@ type Syncer struct {
 	// upstreams whose drains or undrains arrived live meanwhile.
 	liveOpsMu sync.Mutex
 	liveOps   map[string]bool
+	// retired says a newer connection publishes for this one (see
+	// Replaces).
+	retired atomic.Bool
 	// connected follows the connection's handlers, so that Stats never
 	// asks the client, whose lock a write stuck on a stalled network
 	// holds.
@@ -513,6 +519,30 @@ func (s *Syncer) connect(opts []nats.Option) {
 	s.run()
 }
 
+// SameRouter says s and o publish as one router: the same name on the
+// same subject.
+func (s *Syncer) SameRouter(o *Syncer) bool {
+	return s.cfg.Name == o.cfg.Name && s.cfg.Subject == o.cfg.Subject
+}
+
+// Replaces makes s the successor of old, a connection of the same router
+// (SameRouter) that a reload replaced and that lives on until the old
+// configuration is cleaned up: once s is connected, old publishes nothing
+// more. Every message goes to both, so nothing is lost; and old must not
+// renew its identity (after a blip of its server), which would make the
+// peers take its name for the router's latest and ignore s's batches as
+// an earlier name's.
+func (s *Syncer) Replaces(old *Syncer) {
+	go func() {
+		select {
+		case <-s.up:
+			old.retired.Store(true)
+		case <-s.stop:
+		case <-old.stop:
+		}
+	}()
+}
+
 // markUp notes that the first connection is made.
 func (s *Syncer) markUp() { s.upOnce.Do(func() { close(s.up) }) }
 
@@ -712,6 +742,9 @@ func (s *Syncer) conn() *nats.Conn {
 // false (and counts a drop) when the queue is full. m.Event.Hashes is
 // copied at once.
 func (s *Syncer) Publish(m Message) bool {
+	if s.retired.Load() {
+		return true // its successor publishes it
+	}
 	if m.Event != nil {
 		ev := *m.Event
 		ev.Hashes = append([]uint64(nil), ev.Hashes[:min(len(ev.Hashes), MaxEventHashes)]...)
@@ -890,6 +923,10 @@ func (s *Syncer) run() {
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
 	send := func(b *Batch) {
+		if s.retired.Load() {
+			b.Messages = b.Messages[:0] // not even a heartbeat: its successor speaks
+			return
+		}
 		n := uint64(len(b.Messages))
 		select {
 		case <-s.stop:
@@ -975,7 +1012,7 @@ func (s *Syncer) run() {
 	// with this router's operators' latest drains and undrains, and sends
 	// the ones that were not sent.
 	renew := func() {
-		if !s.connected.Load() {
+		if !s.connected.Load() || s.retired.Load() {
 			return
 		}
 		restate := s.restate.Swap(false)
@@ -1197,6 +1234,7 @@ func (s *Syncer) Stats() Stats {
 		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(), Stale: s.stale.Load(),
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
 		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(), Missed: s.missed.Load(),
+		Retired: s.retired.Load(),
 	}
 	st.Connected = s.connected.Load()
 	if t := s.lastReceived.Load(); t != 0 {
