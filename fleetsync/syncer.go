@@ -824,6 +824,15 @@ func (s *Syncer) peerOp(m *Message) {
 	delete(s.ownOps, dial)
 }
 
+// deadlineLeft is m with, when it is an operator's drain, what is left of
+// its deadline, which counts from when the operator made it.
+func (m Message) deadlineLeft() Message {
+	if m.Drain != "" && !m.made.IsZero() {
+		m.Deadline = max(0, m.Deadline-time.Since(m.made))
+	}
+	return m
+}
+
 // ownOpsToRestate returns this router's operators' latest drains and
 // undrains, a drain with what is left of its deadline.
 func (s *Syncer) ownOpsToRestate() []Message {
@@ -831,10 +840,7 @@ func (s *Syncer) ownOpsToRestate() []Message {
 	defer s.opsMu.Unlock()
 	out := make([]Message, 0, len(s.ownOps))
 	for _, m := range s.ownOps {
-		if m.Drain != "" && !m.made.IsZero() {
-			m.Deadline = max(0, m.Deadline-time.Since(m.made))
-		}
-		out = append(out, m)
+		out = append(out, m.deadlineLeft())
 	}
 	return out
 }
@@ -890,10 +896,7 @@ func (s *Syncer) takeLostOps() []Message {
 	defer s.opsMu.Unlock()
 	out := make([]Message, 0, len(s.lostOps))
 	for _, m := range s.lostOps {
-		if m.Drain != "" && !m.made.IsZero() {
-			m.Deadline = max(0, m.Deadline-time.Since(m.made))
-		}
-		out = append(out, m)
+		out = append(out, m.deadlineLeft())
 	}
 	clear(s.lostOps)
 	return out

@@ -170,6 +170,20 @@ func loadTenantAdapters(t *testing.T, fleet []*replica) {
 	})
 }
 
+// modelsScraped waits until the router has every replica's model list.
+func modelsScraped(t *testing.T, fleet []*replica) {
+	t.Helper()
+	eventually(t, 10*time.Second, "every model list scraped", func() bool {
+		ups := upstreams(t)
+		for _, r := range fleet {
+			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
 // TestContextLengthPerReplica: replicas whose engines serve the model with
 // different context lengths (max_model_len): a request longer than one's
 // goes to the other, never to the engine that would refuse it; one longer
@@ -180,15 +194,7 @@ func TestContextLengthPerReplica(t *testing.T) {
 	long := startReplica(t, t.Name()+"-long", 20, kvsim.Config{}, nil) // 131,072
 	fleet := []*replica{short, long}
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
-	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
-		ups := upstreams(t)
-		for _, r := range fleet {
-			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	modelsScraped(t, fleet)
 	for i := range 6 {
 		// About 5,000 tokens with max_tokens: over short's context.
 		c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": text(fmt.Sprint("ctx", i), 20_000), "max_tokens": 8})
@@ -227,15 +233,7 @@ func TestDownReplicaKeepsItsModels(t *testing.T) {
 	}
 	tester := startCaddy(t, config("30s"))
 	down := fleet[1]
-	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
-		ups := upstreams(t)
-		for _, r := range fleet {
-			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	modelsScraped(t, fleet)
 	down.http.CloseClientConnections()
 	down.http.Close()
 	// Its list is older than three models intervals: it used to lapse.
@@ -264,15 +262,7 @@ func TestModelRequiredInAMixedPool(t *testing.T) {
 	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: "Qwen/Qwen2.5-7B-Instruct"}, nil)
 	fleet := []*replica{llama, qwen}
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
-	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
-		ups := upstreams(t)
-		for _, r := range fleet {
-			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	modelsScraped(t, fleet)
 	for _, body := range []string{`{"prompt":"hi","max_tokens":2}`, `{"model":"","prompt":"hi","max_tokens":2}`} {
 		c := postRaw(t, "/v1/completions", []byte(body))
 		if c.status != 400 || !strings.Contains(c.body, `"param":"model"`) || !strings.Contains(c.body, "must provide a model") {
@@ -315,15 +305,7 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: qwenModel}, embeddings(qwenModel))
 	fleet := []*replica{llama, qwen}
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
-	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
-		ups := upstreams(t)
-		for _, r := range fleet {
-			if e := ups[r.dial()].Engine; e == nil || len(e.Models) == 0 {
-				return false
-			}
-		}
-		return true
-	})
+	modelsScraped(t, fleet)
 	for i := range 8 {
 		for _, want := range fleet {
 			model := kvsim.DefaultModel
