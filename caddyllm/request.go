@@ -1258,7 +1258,8 @@ func (r *reading) prompt() {
 }
 
 // token reads prompt[i], a token id (null counts as 0, as encoding/json
-// decodes it).
+// decodes it; a number with no fractional part, such as 1.0, is one, as
+// pydantic's lax mode, and so vLLM, reads it).
 func (r *reading) token(i int) {
 	s := r.s
 	switch c := s.ws(); {
@@ -1272,7 +1273,7 @@ func (r *reading) token(i int) {
 		if !ok {
 			return
 		}
-		if v, ok := parseInt(r.body[start:end], 32); ok {
+		if v, ok := laxInt(r.body[start:end], false); ok && v >= math.MinInt32 && v <= math.MaxInt32 {
 			r.sc.blocks.WriteToken(int32(v))
 			r.promptTokens++
 			return

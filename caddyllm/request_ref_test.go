@@ -361,8 +361,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	default:
 		return badRequestf("", "invalid request: prompt must be a string, an array of strings, an array of token ids or an array of such arrays")
 	}
-	var tokens []int32
-	if err := json.Unmarshal(prompt, &tokens); err == nil {
+	if tokens, ok := refTokens(prompt); ok {
 		req.Hashes = p.hasher.HashTokens(nil, seed, tokens)
 		req.PromptTokens = len(tokens)
 		return nil
@@ -404,8 +403,8 @@ func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMe
 	var all []int32
 	longest := 0
 	for i, part := range parts {
-		var tokens []int32
-		if err := json.Unmarshal(part, &tokens); err != nil {
+		tokens, ok := refTokens(part)
+		if !ok {
 			return badRequestf("", "invalid request: prompt[%d] must be an array of token ids", i)
 		}
 		all = append(all, tokens...)
@@ -688,4 +687,26 @@ func FuzzParseMatchesReference(f *testing.F) {
 		sameAsReference(t, p, ep, body)
 		sameAsReference(t, p, EndpointResponses, body)
 	})
+}
+
+// refTokens decodes an array of token ids as vLLM's request model reads
+// it: integers in int32's range, numbers with no fractional part (1.0),
+// null as 0 (as encoding/json decodes it into an int32).
+func refTokens(raw []byte) ([]int32, bool) {
+	var items []json.RawMessage
+	if json.Unmarshal(raw, &items) != nil {
+		return nil, false
+	}
+	tokens := make([]int32, len(items))
+	for i, item := range items {
+		if json.Unmarshal(item, &tokens[i]) == nil {
+			continue
+		}
+		var f float64
+		if json.Unmarshal(item, &f) != nil || f != math.Trunc(f) || f < math.MinInt32 || f > math.MaxInt32 {
+			return nil, false
+		}
+		tokens[i] = int32(f)
+	}
+	return tokens, true
 }

@@ -135,6 +135,13 @@ func TestCompletionPromptForms(t *testing.T) {
 			t.Errorf("%s: %d tokens %d blocks, want %d %d", tc.body, req.PromptTokens, len(req.Hashes), tc.tokens, tc.blocks)
 		}
 	}
+	// Token ids as whole-number floats (numpy arrays' tolist()) are the
+	// same tokens, as vLLM reads them.
+	ints, err := p.parse(EndpointCompletions, []byte(`{"model":"m","prompt":[1,2,3,4,5,6,7,8]}`))
+	floats, err2 := p.parse(EndpointCompletions, []byte(`{"model":"m","prompt":[1.0,2,3e0,4,5.0,6,7,8]}`))
+	if err != nil || err2 != nil || !slices.Equal(ints.Hashes, floats.Hashes) {
+		t.Fatalf("token ids as floats: %v %v, hashes %x and %x", err, err2, ints.Hashes, floats.Hashes)
+	}
 }
 
 func TestParseRejectsBadShapes(t *testing.T) {
@@ -147,6 +154,8 @@ func TestParseRejectsBadShapes(t *testing.T) {
 		{EndpointCompletions, `[]`},
 		{EndpointCompletions, `{"prompt": 3}`},
 		{EndpointCompletions, `{"prompt": [1, "a"]}`},
+		{EndpointCompletions, `{"prompt": [1.5]}`},
+		{EndpointCompletions, `{"prompt": [3e9]}`},
 		{EndpointCompletions, `{"prompt": [{}]}`},
 		{EndpointCompletions, `{"prompt": [[1,2],["a"]]}`},
 		{EndpointCompletions, `{"prompt": [[1,2],"a"]}`},
