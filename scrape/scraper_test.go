@@ -717,3 +717,37 @@ func TestScheduledFetchChecksItsTarget(t *testing.T) {
 		})
 	}
 }
+
+// TestInheritStartsWhereTheOldScraperLeftOff: a reloaded config's scraper
+// that inherits from the replaced one has, before its own first scrape,
+// the engine's signals and model list, and knows the engine is down.
+func TestInheritStartsWhereTheOldScraperLeftOff(t *testing.T) {
+	sim, err := kvsim.NewServer(kvsim.ServerConfig{Speed: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sim.Close()
+	srv := httptest.NewServer(sim)
+	dial := hostOf(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cfg := Config{Interval: 50 * time.Millisecond, ModelsInterval: 50 * time.Millisecond}
+	old := New(cfg)
+	old.SetTargets([]string{dial})
+	old.Start(ctx)
+	waitFor(t, "the old scraper's list", 10*time.Second, func() bool {
+		sig, ok := old.Latest(dial, time.Now(), time.Second)
+		return ok && len(sig.Models) == 1
+	})
+	srv.CloseClientConnections()
+	srv.Close() // the engine stops
+	waitFor(t, "the old scraper finding it down", 10*time.Second, func() bool { return old.Down(dial) })
+
+	reloaded := New(cfg)
+	reloaded.SetTargets([]string{dial})
+	reloaded.Inherit(old)
+	sig, _ := reloaded.Latest(dial, time.Now(), time.Hour)
+	if !reloaded.Down(dial) || len(sig.Models) != 1 || sig.Models[0].ID != kvsim.DefaultModel || sig.Seq != 0 {
+		t.Fatalf("inherited: down %v, signals %+v", reloaded.Down(dial), sig)
+	}
+}
