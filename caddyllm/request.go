@@ -244,7 +244,8 @@ const (
 )
 
 // Fields of a request body, and of a chat message, that routing reads.
-// encoding/json matches keys case-insensitively, and so do we.
+// Keys match exactly, as vLLM's request models (pydantic) match them: a
+// "Model" beside "model" is another, unknown, field.
 var (
 	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store"}
 	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
@@ -285,11 +286,6 @@ const (
 func fieldOf(key []byte, names []string) int {
 	for i, name := range names {
 		if string(key) == name {
-			return i
-		}
-	}
-	for i, name := range names {
-		if equalFold(key, name) {
 			return i
 		}
 	}

@@ -495,7 +495,7 @@ func duplicateMessages(body []byte) bool {
 // reference accepts and finds the same fields and hashes.
 func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 	t.Helper()
-	if duplicateMessages(body) {
+	if duplicateMessages(body) || foldedKey(body) {
 		return
 	}
 	got, err := p.parse(ep, body)
@@ -709,4 +709,52 @@ func refTokens(raw []byte) ([]int32, bool) {
 		tokens[i] = int32(f)
 	}
 	return tokens, true
+}
+
+// refFields are the keys the reference decodes into its structs.
+var refFields = []string{"content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
+	"messages", "model", "name", "previous_response_id", "prompt", "role", "store", "stream", "tool_call_id", "tool_calls", "tools", "type"}
+
+// foldedKey says body has a key that differs from a field's name but
+// matches it as encoding/json matches keys, without regard to case
+// ("Model", or "\u212a" for k): the reader, as vLLM, takes such a key for
+// another, unknown, field; the reference cannot (TestKeysMatchExactly
+// checks those bodies).
+func foldedKey(body []byte) bool {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	type frame struct{ object, key bool } // key: the next string is a key
+	var stack []frame
+	valueRead := func() {
+		if n := len(stack); n > 0 && stack[n-1].object {
+			stack[n-1].key = true
+		}
+	}
+	for {
+		tok, err := dec.Token()
+		if err != nil {
+			return false
+		}
+		switch v := tok.(type) {
+		case json.Delim:
+			if v == '{' || v == '[' {
+				valueRead()
+				stack = append(stack, frame{object: v == '{', key: true})
+			} else {
+				stack = stack[:len(stack)-1]
+			}
+		case string:
+			if n := len(stack); n > 0 && stack[n-1].object && stack[n-1].key {
+				stack[n-1].key = false
+				for _, f := range refFields {
+					if v != f && strings.EqualFold(v, f) {
+						return true
+					}
+				}
+				continue
+			}
+			valueRead()
+		default:
+			valueRead()
+		}
+	}
 }

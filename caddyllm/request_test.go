@@ -620,3 +620,35 @@ func TestLaxNumbersAsVLLMReadsThem(t *testing.T) {
 		}
 	}
 }
+
+// TestKeysMatchExactly: keys match fields exactly, as vLLM's request
+// models (pydantic) match them: a key that differs in case (or folds to
+// a field's name, as encoding/json would take it) is another, unknown,
+// field, whatever its value.
+func TestKeysMatchExactly(t *testing.T) {
+	p := testParser()
+	chat := `{"model":"m","messages":[{"role":"user","content":"hi"}]`
+	plain, err := p.parse(EndpointChatCompletions, []byte(chat+`}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		ep   Endpoint
+		body string
+		want func(*Request) bool
+	}{
+		{EndpointCompletions, `{"model":"m","prompt":"hi","Model":"gpt-4o"}`, func(r *Request) bool { return r.Model == "m" }},
+		{EndpointCompletions, `{"model":"m","prompt":"hi","max_tokens":2,"Max_Tokens":999999}`, func(r *Request) bool { return r.MaxTokens == 2 }},
+		{EndpointCompletions, `{"model":"m","prompt":"hi","max_to\u212aens":5}`, func(r *Request) bool { return r.MaxTokens == 0 }},
+		{EndpointChatCompletions, chat + `,"Messages":{"a":1}}`, func(r *Request) bool { return slices.Equal(r.Hashes, plain.Hashes) }},
+		{EndpointChatCompletions, `{"model":"m","messages":[{"role":"user","content":"hi","Content":5}]}`, func(r *Request) bool { return slices.Equal(r.Hashes, plain.Hashes) }},
+	} {
+		req, err := p.parse(tc.ep, []byte(tc.body))
+		if err != nil || !tc.want(req) {
+			t.Errorf("%s: %+v %v", tc.body, req, err)
+		}
+	}
+	if _, err := p.parse(EndpointChatCompletions, []byte(`{"Model":"m","Messages":[{"role":"user","content":"hi"}]}`)); err == nil {
+		t.Error("Messages taken for messages")
+	}
+}
