@@ -1075,6 +1075,12 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 // the handler its drain deadline can cut it (see servePassThrough);
 // without the handler in the route the drain only waits for its end.
 func (p *Policy) enterPassThrough(r *http.Request, dial string) {
+	if p.sh.drains.IsDraining(dial) {
+		// A stored response's request goes to its home even so (only it
+		// has the response): entered, it would open a drained upstream's
+		// drain again, its deadline perhaps past, and be cut at once.
+		return
+	}
 	if pt, ok := r.Context().Value(passThroughKey{}).(*passThrough); ok {
 		pt.enter(p.sh.drains, dial)
 		return

@@ -678,3 +678,39 @@ func TestFailedContinuationCountsAsCut(t *testing.T) {
 	}
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
 }
+
+// TestStoredResponseAtItsDrainedHome: a stored response's retrieval goes
+// to its home even while the home is drained (only it has the response),
+// and is answered: it neither reopens the drain nor is cut by its
+// deadline, long past.
+func TestStoredResponseAtItsDrainedHome(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	c := post(t, "/v1/responses", map[string]any{"model": kvsim.DefaultModel, "input": text("stored", 400), "max_output_tokens": 4})
+	var out struct{ ID string }
+	if json.Unmarshal([]byte(c.body), &out); c.status != 200 || out.ID == "" {
+		t.Fatalf("create: %d %s", c.status, c.body)
+	}
+	var home string
+	for _, r := range fleet {
+		if r.name == c.replica {
+			home = r.dial()
+		}
+	}
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+home+"/drain?deadline=0s")
+	eventually(t, 5*time.Second, "the home drained", func() bool { return drainPhase(t, home) == "drained" })
+	for i := range 5 {
+		resp, err := http.Get(routerURL + "/v1/responses/" + out.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(body), out.ID) {
+			t.Fatalf("retrieval %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	if p := drainPhase(t, home); p != "drained" {
+		t.Fatalf("the home is %s after the retrievals", p)
+	}
+}
