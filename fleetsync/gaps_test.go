@@ -231,3 +231,51 @@ func TestReplacedConnectionStaysQuiet(t *testing.T) {
 	fa.Release(c, time.Now())
 	waitFor(t, "b counting nothing in flight", func() bool { return inFlightOn(b.fleet, "x:1") == 0 })
 }
+
+// TestPeerHeardAgainAfterSilence: a peer heard again under the same name
+// after more than three heartbeats of silence may have dropped this
+// router's charges as a silent peer's: this router restates them, and
+// its operators' drains, whether or not the peer numbers its batches.
+func TestPeerHeardAgainAfterSilence(t *testing.T) {
+	for _, seqs := range [][2]uint64{{0, 0}, {7, 8}} {
+		s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "self", Subject: "x", Instance: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t0 := time.Now()
+		b := &Batch{Sender: "peer", Epoch: 1, Instance: 9}
+		s.latestName(b, seqs[0], t0)
+		s.restate.Store(false)
+		s.restateOps.Store(false)
+		if current, gap := s.latestName(b, seqs[1], t0.Add(10*s.cfg.HeartbeatInterval)); !current || gap {
+			t.Fatalf("seq %v: current %v, gap %v", seqs, current, gap)
+		}
+		if !s.restate.Load() || !s.restateOps.Load() {
+			t.Errorf("seq %v: heard again after 10 heartbeats of silence: restate %v, restateOps %v", seqs, s.restate.Load(), s.restateOps.Load())
+		}
+	}
+}
+
+// TestReconnectIsNoGap: a router whose own connection drops and comes
+// back counts a disconnection, and the batches its peers numbered
+// meanwhile are no batches missed while connected.
+func TestReconnectIsNoGap(t *testing.T) {
+	ns := startNATS(t, -1)
+	link := newCuttableLink(t, ns.Addr().String())
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.reconnect", "x:1")
+	b := startPeerRouter(t, "nats://"+link.ln.Addr().String(), "b", "test.reconnect", "x:1")
+	waitFor(t, "b hearing a", func() bool { return len(b.fleet.Peers()) == 1 })
+	link.cut()
+	waitFor(t, "b disconnected", func() bool { return !b.syncer.Stats().Connected })
+	sent := a.syncer.Stats().Sent
+	c := a.decide([]uint64{1}).Charge // numbered while b is away
+	waitFor(t, "a publishing", func() bool { return a.syncer.Stats().Sent > sent })
+	link.heal()
+	waitFor(t, "b back", func() bool { return b.syncer.Stats().Connected })
+	back := time.Now()
+	waitFor(t, "b hearing a again", func() bool { return b.syncer.Stats().LastReceived.After(back) })
+	if st := b.syncer.Stats(); st.Missed != 0 || st.Disconnects == 0 {
+		t.Fatalf("b: %+v", st)
+	}
+	a.fleet.Release(c, time.Now())
+}

@@ -394,9 +394,13 @@ func (s *Syncer) options() ([]nats.Option, error) {
 			// router.
 			s.lost.Store(true)
 			s.cut.Store(true)
+			// Peers' batches of the outage are lost, which the renewal
+			// makes good: the gap in their numbers is no other loss.
+			s.forgetSeqs()
 			log.Warn("lost the NATS connection; routing on this router's own view until it is back", zap.Error(err))
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
+			s.forgetSeqs() // also what a batch read as the connection dropped left
 			s.connected.Store(true)
 			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
 		}),
@@ -1165,11 +1169,12 @@ func (s *Syncer) latestName(b *Batch, seq uint64, now time.Time) (current, gap b
 	}
 	key := senderKey{b.Instance, b.Sender}
 	latest, known := s.senders[key]
+	if known && b.Epoch == latest.epoch {
+		gap = seq != 0 && latest.seq != 0 && seq != latest.seq+1
+	}
 	switch {
 	case known && b.Epoch < latest.epoch:
 		return false, false
-	case known && b.Epoch == latest.epoch:
-		gap = seq != 0 && latest.seq != 0 && seq != latest.seq+1
 	case known && b.Epoch > latest.epoch:
 		if s.cfg.OnSuperseded != nil {
 			s.cfg.OnSuperseded(peerName(b.Sender, latest.epoch))
@@ -1182,7 +1187,7 @@ func (s *Syncer) latestName(b *Batch, seq uint64, now time.Time) (current, gap b
 		// A router that starts: it counts this router's charges from
 		// the restatement (one it knows ignores it).
 		s.restate.Store(true)
-	case now.Sub(latest.heard) > s.restateAfterSilence():
+	case now.Sub(latest.heard) > s.restateAfterSilence(): // known, the same name
 		// One that was cut off, and may have dropped this router's
 		// charges as a silent peer's, and missed its operators' drains.
 		s.restate.Store(true)
@@ -1190,6 +1195,17 @@ func (s *Syncer) latestName(b *Batch, seq uint64, now time.Time) (current, gap b
 	}
 	s.senders[key] = senderName{epoch: b.Epoch, heard: now, seq: seq}
 	return true, gap
+}
+
+// forgetSeqs forgets the batch numbers heard from the peers: the next
+// batch of each starts the count again.
+func (s *Syncer) forgetSeqs() {
+	s.sendersMu.Lock()
+	defer s.sendersMu.Unlock()
+	for k, n := range s.senders {
+		n.seq = 0
+		s.senders[k] = n
+	}
 }
 
 // peersHeard returns the latest names of the peers this connection heard
