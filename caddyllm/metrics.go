@@ -177,10 +177,10 @@ func newMetrics(sh *shared) *metrics {
 	m.cachedPromptTokens = m.cachedTokens.WithLabelValues("cached")
 	// The counters whose labels have a fixed set of values start at 0,
 	// so that a rate or an alert sees them before their first event.
-	for _, blockedBy := range []string{"kv", "draining", "unavailable", "model", "none", queueFullReason, movedReason, notRunningReason} {
+	for _, blockedBy := range []string{"kv", "context", "draining", "unavailable", "model", "none", queueFullReason, movedReason, notRunningReason} {
 		m.shed.WithLabelValues(blockedBy)
 	}
-	for _, code := range []string{"model_not_found", "context_length_exceeded"} {
+	for _, code := range []string{"model_not_found", "context_length_exceeded", "400"} {
 		m.refused.WithLabelValues(code)
 	}
 	for _, cause := range []string{"drain", "upstream_error"} {

@@ -269,7 +269,8 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 }
 
 // severalBaseModels says members' model lists name more than one base
-// model.
+// model: by root, as names of one model (vLLM's --served-model-name
+// gives it several) share it.
 func severalBaseModels(members []Member) bool {
 	first := ""
 	for i := range members {
@@ -278,11 +279,12 @@ func severalBaseModels(members []Member) bool {
 			models = e.Models
 		}
 		for _, m := range models {
+			root := cmp.Or(m.Root, m.ID)
 			switch {
 			case m.Parent != "":
 			case first == "":
-				first = m.ID
-			case m.ID != first:
+				first = root
+			case root != first:
 				return true
 			}
 		}

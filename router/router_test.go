@@ -392,6 +392,16 @@ func TestModelRequired(t *testing.T) {
 	}
 	if d := f.Decide(t0, Request{Model: "qwen", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge == nil || d.Chosen != 1 {
 		t.Fatalf("a named model: %+v", d)
+	} else {
+		f.Release(d.Charge, t0)
+	}
+	// One model served under two names (vLLM's --served-model-name a b):
+	// one root, one model.
+	ms[1].Engine = nil
+	ms[0].Models = []scrape.ModelInfo{{ID: "llama", Root: "/models/llama"}, {ID: "assistant", Root: "/models/llama"}}
+	ms[1].Models = []scrape.ModelInfo{{ID: "llama", Root: "/models/llama"}}
+	if d := f.Decide(t0, Request{PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge == nil || d.ModelRequired {
+		t.Fatalf("one model under two names: %+v", d)
 	}
 }
 
