@@ -79,6 +79,9 @@ func (p *Policy) start() {
 	if p.scraper != nil {
 		p.scraper.Start(p.ctx) // started already, unless this is the process's first config
 	}
+	if p.syncer != nil {
+		p.sh.retireReplaced(p.syncer, p.load)
+	}
 	go p.watchUpstreamHealth(p.ctx, p.parent)
 }
 

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
@@ -227,8 +228,12 @@ type Policy struct {
 	site  string
 	named []string
 
-	scraper  *scrape.Scraper
+	scraper *scrape.Scraper
+	// syncer is the policy's sync connection (syncKey its pool key), and
+	// load the config load that acquired it: the config running then.
+	syncer   *fleetsync.Syncer
 	syncKey  string
+	load     context.Context
 	fallback reverseproxy.Selector
 	opts     router.Options
 	// hardwareByDial and defaultHardware are the merged profiles, made
@@ -432,11 +437,11 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.sh.addScraper(p.scraper)
 	}
 	if p.Sync != nil {
-		key, err := p.sh.acquireSync(*p.Sync, p.logger.Named("sync"))
+		syncer, key, err := p.sh.acquireSync(*p.Sync, p.logger.Named("sync"), running)
 		if err != nil {
 			return err
 		}
-		p.syncKey = key
+		p.syncer, p.syncKey, p.load = syncer, key, running
 	}
 	p.rng, p.scratch = newLockedRand(), newScratchPool()
 	p.sh.metrics.register(ctx)

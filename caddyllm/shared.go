@@ -61,7 +61,10 @@ type shared struct {
 	// closed) and their counters never go down on a reload.
 	closingSyncers []*fleetsync.Syncer
 	closedSync     syncTotals
-	sites          map[string]*site
+	// syncLoads names, for each connection in use, the config load that
+	// last acquired it (see retireReplaced).
+	syncLoads map[*fleetsync.Syncer]context.Context
+	sites     map[string]*site
 	// pendingSites counts the sites with deferred drains, so that the
 	// routing path skips applyPendingDrains' lock when there are none.
 	pendingSites atomic.Int32

@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -77,10 +78,12 @@ func (e *syncEntry) Destruct() error {
 }
 
 // acquireSync takes a reference on the Syncer of c, connecting it when it
-// is new, and returns its pool key for releaseSync.
-func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) {
+// is new, and returns it and its pool key for releaseSync. load names the
+// config load acquiring it (the config running while it loads): see
+// retireReplaced.
+func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger, load context.Context) (*fleetsync.Syncer, string, error) {
 	key := syncKey(c)
-	_, _, err := pool.LoadOrNew(key, func() (caddy.Destructor, error) {
+	val, _, err := pool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		s, err := fleetsync.New(fleetsync.Config{
 			URLs: c.URLs, Subject: c.Subject, Name: c.Name, Creds: c.Creds, TLSCA: c.TLSCA,
 			OnMessage: sh.applyPeer,
@@ -108,20 +111,40 @@ func (sh *shared) acquireSync(c SyncConfig, logger *zap.Logger) (string, error) 
 		if err := s.Start(); err != nil {
 			return nil, err
 		}
-		// A reload that changed the sync options, keeping the name: the
-		// old connection lives until the old config is cleaned up.
-		for _, old := range sh.loadSyncers() {
-			if s.SameRouter(old) {
-				s.Replaces(old)
-			}
-		}
 		sh.addSyncer(s)
 		return &syncEntry{sh: sh, syncer: s}, nil
 	})
 	if err != nil {
-		return "", fmt.Errorf("sync: %w", err)
+		return nil, "", fmt.Errorf("sync: %w", err)
 	}
-	return key, nil
+	s := val.(*syncEntry).syncer
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if sh.syncLoads == nil {
+		sh.syncLoads = make(map[*fleetsync.Syncer]context.Context)
+	}
+	sh.syncLoads[s] = load
+	return s, key, nil
+}
+
+// retireReplaced, once the config load named load runs, makes s the
+// successor of the connections of the same router (name and subject) that
+// no policy of that load acquired: a reload that changed the sync options
+// keeps the old connection until the old config is cleaned up (see
+// fleetsync.Syncer.Replaces). Connections the loaded config still uses,
+// several sync blocks of one config among them, stay. It returns the
+// connections s replaces.
+func (sh *shared) retireReplaced(s *fleetsync.Syncer, load context.Context) []*fleetsync.Syncer {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	var replaced []*fleetsync.Syncer
+	for _, old := range sh.loadSyncers() {
+		if old != s && old.SameRouter(s) && sh.syncLoads[old] != load {
+			s.Replaces(old)
+			replaced = append(replaced, old)
+		}
+	}
+	return replaced
 }
 
 func (sh *shared) releaseSync(key string) { pool.Delete(key) }
@@ -185,6 +208,7 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 	defer sh.mu.Unlock()
 	list := slices.DeleteFunc(slices.Clone(sh.loadSyncers()), func(x *fleetsync.Syncer) bool { return x == s })
 	sh.syncers.Store(&list)
+	delete(sh.syncLoads, s)
 	sh.closingSyncers = append(sh.closingSyncers, s)
 	sh.fleet.KeepLive(len(list) > 0)
 }

@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -18,7 +19,7 @@ func TestSyncCountersSurviveClosing(t *testing.T) {
 	ns := natstest.Start(t, -1)
 	sh := newShared()
 	defer sh.Destruct()
-	key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "counters-test", Name: "counting"}, zap.NewNop())
+	_, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "counters-test", Name: "counting"}, zap.NewNop(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,5 +64,45 @@ func TestSyncCountersSurviveClosing(t *testing.T) {
 	}
 	if after := sentCounted(); after < before {
 		t.Fatalf("sent events counted after closing: %v, before %v", after, before)
+	}
+}
+
+// TestReloadRetiresOnlyReplacedConnections: two sync blocks of one config
+// with the same (default) name and subject, over two NATS servers, are
+// both in use: neither retires the other. A reload that replaces them
+// with a third retires both, once the third is connected.
+func TestReloadRetiresOnlyReplacedConnections(t *testing.T) {
+	ns1, ns2 := natstest.Start(t, -1), natstest.Start(t, -1)
+	sh := newShared()
+	defer sh.Destruct()
+	type load struct{}
+	first, second := context.Background(), context.WithValue(context.Background(), load{}, 2) // two config loads
+	acquire := func(url string, load context.Context) *fleetsync.Syncer {
+		t.Helper()
+		s, key, err := sh.acquireSync(SyncConfig{URLs: []string{url}, Subject: "retire-test"}, zap.NewNop(), load)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { sh.releaseSync(key) })
+		return s
+	}
+	a, b := acquire(ns1.ClientURL(), first), acquire(ns2.ClientURL(), first)
+	if got := sh.retireReplaced(a, first); len(got) != 0 {
+		t.Fatalf("a retires %d connections of its own config", len(got))
+	}
+	if got := sh.retireReplaced(b, first); len(got) != 0 {
+		t.Fatalf("b retires %d connections of its own config", len(got))
+	}
+	c := acquire(ns1.ClientURL()+","+ns2.ClientURL(), second)
+	if got := sh.retireReplaced(c, second); len(got) != 2 {
+		t.Fatalf("the reload's connection retires %d, want a and b", len(got))
+	}
+	for deadline := time.Now().Add(30 * time.Second); !a.Stats().Retired || !b.Stats().Retired; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("a %+v, b %+v", a.Stats(), b.Stats())
+		}
+	}
+	if c.Stats().Retired {
+		t.Fatal("the connection in use was retired")
 	}
 }
