@@ -182,6 +182,10 @@ type Stats struct {
 	Renewals uint64 `json:"renewals"`
 	Stale    uint64 `json:"batches_stale"`
 	Missed   uint64 `json:"batches_missed"`
+	// OpsSuperseded counts peers' drains and undrains ignored because one
+	// of the same upstream made later was known here already (a stale
+	// one restated after a partition).
+	OpsSuperseded uint64 `json:"ops_superseded"`
 	// Retired says a newer connection of this router publishes in its
 	// place (see Replaces) until it is closed.
 	Retired bool `json:"retired,omitempty"`
@@ -218,10 +222,10 @@ type Syncer struct {
 	done chan struct{}
 	once sync.Once
 
-	sent, applied, dropped, malformed, disconnects, renewals, stale, missed atomic.Uint64
-	lastReceived                                                            atomic.Int64
-	snapshotFrom                                                            atomic.Pointer[string]
-	snapshotMessages, snapshotsSent                                         atomic.Uint64
+	sent, applied, dropped, malformed, disconnects, renewals, stale, missed, opsSuperseded atomic.Uint64
+	lastReceived                                                                           atomic.Int64
+	snapshotFrom                                                                           atomic.Pointer[string]
+	snapshotMessages, snapshotsSent                                                        atomic.Uint64
 	// lost says a charge's routing or release may not have reached the
 	// peers (dropped, or sent on a connection that died): their view of
 	// this router's charges is wrong until it renews its identity.
@@ -246,6 +250,9 @@ type Syncer struct {
 	// charges, since a peer may have missed it without either side
 	// losing its connection.
 	ownOps map[string]Message
+	// opAt is when the latest drain or undrain of each upstream known
+	// here (this router's or a peer's) was made, unix nanoseconds.
+	opAt map[string]int64
 	// senders is each peer router's latest name (by the Instance and
 	// name of its batches), written by the receiving goroutine.
 	sendersMu   sync.Mutex
@@ -317,6 +324,13 @@ type senderName struct {
 	// when unnumbered (a router of a version before).
 	seq uint64
 }
+
+// opTimesHeader gives, in order, when each operator's drain or undrain in
+// the batch was made (unix nanoseconds, comma-separated; 0 unknown), so
+// that a drain restated after a partition never undoes an undrain made
+// later through another router. Routers of the versions before send
+// none: their ops apply as they come.
+const opTimesHeader = "Llm-Affinity-Op-Times"
 
 // seqHeader numbers the batches one connection publishes, heartbeats
 // included, 1, 2, 3...: a receiver that sees a number skipped lost
@@ -814,18 +828,34 @@ func (s *Syncer) noteOwnOp(m Message) {
 	if _, ok := s.ownOps[dial]; ok || len(s.ownOps) < maxLostOps {
 		s.ownOps[dial] = m
 	}
+	s.noteOpAtLocked(dial, m.made.UnixNano())
 }
 
-// peerOp forgets this router's own op of the upstream a peer's drain or
-// undrain m concerns: the later one stands.
-func (s *Syncer) peerOp(m *Message) {
-	dial := cmp.Or(m.Drain, m.Undrain)
-	if dial == "" {
-		return
+// noteOpAtLocked records at as when dial's latest op was made, if later
+// than what is known. Caller holds opsMu.
+func (s *Syncer) noteOpAtLocked(dial string, at int64) {
+	if s.opAt == nil || len(s.opAt) >= maxLostOps {
+		s.opAt = make(map[string]int64) // bounded: forgetting only lets a stale op through
 	}
+	s.opAt[dial] = max(s.opAt[dial], at)
+}
+
+// peerOp takes a peer's drain or undrain m, made at (unix nanoseconds; 0
+// unknown), and reports whether it stands: not when one of the same
+// upstream made later is known here. One that stands replaces this
+// router's own op of the upstream.
+func (s *Syncer) peerOp(m *Message, at int64) bool {
+	dial := cmp.Or(m.Drain, m.Undrain)
 	s.opsMu.Lock()
 	defer s.opsMu.Unlock()
+	if at != 0 && at < s.opAt[dial] {
+		return false
+	}
 	delete(s.ownOps, dial)
+	if at != 0 {
+		s.noteOpAtLocked(dial, at)
+	}
+	return true
 }
 
 // deadlineLeft is m with, when it is an operator's drain, what is left of
@@ -953,6 +983,7 @@ func (s *Syncer) run() {
 			buf = AppendBatch(buf[:0], b)
 			msg.Data = buf
 			msg.Header.Set(seqHeader, strconv.FormatUint(seq+1, 10))
+			setOpTimes(msg.Header, b.Messages)
 			if err := s.nc.PublishMsg(msg); err != nil {
 				for _, m := range b.Messages {
 					s.drop(m)
@@ -1033,7 +1064,11 @@ func (s *Syncer) run() {
 			s.self.Store(&self)
 			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
 				zap.String("name", self))
+			// Peers that missed its batches see only its new name, no
+			// gap: what it restates must cover them, its operators'
+			// drains too.
 			restate = true
+			s.restateOps.Store(true)
 			if s.cut.Swap(false) && s.cfg.OnRenewed != nil {
 				s.cfg.OnRenewed(s.peersHeard())
 			}
@@ -1098,6 +1133,47 @@ func (s *Syncer) missedBatches(why string) {
 	s.cfg.Logger.Warn("peers' routing events were lost on the way; renewing to have them restated", zap.String("why", why))
 }
 
+// setOpTimes sets h's opTimesHeader for the operators' messages among
+// msgs, or removes it when there are none.
+func setOpTimes(h nats.Header, msgs []Message) {
+	var b []byte
+	for i := range msgs {
+		if msgs[i].Drain == "" && msgs[i].Undrain == "" {
+			continue
+		}
+		if len(b) > 0 {
+			b = append(b, ',')
+		}
+		var at int64
+		if !msgs[i].made.IsZero() {
+			at = msgs[i].made.UnixNano()
+		}
+		b = strconv.AppendInt(b, at, 10)
+	}
+	if b == nil {
+		h.Del(opTimesHeader)
+		return
+	}
+	h.Set(opTimesHeader, string(b))
+}
+
+// opTimes reads msg's opTimesHeader.
+func opTimes(msg *nats.Msg) []int64 {
+	if msg.Header == nil {
+		return nil
+	}
+	v := msg.Header.Get(opTimesHeader)
+	if v == "" {
+		return nil
+	}
+	var out []int64
+	for f := range strings.SplitSeq(v, ",") {
+		n, _ := strconv.ParseInt(f, 10, 64)
+		out = append(out, n)
+	}
+	return out
+}
+
 // batchSeq is msg's batch number, 0 when it has none.
 func batchSeq(msg *nats.Msg) uint64 {
 	if msg.Header == nil {
@@ -1136,9 +1212,19 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	if s.cfg.OnHeard != nil {
 		s.cfg.OnHeard(peer)
 	}
+	times := opTimes(msg)
 	for _, m := range b.Messages {
+		if m.Drain != "" || m.Undrain != "" {
+			var at int64
+			if len(times) > 0 {
+				at, times = times[0], times[1:]
+			}
+			if !s.peerOp(&m, at) {
+				s.opsSuperseded.Add(1)
+				continue
+			}
+		}
 		s.noteLiveOp(&m)
-		s.peerOp(&m)
 		if s.cfg.OnMessage != nil {
 			s.cfg.OnMessage(peer, m)
 		}
@@ -1253,7 +1339,7 @@ func (s *Syncer) Stats() Stats {
 		Name: s.Name(), Subject: s.cfg.Subject, Renewals: s.renewals.Load(), Stale: s.stale.Load(),
 		Sent: s.sent.Load(), Applied: s.applied.Load(), Dropped: s.dropped.Load(),
 		Malformed: s.malformed.Load(), Disconnects: s.disconnects.Load(), Missed: s.missed.Load(),
-		Retired: s.retired.Load(),
+		Retired: s.retired.Load(), OpsSuperseded: s.opsSuperseded.Load(),
 	}
 	st.Connected = s.connected.Load()
 	if t := s.lastReceived.Load(); t != 0 {
