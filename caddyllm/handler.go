@@ -313,8 +313,7 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
 	if pt.notFound && !pt.writer.started {
-		writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model",
-			fmt.Sprintf("The model `%s` does not exist.", pt.model))
+		writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model", modelNotFound(pt.model))
 		return nil
 	}
 	if pt.wasCut() && !pt.writer.started && r.Context().Err() == nil {

@@ -563,7 +563,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	st := requestStateOf(r)
 	if st == nil {
-		return p.selectFallback(pool, r, w)
+		return p.selectFallback(pool, r, w, true)
 	}
 	if st.listModels {
 		return p.listModels(pool, r, w, st)
@@ -621,7 +621,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			continue
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
-				message: fmt.Sprintf("The model `%s` does not exist.", st.req.Model), reason: "model", refused: true})
+				message: modelNotFound(st.req.Model), reason: "model", refused: true})
 		case d.ModelRequired:
 			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest, param: "model",
 				message: "you must provide a model parameter: the upstreams serve more than one model", reason: "model_required", refused: true})
@@ -751,7 +751,7 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 	if st.modelList == nil && p.scraper != nil {
 		st.modelList = p.modelList(pool)
 	}
-	return p.selectFallback(pool, r, w)
+	return p.selectFallback(pool, r, w, false)
 }
 
 // modelList is the pool's models list (see listModels), nil when an
@@ -1058,11 +1058,17 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 	return nil
 }
 
-// selectFallback balances requests without parsed content.
-func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
-	up := p.chooseFallback(pool, r, w)
-	if up != nil && requestStateOf(r) == nil {
-		p.enterPassThrough(r, up.Dial)
+// selectFallback balances requests without parsed content: a request
+// passed through (registered as in flight on the upstream chosen), or a
+// models list.
+func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, passedThrough bool) *reverseproxy.Upstream {
+	var pt *passThrough // the handler's, when it is in the route
+	if passedThrough {
+		pt, _ = r.Context().Value(passThroughKey{}).(*passThrough)
+	}
+	up := p.chooseFallback(pool, r, w, pt)
+	if up != nil && passedThrough {
+		p.enterPassThrough(r, pt, up.Dial)
 	}
 	if up != nil && p.scraper != nil && changesAdapters(r) {
 		// The engine's model list changes with it: fetch it again once
@@ -1078,15 +1084,16 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 // enterPassThrough registers a request the handler did not read with the
 // drain registry, on dial, so that a drain of dial waits for it. Through
 // the handler its drain deadline can cut it (see servePassThrough);
-// without the handler in the route the drain only waits for its end.
-func (p *Policy) enterPassThrough(r *http.Request, dial string) {
+// without the handler in the route (pt nil) the drain only waits for its
+// end.
+func (p *Policy) enterPassThrough(r *http.Request, pt *passThrough, dial string) {
 	if p.sh.drains.IsDraining(dial) {
 		// A stored response's request goes to its home even so (only it
 		// has the response): entered, it would open a drained upstream's
 		// drain again, its deadline perhaps past, and be cut at once.
 		return
 	}
-	if pt, ok := r.Context().Value(passThroughKey{}).(*passThrough); ok {
+	if pt != nil {
 		pt.enter(p.sh.drains, dial)
 		return
 	}
@@ -1101,8 +1108,9 @@ func changesAdapters(r *http.Request) bool {
 		(strings.HasSuffix(r.URL.Path, "/load_lora_adapter") || strings.HasSuffix(r.URL.Path, "/unload_lora_adapter"))
 }
 
-// chooseFallback is selectFallback's choice.
-func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+// chooseFallback is selectFallback's choice; pt is the handler's record of
+// a request it passed through, nil for none.
+func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, pt *passThrough) *reverseproxy.Upstream {
 	p.sh.metrics.decision(fallbackReason).Inc()
 	// A request about a stored response (its retrieval, its input items,
 	// its cancellation, its deletion) goes where the response is, as one
@@ -1129,7 +1137,7 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// where the model is served: to an upstream listing it, or whose list
 	// is unknown. When every list is known and none has it, it is not
 	// served here.
-	if pt, ok := r.Context().Value(passThroughKey{}).(*passThrough); ok && pt.model != "" && p.scraper != nil {
+	if pt != nil && pt.model != "" && p.scraper != nil {
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
 			pt.notFound = true
@@ -1162,6 +1170,9 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	return best
 }
 
+// modelNotFound is the OpenAI API's message for a model not served.
+func modelNotFound(model string) string { return fmt.Sprintf("The model `%s` does not exist.", model) }
+
 // stillNamed is pool for a decision: pool itself while this config is
 // loaded. A request held since before a reload decides with the replaced
 // config's pool, of which the static upstreams the new config dropped are
@@ -1174,19 +1185,19 @@ func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.Upstrea
 	return slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return !p.sh.fleet.Routable(u.Dial) })
 }
 
-// servingModel is pool without the upstreams whose model lists (fresh, or
-// however old for an engine that is down) lack model; known says some
-// upstream had such a list.
+// servingModel is pool without the upstreams whose model lists (see
+// listedModels) lack model; known says some upstream had such a list.
 func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (serving reverseproxy.UpstreamPool, known bool) {
 	now := time.Now()
 	for _, u := range pool {
 		sig, _ := p.scraper.Latest(u.Dial, now, 0)
-		if sig.Models == nil || now.Sub(sig.ModelsAt) > p.scraper.ModelsMaxAge() && !p.scraper.Down(u.Dial) {
+		models, _ := p.listedModels(sig, u.Dial, now)
+		if models == nil {
 			serving = append(serving, u) // unknown: it may serve it
 			continue
 		}
 		known = true
-		if slices.ContainsFunc(sig.Models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
+		if slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
 			serving = append(serving, u)
 		}
 	}

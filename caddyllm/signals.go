@@ -39,19 +39,28 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
-			} else if sig.Models != nil && (now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge() || p.scraper.Down(u.Dial)) {
+			} else {
 				// Stale metrics; the model list, fetched on its own
-				// schedule, still says what the engine serves. So does a
-				// down engine's last list, however old: a model it never
-				// listed is not one it serves (404), and one it listed is
-				// one it does not run now (503).
-				m.Models = sig.Models
+				// schedule, still says what the engine serves.
+				m.Models, m.Down = p.listedModels(sig, u.Dial, now)
 			}
-			m.Down = m.Engine == nil && p.scraper.Down(u.Dial)
 		}
 		dst = append(dst, m)
 	}
 	return dst, engines
+}
+
+// listedModels is the model list in sig of dial's engine as decisions take
+// it: fetched within ModelsMaxAge, or however old while nothing listens
+// there (a model it never listed is not one it serves, 404; one it
+// listed is one it does not run now, 503); nil when unknown. down is
+// whether nothing listens there.
+func (p *Policy) listedModels(sig scrape.Signals, dial string, now time.Time) (models []scrape.ModelInfo, down bool) {
+	down = p.scraper.Down(dial)
+	if sig.Models != nil && (down || now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge()) {
+		return sig.Models, down
+	}
+	return nil, down
 }
 
 // EngineView is what the scrapers last saw of an upstream's engine, for
