@@ -686,7 +686,7 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 // noteLiveOp records, while a snapshot is being applied, an operator's
 // drain or undrain that arrived live.
 func (s *Syncer) noteLiveOp(m *Message) {
-	dial := cmp.Or(m.Drain, m.Undrain)
+	dial := m.opDial()
 	if dial == "" {
 		return
 	}
@@ -804,7 +804,7 @@ func (s *Syncer) drop(m Message) {
 // numberOp numbers m, when it is an operator's drain or undrain, in the
 // order they were made.
 func (s *Syncer) numberOp(m *Message) {
-	if m.Drain == "" && m.Undrain == "" {
+	if m.opDial() == "" {
 		return
 	}
 	s.opsMu.Lock()
@@ -816,7 +816,7 @@ func (s *Syncer) numberOp(m *Message) {
 // noteOwnOp keeps m, when it is this router's operator's drain or
 // undrain, to restate (see ownOps).
 func (s *Syncer) noteOwnOp(m Message) {
-	dial := cmp.Or(m.Drain, m.Undrain)
+	dial := m.opDial()
 	if dial == "" {
 		return
 	}
@@ -845,7 +845,7 @@ func (s *Syncer) noteOpAtLocked(dial string, at int64) {
 // upstream made later is known here. One that stands replaces this
 // router's own op of the upstream.
 func (s *Syncer) peerOp(m *Message, at int64) bool {
-	dial := cmp.Or(m.Drain, m.Undrain)
+	dial := m.opDial()
 	s.opsMu.Lock()
 	defer s.opsMu.Unlock()
 	if at != 0 && at < s.opAt[dial] {
@@ -857,6 +857,10 @@ func (s *Syncer) peerOp(m *Message, at int64) bool {
 	}
 	return true
 }
+
+// opDial is the upstream m concerns when it is an operator's drain or
+// undrain, "" for a charge's event.
+func (m *Message) opDial() string { return cmp.Or(m.Drain, m.Undrain) }
 
 // deadlineLeft is m with, when it is an operator's drain, what is left of
 // its deadline, which counts from when the operator made it.
@@ -883,7 +887,7 @@ func (s *Syncer) ownOpsToRestate() []Message {
 // that a later one, kept to be sent again, concerns: sent after it, m
 // would undo it.
 func (s *Syncer) supersededOp(m *Message) bool {
-	dial := cmp.Or(m.Drain, m.Undrain)
+	dial := m.opDial()
 	if dial == "" {
 		return false
 	}
@@ -897,7 +901,7 @@ func (s *Syncer) supersededOp(m *Message) bool {
 // connected: it replaces an earlier one of the same upstream, never a
 // later one (a batch that failed to send may hold an older one).
 func (s *Syncer) keepOp(m Message) {
-	dial := cmp.Or(m.Drain, m.Undrain)
+	dial := m.opDial()
 	if dial == "" {
 		return
 	}
@@ -1138,7 +1142,7 @@ func (s *Syncer) missedBatches(why string) {
 func setOpTimes(h nats.Header, msgs []Message) {
 	var b []byte
 	for i := range msgs {
-		if msgs[i].Drain == "" && msgs[i].Undrain == "" {
+		if msgs[i].opDial() == "" {
 			continue
 		}
 		if len(b) > 0 {
@@ -1214,7 +1218,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	times := opTimes(msg)
 	for _, m := range b.Messages {
-		if m.Drain != "" || m.Undrain != "" {
+		if m.opDial() != "" {
 			var at int64
 			if len(times) > 0 {
 				at, times = times[0], times[1:]
