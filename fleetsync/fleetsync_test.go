@@ -960,6 +960,15 @@ func TestKeptDrainKeepsItsDeadline(t *testing.T) {
 	}
 }
 
+// eventMessages are evs as messages, as the plugin publishes them.
+func eventMessages(evs []router.Event) []Message {
+	msgs := make([]Message, len(evs))
+	for i := range evs {
+		msgs[i].Event = &evs[i]
+	}
+	return msgs
+}
+
 // peerRouter is one router's fleet wired to its Syncer as the plugin wires
 // them: peers' charges, drains (recorded in drained), renewals, its
 // restatements and snapshots.
@@ -975,13 +984,6 @@ func startPeerRouter(t *testing.T, url, name, subject string, dials ...string) *
 	for _, d := range dials {
 		r.fleet.Name(d, time.Now())
 	}
-	events := func(evs []router.Event) []Message {
-		msgs := make([]Message, len(evs))
-		for i := range evs {
-			msgs[i].Event = &evs[i]
-		}
-		return msgs
-	}
 	r.syncer = startSyncer(t, Config{URLs: []string{url}, Name: name, Subject: subject,
 		OnHeard:      func(peer string) { r.fleet.Heard(peer, time.Now()) },
 		OnSuperseded: func(peer string) { r.fleet.DropPeer(peer, time.Now()) },
@@ -990,9 +992,9 @@ func startPeerRouter(t *testing.T, url, name, subject string, dials ...string) *
 				r.fleet.DropPeer(p, time.Now())
 			}
 		},
-		Resync: func() []Message { return events(r.fleet.LiveEvents()) },
+		Resync: func() []Message { return eventMessages(r.fleet.LiveEvents()) },
 		Snapshot: func() []Message {
-			msgs := events(r.fleet.SnapshotEvents(MaxEventHashes))
+			msgs := eventMessages(r.fleet.SnapshotEvents(MaxEventHashes))
 			r.drained.Range(func(dial, deadline any) bool {
 				msgs = append(msgs, Message{Drain: dial.(string), Deadline: deadline.(time.Duration)})
 				return true
@@ -1156,15 +1158,8 @@ func BenchmarkSnapshot(b *testing.B) {
 			a.Release(d.Charge, time.Now())
 		}
 	}
-	events := func(evs []router.Event) []Message {
-		msgs := make([]Message, len(evs))
-		for i := range evs {
-			msgs[i].Event = &evs[i]
-		}
-		return msgs
-	}
 	sa, err := New(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "bench.snapshot",
-		Snapshot: func() []Message { return events(a.SnapshotEvents(MaxEventHashes)) }})
+		Snapshot: func() []Message { return eventMessages(a.SnapshotEvents(MaxEventHashes)) }})
 	if err != nil || sa.Start() != nil {
 		b.Fatal(err)
 	}

@@ -187,13 +187,7 @@ func TestReplacedConnectionStaysQuiet(t *testing.T) {
 	b := startPeerRouter(t, ns.ClientURL(), "b", "test.overlap", "x:1")
 	fa := router.New()
 	fa.Name("x:1", time.Now())
-	resync := func() []Message {
-		var msgs []Message
-		for _, ev := range fa.LiveEvents() {
-			msgs = append(msgs, Message{Event: &ev})
-		}
-		return msgs
-	}
+	resync := func() []Message { return eventMessages(fa.LiveEvents()) }
 	const instance = 77
 	old := startSyncer(t, Config{URLs: []string{"nats://" + link.ln.Addr().String()}, Name: "a", Subject: "test.overlap", Instance: instance, Resync: resync})
 	waitFor(t, "the old connection up", func() bool { return old.Stats().Connected })
