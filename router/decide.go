@@ -253,7 +253,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
-		cands[i].ContextTokens = contextTokens(m, cmp.Or(adapter, req.Model))
+		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
 		if home < 0 && isHome(&req, m) {
@@ -274,11 +274,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 func severalBaseModels(members []Member) bool {
 	first := ""
 	for i := range members {
-		models := members[i].Models
-		if e := members[i].Engine; e != nil && e.Models != nil {
-			models = e.Models
-		}
-		for _, m := range models {
+		for _, m := range members[i].modelList() {
 			root := cmp.Or(m.Root, m.ID)
 			switch {
 			case m.Parent != "":
@@ -292,14 +288,13 @@ func severalBaseModels(members []Member) bool {
 	return false
 }
 
-// contextTokens is model's context length on m, as its engine last
-// listed it; 0 when unknown.
-func contextTokens(m *Member, model string) int {
-	models := m.Models
-	if m.Engine != nil && m.Engine.Models != nil {
-		models = m.Engine.Models
+// modelList is the models m's engine last listed: with its fresh signals,
+// or alone (Models); nil when unknown.
+func (m *Member) modelList() []scrape.ModelInfo {
+	if m.Engine != nil {
+		return m.Engine.Models
 	}
-	return scrape.ContextTokens(models, model)
+	return m.Models
 }
 
 // isHome says m is req's home and can take it: healthy (a full upstream
@@ -501,11 +496,7 @@ func (o *Options) adapterOf(model string, members []Member) string {
 	}
 	isAdapter := func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }
 	for i := range members {
-		models := members[i].Models
-		if e := members[i].Engine; e != nil {
-			models = e.Models
-		}
-		if slices.ContainsFunc(models, isAdapter) {
+		if slices.ContainsFunc(members[i].modelList(), isAdapter) {
 			return model
 		}
 	}
