@@ -85,7 +85,9 @@ type Policy struct {
 
 	// MaxLoras is how many adapters an upstream keeps resident (vLLM's
 	// --max-loras). The policy remembers the adapters it last sent to each
-	// upstream and treats those as resident. Default 4.
+	// upstream and treats those as resident. An engine that reports its
+	// slot count (vLLM's lora_requests_info max_lora label) is taken at
+	// its word instead. Default 4.
 	MaxLoras int `json:"max_loras,omitempty"`
 
 	// AdapterLoadHost is the cost of loading an adapter the engine has

@@ -410,6 +410,9 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 			u.engineCapacityTokens = capacity
 		}
 		c.Waiting = now.Waiting
+		if raw.MaxLoRAs > 0 && observe {
+			u.engineMaxLoras = raw.MaxLoRAs
+		}
 		c.Models = now.ModelIDs()
 		// Foreign requests: what the engine had at the scrape beyond what
 		// the router had in flight there at that moment.
@@ -463,7 +466,7 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		}
 	}
 	if adapter != "" {
-		c.Adapter, c.AdapterLoadSeconds = opts.adapterCost(adapter, u, m.Engine)
+		c.Adapter, c.AdapterLoadSeconds = opts.adapterCost(adapter, u, m)
 	}
 	return c
 }
@@ -505,17 +508,28 @@ func (o *Options) adapterOf(model string, members []Member) string {
 
 // adapterCost says where u has adapter and what making it resident costs.
 // Resident: a running request uses it on the engine, or it is among the
-// last MaxLoras adapters the router sent there (vLLM keeps recently used
-// adapters in its GPU slots). Host: the router sent it there earlier, so
+// last adapters the router sent there, as many as the engine has GPU
+// slots (vLLM keeps recently used adapters in them): the count the engine
+// reports (vLLM's lora_requests_info max_lora, its --max-loras), which
+// outlives a stale scrape as its KV capacity does, else MaxLoras. m may be
+// nil: no engine signals. Host: the router sent it there earlier, so
 // the engine likely holds it in host memory. Otherwise it must be fetched
 // from storage: being listed in /v1/models does not mean it was ever
 // loaded. The cost is finite, so a busy replica holding the adapter loses
 // to an idle one once its queue outweighs the load, and the second
 // replica then holds it too: adapters replicate as far as the load needs.
-func (o *Options) adapterCost(adapter string, u *upstream, engine *scrape.Signals) (scorer.AdapterState, float64) {
+func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (scorer.AdapterState, float64) {
+	var engine *scrape.Signals
+	slots := o.MaxLoras
+	if m != nil {
+		engine = m.Engine
+		if u.engineMaxLoras > 0 && (m.Scraped || engine != nil) {
+			slots = u.engineMaxLoras
+		}
+	}
 	running := engine != nil && engine.AdaptersKnown && slices.Contains(engine.RunningAdapters, adapter)
 	switch i := slices.Index(u.adapters, adapter); {
-	case running || (i >= 0 && i < o.MaxLoras):
+	case running || (i >= 0 && i < slots):
 		return scorer.AdapterResident, 0
 	case i >= 0:
 		return scorer.AdapterHost, o.AdapterLoadHost.Seconds()

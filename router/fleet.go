@@ -128,8 +128,11 @@ type upstream struct {
 	lastRelease uint64
 
 	// adapters are the LoRA adapters charged here, most recent first:
-	// the first MaxLoras are presumed on the GPU, the rest in host memory.
-	adapters []string
+	// the first MaxLoras (or the engine's own count of adapter slots,
+	// engineMaxLoras, once reported) are presumed on the GPU, the rest in
+	// host memory.
+	adapters       []string
+	engineMaxLoras int
 }
 
 // New returns an empty fleet.

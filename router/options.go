@@ -54,7 +54,8 @@ type Options struct {
 	// lists with a parent model in /v1/models count too.
 	Adapters map[string]bool
 	// MaxLoras is how many adapters an upstream keeps on the GPU (vLLM's
-	// --max-loras): the last MaxLoras sent there are presumed resident.
+	// --max-loras): the last MaxLoras sent there are presumed resident,
+	// unless its engine reports its own count (scrape.Signals.MaxLoRAs).
 	// Default DefaultMaxLoras.
 	MaxLoras int
 	// AdapterLoadHost is the cost of loading an adapter the engine holds

@@ -207,7 +207,7 @@ func TestAdapterResidency(t *testing.T) {
 		t.Errorf("l0 refused: %v, %d in flight", got, state(t, f, "a").InFlight)
 	}
 	sig := &scrape.Signals{AdaptersKnown: true, RunningAdapters: []string{"l9"}}
-	if got, _ := opts.adapterCost("l9", u, sig); got != scorer.AdapterResident {
+	if got, _ := opts.adapterCost("l9", u, &Member{Engine: sig}); got != scorer.AdapterResident {
 		t.Errorf("running adapter: %v", got)
 	}
 	// An adapter known only from an engine's model list is an adapter too,
@@ -222,6 +222,39 @@ func TestAdapterResidency(t *testing.T) {
 	}
 	if got := opts.adapterOf("base", ms); got != "" {
 		t.Errorf("base model taken for an adapter: %q", got)
+	}
+}
+
+// TestEngineAdapterSlots: an engine that reports its adapter slots
+// (vLLM's lora_requests_info max_lora) keeps that many of the adapters
+// last sent there resident, whatever max_loras says, also while its scrape
+// is stale; a caller that does not scrape uses its own figure.
+func TestEngineAdapterSlots(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"l0": true, "l1": true}}.WithDefaults() // MaxLoras 4
+	ms := members("a")
+	ms[0].Scraped = true
+	ms[0].Engine = &scrape.Signals{Running: 0, Waiting: 0, AdaptersKnown: true, RunningAdapters: []string{}, MaxLoRAs: 1}
+	for _, a := range []string{"l0", "l1"} {
+		d := f.Decide(t0, Request{Model: a, PromptTokens: 10}, ms, &opts, rng(), nil)
+		served(f, d.Charge, t0)
+	}
+	u := f.upstreams["a"]
+	fresh, stale, unscraped := ms[0], Member{Dial: "a", Scraped: true}, Member{Dial: "a"}
+	for _, tc := range []struct {
+		name    string
+		m       *Member
+		adapter string
+		want    scorer.AdapterState
+	}{
+		{"fresh, last sent", &fresh, "l1", scorer.AdapterResident},
+		{"fresh, one slot taken by l1", &fresh, "l0", scorer.AdapterHost},
+		{"stale scrape", &stale, "l0", scorer.AdapterHost},
+		{"caller without scrapes: max_loras", &unscraped, "l0", scorer.AdapterResident},
+	} {
+		if got, _ := opts.adapterCost(tc.adapter, u, tc.m); got != tc.want {
+			t.Errorf("%s: %s is %v, want %v", tc.name, tc.adapter, got, tc.want)
+		}
 	}
 }
 
