@@ -751,3 +751,71 @@ func TestInheritStartsWhereTheOldScraperLeftOff(t *testing.T) {
 		t.Fatalf("inherited: down %v, signals %+v", reloaded.Down(dial), sig)
 	}
 }
+
+// TestInheritedCountersCatchARestart: an engine that restarts while a
+// config reloads (its counters start over between the old scraper's last
+// read and the new one's first) is seen restarting by the new scraper,
+// which compares with the counters it inherited; one that started afresh
+// would take the new process's counters for its first reading and keep
+// believing the engine holds what it held before.
+func TestInheritedCountersCatchARestart(t *testing.T) {
+	newEngine := func() *kvsim.Server {
+		sim, err := kvsim.NewServer(kvsim.ServerConfig{Speed: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = sim.Close() })
+		return sim
+	}
+	var engine atomic.Pointer[kvsim.Server]
+	engine.Store(newEngine())
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		engine.Load().ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	dial := hostOf(srv)
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"`+kvsim.DefaultModel+`","prompt":"some prompt to count","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+
+	cfg := Config{Interval: 50 * time.Millisecond, SlowInterval: 50 * time.Millisecond}
+	oldCtx, stopOld := context.WithCancel(context.Background())
+	defer stopOld()
+	old := New(cfg)
+	old.SetTargets([]string{dial})
+	old.Start(oldCtx)
+	waitFor(t, "the old scraper reading the prefix counters", 10*time.Second, func() bool {
+		sig, ok := old.Latest(dial, time.Now(), time.Second)
+		return ok && sig.PrefixQueries > 0
+	})
+	stopOld()
+	<-old.Stopped()
+
+	restarted := time.Now()
+	engine.Store(newEngine()) // a new process on the same port: counters from 0
+
+	for _, inherit := range []bool{true, false} {
+		ctx, cancel := context.WithCancel(context.Background())
+		reloaded := New(cfg)
+		reloaded.SetTargets([]string{dial})
+		if inherit {
+			reloaded.Inherit(old)
+		}
+		reloaded.Start(ctx)
+		var sig Signals
+		waitFor(t, "the reloaded scraper's first reading", 10*time.Second, func() bool {
+			var ok bool
+			sig, ok = reloaded.Latest(dial, time.Now(), time.Second)
+			return ok && sig.Seq > 0 && sig.PrefixQueries >= 0
+		})
+		cancel()
+		<-reloaded.Stopped()
+		if seen := !sig.LastRestart.Before(restarted); seen != inherit {
+			t.Errorf("inherited %v: restart seen %v (last restart %v, engine restarted %v)", inherit, seen, sig.LastRestart, restarted)
+		}
+	}
+}
