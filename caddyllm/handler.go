@@ -282,9 +282,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 // servePassThrough proxies a request the router does not route by its
 // prompt (embeddings, tokenization, scoring, a stored response, ...). A
-// JSON POST body up to maxModelPeekBytes is read for its model, so that
-// the policy sends it to an upstream serving that model, or answers 404
-// for one no upstream lists (see Policy.chooseFallback). The policy
+// JSON POST body up to max_body, of a declared length or chunked, is read
+// for its model, so that the policy sends it to an upstream serving that
+// model, or answers 404 for one no upstream lists (see
+// Policy.chooseFallback); a larger one is streamed to an upstream chosen
+// without it. The policy
 // registers each of its attempts with the drain registry, as it does a
 // routed one's (see Policy.enterPassThrough), so a drain waits for it;
 // the drain's deadline cancels it. It is not sent again from here: one
@@ -296,17 +298,17 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 	pt.writer.ResponseWriter, pt.writer.pt = w, pt
 	defer pt.end()
 	defer cancel(nil)
-	if r.Method == http.MethodPost && r.Body != nil && r.ContentLength > 0 &&
-		r.ContentLength <= min(maxModelPeekBytes, h.MaxBodyBytes) && isJSON(r.Header) {
-		body, err := readDeclared(r.Body, r.ContentLength)
+	if r.Method == http.MethodPost && r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 &&
+		r.ContentLength <= h.MaxBodyBytes && isJSON(r.Header) {
+		body, whole, err := h.peekBody(r)
 		if err != nil {
 			closeUnread(w, r)
 			writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
 			return nil
 		}
-		r.Body.Close()
-		pt.model = modelOfBody(body)
-		r.Body = io.NopCloser(bytes.NewReader(body))
+		if whole {
+			pt.model = modelOfBody(body)
+		}
 	}
 	err, aborted := serveRecovering(&pt.writer, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
 	if aborted {
@@ -356,9 +358,34 @@ func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
 	return w.ResponseWriterWrapper.ReadFrom(r)
 }
 
-// maxModelPeekBytes is the largest pass-through body read for its model;
-// a larger one is streamed to an upstream chosen without it.
-const maxModelPeekBytes = 1 << 20
+// peekBody reads r's body, of a declared length up to max_body or
+// chunked, and puts back a body that sends the same bytes: the whole body,
+// with its length declared, when it is within max_body (whole), else the
+// bytes read followed by the rest, still streamed.
+func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error) {
+	if r.ContentLength > 0 {
+		if body, err = readDeclared(r.Body, r.ContentLength); err != nil {
+			return nil, false, err
+		}
+	} else {
+		var buf bytes.Buffer
+		if _, err = buf.ReadFrom(io.LimitReader(r.Body, h.MaxBodyBytes+1)); err != nil {
+			return nil, false, err
+		}
+		if body = buf.Bytes(); int64(len(body)) > h.MaxBodyBytes {
+			r.Body = struct {
+				io.Reader
+				io.Closer
+			}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
+			return body, false, nil
+		}
+	}
+	r.Body.Close()
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.TransferEncoding = nil
+	return body, true, nil
+}
 
 // isJSON says the request's Content-Type is JSON (or unset, as some
 // clients send it).

@@ -290,3 +290,42 @@ func TestModelsWriterReplacesOnlyJSON(t *testing.T) {
 		t.Errorf("the engine's 401 became %d %q", rec.Code, rec.Body.String())
 	}
 }
+
+// TestPeekBody: a pass-through body within max_body is read whole (also
+// chunked, then sent with its length); a chunked one beyond it is sent on
+// as it came, the bytes read first, and not read for its model.
+func TestPeekBody(t *testing.T) {
+	h := &Handler{MaxBodyBytes: 32}
+	for _, c := range []struct {
+		name    string
+		body    string
+		chunked bool
+		whole   bool
+	}{
+		{"declared", `{"model":"m","input":"x"}`, false, true},
+		{"chunked", `{"model":"m","input":"x"}`, true, true},
+		{"chunked, exactly max_body", `{"model":"m","input":"xxxxxxxx"}`, true, true},
+		{"chunked, beyond max_body", `{"input":"a long input","model":"m"}`, true, false},
+	} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/embeddings", strings.NewReader(c.body))
+		if c.chunked {
+			r.ContentLength, r.TransferEncoding = -1, []string{"chunked"}
+		}
+		body, whole, err := h.peekBody(r)
+		if err != nil || whole != c.whole || (whole && string(body) != c.body) {
+			t.Errorf("%s: whole %v, %q, %v", c.name, whole, body, err)
+			continue
+		}
+		sent, _ := io.ReadAll(r.Body)
+		if string(sent) != c.body {
+			t.Errorf("%s: sends %q", c.name, sent)
+		}
+		if wantLength := int64(-1); whole {
+			if r.ContentLength != int64(len(c.body)) || r.TransferEncoding != nil {
+				t.Errorf("%s: length %d, transfer encoding %v", c.name, r.ContentLength, r.TransferEncoding)
+			}
+		} else if r.ContentLength != wantLength || len(r.TransferEncoding) != 1 {
+			t.Errorf("%s: length %d, transfer encoding %v; sent as it came", c.name, r.ContentLength, r.TransferEncoding)
+		}
+	}
+}

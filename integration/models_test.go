@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"compress/gzip"
 	"encoding/json"
 	"fmt"
@@ -321,5 +322,26 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 	c := postRaw(t, "/v1/embeddings", []byte(`{"model":"no-such-model","input":"hello"}`))
 	if c.status != 404 || !strings.Contains(c.body, `"code":"model_not_found"`) || !strings.Contains(c.body, "no-such-model") {
 		t.Fatalf("an unknown model: %d %s", c.status, c.body)
+	}
+	// A batch of 2 MiB, the model after the input (the OpenAI Python
+	// client's order), of a declared length and chunked: read whole, it
+	// goes where the model is, and arrives whole.
+	big := []byte(`{"input":["` + strings.Repeat("a passage to embed ", 2<<20/19) + `"],"model":"` + qwenModel + `"}`)
+	for _, chunked := range []bool{false, true} {
+		for range 4 {
+			var body io.Reader = bytes.NewReader(big)
+			if chunked {
+				body = struct{ io.Reader }{body} // no length: sent chunked
+			}
+			resp, err := http.Post(routerURL+"/v1/embeddings", "application/json", body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 || resp.Header.Get(kvsim.ReplicaHeader) != qwen.name {
+				t.Fatalf("2 MiB, chunked %v: %d from %q: %s", chunked, resp.StatusCode, resp.Header.Get(kvsim.ReplicaHeader), b)
+			}
+		}
 	}
 }
