@@ -90,3 +90,48 @@ func TestListDuringTheDecisionIsNotMissed(t *testing.T) {
 		t.Fatalf("%d of %d requests for an adapter B lists got no upstream", missed, n)
 	}
 }
+
+// TestUnknownModelDecidesOnce: a request for a model no engine lists has
+// every engine's list fetched anew before its 404, and each fetch's end
+// wakes it; lists that come back as they were decide nothing again. It
+// used to decide again at every engine's answer, one decision an engine
+// under the fleet's lock, for a name a misconfigured client sends on
+// every request.
+func TestUnknownModelDecidesOnce(t *testing.T) {
+	var noDelay atomic.Int64
+	s := scrape.New(scrape.Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var pool reverseproxy.UpstreamPool
+	var dials []string
+	for range 8 {
+		e := listingEngine(t, func() string { return "base" }, &noDelay)
+		pool = append(pool, &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: e.Listener.Addr().String()})
+		dials = append(dials, e.Listener.Addr().String())
+	}
+	s.SetTargets(dials)
+	s.Start(ctx)
+	for _, d := range dials {
+		for s.Seq(d) == 0 {
+			select {
+			case <-s.ModelsFetched():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+	p := testPolicy(t, zap.NewNop())
+	p.QueueTimeout = caddy.Duration(10 * time.Second)
+	p.scraper = s
+	for i := range 3 {
+		body := `{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}`
+		st := &requestState{req: mustParse(t, body), body: []byte(body), origBody: []byte(body), arrived: time.Now()}
+		r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+		before := p.sh.fleet.Decisions()
+		if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil || st.shed.status != http.StatusNotFound {
+			t.Fatalf("request %d: upstream %v, answer %+v; want the 404", i, up, st.shed)
+		}
+		if n := p.sh.fleet.Decisions() - before; n != 1 {
+			t.Errorf("request %d: %d decisions while 8 lists were fetched anew, want 1", i, n)
+		}
+	}
+}

@@ -600,9 +600,10 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	defer p.unhold(st)
 	var lookUntil time.Time // while the model lists are fetched anew
 	var listed <-chan struct{}
+	var lists uint64
 	for now := held; ; now = time.Now() {
-		if p.scraper != nil {
-			listed = p.scraper.ModelsFetched() // before the decision reads the lists
+		if p.scraper != nil { // before the decision reads the lists
+			listed, lists = p.scraper.ModelsFetched(), p.scraper.ModelListsChanged()
 		}
 		up, d := p.decide(p.stillNamed(pool), st, now, deadline)
 		if up != nil {
@@ -616,7 +617,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// larger than every upstream's KV cache; a 503 would tell the
 		// client to retry.
 		switch {
-		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed):
+		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed, lists):
 			if r.Context().Err() != nil {
 				return p.answered()
 			}
@@ -905,50 +906,60 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 const modelsRefetchWait = 2 * time.Second
 
 // lookAgain, for a request whose model no engine lists, has the engines'
-// lists fetched anew (those not fetched since it arrived) and waits for
-// the next to come, within modelsRefetchWait and the request's deadline
-// (lookUntil keeps the end across calls), and reports whether one did:
-// then the request is decided again, once per list fetched. listed is the
-// scraper's ModelsFetched channel taken before the decision, so a list
-// that came during it is not missed. An adapter loaded on an engine
-// directly, not through the router, is listed there before the next
-// models_interval. It reports false, and the 404 goes, once every list
-// the decision read is as new as the request, or the time is up. Caller
-// holds st.mu, which is not held while it waits, as while waiting for
-// capacity.
-func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time, lookUntil *time.Time, listed <-chan struct{}) bool {
+// lists fetched anew (those not fetched since it arrived) and waits,
+// within modelsRefetchWait and the request's deadline (lookUntil keeps
+// the end across calls), until one of them lists something new, and
+// reports whether one did: then the request is decided again. listed and
+// lists are the scraper's ModelsFetched channel and ModelListsChanged
+// count taken before the decision, so a list that came during it is not
+// missed. An adapter loaded on an engine directly, not through the
+// router, is listed there before the next models_interval. A list that
+// came back as it was wakes the wait but decides nothing: clients asking
+// for a model that does not exist cost one decision each (two if the
+// time runs out), not one for every engine's list, under the fleet's
+// lock. It reports false, and the 404 goes, once every list the decision
+// read is as new as the request and none changed, or the time is up.
+// Caller holds st.mu, which is not held while it waits, as while waiting
+// for capacity.
+func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time, lookUntil *time.Time, listed <-chan struct{}, lists uint64) bool {
 	if lookUntil.IsZero() {
 		*lookUntil = now.Add(modelsRefetchWait)
 		if deadline.Before(*lookUntil) {
 			*lookUntil = deadline
 		}
 	}
-	wait := lookUntil.Sub(now)
-	if wait <= 0 {
-		return false
-	}
 	dials := make([]string, len(pool))
 	for i, u := range pool {
 		dials[i] = u.Dial
 	}
-	if p.scraper.AskModels(dials, st.arrived) == 0 {
-		select {
-		case <-listed:
-			return true // a list came since the decision read them
-		default:
+	changed := func() bool { return p.scraper.ModelListsChanged() != lists }
+	for {
+		if changed() {
+			return true
+		}
+		wait := time.Until(*lookUntil)
+		if wait <= 0 {
 			return false
 		}
+		if p.scraper.AskModels(dials, st.arrived) == 0 {
+			return changed() // every list is as new as the request
+		}
+		timer := time.NewTimer(wait)
+		st.mu.Unlock()
+		timedOut := false
+		select {
+		case <-listed:
+		case <-timer.C:
+			timedOut = true
+		case <-r.Context().Done():
+		}
+		timer.Stop()
+		st.mu.Lock()
+		if timedOut || r.Context().Err() != nil {
+			return true // decided once more, or answered as gone
+		}
+		listed = p.scraper.ModelsFetched() // before changed() looks again
 	}
-	timer := time.NewTimer(wait)
-	defer timer.Stop()
-	st.mu.Unlock()
-	defer st.mu.Lock()
-	select {
-	case <-listed:
-	case <-timer.C:
-	case <-r.Context().Done():
-	}
-	return true
 }
 
 // bodyReader is the request body the handler installs for reverse_proxy,

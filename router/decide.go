@@ -131,6 +131,11 @@ type Decision struct {
 	TooLong bool
 }
 
+// Decisions counts the decisions made under the fleet's lock, every one
+// of a request held at the gateway or looking again for its model
+// included: what deciding has cost, as the lock serialises decisions.
+func (f *Fleet) Decisions() uint64 { return f.decisions.Load() }
+
 // Decide chooses where req goes among members, at now, and charges the
 // choice: its uncached prompt as queued prefill, its expected output as
 // queued decode and both as KV in use; its blocks join the chosen
@@ -142,6 +147,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.decisions.Add(1)
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
 	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}

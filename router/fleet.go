@@ -51,6 +51,8 @@ type Fleet struct {
 	held  map[*Options]int
 	// releases is written under mu; Releases reads it without.
 	releases atomic.Uint64
+	// decisions counts Decide's calls that took mu (see Decisions).
+	decisions atomic.Uint64
 
 	// publisher receives the events of this router's own charges; remote
 	// holds the peers' charges applied here, peers when each peer was

@@ -100,8 +100,11 @@ type Scraper struct {
 	done    chan struct{} // closed when the run loop has stopped
 	started atomic.Bool
 	// modelsFetched is closed, and replaced, whenever a fetch of a
-	// target's models ends (see AskModels).
+	// target's models ends (see AskModels); listsChanged counts the
+	// fetches whose list differed from the one before (see
+	// ModelListsChanged), counted before modelsFetched closes.
 	modelsFetched atomic.Pointer[chan struct{}]
+	listsChanged  atomic.Uint64
 	// ctx is the context Start was given, for fetches AskModels sends;
 	// alone counts those fetches under way, and stopping (under aloneMu)
 	// says the run loop is waiting for them: no new one starts.
@@ -443,7 +446,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 			s.cfg.Logger.Debug("engine metrics scrape failing", zap.String("upstream", t.dial), zap.Error(err))
 		}
 		if modelsDue {
-			t.noteModels(st, models, modelsErr, start)
+			s.noteModels(t, st, models, modelsErr, start)
 			if modelsErr == nil {
 				t.publishModelsLocked()
 			}
@@ -458,7 +461,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	st.ConsecutiveErrors = 0
 	st.LastSuccess = start
 	if modelsDue {
-		t.noteModels(st, models, modelsErr, start)
+		s.noteModels(t, st, models, modelsErr, start)
 	}
 
 	e := engineNamed(sig.Engine)
@@ -491,14 +494,26 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 
 // noteModels records a fetch of t's model list, sent at start; caller
 // holds t.mu.
-func (t *scrapeTarget) noteModels(st *Status, models []ModelInfo, err error, start time.Time) {
+func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, err error, start time.Time) {
 	if err != nil {
 		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
 		t.modelsFailures++
 		return
 	}
+	if t.models == nil || !sameModels(t.models, models) {
+		s.listsChanged.Add(1)
+	}
 	st.ModelsError = ""
 	t.models, t.modelsAt, t.modelsFailures = models, start, 0
+}
+
+// sameModels says two lists of one engine name the same models, in the
+// same order, with the same parents, roots and context lengths; the rest
+// of each entry (vLLM's "created" is the time of the answer) may differ.
+func sameModels(a, b []ModelInfo) bool {
+	return slices.EqualFunc(a, b, func(x, y ModelInfo) bool {
+		return x.ID == y.ID && x.Parent == y.Parent && x.Root == y.Root && x.MaxModelLen == y.MaxModelLen
+	})
 }
 
 // publishModelsLocked makes the list just fetched part of t's latest

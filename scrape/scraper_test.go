@@ -819,3 +819,47 @@ func TestInheritedCountersCatchARestart(t *testing.T) {
 		}
 	}
 }
+
+// TestModelListsChanged counts the lists that differ from the engine's
+// list before: its first, and one naming another model, not one whose
+// entries differ only in what vLLM fills in anew for every answer
+// ("created").
+func TestModelListsChanged(t *testing.T) {
+	var model atomic.Value
+	model.Store("m1")
+	var answers atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","created":%d,"max_model_len":4096}]}`,
+			model.Load(), answers.Add(1))
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	dial := hostOf(srv)
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	fetched := func() { // one more fetch of the list, asked for and ended
+		t.Helper()
+		since, ended := time.Now(), s.ModelsFetched()
+		if s.AskModels([]string{dial}, since) == 0 {
+			t.Fatal("nothing fetched")
+		}
+		<-ended
+		waitFor(t, "the list fetched", 10*time.Second, func() bool { return s.AskModels([]string{dial}, since) == 0 })
+	}
+	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 })
+	fetched()
+	if n := s.ModelListsChanged(); n != 1 {
+		t.Fatalf("the same list again (created %d): %d changes, want 1", answers.Load(), n)
+	}
+	model.Store("m2")
+	fetched()
+	if n := s.ModelListsChanged(); n != 2 {
+		t.Fatalf("another model listed: %d changes, want 2", n)
+	}
+}

@@ -140,6 +140,13 @@ func (s *Scraper) AskModels(dials []string, since time.Time) (outstanding int) {
 // list ends (see AskModels).
 func (s *Scraper) ModelsFetched() <-chan struct{} { return *s.modelsFetched.Load() }
 
+// ModelListsChanged counts the model lists fetched that differed from the
+// engine's list before (its first list counts): read before a decision,
+// it tells whether a list the decision read has changed since, without
+// deciding again. It counts before ModelsFetched's channel closes for the
+// same fetch.
+func (s *Scraper) ModelListsChanged() uint64 { return s.listsChanged.Load() }
+
 // scheduleModelsLocked starts a fetch of t's list, now or, to keep fetches
 // modelsRefetchSpacing apart, when the last one sent is that old, unless
 // one is under way or scheduled. Caller holds t.mu.
@@ -197,7 +204,7 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 	if ctx.Err() != nil {
 		return // stopping: not the engine's fault
 	}
-	t.noteModels(&t.status, models, err, sent)
+	s.noteModels(t, &t.status, models, err, sent)
 	if err == nil {
 		t.publishModelsLocked()
 	}
