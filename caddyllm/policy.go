@@ -1079,8 +1079,17 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	if passedThrough {
 		pt, _ = r.Context().Value(passThroughKey{}).(*passThrough)
 	}
+	if pt != nil && pt.notFound {
+		// Refused at an earlier attempt: Caddy asks again after a nil
+		// (lb_retries), and the answer stands, counted once.
+		return p.answered()
+	}
 	up := p.chooseFallback(pool, r, w, pt)
-	if up != nil && passedThrough {
+	if up == nil {
+		return nil // no decision: Caddy may ask again
+	}
+	p.sh.metrics.decision(fallbackReason).Inc()
+	if passedThrough {
 		p.enterPassThrough(r, pt, up.Dial)
 	}
 	if up != nil && p.scraper != nil && changesAdapters(r) {
@@ -1124,7 +1133,6 @@ func changesAdapters(r *http.Request) bool {
 // chooseFallback is selectFallback's choice; pt is the handler's record of
 // a request it passed through, nil for none.
 func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, pt *passThrough) *reverseproxy.Upstream {
-	p.sh.metrics.decision(fallbackReason).Inc()
 	// A request about a stored response (its retrieval, its input items,
 	// its cancellation, its deletion) goes where the response is, as one
 	// continuing it does.
@@ -1154,6 +1162,7 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
 			pt.notFound = true
+			p.sh.metrics.decision(refusedReason).Inc()
 			p.sh.metrics.refused.WithLabelValues("model_not_found").Inc()
 			return p.answered()
 		}

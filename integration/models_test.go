@@ -305,7 +305,7 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, embeddings(kvsim.DefaultModel))
 	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: qwenModel}, embeddings(qwenModel))
 	fleet := []*replica{llama, qwen}
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "lb_retries 2"))
 	modelsScraped(t, fleet)
 	for i := range 8 {
 		for _, want := range fleet {
@@ -319,9 +319,23 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 			}
 		}
 	}
+	counts := func() [3]float64 {
+		mfs := metricFamilies(t, adminURL+"/metrics")
+		return [3]float64{
+			counterValue(mfs, "caddy_llm_affinity_refused_total", "code", "model_not_found"),
+			counterValue(mfs, "caddy_llm_affinity_decisions_total", "reason", "refused"),
+			counterValue(mfs, "caddy_llm_affinity_decisions_total", "reason", "fallback"),
+		}
+	}
+	before := counts()
 	c := postRaw(t, "/v1/embeddings", []byte(`{"model":"no-such-model","input":"hello"}`))
 	if c.status != 404 || !strings.Contains(c.body, `"code":"model_not_found"`) || !strings.Contains(c.body, "no-such-model") {
 		t.Fatalf("an unknown model: %d %s", c.status, c.body)
+	}
+	// Counted once as refused, although Caddy asks the policy again after
+	// it chose nothing (lb_retries 2).
+	if after := counts(); after != [3]float64{before[0] + 1, before[1] + 1, before[2]} {
+		t.Errorf("refused_total{model_not_found}, decisions_total{refused}, decisions_total{fallback}: %v, then %v", before, after)
 	}
 	// A batch of 2 MiB, the model after the input (the OpenAI Python
 	// client's order), of a declared length and chunked: read whole, it
