@@ -878,7 +878,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	rreq := router.Request{
 		Hashes: req.Hashes, BlockTokens: req.BlockTokens, PromptTokens: req.PromptTokens,
 		PromptBytes: req.PromptBytes, LongestPromptTokens: req.LongestPromptTokens,
-		MaxTokens: req.MaxTokens, Model: req.Model, MaxWait: max(0, deadline.Sub(now)),
+		MaxTokens: req.MaxTokens, Sequences: req.Sequences, Model: req.Model, MaxWait: max(0, deadline.Sub(now)),
 		Home:            p.sh.fleet.ResponseHome(req.PreviousResponseID),
 		MaxTokensCapped: req.Endpoint == EndpointResponses,
 		ReleasesBefore:  releasesBefore,

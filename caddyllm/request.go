@@ -85,6 +85,11 @@ type Request struct {
 	// MaxTokens is max_tokens or max_completion_tokens (max_output_tokens
 	// for the Responses API), 0 when absent.
 	MaxTokens int
+	// Sequences is how many sequences the engine generates: a batch's
+	// prompts times n, the choices asked for each (chat and completions);
+	// 1 for one prompt and one choice. Each takes its own output's KV,
+	// and usage counts all their output together.
+	Sequences int
 	// Stream is the request's stream flag.
 	Stream bool
 	// Hashes are the chained block hashes of the canonical prompt.
@@ -114,6 +119,11 @@ func (e errBadRequest) Error() string { return e.msg }
 func badRequestf(param, format string, args ...any) error {
 	return errBadRequest{msg: fmt.Sprintf(format, args...), param: param}
 }
+
+// maxSequences bounds Request.Sequences: far more than an engine runs
+// for one request (vLLM's max_num_seqs defaults to 256 a batch), and
+// small enough that every product of it with a token count stays exact.
+const maxSequences = 1 << 16
 
 // maxModelNameBytes bounds the model name.
 const maxModelNameBytes = 512
@@ -247,7 +257,7 @@ const (
 // Keys match exactly, as vLLM's request models (pydantic) match them: a
 // "Model" beside "model" is another, unknown, field.
 var (
-	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store"}
+	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n"}
 	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
 	itemFields = [...]string{"role", "content", "type"}
 	partFields = [...]string{"type"}
@@ -270,6 +280,7 @@ const (
 	fieldMaxOutputTokens
 	fieldPreviousResponseID
 	fieldStore
+	fieldN
 	fieldOther = -1
 )
 
@@ -341,6 +352,7 @@ type reading struct {
 	modelSet      bool
 	maxTokens     optInt
 	maxCompletion optInt
+	n             optInt // choices a prompt (chat, completions)
 	stream        bool
 
 	// hashes is the result's slice, shared by every restart of the
@@ -409,7 +421,12 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	case r.typeErr != nil:
 		return nil, r.typeErr
 	}
-	req := &Request{Endpoint: endpoint, Stream: r.stream}
+	req := &Request{Endpoint: endpoint, Stream: r.stream, Sequences: 1}
+	if r.n.set && r.n.v > 1 {
+		// n below 1 the engine refuses; whatever it does with it, it
+		// generates at most one sequence a prompt.
+		req.Sequences = min(r.n.v, maxSequences)
+	}
 	// max_completion_tokens, the chat API's newer name, wins, as in vLLM.
 	switch {
 	case endpoint == EndpointResponses:
@@ -440,6 +457,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			req.PromptTokens, req.PromptBytes = r.promptTokens, r.promptBytes
 			if r.prompts > 1 {
 				req.LongestPromptTokens = r.longest
+				req.Sequences = min(req.Sequences*r.prompts, maxSequences)
 			}
 		}
 	case EndpointChatCompletions:
@@ -607,6 +625,8 @@ func (r *reading) object() {
 			r.optInt(&r.maxTokens, "max_tokens")
 		case fieldMaxCompletionTokens:
 			r.optInt(&r.maxCompletion, "max_completion_tokens")
+		case fieldN:
+			r.optInt(&r.n, "n")
 		case fieldStream:
 			// Read as vLLM reads it (pydantic, lax): also "true", 1.
 			switch c := s.ws(); {
@@ -643,7 +663,7 @@ func (r *reading) reads(field int) bool {
 		return r.endpoint == EndpointCompletions
 	case fieldMessages, fieldMaxCompletionTokens:
 		return r.endpoint == EndpointChatCompletions
-	case fieldMaxTokens:
+	case fieldMaxTokens, fieldN:
 		return r.endpoint != EndpointResponses
 	case fieldInput, fieldInstructions, fieldMaxOutputTokens, fieldPreviousResponseID, fieldStore:
 		return r.endpoint == EndpointResponses

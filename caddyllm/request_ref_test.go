@@ -29,6 +29,7 @@ type refRequest struct {
 	Tools               json.RawMessage `json:"tools"`
 	MaxTokens           *refLaxInt      `json:"max_tokens"`
 	MaxCompletionTokens *refLaxInt      `json:"max_completion_tokens"`
+	N                   *refLaxInt      `json:"n"`
 	Stream              refLaxBool      `json:"stream"`
 }
 
@@ -38,6 +39,7 @@ type refCompletionsRequest struct {
 	Model     string          `json:"model"`
 	Prompt    json.RawMessage `json:"prompt"`
 	MaxTokens *refLaxInt      `json:"max_tokens"`
+	N         *refLaxInt      `json:"n"`
 	Stream    refLaxBool      `json:"stream"`
 }
 
@@ -230,12 +232,15 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		return nil, badRequestf("", "invalid JSON body: %v", err)
 	}
 	if endpoint == EndpointCompletions {
-		raw = refRequest{Model: completions.Model, Prompt: completions.Prompt, MaxTokens: completions.MaxTokens, Stream: completions.Stream}
+		raw = refRequest{Model: completions.Model, Prompt: completions.Prompt, MaxTokens: completions.MaxTokens, N: completions.N, Stream: completions.Stream}
 	}
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
 	}
-	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: bool(raw.Stream)}
+	req := &Request{Endpoint: endpoint, Model: raw.Model, Stream: bool(raw.Stream), Sequences: 1}
+	if raw.N != nil && *raw.N > 1 {
+		req.Sequences = min(int(*raw.N), maxSequences)
+	}
 	switch {
 	case raw.MaxCompletionTokens != nil:
 		req.MaxTokens = max(0, int(*raw.MaxCompletionTokens))
@@ -265,7 +270,7 @@ func (p *parser) refParseResponses(body []byte) (*Request, error) {
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
 	}
-	req := &Request{Endpoint: EndpointResponses, Model: raw.Model, Stream: bool(raw.Stream)}
+	req := &Request{Endpoint: EndpointResponses, Model: raw.Model, Stream: bool(raw.Stream), Sequences: 1}
 	if raw.MaxOutputTokens != nil {
 		req.MaxTokens = max(0, int(*raw.MaxOutputTokens))
 	}
@@ -391,6 +396,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()), c.Len()
 	if len(parts) > 1 {
 		req.LongestPromptTokens = longest
+		req.Sequences = min(req.Sequences*len(parts), maxSequences)
 	}
 	return nil
 }
@@ -414,6 +420,7 @@ func (p *parser) refHashTokenBatch(req *Request, seed uint64, parts []json.RawMe
 	req.PromptTokens = len(all)
 	if len(parts) > 1 {
 		req.LongestPromptTokens = longest
+		req.Sequences = min(req.Sequences*len(parts), maxSequences)
 	}
 	return nil
 }
@@ -514,7 +521,7 @@ func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) ||
 		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore ||
 		got.Media != want.Media || got.LongestPromptTokens != want.LongestPromptTokens ||
-		got.PromptBytes != want.PromptBytes {
+		got.PromptBytes != want.PromptBytes || got.Sequences != want.Sequences {
 		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
 	}
 }
@@ -601,6 +608,8 @@ func referenceCorpus() []string {
 		`{"input":[{"type":"message","role":"user","content":"a"}],"input":[{"role":5}],"input":"z"}`,
 		`{"input":"x","max_tokens":"many","max_completion_tokens":1.5,"prompt":7}`, `{"messages":[{"role":"u"}],"max_output_tokens":1.5,"store":"x"}`,
 		`{"input":[{"role":"user","type":7}]}`, `{"input":[{"role":null,"type":null}]}`,
+		`{"prompt":["p","q"],"n":3}`, `{"messages":[{"role":"user","content":"x"}],"n":"2"}`, `{"prompt":[[1],[2,3]],"n":true}`,
+		`{"messages":[{"role":"user","content":"x"}],"n":[2]}`, `{"prompt":"p","n":-4}`, `{"prompt":"p","n":2.5}`,
 		`{"prompt":"p","max_tokens":5,"max_completion_tokens":100000}`, `{"prompt":"p","messages":42,"max_completion_tokens":"x"}`,
 		`{"input":"x","store":"no"}`, `{"input":"x","store":0}`, `{"input":"x","store":false,"store":{}}`, `{"input":"x","previous_response_id":"`+strings.Repeat("r", 300)+`"}`,
 		"{\"input\":\"x\",\"previous_response_id\":\"bad \xff utf8\"}",
@@ -713,7 +722,7 @@ func refTokens(raw []byte) ([]int32, bool) {
 
 // refFields are the keys the reference decodes into its structs.
 var refFields = []string{"content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
-	"messages", "model", "name", "previous_response_id", "prompt", "role", "store", "stream", "tool_call_id", "tool_calls", "tools", "type"}
+	"messages", "model", "n", "name", "previous_response_id", "prompt", "role", "store", "stream", "tool_call_id", "tool_calls", "tools", "type"}
 
 // foldedKey says body has a key that differs from a field's name but
 // matches it as encoding/json matches keys, without regard to case

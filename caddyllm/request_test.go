@@ -570,6 +570,37 @@ func TestBatchLongestPrompt(t *testing.T) {
 	}
 }
 
+// TestSequences: the engine generates n choices for each prompt of a
+// batch (chat and completions; the Responses API has no n), each with
+// output of its own.
+func TestSequences(t *testing.T) {
+	p := testParser()
+	for _, c := range []struct {
+		endpoint Endpoint
+		body     string
+		want     int
+	}{
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"x"}]}`, 1},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"x"}],"n":4}`, 4},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"x"}],"n":"3"}`, 3},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"x"}],"n":null}`, 1},
+		{EndpointChatCompletions, `{"messages":[{"role":"user","content":"x"}],"n":0}`, 1},
+		{EndpointCompletions, `{"prompt":["a","b","c"],"n":2}`, 6},
+		{EndpointCompletions, `{"prompt":[[1],[2]]}`, 2},
+		{EndpointCompletions, `{"prompt":"a","n":1e9}`, maxSequences},
+		{EndpointResponses, `{"input":"x","n":4}`, 1},
+	} {
+		req, err := p.parse(c.endpoint, []byte(c.body))
+		if err != nil || req.Sequences != c.want {
+			t.Errorf("%s: sequences %v, want %d (%v)", c.body, req, c.want, err)
+		}
+	}
+	if _, err := p.parse(EndpointChatCompletions, []byte(`{"messages":[{"role":"user","content":"x"}],"n":"many"}`)); err == nil ||
+		err.Error() != "invalid request: n must be an integer" {
+		t.Errorf("n not a number: %v", err)
+	}
+}
+
 // TestLaxNumbersAsVLLMReadsThem: vLLM's request models (pydantic, lax
 // mode) take an integral float or an integer string for max_tokens and
 // "true" or 1 for stream; a Python client sending max_tokens=1e3 or

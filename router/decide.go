@@ -30,6 +30,11 @@ type Request struct {
 	LongestPromptTokens int
 	// MaxTokens is the request's output limit, 0 when it sets none.
 	MaxTokens int
+	// Sequences is how many sequences the engine generates for the
+	// request (a batch's prompts times n, the choices of each), 0 or 1
+	// for one: each one's output is charged, and the output learned from
+	// its usage, which counts them all, is their mean.
+	Sequences int
 	// MaxTokensCapped says the engine cuts MaxTokens to what its context
 	// leaves after the prompt (vLLM does for the Responses API's
 	// max_output_tokens) rather than refusing a request whose prompt and
@@ -182,7 +187,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
 	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
-	c.promptBytes = req.PromptBytes
+	c.promptBytes, c.sequences = req.PromptBytes, sequencesOf(req)
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
@@ -215,6 +220,13 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	defer f.mu.Unlock()
 	return f.fits(now, req, m, opts, true)
 }
+
+// sequencesOf is how many sequences req generates, at least 1.
+func sequencesOf(req Request) int { return min(max(1, req.Sequences), maxSequences) }
+
+// maxSequences bounds Request.Sequences, so that no product of it with a
+// token count overflows.
+const maxSequences = 1 << 16
 
 // blockTokensOf is req's block size, at least 1.
 func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
@@ -250,7 +262,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	prompt, scale, learned := f.promptTokens(&req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
-		OutputTokens: f.expectedOutput(req, opts), Model: req.Model, Adapter: adapter,
+		OutputTokens: min(f.expectedOutput(req, opts)*sequencesOf(req), MaxTokens), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
 		ContextTokens:    expectedContextTokens(&req, prompt),

@@ -735,3 +735,34 @@ func TestConfiguredCapacityAfterScraping(t *testing.T) {
 		t.Fatalf("after a reload that configures 4,096 and does not scrape: %+v", d)
 	}
 }
+
+// TestSequencesChargedAndLearned: a request the engine answers with n
+// sequences (n choices, or a batch of prompts) is charged each one's
+// expected output, and its usage, which counts all their output, teaches
+// the model their mean, here and at its peers.
+func TestSequencesChargedAndLearned(t *testing.T) {
+	f, peer := New(), New()
+	peer.Name("a", t0)
+	var events []Event
+	f.SetPublisher(func(ev Event) { events = append(events, ev) })
+	opts := Options{OutputTokens: 50}.WithDefaults()
+	ms := members("a")
+	d := f.Decide(t0, Request{Model: "m", PromptTokens: 100, Sequences: 4}, ms, &opts, rng(), nil)
+	if s := state(t, f, "a"); s.QueuedDecodeTokens != 4*50 || s.KVTokensInFlight != 100+4*50 {
+		t.Fatalf("4 sequences of 50 expected tokens: decode %d, KV %d; want 200, 300", s.QueuedDecodeTokens, s.KVTokensInFlight)
+	}
+	f.Progress(d.Charge, 1, t0)
+	f.Complete(d.Charge, "m", Usage{PromptTokens: 100, OutputTokens: 4 * 80}, t0) // 80 each
+	for _, fl := range []*Fleet{f, peer} {
+		if fl == peer {
+			for _, ev := range events {
+				fl.Apply("r1", ev, t0)
+			}
+		}
+		d := fl.Decide(t0, Request{Model: "m", PromptTokens: 100}, ms, &opts, rng(), nil)
+		if got := state(t, fl, "a").QueuedDecodeTokens; got != 80 {
+			t.Errorf("peer %v: one sequence's expected output %d, want the mean learned, 80", fl == peer, got)
+		}
+		fl.Release(d.Charge, t0)
+	}
+}
