@@ -359,3 +359,49 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 		}
 	}
 }
+
+// TestCORSForTheRoutersOwnAnswers: engines allow every origin (vLLM's
+// default, and kvsim's); the router's own answers (a 404 for a model no
+// engine lists) carry what Caddy's header directive adds, and
+// `header ?Access-Control-Allow-Origin *`, the README's line, leaves an
+// engine's answer with its own single value: a browser rejects two.
+func TestCORSForTheRoutersOwnAnswers(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	header ?Access-Control-Allow-Origin *
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+			models_interval 100ms
+		}
+	}
+}
+`, routerHost, dials(fleet)))
+	modelsScraped(t, fleet)
+	for _, c := range []struct {
+		method, path, body string
+		status             int
+	}{
+		{"POST", "/v1/completions", `{"model":"` + kvsim.DefaultModel + `","prompt":"hi","max_tokens":1}`, 200},
+		{"POST", "/v1/completions", `{"model":"no-such-model","prompt":"hi"}`, 404},
+		{"POST", "/v1/completions", `{"model":`, 400},
+		{"OPTIONS", "/v1/completions", "", 200}, // the engine's answer to the preflight
+	} {
+		req, _ := http.NewRequest(c.method, routerURL+c.path, strings.NewReader(c.body))
+		req.Header.Set("Origin", "https://app.example")
+		req.Header.Set("Content-Type", "application/json")
+		if c.method == "OPTIONS" {
+			req.Header.Set("Access-Control-Request-Method", "POST")
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if got := resp.Header.Values("Access-Control-Allow-Origin"); resp.StatusCode != c.status || len(got) != 1 || got[0] != "*" {
+			t.Errorf("%s %s: %d, Access-Control-Allow-Origin %q; want %d and one *", c.method, c.body, resp.StatusCode, got, c.status)
+		}
+	}
+}

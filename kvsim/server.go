@@ -190,11 +190,49 @@ func (s *Server) SetFaults(f Faults) {
 // ServeHTTP implements http.Handler.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set(ReplicaHeader, s.name)
+	if corsPreflight(w, r) {
+		return
+	}
 	if h, pattern := s.mux.Handler(r); pattern == "" {
 		s.noRoute(w, r, h)
 		return
 	}
 	s.mux.ServeHTTP(w, r) // which sets the path's wildcards, as Handler does not
+}
+
+// corsPreflight does what vLLM's CORS middleware (Starlette's, with
+// vLLM's defaults: every origin, method and header allowed, no
+// credentials) does ahead of the routes: a preflight (OPTIONS with Origin
+// and Access-Control-Request-Method) is answered 200 "OK" at once, and it
+// reports true; any other request with an Origin gets
+// Access-Control-Allow-Origin on its response, whatever answers it (the
+// request's own origin, and Vary, when it carries cookies).
+func corsPreflight(w http.ResponseWriter, r *http.Request) bool {
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return false
+	}
+	h := w.Header()
+	if r.Method == http.MethodOptions && r.Header.Get("Access-Control-Request-Method") != "" {
+		h.Set("Access-Control-Allow-Origin", "*")
+		h.Set("Access-Control-Allow-Methods", "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT")
+		h.Set("Access-Control-Max-Age", "600")
+		if asked := r.Header.Get("Access-Control-Request-Headers"); asked != "" {
+			h.Set("Access-Control-Allow-Headers", asked)
+		}
+		h.Set("Content-Type", "text/plain; charset=utf-8")
+		h.Set("Content-Length", "2")
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(w, "OK")
+		return true
+	}
+	if r.Header.Get("Cookie") != "" {
+		h.Set("Access-Control-Allow-Origin", origin)
+		h.Add("Vary", "Origin")
+	} else {
+		h.Set("Access-Control-Allow-Origin", "*")
+	}
+	return false
 }
 
 // noRoute answers a request no route takes as vLLM's server (FastAPI)

@@ -345,6 +345,51 @@ func TestNoRouteAnswersAsFastAPI(t *testing.T) {
 	}
 }
 
+// TestCORSAsVLLM: vLLM's CORS middleware (every origin, method and header
+// allowed by default) answers a browser's preflight itself, and every
+// response to a request with an Origin allows it, errors included.
+func TestCORSAsVLLM(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	do := func(method, path, body string, h map[string]string) (*http.Response, string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+		for k, v := range h {
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp, string(b)
+	}
+	resp, body := do("OPTIONS", "/v1/chat/completions", "", map[string]string{
+		"Origin": "https://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})
+	if resp.StatusCode != 200 || body != "OK" || resp.Header.Get("Access-Control-Allow-Origin") != "*" ||
+		!strings.Contains(resp.Header.Get("Access-Control-Allow-Methods"), "POST") ||
+		resp.Header.Get("Access-Control-Allow-Headers") != "authorization,content-type" || resp.Header.Get("Access-Control-Max-Age") != "600" {
+		t.Errorf("preflight: %d %q %v", resp.StatusCode, body, resp.Header)
+	}
+	for _, c := range []struct{ method, path, body string }{
+		{"POST", "/v1/completions", `{"model":"` + DefaultModel + `","prompt":"hi","max_tokens":1}`},
+		{"POST", "/v1/completions", `{"model":"no-such-model","prompt":"hi"}`},
+		{"GET", "/v1/nope", ""},
+	} {
+		resp, body := do(c.method, c.path, c.body, map[string]string{"Origin": "https://app.example", "Content-Type": "application/json"})
+		if resp.Header.Get("Access-Control-Allow-Origin") != "*" {
+			t.Errorf("%s %s: %d without Access-Control-Allow-Origin: %v %s", c.method, c.path, resp.StatusCode, resp.Header, body)
+		}
+	}
+	if resp, _ := do("GET", "/v1/models", "", nil); resp.Header.Get("Access-Control-Allow-Origin") != "" {
+		t.Errorf("no Origin, yet CORS headers: %v", resp.Header)
+	}
+	// An OPTIONS that is no preflight goes to the routes, as in vLLM.
+	if resp, _ := do("OPTIONS", "/v1/chat/completions", "", map[string]string{"Origin": "https://app.example"}); resp.StatusCode != 405 {
+		t.Errorf("OPTIONS without Access-Control-Request-Method: %d, want the routes' 405", resp.StatusCode)
+	}
+}
+
 func TestBadRequests(t *testing.T) {
 	_, srv := newTestServer(t, Config{NumGPUBlocks: 64, MaxModelLen: 100000})
 	cases := map[string]string{
