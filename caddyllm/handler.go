@@ -250,6 +250,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	setContentLength(r.Header, len(body))
+	// The client had its 100 Continue when the body was read: asking the
+	// engine again would only forward its 100 as a second one.
+	r.Header.Del("Expect")
 	// The response is read on its way back (its first token, its usage,
 	// a stream to continue): the engine must not compress it. Caddy's
 	// encode handler, before this one, still compresses it for a client
@@ -384,6 +387,7 @@ func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error)
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
+	r.Header.Del("Expect") // see ServeHTTP
 	return body, true, nil
 }
 

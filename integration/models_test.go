@@ -1,11 +1,13 @@
 package integration
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -402,6 +404,37 @@ func TestCORSForTheRoutersOwnAnswers(t *testing.T) {
 		resp.Body.Close()
 		if got := resp.Header.Values("Access-Control-Allow-Origin"); resp.StatusCode != c.status || len(got) != 1 || got[0] != "*" {
 			t.Errorf("%s %s: %d, Access-Control-Allow-Origin %q; want %d and one *", c.method, c.body, resp.StatusCode, got, c.status)
+		}
+	}
+}
+
+// TestOneContinue: a client that waits for 100 Continue gets one: the
+// router reads the body (Caddy's server sends the 100), and does not ask
+// the engine again, whose own 100 Caddy's proxy would pass on as a second
+// one. Routed and pass-through requests alike.
+func TestOneContinue(t *testing.T) {
+	fleet := startFleet(t, 1, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	for _, c := range []struct{ path, body string }{
+		{"/v1/completions", `{"model":"` + kvsim.DefaultModel + `","prompt":"hi","max_tokens":1}`},
+		{"/v1/load_lora_adapter", `{"lora_name":"continued","lora_path":"/adapters/continued"}`},
+	} {
+		conn, err := net.Dial("tcp", routerHost)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+			c.path, routerHost, len(c.body))
+		br := bufio.NewReader(conn)
+		line, err := br.ReadString('\n')
+		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 100") {
+			t.Fatalf("%s: before the body: %q %v", c.path, line, err)
+		}
+		fmt.Fprint(conn, c.body)
+		rest, _ := io.ReadAll(br)
+		conn.Close()
+		if n := strings.Count(string(rest), "HTTP/1.1 100"); n != 0 || !strings.Contains(string(rest), "HTTP/1.1 200") {
+			t.Errorf("%s: %d more 100 Continue after the body; answer:\n%s", c.path, n, rest)
 		}
 	}
 }
