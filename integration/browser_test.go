@@ -252,6 +252,18 @@ func TestStatusPageInBrowser(t *testing.T) {
 			js(`document.getElementById("sync").className`) == "bad"
 	})
 
+	// An engine gone: its row says its scrape fails, not in the green,
+	// and its engine figures are marked as the last read.
+	gone := fleet[2].dial()
+	fleet[2].http.CloseClientConnections()
+	fleet[2].http.Close()
+	health := query(row(gone) + " td:nth-child(2)")
+	eventually(t, 60*time.Second, gone+"'s scrape failing on the page", func() bool {
+		return strings.Contains(js(health+" ? "+health+".textContent : \"\""), "scrape failing") &&
+			js(health+" ? "+health+".className : \"\"") != "ok"
+	})
+	waitCell(gone, "kv", "engine KV as last read", func(s string) bool { return strings.Contains(s, "last read") })
+
 	// A phone's width: the rows are cards, and nothing runs past the
 	// screen or out of its cell.
 	do("narrowing the page to a phone's width", chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {

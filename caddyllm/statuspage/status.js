@@ -60,9 +60,10 @@ function row(u) {
   tr.dataset.dial = u.dial;
   cell(tr, u.dial, "dial");
   const health = u.healthy === undefined ? ["unknown", "muted"] : u.healthy ? ["healthy", "ok"] : ["down", "bad"];
-  const h = cell(tr, health[0], health[1]);
   // The engine's metrics not read now: the row's engine figures are old or missing.
-  if (u.engine && u.engine.last_error) {
+  const failing = !!(u.engine && u.engine.last_error);
+  const h = cell(tr, health[0], failing && health[1] === "ok" ? "warn" : health[1]);
+  if (failing) {
     h.append(document.createElement("br"), "scrape failing");
     h.title = u.engine.last_error + " (" + fmtInt(u.engine.scrape_errors) + " failed scrapes)";
   }
@@ -73,11 +74,11 @@ function row(u) {
   const cap = u.kv_capacity_tokens || (u.engine && u.engine.kv_capacity_tokens) || 0;
   let kv = fmtInt(u.kv_tokens_in_flight) + " / " + (cap ? fmtInt(cap) : "?");
   // A negative usage: the engine has not reported it.
-  if (u.engine && u.engine.kv_usage >= 0) kv += " (engine " + (100 * u.engine.kv_usage).toFixed(1) + "%)";
+  if (u.engine && u.engine.kv_usage >= 0) kv += " (engine " + (100 * u.engine.kv_usage).toFixed(1) + "%" + (failing ? ", last read" : "") + ")";
   cell(tr, kv, "kv");
   cell(tr, pct(u.index_blocks, u.index_capacity_blocks), "index");
   // A negative rate: the engine's prefix counters are not read yet.
-  const hits = u.engine && u.engine.prefix_hit_rate >= 0 ? (100 * u.engine.prefix_hit_rate).toFixed(1) + "%" : "–";
+  const hits = u.engine && u.engine.prefix_hit_rate >= 0 ? (100 * u.engine.prefix_hit_rate).toFixed(1) + "%" + (failing ? " (last read)" : "") : "–";
   cell(tr, hits, "hits");
   // The last streamed request's, when there is one (a non-streaming
   // response's "first token" is its headers, after the whole generation);
