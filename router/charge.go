@@ -21,7 +21,7 @@ type Charge struct {
 	// promptBytes is the request's Request.PromptBytes, for learning
 	// bytes per token at Complete; sequences its sequences (see
 	// Request.Sequences), whose mean output Complete learns.
-	promptBytes, sequences int
+	promptBytes, sequences int32 // two halves of one word: a charge stays in its size class
 	// Started is when the request was charged, FirstToken when its first
 	// output token came back (zero until then).
 	Started    time.Time
@@ -116,14 +116,14 @@ func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	if c.up == nil {
 		return // completed or released already: learned once
 	}
-	if c.sequences > 1 && u.OutputTokens > 0 {
+	if n := int(c.sequences); n > 1 && u.OutputTokens > 0 {
 		// Usage counts every sequence's output: each one's is the mean.
-		u.OutputTokens = (u.OutputTokens + c.sequences/2) / c.sequences
+		u.OutputTokens = (u.OutputTokens + n/2) / n
 	}
-	f.learn(model, c.promptBytes, u)
+	f.learn(model, int(c.promptBytes), u)
 	c.up.completed++
 	// Peers learn the mean as well (an older router would not divide).
-	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens, PromptBytes: c.promptBytes, PromptTokens: u.PromptTokens})
+	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens, PromptBytes: int(c.promptBytes), PromptTokens: u.PromptTokens})
 	f.release(c, now)
 }
 

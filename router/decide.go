@@ -187,7 +187,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
 	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
-	c.promptBytes, c.sequences = req.PromptBytes, sequencesOf(req)
+	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sequencesOf(req))
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
