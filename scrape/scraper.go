@@ -44,12 +44,15 @@ type scrapeTarget struct {
 	down   atomic.Bool
 
 	// mu guards the fields below.
-	mu        sync.Mutex
-	busy      bool // a fetch is in flight
-	status    Status
-	models    []ModelInfo
-	modelsAt  time.Time // when models was fetched
-	modelsDue time.Time
+	mu       sync.Mutex
+	busy     bool // a fetch is in flight
+	status   Status
+	models   []ModelInfo
+	modelsAt time.Time // when models was fetched
+	// modelsChanged says models differs from the list before, not yet
+	// counted in Scraper.listsChanged (see modelsFetchEnded).
+	modelsChanged bool
+	modelsDue     time.Time
 	// modelsSent is when the last fetch of the models was sent;
 	// modelsFetching says one is under way, and modelsTimer that one is
 	// to be sent (see AskModels).
@@ -102,7 +105,8 @@ type Scraper struct {
 	// modelsFetched is closed, and replaced, whenever a fetch of a
 	// target's models ends (see AskModels); listsChanged counts the
 	// fetches whose list differed from the one before (see
-	// ModelListsChanged), counted before modelsFetched closes.
+	// ModelListsChanged), once the list is in the target's signals and
+	// before modelsFetched closes.
 	modelsFetched atomic.Pointer[chan struct{}]
 	listsChanged  atomic.Uint64
 	// ctx is the context Start was given, for fetches AskModels sends;
@@ -197,7 +201,7 @@ func (s *Scraper) cancelScheduledModels(t *scrapeTarget) {
 	t.modelsTimer, t.removed = nil, true
 	t.mu.Unlock()
 	if timer != nil && timer.Stop() {
-		s.modelsFetchEnded()
+		s.modelsFetchEnded(nil)
 	}
 }
 
@@ -429,7 +433,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		s.endModelsFetchLocked(t)
 		// Under t.mu, once the list is recorded: whoever sees the new list
 		// (AskModels, which takes t.mu) sees the channel closed.
-		defer s.modelsFetchEnded()
+		defer s.modelsFetchEnded(t)
 	}
 	st := &t.status
 	t.down.Store(down)
@@ -501,7 +505,7 @@ func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, er
 		return
 	}
 	if t.models == nil || !sameModels(t.models, models) {
-		s.listsChanged.Add(1)
+		t.modelsChanged = true // counted once readers can see it
 	}
 	st.ModelsError = ""
 	t.models, t.modelsAt, t.modelsFailures = models, start, 0

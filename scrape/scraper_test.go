@@ -863,3 +863,46 @@ func TestModelListsChanged(t *testing.T) {
 		t.Fatalf("another model listed: %d changes, want 2", n)
 	}
 }
+
+// TestListCountedOnceSeen: a changed list is counted in ModelListsChanged
+// only once decisions can read it. Counted before (while the fetch still
+// held the target), a request reading the count then and the list not
+// yet would see no change afterwards, and answer 404 for the adapter the
+// engine lists. The fetch's steps are taken by hand, to stop between them.
+func TestListCountedOnceSeen(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"}]}`)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	dial := hostOf(srv)
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 && s.Seq(dial) > 0 })
+	lists := func() []string {
+		sig, _ := s.Latest(dial, time.Now(), time.Hour)
+		return sig.ModelIDs()
+	}
+
+	tg := s.target(dial)
+	tg.mu.Lock()
+	s.noteModels(tg, &tg.status, []ModelInfo{{ID: "base"}, {ID: "lora", Parent: "base"}}, nil, time.Now())
+	// A request decides here: it reads the count, then the lists.
+	count, seen := s.ModelListsChanged(), lists()
+	tg.publishModelsLocked()
+	s.modelsFetchEnded(tg)
+	tg.mu.Unlock()
+	if slices.Contains(seen, "lora") {
+		t.Fatalf("the list %v published before the fetch ended", seen)
+	}
+	if s.ModelListsChanged() == count {
+		t.Fatalf("the request read the count (%d) and then a list without the adapter; the count did not move after: "+
+			"it would see no change and answer 404 while the engine lists %v", count, lists())
+	}
+}

@@ -102,10 +102,11 @@ func (s *Scraper) endModelsFetchLocked(t *scrapeTarget) {
 // request's arrival), and returns how many of them have no list fetched
 // since then. A fetch that fails is sent again (an engine whose list
 // failed twice running is not waited for). ModelsFetched's channel, taken before the lists were
-// last read, tells when one more has come. A router about to answer that
-// no engine serves a model looks again this way, deciding again at each
-// fetch's end: an adapter loaded on an engine directly is listed there
-// before the next models interval. Fetches of one list are
+// last read, tells when one more has come, and ModelListsChanged whether
+// any came back changed. A router about to answer that no engine serves a
+// model looks again this way, deciding again when a list changed: an
+// adapter loaded on an engine directly is listed there before the next
+// models interval. Fetches of one list are
 // modelsRefetchSpacing apart at least, and shared by all who ask, so that
 // clients asking for unknown models cost each engine ten fetches a second
 // at most and nothing more. Dials the scraper does not scrape, where
@@ -173,7 +174,7 @@ func (s *Scraper) scheduledModels(t *scrapeTarget) {
 	defer t.mu.Unlock()
 	t.modelsTimer = nil
 	if t.removed || t.down.Load() || t.status.ConsecutiveErrors > 0 || s.runCtx().Err() != nil {
-		defer s.modelsFetchEnded()
+		defer s.modelsFetchEnded(t)
 		return
 	}
 	s.scheduleModelsLocked(t, time.Now())
@@ -199,7 +200,7 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 	defer t.mu.Unlock()
 	// Under t.mu, once the list is recorded: whoever sees the new list
 	// (AskModels, which takes t.mu) sees the channel closed.
-	defer s.modelsFetchEnded()
+	defer s.modelsFetchEnded(t)
 	s.endModelsFetchLocked(t)
 	if ctx.Err() != nil {
 		return // stopping: not the engine's fault
@@ -214,9 +215,15 @@ func (s *Scraper) fetchModelsAlone(t *scrapeTarget, sent time.Time) {
 // engine's list that AskModels sends.
 const modelsRefetchSpacing = 100 * time.Millisecond
 
-// modelsFetchEnded tells AskModels' callers that a fetch ended. It is
-// called with the target's lock held, after its list is recorded.
-func (s *Scraper) modelsFetchEnded() {
+// modelsFetchEnded tells AskModels' callers that a fetch of t's list
+// ended (t nil: one held back was dropped), first counting t's list as
+// changed if it was: readers can see it by now. It is called with t's lock
+// held, after its list is recorded and published.
+func (s *Scraper) modelsFetchEnded(t *scrapeTarget) {
+	if t != nil && t.modelsChanged {
+		t.modelsChanged = false
+		s.listsChanged.Add(1)
+	}
 	next := make(chan struct{})
 	close(*s.modelsFetched.Swap(&next))
 }
