@@ -215,13 +215,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err != nil {
 		unrouted(repl)
 		closeUnread(w, r)
-		var tooLarge *http.MaxBytesError
-		if errors.As(err, &tooLarge) {
-			writeAPIError(w, http.StatusRequestEntityTooLarge, "invalid_request_error",
-				fmt.Sprintf("request body exceeds the limit of %d bytes", h.MaxBodyBytes))
-			return nil
-		}
-		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+		writeBodyError(w, err)
 		return nil
 	}
 	// TTFT and the request's duration count from here: a client's slow
@@ -306,7 +300,7 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 		body, whole, err := h.peekBody(r)
 		if err != nil {
 			closeUnread(w, r)
-			writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+			writeBodyError(w, err)
 			return nil
 		}
 		if whole {
@@ -366,6 +360,9 @@ func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
 // with its length declared, when it is within max_body (whole), else the
 // bytes read followed by the rest, still streamed.
 func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error) {
+	// Reading sends the client its 100 Continue, if it waits for one:
+	// asking the engine again would only forward the engine's as a second.
+	r.Header.Del("Expect")
 	if r.ContentLength > 0 {
 		if body, err = readDeclared(r.Body, r.ContentLength); err != nil {
 			return nil, false, err
@@ -387,7 +384,6 @@ func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error)
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
-	r.Header.Del("Expect") // see ServeHTTP
 	return body, true, nil
 }
 
@@ -611,6 +607,19 @@ func readDeclared(body io.Reader, n int64) ([]byte, error) {
 		copy(next, buf)
 		buf = next
 	}
+}
+
+// writeBodyError answers a request whose body could not be read: 413
+// for one over a limit (max_body, or Caddy's request_body ahead of the
+// handler), else 400.
+func writeBodyError(w http.ResponseWriter, err error) {
+	var tooLarge *http.MaxBytesError
+	if errors.As(err, &tooLarge) {
+		writeAPIError(w, http.StatusRequestEntityTooLarge, "invalid_request_error",
+			fmt.Sprintf("request body exceeds the limit of %d bytes", tooLarge.Limit))
+		return
+	}
+	writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
 }
 
 // writeAPIError writes an OpenAI-style error body whose code is the

@@ -329,3 +329,20 @@ func TestPeekBody(t *testing.T) {
 		}
 	}
 }
+
+// TestPassThroughBodyOverALimitIs413: a pass-through body cut by a limit
+// ahead of the handler (Caddy's request_body) is answered 413 naming that
+// limit, as a routed one is, not 400.
+func TestPassThroughBodyOverALimitIs413(t *testing.T) {
+	h := &Handler{MaxBodyBytes: 1 << 20}
+	body := `{"model":"m","input":"` + strings.Repeat("x", 200) + `"}`
+	rec := httptest.NewRecorder()
+	r := httptest.NewRequest(http.MethodPost, "/v1/embeddings", strings.NewReader(body))
+	r.ContentLength, r.TransferEncoding = -1, []string{"chunked"}
+	r.Body = http.MaxBytesReader(rec, r.Body, 64) // request_body max_size 64
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(200); return nil })
+	_ = h.servePassThrough(rec, r, next)
+	if rec.Code != http.StatusRequestEntityTooLarge || !strings.Contains(rec.Body.String(), "limit of 64 bytes") {
+		t.Errorf("a body over request_body's limit: %d %s", rec.Code, rec.Body)
+	}
+}

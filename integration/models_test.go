@@ -414,23 +414,36 @@ func TestCORSForTheRoutersOwnAnswers(t *testing.T) {
 // one. Routed and pass-through requests alike.
 func TestOneContinue(t *testing.T) {
 	fleet := startFleet(t, 1, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "", ""))
-	for _, c := range []struct{ path, body string }{
-		{"/v1/completions", `{"model":"` + kvsim.DefaultModel + `","prompt":"hi","max_tokens":1}`},
-		{"/v1/load_lora_adapter", `{"lora_name":"continued","lora_path":"/adapters/continued"}`},
+	startCaddy(t, caddyfile(fleet, "max_body 256", "", ""))
+	for _, c := range []struct {
+		path, body string
+		chunked    bool
+	}{
+		{"/v1/completions", `{"model":"` + kvsim.DefaultModel + `","prompt":"hi","max_tokens":1}`, false},
+		{"/v1/load_lora_adapter", `{"lora_name":"continued","lora_path":"/adapters/continued"}`, false},
+		// Chunked, over max_body: read in part, then streamed on.
+		{"/v1/load_lora_adapter", `{"lora_name":"continued-in-part","lora_path":"/adapters/` + strings.Repeat("x", 300) + `"}`, true},
 	} {
 		conn, err := net.Dial("tcp", routerHost)
 		if err != nil {
 			t.Fatal(err)
 		}
-		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
-			c.path, routerHost, len(c.body))
+		framing := fmt.Sprintf("Content-Length: %d", len(c.body))
+		if c.chunked {
+			framing = "Transfer-Encoding: chunked"
+		}
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+			c.path, routerHost, framing)
 		br := bufio.NewReader(conn)
 		line, err := br.ReadString('\n')
 		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 100") {
 			t.Fatalf("%s: before the body: %q %v", c.path, line, err)
 		}
-		fmt.Fprint(conn, c.body)
+		if c.chunked {
+			fmt.Fprintf(conn, "%x\r\n%s\r\n0\r\n\r\n", len(c.body), c.body)
+		} else {
+			fmt.Fprint(conn, c.body)
+		}
 		rest, _ := io.ReadAll(br)
 		conn.Close()
 		if n := strings.Count(string(rest), "HTTP/1.1 100"); n != 0 || !strings.Contains(string(rest), "HTTP/1.1 200") {
