@@ -10,6 +10,8 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -203,27 +205,33 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // corsPreflight does what vLLM's CORS middleware (Starlette's, with
 // vLLM's defaults: every origin, method and header allowed, no
 // credentials) does ahead of the routes: a preflight (OPTIONS with Origin
-// and Access-Control-Request-Method) is answered 200 "OK" at once, and it
-// reports true; any other request with an Origin gets
-// Access-Control-Allow-Origin on its response, whatever answers it (the
-// request's own origin, and Vary, when it carries cookies).
+// and an Access-Control-Request-Method header, empty or not) is answered
+// at once, 200 "OK", or 400 "Disallowed CORS method" for a method not
+// among Starlette's (compared as sent), and it reports true; any other
+// request with an Origin gets Access-Control-Allow-Origin on its response,
+// whatever answers it (the request's own origin, and Vary, when it carries
+// cookies).
 func corsPreflight(w http.ResponseWriter, r *http.Request) bool {
 	origin := r.Header.Get("Origin")
 	if origin == "" {
 		return false
 	}
 	h := w.Header()
-	if r.Method == http.MethodOptions && r.Header.Get("Access-Control-Request-Method") != "" {
+	if method, asked := r.Header["Access-Control-Request-Method"]; r.Method == http.MethodOptions && asked {
 		h.Set("Access-Control-Allow-Origin", "*")
-		h.Set("Access-Control-Allow-Methods", "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT")
+		h.Set("Access-Control-Allow-Methods", strings.Join(corsMethods, ", "))
 		h.Set("Access-Control-Max-Age", "600")
 		if asked := r.Header.Get("Access-Control-Request-Headers"); asked != "" {
 			h.Set("Access-Control-Allow-Headers", asked)
 		}
+		status, text := http.StatusOK, "OK"
+		if len(method) == 0 || !slices.Contains(corsMethods, method[0]) {
+			status, text = http.StatusBadRequest, "Disallowed CORS method"
+		}
 		h.Set("Content-Type", "text/plain; charset=utf-8")
-		h.Set("Content-Length", "2")
-		w.WriteHeader(http.StatusOK)
-		_, _ = io.WriteString(w, "OK")
+		h.Set("Content-Length", strconv.Itoa(len(text)))
+		w.WriteHeader(status)
+		_, _ = io.WriteString(w, text)
 		return true
 	}
 	if r.Header.Get("Cookie") != "" {
@@ -234,6 +242,9 @@ func corsPreflight(w http.ResponseWriter, r *http.Request) bool {
 	}
 	return false
 }
+
+// corsMethods are the methods Starlette's CORS middleware allows for "*".
+var corsMethods = []string{"DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT"}
 
 // noRoute answers a request no route takes as vLLM's server (FastAPI)
 // does: 404 or 405 (with Allow) and a JSON body {"detail": ...}, where

@@ -384,6 +384,13 @@ func TestCORSAsVLLM(t *testing.T) {
 	if resp, _ := do("GET", "/v1/models", "", nil); resp.Header.Get("Access-Control-Allow-Origin") != "" {
 		t.Errorf("no Origin, yet CORS headers: %v", resp.Header)
 	}
+	// A method Starlette does not list, or one in lower case, or none.
+	for _, m := range []string{"CONNECT", "post", ""} {
+		resp, body := do("OPTIONS", "/v1/chat/completions", "", map[string]string{"Origin": "https://app.example", "Access-Control-Request-Method": m})
+		if resp.StatusCode != 400 || body != "Disallowed CORS method" || resp.Header.Get("Access-Control-Allow-Origin") != "*" {
+			t.Errorf("preflight for %q: %d %q %v", m, resp.StatusCode, body, resp.Header)
+		}
+	}
 	// An OPTIONS that is no preflight goes to the routes, as in vLLM.
 	if resp, _ := do("OPTIONS", "/v1/chat/completions", "", map[string]string{"Origin": "https://app.example"}); resp.StatusCode != 405 {
 		t.Errorf("OPTIONS without Access-Control-Request-Method: %d, want the routes' 405", resp.StatusCode)
