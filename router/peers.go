@@ -65,7 +65,9 @@ type Event struct {
 	Adapter string
 	// Model is a completed request's model field.
 	Model string
-	// Tokens is the output so far (progressed) or in all (completed).
+	// Tokens is the output so far (progressed), or the whole output of
+	// each of the request's sequences on average (completed: all of it
+	// for one sequence; see Request.Sequences).
 	Tokens int
 	// PromptBytes and PromptTokens of a completed request teach the
 	// model's bytes per token, as its own responses teach the router.
