@@ -118,7 +118,7 @@ func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	}
 	if n := int(c.sequences); n > 1 && u.OutputTokens > 0 {
 		// Usage counts every sequence's output: each one's is the mean.
-		u.OutputTokens = (u.OutputTokens + n/2) / n
+		u.OutputTokens = max(1, (u.OutputTokens+n/2)/n)
 	}
 	f.learn(model, int(c.promptBytes), u)
 	c.up.completed++

@@ -186,7 +186,8 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// matched prefix is in the engine's cache already, shared, and
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
-	c := f.charge(u, uncached, sreq.OutputTokens, uncached+sreq.OutputTokens, now)
+	output := min(sreq.OutputTokens*sequencesOf(req), MaxTokens) // every sequence's
+	c := f.charge(u, uncached, output, uncached+output, now)
 	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sequencesOf(req))
 	f.nextID++
 	c.id = f.nextID
@@ -262,7 +263,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	prompt, scale, learned := f.promptTokens(&req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
-		OutputTokens: min(f.expectedOutput(req, opts)*sequencesOf(req), MaxTokens), Model: req.Model, Adapter: adapter,
+		OutputTokens: f.expectedOutput(req, opts), Sequences: sequencesOf(req), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
 		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
 		ContextTokens:    expectedContextTokens(&req, prompt),
@@ -429,7 +430,7 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		}
 		c.Waiting = now.Waiting
 		if raw.MaxLoRAs > 0 && observe {
-			u.engineMaxLoras = raw.MaxLoRAs
+			u.engineMaxLoras = min(raw.MaxLoRAs, maxEngineAdapterSlots)
 		}
 		c.Models = now.ModelIDs()
 		// Foreign requests: what the engine had at the scrape beyond what
@@ -559,15 +560,22 @@ func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (scorer.Ad
 func (u *upstream) useAdapter(adapter string) {
 	u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == adapter })
 	u.adapters = slices.Insert(u.adapters, 0, adapter)
-	if len(u.adapters) > maxRememberedAdapters {
-		u.adapters = u.adapters[:maxRememberedAdapters]
+	if limit := u.rememberedAdapters(); len(u.adapters) > limit {
+		u.adapters = u.adapters[:limit]
 	}
+}
+
+// rememberedAdapters is how many adapters u's list keeps: those presumed
+// in host memory, and at least as many as its engine has GPU slots, so
+// that every slot can count as resident.
+func (u *upstream) rememberedAdapters() int {
+	return max(maxRememberedAdapters, min(u.engineMaxLoras, maxEngineAdapterSlots))
 }
 
 // restoreAdapter notes, from a peer's snapshot, that adapter was charged
 // here: less recently than every adapter this router charged here itself.
 func (u *upstream) restoreAdapter(adapter string) {
-	if adapter == "" || slices.Contains(u.adapters, adapter) || len(u.adapters) >= maxRememberedAdapters {
+	if adapter == "" || slices.Contains(u.adapters, adapter) || len(u.adapters) >= u.rememberedAdapters() {
 		return
 	}
 	u.adapters = append(u.adapters, adapter)

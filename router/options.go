@@ -39,6 +39,10 @@ const (
 // bounds the list).
 const maxRememberedAdapters = 16
 
+// maxEngineAdapterSlots bounds the adapter slots an engine's report is
+// taken for: the list of an upstream's adapters grows to as many.
+const maxEngineAdapterSlots = 256
+
 // Options tune the decision. The zero value means every default.
 type Options struct {
 	// Scorer is the decision rule and its tuning.

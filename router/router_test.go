@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -255,6 +256,24 @@ func TestEngineAdapterSlots(t *testing.T) {
 		if got, _ := opts.adapterCost(tc.adapter, u, tc.m); got != tc.want {
 			t.Errorf("%s: %s is %v, want %v", tc.name, tc.adapter, got, tc.want)
 		}
+	}
+	// An engine with more slots than the router remembers adapters by
+	// default: each slot can hold one of the last adapters sent.
+	many := map[string]bool{}
+	for i := range 40 {
+		many[fmt.Sprintf("m%d", i)] = true
+	}
+	opts = Options{Adapters: many}.WithDefaults()
+	fresh.Engine = &scrape.Signals{Running: 0, Waiting: 0, AdaptersKnown: true, RunningAdapters: []string{}, MaxLoRAs: 32}
+	for i := range 40 {
+		d := f.Decide(t0, Request{Model: fmt.Sprintf("m%d", i), PromptTokens: 10}, []Member{fresh}, &opts, rng(), nil)
+		served(f, d.Charge, t0)
+	}
+	if got, _ := opts.adapterCost("m8", u, &fresh); got != scorer.AdapterResident {
+		t.Errorf("the 32nd adapter sent last to an engine of 32 slots: %v, want resident", got)
+	}
+	if got, _ := opts.adapterCost("m7", u, &fresh); got == scorer.AdapterResident {
+		t.Errorf("the 33rd: %v, want not resident", got)
 	}
 }
 

@@ -210,6 +210,15 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	return NotFiltered
 }
 
+// outputKVTokens is the KV the request's output takes: each sequence's.
+func (req *Request) outputKVTokens() int {
+	return max(0, req.OutputTokens) * min(max(1, req.Sequences), maxSequences)
+}
+
+// maxSequences bounds Request.Sequences, so that its products with token
+// counts stay far from overflowing.
+const maxSequences = 1 << 16
+
 // KVWaitSeconds is how long req would wait on c for KV memory before its
 // prefill could start: 0 when c's free KV holds its uncached prompt and
 // expected output now (or c's free KV is unknown), +Inf when c's whole KV
@@ -232,7 +241,7 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 	if c.FreeKVTokens < 0 {
 		return 0
 	}
-	need := max(0, req.PromptTokens-c.MatchedTokens) + max(0, req.OutputTokens) + marginTokens
+	need := max(0, req.PromptTokens-c.MatchedTokens) + req.outputKVTokens() + marginTokens
 	if c.KVCapacityTokens > 0 {
 		if req.LeastKVTokens > c.KVCapacityTokens {
 			return math.Inf(1)

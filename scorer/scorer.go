@@ -94,8 +94,11 @@ type Request struct {
 	Blocks int
 	// BlockTokens is the number of tokens in one block.
 	BlockTokens int
-	// OutputTokens is the expected number of generated tokens.
+	// OutputTokens is the expected number of generated tokens of each of
+	// the request's Sequences (0 or 1: one), which the engine generates
+	// side by side: each takes KV for its own, and they share steps.
 	OutputTokens int
+	Sequences    int
 	// Model is the requested base model; empty matches any.
 	Model string
 	// Adapter is the requested LoRA adapter, empty for the base model.

@@ -475,3 +475,23 @@ func TestEvictionCost(t *testing.T) {
 		}
 	}
 }
+
+// TestSequencesTakeKVNotTime: a request with several sequences (n
+// choices) needs KV for each one's output, but its sequences decode side
+// by side: its generation time is one sequence's.
+func TestSequencesTakeKVNotTime(t *testing.T) {
+	c := Candidate{FreeKVTokens: 1_000, KVCapacityTokens: 10_000, QueuedPrefillTokens: 5_000, InFlight: 4,
+		PrefillTokensPerSecond: 10_000, DecodeTokensPerSecond: 2_000}
+	one := Request{PromptTokens: 100, OutputTokens: 300}
+	four := one
+	four.Sequences = 4
+	if w := KVWaitSeconds(&one, &c); w != 0 {
+		t.Errorf("one sequence, 400 tokens in 1,000 free: waits %v", w)
+	}
+	if w := KVWaitSeconds(&four, &c); w <= 0 {
+		t.Errorf("four sequences, 1,300 tokens in 1,000 free: waits %v", w)
+	}
+	if g1, g4 := GenerationSeconds(&one, &c), GenerationSeconds(&four, &c); g1 != g4 {
+		t.Errorf("generation: %v for one sequence, %v for four", g1, g4)
+	}
+}
