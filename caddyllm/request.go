@@ -14,6 +14,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
+	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
 // Endpoint says which OpenAI API a request targets.
@@ -120,10 +121,8 @@ func badRequestf(param, format string, args ...any) error {
 	return errBadRequest{msg: fmt.Sprintf(format, args...), param: param}
 }
 
-// maxSequences bounds Request.Sequences: far more than an engine runs
-// for one request (vLLM's max_num_seqs defaults to 256 a batch), and
-// small enough that every product of it with a token count stays exact.
-const maxSequences = 1 << 16
+// maxSequences bounds Request.Sequences.
+const maxSequences = scorer.MaxSequences
 
 // maxModelNameBytes bounds the model name.
 const maxModelNameBytes = 512

@@ -223,11 +223,7 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 }
 
 // sequencesOf is how many sequences req generates, at least 1.
-func sequencesOf(req Request) int { return min(max(1, req.Sequences), maxSequences) }
-
-// maxSequences bounds Request.Sequences, so that no product of it with a
-// token count overflows.
-const maxSequences = 1 << 16
+func sequencesOf(req Request) int { return min(max(1, req.Sequences), scorer.MaxSequences) }
 
 // blockTokensOf is req's block size, at least 1.
 func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }

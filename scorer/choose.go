@@ -212,12 +212,14 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 
 // outputKVTokens is the KV the request's output takes: each sequence's.
 func (req *Request) outputKVTokens() int {
-	return max(0, req.OutputTokens) * min(max(1, req.Sequences), maxSequences)
+	return max(0, req.OutputTokens) * min(max(1, req.Sequences), MaxSequences)
 }
 
-// maxSequences bounds Request.Sequences, so that its products with token
-// counts stay far from overflowing.
-const maxSequences = 1 << 16
+// MaxSequences bounds a request's sequences wherever they are counted:
+// far more than an engine runs for one request (vLLM's max_num_seqs is
+// 256 a batch by default), and small enough that every product of it with
+// a token count stays exact.
+const MaxSequences = 1 << 16
 
 // KVWaitSeconds is how long req would wait on c for KV memory before its
 // prefill could start: 0 when c's free KV holds its uncached prompt and
