@@ -119,6 +119,9 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
 		sh.drains.Drain(dial, deadline, drain.Admin)
+		if len(sh.loadSyncers()) > 0 {
+			sh.noteFleetDrain(dial, true, deadline)
+		}
 		sh.publish(fleetsync.Message{Drain: dial, Deadline: deadline})
 	} else {
 		// An upstream the admin API drained stays undrainable after no
@@ -127,6 +130,7 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no loaded llm_affinity policy has upstream %s", dial)}
 		}
 		sh.drains.Undrain(dial, drain.Admin)
+		sh.noteFleetDrain(dial, false, 0)
 		sh.publish(fleetsync.Message{Undrain: dial})
 	}
 	w.Header().Set("Content-Type", "application/json")

@@ -70,7 +70,18 @@ type shared struct {
 	pendingSites atomic.Int32
 	scrapers     map[*scrape.Scraper]bool
 	nextSite     uint64
+	// fleetDrains are the operators' drains in force across the routers
+	// sharing a view, by upstream, with their deadlines: those heard from
+	// peers and, while this router syncs, its own, until an undrain. An
+	// upstream a config names again after dropping it takes its drain back
+	// from here (see nameUpstreams): the fleet's other routers still hold
+	// it. At most maxFleetDrains.
+	fleetDrains map[string]time.Time
 }
+
+// maxFleetDrains bounds shared.fleetDrains: upstreams a fleet drains at
+// once.
+const maxFleetDrains = 1024
 
 // site is one provisioned policy: the owner of its config and health
 // drains, and the upstreams it names.
@@ -275,10 +286,59 @@ func (sh *shared) adminDrainDeadline(dial string) time.Duration {
 func (sh *shared) nameUpstreams(dials []string) {
 	now := time.Now()
 	for _, d := range dials {
-		pool.LoadOrNew(namedKey(d), func() (caddy.Destructor, error) { return &namedUpstream{dial: d, sh: sh}, nil })
+		_, loaded, _ := pool.LoadOrNew(namedKey(d), func() (caddy.Destructor, error) { return &namedUpstream{dial: d, sh: sh}, nil })
 		sh.fleet.Name(d, now)
 		sh.metrics.name(d)
+		if !loaded {
+			// Named again after no config named it (its drains were
+			// lifted then): an operator's drain the fleet still holds
+			// holds here too.
+			if until, ok := sh.fleetDrain(d); ok {
+				sh.drains.Drain(d, max(0, until.Sub(now)), drain.Admin)
+			}
+		}
 	}
+}
+
+// noteFleetDrain records an operator's drain of dial (on) until deadline
+// from now, or its undrain, made through this router or a peer (see
+// fleetDrains). A second drain keeps the earlier deadline, as the drain
+// registry does.
+func (sh *shared) noteFleetDrain(dial string, on bool, deadline time.Duration) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if !on {
+		delete(sh.fleetDrains, dial)
+		return
+	}
+	until := time.Now().Add(max(0, deadline))
+	if sh.fleetDrains == nil {
+		sh.fleetDrains = make(map[string]time.Time)
+	}
+	if old, ok := sh.fleetDrains[dial]; ok {
+		sh.fleetDrains[dial] = minTime(old, until)
+		return
+	}
+	if len(sh.fleetDrains) >= maxFleetDrains {
+		return // the first drains stand; a flood of others does not push them out
+	}
+	sh.fleetDrains[dial] = until
+}
+
+// fleetDrain is the deadline of the operators' drain of dial in force in
+// the fleet, if one is.
+func (sh *shared) fleetDrain(dial string) (time.Time, bool) {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	until, ok := sh.fleetDrains[dial]
+	return until, ok
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }
 
 func releaseUpstreams(dials []string) {

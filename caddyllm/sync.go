@@ -278,12 +278,20 @@ func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 	switch {
 	case m.Event != nil:
 		sh.fleet.Apply(peer, *m.Event, now)
-	case m.Drain != "" && sh.fleet.Routable(m.Drain):
-		sh.drains.Drain(m.Drain, m.Deadline, drain.Admin)
-	case m.Undrain != "" && sh.fleet.Routable(m.Undrain):
-		// Only the operators' hold: this router's own config and
-		// health holds are its own to lift.
-		sh.drains.Lift(m.Undrain, drain.Admin)
+	case m.Drain != "":
+		// Kept also for an upstream this router does not route to now:
+		// a config that names it later takes the drain (nameUpstreams).
+		sh.noteFleetDrain(m.Drain, true, m.Deadline)
+		if sh.fleet.Routable(m.Drain) {
+			sh.drains.Drain(m.Drain, m.Deadline, drain.Admin)
+		}
+	case m.Undrain != "":
+		sh.noteFleetDrain(m.Undrain, false, 0)
+		if sh.fleet.Routable(m.Undrain) {
+			// Only the operators' hold: this router's own config and
+			// health holds are its own to lift.
+			sh.drains.Lift(m.Undrain, drain.Admin)
+		}
 	}
 }
 

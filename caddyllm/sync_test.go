@@ -2,12 +2,14 @@ package caddyllm
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 )
@@ -104,5 +106,39 @@ func TestReloadRetiresOnlyReplacedConnections(t *testing.T) {
 	}
 	if c.Stats().Retired {
 		t.Fatal("the connection in use was retired")
+	}
+}
+
+// TestFleetDrainComesBackWithItsUpstream: an operator's drain heard from
+// a peer holds for an upstream a reload names again after dropping it (the
+// drop lifted it here; the fleet's other routers still hold it), and for
+// one a config names only later; an undrain heard meanwhile ends it.
+func TestFleetDrainComesBackWithItsUpstream(t *testing.T) {
+	sh := newShared()
+	defer close(sh.stop)
+	dial := fmt.Sprintf("fleet-drain-%d:1", time.Now().UnixNano())
+	later := dial + "0"
+	sh.nameUpstreams([]string{dial})
+	sh.applyPeer("peer#1", fleetsync.Message{Drain: dial, Deadline: time.Minute})
+	sh.applyPeer("peer#1", fleetsync.Message{Drain: later, Deadline: time.Minute}) // named nowhere yet
+	if phase := sh.drains.Phase(dial); phase == drain.Active {
+		t.Fatalf("the peer's drain: %v", phase)
+	}
+	releaseUpstreams([]string{dial}) // a reload drops it ...
+	if phase := sh.drains.Phase(dial); phase != drain.Active {
+		t.Fatalf("dropped: %v, want its drains lifted", phase)
+	}
+	sh.nameUpstreams([]string{dial, later}) // ... and the next names it again
+	for _, d := range []string{dial, later} {
+		if phase := sh.drains.Phase(d); phase == drain.Active || !sh.drains.HeldBy(d, drain.ByAdmin) {
+			t.Errorf("%s named again: %v, want the fleet's drain", d, phase)
+		}
+	}
+	sh.applyPeer("peer#1", fleetsync.Message{Undrain: dial})
+	releaseUpstreams([]string{dial, later})
+	sh.nameUpstreams([]string{dial})
+	defer releaseUpstreams([]string{dial})
+	if phase := sh.drains.Phase(dial); phase != drain.Active {
+		t.Errorf("undrained by the peer, then named again: %v, want active", phase)
 	}
 }
