@@ -16,6 +16,9 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
@@ -1347,4 +1350,41 @@ func TestSnapshotWithDocumentedPermissions(t *testing.T) {
 	if d := b.decide([]uint64{1, 2, 3}); d.MatchedTokens != 48 {
 		t.Fatalf("b matched %d tokens of a's request, want 48", d.MatchedTokens)
 	}
+}
+
+// TestReloadedConnectionKeepsItsView: a router's new connection (a reload
+// changed its sync options) asks for a snapshot while its earlier one is
+// still in the queue group that answers: when that one gets the request,
+// it says at once that the view is the asker's own, where it used to stay
+// silent, leaving the new connection to wait 5 s and log that no peer
+// answered, with peers there.
+func TestReloadedConnectionKeepsItsView(t *testing.T) {
+	ns := startNATS(t, -1)
+	snapshot := func() []Message { return []Message{{Drain: "x:1", Deadline: time.Minute}} }
+	var applied atomic.Int64
+	cfg := Config{URLs: []string{ns.ClientURL()}, Name: "r", Subject: "test.reload", Instance: 7,
+		Snapshot: snapshot, OnSnapshot: func(string, Message) { applied.Add(1) }}
+	old := startSyncer(t, cfg)
+	waitFor(t, "the first connection answering snapshot requests", func() bool {
+		return old.Stats().Connected && queueSubscribed(ns, "test.reload.snapshot")
+	})
+	core, logs := observer.New(zapcore.InfoLevel)
+	cfg.Logger = zap.New(core)
+	successor := startSyncer(t, cfg)
+	successor.Replaces(old)
+	waitFor(t, "the new connection's snapshot phase", func() bool {
+		return logs.FilterMessageSnippet("snapshot").Len() > 0
+	})
+	if n := logs.FilterMessageSnippet("kept this router's own view").Len(); n != 1 {
+		t.Errorf("the new connection's snapshot: %v", logs.All())
+	}
+	if applied.Load() != 0 || old.Stats().SnapshotsSent != 0 {
+		t.Errorf("its own view applied again (%d messages) or counted as a snapshot given (%d)", applied.Load(), old.Stats().SnapshotsSent)
+	}
+}
+
+// queueSubscribed says the server has a queue subscription on subject.
+func queueSubscribed(ns *server.Server, subject string) bool {
+	subs, err := ns.Subsz(&server.SubszOptions{Subscriptions: true, Test: subject})
+	return err == nil && subs.Total > 0
 }

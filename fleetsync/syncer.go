@@ -662,6 +662,12 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 			return false
 		}
 		from = peerName(b.Sender, b.Epoch)
+		if b.Instance == s.cfg.Instance {
+			// This router's earlier connection, still in the queue group
+			// after a reload: the view is the one this router has.
+			log.Info("kept this router's own view: its earlier connection answered the request for a snapshot", zap.String("from", from))
+			return true
+		}
 		if len(b.Messages) == 0 {
 			s.snapshotFrom.Store(&from)
 			log.Info("started with a peer's view", zap.String("from", from), zap.Uint64("messages", s.snapshotMessages.Load()))
@@ -712,11 +718,17 @@ func (s *Syncer) newerLiveOp(m *Message) bool {
 // in batches within the publication bounds, and an empty batch to end it.
 func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	instance, n := binary.Uvarint(msg.Data)
-	if msg.Reply == "" || n <= 0 || instance == s.cfg.Instance {
+	if msg.Reply == "" || n <= 0 {
 		return
 	}
 	nc := s.conn()
-	msgs := s.cfg.Snapshot()
+	var msgs []Message
+	if instance != s.cfg.Instance {
+		msgs = s.cfg.Snapshot()
+	}
+	// Else a new connection of this router's own (a reload changed its
+	// sync options) asks, while this one is still in the queue group: it
+	// has this view already, and the end alone tells it so at once.
 	b := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
 	size, parts := 0, 0
 	send := func() error {
@@ -744,7 +756,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 			return
 		}
 	}
-	if send() == nil { // the end
+	if send() == nil && instance != s.cfg.Instance { // the end
 		s.snapshotsSent.Add(1)
 	}
 }
