@@ -2,6 +2,7 @@ package fleetsync
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -9,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -1387,4 +1390,58 @@ func TestReloadedConnectionKeepsItsView(t *testing.T) {
 func queueSubscribed(ns *server.Server, subject string) bool {
 	subs, err := ns.Subsz(&server.SubszOptions{Subscriptions: true, Test: subject})
 	return err == nil && subs.Total > 0
+}
+
+// TestConnectionTroubleSaysWhy: a NATS nothing answers at is logged with
+// the reason, once however many times the client tries, and Stats carry
+// it while not connected; closing a connection (a reload, a shutdown) is
+// neither logged nor counted as losing it.
+func TestConnectionTroubleSaysWhy(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	ln.Close()
+	core, logs := observer.New(zapcore.InfoLevel)
+	s := startSyncer(t, Config{URLs: []string{"nats://" + closed}, Name: "r", Subject: "test.why", Logger: zap.New(core)})
+	waitFor(t, "the reason in the stats", func() bool { return strings.Contains(s.Stats().LastError, "refused") })
+	waitFor(t, "the reason logged", func() bool {
+		for _, e := range logs.FilterMessageSnippet("cannot connect to NATS").All() {
+			if strings.Contains(fmt.Sprint(e.ContextMap()["error"]), "refused") {
+				return true
+			}
+		}
+		return false
+	})
+	// The client tries every second: each reason is logged once, until a
+	// connection is made. (On a connection not started, which no client
+	// reports to meanwhile.)
+	core3, logs3 := observer.New(zapcore.InfoLevel)
+	quiet, err := New(Config{URLs: []string{"nats://" + closed}, Name: "r3", Subject: "test.why", Logger: zap.New(core3)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, err := range []error{errors.New("one"), errors.New("one"), errors.New("two"), nil, errors.New("two")} {
+		quiet.noteConnError(err)
+	}
+	var reasons []string
+	for _, e := range logs3.All() {
+		reasons = append(reasons, fmt.Sprint(e.ContextMap()["error"]))
+	}
+	if !slices.Equal(reasons, []string{"one", "two", "two"}) {
+		t.Errorf("reasons logged: %q, want one, two, and two again after a connection", reasons)
+	}
+
+	ns := startNATS(t, -1)
+	core2, logs2 := observer.New(zapcore.InfoLevel)
+	up := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "r2", Subject: "test.why", Logger: zap.New(core2)})
+	waitFor(t, "connected", func() bool { return up.Stats().Connected })
+	if st := up.Stats(); st.LastError != "" {
+		t.Errorf("connected, yet last_error %q", st.LastError)
+	}
+	up.Close()
+	if st := up.Stats(); st.Disconnects != 0 || logs2.FilterMessageSnippet("lost the NATS connection").Len() != 0 {
+		t.Errorf("closing counted as an outage: %d disconnects, logs %v", st.Disconnects, logs2.All())
+	}
 }

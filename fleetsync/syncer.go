@@ -189,6 +189,10 @@ type Stats struct {
 	// Retired says a newer connection of this router publishes in its
 	// place (see Replaces) until it is closed.
 	Retired bool `json:"retired,omitempty"`
+	// LastError is why the last attempt to connect failed, while not
+	// connected ("" once connected): a refused connection, a name that
+	// does not resolve, a certificate NATS's TLS refused.
+	LastError string `json:"last_error,omitempty"`
 	// LastReceived is when the last peer batch arrived (zero: never).
 	LastReceived time.Time `json:"last_received,omitzero"`
 	// SnapshotFrom names the peer whose snapshot this router started
@@ -208,9 +212,16 @@ type Syncer struct {
 	// self is Name#epoch, read by Name and Stats.
 	epoch atomic.Uint64
 	self  atomic.Pointer[string]
-	// up is closed once the first connection is made.
-	up     chan struct{}
-	upOnce sync.Once
+	// up is closed once the first connection is made; closed once the
+	// client's last callback (its closed handler) has run.
+	up         chan struct{}
+	upOnce     sync.Once
+	closed     chan struct{}
+	closedOnce sync.Once
+	// connErr is why the last attempt to connect failed, "" once
+	// connected (see noteConnError).
+	connErrMu sync.Mutex
+	connErr   string
 	// mu orders Close with connect's hand-over of the connection: nc is
 	// set under it, once, unless Close came first.
 	mu    sync.Mutex
@@ -300,7 +311,7 @@ func New(cfg Config) (*Syncer, error) {
 	s := &Syncer{
 		cfg:   cfg,
 		queue: make(chan Message, cfg.QueueLength),
-		stop:  make(chan struct{}), done: make(chan struct{}), up: make(chan struct{}),
+		stop:  make(chan struct{}), done: make(chan struct{}), up: make(chan struct{}), closed: make(chan struct{}),
 	}
 	s.epoch.Store(uint64(time.Now().UnixNano()))
 	self := peerName(cfg.Name, s.epoch.Load())
@@ -399,9 +410,15 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.FlusherTimeout(writeTimeout),
 		nats.PingInterval(pingInterval),
 		nats.MaxPingsOutstanding(maxPingsOutstanding),
-		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true); s.markUp() }), // a first connection made late
+		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true); s.noteConnError(nil); s.markUp() }), // a first connection made late
+		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) { s.noteConnError(err) }),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.connected.Store(false)
+			select {
+			case <-s.stop:
+				return // this router closed it: a reload or a shutdown, no outage
+			default:
+			}
 			s.disconnects.Add(1)
 			// What was written to the dead connection may never have
 			// reached the server, nor what peers sent meanwhile this
@@ -416,9 +433,10 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			s.forgetSeqs() // also what a batch read as the connection dropped left
 			s.connected.Store(true)
+			s.noteConnError(nil)
 			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
 		}),
-		nats.ClosedHandler(func(*nats.Conn) { s.connected.Store(false) }),
+		nats.ClosedHandler(func(*nats.Conn) { s.connected.Store(false); s.closedOnce.Do(func() { close(s.closed) }) }),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			if errors.Is(err, nats.ErrSlowConsumer) {
 				// The client dropped peers' batches this router did not
@@ -462,6 +480,24 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		}
 	}
 	return opts, nil
+}
+
+// noteConnError records why the last attempt to connect to NATS failed
+// (nil: connected), for Stats.LastError, and logs each new reason once:
+// the client tries every second, and a bad certificate or a wrong address
+// is not worth a line a second.
+func (s *Syncer) noteConnError(err error) {
+	s.connErrMu.Lock()
+	defer s.connErrMu.Unlock()
+	if err == nil {
+		s.connErr = ""
+		return
+	}
+	msg := err.Error()
+	if msg != s.connErr {
+		s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
+	}
+	s.connErr = msg
 }
 
 // validSubject reports whether subject is one a router can publish and
@@ -1346,6 +1382,12 @@ func (s *Syncer) Close() {
 			nc.FlushTimeout(closeFlushTimeout)
 		}
 		nc.Close()
+		// The client runs its handlers after Close returns: wait, briefly,
+		// so that none of them acts after this connection is closed.
+		select {
+		case <-s.closed:
+		case <-time.After(closeFlushTimeout):
+		}
 	})
 }
 
@@ -1365,5 +1407,10 @@ func (s *Syncer) Stats() Stats {
 		st.SnapshotFrom = *from
 	}
 	st.SnapshotMessages, st.SnapshotsSent = s.snapshotMessages.Load(), s.snapshotsSent.Load()
+	if !st.Connected {
+		s.connErrMu.Lock()
+		st.LastError = s.connErr
+		s.connErrMu.Unlock()
+	}
 	return st
 }
