@@ -1445,3 +1445,29 @@ func TestConnectionTroubleSaysWhy(t *testing.T) {
 		t.Errorf("closing counted as an outage: %d disconnects, logs %v", st.Disconnects, logs2.All())
 	}
 }
+
+// TestLonelyAndTwinRoutersAreTold: a router that finds no peer on its
+// subject (the first, or one whose subject has a typo) says so, naming
+// the subject; one that hears a peer under its own name warns once.
+func TestLonelyAndTwinRoutersAreTold(t *testing.T) {
+	ns := startNATS(t, -1)
+	core, logs := observer.New(zapcore.InfoLevel)
+	cfg := Config{URLs: []string{ns.ClientURL()}, Name: "twin", Subject: "test.twins", Logger: zap.New(core),
+		Snapshot: func() []Message { return nil }, OnSnapshot: func(string, Message) {}}
+	first := startSyncer(t, cfg)
+	waitFor(t, "the first router's lonely start", func() bool {
+		return logs.FilterMessageSnippet("no peer on the sync subject").FilterField(zap.String("subject", "test.twins")).Len() == 1
+	})
+	core2, logs2 := observer.New(zapcore.InfoLevel)
+	cfg.Logger = zap.New(core2)
+	second := startSyncer(t, cfg)
+	waitFor(t, "both connected", func() bool { return first.Stats().Connected && second.Stats().Connected })
+	for i := range 3 {
+		first.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i + 1)}})
+	}
+	waitFor(t, "the twin's warning", func() bool { return logs2.FilterMessageSnippet("uses this router's name").Len() > 0 })
+	waitFor(t, "all three heard", func() bool { return second.Stats().Applied >= 3 })
+	if n := logs2.FilterMessageSnippet("uses this router's name").Len(); n != 1 {
+		t.Errorf("warned %d times, want once", n)
+	}
+}

@@ -218,6 +218,8 @@ type Syncer struct {
 	upOnce     sync.Once
 	closed     chan struct{}
 	closedOnce sync.Once
+	// warnedSameName says a peer with this router's name was logged.
+	warnedSameName atomic.Bool
 	// connErr is why the last attempt to connect failed, "" once
 	// connected (see noteConnError).
 	connErrMu sync.Mutex
@@ -678,7 +680,11 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 		msg, err := sub.NextMsg(wait)
 		switch {
 		case errors.Is(err, nats.ErrNoResponders):
-			return true // no peer: this router is the first
+			// No peer: this router is the first, or the only one on its
+			// subject (a typo in one router's subject looks like this).
+			log.Info("no peer on the sync subject to take a view from; starting with this router's own",
+				zap.String("subject", s.cfg.Subject))
+			return true
 		case errors.Is(err, nats.ErrTimeout) && from == "":
 			log.Info("no peer answered the request for a snapshot; starting with an empty view")
 			return true
@@ -1249,6 +1255,13 @@ func (s *Syncer) receive(msg *nats.Msg) {
 	}
 	if b.Instance == s.cfg.Instance {
 		return // this router's own, from another of its connections
+	}
+	if b.Sender == s.cfg.Name && s.warnedSameName.CompareAndSwap(false, true) {
+		// Routing still works (the names differ by the time each
+		// connection started), but the admin view and the logs cannot
+		// tell the two apart.
+		s.cfg.Logger.Warn("another router on the sync subject uses this router's name; give each its own (sync name)",
+			zap.String("name", s.cfg.Name))
 	}
 	peer := peerName(b.Sender, b.Epoch)
 	now := time.Now()

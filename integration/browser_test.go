@@ -248,8 +248,9 @@ func TestStatusPageInBrowser(t *testing.T) {
 	// NATS gone: the line says the router routes on its own view.
 	ns.Shutdown()
 	eventually(t, 60*time.Second, "the sync line saying NATS is down", func() bool {
-		return strings.Contains(syncLine(), "0 of 1 NATS connections up") &&
-			js(`document.getElementById("sync").className`) == "bad"
+		return strings.Contains(syncLine(), "NATS not connected, routing on this router's own view") &&
+			js(`document.getElementById("sync").className`) == "bad" &&
+			strings.Contains(js(`document.getElementById("sync").title`), "refused")
 	})
 
 	// An engine gone: its row says its scrape fails, not in the green,

@@ -110,16 +110,21 @@ function showError(e) {
 // option), "" without sync.
 function syncLine(v) {
   const conns = (v && v.connections) || [];
-  if (conns.length === 0) return ["", ""];
+  if (conns.length === 0) return ["", "", ""];
   const up = conns.filter((c) => c.connected).length;
   const peers = (v.peers || []).map((p) => p.name);
-  let text = "sync: " + (up === conns.length ? "NATS connected" : up + " of " + conns.length + " NATS connections up, the others routing on this router's own view");
+  let state = "NATS connected";
+  if (up === 0) state = "NATS not connected, routing on this router's own view";
+  else if (up < conns.length) state = up + " of " + conns.length + " NATS connections up; where one is down, routing on this router's own view";
+  let text = "sync: " + state;
   text += ", " + peers.length + (peers.length === 1 ? " peer" : " peers") + (peers.length ? " (" + peers.join(", ") + ")" : "");
   const from = conns.map((c) => c.snapshot_from).filter(Boolean);
   if (from.length) text += ", started with " + from.join(", ") + "'s view";
   const dropped = conns.reduce((n, c) => n + c.events_dropped, 0);
   if (dropped) text += ", " + fmtInt(dropped) + " events dropped";
-  return [text, up === conns.length ? "" : "bad"];
+  // Why a connection is down, on hover.
+  const why = conns.map((c) => c.last_error).filter(Boolean).join("; ");
+  return [text, up === conns.length ? "" : "bad", why];
 }
 
 let timer;
@@ -136,10 +141,11 @@ async function refresh() {
     if (!sy.ok) throw new Error("sync: " + sy.status + " " + (await sy.text()));
     const ups = await res.json() || [];
     const gateway = await gw.json();
-    const [syncText, syncCls] = syncLine(await sy.json());
+    const [syncText, syncCls, syncWhy] = syncLine(await sy.json());
     const line = document.getElementById("sync");
     line.textContent = syncText;
     line.className = syncCls;
+    line.title = syncWhy;
     line.hidden = syncText === "";
     document.querySelector("#upstreams tbody").replaceChildren(...ups.map(row));
     const inFlight = ups.reduce((n, u) => n + u.in_flight, 0);
