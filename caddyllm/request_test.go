@@ -222,8 +222,12 @@ func FuzzParse(f *testing.F) {
 			}
 			return
 		}
-		if req.PromptTokens < 0 || len(req.Hashes) > req.PromptTokens/4+1 {
+		// Media parts are hashed, but their bytes are not counted as text.
+		if req.PromptTokens < 0 || !req.Media && len(req.Hashes) > req.PromptTokens/4+1 {
 			t.Fatalf("%d tokens but %d blocks", req.PromptTokens, len(req.Hashes))
+		}
+		if req.Sequences < 1 || req.Sequences > maxSequences {
+			t.Fatalf("%d sequences", req.Sequences)
 		}
 	})
 }
