@@ -118,19 +118,21 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
-		sh.drains.Drain(dial, deadline, drain.Admin)
 		if len(sh.loadSyncers()) > 0 {
-			sh.noteFleetDrain(dial, true, deadline)
+			sh.fleetOp(dial, true, deadline)
+		} else {
+			sh.drains.Drain(dial, deadline, drain.Admin)
 		}
 		sh.publish(fleetsync.Message{Drain: dial, Deadline: deadline})
 	} else {
 		// An upstream the admin API drained stays undrainable after no
-		// config names it any more; anything else unknown is a typo.
-		if !sh.fleet.Routable(dial) && !sh.drains.HeldBy(dial, drain.ByAdmin) {
+		// config names it any more, and so does one the fleet holds
+		// drained; anything else unknown is a typo.
+		if !sh.fleet.Routable(dial) && !sh.drains.HeldBy(dial, drain.ByAdmin) && !sh.heldByFleet(dial) {
 			return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no loaded llm_affinity policy has upstream %s", dial)}
 		}
 		sh.drains.Undrain(dial, drain.Admin)
-		sh.noteFleetDrain(dial, false, 0)
+		sh.fleetOp(dial, false, 0)
 		sh.publish(fleetsync.Message{Undrain: dial})
 	}
 	w.Header().Set("Content-Type", "application/json")

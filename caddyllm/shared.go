@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -292,21 +293,44 @@ func (sh *shared) nameUpstreams(dials []string) {
 		if !loaded {
 			// Named again after no config named it (its drains were
 			// lifted then): an operator's drain the fleet still holds
-			// holds here too.
-			if until, ok := sh.fleetDrain(d); ok {
+			// holds here too. Under mu, so that a peer's undrain comes
+			// wholly before or after (see fleetOp).
+			sh.mu.Lock()
+			if until, ok := sh.fleetDrains[d]; ok {
 				sh.drains.Drain(d, max(0, until.Sub(now)), drain.Admin)
 			}
+			sh.mu.Unlock()
 		}
 	}
 }
 
-// noteFleetDrain records an operator's drain of dial (on) until deadline
-// from now, or its undrain, made through this router or a peer (see
-// fleetDrains). A second drain keeps the earlier deadline, as the drain
-// registry does.
-func (sh *shared) noteFleetDrain(dial string, on bool, deadline time.Duration) {
+// fleetOp applies an operator's drain of dial (on) with deadline, or its
+// undrain, made through a peer or through this router while it syncs: it
+// is recorded (see fleetDrains) and, on an upstream this router routes to,
+// held or lifted (an undrain lifts the operators' hold only: this
+// router's own config and health holds are its own). One lock over both,
+// so that a config naming the upstream again at that moment
+// (nameUpstreams) sees the fleet's drain and holds it, or sees it gone.
+func (sh *shared) fleetOp(dial string, on bool, deadline time.Duration) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
+	sh.noteFleetDrainLocked(dial, on, deadline)
+	if !sh.fleet.Routable(dial) {
+		return
+	}
+	if on {
+		sh.drains.Drain(dial, deadline, drain.Admin)
+	} else {
+		sh.drains.Lift(dial, drain.Admin)
+	}
+}
+
+// noteFleetDrainLocked records an operator's drain of dial (on) until
+// deadline from now, or its undrain (see fleetDrains). A second drain
+// keeps the earlier deadline, as the drain registry does. When the record
+// is full, the drain whose deadline passed longest ago makes room: the
+// likeliest to be of an upstream gone for good. Caller holds sh.mu.
+func (sh *shared) noteFleetDrainLocked(dial string, on bool, deadline time.Duration) {
 	if !on {
 		delete(sh.fleetDrains, dial)
 		return
@@ -320,18 +344,40 @@ func (sh *shared) noteFleetDrain(dial string, on bool, deadline time.Duration) {
 		return
 	}
 	if len(sh.fleetDrains) >= maxFleetDrains {
-		return // the first drains stand; a flood of others does not push them out
+		oldest, at := "", time.Time{}
+		for d, t := range sh.fleetDrains {
+			if oldest == "" || t.Before(at) {
+				oldest, at = d, t
+			}
+		}
+		delete(sh.fleetDrains, oldest)
 	}
 	sh.fleetDrains[dial] = until
 }
 
-// fleetDrain is the deadline of the operators' drain of dial in force in
-// the fleet, if one is.
-func (sh *shared) fleetDrain(dial string) (time.Time, bool) {
+// unroutedFleetDrains are the fleet's drains of upstreams this router does
+// not route to now, with what is left of their deadlines, for a router
+// that starts (its snapshot): it holds them too when a config names one.
+func (sh *shared) unroutedFleetDrains(now time.Time) []fleetsync.Message {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	until, ok := sh.fleetDrains[dial]
-	return until, ok
+	var msgs []fleetsync.Message
+	for d, until := range sh.fleetDrains {
+		if !sh.fleet.Routable(d) {
+			msgs = append(msgs, fleetsync.Message{Drain: d, Deadline: max(0, until.Sub(now))})
+		}
+	}
+	slices.SortFunc(msgs, func(a, b fleetsync.Message) int { return strings.Compare(a.Drain, b.Drain) })
+	return msgs
+}
+
+// heldByFleet says the fleet's operators hold dial drained, as far as
+// this router heard.
+func (sh *shared) heldByFleet(dial string) bool {
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	_, ok := sh.fleetDrains[dial]
+	return ok
 }
 
 func minTime(a, b time.Time) time.Time {

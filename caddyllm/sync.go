@@ -175,6 +175,7 @@ func (sh *shared) snapshotMessages() []fleetsync.Message {
 			msgs = append(msgs, fleetsync.Message{Drain: st.Key, Deadline: max(0, st.Deadline.Sub(now))})
 		}
 	}
+	msgs = append(msgs, sh.unroutedFleetDrains(now)...)
 	return eventMessages(msgs, sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes))
 }
 
@@ -211,6 +212,11 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 	delete(sh.syncLoads, s)
 	sh.closingSyncers = append(sh.closingSyncers, s)
 	sh.fleet.KeepLive(len(list) > 0)
+	if len(list) == 0 {
+		// No peer any more: the fleet's drains are this router's own
+		// affair again, and no undrain of them could reach it.
+		sh.fleetDrains = nil
+	}
 }
 
 func (sh *shared) closedSyncer(s *fleetsync.Syncer) {
@@ -281,17 +287,9 @@ func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 	case m.Drain != "":
 		// Kept also for an upstream this router does not route to now:
 		// a config that names it later takes the drain (nameUpstreams).
-		sh.noteFleetDrain(m.Drain, true, m.Deadline)
-		if sh.fleet.Routable(m.Drain) {
-			sh.drains.Drain(m.Drain, m.Deadline, drain.Admin)
-		}
+		sh.fleetOp(m.Drain, true, m.Deadline)
 	case m.Undrain != "":
-		sh.noteFleetDrain(m.Undrain, false, 0)
-		if sh.fleet.Routable(m.Undrain) {
-			// Only the operators' hold: this router's own config and
-			// health holds are its own to lift.
-			sh.drains.Lift(m.Undrain, drain.Admin)
-		}
+		sh.fleetOp(m.Undrain, false, 0)
 	}
 }
 

@@ -3,6 +3,9 @@ package caddyllm
 import (
 	"context"
 	"fmt"
+	"net/http/httptest"
+	"net/url"
+	"slices"
 	"testing"
 	"time"
 
@@ -140,5 +143,61 @@ func TestFleetDrainComesBackWithItsUpstream(t *testing.T) {
 	defer releaseUpstreams([]string{dial})
 	if phase := sh.drains.Phase(dial); phase != drain.Active {
 		t.Errorf("undrained by the peer, then named again: %v, want active", phase)
+	}
+}
+
+// TestFleetDrainsOfRemovedUpstreams: a drain the fleet holds on an
+// upstream no config here names any more can be undrained through this
+// router's admin API (else it would come back, unliftable, with a new
+// replica on that address), goes to a starting router in the snapshot,
+// keeps the newest when the record is full, and is forgotten with the
+// last sync connection.
+func TestFleetDrainsOfRemovedUpstreams(t *testing.T) {
+	sh := acquireShared()
+	defer releaseShared()
+	s, err := fleetsync.New(fleetsync.Config{URLs: []string{"nats://127.0.0.1:1"}}) // never started: syncing, no peer
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.addSyncer(s)
+	d := fmt.Sprintf("removed-%d:1", time.Now().UnixNano())
+	path := "/llm_affinity/upstreams/" + url.PathEscape(d) + "/drain"
+	sh.nameUpstreams([]string{d})
+	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("POST", path+"?deadline=1ms", nil)); err != nil {
+		t.Fatal(err)
+	}
+	releaseUpstreams([]string{d}) // decommissioned here
+	snapshotDrains := func() []string {
+		var dials []string
+		for _, m := range sh.snapshotMessages() {
+			if m.Drain != "" {
+				dials = append(dials, m.Drain)
+			}
+		}
+		return dials
+	}
+	if got := snapshotDrains(); !slices.Contains(got, d) {
+		t.Errorf("a starting router's snapshot lacks the fleet's drain of %s: %v", d, got)
+	}
+	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("DELETE", path, nil)); err != nil {
+		t.Fatalf("undrain of a removed upstream the fleet holds: %v", err)
+	}
+	sh.nameUpstreams([]string{d}) // a new replica on that address
+	if phase := sh.drains.Phase(d); phase != drain.Active {
+		t.Errorf("undrained, then named again: %v", phase)
+	}
+	releaseUpstreams([]string{d})
+
+	// Full: the drain whose deadline passed longest ago makes room.
+	for i := range maxFleetDrains {
+		sh.applyPeer("peer#1", fleetsync.Message{Drain: fmt.Sprintf("old-%d:1", i), Deadline: time.Duration(i) * time.Millisecond})
+	}
+	sh.applyPeer("peer#1", fleetsync.Message{Drain: d, Deadline: time.Minute})
+	if !sh.heldByFleet(d) || sh.heldByFleet("old-0:1") || !sh.heldByFleet("old-1:1") {
+		t.Errorf("full record: the new drain %v, the oldest %v, the next %v", sh.heldByFleet(d), sh.heldByFleet("old-0:1"), sh.heldByFleet("old-1:1"))
+	}
+	sh.removeSyncer(s)
+	if sh.heldByFleet(d) {
+		t.Error("the last sync connection gone, the fleet's drains are still held")
 	}
 }

@@ -1471,3 +1471,63 @@ func TestLonelyAndTwinRoutersAreTold(t *testing.T) {
 		t.Errorf("warned %d times, want once", n)
 	}
 }
+
+// TestHandshakeTroubleSaysWhy: a NATS that answers but whose TLS
+// handshake fails (the client reports it to no handler) is logged and
+// shown with its reason too; the same reason from several servers is
+// logged once.
+func TestHandshakeTroubleSaysWhy(t *testing.T) {
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := free.Addr().(*net.TCPAddr).Port
+	free.Close()
+	ns := startNATS(t, port)
+	core, logs := observer.New(zapcore.InfoLevel)
+	s := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "r", Subject: "test.tls", Logger: zap.New(core)})
+	waitFor(t, "connected", func() bool { return s.Stats().Connected })
+	// The server goes; on its port now, one that asks for TLS and cannot
+	// speak it: the client reconnects, and fails after connecting.
+	ns.Shutdown()
+	ns.WaitForShutdown()
+	var ln net.Listener
+	waitFor(t, "the port free again", func() bool {
+		ln, err = net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		return err == nil
+	})
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			fmt.Fprint(c, `INFO {"server_id":"fake","version":"2.10.0","proto":1,"max_payload":1048576,"tls_required":true}`+"\r\n")
+			fmt.Fprint(c, "not a TLS record\r\n")
+			c.Close()
+		}
+	}()
+	waitFor(t, "the handshake's failure in the stats", func() bool { return strings.Contains(s.Stats().LastError, "tls") })
+	waitFor(t, "the handshake's failure logged", func() bool {
+		for _, e := range logs.FilterMessageSnippet("cannot connect to NATS").All() {
+			if strings.Contains(fmt.Sprint(e.ContextMap()["error"]), "tls") {
+				return true
+			}
+		}
+		return false
+	})
+
+	core2, logs2 := observer.New(zapcore.InfoLevel)
+	quiet, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "q", Subject: "test.tls", Logger: zap.New(core2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, addr := range []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"} {
+		quiet.noteConnError(&net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, Err: errors.New("connect: connection refused " + addr[:0])})
+	}
+	quiet.noteConnError(nats.ErrNoServers)
+	if n := logs2.Len(); n != 1 {
+		t.Errorf("one reason from several servers, and the client's round of them: %d lines: %v", n, logs2.All())
+	}
+}

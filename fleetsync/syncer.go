@@ -26,8 +26,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -222,8 +224,9 @@ type Syncer struct {
 	warnedSameName atomic.Bool
 	// connErr is why the last attempt to connect failed, "" once
 	// connected (see noteConnError).
-	connErrMu sync.Mutex
-	connErr   string
+	connErrMu      sync.Mutex
+	connErr        string
+	connErrsLogged []string // the reasons logged since the last connection
 	// mu orders Close with connect's hand-over of the connection: nc is
 	// set under it, once, unless Close came first.
 	mu    sync.Mutex
@@ -492,15 +495,58 @@ func (s *Syncer) noteConnError(err error) {
 	s.connErrMu.Lock()
 	defer s.connErrMu.Unlock()
 	if err == nil {
-		s.connErr = ""
+		s.connErr, s.connErrsLogged = "", nil
 		return
 	}
-	msg := err.Error()
-	if msg != s.connErr {
-		s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
+	if errors.Is(err, nats.ErrNoServers) {
+		// The client's word for a round of attempts that all failed: the
+		// attempts' own reasons say more.
+		if s.connErr == "" {
+			s.connErr = err.Error()
+		}
+		return
 	}
-	s.connErr = msg
+	s.connErr = err.Error()
+	// The same reason from each of several servers is one reason.
+	reason := s.connErr
+	if op := (*net.OpError)(nil); errors.As(err, &op) && op.Err != nil {
+		reason = op.Op + ": " + op.Err.Error()
+	}
+	if slices.Contains(s.connErrsLogged, reason) || len(s.connErrsLogged) >= maxConnErrsLogged {
+		return
+	}
+	s.connErrsLogged = append(s.connErrsLogged, reason)
+	s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
 }
+
+// maxConnErrsLogged bounds the reasons logged in one outage.
+const maxConnErrsLogged = 8
+
+// watchConnErrors reads why nc cannot connect while it is not connected,
+// every connErrorPoll, for what the client reports to no handler: a TLS
+// handshake or a server's greeting that failed after the connection was
+// made (a certificate refused). On a goroutine of its own: the client
+// holds its lock through each attempt, which the read waits for.
+func (s *Syncer) watchConnErrors(nc *nats.Conn) {
+	tick := time.NewTicker(connErrorPoll)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-tick.C:
+		}
+		if !s.connected.Load() {
+			if err := nc.LastError(); err != nil {
+				s.noteConnError(err)
+			}
+		}
+	}
+}
+
+// connErrorPoll is how often watchConnErrors looks, about as often as the
+// client tries (nats.ReconnectWait).
+const connErrorPoll = time.Second
 
 // validSubject reports whether subject is one a router can publish and
 // subscribe to: dot-separated, non-empty tokens, no whitespace, no
@@ -545,6 +591,7 @@ func (s *Syncer) connect(opts []nats.Option) {
 	}
 	s.nc = nc
 	s.mu.Unlock()
+	go s.watchConnErrors(nc)
 	sub, err := nc.Subscribe(s.cfg.Subject, s.receive)
 	if err != nil {
 		log.Error("cannot subscribe to the sync subject; routing on this router's own view", zap.String("subject", s.cfg.Subject), zap.Error(err))

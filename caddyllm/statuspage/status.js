@@ -62,7 +62,7 @@ function row(u) {
   const health = u.healthy === undefined ? ["unknown", "muted"] : u.healthy ? ["healthy", "ok"] : ["down", "bad"];
   // The engine's metrics not read now: the row's engine figures are old or missing.
   const failing = !!(u.engine && u.engine.last_error);
-  const h = cell(tr, health[0], failing && health[1] === "ok" ? "warn" : health[1]);
+  const h = cell(tr, health[0], failing && health[1] !== "bad" ? "warn" : health[1]);
   if (failing) {
     h.append(document.createElement("br"), "scrape failing");
     h.title = u.engine.last_error + " (" + fmtInt(u.engine.scrape_errors) + " failed scrapes)";
