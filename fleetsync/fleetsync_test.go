@@ -1531,3 +1531,30 @@ func TestHandshakeTroubleSaysWhy(t *testing.T) {
 		t.Errorf("one reason from several servers, and the client's round of them: %d lines: %v", n, logs2.All())
 	}
 }
+
+// TestRefusedCredentialsKeepTrying: a server that refuses the router's
+// credentials again and again does not make it give up for good (nats.go
+// stops after the same refusal twice): once the server takes them, the
+// router connects, without a reload.
+func TestRefusedCredentialsKeepTrying(t *testing.T) {
+	auth := &countingAuth{}
+	ns := natstest.StartWith(t, &server.Options{Port: -1, CustomClientAuthentication: auth})
+	s := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "r", Subject: "test.auth"})
+	waitFor(t, "three refusals", func() bool { return auth.refused.Load() >= 3 })
+	auth.accept.Store(true) // the server's side fixed
+	waitFor(t, "connected once the server takes the credentials", func() bool { return s.Stats().Connected })
+}
+
+// countingAuth refuses every client until accept, counting refusals.
+type countingAuth struct {
+	accept  atomic.Bool
+	refused atomic.Int64
+}
+
+func (a *countingAuth) Check(server.ClientAuthentication) bool {
+	if a.accept.Load() {
+		return true
+	}
+	a.refused.Add(1)
+	return false
+}

@@ -408,6 +408,10 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.Name("caddy-llm-affinity " + s.cfg.Name),
 		nats.NoEcho(),
 		nats.MaxReconnects(-1),
+		// Also after the server refused the credentials twice (nats.go
+		// gives up then): a fix on the server takes effect without a
+		// reload of every router.
+		nats.IgnoreAuthErrorAbort(),
 		nats.ReconnectWait(time.Second),
 		nats.RetryOnFailedConnect(true),
 		// Events of an outage are dropped, not replayed late.
