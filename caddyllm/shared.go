@@ -2,10 +2,10 @@ package caddyllm
 
 import (
 	"context"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -314,7 +314,11 @@ func (sh *shared) nameUpstreams(dials []string) {
 func (sh *shared) fleetOp(dial string, on bool, deadline time.Duration) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	sh.noteFleetDrainLocked(dial, on, deadline)
+	// A closing connection's last batch may come after the last one was
+	// removed: no record then, which no undrain could reach.
+	if !on || len(sh.loadSyncers()) > 0 {
+		sh.noteFleetDrainLocked(dial, on, deadline)
+	}
 	if !sh.fleet.Routable(dial) {
 		return
 	}
@@ -355,20 +359,12 @@ func (sh *shared) noteFleetDrainLocked(dial string, on bool, deadline time.Durat
 	sh.fleetDrains[dial] = until
 }
 
-// unroutedFleetDrains are the fleet's drains of upstreams this router does
-// not route to now, with what is left of their deadlines, for a router
-// that starts (its snapshot): it holds them too when a config names one.
-func (sh *shared) unroutedFleetDrains(now time.Time) []fleetsync.Message {
+// fleetDrainDials lists the upstreams of the fleet's drains this router
+// keeps (see fleetDrains), for the admin view.
+func (sh *shared) fleetDrainDials() []string {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	var msgs []fleetsync.Message
-	for d, until := range sh.fleetDrains {
-		if !sh.fleet.Routable(d) {
-			msgs = append(msgs, fleetsync.Message{Drain: d, Deadline: max(0, until.Sub(now))})
-		}
-	}
-	slices.SortFunc(msgs, func(a, b fleetsync.Message) int { return strings.Compare(a.Drain, b.Drain) })
-	return msgs
+	return append([]string{}, slices.Sorted(maps.Keys(sh.fleetDrains))...)
 }
 
 // heldByFleet says the fleet's operators hold dial drained, as far as

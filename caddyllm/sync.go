@@ -175,7 +175,6 @@ func (sh *shared) snapshotMessages() []fleetsync.Message {
 			msgs = append(msgs, fleetsync.Message{Drain: st.Key, Deadline: max(0, st.Deadline.Sub(now))})
 		}
 	}
-	msgs = append(msgs, sh.unroutedFleetDrains(now)...)
 	return eventMessages(msgs, sh.fleet.SnapshotEvents(fleetsync.MaxEventHashes))
 }
 
@@ -301,6 +300,10 @@ type SyncView struct {
 	// ResponseHomes counts the stored Responses API responses whose
 	// upstream this router knows, its own and its peers'.
 	ResponseHomes int `json:"response_homes"`
+	// FleetDrains are the upstreams of the operators' drains in force in
+	// the fleet that this router keeps, to hold again should a config
+	// name one again (see README: Several routers).
+	FleetDrains []string `json:"fleet_drains"`
 }
 
 // PeerView is one peer router.
@@ -314,7 +317,7 @@ type PeerView struct {
 }
 
 func (sh *shared) syncView(now time.Time) SyncView {
-	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}, ResponseHomes: sh.fleet.ResponseHomes()}
+	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}, ResponseHomes: sh.fleet.ResponseHomes(), FleetDrains: sh.fleetDrainDials()}
 	for _, s := range sh.loadSyncers() {
 		v.Connections = append(v.Connections, s.Stats())
 	}
@@ -330,7 +333,7 @@ func handleSync(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return methodNotAllowed(w, r, http.MethodGet)
 	}
-	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}}
+	v := SyncView{Connections: []fleetsync.Stats{}, Peers: []PeerView{}, FleetDrains: []string{}}
 	if sh := lookupShared(); sh != nil {
 		v = sh.syncView(time.Now())
 	}

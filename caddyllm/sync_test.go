@@ -119,6 +119,11 @@ func TestReloadRetiresOnlyReplacedConnections(t *testing.T) {
 func TestFleetDrainComesBackWithItsUpstream(t *testing.T) {
 	sh := newShared()
 	defer close(sh.stop)
+	s, err := fleetsync.New(fleetsync.Config{URLs: []string{"nats://127.0.0.1:1"}}) // never started: syncing, no peer
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.addSyncer(s)
 	dial := fmt.Sprintf("fleet-drain-%d:1", time.Now().UnixNano())
 	later := dial + "0"
 	sh.nameUpstreams([]string{dial})
@@ -149,9 +154,11 @@ func TestFleetDrainComesBackWithItsUpstream(t *testing.T) {
 // TestFleetDrainsOfRemovedUpstreams: a drain the fleet holds on an
 // upstream no config here names any more can be undrained through this
 // router's admin API (else it would come back, unliftable, with a new
-// replica on that address), goes to a starting router in the snapshot,
-// keeps the newest when the record is full, and is forgotten with the
-// last sync connection.
+// replica on that address), shows in the sync view but does not go to a
+// starting router in the snapshot (an undrain this router missed would
+// spread with it), keeps the newest when the record is full, and is
+// forgotten with the last sync connection, after which a peer's drain
+// still arriving on the closing connection is not kept.
 func TestFleetDrainsOfRemovedUpstreams(t *testing.T) {
 	sh := acquireShared()
 	defer releaseShared()
@@ -176,8 +183,11 @@ func TestFleetDrainsOfRemovedUpstreams(t *testing.T) {
 		}
 		return dials
 	}
-	if got := snapshotDrains(); !slices.Contains(got, d) {
-		t.Errorf("a starting router's snapshot lacks the fleet's drain of %s: %v", d, got)
+	if got := snapshotDrains(); slices.Contains(got, d) {
+		t.Errorf("a starting router's snapshot has the drain of %s, which this router does not route to: %v", d, got)
+	}
+	if got := sh.syncView(time.Now()).FleetDrains; !slices.Contains(got, d) {
+		t.Errorf("the sync view lacks the fleet's drain of %s: %v", d, got)
 	}
 	if err := handleDrain(httptest.NewRecorder(), httptest.NewRequest("DELETE", path, nil)); err != nil {
 		t.Fatalf("undrain of a removed upstream the fleet holds: %v", err)
@@ -199,5 +209,9 @@ func TestFleetDrainsOfRemovedUpstreams(t *testing.T) {
 	sh.removeSyncer(s)
 	if sh.heldByFleet(d) {
 		t.Error("the last sync connection gone, the fleet's drains are still held")
+	}
+	sh.applyPeer("peer#1", fleetsync.Message{Drain: "late:1", Deadline: time.Minute}) // the closing connection's last batch
+	if sh.heldByFleet("late:1") {
+		t.Error("no sync connection left, yet a peer's late drain is kept")
 	}
 }

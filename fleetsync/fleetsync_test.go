@@ -1539,10 +1539,34 @@ func TestHandshakeTroubleSaysWhy(t *testing.T) {
 func TestRefusedCredentialsKeepTrying(t *testing.T) {
 	auth := &countingAuth{}
 	ns := natstest.StartWith(t, &server.Options{Port: -1, CustomClientAuthentication: auth})
-	s := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "r", Subject: "test.auth"})
+	core, logs := observer.New(zapcore.InfoLevel)
+	s := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "r", Subject: "test.auth", Logger: zap.New(core)})
 	waitFor(t, "three refusals", func() bool { return auth.refused.Load() >= 3 })
 	auth.accept.Store(true) // the server's side fixed
 	waitFor(t, "connected once the server takes the credentials", func() bool { return s.Stats().Connected })
+
+	// Refused again after a connection (credentials revoked): the client
+	// reports each refusal as an error, which is one reason, logged once.
+	before := logs.Len()
+	auth.accept.Store(false)
+	refused := auth.refused.Load()
+	cz, err := ns.Connz(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cz.Conns {
+		_ = ns.DisconnectClientByID(c.Cid)
+	}
+	waitFor(t, "four more refusals", func() bool { return auth.refused.Load() >= refused+4 })
+	var lines []string
+	for _, e := range logs.All()[before:] {
+		if e.Message == "NATS error" || strings.Contains(e.Message, "cannot connect") {
+			lines = append(lines, e.Message+": "+fmt.Sprint(e.ContextMap()["error"]))
+		}
+	}
+	if len(lines) != 1 {
+		t.Errorf("four refusals of revoked credentials logged as %q, want one line", lines)
+	}
 }
 
 // countingAuth refuses every client until accept, counting refusals.

@@ -453,6 +453,13 @@ func (s *Syncer) options() ([]nats.Option, error) {
 				s.missedBatches("this router read the peers' batches too slowly; the NATS client dropped some")
 				return
 			}
+			if isAuthError(err) {
+				// Refused credentials, reported at every attempt once a
+				// connection was made before: a reason to connect, logged
+				// once an outage.
+				s.noteConnError(err)
+				return
+			}
 			log.Warn("NATS error", zap.Error(err))
 		}),
 	}
@@ -516,11 +523,18 @@ func (s *Syncer) noteConnError(err error) {
 	if op := (*net.OpError)(nil); errors.As(err, &op) && op.Err != nil {
 		reason = op.Op + ": " + op.Err.Error()
 	}
+	reason = strings.ToLower(reason) // the client spells one refusal two ways
 	if slices.Contains(s.connErrsLogged, reason) || len(s.connErrsLogged) >= maxConnErrsLogged {
 		return
 	}
 	s.connErrsLogged = append(s.connErrsLogged, reason)
 	s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
+}
+
+// isAuthError says err is the server refusing this router's credentials.
+func isAuthError(err error) bool {
+	return errors.Is(err, nats.ErrAuthorization) || errors.Is(err, nats.ErrAuthExpired) ||
+		errors.Is(err, nats.ErrAuthRevoked) || errors.Is(err, nats.ErrAccountAuthExpired)
 }
 
 // maxConnErrsLogged bounds the reasons logged in one outage.
