@@ -837,12 +837,7 @@ func TestModelListsChanged(t *testing.T) {
 			model.Load(), answers.Add(1))
 	}))
 	defer srv.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
-	dial := hostOf(srv)
-	s.SetTargets([]string{dial})
-	s.Start(ctx)
+	s, dial := startAskedScraper(t, srv)
 	fetched := func() { // one more fetch of the list, asked for and ended
 		t.Helper()
 		since, ended := time.Now(), s.ModelsFetched()
@@ -878,12 +873,7 @@ func TestListCountedOnceSeen(t *testing.T) {
 		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"}]}`)
 	}))
 	defer srv.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
-	dial := hostOf(srv)
-	s.SetTargets([]string{dial})
-	s.Start(ctx)
+	s, dial := startAskedScraper(t, srv)
 	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 && s.Seq(dial) > 0 })
 	lists := func() []string {
 		sig, _ := s.Latest(dial, time.Now(), time.Hour)
@@ -905,4 +895,16 @@ func TestListCountedOnceSeen(t *testing.T) {
 		t.Fatalf("the request read the count (%d) and then a list without the adapter; the count did not move after: "+
 			"it would see no change and answer 404 while the engine lists %v", count, lists())
 	}
+}
+
+// startAskedScraper scrapes srv alone, its metrics and its model list at
+// start and then only when asked (AskModels), until the test ends.
+func startAskedScraper(t *testing.T, srv *httptest.Server) (*Scraper, string) {
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	dial := hostOf(srv)
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	return s, dial
 }
