@@ -490,3 +490,44 @@ func TestImpossibleRequestsAnsweredAtOnce(t *testing.T) {
 		t.Fatalf("a prompt that fits: %d %s", code, body)
 	}
 }
+
+// TestParallelChoicesChargedAndLearned: a request for n choices is
+// charged each choice's expected output while the engine generates them,
+// and the output the router learns from its usage (which counts every
+// choice) is one choice's: the next request's charge shows it.
+func TestParallelChoicesChargedAndLearned(t *testing.T) {
+	// A model of its own (an adapter), which nothing has taught the
+	// router yet: the per-model estimates outlive a config.
+	model := fmt.Sprintf("choices-%d", time.Now().UnixNano())
+	fleet := startFleet(t, 1, 4, kvsim.Config{Adapters: []string{model}})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	dial := fleet[0].dial()
+	inFlight := func(body string) int {
+		t.Helper()
+		done := make(chan completion, 1)
+		go func() { done <- postRaw(t, "/v1/chat/completions", []byte(body)) }()
+		var queued int
+		eventually(t, 30*time.Second, "the request in flight", func() bool {
+			u := upstream(t, dial)
+			queued = u.QueuedDecodeTokens
+			return u.InFlight == 1
+		})
+		if c := <-done; c.status != 200 {
+			t.Fatalf("%d %s", c.status, c.body)
+		}
+		return queued
+	}
+	chat := func(n, maxTokens int) string {
+		return fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"name %d things"}],"max_tokens":%d,"n":%d}`,
+			model, n, maxTokens, n)
+	}
+	// Nothing learned yet: each of 3 choices is charged the default
+	// expected output, 256 tokens (under max_tokens).
+	if q := inFlight(chat(3, 300)); q != 3*256 {
+		t.Errorf("3 choices charged %d decode tokens, want 3 × 256 (output_tokens' default)", q)
+	}
+	// They generated 300 each (usage: 900): one choice's is 300.
+	if q := inFlight(chat(1, 400)); q != 300 {
+		t.Errorf("after 3 choices of 300 tokens, one choice is expected to take %d, want 300", q)
+	}
+}

@@ -36,6 +36,10 @@ type ParsedRequest struct {
 	LengthLimited bool
 	Stream        bool
 	IncludeUsage  bool
+	// N is the number of choices to generate (1 when absent; more only
+	// without stream): n sequences of the same prompt, each with its
+	// own output, as vLLM's parallel sampling.
+	N int
 	// The Responses API's: the conversation as chat messages (the input,
 	// without the instructions), the instructions and tools to render it
 	// with, the stored response it continues, and whether to store this
@@ -164,6 +168,9 @@ func (rb *requestBody) responsesFields() (responsesFields, error) {
 	return f, nil
 }
 
+// maxChoices bounds n: each choice is a sequence in the engine.
+const maxChoices = 128
+
 // completionsDefaultMaxTokens is vLLM's max_tokens for a completions request
 // without one (CompletionRequest's default, as OpenAI's legacy API had).
 const completionsDefaultMaxTokens = 16
@@ -196,8 +203,17 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	} else if rb.StreamOptions != nil && rb.Stream {
 		p.IncludeUsage = true // {}: every option at its default
 	}
-	if rb.N != nil && *rb.N != 1 {
-		return nil, errBadRequest("n must be 1 in kvsim")
+	p.N = 1
+	if rb.N != nil {
+		if p.N = int(*rb.N); p.N < 1 {
+			return nil, errBadRequestf("n must be at least 1, got %d.", p.N)
+		}
+		if p.N > 1 && p.Stream {
+			return nil, errBadRequest("n > 1 with stream is not modelled by kvsim")
+		}
+		if p.N > maxChoices {
+			return nil, errBadRequestf("n must be at most %d in kvsim", maxChoices)
+		}
 	}
 	// vLLM takes max_completion_tokens over max_tokens (the chat API's
 	// newer name), and gives a completions request without either 16.

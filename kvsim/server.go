@@ -370,6 +370,22 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
 		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
 			created: time.Now().Unix(), cutAfter: f.CutAfterTokens, previous: previous}
+		// n > 1: as vLLM's parallel sampling, a sequence of the same
+		// prompt for each further choice, queued and run as any other.
+		var more []*responder
+		for i := 1; i < p.N; i++ {
+			child := &Request{ID: fmt.Sprintf("%d_%s", i, req.ID), Adapter: adapter, Context: p.Context,
+				OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+			cs, err := s.driver.Submit(child)
+			if err != nil {
+				writeError(w, err)
+				return
+			}
+			defer s.driver.Abort(child)
+			c := *rs
+			c.req, c.stream = child, cs
+			more = append(more, &c)
+		}
 		switch {
 		case endpoint == EndpointResponses && p.Stream:
 			rs.streamResponse()
@@ -378,7 +394,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		case p.Stream:
 			rs.streamSSE()
 		default:
-			rs.collect()
+			rs.collect(more...)
 		}
 	}
 }
@@ -460,23 +476,38 @@ func (rs *responder) generate() ([]byte, Event, bool) {
 	}
 }
 
-// collect answers a non-streaming completion or chat completion.
-func (rs *responder) collect() {
-	text, ev, ok := rs.generate()
-	if !ok {
-		return
-	}
-	choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": ev.FinishReason, "stop_reason": nil}
+// collect answers a non-streaming completion or chat completion: its
+// choice, and one for each of more (the further choices of n > 1, whose
+// output the usage counts too, their prompt once, as vLLM's does).
+func (rs *responder) collect(more ...*responder) {
 	object := "text_completion"
 	if rs.p.Endpoint == EndpointChatCompletions {
 		object = "chat.completion"
-		choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
-	} else {
-		choice["text"] = string(text)
+	}
+	choices := make([]any, 0, 1+len(more))
+	var u *usage
+	for i, c := range append([]*responder{rs}, more...) {
+		text, ev, ok := c.generate()
+		if !ok {
+			return
+		}
+		choice := map[string]any{"index": i, "logprobs": nil, "finish_reason": ev.FinishReason, "stop_reason": nil}
+		if rs.p.Endpoint == EndpointChatCompletions {
+			choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
+		} else {
+			choice["text"] = string(text)
+		}
+		choices = append(choices, choice)
+		if u == nil {
+			u = usageOf(ev)
+		} else {
+			u.CompletionTokens += ev.GeneratedTokens
+			u.TotalTokens += ev.GeneratedTokens
+		}
 	}
 	writeJSON(rs.w, http.StatusOK, map[string]any{
 		"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model,
-		"choices": []any{choice}, "usage": usageOf(ev),
+		"choices": choices, "usage": u,
 	})
 }
 

@@ -839,3 +839,50 @@ func TestLaxFieldsAsVLLM(t *testing.T) {
 		}
 	}
 }
+
+// TestParallelChoices: n > 1 generates a sequence of the prompt for each
+// choice, as vLLM's parallel sampling: the answer has n choices, indexed,
+// and its usage counts the prompt once and every choice's output.
+// Streaming with n > 1 is not modelled; n below 1 is refused as vLLM
+// refuses it.
+func TestParallelChoices(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	for _, c := range []struct{ path, body string }{
+		{"/v1/chat/completions", `{"model":"` + DefaultModel + `","messages":[{"role":"user","content":"pick a name"}],"max_tokens":5,"n":3}`},
+		{"/v1/completions", `{"model":"` + DefaultModel + `","prompt":"pick a name","max_tokens":5,"n":3}`},
+	} {
+		resp, body := post(t, srv.URL+c.path, c.body)
+		var out struct {
+			Choices []struct {
+				Index   int
+				Text    string
+				Message struct{ Content string }
+			}
+			Usage struct {
+				PromptTokens     int `json:"prompt_tokens"`
+				CompletionTokens int `json:"completion_tokens"`
+				TotalTokens      int `json:"total_tokens"`
+			}
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &out) != nil || len(out.Choices) != 3 {
+			t.Fatalf("%s n=3: %d %s", c.path, resp.StatusCode, body)
+		}
+		for i, ch := range out.Choices {
+			if ch.Index != i || ch.Text+ch.Message.Content == "" {
+				t.Errorf("%s choice %d: %+v", c.path, i, ch)
+			}
+		}
+		u := out.Usage
+		if u.CompletionTokens != 3*5 || u.PromptTokens == 0 || u.TotalTokens != u.PromptTokens+u.CompletionTokens {
+			t.Errorf("%s usage %+v: want the prompt once and 3 × 5 output tokens", c.path, u)
+		}
+	}
+	for body, want := range map[string]string{
+		`{"model":"` + DefaultModel + `","prompt":"x","n":0}`:              "n must be at least 1, got 0.",
+		`{"model":"` + DefaultModel + `","prompt":"x","n":2,"stream":true}`: "not modelled",
+	} {
+		if resp, out := post(t, srv.URL+"/v1/completions", body); resp.StatusCode != 400 || !strings.Contains(out, want) {
+			t.Errorf("%s: %d %s", body, resp.StatusCode, out)
+		}
+	}
+}
