@@ -878,7 +878,7 @@ func TestParallelChoices(t *testing.T) {
 		}
 	}
 	for body, want := range map[string]string{
-		`{"model":"` + DefaultModel + `","prompt":"x","n":0}`:              "n must be at least 1, got 0.",
+		`{"model":"` + DefaultModel + `","prompt":"x","n":0}`:               "n must be at least 1, got 0.",
 		`{"model":"` + DefaultModel + `","prompt":"x","n":2,"stream":true}`: "not modelled",
 	} {
 		if resp, out := post(t, srv.URL+"/v1/completions", body); resp.StatusCode != 400 || !strings.Contains(out, want) {
