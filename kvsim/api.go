@@ -36,9 +36,9 @@ type ParsedRequest struct {
 	LengthLimited bool
 	Stream        bool
 	IncludeUsage  bool
-	// N is the number of choices to generate (1 when absent; more only
-	// without stream): n sequences of the same prompt, each with its
-	// own output, as vLLM's parallel sampling.
+	// N is the number of choices to generate (1 when absent): n
+	// sequences of the same prompt, each with its own output, as vLLM's
+	// parallel sampling.
 	N int
 	// The Responses API's: the conversation as chat messages (the input,
 	// without the instructions), the instructions and tools to render it
@@ -207,9 +207,6 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	if rb.N != nil {
 		if p.N = int(*rb.N); p.N < 1 {
 			return nil, errBadRequestf("n must be at least 1, got %d.", p.N)
-		}
-		if p.N > 1 && p.Stream {
-			return nil, errBadRequest("n > 1 with stream is not modelled by kvsim")
 		}
 		if p.N > maxChoices {
 			return nil, errBadRequestf("n must be at most %d in kvsim", maxChoices)

@@ -392,7 +392,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		case endpoint == EndpointResponses:
 			rs.collectResponse()
 		case p.Stream:
-			rs.streamSSE()
+			rs.streamSSE(more...)
 		default:
 			rs.collect(more...)
 		}
@@ -511,7 +511,7 @@ func (rs *responder) collect(more ...*responder) {
 	})
 }
 
-func (rs *responder) streamSSE() {
+func (rs *responder) streamSSE(more ...*responder) {
 	h := rs.w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
@@ -528,8 +528,8 @@ func (rs *responder) streamSSE() {
 		}
 		return rc.Flush() == nil
 	}
-	chunk := func(text string, first bool, finish any) map[string]any {
-		choice := map[string]any{"index": 0, "logprobs": nil, "finish_reason": finish}
+	chunk := func(index int, text string, first bool, finish any) map[string]any {
+		choice := map[string]any{"index": index, "logprobs": nil, "finish_reason": finish}
 		if chat {
 			delta := map[string]any{}
 			if first {
@@ -545,24 +545,30 @@ func (rs *responder) streamSSE() {
 		}
 		return map[string]any{"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model, "choices": []any{choice}}
 	}
-	finishSent := false // on the chunk of the last token
+	next := func() (int, []Event, bool) { evs, ok := rs.next(); return 0, evs, ok }
+	if len(more) > 0 {
+		next = rs.interleave(more)
+	}
+	finishSent := make([]bool, 1+len(more)) // on the chunk of the last token
+	left := 1 + len(more)
+	var u *usage
 	for {
-		evs, ok := rs.next()
+		index, evs, ok := next()
 		if !ok {
 			return
 		}
 		for i, ev := range evs {
 			switch ev.Kind {
 			case EventFirstToken, EventToken:
-				if ev.Kind == EventFirstToken && chat && !send(chunk("", true, nil)) {
+				if ev.Kind == EventFirstToken && chat && !send(chunk(index, "", true, nil)) {
 					return
 				}
 				var finish any
 				if i+1 < len(evs) && evs[i+1].Kind == EventFinished {
 					finish = evs[i+1].FinishReason
-					finishSent = true
+					finishSent[index] = true
 				}
-				if !send(chunk(string(ev.Text), false, finish)) {
+				if !send(chunk(index, string(ev.Text), false, finish)) {
 					return
 				}
 				if rs.cutHere() {
@@ -571,17 +577,63 @@ func (rs *responder) streamSSE() {
 			case EventFinished:
 				// The last token came in an earlier batch: the finish
 				// reason goes in a chunk of its own, as vLLM sends it.
-				if !finishSent && !send(chunk("", false, ev.FinishReason)) {
+				if !finishSent[index] && !send(chunk(index, "", false, ev.FinishReason)) {
 					return
+				}
+				if u == nil {
+					u = usageOf(ev)
+				} else { // another choice's output; the prompt once
+					u.CompletionTokens += ev.GeneratedTokens
+					u.TotalTokens += ev.GeneratedTokens
+				}
+				if left--; left > 0 {
+					continue
 				}
 				if rs.p.IncludeUsage {
 					send(map[string]any{"id": rs.req.ID, "object": object, "created": rs.created,
-						"model": rs.model, "choices": []any{}, "usage": usageOf(ev)})
+						"model": rs.model, "choices": []any{}, "usage": u})
 				}
 				_, _ = io.WriteString(rs.w, "data: [DONE]\n\n")
 				_ = rc.Flush()
 				return
 			}
+		}
+	}
+}
+
+// interleave returns the events of rs's stream and of more's (the further
+// choices of n > 1) as they come, each batch with its choice's index, as
+// vLLM streams parallel choices; false when the client went away or the
+// engine stopped. Its goroutines end with the request.
+func (rs *responder) interleave(more []*responder) func() (int, []Event, bool) {
+	type batch struct {
+		index int
+		evs   []Event
+		ok    bool
+	}
+	out := make(chan batch)
+	done := rs.r.Context().Done()
+	for i, c := range append([]*responder{rs}, more...) {
+		go func() {
+			for {
+				evs, ok := c.next()
+				select {
+				case out <- batch{i, evs, ok}:
+				case <-done:
+					return
+				}
+				if !ok || slices.ContainsFunc(evs, func(ev Event) bool { return ev.Kind == EventFinished }) {
+					return
+				}
+			}
+		}()
+	}
+	return func() (int, []Event, bool) {
+		select {
+		case b := <-out:
+			return b.index, b.evs, b.ok
+		case <-done:
+			return 0, nil, false
 		}
 	}
 }

@@ -842,9 +842,8 @@ func TestLaxFieldsAsVLLM(t *testing.T) {
 
 // TestParallelChoices: n > 1 generates a sequence of the prompt for each
 // choice, as vLLM's parallel sampling: the answer has n choices, indexed,
-// and its usage counts the prompt once and every choice's output.
-// Streaming with n > 1 is not modelled; n below 1 is refused as vLLM
-// refuses it.
+// streamed or not, and its usage counts the prompt once and every
+// choice's output; n below 1 is refused as vLLM refuses it.
 func TestParallelChoices(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
 	for _, c := range []struct{ path, body string }{
@@ -877,12 +876,60 @@ func TestParallelChoices(t *testing.T) {
 			t.Errorf("%s usage %+v: want the prompt once and 3 × 5 output tokens", c.path, u)
 		}
 	}
-	for body, want := range map[string]string{
-		`{"model":"` + DefaultModel + `","prompt":"x","n":0}`:               "n must be at least 1, got 0.",
-		`{"model":"` + DefaultModel + `","prompt":"x","n":2,"stream":true}`: "not modelled",
-	} {
-		if resp, out := post(t, srv.URL+"/v1/completions", body); resp.StatusCode != 400 || !strings.Contains(out, want) {
-			t.Errorf("%s: %d %s", body, resp.StatusCode, out)
+	if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","prompt":"x","n":0}`); resp.StatusCode != 400 ||
+		!strings.Contains(out, "n must be at least 1, got 0.") {
+		t.Errorf("n=0: %d %s", resp.StatusCode, out)
+	}
+	// Streamed: each choice's chunks under its index, interleaved as they
+	// come, then one usage for all and one [DONE].
+	for _, path := range []string{"/v1/chat/completions", "/v1/completions"} {
+		body := `{"model":"` + DefaultModel + `","prompt":"pick a name","messages":[{"role":"user","content":"pick a name"}],` +
+			`"max_tokens":6,"n":3,"stream":true,"stream_options":{"include_usage":true}}`
+		if path == "/v1/completions" {
+			body = strings.Replace(body, `"messages":[{"role":"user","content":"pick a name"}],`, "", 1)
+		} else {
+			body = strings.Replace(body, `"prompt":"pick a name",`, "", 1)
+		}
+		resp, out := post(t, srv.URL+path, body)
+		tokens, finished := map[int]int{}, map[int]int{}
+		var usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		}
+		dones := strings.Count(out, "data: [DONE]")
+		for _, line := range strings.Split(out, "\n") {
+			data, ok := strings.CutPrefix(line, "data: ")
+			if !ok || data == "[DONE]" {
+				continue
+			}
+			var c struct {
+				Choices []struct {
+					Index        int
+					Text         string
+					Delta        struct{ Content string }
+					FinishReason *string `json:"finish_reason"`
+				}
+				Usage *struct {
+					CompletionTokens int `json:"completion_tokens"`
+				}
+			}
+			if err := json.Unmarshal([]byte(data), &c); err != nil {
+				t.Fatalf("%s: %v in %q", path, err, data)
+			}
+			for _, ch := range c.Choices {
+				if ch.Text+ch.Delta.Content != "" {
+					tokens[ch.Index]++
+				}
+				if ch.FinishReason != nil {
+					finished[ch.Index]++
+				}
+			}
+			if c.Usage != nil {
+				usage.CompletionTokens = c.Usage.CompletionTokens
+			}
+		}
+		if resp.StatusCode != 200 || dones != 1 || len(tokens) != 3 || len(finished) != 3 || usage.CompletionTokens != 3*6 {
+			t.Errorf("%s streamed n=3: %d, [DONE] %d times, tokens by choice %v, finished %v, usage %d",
+				path, resp.StatusCode, dones, tokens, finished, usage.CompletionTokens)
 		}
 	}
 }
