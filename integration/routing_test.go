@@ -491,10 +491,11 @@ func TestImpossibleRequestsAnsweredAtOnce(t *testing.T) {
 	}
 }
 
-// TestParallelChoicesChargedAndLearned: a request for n choices is
-// charged each choice's expected output while the engine generates them,
-// and the output the router learns from its usage (which counts every
-// choice) is one choice's: the next request's charge shows it.
+// TestParallelChoicesChargedAndLearned: a request for n choices (or a
+// batch of prompts) is charged each sequence's expected output while the
+// engine generates them, and the output the router learns from its usage
+// (which counts every choice) is one choice's: the next request's charge
+// shows it.
 func TestParallelChoicesChargedAndLearned(t *testing.T) {
 	// A model of its own (an adapter), which nothing has taught the
 	// router yet: the per-model estimates outlive a config.
@@ -504,8 +505,12 @@ func TestParallelChoicesChargedAndLearned(t *testing.T) {
 	dial := fleet[0].dial()
 	inFlight := func(body string) int {
 		t.Helper()
+		path := "/v1/chat/completions"
+		if strings.Contains(body, `"prompt"`) {
+			path = "/v1/completions"
+		}
 		done := make(chan completion, 1)
-		go func() { done <- postRaw(t, "/v1/chat/completions", []byte(body)) }()
+		go func() { done <- postRaw(t, path, []byte(body)) }()
 		var queued int
 		eventually(t, 30*time.Second, "the request in flight", func() bool {
 			u := upstream(t, dial)
@@ -529,5 +534,11 @@ func TestParallelChoicesChargedAndLearned(t *testing.T) {
 	// They generated 300 each (usage: 900): one choice's is 300.
 	if q := inFlight(chat(1, 400)); q != 300 {
 		t.Errorf("after 3 choices of 300 tokens, one choice is expected to take %d, want 300", q)
+	}
+	// A batch of 2 prompts with n=2: 4 sequences, each charged its
+	// expected output (at most its max_tokens, 300).
+	batch := fmt.Sprintf(`{"model":%q,"prompt":["list some things","list other things"],"max_tokens":300,"n":2}`, model)
+	if q := inFlight(batch); q != 4*300 {
+		t.Errorf("2 prompts × 2 choices charged %d decode tokens, want 4 × 300", q)
 	}
 }

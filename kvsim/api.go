@@ -23,8 +23,10 @@ type ParsedRequest struct {
 	Endpoint Endpoint
 	// Model is the requested model: the base model, an adapter, or empty (the base model).
 	Model string
-	// Context is the rendered prompt text (chat template applied for chat).
-	Context []byte
+	// Context is the rendered prompt text (chat template applied for chat):
+	// a completions batch's first prompt, whose others are MorePrompts.
+	Context     []byte
+	MorePrompts [][]byte
 	// MaxTokens is max_completion_tokens or else max_tokens (16 for a
 	// completions request with neither, as vLLM), 0 when absent.
 	MaxTokens int
@@ -257,7 +259,13 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 
 	switch endpoint {
 	case EndpointCompletions:
-		p.Context, err = parsePrompt(rb.Prompt, tok)
+		var prompts [][]byte
+		if prompts, err = parsePrompt(rb.Prompt, tok); err == nil {
+			p.Context, p.MorePrompts = prompts[0], prompts[1:]
+			if (1+len(p.MorePrompts))*p.N > maxChoices {
+				err = errBadRequestf("a batch of %d prompts with n %d: at most %d sequences in kvsim", 1+len(p.MorePrompts), p.N, maxChoices)
+			}
+		}
 	case EndpointChatCompletions:
 		if len(rb.Messages) == 0 {
 			return nil, errBadRequest("messages must be a non-empty list")
@@ -300,13 +308,48 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 	return p, nil
 }
 
-// parsePrompt accepts a string, a token-id array, or a batch of one of either. Larger batches
-// are rejected.
-func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
+// parsePrompt accepts a string, a token-id array, or a batch of either
+// (one sequence each, as vLLM runs them), and returns the prompts' texts.
+func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([][]byte, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
 		return nil, errBadRequest("prompt is required")
 	}
+	if raw[0] == '[' {
+		var items []json.RawMessage
+		if err := json.Unmarshal(raw, &items); err != nil {
+			return nil, errBadRequestf("prompt: %v", err)
+		}
+		if len(items) == 0 {
+			return nil, errBadRequest("The prompt must not be empty.")
+		}
+		if first := bytes.TrimSpace(items[0]); len(first) > 0 && (first[0] == '"' || first[0] == '[') {
+			prompts := make([][]byte, 0, len(items))
+			for i, item := range items {
+				if item = bytes.TrimSpace(item); len(item) == 0 || item[0] != first[0] {
+					return nil, errBadRequestf("prompt[%d] must be of the batch's first prompt's kind", i)
+				}
+				text, err := parseOnePrompt(item, tok)
+				if err != nil {
+					return nil, err
+				}
+				if len(text) == 0 {
+					return nil, errBadRequest("The prompt must not be empty.")
+				}
+				prompts = append(prompts, text)
+			}
+			return prompts, nil
+		}
+	}
+	text, err := parseOnePrompt(raw, tok)
+	if err != nil {
+		return nil, err
+	}
+	return [][]byte{text}, nil
+}
+
+// parseOnePrompt reads one prompt: a string or an array of token ids.
+func parseOnePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 	switch raw[0] {
 	case '"':
 		var s string
@@ -315,23 +358,9 @@ func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 		}
 		return []byte(s), nil
 	case '[':
-		var items []json.RawMessage
-		if err := json.Unmarshal(raw, &items); err != nil {
-			return nil, errBadRequestf("prompt: %v", err)
-		}
-		if len(items) == 0 {
-			return nil, errBadRequest("The prompt must not be empty.")
-		}
-		first := bytes.TrimSpace(items[0])
-		if len(first) > 0 && (first[0] == '"' || first[0] == '[') {
-			if len(items) > 1 {
-				return nil, errBadRequest("batch prompts not supported by kvsim")
-			}
-			return parsePrompt(first, tok)
-		}
 		var ids []int64
 		if err := json.Unmarshal(raw, &ids); err != nil {
-			return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of one")
+			return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
 		}
 		for _, id := range ids {
 			if id < 0 {
@@ -340,5 +369,5 @@ func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 		}
 		return tok.TokenIDsToText(ids), nil
 	}
-	return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of one")
+	return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
 }

@@ -23,7 +23,7 @@ package kvsim
 
 // HTTP API ([Server]):
 //
-//	POST /v1/completions          prompt: string, token-id array, or a batch of one
+//	POST /v1/completions          prompt: string, token-id array, or a batch of either; n choices
 //	POST /v1/chat/completions     messages (string or content-part content), tools,
 //	                              add_generation_prompt (default true), continue_final_message
 //	GET  /v1/models               the base model and every known adapter (parent = base model)

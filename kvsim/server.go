@@ -370,21 +370,27 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
 		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
 			created: time.Now().Unix(), cutAfter: f.CutAfterTokens, previous: previous}
-		// n > 1: as vLLM's parallel sampling, a sequence of the same
-		// prompt for each further choice, queued and run as any other.
+		// A sequence for each further choice (n > 1, vLLM's parallel
+		// sampling) and each further prompt of a batch, queued and run as
+		// any other; choice i*n+j is prompt i's j-th, as vLLM numbers them.
 		var more []*responder
-		for i := 1; i < p.N; i++ {
-			child := &Request{ID: fmt.Sprintf("%d_%s", i, req.ID), Adapter: adapter, Context: p.Context,
-				OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
-			cs, err := s.driver.Submit(child)
-			if err != nil {
-				writeError(w, err)
-				return
+		for i, prompt := range append([][]byte{p.Context}, p.MorePrompts...) {
+			for j := range p.N {
+				if i == 0 && j == 0 {
+					continue
+				}
+				child := &Request{ID: fmt.Sprintf("%d_%s", i*p.N+j, req.ID), Adapter: adapter, Context: prompt,
+					OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+				cs, err := s.driver.Submit(child)
+				if err != nil {
+					writeError(w, err)
+					return
+				}
+				defer s.driver.Abort(child)
+				c := *rs
+				c.req, c.stream, c.furtherChoice = child, cs, j > 0
+				more = append(more, &c)
 			}
-			defer s.driver.Abort(child)
-			c := *rs
-			c.req, c.stream = child, cs
-			more = append(more, &c)
 		}
 		switch {
 		case endpoint == EndpointResponses && p.Stream:
@@ -414,6 +420,9 @@ type responder struct {
 	// previous is the stored conversation a Responses API request
 	// continues.
 	previous []ChatMessage
+	// furtherChoice says this sequence is a prompt's second choice or
+	// later (n > 1): the usage counts a prompt once.
+	furtherChoice bool
 }
 
 // next waits for the next events; false when the client went away.
@@ -476,6 +485,23 @@ func (rs *responder) generate() ([]byte, Event, bool) {
 	}
 }
 
+// addUsage adds the finished sequence ev of rs to u (nil: none yet): its
+// output, and its prompt unless another choice of it counted it (see
+// furtherChoice).
+func (rs *responder) addUsage(u *usage, ev Event) *usage {
+	if u == nil {
+		u = &usage{}
+	}
+	u.CompletionTokens += ev.GeneratedTokens
+	u.TotalTokens += ev.GeneratedTokens
+	if !rs.furtherChoice {
+		u.PromptTokens += ev.PromptTokens
+		u.TotalTokens += ev.PromptTokens
+		u.PromptTokensDetails.CachedTokens += ev.CachedTokens
+	}
+	return u
+}
+
 // collect answers a non-streaming completion or chat completion: its
 // choice, and one for each of more (the further choices of n > 1, whose
 // output the usage counts too, their prompt once, as vLLM's does).
@@ -498,12 +524,7 @@ func (rs *responder) collect(more ...*responder) {
 			choice["text"] = string(text)
 		}
 		choices = append(choices, choice)
-		if u == nil {
-			u = usageOf(ev)
-		} else {
-			u.CompletionTokens += ev.GeneratedTokens
-			u.TotalTokens += ev.GeneratedTokens
-		}
+		u = c.addUsage(u, ev)
 	}
 	writeJSON(rs.w, http.StatusOK, map[string]any{
 		"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model,
@@ -549,6 +570,7 @@ func (rs *responder) streamSSE(more ...*responder) {
 	if len(more) > 0 {
 		next = rs.interleave(more)
 	}
+	all := append([]*responder{rs}, more...)
 	finishSent := make([]bool, 1+len(more)) // on the chunk of the last token
 	left := 1 + len(more)
 	var u *usage
@@ -580,12 +602,7 @@ func (rs *responder) streamSSE(more ...*responder) {
 				if !finishSent[index] && !send(chunk(index, "", false, ev.FinishReason)) {
 					return
 				}
-				if u == nil {
-					u = usageOf(ev)
-				} else { // another choice's output; the prompt once
-					u.CompletionTokens += ev.GeneratedTokens
-					u.TotalTokens += ev.GeneratedTokens
-				}
+				u = all[index].addUsage(u, ev)
 				if left--; left > 0 {
 					continue
 				}

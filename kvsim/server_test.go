@@ -933,3 +933,52 @@ func TestParallelChoices(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchPrompts: a completions batch runs one sequence a prompt (times
+// n), as vLLM does: choice i*n+j is prompt i's j-th, and the usage counts
+// each prompt once and every choice's output.
+func TestBatchPrompts(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	resp, body := post(t, srv.URL+"/v1/completions",
+		`{"model":"`+DefaultModel+`","prompt":["one short prompt","another, somewhat longer prompt"],"max_tokens":4,"n":2}`)
+	var out struct {
+		Choices []struct {
+			Index int
+			Text  string
+		}
+		Usage struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+		}
+	}
+	if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &out) != nil || len(out.Choices) != 4 {
+		t.Fatalf("2 prompts × n=2: %d %s", resp.StatusCode, body)
+	}
+	_, one := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","prompt":"one short prompt","max_tokens":4}`)
+	_, other := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","prompt":"another, somewhat longer prompt","max_tokens":4}`)
+	promptTokens := func(body string) int {
+		var r struct {
+			Usage struct {
+				PromptTokens int `json:"prompt_tokens"`
+			}
+		}
+		_ = json.Unmarshal([]byte(body), &r)
+		return r.Usage.PromptTokens
+	}
+	if want := promptTokens(one) + promptTokens(other); out.Usage.PromptTokens != want || out.Usage.CompletionTokens != 4*4 {
+		t.Errorf("usage %+v: want each prompt once (%d tokens) and 4 × 4 output tokens", out.Usage, want)
+	}
+	for i, ch := range out.Choices {
+		if ch.Index != i || ch.Text == "" {
+			t.Errorf("choice %d: %+v", i, ch)
+		}
+	}
+	for bodyText, want := range map[string]string{
+		`["a",[1,2]]`: "must be of the batch's first prompt's kind",
+		`["a",""]`:    "must not be empty",
+	} {
+		if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","prompt":`+bodyText+`}`); resp.StatusCode != 400 || !strings.Contains(out, want) {
+			t.Errorf("%s: %d %s", bodyText, resp.StatusCode, out)
+		}
+	}
+}
