@@ -1406,14 +1406,7 @@ func TestConnectionTroubleSaysWhy(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	s := startSyncer(t, Config{URLs: []string{"nats://" + closed}, Name: "r", Subject: "test.why", Logger: zap.New(core)})
 	waitFor(t, "the reason in the stats", func() bool { return strings.Contains(s.Stats().LastError, "refused") })
-	waitFor(t, "the reason logged", func() bool {
-		for _, e := range logs.FilterMessageSnippet("cannot connect to NATS").All() {
-			if strings.Contains(fmt.Sprint(e.ContextMap()["error"]), "refused") {
-				return true
-			}
-		}
-		return false
-	})
+	waitFor(t, "the reason logged", func() bool { return loggedReason(logs, "refused") })
 	// The client tries every second: each reason is logged once, until a
 	// connection is made. (On a connection not started, which no client
 	// reports to meanwhile.)
@@ -1472,6 +1465,17 @@ func TestLonelyAndTwinRoutersAreTold(t *testing.T) {
 	}
 }
 
+// loggedReason says logs hold a "cannot connect to NATS" line whose error
+// mentions reason.
+func loggedReason(logs *observer.ObservedLogs, reason string) bool {
+	for _, e := range logs.FilterMessageSnippet("cannot connect to NATS").All() {
+		if strings.Contains(fmt.Sprint(e.ContextMap()["error"]), reason) {
+			return true
+		}
+	}
+	return false
+}
+
 // TestHandshakeTroubleSaysWhy: a NATS that answers but whose TLS
 // handshake fails (the client reports it to no handler) is logged and
 // shown with its reason too; the same reason from several servers is
@@ -1509,22 +1513,16 @@ func TestHandshakeTroubleSaysWhy(t *testing.T) {
 		}
 	}()
 	waitFor(t, "the handshake's failure in the stats", func() bool { return strings.Contains(s.Stats().LastError, "tls") })
-	waitFor(t, "the handshake's failure logged", func() bool {
-		for _, e := range logs.FilterMessageSnippet("cannot connect to NATS").All() {
-			if strings.Contains(fmt.Sprint(e.ContextMap()["error"]), "tls") {
-				return true
-			}
-		}
-		return false
-	})
+	waitFor(t, "the handshake's failure logged", func() bool { return loggedReason(logs, "tls") })
 
 	core2, logs2 := observer.New(zapcore.InfoLevel)
 	quiet, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "q", Subject: "test.tls", Logger: zap.New(core2)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, addr := range []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"} {
-		quiet.noteConnError(&net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, Err: errors.New("connect: connection refused " + addr[:0])})
+	for _, port := range []int{1, 2, 1} { // one reason, the servers' addresses in its text differing
+		quiet.noteConnError(&net.OpError{Op: "dial", Net: "tcp", Addr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: port},
+			Err: errors.New("connect: connection refused")})
 	}
 	quiet.noteConnError(nats.ErrNoServers)
 	if n := logs2.Len(); n != 1 {
