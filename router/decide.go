@@ -186,9 +186,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// matched prefix is in the engine's cache already, shared, and
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
-	output := min(sreq.OutputTokens*sequencesOf(req), MaxTokens) // every sequence's
+	output := min(sreq.OutputKVTokens(), MaxTokens) // every sequence's
 	c := f.charge(u, uncached, output, uncached+output, now)
-	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sequencesOf(req))
+	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sreq.Sequences)
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds

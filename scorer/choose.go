@@ -210,8 +210,8 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	return NotFiltered
 }
 
-// outputKVTokens is the KV the request's output takes: each sequence's.
-func (req *Request) outputKVTokens() int {
+// OutputKVTokens is the KV the request's output takes: each sequence's.
+func (req *Request) OutputKVTokens() int {
 	return max(0, req.OutputTokens) * min(max(1, req.Sequences), MaxSequences)
 }
 
@@ -243,7 +243,7 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 	if c.FreeKVTokens < 0 {
 		return 0
 	}
-	need := max(0, req.PromptTokens-c.MatchedTokens) + req.outputKVTokens() + marginTokens
+	need := max(0, req.PromptTokens-c.MatchedTokens) + req.OutputKVTokens() + marginTokens
 	if c.KVCapacityTokens > 0 {
 		if req.LeastKVTokens > c.KVCapacityTokens {
 			return math.Inf(1)
