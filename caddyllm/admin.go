@@ -118,11 +118,7 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 		if err != nil {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 		}
-		if len(sh.loadSyncers()) > 0 {
-			sh.fleetOp(dial, true, deadline)
-		} else {
-			sh.drains.Drain(dial, deadline, drain.Admin)
-		}
+		sh.fleetOp(dial, true, deadline) // kept for the fleet only while syncing
 		sh.publish(fleetsync.Message{Drain: dial, Deadline: deadline})
 	} else {
 		// An upstream the admin API drained stays undrainable after no

@@ -305,8 +305,8 @@ func (sh *shared) nameUpstreams(dials []string) {
 }
 
 // fleetOp applies an operator's drain of dial (on) with deadline, or its
-// undrain, made through a peer or through this router while it syncs: it
-// is recorded (see fleetDrains) and, on an upstream this router routes to,
+// undrain, made through a peer or through this router: while it syncs, it
+// is recorded (see fleetDrains); on an upstream this router routes to, it is
 // held or lifted (an undrain lifts the operators' hold only: this
 // router's own config and health holds are its own). One lock over both,
 // so that a config naming the upstream again at that moment
