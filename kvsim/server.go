@@ -357,8 +357,13 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		case EndpointResponses:
 			prefix = "resp_"
 		}
-		req := &Request{ID: newID(prefix), Adapter: adapter, Context: p.Context,
-			OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+		// One engine sequence of prompt: the request's own, and one for
+		// each further choice or prompt (below).
+		sequence := func(id string, prompt []byte) *Request {
+			return &Request{ID: id, Adapter: adapter, Context: prompt,
+				OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+		}
+		req := sequence(newID(prefix), p.Context)
 		stream, err := s.driver.Submit(req)
 		if err != nil {
 			writeError(w, err)
@@ -379,8 +384,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 				if i == 0 && j == 0 {
 					continue
 				}
-				child := &Request{ID: fmt.Sprintf("%d_%s", i*p.N+j, req.ID), Adapter: adapter, Context: prompt,
-					OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+				child := sequence(fmt.Sprintf("%d_%s", i*p.N+j, req.ID), prompt)
 				cs, err := s.driver.Submit(child)
 				if err != nil {
 					writeError(w, err)
