@@ -39,6 +39,44 @@ func listingEngine(t *testing.T, list func() string, delay *atomic.Int64) *httpt
 	return srv
 }
 
+// scrapedPolicy is a test policy over a pool of engines, whose scraper
+// has read each once (metrics and model list) and then reads only when
+// asked (scrape.Scraper.AskModels), until the test ends.
+func scrapedPolicy(t *testing.T, engines ...*httptest.Server) (*Policy, reverseproxy.UpstreamPool) {
+	s := scrape.New(scrape.Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	var pool reverseproxy.UpstreamPool
+	var dials []string
+	for _, e := range engines {
+		pool = append(pool, &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: e.Listener.Addr().String()})
+		dials = append(dials, e.Listener.Addr().String())
+	}
+	s.SetTargets(dials)
+	s.Start(ctx)
+	for _, d := range dials {
+		for s.Seq(d) == 0 {
+			select {
+			case <-s.ModelsFetched():
+			case <-time.After(time.Second): // the first scrapes' metrics
+			}
+		}
+	}
+	p := testPolicy(t, zap.NewNop())
+	p.QueueTimeout = caddy.Duration(10 * time.Second)
+	p.scraper = s
+	return p, pool
+}
+
+// selectChat has p select among pool for the chat completion body, as
+// the handler would have parsed it, and returns the choice and the
+// request's state.
+func selectChat(t *testing.T, p *Policy, pool reverseproxy.UpstreamPool, body string) (*reverseproxy.Upstream, *requestState) {
+	st := &requestState{req: mustParse(t, body), body: []byte(body), origBody: []byte(body), arrived: time.Now()}
+	r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+	return p.Select(pool, r, httptest.NewRecorder()), st
+}
+
 // TestListDuringTheDecisionIsNotMissed: a request for an adapter loaded on
 // engine B directly has both engines' lists fetched anew; A's answer wakes
 // it, and B's, which lists the adapter, comes microseconds later, at
@@ -49,33 +87,13 @@ func TestListDuringTheDecisionIsNotMissed(t *testing.T) {
 	var trial, noDelay, bDelay atomic.Int64
 	a := listingEngine(t, func() string { return "base" }, &noDelay)
 	b := listingEngine(t, func() string { return fmt.Sprintf("adapter-%d", trial.Load()) }, &bDelay)
-	s := scrape.New(scrape.Config{Interval: time.Hour, ModelsInterval: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	pool := reverseproxy.UpstreamPool{
-		{Host: new(reverseproxy.Host), Dial: a.Listener.Addr().String()},
-		{Host: new(reverseproxy.Host), Dial: b.Listener.Addr().String()},
-	}
-	s.SetTargets([]string{pool[0].Dial, pool[1].Dial})
-	s.Start(ctx)
-	for s.Seq(pool[0].Dial) == 0 || s.Seq(pool[1].Dial) == 0 {
-		select {
-		case <-s.ModelsFetched():
-		case <-time.After(time.Second): // the first scrapes' metrics
-		}
-	}
-	p := testPolicy(t, zap.NewNop())
-	p.QueueTimeout = caddy.Duration(10 * time.Second)
-	p.scraper = s
+	p, pool := scrapedPolicy(t, a, b)
 	missed, n := 0, 0
 	for _, d := range []time.Duration{6 * time.Microsecond, 10 * time.Microsecond, 15 * time.Microsecond} {
 		bDelay.Store(int64(d))
 		for range 12 {
 			i := trial.Add(1)
-			body := fmt.Sprintf(`{"model":"adapter-%d","messages":[{"role":"user","content":"hi"}]}`, i)
-			st := &requestState{req: mustParse(t, body), body: []byte(body), origBody: []byte(body), arrived: time.Now()}
-			r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
-			up := p.Select(pool, r, httptest.NewRecorder())
+			up, st := selectChat(t, p, pool, fmt.Sprintf(`{"model":"adapter-%d","messages":[{"role":"user","content":"hi"}]}`, i))
 			if st.current != nil {
 				st.current.release()
 			}
@@ -99,35 +117,15 @@ func TestListDuringTheDecisionIsNotMissed(t *testing.T) {
 // every request.
 func TestUnknownModelDecidesOnce(t *testing.T) {
 	var noDelay atomic.Int64
-	s := scrape.New(scrape.Config{Interval: time.Hour, ModelsInterval: time.Hour})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	var pool reverseproxy.UpstreamPool
-	var dials []string
+	var engines []*httptest.Server
 	for range 8 {
-		e := listingEngine(t, func() string { return "base" }, &noDelay)
-		pool = append(pool, &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: e.Listener.Addr().String()})
-		dials = append(dials, e.Listener.Addr().String())
+		engines = append(engines, listingEngine(t, func() string { return "base" }, &noDelay))
 	}
-	s.SetTargets(dials)
-	s.Start(ctx)
-	for _, d := range dials {
-		for s.Seq(d) == 0 {
-			select {
-			case <-s.ModelsFetched():
-			case <-time.After(time.Second):
-			}
-		}
-	}
-	p := testPolicy(t, zap.NewNop())
-	p.QueueTimeout = caddy.Duration(10 * time.Second)
-	p.scraper = s
+	p, pool := scrapedPolicy(t, engines...)
 	for i := range 3 {
-		body := `{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}`
-		st := &requestState{req: mustParse(t, body), body: []byte(body), origBody: []byte(body), arrived: time.Now()}
-		r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
 		before := p.sh.fleet.Decisions()
-		if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil || st.shed.status != http.StatusNotFound {
+		if up, st := selectChat(t, p, pool, `{"model":"no-such-model","messages":[{"role":"user","content":"hi"}]}`); up != nil ||
+			st.shed == nil || st.shed.status != http.StatusNotFound {
 			t.Fatalf("request %d: upstream %v, answer %+v; want the 404", i, up, st.shed)
 		}
 		if n := p.sh.fleet.Decisions() - before; n != 1 {
