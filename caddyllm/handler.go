@@ -244,9 +244,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	setContentLength(r.Header, len(body))
-	// The client had its 100 Continue when the body was read: asking the
-	// engine again would only forward its 100 as a second one.
-	r.Header.Del("Expect")
 	// The response is read on its way back (its first token, its usage,
 	// a stream to continue): the engine must not compress it. Caddy's
 	// encode handler, before this one, still compresses it for a client
@@ -355,14 +352,18 @@ func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
 	return w.ResponseWriterWrapper.ReadFrom(r)
 }
 
+// noContinueFromEngine drops r's Expect header as the handler reads its
+// body: reading sends the client its 100 Continue, if it waits for one,
+// and asking the engine again would only forward the engine's as a
+// second.
+func noContinueFromEngine(r *http.Request) { r.Header.Del("Expect") }
+
 // peekBody reads r's body, of a declared length up to max_body or
 // chunked, and puts back a body that sends the same bytes: the whole body,
 // with its length declared, when it is within max_body (whole), else the
 // bytes read followed by the rest, still streamed.
 func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error) {
-	// Reading sends the client its 100 Continue, if it waits for one:
-	// asking the engine again would only forward the engine's as a second.
-	r.Header.Del("Expect")
+	noContinueFromEngine(r)
 	if r.ContentLength > 0 {
 		if body, err = readDeclared(r.Body, r.ContentLength); err != nil {
 			return nil, false, err
@@ -574,6 +575,7 @@ func (h *Handler) readBody(r *http.Request) ([]byte, error) {
 	if r.Body == nil {
 		return nil, nil
 	}
+	noContinueFromEngine(r)
 	defer r.Body.Close()
 	if r.ContentLength > 0 {
 		return readDeclared(r.Body, r.ContentLength)
