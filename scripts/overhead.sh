@@ -17,6 +17,12 @@
 # Environment: ROUNDS (default 3), DURATION per measurement (10s), WARMUP (2s),
 # CONCURRENCY (32), PROMPT_BYTES (512), BASE_PORT (18080: uses BASE_PORT..BASE_PORT+6),
 # MIN_RATIO (unset; when set, exit 1 if the ratio is below it).
+#
+# INSTRUCTIONS=1 runs Caddy under valgrind's callgrind and reports, for each site, the
+# instructions Caddy executed per request (user space only: the kernel's share, its system calls,
+# is reported beside as before). Unlike time, the count does not move with the neighbours' load,
+# so one run settles what the router's own code costs; requests per second under valgrind mean
+# nothing and are not compared. Needs valgrind (Debian's package).
 set -euo pipefail
 
 ROUNDS=${ROUNDS:-3}
@@ -26,6 +32,7 @@ CONCURRENCY=${CONCURRENCY:-32}
 PROMPT_BYTES=${PROMPT_BYTES:-512}
 BASE_PORT=${BASE_PORT:-18080}
 MIN_RATIO=${MIN_RATIO:-}
+INSTRUCTIONS=${INSTRUCTIONS:-}
 
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
@@ -77,7 +84,14 @@ http://:$llm_port {
 	}
 }
 EOF
-"$work/caddy" run --config "$work/Caddyfile" --adapter caddyfile >"$work/caddy.log" 2>&1 &
+if [ -n "$INSTRUCTIONS" ]; then
+	command -v valgrind >/dev/null || { echo "INSTRUCTIONS=1 needs valgrind (apt-get install valgrind)" >&2; exit 1; }
+	# callgrind fails an assertion on the signals Go uses to preempt goroutines: turn them off.
+	GODEBUG=asyncpreemptoff=1 valgrind --tool=callgrind --callgrind-out-file="$work/callgrind.out" \
+		"$work/caddy" run --config "$work/Caddyfile" --adapter caddyfile >"$work/caddy.log" 2>&1 &
+else
+	"$work/caddy" run --config "$work/Caddyfile" --adapter caddyfile >"$work/caddy.log" 2>&1 &
+fi
 caddy_pid=$!
 pids+=("$caddy_pid")
 
@@ -89,7 +103,8 @@ printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}
 
 wait_for() {
 	local url=$1
-	for _ in $(seq 1 100); do
+	# Caddy takes seconds to start under valgrind.
+	for _ in $(seq 1 "$([ -n "$INSTRUCTIONS" ] && echo 1200 || echo 100)"); do
 		if curl -fsS -o /dev/null -X POST -H 'Content-Type: application/json' \
 			--data-binary @"$work/body.json" "$url" 2>/dev/null; then
 			return 0
@@ -130,25 +145,48 @@ caddy_syscalls() {
 measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req= and system calls per request
 	local url="http://127.0.0.1:$1/v1/completions" line t0 t1 s0 s1
 	"$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$WARMUP" -warmup 0 >/dev/null
+	[ -z "$INSTRUCTIONS" ] || callgrind_control --zero "$caddy_pid" >/dev/null
 	t0=$(caddy_cpu)
 	s0=$(caddy_syscalls)
 	line=$("$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$DURATION" -warmup 0)
 	t1=$(caddy_cpu)
 	s1=$(caddy_syscalls)
+	local instructions=""
+	if [ -n "$INSTRUCTIONS" ]; then
+		instructions=" instructions_per_req=$(instructions_since_zero "$(field requests "$line")")"
+	fi
 	echo "$line caddy_cpu_us_per_req=$(awk -v d=$((t1 - t0)) -v hz="$clk_tck" -v n="$(field requests "$line")" \
 		'BEGIN { printf "%.1f", (n > 0 ? d * 1e6 / hz / n : 0) }')" \
 		"$(echo "$s0 $s1" | awk -v n="$(field requests "$line")" \
-			'$1 != "-" && n > 0 { printf "reads_per_req=%.2f writes_per_req=%.2f", ($3 - $1) / n, ($4 - $2) / n }')"
+			'$1 != "-" && n > 0 { printf "reads_per_req=%.2f writes_per_req=%.2f", ($3 - $1) / n, ($4 - $2) / n }')$instructions"
+}
+# instructions_since_zero REQUESTS: dumps callgrind's counts since the last --zero and prints
+# the instructions per request.
+instructions_since_zero() {
+	local before after dump
+	before=$(ls "$work"/callgrind.out.* 2>/dev/null | wc -l)
+	callgrind_control --dump "$caddy_pid" >/dev/null
+	for _ in $(seq 1 600); do
+		after=$(ls "$work"/callgrind.out.* 2>/dev/null | wc -l)
+		[ "$after" -gt "$before" ] && break
+		sleep 0.1
+	done
+	dump=$(ls -t "$work"/callgrind.out.* | head -1)
+	awk -v n="$1" '/^(summary|totals):/ { if (n > 0) printf "%.0f", $2 / n; exit }' "$dump"
 }
 field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
 }
 
 echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes"
+# Medians: one round disturbed by a neighbour moves a mean, not a median.
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 rr_all=()
 llm_all=()
 rr_cpu=()
 llm_cpu=()
+rr_ins=()
+llm_ins=()
 errors=0
 for round in $(seq 1 "$ROUNDS"); do
 	a=$(measure "$rr_port")
@@ -160,15 +198,22 @@ for round in $(seq 1 "$ROUNDS"); do
 	rr_cpu+=("$(field caddy_cpu_us_per_req "$a")")
 	llm_cpu+=("$(field caddy_cpu_us_per_req "$b")")
 	errors=$((errors + $(field errors "$a") + $(field errors "$b")))
+	rr_ins+=("$(field instructions_per_req "$a")")
+	llm_ins+=("$(field instructions_per_req "$b")")
 done
+if [ -n "$INSTRUCTIONS" ]; then
+	# Requests per second under valgrind say nothing about Caddy's own speed: report the counts.
+	awk -v a="$(median "${rr_ins[@]}")" -v b="$(median "${llm_ins[@]}")" -v n="$ROUNDS" 'BEGIN {
+		printf "instructions per request, medians of %d: round_robin %.0f, llm_affinity %.0f (%+.0f, llm_affinity/round_robin %.3f)\n", n, a, b, b - a, b / a
+	}'
+	exit 0
+fi
 
 awk -v rr="${rr_cpu[*]}" -v llm="${llm_cpu[*]}" 'BEGIN {
 	n = split(rr, a, " "); split(llm, b, " ")
 	for (i = 1; i <= n; i++) { sa += a[i]; sb += b[i] }
 	if (sa > 0) printf "caddy CPU per request: round_robin %.0f us, llm_affinity %.0f us (%+.0f us, llm_affinity/round_robin %.3f)\n", sa / n, sb / n, (sb - sa) / n, sb / sa
 }'
-# Medians: one round disturbed by a neighbour moves a mean, not a median.
-median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 rr_med=$(median "${rr_all[@]}")
 llm_med=$(median "${llm_all[@]}")
 rr_cpu_med=$(median "${rr_cpu[@]}")
