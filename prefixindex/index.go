@@ -303,20 +303,28 @@ func (ix *Index) Forget(id UpstreamID, hashes []uint64) {
 	}
 }
 
-// Remove forgets everything upstream id holds and frees its handle.
+// Remove forgets everything upstream id holds and frees its handle. The
+// handle goes back to the default capacity before it is freed: the next
+// upstream registered reuses it and must not inherit a size it never had.
 func (ix *Index) Remove(id UpstreamID) {
+	ix.clear(id, ix.defaultCapacity)
 	ix.regMu.Lock()
 	if int(id) >= 0 && int(id) < len(ix.names) && ix.names[id] != "" {
 		delete(ix.ids, ix.names[id])
 		ix.names[id] = ""
 	}
 	ix.regMu.Unlock()
-	ix.Clear(id)
 }
 
 // Clear forgets everything upstream id holds but keeps its handle and
 // capacity (the engine restarted with an empty cache).
 func (ix *Index) Clear(id UpstreamID) {
+	ix.clear(id, 0)
+}
+
+// clear forgets everything upstream id holds and sets its capacity to
+// blocks, or keeps it when blocks is 0.
+func (ix *Index) clear(id UpstreamID, blocks int) {
 	g, l, bit := ix.slot(id)
 	if g == nil {
 		return
@@ -328,8 +336,10 @@ func (ix *Index) Clear(id UpstreamID) {
 			g.clearBit(l.entries[s].hash, bit)
 		}
 	}
-	capacity := l.capacity
-	*l = lru{capacity: capacity}
+	if blocks == 0 {
+		blocks = l.capacity
+	}
+	*l = lru{capacity: blocks}
 }
 
 // SetCapacity sets how many blocks upstream id can hold, evicting the

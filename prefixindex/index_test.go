@@ -104,6 +104,8 @@ func TestLRUEvictsTailsFirst(t *testing.T) {
 func TestRemoveAndReuseHandle(t *testing.T) {
 	ix := New(0)
 	a, b := ix.Register("a:1"), ix.Register("b:1")
+	ix.SetCapacity(a, 64)
+	ix.SetCapacity(b, 64)
 	c := chainOf(nil, 20, 1)
 	ix.Insert(a, c)
 	ix.Insert(b, c)
@@ -121,9 +123,16 @@ func TestRemoveAndReuseHandle(t *testing.T) {
 	if ix.Blocks(a) != 0 || ix.Key(a) != "c:1" {
 		t.Fatal("reused handle carries old state")
 	}
+	// The new upstream was never sized: it gets the default, not a's 64.
+	if got := ix.Capacity(a); got != DefaultCapacity {
+		t.Fatalf("reused handle's capacity %d, want the default %d", got, DefaultCapacity)
+	}
 	ix.Clear(b)
 	if ix.Blocks(b) != 0 || ix.Match(c, nil)[b] != 0 {
 		t.Fatal("Clear left blocks")
+	}
+	if got := ix.Capacity(b); got != 64 { // an engine's restart keeps its size
+		t.Fatalf("Clear changed the capacity to %d", got)
 	}
 	// Clearing twice, and removing an upstream that never held a block
 	// (the fleet registers every pool member, inserts only for the chosen
