@@ -29,9 +29,10 @@ type Fleet struct {
 	// homes are the stored responses' upstreams (see Request.Home).
 	homes responseHomes
 	// pending holds a peer's snapshot events for upstreams not known yet
-	// (see Restore), pendingHashes and pendingResponses what they hold.
-	pending                         map[string]*pendingRestore
-	pendingHashes, pendingResponses int
+	// (see Restore), pendingHashes, pendingResponses and pendingOthers what
+	// they hold.
+	pending                                        map[string]*pendingRestore
+	pendingHashes, pendingResponses, pendingOthers int
 
 	mu        sync.Mutex
 	index     *prefixindex.Index
@@ -128,6 +129,13 @@ type upstream struct {
 	// here.
 	owed        bool
 	lastRelease uint64
+	// forgotAt is the fleet's newest charge id when a failed request last
+	// made this upstream's index forget blocks, confirmedBy the id of the
+	// newest charge whose first token came back here: together they tell
+	// whether a request's blocks may have been forgotten after its
+	// decision, or another request's prefill may hold a failed one's
+	// blocks (see Fleet.failed).
+	forgotAt, confirmedBy uint64
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras (or the engine's own count of adapter slots,

@@ -204,6 +204,10 @@ const (
 	maxPendingDials     = 1024
 	maxPendingHashes    = 1 << 20
 	maxPendingResponses = MaxResponseHomes
+	// maxPendingOthers bounds the events that carry neither hashes nor a
+	// response (an upstream's adapters): a snapshot has at most
+	// maxEngineAdapterSlots of them an upstream.
+	maxPendingOthers = 1 << 14
 )
 
 // pendingRestore is a peer's snapshot events for one upstream this router
@@ -230,14 +234,19 @@ func (f *Fleet) keepForLater(ev Event, now time.Time) {
 		p = &pendingRestore{at: now}
 		f.pending[ev.Dial] = p
 	}
+	other := ev.Kind == EventCached && len(ev.Hashes) == 0
 	switch {
 	case ev.Kind == EventCached && f.pendingHashes+len(ev.Hashes) > maxPendingHashes,
-		ev.Kind == EventStored && f.pendingResponses >= maxPendingResponses:
+		ev.Kind == EventStored && f.pendingResponses >= maxPendingResponses,
+		other && f.pendingOthers >= maxPendingOthers:
 		return
 	}
 	f.pendingHashes += len(ev.Hashes)
 	if ev.Kind == EventStored {
 		f.pendingResponses++
+	}
+	if other {
+		f.pendingOthers++
 	}
 	p.events = append(p.events, ev)
 }
@@ -275,8 +284,11 @@ func (f *Fleet) takePending(dial string) *pendingRestore {
 	delete(f.pending, dial)
 	for _, ev := range p.events {
 		f.pendingHashes -= len(ev.Hashes)
-		if ev.Kind == EventStored {
+		switch {
+		case ev.Kind == EventStored:
 			f.pendingResponses--
+		case len(ev.Hashes) == 0:
+			f.pendingOthers--
 		}
 	}
 	return p

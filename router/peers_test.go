@@ -441,6 +441,28 @@ func TestSnapshotOfAnUpstreamNotKnownYet(t *testing.T) {
 	}
 }
 
+// TestPendingSnapshotIsBounded: what is kept for upstreams not known yet
+// is bounded in events of every kind, adapters too (a peer's snapshot
+// sends each of an upstream's adapters as an event of its own), and the
+// counts go back to zero with what they counted.
+func TestPendingSnapshotIsBounded(t *testing.T) {
+	b := New()
+	for i := range 2 * maxPendingOthers {
+		b.Restore(Event{Kind: EventCached, Dial: fmt.Sprintf("unknown-%d", i%8), Adapter: fmt.Sprintf("lora-%d", i)}, t0)
+	}
+	kept := 0
+	for _, p := range b.pending {
+		kept += len(p.events)
+	}
+	if kept != maxPendingOthers || b.pendingOthers != maxPendingOthers {
+		t.Fatalf("kept %d adapter events (counted %d), want the bound %d", kept, b.pendingOthers, maxPendingOthers)
+	}
+	b.ExpirePeers(t0.Add(pendingRestoreLife+time.Second), t0, t0)
+	if len(b.pending) != 0 || b.pendingOthers != 0 {
+		t.Fatalf("after its time: %d dials, %d other events", len(b.pending), b.pendingOthers)
+	}
+}
+
 // TestSnapshotRestoresAdapters: the adapters a peer charged on each
 // upstream come with its snapshot, behind the ones this router charged
 // there itself, so an adapter resident by the peer's traffic is resident
