@@ -28,9 +28,11 @@ type Charge struct {
 	FirstToken time.Time
 	// Tokens counts the output tokens reported by Progress.
 	Tokens int
-	// unconfirmed are the blocks the decision added to the upstream's
-	// index, until the first token says the engine prefilled them.
-	unconfirmed []uint64
+	// chain is the request's blocks, until the first token says the
+	// engine prefilled them; the decision added chain[held:] to the
+	// upstream's index. Only a local charge has them.
+	chain []uint64
+	held  int32
 	// remote marks a peer's charge, applied from its events.
 	remote bool
 	// adapter is the LoRA adapter the decision presumed the upstream
@@ -66,7 +68,16 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		}
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
-		c.unconfirmed = nil
+		if !c.remote {
+			if u.forgotAt >= c.id && !u.forgotten {
+				// A failed request made the index forget blocks since this
+				// decision, some of them maybe this prompt's, which the
+				// engine has just prefilled: they are held after all.
+				f.index.Insert(u.id, c.chain)
+			}
+			u.confirmedBy = max(u.confirmedBy, c.id)
+		}
+		c.chain = nil
 	}
 	c.Tokens += n
 	d := min(n, c.decode)
@@ -117,8 +128,14 @@ func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 		return // completed or released already: learned once
 	}
 	if n := int(c.sequences); n > 1 && u.OutputTokens > 0 {
-		// Usage counts every sequence's output: each one's is the mean.
-		u.OutputTokens = max(1, (u.OutputTokens+n/2)/n)
+		// Usage counts every sequence's output: each one's is the mean,
+		// rounded, computed so that an absurd count cannot wrap and pass
+		// learn's check as a small one.
+		mean := u.OutputTokens / n
+		if 2*(u.OutputTokens%n) >= n {
+			mean++
+		}
+		u.OutputTokens = max(1, mean)
 	}
 	f.learn(model, int(c.promptBytes), u)
 	c.up.completed++
@@ -161,9 +178,14 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 		f.publish(Event{Kind: EventReleased, ID: c.id})
 		// It failed before its first token: the engine most likely did
 		// not prefill what the decision added to the index, and the
-		// conversation's next turn must not be sent there as warm.
-		if len(c.unconfirmed) > 0 && !c.up.forgotten {
-			f.index.Forget(c.up.id, c.unconfirmed)
+		// conversation's next turn must not be sent there as warm. Unless
+		// a request decided after it has had its first token there: its
+		// prompt may have run through these blocks (it matched them), and
+		// the engine holds them then; keeping a few blocks the engine may
+		// lack costs one prefill, forgetting a held prefix a copy of it.
+		if u := c.up; int(c.held) < len(c.chain) && !u.forgotten && u.confirmedBy <= c.id {
+			f.index.Forget(u.id, c.chain[c.held:])
+			u.forgotAt = f.nextID
 		}
 	}
 	f.release(c, now)
@@ -183,7 +205,7 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	if !c.remote && f.local != nil {
 		delete(f.local, c.id)
 	}
-	c.up, c.prefill, c.decode, c.kv, c.unconfirmed = nil, 0, 0, 0, nil
+	c.up, c.prefill, c.decode, c.kv, c.chain = nil, 0, 0, 0, nil
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)
 	}

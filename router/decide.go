@@ -198,9 +198,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	}
 	// The blocks beyond what the upstream held are the decision's own
 	// (f.scratchDepths is the match of this decision).
-	if held := f.scratchDepths[u.id]; held < len(req.Hashes) {
-		c.unconfirmed = req.Hashes[held:]
-	}
+	c.chain, c.held = req.Hashes, int32(min(f.scratchDepths[u.id], len(req.Hashes)))
 	f.index.Insert(u.id, req.Hashes)
 	if f.local != nil {
 		f.local[c.id] = c

@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -627,6 +628,42 @@ func TestFailedAttemptForgetsItsBlocks(t *testing.T) {
 	}
 }
 
+// TestFailedAttemptKeepsWhatAnotherPrefilled: a request that fails before
+// its first token does not take back blocks a later request on the same
+// upstream ran through: whether that one's first token came before the
+// failure (its prefill went through them) or after it (the engine has
+// just prefilled them), the upstream holds the failed request's prompt,
+// and the index says so, prefix-closed.
+func TestFailedAttemptKeepsWhatAnotherPrefilled(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	long := hashes(1, 2048) // B: A's 1,024 tokens and 1,024 more
+	reqA := Request{Hashes: long[:16], BlockTokens: 64, PromptTokens: 1024, Model: "m"}
+	reqB := Request{Hashes: long, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
+	for _, bFirst := range []bool{true, false} {
+		f := New()
+		a := f.Decide(t0, reqA, ms, &opts, rng(), nil)
+		b := f.Decide(t0, reqB, ms, &opts, rng(), nil)
+		if b.MatchedTokens != 1024 {
+			t.Fatalf("B matched %d of A's 1,024 tokens", b.MatchedTokens)
+		}
+		if bFirst {
+			f.Progress(b.Charge, 1, t0) // B prefilled all 2,048 tokens...
+			f.Release(a.Charge, t0)     // ...then A's client gave up
+		} else {
+			f.Release(a.Charge, t0) // A's client gave up...
+			f.Progress(b.Charge, 1, t0)
+		}
+		f.Complete(b.Charge, "m", Usage{OutputTokens: 10}, t0)
+		if d := f.Decide(t0, reqA, ms, &opts, rng(), nil); d.MatchedTokens != 1024 {
+			t.Errorf("B's first token first: %v: A again matched %d of 1,024 tokens", bFirst, d.MatchedTokens)
+		}
+		if d := f.Decide(t0, reqB, ms, &opts, rng(), nil); d.MatchedTokens != 2048 {
+			t.Errorf("B's first token first: %v: B again matched %d of 2,048 tokens", bFirst, d.MatchedTokens)
+		}
+	}
+}
+
 // TestTooLongCountsWhatSurelyRuns: a request is refused as too long only
 // for what it surely needs: its whole prompt (cached or not: the cache is
 // in the same KV) and its max_tokens when set. Its expected output is an
@@ -784,4 +821,14 @@ func TestSequencesChargedAndLearned(t *testing.T) {
 		}
 		fl.Release(d.Charge, t0)
 	}
+	// An absurd count (near MaxInt) is no mean to learn, as it is not for
+	// one sequence: the estimate stays at the 80 learned.
+	d = f.Decide(t0, Request{Model: "m", PromptTokens: 100, Sequences: 2}, ms, &opts, rng(), nil)
+	f.Progress(d.Charge, 1, t0)
+	f.Complete(d.Charge, "m", Usage{PromptTokens: 100, OutputTokens: math.MaxInt}, t0)
+	d = f.Decide(t0, Request{Model: "m", PromptTokens: 100}, ms, &opts, rng(), nil)
+	if got := state(t, f, "a").QueuedDecodeTokens; got != 80 {
+		t.Errorf("after an absurd usage of 2 sequences, one sequence's expected output is %d, want 80", got)
+	}
+	f.Release(d.Charge, t0)
 }
