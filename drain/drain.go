@@ -122,6 +122,9 @@ type upstream struct {
 	timer    *time.Timer
 	flights  map[uint64]Cutter
 	cut      int
+	// expired says the deadline has cut what was in flight: a request
+	// entering while those end is past it already.
+	expired bool
 }
 
 // maxSpare bounds the forgotten upstreams kept for reuse.
@@ -189,7 +192,7 @@ func (r *Registry) Drain(key string, deadline time.Duration, hold Hold) {
 		u.phase = Draining
 		r.closed.Add(1)
 	}
-	u.deadline = at
+	u.deadline, u.expired = at, false
 	if u.timer != nil {
 		u.timer.Stop()
 	}
@@ -365,21 +368,32 @@ type Flight struct {
 // not allocate once the upstream is known.
 func (r *Registry) Enter(key string, cut Cutter) Flight {
 	r.lock()
-	defer r.unlock()
 	u := r.get(key)
 	r.nextID++
 	id := r.nextID
 	u.flights[id] = cut
-	if u.phase == Drained {
-		// A request that was routed just as the upstream drained: it is
-		// in flight there after all, and the deadline applies to it.
+	// A request routed just as the upstream drained is in flight there
+	// after all, and the deadline applies to it.
+	switch {
+	case u.phase == Drained:
 		u.phase = Draining
 		at := u.deadline
 		if u.timer != nil {
 			u.timer.Stop()
 		}
 		u.timer = time.AfterFunc(max(0, at.Sub(r.now())), func() { r.expire(key, at) })
+	case u.phase == Draining && u.expired:
+		// The deadline cut the others, which have not all ended yet: no
+		// timer is left to cut this one. It is cut on a goroutine of its
+		// own, as a timer would: the caller may not be ready for it yet
+		// (it has the Flight to store first, maybe under its own lock).
+		u.cut++
+		if e := r.events.DeadlineCut; e != nil {
+			r.emit(func() { e(key, 1) })
+		}
+		go cut.Cut()
 	}
+	r.unlock()
 	return Flight{r: r, u: u, key: key, id: id}
 }
 
@@ -418,6 +432,7 @@ func (r *Registry) expire(key string, at time.Time) {
 		cuts = append(cuts, c)
 	}
 	u.cut += len(cuts)
+	u.expired = true
 	if e := r.events.DeadlineCut; e != nil && len(cuts) > 0 {
 		r.emit(func() { e(key, len(cuts)) })
 	}

@@ -241,6 +241,29 @@ func TestBeginOnDrainedIsCut(t *testing.T) {
 	}
 }
 
+// TestBeginAfterTheDeadlineIsCut: a request that starts on an upstream
+// whose deadline has cut the others, while they have not all ended (it is
+// still draining, with no timer left), is cut at once and counted.
+func TestBeginAfterTheDeadlineIsCut(t *testing.T) {
+	r := New(Events{})
+	firstCut := make(chan struct{})
+	endFirst := r.Begin("a", func() { close(firstCut) }) // cut, slow to end
+	r.Drain("a", 0, Admin)
+	<-firstCut
+	late := make(chan struct{})
+	endLate := r.Begin("a", func() { close(late) })
+	select {
+	case <-late:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("a request entering past the deadline was not cut (phase %v)", r.Phase("a"))
+	}
+	endFirst()
+	endLate()
+	if s := r.Snapshot(); len(s) != 1 || s[0].Phase != "drained" || s[0].CutAtDeadline != 2 {
+		t.Fatalf("after both ended: %+v, want drained with 2 cut", s)
+	}
+}
+
 // TestLiftRemovesOnlyThatHold: a peer operator's undrain lifts the
 // operators' hold and leaves this router's config and health holds.
 func TestLiftRemovesOnlyThatHold(t *testing.T) {
