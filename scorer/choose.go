@@ -201,13 +201,23 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	// Never park a request on a replica that cannot hold it, or not
 	// before the request's wait runs out. (The engine queues a request
 	// until KV frees: shedding one that would start there in time turns
-	// a short wait into a failure.)
-	if c.FreeKVTokens >= 0 {
+	// a short wait into a failure.) Except one the engine may refuse at
+	// once: its expected context is beyond the engine's, which counts the
+	// prompt exactly and answers 400 before it needs any KV; held here
+	// for KV it would never use, it would be shed with 503 and retried.
+	if c.FreeKVTokens >= 0 && !mayBeTooLong(req, c) {
 		if wait := kvWait(req, c, marginTokens); wait > 0 && !(wait <= req.MaxKVWaitSeconds) {
 			return FilteredKV
 		}
 	}
 	return NotFiltered
+}
+
+// mayBeTooLong says req, let through the context filter only cut at its
+// context, is expected to exceed c's context length: the engine may well
+// refuse it.
+func mayBeTooLong(req *Request, c *Candidate) bool {
+	return req.cutAtContext && c.ContextTokens > 0 && max(req.ContextTokens, req.LeastKVTokens) > c.ContextTokens
 }
 
 // OutputKVTokens is the KV the request's output takes: each sequence's.

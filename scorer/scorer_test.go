@@ -53,6 +53,29 @@ func TestFilters(t *testing.T) {
 	}
 }
 
+// TestMaybeTooLongIsNotHeldForKV: a request whose expected context is
+// beyond every engine's, though what it surely takes is within it (its
+// prompt counted from text), goes to an engine at once, busy or not: the
+// engine counts it exactly and refuses it at once if it is too long. Held
+// for the whole KV to free, it was shed with 503 under load, and the
+// client retried what the idle fleet answered with 400. One within the
+// context still waits for KV as before.
+func TestMaybeTooLongIsNotHeldForKV(t *testing.T) {
+	busy := cand("busy", 0, 2000)
+	busy.ContextTokens, busy.KVCapacityTokens, busy.FreeKVTokens = 4096, 4096, 500
+	busy.QueuedDecodeTokens = 20_000 // the KV frees in about 10 s
+	r := Request{PromptTokens: 3011, BlockTokens: 16, OutputTokens: 1500, MaxKVWaitSeconds: 4}
+	r.ContextTokens, r.LeastKVTokens = 3011+1500, 2509+1500
+	if d := Choose(r, []Candidate{busy}, Options{}, nil, nil); d.Chosen != 0 {
+		t.Fatalf("a request the engine may refuse as too long was held for KV: %+v", d)
+	}
+	r.ContextTokens, r.LeastKVTokens = 3011+1000, 2509+1000
+	r.OutputTokens = 1000
+	if d := Choose(r, []Candidate{busy}, Options{}, nil, nil); d.Chosen != -1 || d.Blocked != FilteredKV {
+		t.Fatalf("a request within the context did not wait for KV: %+v", d)
+	}
+}
+
 func TestShedWhenNothingFits(t *testing.T) {
 	a, b := cand("a", 0, 0), cand("b", 0, 0)
 	a.FreeKVTokens, b.FreeKVTokens = 100, 200
