@@ -66,6 +66,9 @@ type requestBody struct {
 	Prompt   json.RawMessage `json:"prompt"`
 	Messages []ChatMessage   `json:"messages"`
 	Tools    json.RawMessage `json:"tools"`
+	// ToolChoice is kept raw: only checked against tools, as vLLM's
+	// request model does.
+	ToolChoice json.RawMessage `json:"tool_choice"`
 	// The numbers and stream are read as vLLM's pydantic models read them,
 	// in lax mode: 16.0 and "16" are 16, "true" and 1 are true.
 	MaxTokens           *laxInt `json:"max_tokens"`
@@ -277,6 +280,9 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		if rb.ContinueFinalMessage && rb.Messages[len(rb.Messages)-1].Role != "assistant" {
 			return nil, errBadRequest("continue_final_message requires the last message to be an assistant message")
 		}
+		if err = checkToolUse(rb.Tools, rb.ToolChoice); err != nil {
+			return nil, err
+		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
 		p.Tools = rb.Tools
@@ -306,6 +312,59 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		return nil, errBadRequest("The prompt must not be empty.")
 	}
 	return p, nil
+}
+
+// checkToolUse refuses, with vLLM's 400s, chat tools that are not a list,
+// and a tool_choice that names no tool given: one other than "none"
+// without tools, a string other than "auto" and "required", and an object
+// whose function is not among the tools (vLLM's
+// ChatCompletionRequest.check_tool_usage). It does not force the named
+// tool's call, as vLLM's guided decoding would: kvsim's output is text.
+func checkToolUse(tools, toolChoice json.RawMessage) error {
+	var list []struct {
+		Function struct {
+			Name string `json:"name"`
+		} `json:"function"`
+	}
+	isNull := func(raw json.RawMessage) bool {
+		raw = bytes.TrimSpace(raw)
+		return len(raw) == 0 || bytes.Equal(raw, []byte("null"))
+	}
+	if !isNull(tools) {
+		if err := json.Unmarshal(tools, &list); err != nil {
+			return errBadRequestf("tools: Input should be a valid list of tools (%v)", err)
+		}
+	}
+	if isNull(toolChoice) {
+		return nil
+	}
+	var choice string
+	if json.Unmarshal(toolChoice, &choice) == nil && choice == "none" {
+		return nil
+	}
+	if isNull(tools) {
+		return errBadRequest("When using `tool_choice`, `tools` must be set.")
+	}
+	if json.Unmarshal(toolChoice, &choice) == nil {
+		if choice != "auto" && choice != "required" {
+			return errBadRequestf(`Invalid value for `+"`tool_choice`"+`: %s! Only named tools, "none", "auto" or "required" are supported.`, choice)
+		}
+		return nil
+	}
+	var named struct {
+		Function *struct {
+			Name *string `json:"name"`
+		} `json:"function"`
+	}
+	if json.Unmarshal(toolChoice, &named) != nil || named.Function == nil || named.Function.Name == nil || *named.Function.Name == "" {
+		return errBadRequest("Invalid value for `tool_choice`: a named tool choice must be {\"type\": \"function\", \"function\": {\"name\": \"my_function\"}}.")
+	}
+	for _, tool := range list {
+		if tool.Function.Name == *named.Function.Name {
+			return nil
+		}
+	}
+	return errBadRequest("The tool specified in `tool_choice` does not match any of the specified `tools`")
 }
 
 // parsePrompt accepts a string, a token-id array, or a batch of either

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -249,13 +250,48 @@ var corsMethods = []string{"DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", 
 // noRoute answers a request no route takes as vLLM's server (FastAPI)
 // does: 404 or 405 (with Allow) and a JSON body {"detail": ...}, where
 // the mux, h, answers in plain text.
+//
+// Before that, as Starlette's router (redirect_slashes, on in FastAPI),
+// a path that a route takes with its trailing slash added or removed,
+// with any method, is redirected there: 307, which keeps the method and
+// body, to the URL built from the request's Host.
 func (s *Server) noRoute(w http.ResponseWriter, r *http.Request, h http.Handler) {
+	if r.URL.Path != "/" {
+		alt := r.Clone(r.Context())
+		if p, ok := strings.CutSuffix(r.URL.Path, "/"); ok {
+			alt.URL.Path = p
+		} else {
+			alt.URL.Path += "/"
+		}
+		alt.URL.RawPath = ""
+		if s.routes(alt) {
+			u := url.URL{Scheme: "http", Host: r.Host, Path: alt.URL.Path, RawQuery: r.URL.RawQuery}
+			if r.TLS != nil {
+				u.Scheme = "https"
+			}
+			w.Header().Set("Location", u.String())
+			w.Header().Set("Content-Length", "0")
+			w.WriteHeader(http.StatusTemporaryRedirect)
+			return
+		}
+	}
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, r)
 	if allow := rec.Header().Get("Allow"); allow != "" {
 		w.Header().Set("Allow", allow)
 	}
 	writeJSON(w, rec.Code, map[string]string{"detail": http.StatusText(rec.Code)})
+}
+
+// routes says a route takes r's path, with r's method or another.
+func (s *Server) routes(r *http.Request) bool {
+	h, pattern := s.mux.Handler(r)
+	if pattern != "" {
+		return true
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, r)
+	return rec.Code == http.StatusMethodNotAllowed
 }
 
 // jsonContentType reports whether a request's Content-Type is JSON as

@@ -345,6 +345,46 @@ func TestNoRouteAnswersAsFastAPI(t *testing.T) {
 	}
 }
 
+// TestTrailingSlashRedirects: a route's path with a trailing slash (or a
+// route's without one it lacks) is redirected as FastAPI does, 307 to the
+// other path with the query kept, and a client that follows it is served.
+func TestTrailingSlashRedirects(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	noFollow := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	for _, tc := range []struct{ method, path, location string }{
+		{"POST", "/v1/chat/completions/", "/v1/chat/completions"},
+		{"GET", "/v1/models/?x=1", "/v1/models?x=1"},
+		{"GET", "/v1/chat/completions/", "/v1/chat/completions"}, // another method: still redirected
+	} {
+		req, _ := http.NewRequest(tc.method, srv.URL+tc.path, nil)
+		resp, err := noFollow.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusTemporaryRedirect || resp.Header.Get("Location") != srv.URL+tc.location {
+			t.Errorf("%s %s: %d to %q, want 307 to %s", tc.method, tc.path, resp.StatusCode, resp.Header.Get("Location"), srv.URL+tc.location)
+		}
+	}
+	body := `{"model":"` + DefaultModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	resp, err := http.Post(srv.URL+"/v1/chat/completions/", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("followed: %d", resp.StatusCode)
+	}
+	resp, err = http.Get(srv.URL + "/v1/nope/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("a path no route takes either way: %d", resp.StatusCode)
+	}
+}
+
 // TestCORSAsVLLM: vLLM's CORS middleware (every origin, method and header
 // allowed by default) answers a browser's preflight itself, and every
 // response to a request with an Origin allows it, errors included.
@@ -394,6 +434,36 @@ func TestCORSAsVLLM(t *testing.T) {
 	// An OPTIONS that is no preflight goes to the routes, as in vLLM.
 	if resp, _ := do("OPTIONS", "/v1/chat/completions", "", map[string]string{"Origin": "https://app.example"}); resp.StatusCode != 405 {
 		t.Errorf("OPTIONS without Access-Control-Request-Method: %d, want the routes' 405", resp.StatusCode)
+	}
+}
+
+// TestToolUseChecked: a chat's tools must be a list, and its tool_choice
+// must name a tool it was given, as vLLM's request model checks: "none"
+// needs no tools, "auto" and "required" need tools, a named function must
+// be one of them.
+func TestToolUseChecked(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	tool := `{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}`
+	for _, tc := range []struct {
+		fields, want string // want: "" for 200, else part of the 400's message
+	}{
+		{`"tool_choice":"none"`, ""},
+		{`"tool_choice":null`, ""},
+		{`"tools":[` + tool + `]`, ""},
+		{`"tools":[` + tool + `],"tool_choice":"required"`, ""},
+		{`"tools":[` + tool + `],"tool_choice":{"type":"function","function":{"name":"get_weather"}}`, ""},
+		{`"tool_choice":"auto"`, "`tools` must be set"},
+		{`"tool_choice":"required","tools":null`, "`tools` must be set"},
+		{`"tools":[` + tool + `],"tool_choice":"sometimes"`, "Invalid value for `tool_choice`"},
+		{`"tools":[` + tool + `],"tool_choice":{"type":"function","function":{"name":"get_time"}}`, "does not match any of the specified `tools`"},
+		{`"tools":[` + tool + `],"tool_choice":{"type":"function"}`, "Invalid value for `tool_choice`"},
+		{`"tools":{"a":1}`, "valid list"},
+	} {
+		body := `{"model":"` + DefaultModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2,` + tc.fields + `}`
+		resp, out := post(t, srv.URL+"/v1/chat/completions", body)
+		if tc.want == "" && resp.StatusCode != 200 || tc.want != "" && (resp.StatusCode != 400 || !strings.Contains(out, tc.want)) {
+			t.Errorf("%s: %d %s, want %q", tc.fields, resp.StatusCode, out, tc.want)
+		}
 	}
 }
 
