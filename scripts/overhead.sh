@@ -122,6 +122,12 @@ if command -v curl >/dev/null; then
 else
 	sleep 2
 fi
+# Another process on the ports would answer in Caddy's stead, and be measured.
+if ! kill -0 "$caddy_pid" 2>/dev/null; then
+	echo "caddy exited; its log:" >&2
+	cat "$work/caddy.log" >&2
+	exit 1
+fi
 
 # Caddy's CPU time in clock ticks (Linux), to report CPU per request beside throughput:
 # on a shared machine req/s moves with the neighbours' load, CPU per request much less.
