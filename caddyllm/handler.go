@@ -304,7 +304,15 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 			pt.model = modelOfBody(body)
 		}
 	}
-	err, aborted := serveRecovering(&pt.writer, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
+	return pt.serve(w, r, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
+}
+
+// serve runs next for a request passed through, r with the context that
+// carries pt (inner), and answers for it when the proxy did not: 404 for a
+// model no upstream lists, 503 with Retry-After for an attempt its
+// upstream's drain deadline cut before the response began.
+func (pt *passThrough) serve(w http.ResponseWriter, r, inner *http.Request, next caddyhttp.Handler) error {
+	err, aborted := serveRecovering(&pt.writer, inner, next)
 	if aborted {
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
@@ -469,11 +477,14 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	defer askIdentity(r, make([]string, 1)).restore(r)
 	st := &requestState{listModels: true}
 	mw := &modelsWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, st: st}
-	err, aborted := serveRecovering(mw, r.WithContext(&attemptContext{Context: r.Context(), st: st}), next)
-	if aborted {
-		panic(http.ErrAbortHandler) // the proxy's, passed on
-	}
-	return err
+	// Passed through as any request the router does not parse: a drain
+	// waits for it and its deadline cuts it.
+	ctx, cancel := context.WithCancelCause(r.Context())
+	pt := &passThrough{cancel: cancel}
+	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
+	defer pt.end()
+	defer cancel(nil)
+	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(ctx, passThroughKey{}, pt), st: st}), next)
 }
 
 // modelsWriter passes an engine's answer to GET /v1/models on with its

@@ -505,10 +505,17 @@ type UpstreamSnapshot struct {
 	QueuedPrefillTokens int    `json:"queued_prefill_tokens"`
 	QueuedDecodeTokens  int    `json:"queued_decode_tokens"`
 	KVTokensInFlight    int    `json:"kv_tokens_in_flight"`
-	InFlight            int    `json:"in_flight"`
-	IndexBlocks         int    `json:"index_blocks"`
-	IndexCapacity       int    `json:"index_capacity_blocks"`
-	Completed           int64  `json:"completed"`
+	// InFlight counts the requests routed to the upstream and not
+	// finished, every router's (their events tell of theirs).
+	InFlight int `json:"in_flight"`
+	// ThisRouterInFlight counts this router's requests on the upstream,
+	// routed or passed through (embeddings, models lists, tokenization:
+	// not routed, so not in InFlight): what a drain through this router
+	// waits for.
+	ThisRouterInFlight int   `json:"this_router_in_flight"`
+	IndexBlocks        int   `json:"index_blocks"`
+	IndexCapacity      int   `json:"index_capacity_blocks"`
+	Completed          int64 `json:"completed"`
 	// LastTTFTSeconds is the last observed time to first token, from the
 	// decision.
 	LastTTFTSeconds float64 `json:"last_ttft_seconds"`
@@ -570,13 +577,13 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 		}
 		s.RecentTTFTSeconds, s.RecentEstimatedSeconds = sh.metrics.recentTTFT(u.Dial)
 		if d, ok := drainOf[u.Dial]; ok {
-			s.Drain, s.DrainCause, s.DrainDeadline = d.Phase, string(d.Cause), d.Deadline
+			s.Drain, s.DrainCause, s.DrainDeadline, s.ThisRouterInFlight = d.Phase, string(d.Cause), d.Deadline, d.InFlight
 		}
 		out = append(out, s)
 	}
 	for dial, d := range drainOf {
 		if !known[dial] && d.Phase != "active" {
-			out = append(out, UpstreamSnapshot{Dial: dial, Drain: d.Phase, DrainCause: string(d.Cause), DrainDeadline: d.Deadline})
+			out = append(out, UpstreamSnapshot{Dial: dial, Drain: d.Phase, DrainCause: string(d.Cause), DrainDeadline: d.Deadline, ThisRouterInFlight: d.InFlight})
 		}
 	}
 	return out

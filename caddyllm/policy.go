@@ -565,7 +565,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	st := requestStateOf(r)
 	if st == nil {
-		return p.selectFallback(pool, r, w, true)
+		return p.selectFallback(pool, r, w)
 	}
 	if st.listModels {
 		return p.listModels(pool, r, w, st)
@@ -754,7 +754,7 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 	if st.modelList == nil && p.scraper != nil {
 		st.modelList = p.modelList(pool)
 	}
-	return p.selectFallback(pool, r, w, false)
+	return p.selectFallback(pool, r, w)
 }
 
 // modelList is the pool's models list (see listModels), nil when an
@@ -1071,14 +1071,11 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 	return nil
 }
 
-// selectFallback balances requests without parsed content: a request
-// passed through (registered as in flight on the upstream chosen), or a
-// models list.
-func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, passedThrough bool) *reverseproxy.Upstream {
-	var pt *passThrough // the handler's, when it is in the route
-	if passedThrough {
-		pt, _ = r.Context().Value(passThroughKey{}).(*passThrough)
-	}
+// selectFallback balances requests without parsed content, passed
+// through or a models list, and registers each as in flight on the
+// upstream chosen.
+func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	pt, _ := r.Context().Value(passThroughKey{}).(*passThrough) // the handler's, when it is in the route
 	if pt != nil && pt.notFound {
 		// Refused at an earlier attempt: Caddy asks again after a nil
 		// (lb_retries), and the answer stands, counted once.
@@ -1089,9 +1086,7 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		return nil // no decision: Caddy may ask again
 	}
 	p.sh.metrics.decision(fallbackReason).Inc()
-	if passedThrough {
-		p.enterPassThrough(r, pt, up.Dial)
-	}
+	p.enterPassThrough(r, pt, up.Dial)
 	if up != nil && p.scraper != nil && changesAdapters(r) {
 		// The engine's model list changes with it: fetch it again once
 		// the engine has answered (the request's context ends with the

@@ -262,6 +262,11 @@ func TestDrainWaitsForPassThrough(t *testing.T) {
 	// released, or for "cut" never (until the router cancels it).
 	fleet := startFleetServing(t, 2, 1, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" && r.Header.Get("X-Test-Hold") != "" {
+				arrived <- name // a client's models list, held until cut
+				<-r.Context().Done()
+				return
+			}
 			if r.URL.Path != "/v1/embeddings" {
 				sim.ServeHTTP(w, r)
 				return
@@ -337,6 +342,37 @@ func TestDrainWaitsForPassThrough(t *testing.T) {
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms")
 	if c := <-cut; c.status != http.StatusServiceUnavailable || c.header.Get("Retry-After") != "1" || !strings.Contains(c.body, "drain deadline") {
 		t.Fatalf("the cut request: %d, Retry-After %q: %s", c.status, c.header.Get("Retry-After"), c.body)
+	}
+	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+
+	// A models list is passed through as well: a drain waits for it and
+	// its deadline cuts it.
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	models := make(chan completion, 1)
+	go func() {
+		req, _ := http.NewRequest("GET", routerURL+"/v1/models", nil)
+		req.Header.Set("X-Test-Hold", "cut")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			models <- completion{body: err.Error()}
+			return
+		}
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		models <- completion{status: resp.StatusCode, body: string(raw), header: resp.Header}
+	}()
+	if got := <-arrived; got != a.name {
+		t.Fatalf("the models list went to %s with B drained", got)
+	}
+	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+b.dial()+"/drain")
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=30s")
+	if u := upstreams(t)[a.dial()]; u.Drain != "draining" || u.ThisRouterInFlight != 1 || u.InFlight != 0 {
+		t.Fatalf("A with a models list in flight: %s, this router's in flight %d, routed %d; want draining, 1, 0", u.Drain, u.ThisRouterInFlight, u.InFlight)
+	}
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms") // the earlier deadline wins
+	if c := <-models; c.status != http.StatusServiceUnavailable || c.header.Get("Retry-After") != "1" {
+		t.Fatalf("the cut models list: %d, Retry-After %q: %s", c.status, c.header.Get("Retry-After"), c.body)
 	}
 	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
