@@ -413,6 +413,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
 			Mark:           p.sh.fleet.MarkOf,
+			Restarted:      p.sh.fleet.EngineRestarted,
 			Logger:         p.logger.Named("scrape"),
 		}
 		// Engines behind TLS are scraped over https with the proxy's own

@@ -369,6 +369,16 @@ func expectedContextTokens(req *Request, prompt int) int {
 	return prompt + min(max(0, req.MaxTokens), MaxTokens)
 }
 
+// EngineRestarted is told by a scraper that dial's engine restarted at
+// at (see noteRestart), as soon as it saw it.
+func (f *Fleet) EngineRestarted(dial string, at time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		f.noteRestart(u, at)
+	}
+}
+
 // noteRestart takes the time a scraper last saw u's engine restart: a
 // restarted engine holds none of the prefixes the index says, so they are
 // forgotten before the request is matched, once per restart however many

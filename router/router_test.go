@@ -595,6 +595,23 @@ func TestEngineRestartForgetsTheIndex(t *testing.T) {
 	if u := state(t, f, "a"); u.IndexResets != 1 {
 		t.Fatalf("the restart was not counted: %+v", u)
 	}
+	// Told by the scraper as it sees a restart, the index forgets at once,
+	// before any decision; the same restart read again at a decision is
+	// not a second one.
+	served(f, d.Charge, t0.Add(time.Second))
+	restart := t0.Add(2 * time.Second)
+	f.EngineRestarted("a", restart)
+	if u := state(t, f, "a"); u.IndexResets != 2 || u.IndexBlocks != 0 {
+		t.Fatalf("after being told of a restart: %d resets, %d blocks; want 2, 0", u.IndexResets, u.IndexBlocks)
+	}
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, LastRestart: restart}
+	d = f.Decide(t0.Add(3*time.Second), req, ms, &opts, rng(), nil)
+	served(f, d.Charge, t0.Add(3*time.Second))
+	d = f.Decide(t0.Add(4*time.Second), req, ms, &opts, rng(), nil)
+	if u := state(t, f, "a"); u.IndexResets != 2 || d.Reason != scorer.Warm {
+		t.Fatalf("the told restart counted again at a decision: %d resets, %v", u.IndexResets, d.Reason)
+	}
+	f.EngineRestarted("unknown", restart) // nothing to forget
 }
 
 // TestFailedAttemptForgetsItsBlocks: a request released before its first

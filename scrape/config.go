@@ -67,6 +67,12 @@ type Config struct {
 	// passes its cumulative charges to the dial, so that the charges made
 	// since the scrape are now.Since(sig.Mark).
 	Mark func(dial string) Mark
+	// Restarted, when set, is told of each engine restart as the scrape
+	// that sees it ends (without the scraper's locks held), with the time
+	// Signals.LastRestart then holds: the index forgets what the engine no
+	// longer holds at once, not at the next decision that reads the
+	// signals.
+	Restarted func(dial string, at time.Time)
 	// Logger receives scrape failures and recoveries at debug level.
 	Logger *zap.Logger
 }

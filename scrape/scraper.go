@@ -426,6 +426,12 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		models, modelsErr = s.fetchModels(ctx, t)
 	}
 
+	var restartedAt time.Time // told once t.mu is released
+	defer func() {
+		if !restartedAt.IsZero() && s.cfg.Restarted != nil {
+			s.cfg.Restarted(t.dial, restartedAt)
+		}
+	}()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.busy = false
@@ -486,6 +492,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 	if t.unreachable || (!skipSlow && countersReset(t.prevSlow, sig)) {
 		t.lastRestart = time.Now()
 		t.unreachable = false
+		restartedAt = t.lastRestart
 	}
 	if !skipSlow {
 		t.prevSlow = sig

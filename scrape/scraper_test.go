@@ -800,6 +800,13 @@ func TestInheritedCountersCatchARestart(t *testing.T) {
 
 	for _, inherit := range []bool{true, false} {
 		ctx, cancel := context.WithCancel(context.Background())
+		told := make(chan time.Time, 4)
+		cfg := cfg
+		cfg.Restarted = func(d string, at time.Time) {
+			if d == dial {
+				told <- at
+			}
+		}
 		reloaded := New(cfg)
 		reloaded.SetTargets([]string{dial})
 		if inherit {
@@ -816,6 +823,17 @@ func TestInheritedCountersCatchARestart(t *testing.T) {
 		<-reloaded.Stopped()
 		if seen := !sig.LastRestart.Before(restarted); seen != inherit {
 			t.Errorf("inherited %v: restart seen %v (last restart %v, engine restarted %v)", inherit, seen, sig.LastRestart, restarted)
+		}
+		// Restarted told of it, once, with the signals' time.
+		select {
+		case at := <-told:
+			if !inherit || !at.Equal(sig.LastRestart) || len(told) > 0 {
+				t.Errorf("inherited %v: told of a restart at %v (signals: %v), %d more", inherit, at, sig.LastRestart, len(told))
+			}
+		default:
+			if inherit {
+				t.Errorf("inherited: the restart seen was not told")
+			}
 		}
 	}
 }
