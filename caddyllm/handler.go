@@ -167,7 +167,9 @@ func (c clientEncoding) restore(r *http.Request) {
 // encodedBody reports whether h says its message's body is compressed: a
 // Content-Encoding other than identity, in any of its values.
 func encodedBody(h http.Header) bool {
-	for _, v := range h.Values("Content-Encoding") {
+	// Indexed by its canonical key: Values would canonicalize it on every
+	// request and every response.
+	for _, v := range h["Content-Encoding"] {
 		for enc := range strings.SplitSeq(v, ",") {
 			if enc = strings.TrimSpace(enc); enc != "" && !strings.EqualFold(enc, "identity") {
 				return true

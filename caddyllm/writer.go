@@ -175,7 +175,8 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		t.wroteHeader = true
 		t.status = status
 		t.encoded = encodedBody(t.Header())
-		t.sse = !t.encoded && strings.HasPrefix(t.Header().Get("Content-Type"), "text/event-stream")
+		ct := t.Header()["Content-Type"] // canonical: no Get's canonicalization
+		t.sse = !t.encoded && len(ct) > 0 && strings.HasPrefix(ct[0], "text/event-stream")
 		t.headerSent.Store(true)
 		if status == http.StatusOK && !t.sse && !t.encoded {
 			// A non-streaming completion's headers come once the whole
@@ -665,7 +666,17 @@ func decodeUsage(rest []byte, responses bool) (*usage, bool) {
 // complete JSON object body.
 func usageValue(body []byte) ([]byte, bool) {
 	body = bytes.TrimSpace(body)
-	i := bytes.LastIndex(body, []byte(`"usage"`))
+	// The last occurrence, found by forward searches: bytes.Index is
+	// vectorized and LastIndex is not, and the usage comes near the end.
+	key := []byte(`"usage"`)
+	i := bytes.Index(body, key)
+	for i >= 0 {
+		next := bytes.Index(body[i+1:], key)
+		if next < 0 {
+			break
+		}
+		i += 1 + next
+	}
 	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
 		return nil, false
 	}
