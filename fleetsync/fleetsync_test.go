@@ -1455,11 +1455,16 @@ func TestLonelyAndTwinRoutersAreTold(t *testing.T) {
 	cfg.Logger = zap.New(core2)
 	second := startSyncer(t, cfg)
 	waitFor(t, "both connected", func() bool { return first.Stats().Connected && second.Stats().Connected })
-	for i := range 3 {
-		first.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i + 1)}})
-	}
+	// Connected is not subscribed yet: what is published before the
+	// second's subscription reaches the server is lost. So publish until
+	// three are heard.
+	id := uint64(0)
+	waitFor(t, "three heard", func() bool {
+		id++
+		first.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: id}})
+		return second.Stats().Applied >= 3
+	})
 	waitFor(t, "the twin's warning", func() bool { return logs2.FilterMessageSnippet("uses this router's name").Len() > 0 })
-	waitFor(t, "all three heard", func() bool { return second.Stats().Applied >= 3 })
 	if n := logs2.FilterMessageSnippet("uses this router's name").Len(); n != 1 {
 		t.Errorf("warned %d times, want once", n)
 	}
