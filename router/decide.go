@@ -52,8 +52,9 @@ type Request struct {
 	MaxWait time.Duration
 	// Home is the upstream that holds state only it can continue (the
 	// stored response a Responses API request names: see
-	// Fleet.ResponseHome). While it is a member, healthy and not
-	// draining, it is the only candidate, tried before or not (when it is
+	// Fleet.ResponseHome). While it is a member, healthy, not draining
+	// and serving the model asked for (its list says so, or says
+	// nothing), it is the only candidate, tried before or not (when it is
 	// full the request waits for it); otherwise the request is routed as
 	// any other (and the engine it reaches answers for the state it
 	// lacks).
@@ -269,7 +270,11 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
-		if home < 0 && isHome(&req, m) {
+		// A home that does not serve the model asked for cannot continue
+		// the response either: routed as any other request, the request
+		// gets the engine's 404 at once, where waiting for the home would
+		// end in a shed 503 the client retries.
+		if home < 0 && isHome(&req, m) && scorer.ServesModel(&sreq, &cands[i]) {
 			home = i
 		}
 	}

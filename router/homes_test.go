@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // TestRequestGoesHome: a request with a home goes there while it is a
@@ -59,6 +61,25 @@ func TestRequestGoesHome(t *testing.T) {
 			t.Fatalf("home %s draining or down: went to %v", home, d.Charge)
 		}
 		served(f, d.Charge, t0)
+	}
+	// A home whose list lacks the model asked for (unloaded there, or a
+	// conversation going on with another model) is no home: the request
+	// goes to an upstream serving the model at once, where waiting for
+	// the home would only end in a shed.
+	lora := req
+	lora.Model = "tenant-m"
+	lists := func(m *Member) {
+		m.Models = []scrape.ModelInfo{{ID: "base"}}
+		if m.Dial != home {
+			m.Models = append(m.Models, scrape.ModelInfo{ID: "tenant-m", Parent: "base"})
+		}
+	}
+	ms = members("a", "b", "c")
+	for i := range ms {
+		lists(&ms[i])
+	}
+	if d := f.Decide(t0, lora, ms, &opts, rng(), nil); d.Charge == nil || d.Charge.Dial() == home {
+		t.Fatalf("home %s without the model: went to %v (%+v)", home, d.Charge, d)
 	}
 }
 

@@ -180,7 +180,7 @@ func Filter(req Request, c *Candidate, opts Options) FilterReason {
 }
 
 func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
-	if c.Models != nil && !servesModel(c.Models, req) {
+	if !ServesModel(req, c) {
 		return FilteredModel
 	}
 	if c.ContextTokens > 0 {
@@ -282,6 +282,12 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 		return math.Inf(1)
 	}
 	return drain * float64(short) / float64(inUse)
+}
+
+// ServesModel says c serves the model or adapter req asks for, or does
+// not say what it serves (Models nil).
+func ServesModel(req *Request, c *Candidate) bool {
+	return c.Models == nil || servesModel(c.Models, req)
 }
 
 func servesModel(models []string, req *Request) bool {
