@@ -302,7 +302,11 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 			writeBodyError(w, err)
 			return nil
 		}
-		if whole {
+		switch {
+		case !whole:
+		case changesAdapters(r):
+			pt.loraName, pt.unload = loraNameOfBody(body), strings.HasSuffix(r.URL.Path, "/unload_lora_adapter")
+		default:
 			pt.model = modelOfBody(body)
 		}
 	}
@@ -345,6 +349,16 @@ type passThroughWriter struct {
 func (w *passThroughWriter) WriteHeader(status int) {
 	if status == statusClientClosedRequest && !w.started && w.pt.wasCut() {
 		return
+	}
+	if status >= 200 && status < 300 && !w.started {
+		w.pt.mu.Lock()
+		unloaded := w.pt.unloaded
+		w.pt.mu.Unlock()
+		if unloaded != nil {
+			// Before the client hears of it: its next request for the
+			// adapter must not go back there.
+			unloaded()
+		}
 	}
 	w.started = w.started || status >= 200
 	w.ResponseWriterWrapper.WriteHeader(status)
@@ -423,6 +437,13 @@ type passThrough struct {
 	// upstream lists it (the policy chose none).
 	model    string
 	notFound bool
+	// loraName is the adapter a load or unload (vLLM's runtime adapter
+	// API) names, "" when not read; unload says it is an unload, and
+	// unloaded, set by the policy, takes the adapter off the chosen
+	// engine's list as the engine says it unloaded it.
+	loraName string
+	unload   bool
+	unloaded func()
 	mu       sync.Mutex
 	flight   drain.Flight
 	// attempts counts the attempts routed; a cut is for one of them, and

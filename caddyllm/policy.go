@@ -1088,6 +1088,12 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	}
 	p.sh.metrics.decision(fallbackReason).Inc()
 	p.enterPassThrough(r, pt, up.Dial)
+	if pt != nil && pt.unload && pt.loraName != "" && p.scraper != nil {
+		dial, adapter := up.Dial, pt.loraName
+		pt.mu.Lock()
+		pt.unloaded = func() { p.scraper.ForgetModel(dial, adapter) }
+		pt.mu.Unlock()
+	}
 	if up != nil && p.scraper != nil && changesAdapters(r) {
 		// The engine's model list changes with it: fetch it again once
 		// the engine has answered (the request's context ends with the
@@ -1164,6 +1170,19 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		}
 		pool = serving
 	}
+	if pt != nil && pt.loraName != "" && p.scraper != nil {
+		// An unload goes to an upstream listing the adapter, a load to
+		// one not listing it yet, when there is one; else the engine
+		// answers (404 for an adapter no engine has, 400 for one every
+		// engine has loaded).
+		listing, lacking := p.listingModel(pool, pt.loraName)
+		switch {
+		case pt.unload && len(listing) > 0:
+			pool = listing
+		case !pt.unload && len(lacking) > 0:
+			pool = lacking
+		}
+	}
 	if p.fallback != nil {
 		return p.fallback.Select(pool, r, w)
 	}
@@ -1220,6 +1239,22 @@ func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (ser
 		}
 	}
 	return serving, known
+}
+
+// listingModel splits pool into the upstreams whose model lists name
+// model and the others (lists lacking it, or unknown).
+func (p *Policy) listingModel(pool reverseproxy.UpstreamPool, model string) (listing, lacking reverseproxy.UpstreamPool) {
+	now := time.Now()
+	for _, u := range pool {
+		sig, _ := p.scraper.Latest(u.Dial, now, 0)
+		models, _ := p.listedModels(sig, u.Dial, now)
+		if slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
+			listing = append(listing, u)
+		} else {
+			lacking = append(lacking, u)
+		}
+	}
+	return listing, lacking
 }
 
 // undrained is pool without its draining upstreams: pool itself when none

@@ -268,17 +268,29 @@ func scanResponseID(body []byte) (string, bool) {
 	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0)), true
 }
 
-// modelKeys is the member modelOfBody reads.
-var modelKeys = [...]string{"model"}
+// modelKeys and loraNameKeys are the members modelOfBody and
+// loraNameOfBody read.
+var (
+	modelKeys    = [...]string{"model"}
+	loraNameKeys = [...]string{"lora_name"}
+)
 
 // modelOfBody reads the top-level model of a request body, "" when it has
 // none or the body is not an object the scanner reads whole (malformed,
 // nested too deep, a key given twice): the engine then answers for it.
-func modelOfBody(body []byte) string {
+func modelOfBody(body []byte) string { return stringOfBody(body, modelKeys[:]) }
+
+// loraNameOfBody reads the adapter a request to vLLM's runtime adapter
+// API (load_lora_adapter, unload_lora_adapter) names, as modelOfBody.
+func loraNameOfBody(body []byte) string { return stringOfBody(body, loraNameKeys[:]) }
+
+// stringOfBody reads the top-level string member key (a one-element
+// slice) of a request body, as modelOfBody.
+func stringOfBody(body []byte, key []string) string {
 	var depth [chunkDepth/64 + 1]uint64
 	s := scanner{buf: body, inObject: depth[:]}
 	var model span
-	ok := s.fields(modelKeys[:], func(i int) bool {
+	ok := s.fields(key, func(i int) bool {
 		if i == 0 {
 			return s.optString(&model)
 		}

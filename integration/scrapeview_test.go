@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -117,6 +118,57 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 		c := post(t, "/v1/completions", map[string]any{"model": "tenant-new", "prompt": "hi", "max_tokens": 2})
 		return c.status == http.StatusOK && c.replica == loadedOn
 	})
+}
+
+// TestAdapterCallsGoWhereTheyCount: vLLM's runtime adapter API names the
+// adapter in lora_name. Through the router, a load goes to an engine whose
+// list lacks the adapter (the second load of one name to the other
+// engine, not to the one that has it, which would refuse it), and an
+// unload to the engine listing it (it went anywhere, and most unloads got
+// the engines' 404); once that engine has unloaded it, the adapter's next
+// request, sent at once, does not go back there.
+func TestAdapterCallsGoWhereTheyCount(t *testing.T) {
+	fleet := startFleet(t, 3, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	waitForModelLists(t, fleet)
+	call := func(path, name string) (int, string) {
+		t.Helper()
+		resp, err := http.Post(routerURL+path, "application/json",
+			strings.NewReader(`{"lora_name":"`+name+`","lora_path":"/adapters/`+name+`"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get(kvsim.ReplicaHeader)
+	}
+	for round := range 4 {
+		name := fmt.Sprintf("tenant-%d", round)
+		loaded := map[string]bool{}
+		for range 2 {
+			status, on := call("/v1/load_lora_adapter", name)
+			if status != http.StatusOK || loaded[on] {
+				t.Fatalf("%s: load answered %d on %s, loaded before on %v", name, status, on, loaded)
+			}
+			loaded[on] = true
+			// The next load must see this one in the engine's list.
+			eventually(t, 10*time.Second, "the load in the list", func() bool {
+				c := post(t, "/v1/completions", map[string]any{"model": name, "prompt": "hi", "max_tokens": 1})
+				return c.status == http.StatusOK
+			})
+		}
+		for range 2 {
+			status, on := call("/v1/unload_lora_adapter", name)
+			if status != http.StatusOK || !loaded[on] {
+				t.Fatalf("%s: unload answered %d on %s, loaded on %v", name, status, on, loaded)
+			}
+			delete(loaded, on)
+			c := post(t, "/v1/completions", map[string]any{"model": name, "prompt": "hi", "max_tokens": 1})
+			if len(loaded) > 0 && (c.status != http.StatusOK || c.replica == on) ||
+				len(loaded) == 0 && (c.status != http.StatusNotFound || !strings.Contains(c.body, "model_not_found")) {
+				t.Fatalf("%s right after its unload on %s: %d from %s: %s", name, on, c.status, c.replica, c.body)
+			}
+		}
+	}
 }
 
 // TestDirectlyLoadedAdapterFound: an adapter loaded on an engine directly,

@@ -87,6 +87,26 @@ func (s *Scraper) RefreshModels(dial string) {
 	s.scheduleModelsLocked(t, time.Now())
 }
 
+// ForgetModel takes model off dial's last model list at once, for an
+// adapter its engine has just unloaded: requests for it must not go there
+// while the list is fetched again (see RefreshModels), which has the last
+// word.
+func (s *Scraper) ForgetModel(dial, model string) {
+	t := s.target(dial)
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	i := slices.IndexFunc(t.models, func(m ModelInfo) bool { return m.ID == model })
+	if i < 0 {
+		return
+	}
+	// A new slice: readers hold the old one.
+	t.models = slices.Delete(slices.Clone(t.models), i, i+1)
+	t.publishModelsLocked()
+}
+
 // endModelsFetchLocked notes that t's list fetch under way ended, and
 // sends the one RefreshModels asked for meanwhile. Caller holds t.mu.
 func (s *Scraper) endModelsFetchLocked(t *scrapeTarget) {
