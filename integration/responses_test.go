@@ -165,6 +165,55 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 	}
 }
 
+// TestBackgroundResponseGoesHome: a background response (answered at
+// once, queued, and generated after the answer) is remembered where it
+// was answered, as a done one is: polled through the router, it is
+// retrieved from that replica (the others would answer 404) until it is
+// done, its cancellation goes there too, and its answer released its
+// charge, though its generation goes on. Driven with the official client.
+func TestBackgroundResponseGoesHome(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	params := func(maxOutput int64) responses.ResponseNewParams {
+		return responses.ResponseNewParams{
+			Model:           kvsim.DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a background story", 2_000))},
+			MaxOutputTokens: openai.Int(maxOutput),
+			Background:      openai.Bool(true),
+		}
+	}
+	var first *http.Response
+	resp, err := client.Responses.New(ctx, params(200), option.WithResponseInto(&first))
+	if err != nil || resp.Status != responses.ResponseStatusQueued {
+		t.Fatalf("the answer: %v, %+v", err, resp)
+	}
+	home := first.Header.Get(kvsim.ReplicaHeader)
+	eventually(t, 30*time.Second, "the background response done, retrieved through the router", func() bool {
+		var got *http.Response
+		r, err := client.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}, option.WithResponseInto(&got))
+		if err != nil || got.Header.Get(kvsim.ReplicaHeader) != home {
+			t.Fatalf("retrieved from %s (home %s): %v", got.Header.Get(kvsim.ReplicaHeader), home, err)
+		}
+		return r.Status == responses.ResponseStatusIncomplete && r.Usage.OutputTokens == 200
+	})
+	for _, u := range upstreams(t) {
+		if u.InFlight != 0 {
+			t.Fatalf("%s: %d requests in flight after the answers", u.Dial, u.InFlight)
+		}
+	}
+	long, err := client.Responses.New(ctx, params(1_000_000), option.WithResponseInto(&first))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cancelled *http.Response
+	if r, err := client.Responses.Cancel(ctx, long.ID, option.WithResponseInto(&cancelled)); err != nil ||
+		r.Status != responses.ResponseStatusCancelled || cancelled.Header.Get(kvsim.ReplicaHeader) != first.Header.Get(kvsim.ReplicaHeader) {
+		t.Fatalf("cancel: %v, %+v, from %s (home %s)", err, r, cancelled.Header.Get(kvsim.ReplicaHeader), first.Header.Get(kvsim.ReplicaHeader))
+	}
+}
+
 // TestDrainMovesAQueuedResponsesStream: a Responses stream announces its
 // response (response.created) before the engine has run it. At a drain
 // deadline, the one still queued at the engine, its announcement held

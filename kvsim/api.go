@@ -52,6 +52,9 @@ type ParsedRequest struct {
 	Tools              json.RawMessage
 	PreviousResponseID string
 	Store              bool
+	// Background: the answer is the response queued, generated after it
+	// and retrieved by its id (store must be on; kvsim does not stream it).
+	Background bool
 	// CapsMaxTokens says the output is cut to what the context leaves
 	// after the prompt rather than refused beyond it: vLLM's Responses
 	// API's max_output_tokens, and a chat request without max_tokens
@@ -92,14 +95,16 @@ type requestBody struct {
 	MaxOutputTokens    json.RawMessage `json:"max_output_tokens"`
 	PreviousResponseID json.RawMessage `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
+	Background         json.RawMessage `json:"background"`
 }
 
 // foreignFields are, for each API, the fields of the others that kvsim
 // reads.
 var foreignFields = map[Endpoint]map[string]bool{
 	EndpointCompletions: {"messages": true, "max_completion_tokens": true, "add_generation_prompt": true, "continue_final_message": true,
-		"input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true, "store": true},
-	EndpointChatCompletions: {"prompt": true, "input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true, "store": true},
+		"input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true, "store": true, "background": true},
+	EndpointChatCompletions: {"prompt": true, "input": true, "instructions": true, "max_output_tokens": true, "previous_response_id": true,
+		"store": true, "background": true},
 	EndpointResponses: {"prompt": true, "messages": true, "max_tokens": true, "max_completion_tokens": true, "n": true,
 		"add_generation_prompt": true, "continue_final_message": true, "stream_options": true},
 }
@@ -148,6 +153,9 @@ type responsesFields struct {
 	// StoreSet says the request has the field (null included).
 	Store    *laxBool `json:"store"`
 	StoreSet bool     `json:"-"`
+	// Background asks for the response to be generated after the answer
+	// (vLLM's background mode).
+	Background *laxBool `json:"background"`
 }
 
 // decode reads the Responses API's fields of rb.
@@ -162,6 +170,7 @@ func (rb *requestBody) responsesFields() (responsesFields, error) {
 		{rb.MaxOutputTokens, &f.MaxOutputTokens, "max_output_tokens"},
 		{rb.PreviousResponseID, &f.PreviousResponseID, "previous_response_id"},
 		{rb.Store, &f.Store, "store"},
+		{rb.Background, &f.Background, "background"},
 	} {
 		if len(field.raw) > 0 {
 			if err := json.Unmarshal(field.raw, field.dst); err != nil {
@@ -288,6 +297,14 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		p.Tools = rb.Tools
 		if rf.StoreSet { // null is None in vLLM's request: not stored
 			p.Store = rf.Store != nil && bool(*rf.Store)
+		}
+		if p.Background = rf.Background != nil && bool(*rf.Background); p.Background {
+			switch {
+			case !p.Store:
+				return nil, errBadRequest("background can only be used when `store` is true")
+			case p.Stream:
+				return nil, errBadRequest("kvsim does not stream background responses: poll GET /v1/responses/{id}")
+			}
 		}
 		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
 			p.Instructions = rf.Instructions

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/http"
 	"sync"
 )
@@ -107,6 +108,9 @@ type responseStore struct {
 type storedResponse struct {
 	msgs   []ChatMessage
 	object map[string]any
+	// cancel ends a background response's generation; nil once it has
+	// ended, or for a response answered when done.
+	cancel func()
 }
 
 func (rs *responseStore) get(id string) (storedResponse, bool) {
@@ -121,6 +125,10 @@ func (rs *responseStore) put(id string, r storedResponse) {
 	defer rs.mu.Unlock()
 	if rs.byID == nil {
 		rs.byID = make(map[string]storedResponse)
+	}
+	if _, ok := rs.byID[id]; ok { // a background response, done or cancelled
+		rs.byID[id] = r
+		return
 	}
 	rs.byID[id] = r
 	rs.order = append(rs.order, id)
@@ -138,6 +146,110 @@ func (rs *responder) store(text []byte, object map[string]any) {
 	}
 	msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
 	rs.s.responses.put(rs.req.ID, storedResponse{msgs: msgs, object: object})
+}
+
+// update replaces id's stored response with what change makes of it,
+// under the store's lock, and reports whether id is stored. The objects
+// are replaced, never changed: a retrieval may be encoding the old one.
+func (rs *responseStore) update(id string, change func(*storedResponse)) bool {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	r, ok := rs.byID[id]
+	if ok {
+		change(&r)
+		rs.byID[id] = r
+	}
+	return ok
+}
+
+// withStatus is object (not changed) with another status.
+func withStatus(object map[string]any, status string) map[string]any {
+	out := maps.Clone(object)
+	out["status"] = status
+	return out
+}
+
+// background answers a background Responses API request as vLLM does:
+// at once, with the response queued and stored, and generates it after
+// the answer (in progress from its first token), storing it done;
+// retrieved by its id meanwhile, it says how far it is, and its
+// cancellation (handleCancel) ends it.
+func (rs *responder) background() {
+	msgID := newID("msg_")
+	queued := withStatus(rs.responseObject(msgID, nil, nil), "queued")
+	stop := make(chan struct{})
+	rs.s.responses.put(rs.req.ID, storedResponse{object: queued, cancel: sync.OnceFunc(func() { close(stop) })})
+	writeJSON(rs.w, http.StatusOK, queued)
+	bg := *rs
+	bg.w, bg.gone, bg.cutAfter = nil, stop, 0
+	go bg.runBackground(msgID, stop)
+}
+
+// runBackground generates a background response; see background.
+func (rs *responder) runBackground(msgID string, stop <-chan struct{}) {
+	defer rs.s.driver.Abort(rs.req) // a no-op once it has finished
+	id := rs.req.ID
+	var text []byte
+	started := false
+	for {
+		evs, ok := rs.next()
+		if !ok {
+			// Cancelled (handleCancel stored it so), or the engine stopped.
+			rs.s.responses.update(id, func(r *storedResponse) {
+				if r.cancel != nil {
+					r.object, r.cancel = withStatus(r.object, "failed"), nil
+				}
+			})
+			return
+		}
+		for _, ev := range evs {
+			if ev.Kind == EventFinished {
+				object := rs.responseObject(msgID, text, &ev)
+				msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
+				rs.s.responses.update(id, func(r *storedResponse) {
+					if r.cancel != nil { // not cancelled meanwhile
+						*r = storedResponse{msgs: msgs, object: object}
+					}
+				})
+				return
+			}
+			text = append(text, ev.Text...)
+			if !started {
+				started = true
+				rs.s.responses.update(id, func(r *storedResponse) {
+					if r.cancel != nil {
+						r.object = withStatus(r.object, "in_progress")
+					}
+				})
+			}
+		}
+	}
+}
+
+// handleCancel answers POST /v1/responses/{id}/cancel as vLLM does: a
+// background response not done yet is cancelled and returned so; a
+// response that is done, or was not a background one, cannot be (400); one
+// the server does not hold gets 404.
+func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	var object map[string]any
+	var cancel func()
+	if !s.responses.update(id, func(sr *storedResponse) {
+		if sr.cancel != nil {
+			sr.object, cancel, sr.cancel = withStatus(sr.object, "cancelled"), sr.cancel, nil
+		}
+		object = sr.object
+	}) {
+		writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
+			Message: fmt.Sprintf("Response with id '%s' not found.", id)})
+		return
+	}
+	if cancel == nil {
+		writeError(w, errBadRequest("Cannot cancel a synchronous response."))
+		return
+	}
+	cancel()
+	writeJSON(w, http.StatusOK, object)
 }
 
 // handleRetrieve answers GET /v1/responses/{id}: the stored response, or
@@ -180,6 +292,7 @@ func (rs *responder) responseObject(msgID string, text []byte, finish *Event) ma
 		"id": rs.req.ID, "object": "response", "created_at": rs.created, "model": rs.model,
 		"status": "in_progress", "output": []any{}, "usage": nil, "error": nil, "incomplete_details": nil,
 		"max_output_tokens": nil, "parallel_tool_calls": true, "tool_choice": "auto", "tools": []any{},
+		"background": rs.p.Background,
 	}
 	if rs.p.MaxTokens > 0 {
 		resp["max_output_tokens"] = rs.p.MaxTokens

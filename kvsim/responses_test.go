@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
@@ -176,5 +177,83 @@ func TestOtherAPIsFieldsIgnored(t *testing.T) {
 		if _, err := ParseRequest(EndpointResponses, []byte(`{"input":"hi",`+body+`}`), tok, 16); err == nil {
 			t.Errorf("%s accepted; vLLM answers 400", body)
 		}
+	}
+}
+
+// TestBackgroundResponses: a background response (vLLM's background mode)
+// is answered at once, queued, and generated after the answer; retrieved
+// by its id it comes in progress, then done with its text and usage. One
+// cancelled before it is done stays cancelled, and cannot be cancelled
+// again; a done one cannot be cancelled. Background needs store, and
+// kvsim does not stream it. Driven with the official client.
+func TestBackgroundResponses(t *testing.T) {
+	sim, srv := newTestServer(t, Config{})
+	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	params := func(maxOutput int64) responses.ResponseNewParams {
+		return responses.ResponseNewParams{
+			Model:           DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("Tell me a long story.")},
+			MaxOutputTokens: openai.Int(maxOutput),
+			Background:      openai.Bool(true),
+		}
+	}
+	resp, err := client.Responses.New(ctx, params(20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.Status != responses.ResponseStatusQueued || !resp.Background || resp.OutputText() != "" {
+		t.Fatalf("the answer: status %s, background %v, text %q", resp.Status, resp.Background, resp.OutputText())
+	}
+	deadline := time.Now().Add(30 * time.Second) // the test's, for both waits
+	for resp.Status != responses.ResponseStatusIncomplete { // done at max_output_tokens
+		if time.Now().After(deadline) {
+			t.Fatalf("still %s", resp.Status)
+		}
+		time.Sleep(10 * time.Millisecond)
+		if resp, err = client.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}); err != nil {
+			t.Fatal(err)
+		}
+		if s := resp.Status; s != responses.ResponseStatusQueued && s != responses.ResponseStatusInProgress && s != responses.ResponseStatusIncomplete {
+			t.Fatalf("retrieved as %s", s)
+		}
+	}
+	if resp.Usage.OutputTokens != 20 || resp.OutputText() == "" {
+		t.Fatalf("done: %d output tokens, text %q", resp.Usage.OutputTokens, resp.OutputText())
+	}
+	var apiErr *openai.Error
+	if _, err := client.Responses.Cancel(ctx, resp.ID); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("cancelling a done response: %v", err)
+	}
+
+	long, err := client.Responses.New(ctx, params(1_000_000))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancelled, err := client.Responses.Cancel(ctx, long.ID)
+	if err != nil || cancelled.Status != responses.ResponseStatusCancelled {
+		t.Fatalf("cancel: %v, %+v", err, cancelled)
+	}
+	if _, err := client.Responses.Cancel(ctx, long.ID); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("cancelling twice: %v", err)
+	}
+	if got, err := client.Responses.Get(ctx, long.ID, responses.ResponseGetParams{}); err != nil || got.Status != responses.ResponseStatusCancelled {
+		t.Fatalf("the cancelled response retrieved: %v, %s", err, got.Status)
+	}
+	// Its sequence leaves the engine (it would generate a million tokens).
+	for st := sim.State(); st.InFlight > 0 || st.Aborted == 0; st = sim.State() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the cancelled response still runs: %+v", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, err := client.Responses.Cancel(ctx, "resp_unknown"); !errors.As(err, &apiErr) || apiErr.StatusCode != 404 {
+		t.Fatalf("cancelling an unknown response: %v", err)
+	}
+
+	noStore := params(5)
+	noStore.Store = openai.Bool(false)
+	if _, err := client.Responses.New(ctx, noStore); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("background without store: %v", err)
 	}
 }

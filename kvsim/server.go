@@ -138,6 +138,7 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/chat/completions", s.handleGenerate(EndpointChatCompletions))
 	s.mux.HandleFunc("POST /v1/responses", s.handleGenerate(EndpointResponses))
 	s.mux.HandleFunc("GET /v1/responses/{id}", s.handleRetrieve)
+	s.mux.HandleFunc("POST /v1/responses/{id}/cancel", s.handleCancel)
 	s.mux.HandleFunc("GET /v1/models", s.handleModels)
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
@@ -405,8 +406,11 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
-		// Abort is a no-op once finished; otherwise (client gone, cut) it frees the blocks.
-		defer s.driver.Abort(req)
+		// Abort is a no-op once finished; otherwise (client gone, cut) it
+		// frees the blocks. A background response runs on after the answer.
+		if !p.Background {
+			defer s.driver.Abort(req)
+		}
 		s.logger.Debug("request accepted", zap.String("id", req.ID), zap.String("model", model),
 			zap.Int("prompt_tokens", req.PromptTokens()), zap.Int("output_tokens", req.OutputTokens))
 		rs := &responder{s: s, w: w, r: r, p: p, req: req, model: model, stream: stream,
@@ -433,6 +437,8 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			}
 		}
 		switch {
+		case p.Background:
+			rs.background()
 		case endpoint == EndpointResponses && p.Stream:
 			rs.streamResponse()
 		case endpoint == EndpointResponses:
@@ -463,12 +469,19 @@ type responder struct {
 	// furtherChoice says this sequence is a prompt's second choice or
 	// later (n > 1): the usage counts a prompt once.
 	furtherChoice bool
+	// gone ends the generation: the client's going away, or, for a
+	// background response, its cancellation.
+	gone <-chan struct{}
 }
 
 // next waits for the next events; false when the client went away.
 func (rs *responder) next() ([]Event, bool) {
+	gone := rs.gone
+	if gone == nil {
+		gone = rs.r.Context().Done()
+	}
 	select {
-	case <-rs.r.Context().Done():
+	case <-gone:
 		return nil, false
 	case <-rs.s.driver.Done():
 		return nil, false // the engine was stopped (server closed or config unloaded)
