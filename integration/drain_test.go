@@ -371,8 +371,13 @@ func TestDrainWaitsForPassThrough(t *testing.T) {
 		t.Fatalf("A with a models list in flight: %s, this router's in flight %d, routed %d; want draining, 1, 0", u.Drain, u.ThisRouterInFlight, u.InFlight)
 	}
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=100ms") // the earlier deadline wins
-	if c := <-models; c.status != http.StatusServiceUnavailable || c.header.Get("Retry-After") != "1" {
-		t.Fatalf("the cut models list: %d, Retry-After %q: %s", c.status, c.header.Get("Retry-After"), c.body)
+	select {
+	case c := <-models:
+		if c.status != http.StatusServiceUnavailable || c.header.Get("Retry-After") != "1" {
+			t.Fatalf("the cut models list: %d, Retry-After %q: %s", c.status, c.header.Get("Retry-After"), c.body)
+		}
+	case <-time.After(30 * time.Second): // the deadline was 100 ms
+		t.Fatal("the models list was not cut at the drain's deadline")
 	}
 	eventually(t, 10*time.Second, "A drained", func() bool { return drainPhase(t, a.dial()) == "drained" })
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")

@@ -205,8 +205,11 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	// once: its expected context is beyond the engine's, which counts the
 	// prompt exactly and answers 400 before it needs any KV; held here
 	// for KV it would never use, it would be shed with 503 and retried.
-	if c.FreeKVTokens >= 0 && !mayBeTooLong(req, c) {
-		if wait := kvWait(req, c, marginTokens); wait > 0 && !(wait <= req.MaxKVWaitSeconds) {
+	// (Not where the wait is endless: nothing queued there frees the KV,
+	// and the estimate would be infinite.)
+	if c.FreeKVTokens >= 0 {
+		if wait := kvWait(req, c, marginTokens); wait > 0 && !(wait <= req.MaxKVWaitSeconds) &&
+			!(mayBeTooLong(req, c) && !math.IsInf(wait, 1)) {
 			return FilteredKV
 		}
 	}

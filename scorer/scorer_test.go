@@ -69,6 +69,14 @@ func TestMaybeTooLongIsNotHeldForKV(t *testing.T) {
 	if d := Choose(r, []Candidate{busy}, Options{}, nil, nil); d.Chosen != 0 {
 		t.Fatalf("a request the engine may refuse as too long was held for KV: %+v", d)
 	}
+	// Where nothing queued frees the KV (the engine's own figure says it
+	// is in use), the wait is endless: the request is not sent there with
+	// an infinite estimate.
+	stuck := busy
+	stuck.QueuedPrefillTokens, stuck.QueuedDecodeTokens = 0, 0
+	if d := Choose(r, []Candidate{stuck}, Options{}, nil, nil); d.Chosen != -1 || d.Blocked != FilteredKV {
+		t.Fatalf("sent where the KV never frees: %+v", d)
+	}
 	r.ContextTokens, r.LeastKVTokens = 3011+1000, 2509+1000
 	r.OutputTokens = 1000
 	if d := Choose(r, []Candidate{busy}, Options{}, nil, nil); d.Chosen != -1 || d.Blocked != FilteredKV {

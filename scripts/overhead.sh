@@ -33,6 +33,10 @@ PROMPT_BYTES=${PROMPT_BYTES:-512}
 BASE_PORT=${BASE_PORT:-18080}
 MIN_RATIO=${MIN_RATIO:-}
 INSTRUCTIONS=${INSTRUCTIONS:-}
+if [ -n "$INSTRUCTIONS" ] && [ -n "$MIN_RATIO" ]; then
+	echo "MIN_RATIO compares requests per second, which INSTRUCTIONS=1 does not measure" >&2
+	exit 2
+fi
 
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
@@ -208,6 +212,12 @@ for round in $(seq 1 "$ROUNDS"); do
 	llm_ins+=("$(field instructions_per_req "$b")")
 done
 if [ -n "$INSTRUCTIONS" ]; then
+	# Failed requests ran instructions too, and loadgen counts only the served: the count would
+	# be too high.
+	if [ "$errors" -gt 0 ]; then
+		echo "$errors failed requests; see the loadgen lines above: instructions per request not reported" >&2
+		exit 1
+	fi
 	# Requests per second under valgrind say nothing about Caddy's own speed: report the counts.
 	awk -v a="$(median "${rr_ins[@]}")" -v b="$(median "${llm_ins[@]}")" -v n="$ROUNDS" 'BEGIN {
 		printf "instructions per request, medians of %d: round_robin %.0f, llm_affinity %.0f (%+.0f, llm_affinity/round_robin %.3f)\n", n, a, b, b - a, b / a
