@@ -2,6 +2,7 @@ package router
 
 import (
 	"slices"
+	"sort"
 	"time"
 )
 
@@ -30,9 +31,13 @@ type Charge struct {
 	Tokens int
 	// chain is the request's blocks, until the first token says the
 	// engine prefilled them; the decision added chain[held:] to the
-	// upstream's index. Only a local charge has them.
-	chain []uint64
-	held  int32
+	// upstream's index, and the first kept of them another request's
+	// prefill there has run through since (see Fleet.confirm). Only a
+	// local charge has them. pending is the charge's place in its
+	// upstream's pending list, -1 when it is not there.
+	chain      []uint64
+	held, kept int32
+	pending    int32
 	// remote marks a peer's charge, applied from its events.
 	remote bool
 	// adapter is the LoRA adapter the decision presumed the upstream
@@ -53,7 +58,7 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Cha
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now}
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, pending: -1}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -69,20 +74,51 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
 		if !c.remote {
-			if u.forgotAt >= c.id && !u.forgotten {
-				// A failed request made the index forget blocks since this
-				// decision, some of them maybe this prompt's, which the
-				// engine has just prefilled: they are held after all.
-				f.index.Insert(u.id, c.chain)
-			}
-			u.confirmedBy = max(u.confirmedBy, c.id)
+			f.confirm(u, c)
 		}
-		c.chain = nil
 	}
 	c.Tokens += n
 	d := min(n, c.decode)
 	u.queuedDecode -= d
 	c.decode -= d
+}
+
+// confirm notes c's first token on u, which says the engine prefilled
+// c's whole prompt there: the blocks a failed request made the index
+// forget since c's decision are held after all (some may be c's), and
+// the requests still waiting for their first token there keep, should
+// they fail, the blocks c's prompt shares with theirs. Caller holds f.mu.
+func (f *Fleet) confirm(u *upstream, c *Charge) {
+	if u.forgotAt >= c.id && !u.forgotten {
+		f.index.Insert(u.id, c.chain)
+	}
+	f.unpend(u, c)
+	for _, other := range u.pending {
+		other.kept = max(other.kept, int32(sharedBlocks(other.chain, c.chain)))
+	}
+	c.chain = nil
+}
+
+// sharedBlocks is how many leading blocks two prompts share. Block hashes
+// are chained, so prompts that share a block share every one before it:
+// the count is found by bisection.
+func sharedBlocks(a, b []uint64) int {
+	n := min(len(a), len(b))
+	return sort.Search(n, func(i int) bool { return a[i] != b[i] })
+}
+
+// unpend takes c off u's pending list. Caller holds f.mu.
+func (f *Fleet) unpend(u *upstream, c *Charge) {
+	i := int(c.pending)
+	if i < 0 || i >= len(u.pending) || u.pending[i] != c {
+		return
+	}
+	last := len(u.pending) - 1
+	u.pending[i] = u.pending[last]
+	u.pending[i].pending = int32(i)
+	u.pending[last] = nil
+	u.pending = u.pending[:last]
+	c.pending = -1
 }
 
 // learn feeds a completed response of model into its estimates. Caller
@@ -178,13 +214,11 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 		f.publish(Event{Kind: EventReleased, ID: c.id})
 		// It failed before its first token: the engine most likely did
 		// not prefill what the decision added to the index, and the
-		// conversation's next turn must not be sent there as warm. Unless
-		// a request decided after it has had its first token there: its
-		// prompt may have run through these blocks (it matched them), and
-		// the engine holds them then; keeping a few blocks the engine may
-		// lack costs one prefill, forgetting a held prefix a copy of it.
-		if u := c.up; int(c.held) < len(c.chain) && !u.forgotten && u.confirmedBy <= c.id {
-			f.index.Forget(u.id, c.chain[c.held:])
+		// conversation's next turn must not be sent there as warm. Except
+		// the blocks another request's prompt ran through there since (it
+		// had its first token: see confirm), which the engine holds.
+		if u, from := c.up, int(max(c.held, c.kept)); from < len(c.chain) && !u.forgotten {
+			f.index.Forget(u.id, c.chain[from:])
 			u.forgotAt = f.nextID
 		}
 	}
@@ -205,6 +239,7 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	if !c.remote && f.local != nil {
 		delete(f.local, c.id)
 	}
+	f.unpend(u, c)
 	c.up, c.prefill, c.decode, c.kv, c.chain = nil, 0, 0, 0, nil
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)

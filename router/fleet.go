@@ -130,12 +130,12 @@ type upstream struct {
 	owed        bool
 	lastRelease uint64
 	// forgotAt is the fleet's newest charge id when a failed request last
-	// made this upstream's index forget blocks, confirmedBy the id of the
-	// newest charge whose first token came back here: together they tell
-	// whether a request's blocks may have been forgotten after its
-	// decision, or another request's prefill may hold a failed one's
-	// blocks (see Fleet.failed).
-	forgotAt, confirmedBy uint64
+	// made this upstream's index forget blocks: a request decided before
+	// it may have lost blocks its prefill holds (see Fleet.confirm).
+	// pending are this router's charges here still waiting for their
+	// first token.
+	forgotAt uint64
+	pending  []*Charge
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras (or the engine's own count of adapter slots,

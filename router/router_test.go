@@ -650,7 +650,9 @@ func TestFailedAttemptForgetsItsBlocks(t *testing.T) {
 // upstream ran through: whether that one's first token came before the
 // failure (its prefill went through them) or after it (the engine has
 // just prefilled them), the upstream holds the failed request's prompt,
-// and the index says so, prefix-closed.
+// and the index says so, prefix-closed. It takes back the rest: all of
+// its blocks when the other's prompt shares none of them, its own tail
+// when the two share a system prompt.
 func TestFailedAttemptKeepsWhatAnotherPrefilled(t *testing.T) {
 	opts := Options{}.WithDefaults()
 	ms := members("a")
@@ -677,6 +679,30 @@ func TestFailedAttemptKeepsWhatAnotherPrefilled(t *testing.T) {
 		}
 		if d := f.Decide(t0, reqB, ms, &opts, rng(), nil); d.MatchedTokens != 2048 {
 			t.Errorf("B's first token first: %v: B again matched %d of 2,048 tokens", bFirst, d.MatchedTokens)
+		}
+	}
+
+	system := hashes(5, 1024)
+	turn := func(seed uint64) Request {
+		h := append(append([]uint64(nil), system...), hashes(seed, 1024)...)
+		return Request{Hashes: h, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
+	}
+	for _, tc := range []struct {
+		name    string
+		a, c    Request
+		matched int // A's prompt, sent again after A failed and C was served
+	}{
+		{"unrelated prompts", Request{Hashes: hashes(1, 1024), BlockTokens: 64, PromptTokens: 1024, Model: "m"},
+			Request{Hashes: hashes(2, 1024), BlockTokens: 64, PromptTokens: 1024, Model: "m"}, 0},
+		{"a shared system prompt", turn(100), turn(200), 1024},
+	} {
+		f := New()
+		a := f.Decide(t0, tc.a, ms, &opts, rng(), nil)
+		c := f.Decide(t0, tc.c, ms, &opts, rng(), nil)
+		f.Progress(c.Charge, 1, t0) // C prefilled its prompt...
+		f.Release(a.Charge, t0)     // ...then A failed before its first token
+		if d := f.Decide(t0, tc.a, ms, &opts, rng(), nil); d.MatchedTokens != tc.matched {
+			t.Errorf("%s: A's prompt matches %d tokens after A failed, want %d", tc.name, d.MatchedTokens, tc.matched)
 		}
 	}
 }
