@@ -388,10 +388,13 @@ func (f *Fleet) EngineRestarted(dial string, at time.Time) {
 
 // noteRestart takes the time a scraper last saw u's engine restart: a
 // restarted engine holds none of the prefixes the index says, so they are
-// forgotten before the request is matched, once per restart however many
-// scrapers (sites, or a reload's old and new config) report it. An index
-// with nothing in it has nothing to forget: an engine that was not
-// listening yet when the router started is no reset. Caller holds f.mu.
+// forgotten, as the scraper tells (EngineRestarted) or before a request
+// is matched. A reload's new scraper inherits the old one's time, so the
+// two report one restart once; scrapers of two sites see the same restart
+// at two times, a scrape apart, and each time forgets (what was routed
+// between the two too). An index with nothing in it has nothing to
+// forget: an engine that was not listening yet when the router started
+// is no reset. Caller holds f.mu.
 func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	if !at.After(u.engineRestart) {
 		return
