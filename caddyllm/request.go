@@ -129,6 +129,17 @@ const maxModelNameBytes = 512
 
 var errModelTooLong = badRequestf("model", "invalid request: model must be at most %d bytes", maxModelNameBytes)
 
+// errEmptyCacheSalt is vLLM's answer to an empty cache_salt.
+var errEmptyCacheSalt = badRequestf("cache_salt", "invalid request: cache_salt must be a non-empty string if provided")
+
+// saltWith is the salt the prefix hashes of a request with vLLM's
+// cache_salt are seeded with: the engine caches a salted prompt apart
+// (its first block's hash takes the salt), so its prefix is another one
+// here too, and an unsalted request's hashes are as they were.
+func saltWith(configured, cacheSalt string) string {
+	return configured + "\x00cache_salt\x00" + cacheSalt
+}
+
 // tooLongMessage explains the refusal of a request too long for every
 // upstream, its prompt counted as prompt tokens (the decision's count).
 func (r *Request) tooLongMessage(prompt int) string {
@@ -256,7 +267,7 @@ const (
 // Keys match exactly, as vLLM's request models (pydantic) match them: a
 // "Model" beside "model" is another, unknown, field.
 var (
-	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n"}
+	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n", "cache_salt"}
 	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
 	itemFields = [...]string{"role", "content", "type"}
 	partFields = [...]string{"type"}
@@ -280,6 +291,7 @@ const (
 	fieldPreviousResponseID
 	fieldStore
 	fieldN
+	fieldCacheSalt
 	fieldOther = -1
 )
 
@@ -349,6 +361,11 @@ type reading struct {
 	model         span
 	modelEscaped  bool
 	modelSet      bool
+	// cacheSalt is vLLM's cache_salt: the engine's prefix cache serves a
+	// salted prompt only to requests with the same salt.
+	cacheSalt        span
+	cacheSaltEscaped bool
+	cacheSaltSet     bool
 	maxTokens     optInt
 	maxCompletion optInt
 	n             optInt // choices a prompt (chat, completions)
@@ -446,13 +463,21 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 		req.Model = p.modelName(name)
 	}
+	salt := p.salt
+	if r.cacheSaltSet {
+		cacheSalt := decodeString(sc.dec[:0], body[r.cacheSalt.start:r.cacheSalt.end], r.cacheSaltEscaped)
+		if len(cacheSalt) == 0 {
+			return nil, errEmptyCacheSalt
+		}
+		salt = saltWith(p.salt, string(cacheSalt))
+	}
 	switch endpoint {
 	case EndpointCompletions:
 		if r.promptErr != nil {
 			return nil, r.promptErr
 		}
 		if r.promptSet {
-			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
 			req.PromptTokens, req.PromptBytes = r.promptTokens, r.promptBytes
 			if r.prompts > 1 {
 				req.LongestPromptTokens = r.longest
@@ -474,7 +499,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 				r.hashMessage(&sc.msgs[i])
 			}
 		}
-		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
 		r.countText(req)
 	case EndpointResponses:
 		switch {
@@ -496,7 +521,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		for i := range sc.msgs {
 			r.hashMessage(&sc.msgs[i])
 		}
-		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", p.salt))
+		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
 		r.countText(req)
 		req.NoStore = r.noStore
 		if r.previousSet && r.previous.end-r.previous.start <= maxResponseIDBytes {
@@ -584,6 +609,9 @@ func (r *reading) object() {
 			if r.optString(&r.model, &r.modelEscaped, "model") {
 				r.modelSet = true
 			}
+		case fieldCacheSalt:
+			// A null one given last takes the salt back, as vLLM reads it.
+			r.cacheSaltSet = r.optString(&r.cacheSalt, &r.cacheSaltEscaped, "cache_salt")
 		case fieldPrompt:
 			r.prompt()
 		case fieldMessages:

@@ -31,6 +31,7 @@ type refRequest struct {
 	MaxCompletionTokens *refLaxInt      `json:"max_completion_tokens"`
 	N                   *refLaxInt      `json:"n"`
 	Stream              refLaxBool      `json:"stream"`
+	CacheSalt           *string         `json:"cache_salt"`
 }
 
 // refCompletionsRequest is the part of a completions body routing reads:
@@ -41,6 +42,7 @@ type refCompletionsRequest struct {
 	MaxTokens *refLaxInt      `json:"max_tokens"`
 	N         *refLaxInt      `json:"n"`
 	Stream    refLaxBool      `json:"stream"`
+	CacheSalt *string         `json:"cache_salt"`
 }
 
 // refResponsesRequest is the part of a Responses API body routing reads
@@ -55,6 +57,7 @@ type refResponsesRequest struct {
 	MaxOutputTokens    *refLaxInt      `json:"max_output_tokens"`
 	PreviousResponseID string          `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
+	CacheSalt          *string         `json:"cache_salt"`
 }
 
 // refItem is the part of a Responses API input item routing reads.
@@ -232,7 +235,7 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		return nil, badRequestf("", "invalid JSON body: %v", err)
 	}
 	if endpoint == EndpointCompletions {
-		raw = refRequest{Model: completions.Model, Prompt: completions.Prompt, MaxTokens: completions.MaxTokens, N: completions.N, Stream: completions.Stream}
+		raw = refRequest{Model: completions.Model, Prompt: completions.Prompt, MaxTokens: completions.MaxTokens, N: completions.N, Stream: completions.Stream, CacheSalt: completions.CacheSalt}
 	}
 	if len(raw.Model) > maxModelNameBytes {
 		return nil, errModelTooLong
@@ -247,7 +250,11 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 	case raw.MaxTokens != nil:
 		req.MaxTokens = max(0, int(*raw.MaxTokens))
 	}
-	seed := prefixindex.Seed(req.Model, "", p.salt)
+	salt, err := p.refSalt(raw.CacheSalt)
+	if err != nil {
+		return nil, err
+	}
+	seed := prefixindex.Seed(req.Model, "", salt)
 	switch endpoint {
 	case EndpointCompletions:
 		if err := p.refHashPrompt(req, seed, raw.Prompt); err != nil {
@@ -274,10 +281,26 @@ func (p *parser) refParseResponses(body []byte) (*Request, error) {
 	if raw.MaxOutputTokens != nil {
 		req.MaxTokens = max(0, int(*raw.MaxOutputTokens))
 	}
-	if err := p.refHashResponses(req, prefixindex.Seed(req.Model, "", p.salt), &raw); err != nil {
+	salt, err := p.refSalt(raw.CacheSalt)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.refHashResponses(req, prefixindex.Seed(req.Model, "", salt), &raw); err != nil {
 		return nil, err
 	}
 	return req, nil
+}
+
+// refSalt is the salt a request's hashes are seeded with, given its
+// cache_salt (nil: absent or null).
+func (p *parser) refSalt(cacheSalt *string) (string, error) {
+	switch {
+	case cacheSalt == nil:
+		return p.salt, nil
+	case *cacheSalt == "":
+		return "", errEmptyCacheSalt
+	}
+	return saltWith(p.salt, *cacheSalt), nil
 }
 
 // refHashResponses hashes a Responses API request as a chat: the tools,
@@ -531,6 +554,9 @@ func referenceCorpus() []string {
 	long := strings.Repeat("The quick brown fox \\\"jumps\\\" over the lazy dog. ", 40)
 	bodies := []string{
 		`{"model":"m","prompt":"hello world, hello world"}`,
+		`{"model":"m","prompt":"hello world, hello world","cache_salt":"tenant \u00e9"}`,
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":""}`, `{"cache_salt":5,"prompt":"x"}`,
+		`{"cache_salt":"a","cache_salt":null,"input":"x"}`, `{"cache_salt":null,"prompt":"x"}`,
 		`{"model":"m","prompt":"` + long + `"}`,
 		`{"model":"m","prompt":["` + long + `","b","` + long + `"]}`,
 		`{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,

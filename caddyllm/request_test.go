@@ -687,3 +687,51 @@ func TestKeysMatchExactly(t *testing.T) {
 		t.Error("Messages taken for messages")
 	}
 }
+
+// TestCacheSaltIsAnotherPrefix: vLLM's cache_salt keeps a salted prompt's
+// prefix cache apart (the engine's first block takes the salt): the router
+// hashes it as another prefix, the same for the same salt, and an
+// unsalted prompt as it always did. An empty salt is vLLM's 400, and one
+// that is not a string the API's.
+func TestCacheSaltIsAnotherPrefix(t *testing.T) {
+	p := testParser()
+	hashesOf := func(ep Endpoint, body string) []uint64 {
+		t.Helper()
+		req, err := p.parse(ep, []byte(body))
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		return req.Hashes
+	}
+	prompt := strings.Repeat("a shared system prompt ", 100)
+	for _, ep := range []Endpoint{EndpointCompletions, EndpointChatCompletions, EndpointResponses} {
+		body := func(salt string) string {
+			var b string
+			switch ep {
+			case EndpointCompletions:
+				b = `{"model":"m","prompt":"` + prompt + `"`
+			case EndpointChatCompletions:
+				b = `{"model":"m","messages":[{"role":"user","content":"` + prompt + `"}]`
+			default:
+				b = `{"model":"m","input":"` + prompt + `"`
+			}
+			if salt != "" {
+				b += `,"cache_salt":` + salt
+			}
+			return b + "}"
+		}
+		plain, nulled := hashesOf(ep, body("")), hashesOf(ep, body("null"))
+		a, a2, b := hashesOf(ep, body(`"tenant-a"`)), hashesOf(ep, body(`"tenant-a"`)), hashesOf(ep, body(`"tenant-b"`))
+		if len(plain) == 0 || !slices.Equal(plain, nulled) || !slices.Equal(a, a2) ||
+			a[0] == plain[0] || b[0] == plain[0] || a[0] == b[0] {
+			t.Fatalf("%v: the salted and unsalted prompts' first blocks: plain %x, null %x, a %x, a again %x, b %x", ep, plain[0], nulled[0], a[0], a2[0], b[0])
+		}
+		for _, bad := range []string{`""`, `5`} {
+			_, err := p.parse(ep, []byte(body(bad)))
+			var br errBadRequest
+			if !errors.As(err, &br) || br.param != "cache_salt" && !strings.Contains(err.Error(), "cache_salt") {
+				t.Fatalf("%v: cache_salt %s: %v", ep, bad, err)
+			}
+		}
+	}
+}

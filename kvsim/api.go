@@ -55,6 +55,8 @@ type ParsedRequest struct {
 	// Background: the answer is the response queued, generated after it
 	// and retrieved by its id (store must be on; kvsim does not stream it).
 	Background bool
+	// CacheSalt is vLLM's cache_salt (see Request.CacheSalt).
+	CacheSalt string
 	// CapsMaxTokens says the output is cut to what the context leaves
 	// after the prompt rather than refused beyond it: vLLM's Responses
 	// API's max_output_tokens, and a chat request without max_tokens
@@ -72,6 +74,8 @@ type requestBody struct {
 	// ToolChoice is kept raw: only checked against tools, as vLLM's
 	// request model does.
 	ToolChoice json.RawMessage `json:"tool_choice"`
+	// CacheSalt is vLLM's cache_salt, a non-empty string when given.
+	CacheSalt *string `json:"cache_salt"`
 	// The numbers and stream are read as vLLM's pydantic models read them,
 	// in lax mode: 16.0 and "16" are 16, "true" and 1 are true.
 	MaxTokens           *laxInt `json:"max_tokens"`
@@ -197,6 +201,12 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		return nil, err
 	}
 	p := &ParsedRequest{Endpoint: endpoint, Model: rb.Model, Stream: bool(rb.Stream)}
+	if rb.CacheSalt != nil {
+		if *rb.CacheSalt == "" {
+			return nil, errBadRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+		}
+		p.CacheSalt = *rb.CacheSalt
+	}
 	if endpoint == EndpointResponses {
 		// n and stream_options are not its own: ignored, as other APIs'
 		// fields are.

@@ -18,6 +18,10 @@ type Request struct {
 	// Adapter names the LoRA adapter to use; empty means the base model.
 	Adapter string
 
+	// CacheSalt is vLLM's cache_salt: a salted prompt's blocks match only
+	// those of prompts with the same salt (vLLM's first block takes it).
+	CacheSalt string
+
 	// Context is the rendered prompt text. The engine appends generated text to its own
 	// copy, never to this slice.
 	Context []byte
@@ -206,9 +210,14 @@ func (e *Engine) Tokenizer() *Tokenizer { return e.tok }
 // Now returns the engine's current virtual time.
 func (e *Engine) Now() time.Duration { return e.now }
 
-// seed returns the first link of the hash chain of an adapter, so blocks of different
-// adapters never match (vLLM keys blocks by LoRA name).
-func (e *Engine) seed(adapter string) uint64 {
+// seed returns the first link of the hash chain of an adapter and a cache
+// salt, so blocks of different adapters or salts never match (vLLM keys
+// blocks by LoRA name, and its first block by the salt too). Salts, which
+// clients choose, are not kept.
+func (e *Engine) seed(adapter, salt string) uint64 {
+	if salt != "" {
+		return xxh3.HashString("kvsim\x00" + adapter + "\x00salt\x00" + salt)
+	}
 	s, ok := e.seeds[adapter]
 	if !ok {
 		s = xxh3.HashString("kvsim\x00" + adapter)
@@ -217,14 +226,15 @@ func (e *Engine) seed(adapter string) uint64 {
 	return s
 }
 
-// BlockHashes returns the chained hashes of the full blocks of text as adapter would key them.
+// BlockHashes returns the chained hashes of the full blocks of text as adapter would key them
+// (unsalted).
 func (e *Engine) BlockHashes(adapter string, text []byte) []uint64 {
-	return e.extendHashes(nil, adapter, text, len(text)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
+	return e.extendHashes(nil, adapter, "", text, len(text)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
 }
 
-func (e *Engine) extendHashes(hashes []uint64, adapter string, text []byte, blocks int) []uint64 {
+func (e *Engine) extendHashes(hashes []uint64, adapter, salt string, text []byte, blocks int) []uint64 {
 	blockBytes := e.cfg.BlockSize * e.cfg.BytesPerToken
-	parent := e.seed(adapter)
+	parent := e.seed(adapter, salt)
 	if len(hashes) > 0 {
 		parent = hashes[len(hashes)-1]
 	}
@@ -290,7 +300,7 @@ func (e *Engine) Submit(req *Request, now time.Duration) error {
 		promptTokens: promptTokens,
 		target:       req.OutputTokens,
 	}
-	s.hashes = e.BlockHashes(req.Adapter, s.ctx)
+	s.hashes = e.extendHashes(nil, req.Adapter, req.CacheSalt, s.ctx, len(s.ctx)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
 	req.seq = s
 	e.waiting = append(e.waiting, s)
 	if ad != nil {
@@ -543,7 +553,7 @@ func (e *Engine) registerComputed(s *sequence) {
 	if full <= s.registered {
 		return
 	}
-	s.hashes = e.extendHashes(s.hashes, s.req.Adapter, s.ctx, full)
+	s.hashes = e.extendHashes(s.hashes, s.req.Adapter, s.req.CacheSalt, s.ctx, full)
 	for ; s.registered < full; s.registered++ {
 		e.pool.register(s.blocks[s.registered], s.hashes[s.registered])
 	}

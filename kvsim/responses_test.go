@@ -205,7 +205,7 @@ func TestBackgroundResponses(t *testing.T) {
 	if resp.Status != responses.ResponseStatusQueued || !resp.Background || resp.OutputText() != "" {
 		t.Fatalf("the answer: status %s, background %v, text %q", resp.Status, resp.Background, resp.OutputText())
 	}
-	deadline := time.Now().Add(30 * time.Second) // the test's, for both waits
+	deadline := time.Now().Add(30 * time.Second)            // the test's, for both waits
 	for resp.Status != responses.ResponseStatusIncomplete { // done at max_output_tokens
 		if time.Now().After(deadline) {
 			t.Fatalf("still %s", resp.Status)

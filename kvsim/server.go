@@ -397,7 +397,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 		// One engine sequence of prompt: the request's own, and one for
 		// each further choice or prompt (below).
 		sequence := func(id string, prompt []byte) *Request {
-			return &Request{ID: id, Adapter: adapter, Context: prompt,
+			return &Request{ID: id, Adapter: adapter, CacheSalt: p.CacheSalt, Context: prompt,
 				OutputTokens: p.OutputTokens, LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
 		}
 		req := sequence(newID(prefix), p.Context)

@@ -1052,3 +1052,39 @@ func TestBatchPrompts(t *testing.T) {
 		}
 	}
 }
+
+// TestCacheSaltKeepsPrefixesApart: as vLLM's, kvsim's prefix cache serves
+// a salted prompt only to requests with the same cache_salt; an empty one
+// is refused.
+func TestCacheSaltKeepsPrefixesApart(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	prompt := strings.Repeat("a long shared system prompt ", 200)
+	cached := func(salt string) int {
+		t.Helper()
+		body := `{"model":"` + DefaultModel + `","prompt":"` + prompt + `","max_tokens":1` + salt + `}`
+		resp, out := post(t, srv.URL+"/v1/completions", body)
+		var r struct {
+			Usage struct {
+				PromptTokensDetails struct {
+					CachedTokens int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			}
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(out), &r) != nil {
+			t.Fatalf("%s: %d %s", salt, resp.StatusCode, out)
+		}
+		return r.Usage.PromptTokensDetails.CachedTokens
+	}
+	if cached(`,"cache_salt":"a"`) != 0 || cached(`,"cache_salt":"a"`) == 0 {
+		t.Fatal("the same salt's prompt sent again found nothing cached")
+	}
+	if n := cached(`,"cache_salt":"b"`); n != 0 {
+		t.Fatalf("another salt's prompt found %d tokens cached", n)
+	}
+	if n := cached(""); n != 0 {
+		t.Fatalf("the unsalted prompt found %d tokens of the salted ones cached", n)
+	}
+	if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","prompt":"x","cache_salt":""}`); resp.StatusCode != 400 || !strings.Contains(out, "cache_salt") {
+		t.Fatalf("an empty salt: %d %s", resp.StatusCode, out)
+	}
+}
