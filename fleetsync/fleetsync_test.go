@@ -1585,3 +1585,22 @@ func (a *countingAuth) Check(server.ClientAuthentication) bool {
 	a.refused.Add(1)
 	return false
 }
+
+// TestCredentialsInURLsAreNotLogged: a user and password, or a token, in
+// a NATS URL stay out of the "unreachable" log line, which names the
+// servers.
+func TestCredentialsInURLsAreNotLogged(t *testing.T) {
+	core, logs := observer.New(zapcore.InfoLevel)
+	startSyncer(t, Config{URLs: []string{"nats://alice:s3cretPW@127.0.0.1:1", "nats://tok3nSECRET@127.0.0.1:2"},
+		Name: "r", Subject: "test.creds", Logger: zap.New(core)})
+	waitFor(t, "the unreachable line", func() bool { return logs.FilterMessageSnippet("NATS unreachable").Len() > 0 })
+	for _, e := range logs.All() {
+		line := e.Message + fmt.Sprint(e.ContextMap())
+		if strings.Contains(line, "s3cretPW") || strings.Contains(line, "tok3nSECRET") || strings.Contains(line, "alice") {
+			t.Errorf("credentials logged: %s", line)
+		}
+	}
+	if got := fmt.Sprint(logs.FilterMessageSnippet("NATS unreachable").All()[0].ContextMap()["servers"]); !strings.Contains(got, "127.0.0.1:1") {
+		t.Errorf("the servers are no longer named: %s", got)
+	}
+}

@@ -581,6 +581,25 @@ func validSubject(subject string) bool {
 	return true
 }
 
+// withoutUserInfo is urls with the user and password (or token) each may
+// carry replaced, for the logs.
+func withoutUserInfo(urls []string) []string {
+	out := make([]string, len(urls))
+	for i, raw := range urls {
+		u, err := url.Parse(raw)
+		switch {
+		case err != nil:
+			out[i] = "(a URL that does not parse)"
+		case u.User != nil:
+			u.User = url.User("redacted")
+			out[i] = u.String()
+		default:
+			out[i] = raw
+		}
+	}
+	return out
+}
+
 // connect connects to NATS, subscribes and runs the publisher until Close.
 // It runs on its own goroutine and owns the connection: a Close while it
 // still connects makes it close the connection as soon as it has one.
@@ -594,7 +613,7 @@ func (s *Syncer) connect(opts []nats.Option) {
 	}
 	if !nc.IsConnected() {
 		log.Warn("NATS unreachable; routing on this router's own view while the client keeps trying",
-			zap.Strings("servers", s.cfg.URLs))
+			zap.Strings("servers", withoutUserInfo(s.cfg.URLs)))
 	}
 	// Hand the connection over before subscribing, so that no peer's
 	// batch is applied after a Close.
