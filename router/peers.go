@@ -347,7 +347,9 @@ func (f *Fleet) publish(ev Event) {
 func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.peers[peer] = now
+	if !f.hear(peer, now) {
+		return false
+	}
 	if ev.Kind == EventStored {
 		if u := f.upstreams[ev.Dial]; u == nil || u.forgotten {
 			// Stored where this router does not route: what it knew of
@@ -360,7 +362,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten || f.remoteCharges[peer] >= maxPeerCharges {
+		if u == nil || u.forgotten || f.remoteCharges[peer] >= maxPeerCharges || len(f.remote) >= maxRemoteCharges {
 			return false
 		}
 		if f.remote[key] != nil {
@@ -414,13 +416,29 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	return true
 }
 
-// maxPeerCharges bounds one peer's charges in flight here; its routed
-// events beyond it are ignored. minPeerBlockTokens is the smallest block a
-// peer's events may size an index by (an engine's block: vLLM's is 16).
+// maxPeerCharges bounds one peer's charges in flight here, and
+// maxRemoteCharges all peers' together; routed events beyond them are
+// ignored. maxPeers bounds the peers heard at once: events of a new one
+// beyond it are ignored until one goes silent (a fleet has tens of
+// routers; a sender inventing names must not grow the table).
+// minPeerBlockTokens is the smallest block a peer's events may size an
+// index by (an engine's block: vLLM's is 16).
 const (
 	maxPeerCharges     = 1 << 16
+	maxRemoteCharges   = 1 << 18
+	maxPeers           = 256
 	minPeerBlockTokens = 16
 )
+
+// hear records that peer was alive at now, and reports false for a new
+// peer beyond maxPeers, whose events are ignored. Caller holds f.mu.
+func (f *Fleet) hear(peer string, now time.Time) bool {
+	if _, known := f.peers[peer]; !known && len(f.peers) >= maxPeers {
+		return false
+	}
+	f.peers[peer] = now
+	return true
+}
 
 // dropRemote forgets a peer's charge. Caller holds f.mu.
 func (f *Fleet) dropRemote(key remoteKey) {
@@ -463,7 +481,7 @@ func (f *Fleet) releaseRemote(now time.Time, drop func(remoteKey, *Charge) bool)
 func (f *Fleet) Heard(peer string, now time.Time) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.peers[peer] = now
+	f.hear(peer, now)
 }
 
 // ExpirePeers releases the charges of peers not heard from since

@@ -483,3 +483,38 @@ func TestSnapshotRestoresAdapters(t *testing.T) {
 		t.Fatalf("b's adapters on x: %v, want its own l9, then a's l3 l2 l1", got)
 	}
 }
+
+// TestPeersAreBounded: a sender inventing router names gets no further
+// than maxPeers of them heard at once, and all peers' charges together no
+// further than maxRemoteCharges: beyond, their events are ignored (the
+// peers already heard go on), until silent peers expire.
+func TestPeersAreBounded(t *testing.T) {
+	f := New()
+	f.Name("x", t0)
+	for i := range maxPeers + 10 {
+		f.Apply(fmt.Sprintf("peer-%d", i), Event{Kind: EventRouted, ID: 1, Dial: "x", Prefill: 1}, t0)
+	}
+	if n := len(f.Peers()); n != maxPeers {
+		t.Fatalf("%d peers heard, want the bound %d", n, maxPeers)
+	}
+	if !f.Apply("peer-0", Event{Kind: EventRouted, ID: 2, Dial: "x", Prefill: 1}, t0) {
+		t.Fatal("a peer heard before was ignored")
+	}
+	if u := state(t, f, "x"); u.InFlight != maxPeers+1 {
+		t.Fatalf("%d charges in flight, want %d", u.InFlight, maxPeers+1)
+	}
+	f.ExpirePeers(t0.Add(time.Hour), t0.Add(time.Minute), t0)
+	if !f.Apply("peer-new", Event{Kind: EventRouted, ID: 1, Dial: "x", Prefill: 1}, t0.Add(time.Hour)) {
+		t.Fatal("a new peer was ignored after the silent ones expired")
+	}
+
+	// All peers' charges together.
+	g := New()
+	g.Name("x", t0)
+	for i := range maxRemoteCharges + 10 {
+		g.Apply(fmt.Sprintf("peer-%d", i/maxPeerCharges), Event{Kind: EventRouted, ID: uint64(i + 1), Dial: "x", Prefill: 1}, t0)
+	}
+	if u := state(t, g, "x"); u.InFlight != maxRemoteCharges {
+		t.Fatalf("%d peer charges in flight, want the bound %d", u.InFlight, maxRemoteCharges)
+	}
+}
