@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
@@ -86,13 +87,15 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 // Browsers cannot open the page on the admin listener itself: Caddy's
 // admin API refuses any request that carries a Sec-Fetch-Mode header
 // without an allowed Origin or Referer, and a browser's top-level
-// navigation to a typed URL carries neither. A site can serve it; bind
-// that site to localhost, or protect it (basic_auth, client
-// certificates), since its buttons drain upstreams.
+// navigation to a typed URL carries neither. A site can serve it; give
+// the site a host name and bind it to localhost, or protect it
+// (basic_auth, client certificates), since its buttons drain upstreams.
 //
 // Like the admin API, it refuses a request that changes state (POST,
 // DELETE) unless its Origin names the site itself, so another web page
-// cannot drain upstreams through a visitor's browser.
+// cannot drain upstreams through a visitor's browser, and, on a loopback
+// listener, unless its Host is a loopback name (a rebinding DNS name
+// pointing at this machine would otherwise pass).
 type StatusHandler struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -149,7 +152,33 @@ func checkSameOrigin(r *http.Request) error {
 	if err != nil || !strings.EqualFold(u.Host, r.Host) {
 		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("origin %q is not this site", origin)}
 	}
+	// Origin and Host agree for a page on a name that a rebinding DNS
+	// points at this machine, too: on a loopback listener, as Caddy's
+	// admin API, only loopback names are this site.
+	if local, ok := r.Context().Value(http.LocalAddrContextKey).(net.Addr); ok && isLoopbackAddr(local) && !isLoopbackHost(r.Host) {
+		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("host %q is not a loopback name, on a loopback listener", r.Host)}
+	}
 	return nil
+}
+
+// isLoopbackAddr says addr is a loopback TCP address.
+func isLoopbackAddr(addr net.Addr) bool {
+	tcp, ok := addr.(*net.TCPAddr)
+	return ok && tcp.IP.IsLoopback()
+}
+
+// isLoopbackHost says a Host header names this machine's loopback:
+// localhost or a loopback address, with or without a port.
+func isLoopbackHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // parseStatusCaddyfile sets up the handler from Caddyfile tokens. Syntax:
