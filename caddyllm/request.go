@@ -358,18 +358,18 @@ type reading struct {
 	// body is not JSON at all, as encoding/json does.
 	typeErr error
 
-	model         span
-	modelEscaped  bool
-	modelSet      bool
+	model        span
+	modelEscaped bool
+	modelSet     bool
 	// cacheSalt is vLLM's cache_salt: the engine's prefix cache serves a
 	// salted prompt only to requests with the same salt.
 	cacheSalt        span
 	cacheSaltEscaped bool
 	cacheSaltSet     bool
-	maxTokens     optInt
-	maxCompletion optInt
-	n             optInt // choices a prompt (chat, completions)
-	stream        bool
+	maxTokens        optInt
+	maxCompletion    optInt
+	n                optInt // choices a prompt (chat, completions)
+	stream           bool
 
 	// hashes is the result's slice, shared by every restart of the
 	// blocks (a key given twice: the last one wins).

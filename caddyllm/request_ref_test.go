@@ -747,7 +747,7 @@ func refTokens(raw []byte) ([]int32, bool) {
 }
 
 // refFields are the keys the reference decodes into its structs.
-var refFields = []string{"content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
+var refFields = []string{"cache_salt", "content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
 	"messages", "model", "n", "name", "previous_response_id", "prompt", "role", "store", "stream", "tool_call_id", "tool_calls", "tools", "type"}
 
 // foldedKey says body has a key that differs from a field's name but

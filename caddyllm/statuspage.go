@@ -88,14 +88,15 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 // admin API refuses any request that carries a Sec-Fetch-Mode header
 // without an allowed Origin or Referer, and a browser's top-level
 // navigation to a typed URL carries neither. A site can serve it; give
-// the site a host name and bind it to localhost, or protect it
+// the site the host name localhost and bind it there, or protect it
 // (basic_auth, client certificates), since its buttons drain upstreams.
 //
 // Like the admin API, it refuses a request that changes state (POST,
 // DELETE) unless its Origin names the site itself, so another web page
-// cannot drain upstreams through a visitor's browser, and, on a loopback
-// listener, unless its Host is a loopback name (a rebinding DNS name
-// pointing at this machine would otherwise pass).
+// cannot drain upstreams through a visitor's browser, and, on a server
+// listening on loopback addresses only, unless its Host is a loopback
+// name (a rebinding DNS name pointing at this machine would otherwise
+// pass).
 type StatusHandler struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -153,18 +154,26 @@ func checkSameOrigin(r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("origin %q is not this site", origin)}
 	}
 	// Origin and Host agree for a page on a name that a rebinding DNS
-	// points at this machine, too: on a loopback listener, as Caddy's
-	// admin API, only loopback names are this site.
-	if local, ok := r.Context().Value(http.LocalAddrContextKey).(net.Addr); ok && isLoopbackAddr(local) && !isLoopbackHost(r.Host) {
-		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("host %q is not a loopback name, on a loopback listener", r.Host)}
+	// points at this machine, too: on a server that listens on loopback
+	// addresses only, as on Caddy's admin API, only loopback names are
+	// this site. (A server listening on other addresses too is reached by
+	// its public names, through local proxies and tunnels as well.)
+	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && listensOnLoopbackOnly(srv.Listen) && !isLoopbackHost(r.Host) {
+		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("host %q is not a loopback name, on a server listening on loopback only", r.Host)}
 	}
 	return nil
 }
 
-// isLoopbackAddr says addr is a loopback TCP address.
-func isLoopbackAddr(addr net.Addr) bool {
-	tcp, ok := addr.(*net.TCPAddr)
-	return ok && tcp.IP.IsLoopback()
+// listensOnLoopbackOnly says every one of a server's listen addresses is
+// on a loopback interface (false for none, or one it cannot tell).
+func listensOnLoopbackOnly(listen []string) bool {
+	for _, addr := range listen {
+		na, err := caddy.ParseNetworkAddress(addr)
+		if err != nil || na.IsUnixNetwork() || na.IsFdNetwork() || na.Host == "" || !isLoopbackHost(na.Host) {
+			return false
+		}
+	}
+	return len(listen) > 0
 }
 
 // isLoopbackHost says a Host header names this machine's loopback:

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // TestCheckSameOrigin: the site handler lets reads through, and changes
@@ -43,24 +43,23 @@ func TestCheckSameOrigin(t *testing.T) {
 			t.Errorf("%s from %q (%s): error %v, want ok=%v", c.method, c.origin, c.fetchMode, err, c.ok)
 		}
 	}
-	// A site without a host name, on a loopback listener: a page on a
+	// A site on a server listening on loopback only: a page on a
 	// rebinding DNS name has an Origin matching its Host, and is refused;
-	// loopback names are not.
-	loopback := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 2020}
+	// loopback names are not. A server listening elsewhere too is reached
+	// by other names (a local proxy or tunnel on loopback as well).
+	loopbackOnly := &caddyhttp.Server{Listen: []string{"127.0.0.1:2020", "tcp/[::1]:2020", "localhost:2021"}}
+	everywhere := &caddyhttp.Server{Listen: []string{":2020"}}
 	for host, ok := range map[string]bool{
 		"attacker.example:2020": false, "localhost:2020": true, "127.0.0.1:2020": true, "[::1]:2020": true, "LOCALHOST": true,
 	} {
 		r := httptest.NewRequest("POST", "http://"+host+"/llm_affinity/upstreams/a:1/drain", nil)
 		r.Host = host
 		r.Header.Set("Origin", "http://"+host)
-		r = r.WithContext(context.WithValue(r.Context(), http.LocalAddrContextKey, loopback))
-		if err := checkSameOrigin(r); (err == nil) != ok {
-			t.Errorf("Host %s on a loopback listener: error %v, want ok=%v", host, err, ok)
+		if err := checkSameOrigin(r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, loopbackOnly))); (err == nil) != ok {
+			t.Errorf("Host %s on a loopback-only server: error %v, want ok=%v", host, err, ok)
 		}
-		// Not on a loopback listener: a name the site serves publicly.
-		r = r.WithContext(context.WithValue(r.Context(), http.LocalAddrContextKey, &net.TCPAddr{IP: net.IPv4(10, 0, 0, 5), Port: 443}))
-		if err := checkSameOrigin(r); err != nil {
-			t.Errorf("Host %s on another listener: %v", host, err)
+		if err := checkSameOrigin(r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, everywhere))); err != nil {
+			t.Errorf("Host %s on a server listening everywhere: %v", host, err)
 		}
 	}
 }
