@@ -1591,7 +1591,7 @@ func (a *countingAuth) Check(server.ClientAuthentication) bool {
 // servers.
 func TestCredentialsInURLsAreNotLogged(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	startSyncer(t, Config{URLs: []string{"nats://alice:s3cretPW@127.0.0.1:1", "nats://tok3nSECRET@127.0.0.1:2"},
+	startSyncer(t, Config{URLs: []string{"nats://alice:s3cretPW@127.0.0.1:1", "tok3nSECRET@127.0.0.1:2"},
 		Name: "r", Subject: "test.creds", Logger: zap.New(core)})
 	waitFor(t, "the unreachable line", func() bool { return logs.FilterMessageSnippet("NATS unreachable").Len() > 0 })
 	for _, e := range logs.All() {
@@ -1602,5 +1602,14 @@ func TestCredentialsInURLsAreNotLogged(t *testing.T) {
 	}
 	if got := fmt.Sprint(logs.FilterMessageSnippet("NATS unreachable").All()[0].ContextMap()["servers"]); !strings.Contains(got, "127.0.0.1:1") {
 		t.Errorf("the servers are no longer named: %s", got)
+	}
+	// Nor in the error a wrong URL gets.
+	wrong, err := New(Config{URLs: []string{"http://alice:s3cretPW@127.0.0.1:1"}, Name: "r", Subject: "test.creds"})
+	if err == nil {
+		err = wrong.Start()
+		wrong.Close()
+	}
+	if err == nil || strings.Contains(err.Error(), "s3cretPW") {
+		t.Errorf("a wrong URL's error: %v", err)
 	}
 }

@@ -385,14 +385,15 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		}
 		parsed, err := url.Parse(u)
 		if err != nil || parsed.Host == "" {
-			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", u)
+			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", withoutUserInfo([]string{u})[0])
 		}
 		switch parsed.Scheme {
 		case "nats", "tls", "ws", "wss":
 		default:
 			// nats.go would connect as to nats:// whatever the scheme:
 			// http:// is surely a mistake (NATS's monitoring port?).
-			return nil, fmt.Errorf("fleetsync: NATS server URL %q: scheme %q is not NATS's: want nats://, tls://, ws:// or wss://", u, parsed.Scheme)
+			return nil, fmt.Errorf("fleetsync: NATS server URL %q: scheme %q is not NATS's: want nats://, tls://, ws:// or wss://",
+				withoutUserInfo([]string{u})[0], parsed.Scheme)
 		}
 		if parsed.Scheme == "ws" || parsed.Scheme == "wss" {
 			websockets++
@@ -586,6 +587,9 @@ func validSubject(subject string) bool {
 func withoutUserInfo(urls []string) []string {
 	out := make([]string, len(urls))
 	for i, raw := range urls {
+		if !strings.Contains(raw, "://") { // as options and nats.go read it
+			raw = "nats://" + raw
+		}
 		u, err := url.Parse(raw)
 		switch {
 		case err != nil:
