@@ -52,6 +52,9 @@ type scrapeTarget struct {
 	// modelsChanged says models differs from the list before, not yet
 	// counted in Scraper.listsChanged (see modelsFetchEnded).
 	modelsChanged bool
+	// forgotModels are the models ForgetModel took off the list, and
+	// when: a list fetched before that still names them.
+	forgotModels map[string]time.Time
 	modelsDue     time.Time
 	// modelsSent is when the last fetch of the models was sent;
 	// modelsFetching says one is under way, and modelsTimer that one is
@@ -510,6 +513,14 @@ func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, er
 		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
 		t.modelsFailures++
 		return
+	}
+	for model, at := range t.forgotModels {
+		if start.Before(at) {
+			// Sent before the engine unloaded it (see ForgetModel).
+			models = slices.DeleteFunc(models, func(m ModelInfo) bool { return m.ID == model })
+		} else {
+			delete(t.forgotModels, model)
+		}
 	}
 	if t.models == nil || !sameModels(t.models, models) {
 		t.modelsChanged = true // counted once readers can see it

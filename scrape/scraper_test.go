@@ -926,3 +926,67 @@ func startAskedScraper(t *testing.T, srv *httptest.Server) (*Scraper, string) {
 	s.Start(ctx)
 	return s, dial
 }
+
+// TestForgottenModelStaysForgotten: an adapter ForgetModel took off a
+// list (its engine said it unloaded it) is not brought back by a list
+// fetch sent before the unload and answered after; a list fetched after
+// has the last word.
+func TestForgottenModelStaysForgotten(t *testing.T) {
+	var loaded atomic.Bool
+	loaded.Store(true)
+	var gate atomic.Pointer[chan struct{}]
+	entered := make(chan struct{}, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		body := `{"object":"list","data":[{"id":"base","object":"model"}`
+		if loaded.Load() {
+			body += `,{"id":"lora","object":"model","parent":"base"}`
+		}
+		body += `]}`
+		if g := gate.Load(); g != nil { // the answer built, then slow to come
+			entered <- struct{}{}
+			<-*g
+		}
+		fmt.Fprint(w, body)
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
+	dial := hostOf(srv)
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	list := func() string {
+		sig, _ := s.Latest(dial, time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",")
+	}
+	waitFor(t, "listed", 10*time.Second, func() bool { return list() == "base,lora" })
+
+	g := make(chan struct{})
+	gate.Store(&g)
+	s.RefreshModels(dial) // a fetch sent before the unload
+	<-entered
+	gate.Store(nil)
+	loaded.Store(false)         // the engine unloads the adapter...
+	s.ForgetModel(dial, "lora") // ...and the router hears its 200
+	if got := list(); got != "base" {
+		t.Fatalf("after ForgetModel: %q", got)
+	}
+	landed := s.ModelsFetched()
+	close(g) // the fetch sent before the unload lands
+	<-landed
+	if got := list(); got != "base" {
+		t.Fatalf("the fetch sent before the unload listed it again: %q", got)
+	}
+	// A list fetched after the unload has the last word: loaded again.
+	loaded.Store(true)
+	again := s.ModelsFetched()
+	s.RefreshModels(dial)
+	<-again
+	if got := list(); got != "base,lora" {
+		t.Fatalf("the adapter loaded again is not listed: %q", got)
+	}
+}

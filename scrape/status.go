@@ -89,8 +89,9 @@ func (s *Scraper) RefreshModels(dial string) {
 
 // ForgetModel takes model off dial's last model list at once, for an
 // adapter its engine has just unloaded: requests for it must not go there
-// while the list is fetched again (see RefreshModels), which has the last
-// word.
+// while the list is fetched again (see RefreshModels). A list fetched
+// before this (under way meanwhile) does not bring it back; one fetched
+// after has the last word.
 func (s *Scraper) ForgetModel(dial, model string) {
 	t := s.target(dial)
 	if t == nil {
@@ -98,6 +99,10 @@ func (s *Scraper) ForgetModel(dial, model string) {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.forgotModels == nil || len(t.forgotModels) >= maxForgotModels {
+		t.forgotModels = make(map[string]time.Time)
+	}
+	t.forgotModels[model] = time.Now()
 	i := slices.IndexFunc(t.models, func(m ModelInfo) bool { return m.ID == model })
 	if i < 0 {
 		return
@@ -106,6 +111,10 @@ func (s *Scraper) ForgetModel(dial, model string) {
 	t.models = slices.Delete(slices.Clone(t.models), i, i+1)
 	t.publishModelsLocked()
 }
+
+// maxForgotModels bounds the unloads a target remembers until a list
+// fetched after them comes (clients choose adapter names).
+const maxForgotModels = 64
 
 // endModelsFetchLocked notes that t's list fetch under way ended, and
 // sends the one RefreshModels asked for meanwhile. Caller holds t.mu.
