@@ -340,12 +340,6 @@ type usage struct {
 	} `json:"prompt_tokens_details"`
 }
 
-func usageOf(ev Event) *usage {
-	u := &usage{PromptTokens: ev.PromptTokens, CompletionTokens: ev.GeneratedTokens, TotalTokens: ev.PromptTokens + ev.GeneratedTokens}
-	u.PromptTokensDetails.CachedTokens = ev.CachedTokens
-	return u
-}
-
 func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		f := s.Faults()
