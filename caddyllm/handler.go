@@ -857,14 +857,17 @@ func (st *requestState) progress(n int) {
 	if first {
 		st.sawFirstToken = true
 	}
-	dec, stream := st.decision, st.req.Stream
+	dec, stream, background := st.decision, st.req.Stream, st.req.Background
 	st.mu.Unlock()
 	if a == nil {
 		return
 	}
 	now := time.Now()
+	// A background response's answer comes queued: the engine has its
+	// prompt (and will prefill it), but the time says nothing of a first
+	// token.
 	a.sh.fleet.Progress(a.charge, n, now)
-	if first {
+	if first && !background {
 		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
 		if stream {
 			// A non-streaming response's headers come after the whole

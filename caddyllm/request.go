@@ -104,6 +104,10 @@ type Request struct {
 	// NoStore is the Responses API's store set to false: the engine
 	// keeps no copy of the response for a later previous_response_id.
 	NoStore bool
+	// Background is the Responses API's background set to true: the
+	// engine answers at once, queued, and generates after the answer, so
+	// the answer says nothing of the time to its first token.
+	Background bool
 }
 
 // maxResponseIDBytes bounds previous_response_id: ids are short ("resp_"
@@ -267,7 +271,7 @@ const (
 // Keys match exactly, as vLLM's request models (pydantic) match them: a
 // "Model" beside "model" is another, unknown, field.
 var (
-	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n", "cache_salt"}
+	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n", "cache_salt", "background"}
 	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
 	itemFields = [...]string{"role", "content", "type"}
 	partFields = [...]string{"type"}
@@ -292,6 +296,7 @@ const (
 	fieldStore
 	fieldN
 	fieldCacheSalt
+	fieldBackground
 	fieldOther = -1
 )
 
@@ -400,6 +405,7 @@ type reading struct {
 	previousEscaped bool
 	previousSet     bool
 	noStore         bool
+	background      bool
 
 	// Completions: the prompt's shape error, its size in tokens and, for
 	// text, in bytes (0 for token ids).
@@ -523,7 +529,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
 		r.countText(req)
-		req.NoStore = r.noStore
+		req.NoStore, req.Background = r.noStore, r.background
 		if r.previousSet && r.previous.end-r.previous.start <= maxResponseIDBytes {
 			req.PreviousResponseID = string(decodeString(sc.dec[:0], body[r.previous.start:r.previous.end], r.previousEscaped))
 		}
@@ -625,23 +631,13 @@ func (r *reading) object() {
 		case fieldPreviousResponseID:
 			r.previousSet = r.optString(&r.previous, &r.previousEscaped, "previous_response_id") || r.previousSet
 		case fieldStore:
-			// Read as vLLM reads it (pydantic, lax): "false" and 0 turn it
-			// off too. The router only needs to know store is surely off,
-			// so it refuses no value: the engine answers for a bad one.
-			r.noStore = false
-			switch c := s.ws(); {
-			case c == 't' || c == 'f':
-				if s.literal() {
-					r.noStore = c == 'f'
-				}
-			case c == '"' || c == '-' || '0' <= c && c <= '9':
-				if text, ok := r.scalar(c); ok {
-					v, ok := laxBool(text, c == '"')
-					r.noStore = ok && !v
-				}
-			default:
-				r.skip()
-			}
+			// The router only needs to know store is surely off, so it
+			// refuses no value: the engine answers for a bad one.
+			v, ok := r.laxFlag()
+			r.noStore = ok && !v
+		case fieldBackground:
+			v, ok := r.laxFlag()
+			r.background = ok && v
 		case fieldTools:
 			start, end, ok := s.skip()
 			if ok {
@@ -692,10 +688,30 @@ func (r *reading) reads(field int) bool {
 		return r.endpoint == EndpointChatCompletions
 	case fieldMaxTokens, fieldN:
 		return r.endpoint != EndpointResponses
-	case fieldInput, fieldInstructions, fieldMaxOutputTokens, fieldPreviousResponseID, fieldStore:
+	case fieldInput, fieldInstructions, fieldMaxOutputTokens, fieldPreviousResponseID, fieldStore, fieldBackground:
 		return r.endpoint == EndpointResponses
 	}
 	return true
+}
+
+// laxFlag reads a boolean as vLLM reads one (pydantic, lax: "false",
+// "true", 0 and 1 too), and reports false for anything else, which it
+// skips without refusing it (the engine answers for a bad value).
+func (r *reading) laxFlag() (v, ok bool) {
+	s := r.s
+	switch c := s.ws(); {
+	case c == 't' || c == 'f':
+		if s.literal() {
+			return c == 't', true
+		}
+	case c == '"' || c == '-' || '0' <= c && c <= '9':
+		if text, scalar := r.scalar(c); scalar {
+			return laxBool(text, c == '"')
+		}
+	default:
+		r.skip()
+	}
+	return false, false
 }
 
 // optString reads a string field that may be null (null leaves dst as it

@@ -57,6 +57,7 @@ type refResponsesRequest struct {
 	MaxOutputTokens    *refLaxInt      `json:"max_output_tokens"`
 	PreviousResponseID string          `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
+	Background         json.RawMessage `json:"background"`
 	CacheSalt          *string         `json:"cache_salt"`
 }
 
@@ -365,6 +366,8 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
 	var store refLaxBool = true
 	req.NoStore = len(raw.Store) > 0 && store.UnmarshalJSON(raw.Store) == nil && !bool(store)
+	var background refLaxBool
+	req.Background = len(raw.Background) > 0 && background.UnmarshalJSON(raw.Background) == nil && bool(background)
 	if len(raw.PreviousResponseID) <= maxResponseIDBytes {
 		req.PreviousResponseID = raw.PreviousResponseID
 	}
@@ -542,7 +545,7 @@ func sameAsReference(t *testing.T, p *parser, ep Endpoint, body []byte) {
 	}
 	if got.Model != want.Model || got.PromptTokens != want.PromptTokens || got.MaxTokens != want.MaxTokens ||
 		got.Stream != want.Stream || got.Endpoint != want.Endpoint || !slices.Equal(got.Hashes, want.Hashes) ||
-		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore ||
+		got.PreviousResponseID != want.PreviousResponseID || got.NoStore != want.NoStore || got.Background != want.Background ||
 		got.Media != want.Media || got.LongestPromptTokens != want.LongestPromptTokens ||
 		got.PromptBytes != want.PromptBytes || got.Sequences != want.Sequences {
 		t.Fatalf("%s %.300q:\n reader    %+v\n reference %+v", ep, body, got, want)
@@ -557,6 +560,7 @@ func referenceCorpus() []string {
 		`{"model":"m","prompt":"hello world, hello world","cache_salt":"tenant \u00e9"}`,
 		`{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":""}`, `{"cache_salt":5,"prompt":"x"}`,
 		`{"cache_salt":"a","cache_salt":null,"input":"x"}`, `{"cache_salt":null,"prompt":"x"}`,
+		`{"input":"x","background":true}`, `{"input":"x","background":"true","store":0}`, `{"input":"x","background":"maybe"}`, `{"input":"x","background":1,"background":false}`,
 		`{"model":"m","prompt":"` + long + `"}`,
 		`{"model":"m","prompt":["` + long + `","b","` + long + `"]}`,
 		`{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
@@ -747,7 +751,7 @@ func refTokens(raw []byte) ([]int32, bool) {
 }
 
 // refFields are the keys the reference decodes into its structs.
-var refFields = []string{"cache_salt", "content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
+var refFields = []string{"background", "cache_salt", "content", "input", "instructions", "max_completion_tokens", "max_output_tokens", "max_tokens",
 	"messages", "model", "n", "name", "previous_response_id", "prompt", "role", "store", "stream", "tool_call_id", "tool_calls", "tools", "type"}
 
 // foldedKey says body has a key that differs from a field's name but

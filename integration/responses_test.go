@@ -170,7 +170,8 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 // was answered, as a done one is: polled through the router, it is
 // retrieved from that replica (the others would answer 404) until it is
 // done, its cancellation goes there too, and its answer released its
-// charge, though its generation goes on. Driven with the official client.
+// charge, though its generation goes on, without counting as a first
+// token. Driven with the official client.
 func TestBackgroundResponseGoesHome(t *testing.T) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "", ""))
@@ -201,6 +202,12 @@ func TestBackgroundResponseGoesHome(t *testing.T) {
 	for _, u := range upstreams(t) {
 		if u.InFlight != 0 {
 			t.Fatalf("%s: %d requests in flight after the answers", u.Dial, u.InFlight)
+		}
+	}
+	// The queued answer is no first token: no time to first token counted.
+	for _, line := range strings.Split(scrapeMetrics(t), "\n") {
+		if strings.HasPrefix(line, "caddy_llm_affinity_time_to_first_token_seconds_count{") && !strings.HasSuffix(line, " 0") {
+			t.Fatalf("a background answer counted as a first token: %s", line)
 		}
 	}
 	long, err := client.Responses.New(ctx, params(1_000_000), option.WithResponseInto(&first))
