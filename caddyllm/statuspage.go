@@ -93,10 +93,10 @@ func handleStatusPage(w http.ResponseWriter, r *http.Request) error {
 //
 // Like the admin API, it refuses a request that changes state (POST,
 // DELETE) unless its Origin names the site itself, so another web page
-// cannot drain upstreams through a visitor's browser, and, on a server
-// listening on loopback addresses only, unless its Host is a loopback
-// name (a rebinding DNS name pointing at this machine would otherwise
-// pass).
+// cannot drain upstreams through a visitor's browser; and on a server
+// listening on loopback addresses only it refuses any request whose Host
+// is not a loopback name (a rebinding DNS name pointing at this machine
+// would otherwise pass).
 type StatusHandler struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -109,8 +109,9 @@ func (StatusHandler) CaddyModule() caddy.ModuleInfo {
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (StatusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
-	var err error
+	err := checkHost(r)
 	switch p := r.URL.Path; {
+	case err != nil:
 	case p == "/llm_affinity/upstreams":
 		err = handleUpstreams(w, r)
 	case p == "/llm_affinity/gateway":
@@ -153,11 +154,17 @@ func checkSameOrigin(r *http.Request) error {
 	if err != nil || !strings.EqualFold(u.Host, r.Host) {
 		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("origin %q is not this site", origin)}
 	}
-	// Origin and Host agree for a page on a name that a rebinding DNS
-	// points at this machine, too: on a server that listens on loopback
-	// addresses only, as on Caddy's admin API, only loopback names are
-	// this site. (A server listening on other addresses too is reached by
-	// its public names, through local proxies and tunnels as well.)
+	return nil
+}
+
+// checkHost refuses any request whose Host is not a loopback name on a
+// server that listens on loopback addresses only, as Caddy's admin API
+// refuses one: Origin and Host agree for a page on a name a rebinding
+// DNS points at this machine, which could otherwise read the page's data
+// and drain through it. (A server listening on other addresses too is
+// reached by its public names, through local proxies and tunnels as
+// well.)
+func checkHost(r *http.Request) error {
 	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && listensOnLoopbackOnly(srv.Listen) && !isLoopbackHost(r.Host) {
 		return caddy.APIError{HTTPStatus: http.StatusForbidden, Err: fmt.Errorf("host %q is not a loopback name, on a server listening on loopback only", r.Host)}
 	}

@@ -55,11 +55,19 @@ func TestCheckSameOrigin(t *testing.T) {
 		r := httptest.NewRequest("POST", "http://"+host+"/llm_affinity/upstreams/a:1/drain", nil)
 		r.Host = host
 		r.Header.Set("Origin", "http://"+host)
-		if err := checkSameOrigin(r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, loopbackOnly))); (err == nil) != ok {
-			t.Errorf("Host %s on a loopback-only server: error %v, want ok=%v", host, err, ok)
-		}
-		if err := checkSameOrigin(r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, everywhere))); err != nil {
-			t.Errorf("Host %s on a server listening everywhere: %v", host, err)
+		for _, method := range []string{"POST", "GET"} {
+			for _, origin := range []string{"http://" + host, ""} { // a browser's, curl's
+				r.Method = method
+				r.Header.Set("Origin", origin)
+				w := httptest.NewRecorder()
+				_ = StatusHandler{}.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, loopbackOnly)), nil)
+				if (w.Code != http.StatusForbidden) != ok {
+					t.Errorf("%s with Host %s, Origin %q on a loopback-only server: %d, want refused %v", method, host, origin, w.Code, !ok)
+				}
+				if err := checkHost(r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, everywhere))); err != nil {
+					t.Errorf("Host %s on a server listening everywhere: %v", host, err)
+				}
+			}
 		}
 	}
 }
