@@ -251,6 +251,11 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			p.MetricsPath = d.Val()
+		case "models_api_key":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			p.ModelsAPIKey = d.Val()
 		case "sglang", "llmd_weights":
 			var v [3]float64
 			for i := range v {

@@ -34,6 +34,7 @@ func TestPolicyCaddyfile(t *testing.T) {
 		decode_weight 0.2
 		queue_limit 64
 		explain_header
+		models_api_key {env.VLLM_API_KEY}
 		fallback first
 	}`)
 	var p Policy
@@ -45,7 +46,8 @@ func TestPolicyCaddyfile(t *testing.T) {
 		p.Upstreams["10.0.0.2:8000"].PrefillTokensPerSecond != 20000 || len(p.Adapters) != 2 ||
 		time.Duration(p.QueueTimeout) != 2*time.Second || p.ShedStatus != 429 ||
 		p.SGLangBalanceAbs != 64 || p.LLMDWeights[2] != 3 || !p.ExplainHeader ||
-		p.TieSeconds != 0.005 || p.ImposedDelayWeight != 0.25 || p.DecodeWeight != 0.2 || p.QueueLimit != 64 {
+		p.TieSeconds != 0.005 || p.ImposedDelayWeight != 0.25 || p.DecodeWeight != 0.2 || p.QueueLimit != 64 ||
+		p.ModelsAPIKey != "{env.VLLM_API_KEY}" {
 		t.Fatalf("parsed %+v", p)
 	}
 	var fb map[string]any

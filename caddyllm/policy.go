@@ -195,6 +195,11 @@ type Policy struct {
 	// MetricsPath is the engines' metrics path. Default /metrics.
 	MetricsPath string `json:"metrics_path,omitempty"`
 
+	// ModelsAPIKey is sent as a bearer token with the engines' model
+	// list requests: vLLM's --api-key guards /v1/models (not /metrics).
+	// Placeholders such as {env.VLLM_API_KEY} are replaced at load.
+	ModelsAPIKey string `json:"models_api_key,omitempty"`
+
 	// ExplainHeader adds an X-LLM-Affinity response header saying where
 	// the request went and why (no prompt text).
 	ExplainHeader bool `json:"explain_header,omitempty"`
@@ -412,6 +417,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
+			ModelsAPIKey:   caddy.NewReplacer().ReplaceAll(p.ModelsAPIKey, ""),
 			Mark:           p.sh.fleet.MarkOf,
 			Restarted:      p.sh.fleet.EngineRestarted,
 			Logger:         p.logger.Named("scrape"),

@@ -82,6 +82,10 @@ type EngineView struct {
 	// LastError is the latest scrape's failure: empty once a scrape after
 	// it succeeded (Errors still counts every failure).
 	LastError string `json:"last_error,omitempty"`
+	// ModelsError is the last model list fetch's failure, empty once one
+	// succeeded (an engine behind an API key refuses it without
+	// models_api_key).
+	ModelsError string `json:"models_error,omitempty"`
 	// lastScrape is when the status shown was last scraped, failed or not.
 	lastScrape time.Time
 }
@@ -104,7 +108,7 @@ func (sh *shared) engineViews(now time.Time) map[string]*EngineView {
 				at = st.LastErrorAt
 			}
 			if !at.Before(v.lastScrape) {
-				v.lastScrape, v.LastError = at, ""
+				v.lastScrape, v.LastError, v.ModelsError = at, "", st.ModelsError
 				if st.ConsecutiveErrors > 0 {
 					v.LastError = st.LastError
 				}

@@ -42,6 +42,10 @@ type Config struct {
 	MetricsPath string
 	// ModelsPath is the models endpoint's path. Default /v1/models.
 	ModelsPath string
+	// ModelsAPIKey, when set, is sent as a bearer token with each model
+	// list's request: vLLM's --api-key guards its /v1 routes (not its
+	// /metrics), and an engine behind one refuses the list without it.
+	ModelsAPIKey string
 	// Scheme is the URL scheme of the targets. Default http.
 	Scheme string
 	// PlainPorts lists the ports whose targets are scraped over plain

@@ -55,7 +55,7 @@ type scrapeTarget struct {
 	// forgotModels are the models ForgetModel took off the list, and
 	// when: a list fetched before that still names them.
 	forgotModels map[string]time.Time
-	modelsDue     time.Time
+	modelsDue    time.Time
 	// modelsSent is when the last fetch of the models was sent;
 	// modelsFetching says one is under way, and modelsTimer that one is
 	// to be sent (see AskModels).
@@ -264,6 +264,9 @@ func (s *Scraper) addLocked(d string) bool {
 	base := s.schemeOf(d) + "://" + d
 	t := &scrapeTarget{dial: d, status: Status{Dial: d}}
 	t.modelsRequest, t.requestErr = newGet(base+s.cfg.ModelsPath, "application/json")
+	if t.modelsRequest != nil && s.cfg.ModelsAPIKey != "" {
+		t.modelsRequest.Header.Set("Authorization", "Bearer "+s.cfg.ModelsAPIKey)
+	}
 	for mode := range numMetricsModes {
 		for _, skipSlow := range []bool{false, true} {
 			q := metricsQuery{mode, skipSlow}
@@ -510,6 +513,12 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 // holds t.mu.
 func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, err error, start time.Time) {
 	if err != nil {
+		var status *statusError
+		if errors.As(err, &status) && (status.code == http.StatusUnauthorized || status.code == http.StatusForbidden) && st.ModelsError == "" {
+			// Not the engine's trouble but the router's: say how to mend it.
+			s.cfg.Logger.Warn("the engine refused its model list to the router: set models_api_key to the engines' API key",
+				zap.String("upstream", t.dial), zap.Error(err))
+		}
 		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
 		t.modelsFailures++
 		return

@@ -16,6 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -988,5 +992,58 @@ func TestForgottenModelStaysForgotten(t *testing.T) {
 	<-again
 	if got := list(); got != "base,lora" {
 		t.Fatalf("the adapter loaded again is not listed: %q", got)
+	}
+}
+
+// TestModelsAPIKey: an engine behind vLLM's --api-key answers its model
+// list only with the key (its /metrics without): with ModelsAPIKey the
+// list comes; without, the failure is kept in the status (and the
+// router's admin view) and logged once, saying what to set.
+func TestModelsAPIKey(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		if r.Header.Get("Authorization") != "Bearer k3y" {
+			http.Error(w, `{"error":"Unauthorized"}`, http.StatusUnauthorized)
+			return
+		}
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"}]}`)
+	}))
+	defer srv.Close()
+	dial := hostOf(srv)
+	for _, key := range []string{"k3y", ""} {
+		core, logs := observer.New(zapcore.WarnLevel)
+		ctx, cancel := context.WithCancel(context.Background())
+		s := New(Config{Interval: 20 * time.Millisecond, ModelsInterval: 20 * time.Millisecond, ModelsAPIKey: key, Logger: zap.New(core)})
+		s.SetTargets([]string{dial})
+		s.Start(ctx)
+		status := func() Status {
+			for _, st := range s.Statuses() {
+				if st.Dial == dial {
+					return st
+				}
+			}
+			return Status{}
+		}
+		if key != "" {
+			waitFor(t, "the list", 10*time.Second, func() bool {
+				sig, _ := s.Latest(dial, time.Now(), time.Hour)
+				return strings.Join(sig.ModelIDs(), ",") == "base"
+			})
+		} else {
+			waitFor(t, "the refusal", 10*time.Second, func() bool { return strings.Contains(status().ModelsError, "401") && logs.Len() > 0 })
+			for range 3 { // more refusals: one warning
+				fetched := s.ModelsFetched()
+				s.RefreshModels(dial)
+				<-fetched
+			}
+			if n := logs.FilterMessageSnippet("models_api_key").Len(); n != 1 || !strings.Contains(status().ModelsError, "401") {
+				t.Errorf("warned %d times (want once), models error %q", n, status().ModelsError)
+			}
+		}
+		cancel()
+		<-s.Stopped()
 	}
 }
