@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"mime"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -655,7 +656,18 @@ func writeBodyError(w http.ResponseWriter, err error) {
 			fmt.Sprintf("request body exceeds the limit of %d bytes", tooLarge.Limit))
 		return
 	}
-	writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+	var netErr net.Error
+	switch {
+	case errors.As(err, &netErr) && netErr.Timeout():
+		// Caddy's read_body timeout: the body did not come in time.
+		writeAPIError(w, http.StatusRequestTimeout, "invalid_request_error", "the request body did not arrive in time")
+	case errors.As(err, new(*net.OpError)):
+		// The connection failed; its error names the sockets, which the
+		// client has no use for.
+		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "the connection failed while the request body was read")
+	default:
+		writeAPIError(w, http.StatusBadRequest, "invalid_request_error", "reading the request body: "+err.Error())
+	}
 }
 
 // writeAPIError writes an OpenAI-style error body whose code is the

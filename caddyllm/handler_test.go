@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -344,5 +347,32 @@ func TestPassThroughBodyOverALimitIs413(t *testing.T) {
 	_ = h.servePassThrough(rec, r, next)
 	if rec.Code != http.StatusRequestEntityTooLarge || !strings.Contains(rec.Body.String(), "limit of 64 bytes") {
 		t.Errorf("a body over request_body's limit: %d %s", rec.Code, rec.Body)
+	}
+}
+
+// TestBodyReadErrors: a body that did not come in time (Caddy's read_body
+// timeout) gets 408, and one whose connection failed a 400 that does not
+// name the sockets; a cut body says what was wrong with it.
+func TestBodyReadErrors(t *testing.T) {
+	sockets := &net.OpError{Op: "read", Net: "tcp", Source: &net.TCPAddr{IP: net.IPv4(10, 0, 0, 1), Port: 443},
+		Addr: &net.TCPAddr{IP: net.IPv4(10, 9, 8, 7), Port: 58750}}
+	timeout := *sockets
+	timeout.Err = os.ErrDeadlineExceeded
+	reset := *sockets
+	reset.Err = syscall.ECONNRESET
+	for _, tc := range []struct {
+		err    error
+		status int
+		want   string
+	}{
+		{&timeout, http.StatusRequestTimeout, "did not arrive in time"},
+		{&reset, http.StatusBadRequest, "connection failed"},
+		{io.ErrUnexpectedEOF, http.StatusBadRequest, "unexpected EOF"},
+	} {
+		w := httptest.NewRecorder()
+		writeBodyError(w, tc.err)
+		if w.Code != tc.status || !strings.Contains(w.Body.String(), tc.want) || strings.Contains(w.Body.String(), "10.9.8.7") {
+			t.Errorf("%v: %d %s, want %d with %q", tc.err, w.Code, w.Body, tc.status, tc.want)
+		}
 	}
 }

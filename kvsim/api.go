@@ -359,7 +359,7 @@ func checkToolUse(tools, toolChoice json.RawMessage) error {
 	}
 	if !isNull(tools) {
 		if err := json.Unmarshal(tools, &list); err != nil {
-			return errBadRequestf("tools: Input should be a valid list of tools (%v)", err)
+			return errBadRequest("tools: Input should be a valid list")
 		}
 	}
 	if isNull(toolChoice) {

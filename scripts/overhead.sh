@@ -22,7 +22,8 @@
 # instructions Caddy executed per request (user space only: the kernel's share, its system calls,
 # is reported beside as before). Unlike time, the count does not move with the neighbours' load,
 # so one run settles what the router's own code costs; requests per second under valgrind mean
-# nothing and are not compared. Needs valgrind (Debian's package).
+# nothing and are not compared. Use DURATION=20s or more: shorter runs spread fixed costs over
+# fewer requests and count high. Needs valgrind (Debian's package).
 set -euo pipefail
 
 ROUNDS=${ROUNDS:-3}
