@@ -9,6 +9,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
@@ -160,6 +163,29 @@ func TestSyncCaddyfile(t *testing.T) {
 		var p Policy
 		if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v, want %q", tc.in, err, tc.want)
+		}
+	}
+}
+
+// TestModelsAPIKeyPlaceholders: models_api_key's placeholders are replaced
+// at load ({env.X}), braces that are none stay, and a key that comes out
+// empty (an unset variable) is warned of.
+func TestModelsAPIKeyPlaceholders(t *testing.T) {
+	t.Setenv("LLM_AFFINITY_TEST_KEY", "k3y")
+	for _, tc := range []struct {
+		configured, want string
+		warned           bool
+	}{
+		{"{env.LLM_AFFINITY_TEST_KEY}", "k3y", false},
+		{"sk-{abc}", "sk-{abc}", false},
+		{"{env.LLM_AFFINITY_TEST_UNSET}", "", true},
+		{"", "", false},
+	} {
+		core, logs := observer.New(zapcore.WarnLevel)
+		p := testPolicy(t, zap.New(core))
+		p.ModelsAPIKey = tc.configured
+		if got := p.modelsAPIKey(); got != tc.want || (logs.Len() > 0) != tc.warned {
+			t.Errorf("%q: key %q, warned %v; want %q, %v", tc.configured, got, logs.Len() > 0, tc.want, tc.warned)
 		}
 	}
 }

@@ -875,11 +875,11 @@ func (st *requestState) progress(n int) {
 		return
 	}
 	now := time.Now()
-	// A background response's answer comes queued: the engine has its
-	// prompt (and will prefill it), but the time says nothing of a first
-	// token.
+	// A background response's plain answer comes queued: the engine has
+	// its prompt (and will prefill it), but the time says nothing of a
+	// first token. (Streamed, its first text is one.)
 	a.sh.fleet.Progress(a.charge, n, now)
-	if first && !background {
+	if first && !(background && !stream) {
 		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
 		if stream {
 			// A non-streaming response's headers come after the whole

@@ -417,7 +417,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			Interval:       time.Duration(p.ScrapeInterval),
 			ModelsInterval: time.Duration(p.ModelsInterval),
 			MetricsPath:    p.MetricsPath,
-			ModelsAPIKey:   caddy.NewReplacer().ReplaceAll(p.ModelsAPIKey, ""),
+			ModelsAPIKey:   p.modelsAPIKey(),
 			Mark:           p.sh.fleet.MarkOf,
 			Restarted:      p.sh.fleet.EngineRestarted,
 			Logger:         p.logger.Named("scrape"),
@@ -906,6 +906,18 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
+}
+
+// modelsAPIKey is models_api_key with its placeholders ({env.X})
+// replaced; braces that are no placeholder stay. One given that comes out
+// empty (an unset variable) is warned of: no key is sent.
+func (p *Policy) modelsAPIKey() string {
+	key := caddy.NewReplacer().ReplaceKnown(p.ModelsAPIKey, "")
+	if p.ModelsAPIKey != "" && key == "" {
+		p.logger.Warn("models_api_key is empty once its placeholders are replaced: the model lists are requested without a key",
+			zap.String("models_api_key", p.ModelsAPIKey))
+	}
+	return key
 }
 
 // modelsRefetchWait is the longest a request for a model no engine lists

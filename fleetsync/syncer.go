@@ -583,23 +583,25 @@ func validSubject(subject string) bool {
 }
 
 // withoutUserInfo is urls with the user and password (or token) each may
-// carry replaced, for the logs.
+// carry replaced, for the logs; an entry may be a comma-separated list,
+// as nats.go takes it.
 func withoutUserInfo(urls []string) []string {
 	out := make([]string, len(urls))
-	for i, raw := range urls {
-		if !strings.Contains(raw, "://") { // as options and nats.go read it
-			raw = "nats://" + raw
+	for i, entry := range urls {
+		parts := strings.Split(entry, ",")
+		for j, part := range parts {
+			scheme, rest := "", part
+			if k := strings.Index(part, "://"); k >= 0 {
+				scheme, rest = part[:k+3], part[k+3:]
+			}
+			// Whatever comes before the host's last @ is credentials,
+			// whatever characters they hold.
+			if at := strings.LastIndex(rest, "@"); at >= 0 {
+				rest = "redacted@" + rest[at+1:]
+			}
+			parts[j] = scheme + rest
 		}
-		u, err := url.Parse(raw)
-		switch {
-		case err != nil:
-			out[i] = "(a URL that does not parse)"
-		case u.User != nil:
-			u.User = url.User("redacted")
-			out[i] = u.String()
-		default:
-			out[i] = raw
-		}
+		out[i] = strings.Join(parts, ",")
 	}
 	return out
 }

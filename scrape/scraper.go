@@ -55,7 +55,10 @@ type scrapeTarget struct {
 	// forgotModels are the models ForgetModel took off the list, and
 	// when: a list fetched before that still names them.
 	forgotModels map[string]time.Time
-	modelsDue    time.Time
+	// modelsAuthWarned says a refusal of the list (401, 403) was logged
+	// since the last list came.
+	modelsAuthWarned bool
+	modelsDue        time.Time
 	// modelsSent is when the last fetch of the models was sent;
 	// modelsFetching says one is under way, and modelsTimer that one is
 	// to be sent (see AskModels).
@@ -514,8 +517,10 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, err error, start time.Time) {
 	if err != nil {
 		var status *statusError
-		if errors.As(err, &status) && (status.code == http.StatusUnauthorized || status.code == http.StatusForbidden) && st.ModelsError == "" {
-			// Not the engine's trouble but the router's: say how to mend it.
+		if errors.As(err, &status) && (status.code == http.StatusUnauthorized || status.code == http.StatusForbidden) && !t.modelsAuthWarned {
+			// Not the engine's trouble but the router's: say how to mend
+			// it, once until a list comes.
+			t.modelsAuthWarned = true
 			s.cfg.Logger.Warn("the engine refused its model list to the router: set models_api_key to the engines' API key",
 				zap.String("upstream", t.dial), zap.Error(err))
 		}
@@ -534,7 +539,7 @@ func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, er
 	if t.models == nil || !sameModels(t.models, models) {
 		t.modelsChanged = true // counted once readers can see it
 	}
-	st.ModelsError = ""
+	st.ModelsError, t.modelsAuthWarned = "", false
 	t.models, t.modelsAt, t.modelsFailures = models, start, 0
 }
 

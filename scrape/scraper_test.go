@@ -998,11 +998,17 @@ func TestForgottenModelStaysForgotten(t *testing.T) {
 // TestModelsAPIKey: an engine behind vLLM's --api-key answers its model
 // list only with the key (its /metrics without): with ModelsAPIKey the
 // list comes; without, the failure is kept in the status (and the
-// router's admin view) and logged once, saying what to set.
+// router's admin view) and logged once, saying what to set, also when
+// another failure came first (the engine still loading its model).
 func TestModelsAPIKey(t *testing.T) {
+	var lists atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/models" {
 			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		if lists.Add(1) == 1 { // still loading its model: another failure first
+			http.Error(w, "loading", http.StatusServiceUnavailable)
 			return
 		}
 		if r.Header.Get("Authorization") != "Bearer k3y" {
@@ -1014,6 +1020,7 @@ func TestModelsAPIKey(t *testing.T) {
 	defer srv.Close()
 	dial := hostOf(srv)
 	for _, key := range []string{"k3y", ""} {
+		lists.Store(0)
 		core, logs := observer.New(zapcore.WarnLevel)
 		ctx, cancel := context.WithCancel(context.Background())
 		s := New(Config{Interval: 20 * time.Millisecond, ModelsInterval: 20 * time.Millisecond, ModelsAPIKey: key, Logger: zap.New(core)})
