@@ -104,6 +104,9 @@ func (f *Fleet) confirm(u *upstream, c *Charge) {
 // the count is found by bisection.
 func sharedBlocks(a, b []uint64) int {
 	n := min(len(a), len(b))
+	if n == 0 || a[0] != b[0] {
+		return 0 // the common case at a busy upstream: another prompt
+	}
 	return sort.Search(n, func(i int) bool { return a[i] != b[i] })
 }
 

@@ -875,3 +875,35 @@ func TestSequencesChargedAndLearned(t *testing.T) {
 	}
 	f.Release(d.Charge, t0)
 }
+
+// BenchmarkFirstTokenWithPending: a first token at an upstream where
+// 1,024 other requests wait for theirs notes, for each, the blocks their
+// prompts share (see Fleet.confirm): half share a 2,048-token system
+// prompt with it, half nothing.
+func BenchmarkFirstTokenWithPending(b *testing.B) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 1 << 30
+	system := hashes(1, 2048)
+	turn := func(seed uint64) Request {
+		h := append(append([]uint64(nil), system...), hashes(seed, 1024)...)
+		if seed%2 == 0 {
+			h = hashes(seed, 3072) // another prompt
+		}
+		return Request{Hashes: h, BlockTokens: 64, PromptTokens: 3072}
+	}
+	for i := range 1024 {
+		if f.Decide(t0, turn(uint64(100+i)), ms, &opts, rng(), nil).Charge == nil {
+			b.Fatal("a waiting request was not placed")
+		}
+	}
+	req := turn(3)
+	r := rng()
+	b.ReportAllocs()
+	for b.Loop() {
+		d := f.Decide(t0, req, ms, &opts, r, nil)
+		f.Progress(d.Charge, 1, t0)
+		f.Complete(d.Charge, "", Usage{OutputTokens: 10}, t0)
+	}
+}
