@@ -518,3 +518,68 @@ func TestPeersAreBounded(t *testing.T) {
 		t.Fatalf("%d peer charges in flight, want the bound %d", u.InFlight, maxRemoteCharges)
 	}
 }
+
+// TestPeersFailuresAndPrefills: a request that fails before its first
+// token at a peer takes its blocks back here too, as it does at the peer
+// (the next turn through this router is not warm where nothing was
+// prefilled); and a peer's request whose prefill ran through a failed
+// local request's blocks keeps them here, as a local one would.
+func TestPeersFailuresAndPrefills(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	long := hashes(1, 2048) // B: A's 1,024 tokens and 1,024 more
+	reqA := Request{Hashes: long[:16], BlockTokens: 64, PromptTokens: 1024, Model: "m"}
+	reqB := Request{Hashes: long, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
+	pair := func() (a, b *Fleet, toB, toA func()) {
+		a, b = New(), New()
+		a.Name("x", t0)
+		b.Name("x", t0)
+		var fromA, fromB []Event
+		a.SetPublisher(func(ev Event) { fromA = append(fromA, ev) })
+		b.SetPublisher(func(ev Event) { fromB = append(fromB, ev) })
+		toB = func() {
+			for _, ev := range fromA {
+				b.Apply("a", ev, t0)
+			}
+			fromA = nil
+		}
+		toA = func() {
+			for _, ev := range fromB {
+				a.Apply("b", ev, t0)
+			}
+			fromB = nil
+		}
+		return a, b, toB, toA
+	}
+	ms := members("x")
+
+	// A fails at a: b forgets A's blocks too.
+	a, b, toB, _ := pair()
+	dA := a.Decide(t0, reqA, ms, &opts, rng(), nil)
+	toB()
+	if d := b.Decide(t0, reqA, ms, &opts, rng(), nil); d.MatchedTokens != 1024 {
+		t.Fatalf("b did not learn A's blocks: matched %d", d.MatchedTokens)
+	} else {
+		b.Release(d.Charge, t0) // (b's own probe fails too: it forgets nothing more)
+	}
+	a.Release(dA.Charge, t0) // A's client gave up before its first token
+	toB()
+	if d := b.Decide(t0, reqA, ms, &opts, rng(), nil); d.MatchedTokens != 0 {
+		t.Errorf("after A failed at a, b still finds %d of its tokens warm", d.MatchedTokens)
+	}
+
+	// A pending at a; B, through b, runs through A's blocks and has its
+	// first token; then A fails: a keeps A's blocks.
+	a, b, toB, toA := pair()
+	dA = a.Decide(t0, reqA, ms, &opts, rng(), nil)
+	toB()
+	dB := b.Decide(t0, reqB, ms, &opts, rng(), nil)
+	if dB.MatchedTokens != 1024 {
+		t.Fatalf("B matched %d of A's tokens at b", dB.MatchedTokens)
+	}
+	b.Progress(dB.Charge, 1, t0)
+	toA()
+	a.Release(dA.Charge, t0)
+	if d := a.Decide(t0, reqA, ms, &opts, rng(), nil); d.MatchedTokens != 1024 {
+		t.Errorf("a forgot A's blocks, which b's B prefilled: matched %d of 1,024", d.MatchedTokens)
+	}
+}
