@@ -12,9 +12,8 @@ import (
 type Charge struct {
 	up   *upstream
 	dial string
-	// id names the charge in events to peers (a peer's charge: in that
-	// peer's events); seq orders it among this fleet's charges.
-	id, seq uint64
+	// id names the charge in events to peers.
+	id uint64
 	// Estimate is the ttft estimate made at the decision, in seconds.
 	Estimate float64
 	prefill  int // uncached prompt tokens still charged
@@ -31,12 +30,11 @@ type Charge struct {
 	// Tokens counts the output tokens reported by Progress.
 	Tokens int
 	// chain is the request's blocks, until the first token says the
-	// engine prefilled them; the decision (or a peer's, as its event
-	// told) added chain[held:] to the upstream's index, and the first
-	// kept of them another request's prefill there has run through since
-	// (see Fleet.confirm). A peer's charge restated (no hashes) has none.
-	// pending is the charge's place in its upstream's pending list, -1
-	// when it is not there.
+	// engine prefilled them; the decision added chain[held:] to the
+	// upstream's index, and the first kept of them another request's
+	// prefill there has run through since (see Fleet.confirm). Only a
+	// local charge has them. pending is the charge's place in its
+	// upstream's pending list, -1 when it is not there.
 	chain      []uint64
 	held, kept int32
 	pending    int32
@@ -60,8 +58,7 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Cha
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	f.seq++
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, pending: -1, seq: f.seq}
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, pending: -1}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -76,7 +73,9 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		}
 		u.queuedPrefill -= c.prefill
 		c.prefill = 0
-		f.confirm(u, c)
+		if !c.remote {
+			f.confirm(u, c)
+		}
 	}
 	c.Tokens += n
 	d := min(n, c.decode)
@@ -90,7 +89,7 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 // the requests still waiting for their first token there keep, should
 // they fail, the blocks c's prompt shares with theirs. Caller holds f.mu.
 func (f *Fleet) confirm(u *upstream, c *Charge) {
-	if u.forgotAt >= c.seq && !u.forgotten {
+	if u.forgotAt >= c.id && !u.forgotten {
 		f.index.Insert(u.id, c.chain)
 	}
 	f.unpend(u, c)
@@ -216,22 +215,17 @@ func (f *Fleet) Refused(c *Charge, now time.Time) {
 func (f *Fleet) failed(c *Charge, now time.Time) {
 	if c.up != nil {
 		f.publish(Event{Kind: EventReleased, ID: c.id})
-		f.forgetUnconfirmed(c)
+		// It failed before its first token: the engine most likely did
+		// not prefill what the decision added to the index, and the
+		// conversation's next turn must not be sent there as warm. Except
+		// the blocks another request's prompt ran through there since (it
+		// had its first token: see confirm), which the engine holds.
+		if u, from := c.up, int(max(c.held, c.kept)); from < len(c.chain) && !u.forgotten {
+			f.index.Forget(u.id, c.chain[from:])
+			u.forgotAt = f.nextID
+		}
 	}
 	f.release(c, now)
-}
-
-// forgetUnconfirmed is for c, which failed before its first token (here
-// or at a peer): the engine most likely did not prefill what its decision
-// added to the index, and the conversation's next turn must not be sent
-// there as warm. Except the blocks another request's prompt ran through
-// there since (it had its first token: see confirm), which the engine
-// holds. Caller holds f.mu.
-func (f *Fleet) forgetUnconfirmed(c *Charge) {
-	if u, from := c.up, int(max(c.held, c.kept)); from < len(c.chain) && !u.forgotten {
-		f.index.Forget(u.id, c.chain[from:])
-		u.forgotAt = f.seq
-	}
 }
 
 // release returns what c holds; caller holds f.mu.

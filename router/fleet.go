@@ -64,9 +64,6 @@ type Fleet struct {
 	remoteCharges map[string]int
 	peers         map[string]time.Time
 	nextID        uint64
-	// seq numbers every charge, this router's and its peers', in the
-	// order it made or heard of them (see upstream.forgotAt).
-	seq uint64
 	// local holds this router's charges in flight by id while KeepLive
 	// is on (nil otherwise), to restate them to the peers (LiveEvents).
 	local map[uint64]*Charge
@@ -132,11 +129,11 @@ type upstream struct {
 	// here.
 	owed        bool
 	lastRelease uint64
-	// forgotAt is the fleet's newest charge seq when a failed request
-	// last made this upstream's index forget blocks: a request charged
-	// before it may have lost blocks its prefill holds (see
-	// Fleet.confirm). pending are the charges here, this router's and
-	// its peers', still waiting for their first token.
+	// forgotAt is the fleet's newest charge id when a failed request last
+	// made this upstream's index forget blocks: a request decided before
+	// it may have lost blocks its prefill holds (see Fleet.confirm).
+	// pending are this router's charges here still waiting for their
+	// first token.
 	forgotAt uint64
 	pending  []*Charge
 

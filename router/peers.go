@@ -365,13 +365,10 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if u == nil || u.forgotten || f.remoteCharges[peer] >= maxPeerCharges || len(f.remote) >= maxRemoteCharges {
 			return false
 		}
-		if c := f.remote[key]; c != nil {
+		if f.remote[key] != nil {
 			// Counted already, from a restatement that overtook the
 			// routing (restatements carry no hashes): the prefix is
 			// still news.
-			if c.FirstToken.IsZero() && c.chain == nil {
-				f.pendChain(u, c, ev.Hashes)
-			}
 			f.index.Insert(u.id, ev.Hashes)
 			return len(ev.Hashes) > 0
 		}
@@ -394,7 +391,6 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if ev.BlockTokens >= minPeerBlockTokens && u.capacityTokens > 0 {
 			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens)
 		}
-		f.pendChain(u, c, ev.Hashes)
 		f.index.Insert(u.id, ev.Hashes)
 		return true
 	}
@@ -412,32 +408,12 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		f.learn(ev.Model, ev.PromptBytes, Usage{PromptTokens: ev.PromptTokens, OutputTokens: ev.Tokens})
 		c.up.completed++
 	case EventReleased:
-		if c.FirstToken.IsZero() {
-			// It failed at the peer before its first token: as if here.
-			f.forgetUnconfirmed(c)
-		}
 	default:
 		return false
 	}
 	f.dropRemote(key)
 	f.release(c, now)
 	return true
-}
-
-// pendChain gives c, a peer's charge on u not at its first token yet, its
-// blocks, as a decision here would: what u's index held of them before
-// they are inserted, and its place among u's pending charges (see
-// confirm). Caller holds f.mu.
-func (f *Fleet) pendChain(u *upstream, c *Charge, hashes []uint64) {
-	if len(hashes) == 0 {
-		return
-	}
-	f.scratchDepths = f.index.Match(hashes, f.scratchDepths)
-	c.chain, c.held = hashes, int32(min(f.scratchDepths[u.id], len(hashes)))
-	if c.pending < 0 {
-		c.pending = int32(len(u.pending))
-		u.pending = append(u.pending, c)
-	}
 }
 
 // maxPeerCharges bounds one peer's charges in flight here, and
