@@ -209,7 +209,7 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 	// and the estimate would be infinite.)
 	if c.FreeKVTokens >= 0 {
 		if wait := kvWait(req, c, marginTokens); wait > 0 && !(wait <= req.MaxKVWaitSeconds) &&
-			!(mayBeTooLong(req, c) && !math.IsInf(wait, 1)) {
+			(math.IsInf(wait, 1) || !mayBeTooLong(req, c)) {
 			return FilteredKV
 		}
 	}
@@ -290,15 +290,11 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 // ServesModel says c serves the model or adapter req asks for, or does
 // not say what it serves (Models nil).
 func ServesModel(req *Request, c *Candidate) bool {
-	return c.Models == nil || servesModel(c.Models, req)
-}
-
-func servesModel(models []string, req *Request) bool {
 	want := req.Model
 	if req.Adapter != "" {
 		want = req.Adapter
 	}
-	return want == "" || slices.Contains(models, want)
+	return c.Models == nil || want == "" || slices.Contains(c.Models, want)
 }
 
 // EstimateTTFT is the ttft strategy's cost: the seconds until c would emit

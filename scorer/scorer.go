@@ -95,10 +95,12 @@ type Request struct {
 	// BlockTokens is the number of tokens in one block.
 	BlockTokens int
 	// OutputTokens is the expected number of generated tokens of each of
-	// the request's Sequences (0 or 1: one), which the engine generates
-	// side by side: each takes KV for its own, and they share steps.
+	// the request's sequences.
 	OutputTokens int
-	Sequences    int
+	// Sequences is how many sequences the engine generates for the
+	// request (n choices, a batch's prompts; 0 or 1: one), side by side:
+	// each takes KV for its own output, and they share steps.
+	Sequences int
 	// Model is the requested base model; empty matches any.
 	Model string
 	// Adapter is the requested LoRA adapter, empty for the base model.
