@@ -229,7 +229,12 @@ func (e *Engine) seed(adapter, salt string) uint64 {
 // BlockHashes returns the chained hashes of the full blocks of text as adapter would key them
 // (unsalted).
 func (e *Engine) BlockHashes(adapter string, text []byte) []uint64 {
-	return e.extendHashes(nil, adapter, "", text, len(text)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
+	return e.blockHashes(adapter, "", text)
+}
+
+// blockHashes is BlockHashes for a prompt salted with salt ("" for none).
+func (e *Engine) blockHashes(adapter, salt string, text []byte) []uint64 {
+	return e.extendHashes(nil, adapter, salt, text, len(text)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
 }
 
 func (e *Engine) extendHashes(hashes []uint64, adapter, salt string, text []byte, blocks int) []uint64 {
@@ -300,7 +305,7 @@ func (e *Engine) Submit(req *Request, now time.Duration) error {
 		promptTokens: promptTokens,
 		target:       req.OutputTokens,
 	}
-	s.hashes = e.extendHashes(nil, req.Adapter, req.CacheSalt, s.ctx, len(s.ctx)/(e.cfg.BlockSize*e.cfg.BytesPerToken))
+	s.hashes = e.blockHashes(req.Adapter, req.CacheSalt, s.ctx)
 	req.seq = s
 	e.waiting = append(e.waiting, s)
 	if ad != nil {
