@@ -648,7 +648,7 @@ func readDeclared(body io.Reader, n int64) ([]byte, error) {
 
 // writeBodyError answers a request whose body could not be read: 413
 // for one over a limit (max_body, or Caddy's request_body ahead of the
-// handler), else 400.
+// handler), 408 for one that did not come in time, else 400.
 func writeBodyError(w http.ResponseWriter, err error) {
 	var tooLarge *http.MaxBytesError
 	if errors.As(err, &tooLarge) {
@@ -875,10 +875,10 @@ func (st *requestState) progress(n int) {
 		return
 	}
 	now := time.Now()
+	a.sh.fleet.Progress(a.charge, n, now)
 	// A background response's plain answer comes queued: the engine has
 	// its prompt (and will prefill it), but the time says nothing of a
 	// first token. (Streamed, its first text is one.)
-	a.sh.fleet.Progress(a.charge, n, now)
 	if first && !(background && !stream) {
 		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
 		if stream {

@@ -1245,14 +1245,9 @@ func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.Upstrea
 func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (serving reverseproxy.UpstreamPool, known bool) {
 	now := time.Now()
 	for _, u := range pool {
-		sig, _ := p.scraper.Latest(u.Dial, now, 0)
-		models, _ := p.listedModels(sig, u.Dial, now)
-		if models == nil {
-			serving = append(serving, u) // unknown: it may serve it
-			continue
-		}
-		known = true
-		if slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
+		listed, listKnown := p.lists(u, model, now)
+		known = known || listKnown
+		if listed || !listKnown { // unknown: it may serve it
 			serving = append(serving, u)
 		}
 	}
@@ -1264,15 +1259,21 @@ func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (ser
 func (p *Policy) listingModel(pool reverseproxy.UpstreamPool, model string) (listing, lacking reverseproxy.UpstreamPool) {
 	now := time.Now()
 	for _, u := range pool {
-		sig, _ := p.scraper.Latest(u.Dial, now, 0)
-		models, _ := p.listedModels(sig, u.Dial, now)
-		if slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }) {
+		if listed, _ := p.lists(u, model, now); listed {
 			listing = append(listing, u)
 		} else {
 			lacking = append(lacking, u)
 		}
 	}
 	return listing, lacking
+}
+
+// lists says u's model list (see listedModels) names model, and whether
+// that list is known at all.
+func (p *Policy) lists(u *reverseproxy.Upstream, model string, now time.Time) (listed, known bool) {
+	sig, _ := p.scraper.Latest(u.Dial, now, 0)
+	models, _ := p.listedModels(sig, u.Dial, now)
+	return slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }), models != nil
 }
 
 // undrained is pool without its draining upstreams: pool itself when none

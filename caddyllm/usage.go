@@ -289,18 +289,18 @@ func loraNameOfBody(body []byte) string { return stringOfBody(body, loraNameKeys
 func stringOfBody(body []byte, key []string) string {
 	var depth [chunkDepth/64 + 1]uint64
 	s := scanner{buf: body, inObject: depth[:]}
-	var model span
+	var value span
 	ok := s.fields(key, func(i int) bool {
 		if i == 0 {
-			return s.optString(&model)
+			return s.optString(&value)
 		}
 		_, _, ok := s.skip()
 		return ok
 	}) && s.end()
-	if !ok || model.end <= model.start {
+	if !ok || value.end <= value.start {
 		return ""
 	}
-	raw := body[model.start:model.end]
+	raw := body[value.start:value.end]
 	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0))
 }
 
