@@ -214,7 +214,7 @@ type Syncer struct {
 	// self is Name#epoch, read by Name and Stats.
 	epoch atomic.Uint64
 	self  atomic.Pointer[string]
-	// up is closed once the first connection is made; closed once the
+	// up is closed once the first connection is made; closed, once the
 	// client's last callback (its closed handler) has run.
 	up         chan struct{}
 	upOnce     sync.Once
@@ -385,7 +385,7 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		}
 		parsed, err := url.Parse(u)
 		if err != nil || parsed.Host == "" {
-			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", withoutUserInfo([]string{u})[0])
+			return nil, fmt.Errorf("fleetsync: NATS server URL %q: want nats://host:port (or tls://)", withoutUserInfoOf(u))
 		}
 		switch parsed.Scheme {
 		case "nats", "tls", "ws", "wss":
@@ -393,7 +393,7 @@ func (s *Syncer) options() ([]nats.Option, error) {
 			// nats.go would connect as to nats:// whatever the scheme:
 			// http:// is surely a mistake (NATS's monitoring port?).
 			return nil, fmt.Errorf("fleetsync: NATS server URL %q: scheme %q is not NATS's: want nats://, tls://, ws:// or wss://",
-				withoutUserInfo([]string{u})[0], parsed.Scheme)
+				withoutUserInfoOf(u), parsed.Scheme)
 		}
 		if parsed.Scheme == "ws" || parsed.Scheme == "wss" {
 			websockets++
@@ -582,28 +582,33 @@ func validSubject(subject string) bool {
 	return true
 }
 
-// withoutUserInfo is urls with the user and password (or token) each may
-// carry replaced, for the logs; an entry may be a comma-separated list,
-// as nats.go takes it.
+// withoutUserInfo is urls, each without the credentials it may carry
+// (see withoutUserInfoOf), for the logs.
 func withoutUserInfo(urls []string) []string {
 	out := make([]string, len(urls))
-	for i, entry := range urls {
-		parts := strings.Split(entry, ",")
-		for j, part := range parts {
-			scheme, rest := "", part
-			if k := strings.Index(part, "://"); k >= 0 {
-				scheme, rest = part[:k+3], part[k+3:]
-			}
-			// Whatever comes before the host's last @ is credentials,
-			// whatever characters they hold.
-			if at := strings.LastIndex(rest, "@"); at >= 0 {
-				rest = "redacted@" + rest[at+1:]
-			}
-			parts[j] = scheme + rest
-		}
-		out[i] = strings.Join(parts, ",")
+	for i, u := range urls {
+		out[i] = withoutUserInfoOf(u)
 	}
 	return out
+}
+
+// withoutUserInfoOf is a NATS server URL, or a comma-separated list of
+// them as nats.go takes it, with the user and password (or token) each
+// may carry replaced: whatever comes before the host's last @, whatever
+// characters it holds.
+func withoutUserInfoOf(entry string) string {
+	parts := strings.Split(entry, ",")
+	for i, part := range parts {
+		scheme, rest := "", part
+		if k := strings.Index(part, "://"); k >= 0 {
+			scheme, rest = part[:k+3], part[k+3:]
+		}
+		if at := strings.LastIndex(rest, "@"); at >= 0 {
+			rest = "redacted@" + rest[at+1:]
+		}
+		parts[i] = scheme + rest
+	}
+	return strings.Join(parts, ",")
 }
 
 // connect connects to NATS, subscribes and runs the publisher until Close.
