@@ -16,13 +16,15 @@ import (
 // little-endian each. A batch carries hashes, counts and ids only: the
 // fields below are all there is.
 //
-//	batch   = version(3 to 6) name epoch instance count message*
+//	batch   = version(3 to 7) name epoch instance count message*
 //	routed  = 1 id dial blockTokens prefill decode kv adapter n hash*n
 //	progr.  = 2 id tokens
 //	compl.  = 3 id model tokens promptBytes promptTokens
 //	release = 4 id
 //	stored  = 5 id dial response                 (version 4 on)
 //	cached  = 6 id dial blockTokens kv adapter n hash*n  (version 6; 5 had no adapter)
+//	forgot  = 7 id dial from n hash*n             (version 7 on)
+//	prefill = 8 id dial n hash*n                  (version 7 on)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
@@ -32,19 +34,26 @@ import (
 // (the Responses API's stored responses, which it cannot use) and keeps
 // reading the rest. Cached blocks travel only in the answers to a
 // starting router's request for a snapshot, which routers of the versions
-// before never ask for. Version 2 is version 3 without a completion's
+// before never ask for. Forgotten and prefilled blocks (version 7) travel
+// in batches that carry no batch number (see Syncer.run): a router of the
+// versions before rejects them and sees no gap in the numbers of the
+// batches it reads. Version 2 is version 3 without a completion's
 // prompt bytes and tokens; batches of every version from 2 decode, so
 // routers of different versions share a view during a rolling upgrade as
 // far as the older one can read.
-const wireVersion = 6
+const wireVersion = 7
 
 // chargeWireVersion is the version of batches of charges and drains:
 // version 3, which routers of two versions before read. Stored
-// responses need storedWireVersion.
+// responses need storedWireVersion, cached blocks cachedWireVersion (and
+// adapterWireVersion with an adapter), forgotten and prefilled blocks
+// indexWireVersion.
 const (
-	chargeWireVersion = 3
-	storedWireVersion = 4
-	cachedWireVersion = 5
+	chargeWireVersion  = 3
+	storedWireVersion  = 4
+	cachedWireVersion  = 5
+	adapterWireVersion = 6
+	indexWireVersion   = 7
 )
 
 // oldWireVersion is the oldest version DecodeBatch reads.
@@ -129,7 +138,9 @@ func versionOf(m *Message) byte {
 	case m.Event.Kind == router.EventStored:
 		return storedWireVersion
 	case m.Event.Kind == router.EventCached:
-		return wireVersion
+		return adapterWireVersion
+	case isIndexEvent(m.Event.Kind):
+		return indexWireVersion
 	}
 	return chargeWireVersion
 }
@@ -164,6 +175,13 @@ func appendMessage(dst []byte, m *Message) []byte {
 		case router.EventStored:
 			dst = appendString(dst, ev.Dial)
 			dst = appendString(dst, ev.Response)
+		case router.EventForgot:
+			dst = appendString(dst, ev.Dial)
+			dst = appendCount(dst, ev.From)
+			dst = appendHashes(dst, ev.Hashes)
+		case router.EventPrefilled:
+			dst = appendString(dst, ev.Dial)
+			dst = appendHashes(dst, ev.Hashes)
 		}
 	case m.Drain != "":
 		dst = append(dst, kindDrain)
@@ -174,6 +192,12 @@ func appendMessage(dst []byte, m *Message) []byte {
 		dst = appendString(dst, m.Undrain)
 	}
 	return dst
+}
+
+// isIndexEvent reports whether events of kind change only what the
+// peers' prefix indexes hold (see indexWireVersion).
+func isIndexEvent(kind router.EventKind) bool {
+	return kind == router.EventForgot || kind == router.EventPrefilled
 }
 
 // appendCount appends n bounded to what a decoder accepts (0 to
@@ -321,7 +345,7 @@ func (d *decoder) message() (Message, bool) {
 		}
 		ev := &router.Event{Kind: router.EventCached, ID: d.uvarint(), Dial: d.string()}
 		ev.BlockTokens, ev.KV = d.int(), d.int()
-		if d.version >= 6 {
+		if d.version >= adapterWireVersion {
 			ev.Adapter = d.string()
 		}
 		ev.Hashes = d.hashes()
@@ -338,6 +362,20 @@ func (d *decoder) message() (Message, bool) {
 		if d.err == nil && (m.Event.Dial == "" || m.Event.Response == "") {
 			d.fail("stored response without a dial or an id")
 		}
+	case byte(router.EventForgot), byte(router.EventPrefilled):
+		if d.version < indexWireVersion {
+			d.fail(fmt.Sprintf("forgotten or prefilled blocks in a version %d batch", d.version))
+			break
+		}
+		ev := &router.Event{Kind: router.EventKind(kind), ID: d.uvarint(), Dial: d.string()}
+		if ev.Kind == router.EventForgot {
+			ev.From = d.int()
+		}
+		ev.Hashes = d.hashes()
+		if d.err == nil && ev.Dial == "" {
+			d.fail("forgotten or prefilled blocks without a dial")
+		}
+		m.Event = ev
 	case byte(router.EventRouted), byte(router.EventProgressed), byte(router.EventCompleted), byte(router.EventReleased):
 		ev := &router.Event{Kind: router.EventKind(kind), ID: d.uvarint()}
 		switch ev.Kind {

@@ -130,8 +130,43 @@ func TestCodecStoredResponses(t *testing.T) {
 			t.Fatalf("%+v decoded", ev)
 		}
 	}
-	if _, err := DecodeBatch(append([]byte{7}, p[1:]...)); err == nil {
-		t.Fatal("version 7 accepted")
+	if _, err := DecodeBatch(append([]byte{wireVersion + 1}, p[1:]...)); err == nil {
+		t.Fatalf("version %d accepted", wireVersion+1)
+	}
+}
+
+func indexBatch() *Batch {
+	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
+		{Event: &router.Event{Kind: router.EventForgot, ID: 7, Dial: "10.0.0.1:8000", From: 16, Hashes: []uint64{5, 1 << 63}}},
+		{Event: &router.Event{Kind: router.EventPrefilled, ID: 8, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 2, 3}}},
+	}}
+}
+
+// TestCodecIndexChanges: a batch of forgotten and prefilled blocks is
+// version 7 and round-trips; such blocks in an older version, or without
+// a dial, are malformed.
+func TestCodecIndexChanges(t *testing.T) {
+	p := AppendBatch(nil, indexBatch())
+	if p[0] != 7 {
+		t.Fatalf("a batch of index changes is version %d, want 7", p[0])
+	}
+	got, err := DecodeBatch(p)
+	if err != nil || !reflect.DeepEqual(got, indexBatch()) {
+		t.Fatalf("round trip: %+v, %v", got, err)
+	}
+	for i := range p {
+		if b, err := DecodeBatch(p[:i]); err == nil {
+			t.Fatalf("truncated at %d decoded: %+v", i, b)
+		}
+	}
+	if _, err := DecodeBatch(append([]byte{6}, p[1:]...)); err == nil {
+		t.Fatal("index changes in a version 6 batch decoded")
+	}
+	for _, kind := range []router.EventKind{router.EventForgot, router.EventPrefilled} {
+		b := &Batch{Sender: "r", Messages: []Message{{Event: &router.Event{Kind: kind, Hashes: []uint64{1}}}}}
+		if _, err := DecodeBatch(AppendBatch(nil, b)); err == nil {
+			t.Fatalf("kind %d without a dial decoded", kind)
+		}
 	}
 }
 
@@ -190,6 +225,7 @@ func FuzzDecodeBatch(f *testing.F) {
 	f.Add(AppendBatch(nil, sampleBatch()))
 	f.Add(AppendBatch(nil, storedBatch()))
 	f.Add(AppendBatch(nil, cachedBatch()))
+	f.Add(AppendBatch(nil, indexBatch()))
 	f.Add([]byte{wireVersion, 0, 0, 0})
 	f.Add([]byte{wireVersion, 1, 'a', 1, 1, 1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f})
 	f.Fuzz(func(t *testing.T, p []byte) {
@@ -1612,5 +1648,144 @@ func TestCredentialsInURLsAreNotLogged(t *testing.T) {
 	}
 	if err == nil || strings.Contains(err.Error(), "s3cretPW") {
 		t.Errorf("a wrong URL's error: %v", err)
+	}
+}
+
+// TestIndexChangesTravelInOrder: forgotten and prefilled blocks reach the
+// peer in the order of the charges around them (a forget that overtook
+// the routing that inserted its blocks would forget nothing, and one
+// overtaken by a later routing of the same blocks would forget them),
+// in batches of their own and unnumbered: a router of the version
+// before, which rejects them, sees no gap in the numbers of the batches
+// it reads, and renews for nothing.
+func TestIndexChangesTravelInOrder(t *testing.T) {
+	ns := startNATS(t, -1)
+	spy, err := nats.Connect(ns.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer spy.Close()
+	var wireMu sync.Mutex
+	var wire []*nats.Msg
+	if _, err := spy.Subscribe("test.index", func(m *nats.Msg) {
+		wireMu.Lock()
+		defer wireMu.Unlock()
+		wire = append(wire, m)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := spy.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var ra, rb received
+	a := startSyncer(t, ra.config(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.index"}))
+	b := startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.index"}))
+	waitFor(t, "b hearing a", func() bool { rb.mu.Lock(); defer rb.mu.Unlock(); return rb.peers[a.Name()] })
+	var sent []Message
+	for round := range 50 {
+		id := uint64(10 * round)
+		hashes := []uint64{id + 1, id + 2}
+		for _, ev := range []router.Event{
+			{Kind: router.EventRouted, ID: id + 1, Dial: "x:1", Hashes: hashes, BlockTokens: 16, Prefill: 32},
+			{Kind: router.EventReleased, ID: id + 1},
+			{Kind: router.EventForgot, ID: id + 1, Dial: "x:1", Hashes: hashes},
+			{Kind: router.EventRouted, ID: id + 2, Dial: "x:1", Hashes: hashes, BlockTokens: 16, Prefill: 32},
+			{Kind: router.EventPrefilled, ID: id + 2, Dial: "x:1", Hashes: hashes},
+			{Kind: router.EventCompleted, ID: id + 2, Model: "m", Tokens: 3},
+		} {
+			m := Message{Event: &ev}
+			sent = append(sent, m)
+			if !a.Publish(m) {
+				t.Fatal("publish dropped on an idle queue")
+			}
+		}
+	}
+	waitFor(t, "b receiving everything", func() bool { return rb.count() == len(sent) })
+	rb.mu.Lock()
+	got := slices.Clone(rb.msgs)
+	rb.mu.Unlock()
+	if !reflect.DeepEqual(got, sent) {
+		for i := range got {
+			if !reflect.DeepEqual(got[i], sent[i]) {
+				t.Fatalf("message %d: b got %+v, a sent %+v", i, got[i].Event, sent[i].Event)
+			}
+		}
+	}
+	if st := b.Stats(); st.Missed != 0 || st.Malformed != 0 {
+		t.Fatalf("b's stats: %+v", st)
+	}
+	wireMu.Lock()
+	defer wireMu.Unlock()
+	var last uint64
+	for _, m := range wire {
+		batch, err := DecodeBatch(m.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if batch.Sender != "a" {
+			continue
+		}
+		index := 0
+		for _, bm := range batch.Messages {
+			if isIndexEvent(bm.Event.Kind) {
+				index++
+			}
+		}
+		seq := batchSeq(m)
+		switch {
+		case index > 0 && (index < len(batch.Messages) || m.Data[0] != 7 || seq != 0):
+			t.Fatalf("a version %d batch numbered %d carries %d index changes among %d messages", m.Data[0], seq, index, len(batch.Messages))
+		case index == 0 && seq != last+1:
+			t.Fatalf("a batch of charges numbered %d follows %d", seq, last)
+		case index == 0:
+			last = seq
+		}
+	}
+}
+
+// TestPeersForgetAFailedRequestsBlocks: through a real NATS server, a
+// request that fails before its first token at one router takes its
+// blocks back at the other: the next turn through it is not warm there.
+func TestPeersForgetAFailedRequestsBlocks(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.forget", "x:1")
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.forget", "x:1")
+	waitFor(t, "each router hearing the other", func() bool {
+		return len(a.fleet.Peers()) == 1 && len(b.fleet.Peers()) == 1
+	})
+	h := make([]uint64, 64)
+	for i := range h {
+		h[i] = uint64(i + 1)
+	}
+	d := a.decide(h)
+	waitFor(t, "b counting a's request", func() bool { return inFlightOn(b.fleet, "x:1") == 1 })
+	if got := b.fleet.Snapshot(time.Now())[0].IndexBlocks; got != 64 {
+		t.Fatalf("b's index holds %d of the routed request's 64 blocks", got)
+	}
+	a.fleet.Release(d.Charge, time.Now()) // the engine answered 500 before any token
+	waitFor(t, "b forgetting the failed request's blocks", func() bool {
+		return b.fleet.Snapshot(time.Now())[0].IndexBlocks == 0
+	})
+	if st := b.syncer.Stats(); st.Missed != 0 || st.Renewals != 0 {
+		t.Fatalf("b's stats: %+v", st)
+	}
+}
+
+// TestUnnumberedBatchKeepsTheCount: an unnumbered batch (index changes)
+// between numbered ones neither is a gap nor hides one.
+func TestUnnumberedBatchKeepsTheCount(t *testing.T) {
+	s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "b", Subject: "test.count"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &Batch{Sender: "a", Epoch: 1, Instance: 7}
+	now := time.Now()
+	for _, step := range []struct {
+		seq uint64
+		gap bool
+	}{{1, false}, {0, false}, {2, false}, {0, false}, {4, true}, {0, false}, {5, false}} {
+		if _, gap := s.latestName(b, step.seq, now); gap != step.gap {
+			t.Fatalf("batch %d: gap %v, want %v", step.seq, gap, step.gap)
+		}
 	}
 }

@@ -354,7 +354,9 @@ const opTimesHeader = "Llm-Affinity-Op-Times"
 // broke and healed, or a subscription the client dropped messages of),
 // which no disconnection tells either side. A header, which routers of
 // the versions before ignore, where a field in the batch would make them
-// reject it.
+// reject it. Batches of index changes go unnumbered (see Syncer.run),
+// so a lost one goes unnoticed: its peers' indexes are wrong until the
+// blocks are routed again or evicted.
 const seqHeader = "Llm-Affinity-Seq"
 
 // Name is this router's name as its peers see it.
@@ -941,10 +943,11 @@ func (s *Syncer) Publish(m Message) bool {
 
 // drop counts m as dropped and notes what the peers missed: a charge's
 // routing or release (its progress carries running totals, which the
-// next one makes good), or an operator's drain.
+// next one makes good), or an operator's drain. Nothing restates stored
+// responses or index changes.
 func (s *Syncer) drop(m Message) {
 	s.dropped.Add(1)
-	if m.Event != nil && m.Event.Kind != router.EventProgressed && m.Event.Kind != router.EventStored {
+	if ev := m.Event; ev != nil && ev.Kind != router.EventProgressed && ev.Kind != router.EventStored && !isIndexEvent(ev.Kind) {
 		s.lost.Store(true)
 	}
 	s.keepOp(m)
@@ -1097,9 +1100,13 @@ func (s *Syncer) takeLostOps() []Message {
 func (s *Syncer) run() {
 	defer close(s.done)
 	// Stored responses travel in batches of their own (see AppendBatch),
-	// so that a router of the version before keeps reading the charges.
+	// so that a router of the version before keeps reading the charges;
+	// so do forgotten and prefilled blocks (index), unnumbered, in the
+	// order of the charges around them: a forget must not overtake the
+	// routing that inserted the blocks, nor a later routing that inserted
+	// them again overtake it.
 	batch := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
-	stored := batch
+	stored, index := batch, batch
 	var lastRenewal time.Time
 	var buf []byte
 	heartbeat := time.NewTicker(s.cfg.HeartbeatInterval)
@@ -1108,11 +1115,11 @@ func (s *Syncer) run() {
 	// progressAt indexes the batch's progress events by charge: a later
 	// one replaces an earlier (they carry running totals).
 	progressAt := map[uint64]int{}
-	size, storedSize := 0, 0
+	size, storedSize, indexSize := 0, 0, 0
 	// One message, its header reused: the client encodes it at once.
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
-	send := func(b *Batch) {
+	send := func(b *Batch, numbered bool) {
 		if s.retired.Load() {
 			b.Messages = b.Messages[:0] // not even a heartbeat: its successor speaks
 			return
@@ -1135,7 +1142,13 @@ func (s *Syncer) run() {
 			}
 			buf = AppendBatch(buf[:0], b)
 			msg.Data = buf
-			msg.Header.Set(seqHeader, strconv.FormatUint(seq+1, 10))
+			if numbered {
+				msg.Header.Set(seqHeader, strconv.FormatUint(seq+1, 10))
+			} else {
+				// A router of the version before rejects it: a number
+				// would make it see a gap, and renew, at every one.
+				msg.Header.Del(seqHeader)
+			}
 			setOpTimes(msg.Header, b.Messages)
 			if err := s.nc.PublishMsg(msg); err != nil {
 				for _, m := range b.Messages {
@@ -1150,32 +1163,58 @@ func (s *Syncer) run() {
 					s.nc.ForceReconnect()
 				}
 			} else {
-				seq++
+				if numbered {
+					seq++
+				}
 				s.sent.Add(n)
 			}
 		}
 		b.Messages = b.Messages[:0]
-		sentSinceBeat = true
+		// Every router reads a numbered batch: it says this one is alive.
+		sentSinceBeat = sentSinceBeat || numbered
 	}
-	// publish sends what is batched; with nothing batched, an empty batch
-	// (a heartbeat).
-	publish := func() {
-		if len(stored.Messages) > 0 {
-			send(&stored)
-			storedSize = 0
-			if len(batch.Messages) == 0 {
-				return
-			}
-		}
-		send(&batch)
+	sendCharges := func() {
+		send(&batch, true)
 		size = 0
 		clear(progressAt)
+	}
+	sendIndex := func() {
+		send(&index, false)
+		indexSize = 0
+	}
+	// publish sends what is batched; with nothing numbered batched, an
+	// empty batch (a heartbeat). Of the charges and the index changes,
+	// at most one is batched: adding to one sends the other.
+	publish := func() {
+		beat := true
+		if len(stored.Messages) > 0 {
+			send(&stored, true)
+			storedSize = 0
+			beat = false
+		}
+		if len(index.Messages) > 0 {
+			sendIndex()
+		}
+		if len(batch.Messages) > 0 || beat {
+			sendCharges()
+		}
 	}
 	add := func(m Message) {
 		if s.supersededOp(&m) {
 			return
 		}
 		n := encodedSize(&m)
+		if ev := m.Event; ev != nil && isIndexEvent(ev.Kind) {
+			if len(batch.Messages) > 0 {
+				sendCharges()
+			}
+			if (indexSize+n > maxBatchBytes || len(index.Messages) >= maxBatch) && len(index.Messages) > 0 {
+				sendIndex()
+			}
+			index.Messages = append(index.Messages, m)
+			indexSize += n
+			return
+		}
 		if versionOf(&m) > chargeWireVersion {
 			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
 				publish()
@@ -1183,6 +1222,9 @@ func (s *Syncer) run() {
 			stored.Messages = append(stored.Messages, m)
 			storedSize += n
 			return
+		}
+		if len(index.Messages) > 0 {
+			sendIndex()
 		}
 		if ev := m.Event; ev != nil && ev.Kind == router.EventProgressed {
 			if i, ok := progressAt[ev.ID]; ok {
@@ -1212,7 +1254,7 @@ func (s *Syncer) run() {
 			lastRenewal = time.Now()
 			epoch := max(uint64(lastRenewal.UnixNano()), s.epoch.Load()+1)
 			s.epoch.Store(epoch)
-			batch.Epoch, stored.Epoch = epoch, epoch
+			batch.Epoch, stored.Epoch, index.Epoch = epoch, epoch, epoch
 			self := peerName(s.cfg.Name, epoch)
 			s.self.Store(&self)
 			s.cfg.Logger.Info("messages to the peers were lost: sharing under a new identity, restating what is in flight",
@@ -1253,7 +1295,7 @@ func (s *Syncer) run() {
 			renew()
 			add(m)
 		more:
-			for len(batch.Messages)+len(stored.Messages) < maxBatch {
+			for len(batch.Messages)+len(stored.Messages)+len(index.Messages) < maxBatch {
 				select {
 				case m := <-s.queue:
 					add(m)
@@ -1264,7 +1306,7 @@ func (s *Syncer) run() {
 			publish()
 		case <-heartbeat.C:
 			renew()
-			if !sentSinceBeat || len(batch.Messages)+len(stored.Messages) > 0 {
+			if !sentSinceBeat || len(batch.Messages)+len(stored.Messages)+len(index.Messages) > 0 {
 				publish() // what renew restated, or an empty batch: alive
 			}
 			sentSinceBeat = false
@@ -1438,6 +1480,9 @@ func (s *Syncer) latestName(b *Batch, seq uint64, now time.Time) (current, gap b
 		// charges as a silent peer's, and missed its operators' drains.
 		s.restate.Store(true)
 		s.restateOps.Store(true)
+	}
+	if seq == 0 && known && b.Epoch == latest.epoch {
+		seq = latest.seq // an unnumbered batch (see Syncer.run) between numbered ones
 	}
 	s.senders[key] = senderName{epoch: b.Epoch, heard: now, seq: seq}
 	return true, gap

@@ -29,15 +29,18 @@ type Charge struct {
 	FirstToken time.Time
 	// Tokens counts the output tokens reported by Progress.
 	Tokens int
-	// chain is the request's blocks, until the first token says the
-	// engine prefilled them; the decision added chain[held:] to the
-	// upstream's index, and the first kept of them another request's
+	// chain is the request's blocks: the decision added chain[held:] to
+	// the upstream's index, and the first kept of them another request's
 	// prefill there has run through since (see Fleet.confirm). Only a
-	// local charge has them. pending is the charge's place in its
-	// upstream's pending list, -1 when it is not there.
+	// local charge has them, until its first token says the engine
+	// prefilled them, or, for a router that shares its view, until it is
+	// released (a peer's failure there must not forget what it holds:
+	// see Fleet.applyForgot). listed is the charge's place in its
+	// upstream's pending list, or prefilled list after its first token,
+	// -1 when it is in neither.
 	chain      []uint64
 	held, kept int32
-	pending    int32
+	listed     int32
 	// remote marks a peer's charge, applied from its events.
 	remote bool
 	// adapter is the LoRA adapter the decision presumed the upstream
@@ -58,7 +61,7 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Cha
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, pending: -1}
+	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, listed: -1}
 }
 
 // progress is Progress; caller holds f.mu.
@@ -85,18 +88,26 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 
 // confirm notes c's first token on u, which says the engine prefilled
 // c's whole prompt there: the blocks a failed request made the index
-// forget since c's decision are held after all (some may be c's), and
-// the requests still waiting for their first token there keep, should
-// they fail, the blocks c's prompt shares with theirs. Caller holds f.mu.
+// forget since c's decision are held after all (some may be c's: the
+// peers, which forgot them too, learn them again), and the requests
+// still waiting for their first token there keep, should they fail, the
+// blocks c's prompt shares with theirs. Caller holds f.mu.
 func (f *Fleet) confirm(u *upstream, c *Charge) {
-	if u.forgotAt >= c.id && !u.forgotten {
+	if u.forgotAt >= c.id && !u.forgotten && len(c.chain) > 0 {
 		f.index.Insert(u.id, c.chain)
+		f.publish(Event{Kind: EventPrefilled, ID: c.id, Dial: u.dial, Hashes: c.chain})
 	}
-	f.unpend(u, c)
+	unlist(&u.pending, c)
 	for _, other := range u.pending {
 		other.kept = max(other.kept, int32(sharedBlocks(other.chain, c.chain)))
 	}
-	c.chain = nil
+	if f.local == nil || u.forgotten || len(c.chain) == 0 {
+		c.chain = nil
+		return
+	}
+	// Its peers' failures there forget blocks too (see applyForgot).
+	c.listed = int32(len(u.prefilled))
+	u.prefilled = append(u.prefilled, c)
 }
 
 // sharedBlocks is how many leading blocks two prompts share. Block hashes
@@ -110,18 +121,19 @@ func sharedBlocks(a, b []uint64) int {
 	return sort.Search(n, func(i int) bool { return a[i] != b[i] })
 }
 
-// unpend takes c off u's pending list. Caller holds f.mu.
-func (f *Fleet) unpend(u *upstream, c *Charge) {
-	i := int(c.pending)
-	if i < 0 || i >= len(u.pending) || u.pending[i] != c {
+// unlist takes c off list, an upstream's pending or prefilled list.
+// Caller holds f.mu.
+func unlist(list *[]*Charge, c *Charge) {
+	l, i := *list, int(c.listed)
+	if i < 0 || i >= len(l) || l[i] != c {
 		return
 	}
-	last := len(u.pending) - 1
-	u.pending[i] = u.pending[last]
-	u.pending[i].pending = int32(i)
-	u.pending[last] = nil
-	u.pending = u.pending[:last]
-	c.pending = -1
+	last := len(l) - 1
+	l[i] = l[last]
+	l[i].listed = int32(i)
+	l[last] = nil
+	*list = l[:last]
+	c.listed = -1
 }
 
 // learn feeds a completed response of model into its estimates. Caller
@@ -220,9 +232,11 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 		// conversation's next turn must not be sent there as warm. Except
 		// the blocks another request's prompt ran through there since (it
 		// had its first token: see confirm), which the engine holds.
-		if u, from := c.up, int(max(c.held, c.kept)); from < len(c.chain) && !u.forgotten {
+		if u, from := c.up, int(max(c.held, c.kept)); c.FirstToken.IsZero() && from < len(c.chain) && !u.forgotten {
 			f.index.Forget(u.id, c.chain[from:])
 			u.forgotAt = f.nextID
+			// The peers learned them from its routing.
+			f.publish(Event{Kind: EventForgot, ID: c.id, Dial: u.dial, From: from, Hashes: c.chain[from:]})
 		}
 	}
 	f.release(c, now)
@@ -242,7 +256,11 @@ func (f *Fleet) release(c *Charge, now time.Time) {
 	if !c.remote && f.local != nil {
 		delete(f.local, c.id)
 	}
-	f.unpend(u, c)
+	if c.FirstToken.IsZero() {
+		unlist(&u.pending, c)
+	} else {
+		unlist(&u.prefilled, c)
+	}
 	c.up, c.prefill, c.decode, c.kv, c.chain = nil, 0, 0, 0, nil
 	if u.forgotten && u.inFlight == 0 && f.upstreams[u.dial] == u {
 		f.remove(u)

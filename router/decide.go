@@ -200,7 +200,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// The blocks beyond what the upstream held are the decision's own
 	// (f.scratchDepths is the match of this decision).
 	c.chain, c.held = req.Hashes, int32(min(f.scratchDepths[u.id], len(req.Hashes)))
-	c.pending = int32(len(u.pending))
+	c.listed = int32(len(u.pending))
 	u.pending = append(u.pending, c)
 	f.index.Insert(u.id, req.Hashes)
 	if f.local != nil {

@@ -129,13 +129,16 @@ type upstream struct {
 	// here.
 	owed        bool
 	lastRelease uint64
-	// forgotAt is the fleet's newest charge id when a failed request last
-	// made this upstream's index forget blocks: a request decided before
+	// forgotAt is the fleet's newest charge id when a failed request (this
+	// router's or a peer's) last made this upstream's index forget blocks:
+	// a request decided before
 	// it may have lost blocks its prefill holds (see Fleet.confirm).
 	// pending are this router's charges here still waiting for their
-	// first token.
-	forgotAt uint64
-	pending  []*Charge
+	// first token, and prefilled, when it shares its view, those past it
+	// and still in flight.
+	forgotAt  uint64
+	pending   []*Charge
+	prefilled []*Charge
 
 	// adapters are the LoRA adapters charged here, most recent first:
 	// the first MaxLoras (or the engine's own count of adapter slots,

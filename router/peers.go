@@ -45,6 +45,16 @@ const (
 	// charge: a router that starts learns its peers' view this way (see
 	// SnapshotEvents and Restore; Apply ignores it).
 	EventCached
+	// EventForgot: the charge ID failed before its first token, so Dial's
+	// engine most likely did not prefill the blocks Hashes, which are its
+	// request's chain from position From on (the blocks before were held
+	// there already, or another request's prefill ran through them).
+	// Peers forget them too, except what a prefill they saw there holds.
+	EventForgot
+	// EventPrefilled: Dial's engine prefilled the blocks Hashes, which a
+	// failure had made the sending router's index forget (see
+	// EventForgot). It is about no charge.
+	EventPrefilled
 )
 
 // Event is one change to a router's charges, as its peers learn it.
@@ -74,6 +84,8 @@ type Event struct {
 	PromptBytes, PromptTokens int
 	// Response is a stored response's id.
 	Response string
+	// From is where a forgot event's Hashes start in its request's chain.
+	From int
 }
 
 // KeepLive makes f keep its own charges in flight, from now on, for
@@ -359,6 +371,18 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		}
 		return f.homes.remember(ev.Response, ev.Dial)
 	}
+	if ev.Kind == EventForgot || ev.Kind == EventPrefilled {
+		u := f.upstreams[ev.Dial]
+		if u == nil || u.forgotten || len(ev.Hashes) == 0 {
+			return false
+		}
+		if ev.Kind == EventPrefilled {
+			f.index.Insert(u.id, ev.Hashes)
+		} else {
+			f.applyForgot(u, ev)
+		}
+		return true
+	}
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
@@ -414,6 +438,26 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	f.dropRemote(key)
 	f.release(c, now)
 	return true
+}
+
+// applyForgot makes u's index forget the blocks a peer's request failed
+// to prefill there (EventForgot), except those a prefill of this
+// router's there, still in flight, ran through: the peers, which forgot
+// them too, learn them again. This router's requests still waiting for
+// their first token there insert their chains again at it (see confirm).
+// Caller holds f.mu.
+func (f *Fleet) applyForgot(u *upstream, ev Event) {
+	held := 0
+	for _, c := range u.prefilled {
+		if ev.From >= 0 && ev.From < len(c.chain) {
+			held = max(held, sharedBlocks(c.chain[ev.From:], ev.Hashes))
+		}
+	}
+	if held > 0 {
+		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: ev.Hashes[:held]})
+	}
+	f.index.Forget(u.id, ev.Hashes[held:])
+	u.forgotAt = f.nextID
 }
 
 // maxPeerCharges bounds one peer's charges in flight here, and

@@ -518,3 +518,171 @@ func TestPeersAreBounded(t *testing.T) {
 		t.Fatalf("%d peer charges in flight, want the bound %d", u.InFlight, maxRemoteCharges)
 	}
 }
+
+// wired is routers that share their view, each event handed to every
+// other router at once, in order, as a sync connection without losses
+// does.
+type wired struct {
+	names  []string
+	fleets []*Fleet
+	queue  []wiredEvent
+	// told counts the events of each kind sent.
+	told map[EventKind]int
+}
+
+type wiredEvent struct {
+	from int
+	ev   Event
+}
+
+func wire(t *testing.T, dials ...string) *wired {
+	t.Helper()
+	w := &wired{names: []string{"a", "b"}, told: map[EventKind]int{}}
+	for i := range w.names {
+		f := New()
+		for _, d := range dials {
+			f.Name(d, t0)
+		}
+		f.KeepLive(true)
+		f.SetPublisher(func(ev Event) {
+			ev.Hashes = slices.Clone(ev.Hashes)
+			w.queue = append(w.queue, wiredEvent{i, ev})
+			w.told[ev.Kind]++
+		})
+		w.fleets = append(w.fleets, f)
+	}
+	return w
+}
+
+// deliver hands every event sent so far, and those applying them send,
+// to the other routers.
+func (w *wired) deliver() {
+	for len(w.queue) > 0 {
+		e := w.queue[0]
+		w.queue = w.queue[1:]
+		for i, f := range w.fleets {
+			if i != e.from {
+				f.Apply(w.names[e.from], e.ev, t0)
+			}
+		}
+	}
+}
+
+// TestPeersForgetWhatAFailedRequestDidNotPrefill: a request that fails
+// before its first token takes its blocks back at every router, not only
+// at its own: the conversation's next turn is not sent "warm" through
+// another gateway to an engine that never prefilled it. What a prefill
+// there ran through stays, whichever router it went through: a peer's
+// request past its first token keeps what it shares with the failed one
+// (and its router tells the failed one's), and one still waiting for its
+// first token inserts its blocks again at it. A failure after the first
+// token forgets nothing, and a release whose first-token event was lost
+// on the way is no failure at the peers.
+func TestPeersForgetWhatAFailedRequestDidNotPrefill(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	system := hashes(5, 1024) // 16 blocks
+	turn := func(seed uint64) Request {
+		h := append(append([]uint64(nil), system...), hashes(seed, 1024)...)
+		return Request{Hashes: h, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
+	}
+	// matched is what req matches at f, asked quietly: a probe tells the
+	// peers nothing and leaves the index as it was.
+	matched := func(f *Fleet, req Request) int {
+		t.Helper()
+		f.mu.Lock()
+		publisher := f.publisher
+		f.publisher = nil
+		f.mu.Unlock()
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.publisher = publisher
+		f.failed(d.Charge, t0)
+		return d.MatchedTokens
+	}
+
+	t.Run("alone", func(t *testing.T) {
+		w := wire(t, "x")
+		a, b := w.fleets[0], w.fleets[1]
+		r := a.Decide(t0, turn(100), ms, &opts, rng(), nil)
+		w.deliver()
+		if got := matched(b, turn(100)); got != 2048 {
+			t.Fatalf("b matched %d of the routed turn's 2,048 tokens", got)
+		}
+		a.Release(r.Charge, t0) // the engine answered 500 at once
+		w.deliver()
+		for i, f := range w.fleets {
+			if got := matched(f, turn(100)); got != 0 {
+				t.Errorf("router %s matched %d tokens of a prompt no engine prefilled", w.names[i], got)
+			}
+		}
+	})
+
+	t.Run("a peer's request past its first token", func(t *testing.T) {
+		w := wire(t, "x")
+		a, b := w.fleets[0], w.fleets[1]
+		r := a.Decide(t0, turn(100), ms, &opts, rng(), nil)
+		w.deliver()
+		s := b.Decide(t0, turn(200), ms, &opts, rng(), nil) // warm on the system prompt
+		b.Progress(s.Charge, 1, t0)
+		w.deliver()
+		a.Release(r.Charge, t0) // a knows nothing of s's prompt: it forgets all 32 blocks
+		w.deliver()
+		for i, f := range w.fleets {
+			if got := matched(f, turn(300)); got != 1024 {
+				t.Errorf("router %s matched %d tokens of the system prompt s prefilled, want 1,024", w.names[i], got)
+			}
+			if got := matched(f, turn(100)); got != 1024 {
+				t.Errorf("router %s matched %d tokens of the failed turn, want its system prompt's 1,024", w.names[i], got)
+			}
+			if got := matched(f, turn(200)); got != 2048 {
+				t.Errorf("router %s matched %d of s's 2,048 tokens", w.names[i], got)
+			}
+		}
+		if w.told[EventPrefilled] != 1 {
+			t.Errorf("%d prefilled events, want b's one", w.told[EventPrefilled])
+		}
+	})
+
+	t.Run("a peer's request waiting for its first token", func(t *testing.T) {
+		w := wire(t, "x")
+		a, b := w.fleets[0], w.fleets[1]
+		r := a.Decide(t0, turn(100), ms, &opts, rng(), nil)
+		w.deliver()
+		s := b.Decide(t0, turn(200), ms, &opts, rng(), nil)
+		w.deliver()
+		a.Release(r.Charge, t0)
+		w.deliver()
+		b.Progress(s.Charge, 1, t0) // the engine prefilled s's prompt after all
+		w.deliver()
+		for i, f := range w.fleets {
+			if got := matched(f, turn(200)); got != 2048 {
+				t.Errorf("router %s matched %d of s's 2,048 tokens", w.names[i], got)
+			}
+			if got := matched(f, turn(100)); got != 1024 {
+				t.Errorf("router %s matched %d tokens of the failed turn, want its system prompt's 1,024", w.names[i], got)
+			}
+		}
+	})
+
+	t.Run("a failure after the first token", func(t *testing.T) {
+		w := wire(t, "x")
+		a := w.fleets[0]
+		r := a.Decide(t0, turn(100), ms, &opts, rng(), nil)
+		a.Progress(r.Charge, 1, t0)
+		a.Release(r.Charge, t0) // the client left mid-stream
+		// The first token's event was lost on the way (fleetsync drops
+		// progress without renewing: the next one makes good).
+		w.queue = slices.DeleteFunc(w.queue, func(e wiredEvent) bool { return e.ev.Kind == EventProgressed })
+		w.deliver()
+		if w.told[EventForgot] != 0 {
+			t.Errorf("a told its peers to forget the blocks of a request past its first token")
+		}
+		for i, f := range w.fleets {
+			if got := matched(f, turn(100)); got != 2048 {
+				t.Errorf("router %s matched %d of the prefilled turn's 2,048 tokens", w.names[i], got)
+			}
+		}
+	})
+}
