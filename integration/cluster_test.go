@@ -352,3 +352,86 @@ func TestClusterSharesOneView(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterForgetsAFailedRequest: a conversation's first turn, sent
+// through one router, fails at its engine before any token (the engine
+// answers 500 at once, as vLLM does when a request errors in its
+// scheduler). The router that sent it takes its blocks back, and so do
+// its peers: the next attempt through another router is not routed as
+// warm to the engine that never prefilled the prompt.
+func TestClusterForgetsAFailedRequest(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs two Caddy processes")
+	}
+	bin := buildCaddy(t)
+	natsPort := freePort(t)
+	natsServer(t, natsPort)
+	natsURL := fmt.Sprintf("nats://127.0.0.1:%d", natsPort)
+
+	// Each replica fails the first request whose prompt holds a
+	// conversation's failure mark, once.
+	var failedMu sync.Mutex
+	failed := map[string]string{} // mark -> the replica that failed it
+	const mark = "FAIL-ONCE-"
+	fleet := startFleetServing(t, 3, 20, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			r.Body = io.NopCloser(bytes.NewReader(body))
+			if i := bytes.Index(body, []byte(mark)); i >= 0 {
+				key := string(body[i : i+len(mark)+2])
+				failedMu.Lock()
+				_, seen := failed[key]
+				if !seen {
+					failed[key] = name
+				}
+				failedMu.Unlock()
+				if !seen {
+					http.Error(w, `{"error":{"message":"engine error","type":"InternalServerError","code":500}}`, http.StatusInternalServerError)
+					return
+				}
+			}
+			sim.ServeHTTP(w, r)
+		})
+	})
+	routers := []*routerProc{
+		startRouter(t, bin, "router-0", natsURL, fleet),
+		startRouter(t, bin, "router-1", natsURL, fleet),
+	}
+	allConnected(t, routers)
+
+	indexBlocks := func(r *routerProc) int {
+		n := 0
+		for _, u := range r.upstreams(t) {
+			n += u.IndexBlocks
+		}
+		return n
+	}
+	for c := range 4 {
+		key := fmt.Sprintf("%s%02d", mark, c)
+		convo := []msg{{"system", key + " " + text(fmt.Sprintf("failed conversation %d", c), 8000)}, {"user", "hello"}}
+		blocks, applied := indexBlocks(routers[1]), routers[1].sync(t).Connections[0].Applied
+		raw, _ := json.Marshal(chat(convo, 4))
+		resp, err := http.Post(routers[0].url+"/v1/chat/completions", "application/json", bytes.NewReader(raw))
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusInternalServerError {
+			t.Fatalf("conversation %d's failing turn: %d", c, resp.StatusCode)
+		}
+		// Router 0 tells its peer of three things: the routing, the
+		// release, and the blocks to forget.
+		eventually(t, 10*time.Second, "router-1 hearing of the failed request", func() bool {
+			return routers[1].sync(t).Connections[0].Applied >= applied+3
+		})
+		if got := indexBlocks(routers[1]); got != blocks {
+			t.Errorf("conversation %d: router-1's index holds %d blocks after the failure, %d before it", c, got, blocks)
+		}
+		// The same prompt again through router 1 is not taken as cached
+		// anywhere (kvsim holds none of it).
+		if _, explain := routers[1].post(t, convo); strings.Contains(explain, "reason=warm") || !strings.Contains(explain, "matched=0;") {
+			t.Errorf("conversation %d's failed turn, sent again through router-1: %s", c, explain)
+		}
+	}
+}
