@@ -287,20 +287,23 @@ func (ix *Index) Restore(id UpstreamID, hashes []uint64) {
 }
 
 // Forget forgets that upstream id holds hashes (a request routed there
-// failed before the engine prefilled them). Hashes it does not hold are
-// skipped.
-func (ix *Index) Forget(id UpstreamID, hashes []uint64) {
+// failed before the engine prefilled them), and returns how many it held.
+// Hashes it does not hold are skipped.
+func (ix *Index) Forget(id UpstreamID, hashes []uint64) int {
 	g, l, bit := ix.slot(id)
 	if g == nil {
-		return
+		return 0
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	n := 0
 	for _, h := range hashes {
 		if s := l.slots.find(h, l.entries); s != 0 {
 			g.drop(l, s, bit)
+			n++
 		}
 	}
+	return n
 }
 
 // Remove forgets everything upstream id holds and frees its handle. The

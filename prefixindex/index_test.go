@@ -256,8 +256,12 @@ func TestForgetTakesBackOneChainsTail(t *testing.T) {
 	ix.Insert(u, trunk)
 	ix.Insert(u, turn)
 	ix.Insert(v, turn)
-	ix.Forget(u, turn[4:])
-	ix.Forget(u, chainOf(nil, 3, 9)) // never held
+	if n := ix.Forget(u, turn[4:]); n != 4 {
+		t.Fatalf("forgetting u's 4-block tail dropped %d blocks", n)
+	}
+	if n := ix.Forget(u, chainOf(nil, 3, 9)); n != 0 { // never held
+		t.Fatalf("forgetting blocks never held dropped %d", n)
+	}
 	if m := ix.Match(turn, nil); m[u] != 4 || m[v] != 8 || ix.Blocks(u) != 4 {
 		t.Fatalf("after forgetting u's tail: u matched %d (holds %d), v %d; want 4 (4), 8", m[u], ix.Blocks(u), m[v])
 	}

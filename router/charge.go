@@ -43,6 +43,10 @@ type Charge struct {
 	listed     int32
 	// remote marks a peer's charge, applied from its events.
 	remote bool
+	// lost says a failure (or an engine restart) made the index forget
+	// blocks of chain since the decision, which the first token says the
+	// engine holds after all (see Fleet.confirm).
+	lost bool
 	// adapter is the LoRA adapter the decision presumed the upstream
 	// would load, "" for none.
 	adapter string
@@ -93,7 +97,7 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 // still waiting for their first token there keep, should they fail, the
 // blocks c's prompt shares with theirs. Caller holds f.mu.
 func (f *Fleet) confirm(u *upstream, c *Charge) {
-	if u.forgotAt >= c.id && !u.forgotten && len(c.chain) > 0 {
+	if c.lost && !u.forgotten && len(c.chain) > 0 {
 		f.index.Insert(u.id, c.chain)
 		f.publish(Event{Kind: EventPrefilled, ID: c.id, Dial: u.dial, Hashes: c.chain})
 	}
@@ -233,13 +237,90 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 		// the blocks another request's prompt ran through there since (it
 		// had its first token: see confirm), which the engine holds.
 		if u, from := c.up, int(max(c.held, c.kept)); c.FirstToken.IsZero() && from < len(c.chain) && !u.forgotten {
-			f.index.Forget(u.id, c.chain[from:])
-			u.forgotAt = f.nextID
+			f.forget(u, from, c.chain[from:], now)
 			// The peers learned them from its routing.
 			f.publish(Event{Kind: EventForgot, ID: c.id, Dial: u.dial, From: from, Hashes: c.chain[from:]})
 		}
 	}
 	f.release(c, now)
+}
+
+// forget makes u's index forget hashes, a failed request's blocks from
+// position from of its chain on, at now. The requests there still waiting
+// for their first token whose prompts share some of them re-insert their
+// chains at it (see confirm), and those that counted them as held at
+// their decision no longer do: should they fail too, they forget them as
+// their own, also at the peers that learned them again from their
+// routing. A snapshot restored within
+// forgetMemory does not bring them back: its router may have taken it
+// before it heard of the failure. Caller holds f.mu.
+func (f *Fleet) forget(u *upstream, from int, hashes []uint64, now time.Time) {
+	if len(hashes) == 0 {
+		return
+	}
+	for _, c := range u.pending {
+		// Chained hashes: a chain holds one of them only at its place,
+		// and only when it shares block from, and so all before it.
+		if from < len(c.chain) && c.chain[from] == hashes[0] {
+			c.lost = true
+			c.held = min(c.held, int32(from))
+		}
+	}
+	f.index.Forget(u.id, hashes)
+	f.rememberForgotten(u, hashes, now)
+}
+
+// forgetMemory is how long forgotten blocks are kept from snapshots (a
+// starting router asks for one once connected, and applies its parts as
+// they come, within seconds); maxForgotBlocks bounds how many.
+const (
+	forgetMemory    = time.Minute
+	maxForgotBlocks = 1 << 16
+)
+
+// forgotBlock is a block forgotten at an upstream.
+type forgotBlock struct {
+	u    *upstream
+	hash uint64
+}
+
+// rememberForgotten keeps hashes from snapshots restored at u until
+// forgetMemory after now. Caller holds f.mu.
+func (f *Fleet) rememberForgotten(u *upstream, hashes []uint64, now time.Time) {
+	if f.forgot == nil {
+		f.forgot = make(map[forgotBlock]time.Time)
+	}
+	for _, h := range hashes[:min(len(hashes), maxForgotBlocks)] {
+		b := forgotBlock{u, h}
+		if _, known := f.forgot[b]; !known {
+			f.forgotOrder = append(f.forgotOrder, b)
+		}
+		f.forgot[b] = now
+	}
+	// The oldest go: past their time, or beyond the bound.
+	drop := 0
+	for drop < len(f.forgotOrder) {
+		b := f.forgotOrder[drop]
+		if len(f.forgotOrder)-drop <= maxForgotBlocks && now.Sub(f.forgot[b]) < forgetMemory {
+			break
+		}
+		delete(f.forgot, b)
+		drop++
+	}
+	f.forgotOrder = slices.Delete(f.forgotOrder, 0, drop)
+}
+
+// notForgotten returns the hashes of a snapshot for u that no failure
+// made the index forget within forgetMemory before now, in place. Caller
+// holds f.mu.
+func (f *Fleet) notForgotten(u *upstream, hashes []uint64, now time.Time) []uint64 {
+	if len(f.forgot) == 0 {
+		return hashes
+	}
+	return slices.DeleteFunc(slices.Clone(hashes), func(h uint64) bool {
+		at, ok := f.forgot[forgotBlock{u, h}]
+		return ok && now.Sub(at) < forgetMemory
+	})
 }
 
 // release returns what c holds; caller holds f.mu.

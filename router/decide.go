@@ -394,7 +394,11 @@ func (f *Fleet) EngineRestarted(dial string, at time.Time) {
 // at two times, a scrape apart, and each time forgets (what was routed
 // between the two too). An index with nothing in it has nothing to
 // forget: an engine that was not listening yet when the router started
-// is no reset. Caller holds f.mu.
+// is no reset. What this router's requests there held went with the
+// cache: the ones in flight past their first token protect nothing from
+// a peer's failure (see applyForgot), and the ones still waiting for it
+// hold nothing from the index, and insert their chains again at it. Caller
+// holds f.mu.
 func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	if !at.After(u.engineRestart) {
 		return
@@ -403,6 +407,14 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	if f.index.Blocks(u.id) > 0 {
 		f.index.Clear(u.id)
 		u.indexResets++
+	}
+	for _, c := range u.prefilled {
+		c.chain, c.listed = nil, -1
+	}
+	clear(u.prefilled)
+	u.prefilled = u.prefilled[:0]
+	for _, c := range u.pending {
+		c.held, c.kept, c.lost = 0, 0, true
 	}
 }
 

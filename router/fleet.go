@@ -67,6 +67,11 @@ type Fleet struct {
 	// local holds this router's charges in flight by id while KeepLive
 	// is on (nil otherwise), to restate them to the peers (LiveEvents).
 	local map[uint64]*Charge
+	// forgot holds the blocks failures made the index forget within
+	// forgetMemory, oldest first in forgotOrder, which a snapshot does not
+	// bring back (see forget).
+	forgot      map[forgotBlock]time.Time
+	forgotOrder []forgotBlock
 
 	// Scratch space of decisions, which all run under mu.
 	scratchCands  []scorer.Candidate
@@ -129,14 +134,9 @@ type upstream struct {
 	// here.
 	owed        bool
 	lastRelease uint64
-	// forgotAt is the fleet's newest charge id when a failed request (this
-	// router's or a peer's) last made this upstream's index forget blocks:
-	// a request decided before
-	// it may have lost blocks its prefill holds (see Fleet.confirm).
 	// pending are this router's charges here still waiting for their
 	// first token, and prefilled, when it shares its view, those past it
 	// and still in flight.
-	forgotAt  uint64
 	pending   []*Charge
 	prefilled []*Charge
 

@@ -191,18 +191,18 @@ func (f *Fleet) Restore(ev Event, now time.Time) bool {
 	case u.forgotten:
 		return false
 	}
-	return f.restore(u, ev)
+	return f.restore(u, ev, now)
 }
 
 // restore applies a snapshot's event to u. Caller holds f.mu.
-func (f *Fleet) restore(u *upstream, ev Event) bool {
+func (f *Fleet) restore(u *upstream, ev Event, now time.Time) bool {
 	switch ev.Kind {
 	case EventCached:
 		if ev.Adapter != "" {
 			u.restoreAdapter(ev.Adapter)
 			return true
 		}
-		f.applyCached(u, ev)
+		f.applyCached(u, ev, now)
 		return true
 	case EventStored:
 		return f.homes.restore(ev.Response, u.dial)
@@ -282,7 +282,7 @@ func (f *Fleet) restorePending(u *upstream, now time.Time) {
 		return
 	}
 	for _, ev := range p.events {
-		f.restore(u, ev)
+		f.restore(u, ev, now)
 	}
 }
 
@@ -311,11 +311,12 @@ func (f *Fleet) takePending(dial string) *pendingRestore {
 // caches, 512k blocks (about 20 MB of index) at vLLM's 16-token blocks.
 const maxCachedCapacity = 1 << 23
 
-// applyCached restores a peer's index holdings of u (see SnapshotEvents):
-// behind what this router learned itself, which is more recent. An index
-// this router never sized takes the peer's capacity, so that it is not
-// cut to the default. Caller holds f.mu.
-func (f *Fleet) applyCached(u *upstream, ev Event) {
+// applyCached restores a peer's index holdings of u (see SnapshotEvents)
+// at now: behind what this router learned itself, which is more recent,
+// and without what a failure made it forget since the peer may have taken
+// the snapshot. An index this router never sized takes the peer's
+// capacity, so that it is not cut to the default. Caller holds f.mu.
+func (f *Fleet) applyCached(u *upstream, ev Event, now time.Time) {
 	if ev.BlockTokens >= minPeerBlockTokens {
 		capacity := u.capacityTokens
 		if capacity == 0 {
@@ -325,7 +326,7 @@ func (f *Fleet) applyCached(u *upstream, ev Event) {
 			f.sizeIndex(u, capacity, ev.BlockTokens)
 		}
 	}
-	f.index.Restore(u.id, ev.Hashes)
+	f.index.Restore(u.id, f.notForgotten(u, ev.Hashes, now))
 }
 
 // remoteKey names a peer's charge.
@@ -373,13 +374,13 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	}
 	if ev.Kind == EventForgot || ev.Kind == EventPrefilled {
 		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten || len(ev.Hashes) == 0 {
+		if u == nil || u.forgotten || len(ev.Hashes) == 0 || ev.From < 0 {
 			return false
 		}
 		if ev.Kind == EventPrefilled {
 			f.index.Insert(u.id, ev.Hashes)
 		} else {
-			f.applyForgot(u, ev)
+			f.applyForgot(u, ev, now)
 		}
 		return true
 	}
@@ -441,23 +442,30 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 }
 
 // applyForgot makes u's index forget the blocks a peer's request failed
-// to prefill there (EventForgot), except those a prefill of this
-// router's there, still in flight, ran through: the peers, which forgot
+// to prefill there (EventForgot) at now, except those a prefill of this
+// router's there ran through: one still in flight, or one a request still
+// waiting there shares blocks with (its kept). The peers, which forgot
 // them too, learn them again. This router's requests still waiting for
-// their first token there insert their chains again at it (see confirm).
+// their first token there insert their chains again at it (see forget).
 // Caller holds f.mu.
-func (f *Fleet) applyForgot(u *upstream, ev Event) {
+func (f *Fleet) applyForgot(u *upstream, ev Event, now time.Time) {
 	held := 0
-	for _, c := range u.prefilled {
-		if ev.From >= 0 && ev.From < len(c.chain) {
-			held = max(held, sharedBlocks(c.chain[ev.From:], ev.Hashes))
+	if ev.From >= 0 {
+		for _, c := range u.prefilled {
+			if ev.From < len(c.chain) {
+				held = max(held, sharedBlocks(c.chain[ev.From:], ev.Hashes))
+			}
+		}
+		for _, c := range u.pending {
+			if kept := int(c.kept) - ev.From; kept > 0 {
+				held = max(held, min(kept, sharedBlocks(c.chain[ev.From:], ev.Hashes)))
+			}
 		}
 	}
 	if held > 0 {
 		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: ev.Hashes[:held]})
 	}
-	f.index.Forget(u.id, ev.Hashes[held:])
-	u.forgotAt = f.nextID
+	f.forget(u, ev.From+held, ev.Hashes[held:], now)
 }
 
 // maxPeerCharges bounds one peer's charges in flight here, and

@@ -581,26 +581,8 @@ func (w *wired) deliver() {
 func TestPeersForgetWhatAFailedRequestDidNotPrefill(t *testing.T) {
 	opts := Options{}.WithDefaults()
 	ms := members("x")
-	system := hashes(5, 1024) // 16 blocks
-	turn := func(seed uint64) Request {
-		h := append(append([]uint64(nil), system...), hashes(seed, 1024)...)
-		return Request{Hashes: h, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
-	}
-	// matched is what req matches at f, asked quietly: a probe tells the
-	// peers nothing and leaves the index as it was.
-	matched := func(f *Fleet, req Request) int {
-		t.Helper()
-		f.mu.Lock()
-		publisher := f.publisher
-		f.publisher = nil
-		f.mu.Unlock()
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		f.publisher = publisher
-		f.failed(d.Charge, t0)
-		return d.MatchedTokens
-	}
+	turn := sharedTurn
+	matched := func(f *Fleet, req Request) int { t.Helper(); return quietMatch(t, f, req) }
 
 	t.Run("alone", func(t *testing.T) {
 		w := wire(t, "x")
@@ -685,4 +667,172 @@ func TestPeersForgetWhatAFailedRequestDidNotPrefill(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestPeersForgetWhatTwoFailuresDidNotPrefill: two routers' requests fail
+// at one engine, the second routed warm on blocks the first added. Router
+// a forgets the first's blocks, then hears the second's routing, which
+// inserts them again; router b, told of the first's failure, no longer
+// counts them as the second's held, so its failure takes them back at a
+// too. Nothing that no engine prefilled stays anywhere.
+func TestPeersForgetWhatTwoFailuresDidNotPrefill(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	w := wire(t, "x")
+	a, b := w.fleets[0], w.fleets[1]
+	r := a.Decide(t0, sharedTurn(100), ms, &opts, rng(), nil)
+	w.deliver()
+	s := b.Decide(t0, sharedTurn(200), ms, &opts, rng(), nil)
+	if s.MatchedTokens != 1024 {
+		t.Fatalf("s matched %d, want the system prompt's 1,024", s.MatchedTokens)
+	}
+	a.Release(r.Charge, t0) // 503 before any token
+	w.deliver()             // a hears s's routing, b hears r's failure
+	b.Release(s.Charge, t0) // the engine fails s too
+	w.deliver()
+	for i, f := range w.fleets {
+		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
+			t.Errorf("router %s matched %d tokens of a system prompt no engine prefilled", w.names[i], got)
+		}
+	}
+}
+
+// TestRestartedEngineProtectsNothing: a request past its first token when
+// its engine restarted (the scraper saw it; the index is cleared) keeps
+// nothing from a peer's failure there afterwards: the engine lost what
+// its prefill held.
+func TestRestartedEngineProtectsNothing(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	w := wire(t, "x")
+	a, b := w.fleets[0], w.fleets[1]
+	s := b.Decide(t0, sharedTurn(200), ms, &opts, rng(), nil)
+	b.Progress(s.Charge, 1, t0)
+	w.deliver()
+	for _, f := range w.fleets {
+		f.EngineRestarted("x", t0.Add(1))
+	}
+	r := a.Decide(t0, sharedTurn(100), ms, &opts, rng(), nil) // cold: the engine restarted
+	w.deliver()
+	a.Release(r.Charge, t0)
+	w.deliver()
+	for i, f := range w.fleets {
+		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
+			t.Errorf("router %s matched %d tokens at an engine that restarted and prefilled nothing since", w.names[i], got)
+		}
+	}
+}
+
+// TestSnapshotDoesNotUndoAForget: a router that starts hears a peer's
+// forget live before the part of another peer's snapshot, taken before
+// that peer heard of the failure, that holds the blocks: they stay
+// forgotten, for forgetMemory.
+func TestSnapshotDoesNotUndoAForget(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	w := wire(t, "x")
+	a, b := w.fleets[0], w.fleets[1]
+	r := a.Decide(t0, sharedTurn(100), ms, &opts, rng(), nil)
+	w.deliver()
+	snapshot := b.SnapshotEvents(8192) // b answers the starting router c
+	a.Release(r.Charge, t0)
+	var forgot Event
+	for _, e := range w.queue {
+		if e.ev.Kind == EventForgot {
+			forgot = e.ev
+		}
+	}
+	w.deliver()
+	c := New()
+	c.Name("x", t0)
+	c.KeepLive(true)
+	c.Apply("a", forgot, t0) // live, before the snapshot's part
+	for _, ev := range snapshot {
+		c.Restore(ev, t0.Add(time.Second))
+	}
+	if got := quietMatch(t, c, sharedTurn(100)); got != 0 {
+		t.Errorf("the starting router matched %d tokens of a prompt no engine prefilled", got)
+	}
+	// Long after, a snapshot's blocks are news again.
+	for _, ev := range snapshot {
+		c.Restore(ev, t0.Add(forgetMemory))
+	}
+	if got := quietMatch(t, c, sharedTurn(100)); got != 2048 {
+		t.Errorf("a snapshot restored %v after the forget: matched %d of 2,048 tokens", forgetMemory, got)
+	}
+}
+
+// TestUnrelatedForgetRepublishesNothing: a peer's failure that forgot
+// nothing a request waiting here shares does not make it publish its
+// chain again at its first token.
+func TestUnrelatedForgetRepublishesNothing(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	w := wire(t, "x")
+	a, b := w.fleets[0], w.fleets[1]
+	other := Request{Hashes: hashes(999, 1024), BlockTokens: 64, PromptTokens: 1024, Model: "m"}
+	s := b.Decide(t0, sharedTurn(200), ms, &opts, rng(), nil)
+	r := a.Decide(t0, other, ms, &opts, rng(), nil)
+	w.deliver()
+	a.Release(r.Charge, t0)
+	w.deliver()
+	b.Progress(s.Charge, 1, t0)
+	if n := w.told[EventPrefilled]; n != 0 {
+		t.Errorf("b published %d prefilled events at a first token, though no failure forgot any of its blocks", n)
+	}
+}
+
+// TestForgottenBlocksAreBounded: the blocks kept from snapshots are
+// bounded, the oldest going first.
+func TestForgottenBlocksAreBounded(t *testing.T) {
+	f := New()
+	f.Name("x", t0)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams["x"]
+	for i := range 3 {
+		f.rememberForgotten(u, synthHashes(uint64(i), maxForgotBlocks/2), t0.Add(time.Duration(i)*time.Second))
+	}
+	if len(f.forgot) != maxForgotBlocks || len(f.forgotOrder) != maxForgotBlocks {
+		t.Fatalf("%d forgotten blocks kept (%d in order), want %d", len(f.forgot), len(f.forgotOrder), maxForgotBlocks)
+	}
+	if _, ok := f.forgot[forgotBlock{u, synthHashes(0, 1)[0]}]; ok {
+		t.Fatal("the oldest forgotten block is still kept")
+	}
+	f.rememberForgotten(u, nil, t0.Add(time.Hour))
+	if len(f.forgot) != 0 || len(f.forgotOrder) != 0 {
+		t.Fatalf("%d forgotten blocks kept an hour later", len(f.forgot))
+	}
+}
+
+func synthHashes(seed uint64, n int) []uint64 {
+	h := make([]uint64, n)
+	for i := range h {
+		h[i] = seed<<32 | uint64(i)
+	}
+	return h
+}
+
+// sharedTurn is a 2,048-token prompt: a 16-block system prompt every turn
+// shares and 16 blocks of its own.
+func sharedTurn(seed uint64) Request {
+	h := append(append([]uint64(nil), hashes(5, 1024)...), hashes(seed, 1024)...)
+	return Request{Hashes: h, BlockTokens: 64, PromptTokens: 2048, Model: "m"}
+}
+
+// quietMatch is what req matches at f, asked quietly: a probe tells the
+// peers nothing and leaves the index as it was.
+func quietMatch(t *testing.T, f *Fleet, req Request) int {
+	t.Helper()
+	opts := Options{}.WithDefaults()
+	f.mu.Lock()
+	publisher := f.publisher
+	f.publisher = nil
+	f.mu.Unlock()
+	d := f.Decide(t0, req, members("x"), &opts, rng(), nil)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.publisher = publisher
+	f.failed(d.Charge, t0)
+	return d.MatchedTokens
 }
