@@ -267,7 +267,10 @@ func (f *Fleet) forget(u *upstream, from int, hashes []uint64, now time.Time) {
 		}
 	}
 	f.index.Forget(u.id, hashes)
-	f.rememberForgotten(u, hashes, now)
+	if f.local != nil {
+		// Only a router that shares its view restores snapshots.
+		f.rememberForgotten(u, hashes, now)
+	}
 }
 
 // forgetMemory is how long forgotten blocks are kept from snapshots (a
