@@ -1790,3 +1790,27 @@ func TestUnnumberedBatchKeepsTheCount(t *testing.T) {
 		}
 	}
 }
+
+// TestSnapshotLeavesOutWhatFailedMeanwhile: a starting router hears live
+// that a request failed before its first token (EventForgot) while its
+// snapshot is on the way, from a peer that took it before it heard of
+// the failure: the failed blocks stay out of the index. The blocks before
+// those the failed request's router forgot are restored.
+func TestSnapshotLeavesOutWhatFailedMeanwhile(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := newSnapshotResponder(t, ns.ClientURL(), "test.forgot")
+	q := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "q", Subject: "test.forgot"}) // neither asks nor answers
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.forgot", "x:1")
+	const A, B, C = 201, 202, 203 // one chain: A, then B, then C
+	inbox := a.request()
+	waitFor(t, "b hearing q", func() bool { return len(b.fleet.Peers()) > 0 && q.Stats().Connected })
+	applied := b.syncer.Stats().Applied
+	q.Publish(Message{Event: &router.Event{Kind: router.EventForgot, ID: 9, Dial: "x:1", From: 1, Hashes: []uint64{A, B, C}}})
+	waitFor(t, "b hearing of the failure", func() bool { return b.syncer.Stats().Applied > applied })
+	a.part(inbox, 1, cachedMessage("x:1", A, B, C))
+	a.part(inbox, 2)
+	waitFor(t, "b's snapshot", func() bool { return b.syncer.Stats().SnapshotFrom != "" })
+	if d := b.decide([]uint64{A, B, C}); d.MatchedTokens != 16 {
+		t.Fatalf("after the snapshot, chain A,B,C matches %d tokens, want 16 (A alone: B and C failed)", d.MatchedTokens)
+	}
+}

@@ -277,9 +277,14 @@ type Syncer struct {
 	// cut says the connection was lost since the last renewal.
 	cut atomic.Bool
 	// liveOps, while a snapshot is being applied (non-nil), holds the
-	// upstreams whose drains or undrains arrived live meanwhile.
-	liveOpsMu sync.Mutex
-	liveOps   map[string]bool
+	// upstreams whose drains or undrains arrived live meanwhile, and
+	// liveForgot the blocks failed requests made the routers forget
+	// meanwhile, by upstream (liveForgotten counts them, within
+	// maxLiveForgot).
+	liveOpsMu     sync.Mutex
+	liveOps       map[string]bool
+	liveForgot    map[string]map[uint64]struct{}
+	liveForgotten int
 	// retired says a newer connection publishes for this one (see
 	// Replaces).
 	retired atomic.Bool
@@ -761,11 +766,11 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 	}
 	defer sub.Unsubscribe()
 	s.liveOpsMu.Lock()
-	s.liveOps = map[string]bool{}
+	s.liveOps, s.liveForgot, s.liveForgotten = map[string]bool{}, map[string]map[uint64]struct{}{}, 0
 	s.liveOpsMu.Unlock()
 	defer func() {
 		s.liveOpsMu.Lock()
-		s.liveOps = nil
+		s.liveOps, s.liveForgot, s.liveForgotten = nil, nil, 0
 		s.liveOpsMu.Unlock()
 	}()
 	if err := nc.PublishRequest(s.snapshotSubject(), inbox, binary.AppendUvarint(nil, s.cfg.Instance)); err != nil {
@@ -821,6 +826,7 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 			if s.newerLiveOp(&m) {
 				continue
 			}
+			s.leaveOutForgotten(&m)
 			s.cfg.OnSnapshot(from, m)
 			s.snapshotMessages.Add(1)
 		}
@@ -844,6 +850,54 @@ func (s *Syncer) noteLiveOp(m *Message) {
 
 // newerLiveOp reports whether m is a snapshot's drain of an upstream whose
 // drain or undrain arrived live since the snapshot was asked for.
+// maxLiveForgot bounds the blocks noteLiveForgot holds.
+const maxLiveForgot = 1 << 16
+
+// noteLiveForgot records, while a snapshot is being applied, the blocks
+// a failed request's router forgot (its EventForgot, heard live or sent
+// by this router): the peer that answers may have taken its snapshot
+// before it heard of the failure.
+func (s *Syncer) noteLiveForgot(m *Message) {
+	ev := m.Event
+	if ev == nil || ev.Kind != router.EventForgot {
+		return
+	}
+	s.liveOpsMu.Lock()
+	defer s.liveOpsMu.Unlock()
+	if s.liveForgot == nil {
+		return
+	}
+	blocks := s.liveForgot[ev.Dial]
+	if blocks == nil {
+		blocks = map[uint64]struct{}{}
+		s.liveForgot[ev.Dial] = blocks
+	}
+	for _, h := range ev.Hashes[min(max(0, ev.From), len(ev.Hashes)):] {
+		if s.liveForgotten >= maxLiveForgot {
+			return
+		}
+		if _, ok := blocks[h]; !ok {
+			blocks[h] = struct{}{}
+			s.liveForgotten++
+		}
+	}
+}
+
+// leaveOutForgotten takes out of a snapshot's cached blocks those a
+// failed request made the routers forget since the snapshot was asked
+// for (see noteLiveForgot).
+func (s *Syncer) leaveOutForgotten(m *Message) {
+	ev := m.Event
+	if ev == nil || ev.Kind != router.EventCached || len(ev.Hashes) == 0 {
+		return
+	}
+	s.liveOpsMu.Lock()
+	defer s.liveOpsMu.Unlock()
+	if blocks := s.liveForgot[ev.Dial]; len(blocks) > 0 {
+		ev.Hashes = slices.DeleteFunc(ev.Hashes, func(h uint64) bool { _, ok := blocks[h]; return ok })
+	}
+}
+
 func (s *Syncer) newerLiveOp(m *Message) bool {
 	if m.Drain == "" {
 		return false
@@ -921,6 +975,7 @@ func (s *Syncer) Publish(m Message) bool {
 	}
 	s.numberOp(&m)
 	s.noteOwnOp(m)
+	s.noteLiveForgot(&m)
 	if !s.live.Load() {
 		// Not connected yet (or closed): no peer has heard of a charge
 		// yet, but an operator's drain is sent once connected.
@@ -1427,6 +1482,7 @@ func (s *Syncer) receive(msg *nats.Msg) {
 			}
 		}
 		s.noteLiveOp(&m)
+		s.noteLiveForgot(&m)
 		if s.cfg.OnMessage != nil {
 			s.cfg.OnMessage(peer, m)
 		}

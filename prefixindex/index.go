@@ -210,26 +210,30 @@ func setDepth(depth []int, members uint64, d int) {
 // the chain from the tail to the root, so each parent is at least as
 // recent as its children and eviction takes tails first, as the engines'
 // own caches do. A chain longer than the capacity keeps its leading part.
-func (ix *Index) Insert(id UpstreamID, hashes []uint64) {
+// It returns how many leading hashes of the chain it held already.
+func (ix *Index) Insert(id UpstreamID, hashes []uint64) int {
 	g, l, bit := ix.slot(id)
 	if g == nil {
-		return
+		return 0
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	hashes = hashes[:min(len(hashes), l.capacity)]
+	held := len(hashes)
 	for i := len(hashes) - 1; i >= 0; i-- {
 		h := hashes[i]
 		if s := l.slots.find(h, l.entries); s != 0 {
 			l.moveToFront(s)
 			continue
 		}
+		held = i
 		if l.slots.len() >= l.capacity {
 			g.evictOldest(l, bit)
 		}
 		l.slots.add(h, l.pushFront(h), l.entries)
 		g.holders[h] |= bit
 	}
+	return held
 }
 
 // Entries appends to dst the blocks the upstream registered as key holds,

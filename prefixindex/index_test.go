@@ -253,8 +253,12 @@ func TestForgetTakesBackOneChainsTail(t *testing.T) {
 	ix.SetCapacity(u, 10)
 	trunk := chainOf(nil, 4, 1)
 	turn := chainOf(trunk, 4, 2) // trunk + 4 blocks of its own
-	ix.Insert(u, trunk)
-	ix.Insert(u, turn)
+	if held := ix.Insert(u, trunk); held != 0 {
+		t.Fatalf("a new trunk was held to depth %d", held)
+	}
+	if held := ix.Insert(u, turn); held != 4 {
+		t.Fatalf("a turn on the trunk was held to depth %d, want the trunk's 4", held)
+	}
 	ix.Insert(v, turn)
 	if n := ix.Forget(u, turn[4:]); n != 4 {
 		t.Fatalf("forgetting u's 4-block tail dropped %d blocks", n)

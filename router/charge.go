@@ -35,7 +35,9 @@ type Charge struct {
 	// local charge has them, until its first token says the engine
 	// prefilled them, or, for a router that shares its view, until it is
 	// released (a peer's failure there must not forget what it holds:
-	// see Fleet.applyForgot). listed is the charge's place in its
+	// see Fleet.applyForgot). A peer's charge has only held: the blocks
+	// its routing event found in this router's index, -1 when the event
+	// carried none (a restatement). listed is the charge's place in its
 	// upstream's pending list, or prefilled list after its first token,
 	// -1 when it is in neither.
 	chain      []uint64
@@ -230,17 +232,22 @@ func (f *Fleet) Refused(c *Charge, now time.Time) {
 // failed is Release; caller holds f.mu.
 func (f *Fleet) failed(c *Charge, now time.Time) {
 	if c.up != nil {
-		f.publish(Event{Kind: EventReleased, ID: c.id})
 		// It failed before its first token: the engine most likely did
 		// not prefill what the decision added to the index, and the
 		// conversation's next turn must not be sent there as warm. Except
 		// the blocks another request's prompt ran through there since (it
 		// had its first token: see confirm), which the engine holds.
-		if u, from := c.up, int(max(c.held, c.kept)); c.FirstToken.IsZero() && from < len(c.chain) && !u.forgotten {
-			f.forget(u, from, c.chain[from:], now)
-			// The peers learned them from its routing.
-			f.publish(Event{Kind: EventForgot, ID: c.id, Dial: u.dial, From: from, Hashes: c.chain[from:]})
+		if u, from := c.up, int(max(c.held, c.kept)); c.FirstToken.IsZero() && len(c.chain) > 0 && !u.forgotten {
+			if from < len(c.chain) {
+				f.forget(u, from, c.chain[from:])
+			}
+			// The peers learned its blocks from its routing, each index
+			// from its own depth, which may be less than this one's: they
+			// hear of it before its release, while they still know the
+			// charge (see applyForgot).
+			f.publish(Event{Kind: EventForgot, ID: c.id, Dial: u.dial, From: from, Hashes: c.chain})
 		}
+		f.publish(Event{Kind: EventReleased, ID: c.id})
 	}
 	f.release(c, now)
 }
@@ -251,10 +258,8 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 // chains at it (see confirm), and those that counted them as held at
 // their decision no longer do: should they fail too, they forget them as
 // their own, also at the peers that learned them again from their
-// routing. A snapshot restored within
-// forgetMemory does not bring them back: its router may have taken it
-// before it heard of the failure. Caller holds f.mu.
-func (f *Fleet) forget(u *upstream, from int, hashes []uint64, now time.Time) {
+// routing. Caller holds f.mu.
+func (f *Fleet) forget(u *upstream, from int, hashes []uint64) {
 	if len(hashes) == 0 {
 		return
 	}
@@ -267,63 +272,6 @@ func (f *Fleet) forget(u *upstream, from int, hashes []uint64, now time.Time) {
 		}
 	}
 	f.index.Forget(u.id, hashes)
-	if f.local != nil {
-		// Only a router that shares its view restores snapshots.
-		f.rememberForgotten(u, hashes, now)
-	}
-}
-
-// forgetMemory is how long forgotten blocks are kept from snapshots (a
-// starting router asks for one once connected, and applies its parts as
-// they come, within seconds); maxForgotBlocks bounds how many.
-const (
-	forgetMemory    = time.Minute
-	maxForgotBlocks = 1 << 16
-)
-
-// forgotBlock is a block forgotten at an upstream.
-type forgotBlock struct {
-	u    *upstream
-	hash uint64
-}
-
-// rememberForgotten keeps hashes from snapshots restored at u until
-// forgetMemory after now. Caller holds f.mu.
-func (f *Fleet) rememberForgotten(u *upstream, hashes []uint64, now time.Time) {
-	if f.forgot == nil {
-		f.forgot = make(map[forgotBlock]time.Time)
-	}
-	for _, h := range hashes[:min(len(hashes), maxForgotBlocks)] {
-		b := forgotBlock{u, h}
-		if _, known := f.forgot[b]; !known {
-			f.forgotOrder = append(f.forgotOrder, b)
-		}
-		f.forgot[b] = now
-	}
-	// The oldest go: past their time, or beyond the bound.
-	drop := 0
-	for drop < len(f.forgotOrder) {
-		b := f.forgotOrder[drop]
-		if len(f.forgotOrder)-drop <= maxForgotBlocks && now.Sub(f.forgot[b]) < forgetMemory {
-			break
-		}
-		delete(f.forgot, b)
-		drop++
-	}
-	f.forgotOrder = slices.Delete(f.forgotOrder, 0, drop)
-}
-
-// notForgotten returns the hashes of a snapshot for u that no failure
-// made the index forget within forgetMemory before now, in place. Caller
-// holds f.mu.
-func (f *Fleet) notForgotten(u *upstream, hashes []uint64, now time.Time) []uint64 {
-	if len(f.forgot) == 0 {
-		return hashes
-	}
-	return slices.DeleteFunc(slices.Clone(hashes), func(h uint64) bool {
-		at, ok := f.forgot[forgotBlock{u, h}]
-		return ok && now.Sub(at) < forgetMemory
-	})
 }
 
 // release returns what c holds; caller holds f.mu.

@@ -197,12 +197,12 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		u.useAdapter(sreq.Adapter)
 		c.adapter = sreq.Adapter
 	}
-	// The blocks beyond what the upstream held are the decision's own
-	// (f.scratchDepths is the match of this decision).
-	c.chain, c.held = req.Hashes, int32(min(f.scratchDepths[u.id], len(req.Hashes)))
+	// The blocks beyond what the upstream held are the decision's own:
+	// as Insert counts them, block by block (the match bisects, which a
+	// failure's forget, leaving other chains' later blocks, can mislead).
+	c.chain, c.held = req.Hashes, int32(f.index.Insert(u.id, req.Hashes))
 	c.listed = int32(len(u.pending))
 	u.pending = append(u.pending, c)
-	f.index.Insert(u.id, req.Hashes)
 	if f.local != nil {
 		f.local[c.id] = c
 	}

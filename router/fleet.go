@@ -67,11 +67,6 @@ type Fleet struct {
 	// local holds this router's charges in flight by id while KeepLive
 	// is on (nil otherwise), to restate them to the peers (LiveEvents).
 	local map[uint64]*Charge
-	// forgot holds the blocks failures made the index forget within
-	// forgetMemory, oldest first in forgotOrder, which a snapshot does not
-	// bring back (see forget).
-	forgot      map[forgotBlock]time.Time
-	forgotOrder []forgotBlock
 
 	// Scratch space of decisions, which all run under mu.
 	scratchCands  []scorer.Candidate

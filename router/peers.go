@@ -45,11 +45,13 @@ const (
 	// charge: a router that starts learns its peers' view this way (see
 	// SnapshotEvents and Restore; Apply ignores it).
 	EventCached
-	// EventForgot: the charge ID failed before its first token, so Dial's
-	// engine most likely did not prefill the blocks Hashes, which are its
-	// request's chain from position From on (the blocks before were held
-	// there already, or another request's prefill ran through them).
-	// Peers forget them too, except what a prefill they saw there holds.
+	// EventForgot: the charge ID, whose request's chain is Hashes, failed
+	// before its first token, so Dial's engine most likely did not
+	// prefill the blocks its routing added to the indexes: from From on
+	// in the sender's (the blocks before were held there already, or
+	// another request's prefill ran through them). It comes before the
+	// charge's EventReleased. Peers forget what its routing added to
+	// theirs, except what a prefill they saw there holds.
 	EventForgot
 	// EventPrefilled: Dial's engine prefilled the blocks Hashes, which a
 	// failure had made the sending router's index forget (see
@@ -84,7 +86,7 @@ type Event struct {
 	PromptBytes, PromptTokens int
 	// Response is a stored response's id.
 	Response string
-	// From is where a forgot event's Hashes start in its request's chain.
+	// From is where a forgot event's sender forgot its chain from.
 	From int
 }
 
@@ -191,18 +193,18 @@ func (f *Fleet) Restore(ev Event, now time.Time) bool {
 	case u.forgotten:
 		return false
 	}
-	return f.restore(u, ev, now)
+	return f.restore(u, ev)
 }
 
 // restore applies a snapshot's event to u. Caller holds f.mu.
-func (f *Fleet) restore(u *upstream, ev Event, now time.Time) bool {
+func (f *Fleet) restore(u *upstream, ev Event) bool {
 	switch ev.Kind {
 	case EventCached:
 		if ev.Adapter != "" {
 			u.restoreAdapter(ev.Adapter)
 			return true
 		}
-		f.applyCached(u, ev, now)
+		f.applyCached(u, ev)
 		return true
 	case EventStored:
 		return f.homes.restore(ev.Response, u.dial)
@@ -282,7 +284,7 @@ func (f *Fleet) restorePending(u *upstream, now time.Time) {
 		return
 	}
 	for _, ev := range p.events {
-		f.restore(u, ev, now)
+		f.restore(u, ev)
 	}
 }
 
@@ -311,12 +313,11 @@ func (f *Fleet) takePending(dial string) *pendingRestore {
 // caches, 512k blocks (about 20 MB of index) at vLLM's 16-token blocks.
 const maxCachedCapacity = 1 << 23
 
-// applyCached restores a peer's index holdings of u (see SnapshotEvents)
-// at now: behind what this router learned itself, which is more recent,
-// and without what a failure made it forget since the peer may have taken
-// the snapshot. An index this router never sized takes the peer's
-// capacity, so that it is not cut to the default. Caller holds f.mu.
-func (f *Fleet) applyCached(u *upstream, ev Event, now time.Time) {
+// applyCached restores a peer's index holdings of u (see SnapshotEvents):
+// behind what this router learned itself, which is more recent. An index
+// this router never sized takes the peer's capacity, so that it is not
+// cut to the default. Caller holds f.mu.
+func (f *Fleet) applyCached(u *upstream, ev Event) {
 	if ev.BlockTokens >= minPeerBlockTokens {
 		capacity := u.capacityTokens
 		if capacity == 0 {
@@ -326,7 +327,7 @@ func (f *Fleet) applyCached(u *upstream, ev Event, now time.Time) {
 			f.sizeIndex(u, capacity, ev.BlockTokens)
 		}
 	}
-	f.index.Restore(u.id, f.notForgotten(u, ev.Hashes, now))
+	f.index.Restore(u.id, ev.Hashes)
 }
 
 // remoteKey names a peer's charge.
@@ -372,30 +373,42 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		}
 		return f.homes.remember(ev.Response, ev.Dial)
 	}
+	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventForgot || ev.Kind == EventPrefilled {
+		from := min(max(0, ev.From), len(ev.Hashes))
 		u := f.upstreams[ev.Dial]
-		if u == nil || u.forgotten || len(ev.Hashes) == 0 || ev.From < 0 {
+		switch {
+		case len(ev.Hashes) == 0:
 			return false
-		}
-		if ev.Kind == EventPrefilled {
+		case u == nil && ev.Kind == EventForgot:
+			// Perhaps in a peer's snapshot kept for it.
+			return f.forgetPending(ev.Dial, ev.Hashes[from:])
+		case u == nil || u.forgotten:
+			return false
+		case ev.Kind == EventPrefilled:
 			f.index.Insert(u.id, ev.Hashes)
-		} else {
-			f.applyForgot(u, ev, now)
+			return true
 		}
+		if c := f.remote[key]; c != nil && c.up == u && c.held >= 0 {
+			from = min(int(c.held), len(ev.Hashes))
+		}
+		f.applyForgot(u, ev.Hashes, from)
 		return true
 	}
-	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventRouted {
 		u := f.upstreams[ev.Dial]
 		if u == nil || u.forgotten || f.remoteCharges[peer] >= maxPeerCharges || len(f.remote) >= maxRemoteCharges {
 			return false
 		}
-		if f.remote[key] != nil {
+		if c := f.remote[key]; c != nil {
 			// Counted already, from a restatement that overtook the
 			// routing (restatements carry no hashes): the prefix is
 			// still news.
-			f.index.Insert(u.id, ev.Hashes)
-			return len(ev.Hashes) > 0
+			if len(ev.Hashes) == 0 || c.up != u {
+				return false
+			}
+			c.held = int32(f.index.Insert(u.id, ev.Hashes))
+			return true
 		}
 		// A peer's figures are bounded by what one request can hold: a
 		// wrong one (or a hostile peer) must not fill the upstream's KV
@@ -416,7 +429,11 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if ev.BlockTokens >= minPeerBlockTokens && u.capacityTokens > 0 {
 			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens)
 		}
-		f.index.Insert(u.id, ev.Hashes)
+		// What it adds here is what its failure takes back here.
+		c.held = -1
+		if len(ev.Hashes) > 0 {
+			c.held = int32(f.index.Insert(u.id, ev.Hashes))
+		}
 		return true
 	}
 	c := f.remote[key]
@@ -441,31 +458,57 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	return true
 }
 
-// applyForgot makes u's index forget the blocks a peer's request failed
-// to prefill there (EventForgot) at now, except those a prefill of this
+// applyForgot makes u's index forget the blocks a peer's request, whose
+// chain was hashes, failed to prefill there (EventForgot): those from from
+// on, which its routing added here. Except those a prefill of this
 // router's there ran through: one still in flight, or one a request still
 // waiting there shares blocks with (its kept). The peers, which forgot
 // them too, learn them again. This router's requests still waiting for
 // their first token there insert their chains again at it (see forget).
 // Caller holds f.mu.
-func (f *Fleet) applyForgot(u *upstream, ev Event, now time.Time) {
+func (f *Fleet) applyForgot(u *upstream, hashes []uint64, from int) {
 	held := 0
-	if ev.From >= 0 {
-		for _, c := range u.prefilled {
-			if ev.From < len(c.chain) {
-				held = max(held, sharedBlocks(c.chain[ev.From:], ev.Hashes))
-			}
-		}
-		for _, c := range u.pending {
-			if kept := int(c.kept) - ev.From; kept > 0 {
-				held = max(held, min(kept, sharedBlocks(c.chain[ev.From:], ev.Hashes)))
-			}
-		}
+	for _, c := range u.prefilled {
+		held = max(held, sharedBlocks(c.chain, hashes))
+	}
+	for _, c := range u.pending {
+		held = max(held, min(int(c.kept), sharedBlocks(c.chain, hashes)))
 	}
 	if held > 0 {
-		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: ev.Hashes[:held]})
+		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: hashes[:held]})
 	}
-	f.forget(u, ev.From+held, ev.Hashes[held:], now)
+	from = max(from, held)
+	f.forget(u, from, hashes[from:])
+}
+
+// forgetPending takes hashes, blocks a peer's request failed to prefill
+// at dial, out of a peer's snapshot kept for dial (see keepForLater), and
+// reports whether it held any. Caller holds f.mu.
+func (f *Fleet) forgetPending(dial string, hashes []uint64) bool {
+	p := f.pending[dial]
+	if p == nil || len(hashes) == 0 {
+		return false
+	}
+	failed := make(map[uint64]struct{}, len(hashes))
+	for _, h := range hashes {
+		failed[h] = struct{}{}
+	}
+	changed := false
+	for i := range p.events {
+		ev := &p.events[i]
+		if ev.Kind != EventCached || len(ev.Hashes) == 0 {
+			continue
+		}
+		isFailed := func(h uint64) bool { _, ok := failed[h]; return ok }
+		if !slices.ContainsFunc(ev.Hashes, isFailed) {
+			continue
+		}
+		n := len(ev.Hashes)
+		ev.Hashes = slices.DeleteFunc(slices.Clone(ev.Hashes), isFailed)
+		f.pendingHashes -= n - len(ev.Hashes)
+		changed = true
+	}
+	return changed
 }
 
 // maxPeerCharges bounds one peer's charges in flight here, and

@@ -2,10 +2,14 @@ package router
 
 import (
 	"fmt"
+	"maps"
+	mrand "math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
@@ -723,18 +727,18 @@ func TestRestartedEngineProtectsNothing(t *testing.T) {
 	}
 }
 
-// TestSnapshotDoesNotUndoAForget: a router that starts hears a peer's
-// forget live before the part of another peer's snapshot, taken before
-// that peer heard of the failure, that holds the blocks: they stay
-// forgotten, for forgetMemory.
-func TestSnapshotDoesNotUndoAForget(t *testing.T) {
+// TestPendingSnapshotDoesNotUndoAForget: a router that does not know an
+// upstream yet (a dynamic one) keeps a peer's snapshot of it for later; a
+// failure there it hears meanwhile takes the failed blocks out of it, so
+// they do not come back when the upstream becomes known.
+func TestPendingSnapshotDoesNotUndoAForget(t *testing.T) {
 	opts := Options{}.WithDefaults()
 	ms := members("x")
 	w := wire(t, "x")
 	a, b := w.fleets[0], w.fleets[1]
 	r := a.Decide(t0, sharedTurn(100), ms, &opts, rng(), nil)
 	w.deliver()
-	snapshot := b.SnapshotEvents(8192) // b answers the starting router c
+	snapshot := b.SnapshotEvents(8192) // taken before b heard of the failure
 	a.Release(r.Charge, t0)
 	var forgot Event
 	for _, e := range w.queue {
@@ -743,22 +747,41 @@ func TestSnapshotDoesNotUndoAForget(t *testing.T) {
 		}
 	}
 	w.deliver()
-	c := New()
-	c.Name("x", t0)
+	c := New() // x is not named: dynamic, known at c's first request there
 	c.KeepLive(true)
-	c.Apply("a", forgot, t0) // live, before the snapshot's part
 	for _, ev := range snapshot {
-		c.Restore(ev, t0.Add(time.Second))
+		c.Restore(ev, t0)
+	}
+	if !c.Apply("a", forgot, t0.Add(time.Second)) {
+		t.Fatal("the forget changed nothing in the snapshot kept for x")
 	}
 	if got := quietMatch(t, c, sharedTurn(100)); got != 0 {
 		t.Errorf("the starting router matched %d tokens of a prompt no engine prefilled", got)
 	}
-	// Long after, a snapshot's blocks are news again.
-	for _, ev := range snapshot {
-		c.Restore(ev, t0.Add(forgetMemory))
-	}
-	if got := quietMatch(t, c, sharedTurn(100)); got != 2048 {
-		t.Errorf("a snapshot restored %v after the forget: matched %d of 2,048 tokens", forgetMemory, got)
+}
+
+// TestPeersForgetWhatTwoFailuresAtOnceDidNotPrefill: two routers'
+// requests fail at one engine at once (a burst it answers 503), the
+// second routed warm on blocks the first added, before either router
+// heard of the other's failure. Each router forgets what each request's
+// routing added to its own index: router a, which forgot the system
+// prompt with its own request and learned it again from b's routing,
+// forgets it again at b's failure, though b's own index held it.
+func TestPeersForgetWhatTwoFailuresAtOnceDidNotPrefill(t *testing.T) {
+	opts := Options{}.WithDefaults()
+	ms := members("x")
+	w := wire(t, "x")
+	a, b := w.fleets[0], w.fleets[1]
+	r := a.Decide(t0, sharedTurn(100), ms, &opts, rng(), nil)
+	w.deliver()
+	s := b.Decide(t0, sharedTurn(200), ms, &opts, rng(), nil) // warm: 1,024
+	a.Release(r.Charge, t0)
+	b.Release(s.Charge, t0) // both 503, nothing crossed yet
+	w.deliver()
+	for i, f := range w.fleets {
+		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
+			t.Errorf("router %s matched %d tokens of a system prompt no engine prefilled", w.names[i], got)
+		}
 	}
 }
 
@@ -780,37 +803,6 @@ func TestUnrelatedForgetRepublishesNothing(t *testing.T) {
 	if n := w.told[EventPrefilled]; n != 0 {
 		t.Errorf("b published %d prefilled events at a first token, though no failure forgot any of its blocks", n)
 	}
-}
-
-// TestForgottenBlocksAreBounded: the blocks kept from snapshots are
-// bounded, the oldest going first.
-func TestForgottenBlocksAreBounded(t *testing.T) {
-	f := New()
-	f.Name("x", t0)
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	u := f.upstreams["x"]
-	for i := range 3 {
-		f.rememberForgotten(u, synthHashes(uint64(i), maxForgotBlocks/2), t0.Add(time.Duration(i)*time.Second))
-	}
-	if len(f.forgot) != maxForgotBlocks || len(f.forgotOrder) != maxForgotBlocks {
-		t.Fatalf("%d forgotten blocks kept (%d in order), want %d", len(f.forgot), len(f.forgotOrder), maxForgotBlocks)
-	}
-	if _, ok := f.forgot[forgotBlock{u, synthHashes(0, 1)[0]}]; ok {
-		t.Fatal("the oldest forgotten block is still kept")
-	}
-	f.rememberForgotten(u, nil, t0.Add(time.Hour))
-	if len(f.forgot) != 0 || len(f.forgotOrder) != 0 {
-		t.Fatalf("%d forgotten blocks kept an hour later", len(f.forgot))
-	}
-}
-
-func synthHashes(seed uint64, n int) []uint64 {
-	h := make([]uint64, n)
-	for i := range h {
-		h[i] = seed<<32 | uint64(i)
-	}
-	return h
 }
 
 // sharedTurn is a 2,048-token prompt: a 16-block system prompt every turn
@@ -835,4 +827,137 @@ func quietMatch(t *testing.T, f *Fleet, req Request) int {
 	f.publisher = publisher
 	f.failed(d.Charge, t0)
 	return d.MatchedTokens
+}
+
+// TestPeersNeverClaimWhatNoEnginePrefilled: two routers sharing their
+// view, random decisions, first tokens, failures, completions and
+// deliveries of their events (in order, some at a time, the rest later),
+// with no engine restart and no eviction: once every event has arrived,
+// each router's index holds only blocks some prefill ran through or
+// some request still waiting for its first token routed. (A lost hit is
+// allowed: a prefill's blocks may be forgotten.)
+func TestPeersNeverClaimWhatNoEnginePrefilled(t *testing.T) {
+	seeds := uint64(2000)
+	if testing.Short() {
+		seeds = 300
+	}
+	for _, steps := range []int{6, 10, 20, 40} {
+		for seed := range seeds {
+			if msg := randomPeers(t, seed, steps); msg != "" {
+				t.Fatalf("seed %d, %d steps: %s", seed, steps, msg)
+			}
+		}
+	}
+}
+
+// randomPrompt is a prompt of a system prompt (one of two) and up to three
+// turns (each one of three), whole blocks each, hashed as one text.
+func randomPrompt(r *mrand.Rand) Request {
+	var text []byte
+	segment := func(kind, v, blocks int) {
+		for i := range blocks * 256 {
+			text = append(text, byte('a'+(i*7+kind*31+v*13+i/256)%26))
+		}
+	}
+	segment(0, r.IntN(2), 4)
+	path := 0
+	for d := range r.IntN(4) {
+		path = path*3 + r.IntN(3)
+		segment(1+d, path, 2)
+	}
+	h := prefixindex.Hasher{BlockTokens: 64, BytesPerToken: 4}.HashBytes(nil, 1, text)
+	return Request{Hashes: h, BlockTokens: 64, PromptTokens: len(text) / 4, Model: "m"}
+}
+
+// randomPeers runs one random history and returns what went wrong, "" for
+// nothing.
+func randomPeers(t *testing.T, seed uint64, steps int) string {
+	type request struct {
+		router int
+		c      *Charge
+		chain  []uint64
+		first  bool
+	}
+	r := mrand.New(mrand.NewPCG(seed, 7))
+	w := wire(t, "x")
+	ms := members("x")
+	ms[0].Hardware.KVCapacityTokens = 1 << 24
+	opts := Options{}.WithDefaults()
+	prefilled := map[uint64]bool{}
+	var requests []*request
+	var history []string
+	for range steps {
+		i := r.IntN(2)
+		f := w.fleets[i]
+		switch op := r.IntN(6); {
+		case op <= 1:
+			req := randomPrompt(r)
+			d := f.Decide(t0, req, ms, &opts, rng(), nil)
+			requests = append(requests, &request{i, d.Charge, req.Hashes, false})
+			history = append(history, fmt.Sprintf("%s decides #%d (%d blocks, matched %d)", w.names[i], len(requests)-1, len(req.Hashes), d.MatchedTokens/64))
+		case op <= 3:
+			var waiting []int
+			for k, q := range requests {
+				if q.c.up != nil && !q.first {
+					waiting = append(waiting, k)
+				}
+			}
+			if len(waiting) == 0 {
+				continue
+			}
+			k := waiting[r.IntN(len(waiting))]
+			q := requests[k]
+			if op == 2 {
+				w.fleets[q.router].Progress(q.c, 1, t0)
+				q.first = true
+				for _, h := range q.chain {
+					prefilled[h] = true
+				}
+				history = append(history, fmt.Sprintf("#%d first token", k))
+			} else {
+				w.fleets[q.router].Release(q.c, t0)
+				history = append(history, fmt.Sprintf("#%d fails", k))
+			}
+		case op == 4:
+			for k, q := range requests {
+				if q.c.up != nil && q.first {
+					w.fleets[q.router].Complete(q.c, "m", Usage{OutputTokens: 1}, t0)
+					history = append(history, fmt.Sprintf("#%d completes", k))
+					break
+				}
+			}
+		case op == 5:
+			n := r.IntN(len(w.queue) + 1)
+			for range n {
+				e := w.queue[0]
+				w.queue = w.queue[1:]
+				w.fleets[1-e.from].Apply(w.names[e.from], e.ev, t0)
+			}
+			history = append(history, fmt.Sprintf("deliver %d", n))
+		}
+	}
+	w.deliver()
+	allowed := maps.Clone(prefilled)
+	for _, q := range requests {
+		if q.c.up != nil && !q.first {
+			for _, h := range q.chain {
+				allowed[h] = true
+			}
+		}
+	}
+	for i, f := range w.fleets {
+		for _, h := range f.index.Entries("x", nil) {
+			if !allowed[h] {
+				where := ""
+				for k, q := range requests {
+					if p := slices.Index(q.chain, h); p >= 0 {
+						where += fmt.Sprintf(" #%d[%d]", k, p)
+					}
+				}
+				return fmt.Sprintf("router %s holds a block (%s) no prefill ran through and no waiting request routed\n  %s",
+					w.names[i], where, strings.Join(history, "\n  "))
+			}
+		}
+	}
+	return ""
 }
