@@ -1175,9 +1175,9 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// response's above aside: only its home has it).
 	pool = p.undrained(pool)
 	// A request for a model (an embedding, a tokenization, a score) goes
-	// where the model is served: to an upstream listing it, or whose list
-	// is unknown. When every list is known and none has it, it is not
-	// served here.
+	// where the model is served: to an upstream listing it, or, when none
+	// does, whose list is unknown. When every list is known and none has
+	// it, it is not served here.
 	if pt != nil && pt.model != "" && p.scraper != nil {
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
@@ -1240,16 +1240,25 @@ func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.Upstrea
 	return slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return !p.sh.fleet.Routable(u.Dial) })
 }
 
-// servingModel is pool without the upstreams whose model lists (see
-// listedModels) lack model; known says some upstream had such a list.
+// servingModel is the upstreams of pool whose model lists (see
+// listedModels) name model, or, when none does, those whose lists are
+// unknown (they may serve it: an engine still loading, one whose list
+// went stale); known says some upstream had a list.
 func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (serving reverseproxy.UpstreamPool, known bool) {
 	now := time.Now()
+	var unknown reverseproxy.UpstreamPool
 	for _, u := range pool {
 		listed, listKnown := p.lists(u, model, now)
 		known = known || listKnown
-		if listed || !listKnown { // unknown: it may serve it
+		switch {
+		case listed:
 			serving = append(serving, u)
+		case !listKnown:
+			unknown = append(unknown, u)
 		}
+	}
+	if len(serving) == 0 {
+		return unknown, known
 	}
 	return serving, known
 }

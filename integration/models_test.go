@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -307,7 +308,9 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, embeddings(kvsim.DefaultModel))
 	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: qwenModel}, embeddings(qwenModel))
 	fleet := []*replica{llama, qwen}
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "lb_retries 2"))
+	// Lists refreshed every second stay known for three: a 2 MiB body
+	// on a busy machine must not outlast them.
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", "lb_retries 2"))
 	modelsScraped(t, fleet)
 	for i := range 8 {
 		for _, want := range fleet {
@@ -358,6 +361,69 @@ func TestPassThroughGoesWhereTheModelIs(t *testing.T) {
 			if resp.StatusCode != 200 || resp.Header.Get(kvsim.ReplicaHeader) != qwen.name {
 				t.Fatalf("2 MiB, chunked %v: %d from %q: %s", chunked, resp.StatusCode, resp.Header.Get(kvsim.ReplicaHeader), b)
 			}
+		}
+	}
+}
+
+// TestPassThroughPrefersAListingEngine: one engine's model list went stale
+// (its /v1/models fails, as it does for a moment while vLLM restarts or
+// under load); a request for the model the other engine lists goes to
+// that one, never to the engine whose list is unknown, which would answer
+// 404 for a model it does not serve.
+func TestPassThroughPrefersAListingEngine(t *testing.T) {
+	const qwenModel = "Qwen/Qwen2.5-7B-Instruct"
+	var listsMu sync.Mutex
+	var failLists bool
+	var lastList time.Time // llama's last list served
+	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" {
+				listsMu.Lock()
+				fail := failLists
+				if !fail {
+					lastList = time.Now()
+				}
+				listsMu.Unlock()
+				if fail {
+					http.Error(w, "restarting", http.StatusServiceUnavailable)
+					return
+				}
+			}
+			if r.URL.Path == "/v1/embeddings" {
+				w.WriteHeader(http.StatusNotFound)
+				fmt.Fprint(w, `{"error":{"message":"not served here","type":"NotFoundError","param":null,"code":404}}`)
+				return
+			}
+			sim.ServeHTTP(w, r)
+		})
+	})
+	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: qwenModel}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/embeddings" {
+				w.Header().Set(kvsim.ReplicaHeader, name)
+				fmt.Fprint(w, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}]}`)
+				return
+			}
+			sim.ServeHTTP(w, r)
+		})
+	})
+	fleet := []*replica{llama, qwen}
+	// Lists older than three intervals are unknown (scrape.ModelsMaxAge).
+	const modelsInterval = 200 * time.Millisecond
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 200ms", ""))
+	modelsScraped(t, fleet)
+	listsMu.Lock()
+	failLists = true
+	listsMu.Unlock()
+	eventually(t, 10*time.Second, "llama's model list gone stale", func() bool {
+		listsMu.Lock()
+		defer listsMu.Unlock()
+		return time.Since(lastList) > 3*modelsInterval+100*time.Millisecond
+	})
+	for i := range 16 {
+		c := postRaw(t, "/v1/embeddings", []byte(`{"model":"`+qwenModel+`","input":"hello `+fmt.Sprint(i)+`"}`))
+		if c.status != 200 || c.replica != qwen.name {
+			t.Fatalf("request %d for the model qwen lists: %d from %q: %s", i, c.status, c.replica, c.body)
 		}
 	}
 }
