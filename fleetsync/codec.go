@@ -24,7 +24,7 @@ import (
 //	stored  = 5 id dial response                 (version 4 on)
 //	cached  = 6 id dial blockTokens kv adapter n hash*n  (version 6; 5 had no adapter)
 //	forgot  = 7 id dial from n hash*n             (version 7 on)
-//	prefill = 8 id dial n hash*n                  (version 7 on)
+//	prefill = 8 id dial at n hash*n               (version 7 on; at: unix nanos, 0 unknown)
 //	drain   = 16 dial deadlineMillis
 //	undrain = 17 dial
 //
@@ -181,6 +181,11 @@ func appendMessage(dst []byte, m *Message) []byte {
 			dst = appendHashes(dst, ev.Hashes)
 		case router.EventPrefilled:
 			dst = appendString(dst, ev.Dial)
+			var at uint64
+			if !ev.At.IsZero() {
+				at = uint64(max(0, ev.At.UnixNano()))
+			}
+			dst = binary.AppendUvarint(dst, at)
 			dst = appendHashes(dst, ev.Hashes)
 		}
 	case m.Drain != "":
@@ -368,8 +373,15 @@ func (d *decoder) message() (Message, bool) {
 			break
 		}
 		ev := &router.Event{Kind: router.EventKind(kind), ID: d.uvarint(), Dial: d.string()}
-		if ev.Kind == router.EventForgot {
+		switch ev.Kind {
+		case router.EventForgot:
 			ev.From = d.int()
+		case router.EventPrefilled:
+			if at := d.uvarint(); at > math.MaxInt64 {
+				d.fail("time out of range")
+			} else if at > 0 {
+				ev.At = time.Unix(0, int64(at))
+			}
 		}
 		ev.Hashes = d.hashes()
 		if d.err == nil && ev.Dial == "" {

@@ -138,7 +138,8 @@ func TestCodecStoredResponses(t *testing.T) {
 func indexBatch() *Batch {
 	return &Batch{Sender: "router-1", Epoch: 42, Instance: 9, Messages: []Message{
 		{Event: &router.Event{Kind: router.EventForgot, ID: 7, Dial: "10.0.0.1:8000", From: 16, Hashes: []uint64{5, 1 << 63}}},
-		{Event: &router.Event{Kind: router.EventPrefilled, ID: 8, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 2, 3}}},
+		{Event: &router.Event{Kind: router.EventPrefilled, ID: 8, Dial: "10.0.0.1:8000", Hashes: []uint64{1, 2, 3}, At: time.Unix(0, 1796180000123456789)}},
+		{Event: &router.Event{Kind: router.EventPrefilled, ID: 9, Dial: "10.0.0.1:8000", Hashes: []uint64{4}}},
 	}}
 }
 

@@ -703,7 +703,13 @@ func (run *simRun) arrive(wt waiter, now time.Duration) {
 	if err := rep.engine.Submit(&f.kreq, now); err != nil {
 		res.Err = err.Error()
 		if charge != nil {
-			rt.fleet.Release(charge, at(now))
+			// As the plugin does: a 404 says the engine does not serve
+			// the model or adapter.
+			if e, ok := err.(*kvsim.APIError); ok && e.Code == http.StatusNotFound {
+				rt.fleet.Refused(charge, at(now))
+			} else {
+				rt.fleet.Release(charge, at(now))
+			}
 			run.released = true
 		}
 		run.progress()

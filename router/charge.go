@@ -101,7 +101,7 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 func (f *Fleet) confirm(u *upstream, c *Charge) {
 	if c.lost && !u.forgotten && len(c.chain) > 0 {
 		f.index.Insert(u.id, c.chain)
-		f.publish(Event{Kind: EventPrefilled, ID: c.id, Dial: u.dial, Hashes: c.chain})
+		f.publish(Event{Kind: EventPrefilled, ID: c.id, Dial: u.dial, Hashes: c.chain, At: c.FirstToken})
 	}
 	unlist(&u.pending, c)
 	for _, other := range u.pending {

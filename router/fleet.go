@@ -30,9 +30,9 @@ type Fleet struct {
 	homes responseHomes
 	// pending holds a peer's snapshot events for upstreams not known yet
 	// (see Restore), pendingHashes, pendingResponses and pendingOthers what
-	// they hold.
-	pending                                        map[string]*pendingRestore
-	pendingHashes, pendingResponses, pendingOthers int
+	// they hold, pendingForgot the blocks they leave out.
+	pending                                                       map[string]*pendingRestore
+	pendingHashes, pendingResponses, pendingOthers, pendingForgot int
 
 	mu        sync.Mutex
 	index     *prefixindex.Index

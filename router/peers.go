@@ -53,9 +53,11 @@ const (
 	// charge's EventReleased. Peers forget what its routing added to
 	// theirs, except what a prefill they saw there holds.
 	EventForgot
-	// EventPrefilled: Dial's engine prefilled the blocks Hashes, which a
-	// failure had made the sending router's index forget (see
-	// EventForgot). It is about no charge.
+	// EventPrefilled: Dial's engine prefilled the blocks Hashes at At
+	// (zero: unknown), which a failure had made the sending router's
+	// index forget, or kept from a peer's forget (see EventForgot). It is
+	// about no charge. A router that saw the engine restart since At
+	// ignores it: the engine lost them.
 	EventPrefilled
 )
 
@@ -88,6 +90,8 @@ type Event struct {
 	Response string
 	// From is where a forgot event's sender forgot its chain from.
 	From int
+	// At is when a prefilled event's blocks were prefilled.
+	At time.Time
 }
 
 // KeepLive makes f keep its own charges in flight, from now on, for
@@ -222,13 +226,18 @@ const (
 	// response (an upstream's adapters): a snapshot has at most
 	// maxEngineAdapterSlots of them an upstream.
 	maxPendingOthers = 1 << 14
+	// maxPendingForgot bounds the blocks failures made the peers forget
+	// that the snapshots kept leave out (see forgetPending).
+	maxPendingForgot = 1 << 16
 )
 
 // pendingRestore is a peer's snapshot events for one upstream this router
-// does not know yet, and when they came.
+// does not know yet, and when they came; forgot, the blocks failures
+// there made the peers forget since (see forgetPending).
 type pendingRestore struct {
 	at     time.Time
 	events []Event
+	forgot map[uint64]struct{}
 }
 
 // keepForLater keeps ev for its upstream, within bounds. Caller holds
@@ -284,6 +293,9 @@ func (f *Fleet) restorePending(u *upstream, now time.Time) {
 		return
 	}
 	for _, ev := range p.events {
+		if ev.Kind == EventCached && len(p.forgot) > 0 {
+			ev.Hashes = slices.DeleteFunc(slices.Clone(ev.Hashes), func(h uint64) bool { _, ok := p.forgot[h]; return ok })
+		}
 		f.restore(u, ev)
 	}
 }
@@ -296,6 +308,7 @@ func (f *Fleet) takePending(dial string) *pendingRestore {
 		return nil
 	}
 	delete(f.pending, dial)
+	f.pendingForgot -= len(p.forgot)
 	for _, ev := range p.events {
 		f.pendingHashes -= len(ev.Hashes)
 		switch {
@@ -375,20 +388,28 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	}
 	key := remoteKey{peer, ev.ID}
 	if ev.Kind == EventForgot || ev.Kind == EventPrefilled {
-		from := min(max(0, ev.From), len(ev.Hashes))
 		u := f.upstreams[ev.Dial]
 		switch {
 		case len(ev.Hashes) == 0:
 			return false
 		case u == nil && ev.Kind == EventForgot:
-			// Perhaps in a peer's snapshot kept for it.
-			return f.forgetPending(ev.Dial, ev.Hashes[from:])
+			// Perhaps in a peer's snapshot kept for it: the sender's
+			// depth is the best guess of what was held before.
+			return f.forgetPending(ev.Dial, ev.Hashes[min(max(0, ev.From), len(ev.Hashes)):])
 		case u == nil || u.forgotten:
 			return false
 		case ev.Kind == EventPrefilled:
+			if !ev.At.IsZero() && !ev.At.After(u.engineRestart) {
+				return false // prefilled by the engine before it restarted
+			}
 			f.index.Insert(u.id, ev.Hashes)
 			return true
 		}
+		// From this router's own depth at the routing: without it (a
+		// charge restated without hashes, or dropped with its peer's
+		// earlier name), from the root, since the sender's depth may be
+		// more than this index held. That loses hits only.
+		from := 0
 		if c := f.remote[key]; c != nil && c.up == u && c.held >= 0 {
 			from = min(int(c.held), len(ev.Hashes))
 		}
@@ -467,48 +488,49 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 // their first token there insert their chains again at it (see forget).
 // Caller holds f.mu.
 func (f *Fleet) applyForgot(u *upstream, hashes []uint64, from int) {
-	held := 0
+	// at is when the engine prefilled the blocks kept: the first token
+	// of the request that ran through them, or, for a waiting request's
+	// kept, no later than its decision.
+	held, at := 0, time.Time{}
 	for _, c := range u.prefilled {
-		held = max(held, sharedBlocks(c.chain, hashes))
+		if n := sharedBlocks(c.chain, hashes); n > held {
+			held, at = n, c.FirstToken
+		}
 	}
 	for _, c := range u.pending {
-		held = max(held, min(int(c.kept), sharedBlocks(c.chain, hashes)))
+		if n := min(int(c.kept), sharedBlocks(c.chain, hashes)); n > held {
+			held, at = n, c.Started
+		}
 	}
 	if held > 0 {
-		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: hashes[:held]})
+		f.publish(Event{Kind: EventPrefilled, Dial: u.dial, Hashes: hashes[:held], At: at})
 	}
 	from = max(from, held)
 	f.forget(u, from, hashes[from:])
 }
 
-// forgetPending takes hashes, blocks a peer's request failed to prefill
-// at dial, out of a peer's snapshot kept for dial (see keepForLater), and
-// reports whether it held any. Caller holds f.mu.
+// forgetPending notes hashes, blocks a peer's request failed to prefill
+// at dial, for the peer's snapshot kept for dial (see keepForLater), which
+// then restores without them; it reports whether there is such a
+// snapshot. At most maxPendingForgot blocks are noted. Caller holds f.mu.
 func (f *Fleet) forgetPending(dial string, hashes []uint64) bool {
 	p := f.pending[dial]
-	if p == nil || len(hashes) == 0 {
+	if p == nil {
 		return false
 	}
-	failed := make(map[uint64]struct{}, len(hashes))
+	if p.forgot == nil {
+		p.forgot = make(map[uint64]struct{})
+	}
 	for _, h := range hashes {
-		failed[h] = struct{}{}
-	}
-	changed := false
-	for i := range p.events {
-		ev := &p.events[i]
-		if ev.Kind != EventCached || len(ev.Hashes) == 0 {
-			continue
+		if f.pendingForgot >= maxPendingForgot {
+			break
 		}
-		isFailed := func(h uint64) bool { _, ok := failed[h]; return ok }
-		if !slices.ContainsFunc(ev.Hashes, isFailed) {
-			continue
+		if _, ok := p.forgot[h]; !ok {
+			p.forgot[h] = struct{}{}
+			f.pendingForgot++
 		}
-		n := len(ev.Hashes)
-		ev.Hashes = slices.DeleteFunc(slices.Clone(ev.Hashes), isFailed)
-		f.pendingHashes -= n - len(ev.Hashes)
-		changed = true
 	}
-	return changed
+	return true
 }
 
 // maxPeerCharges bounds one peer's charges in flight here, and

@@ -2,10 +2,8 @@ package router
 
 import (
 	"fmt"
-	"maps"
 	mrand "math/rand/v2"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -829,27 +827,6 @@ func quietMatch(t *testing.T, f *Fleet, req Request) int {
 	return d.MatchedTokens
 }
 
-// TestPeersNeverClaimWhatNoEnginePrefilled: two routers sharing their
-// view, random decisions, first tokens, failures, completions and
-// deliveries of their events (in order, some at a time, the rest later),
-// with no engine restart and no eviction: once every event has arrived,
-// each router's index holds only blocks some prefill ran through or
-// some request still waiting for its first token routed. (A lost hit is
-// allowed: a prefill's blocks may be forgotten.)
-func TestPeersNeverClaimWhatNoEnginePrefilled(t *testing.T) {
-	seeds := uint64(2000)
-	if testing.Short() {
-		seeds = 300
-	}
-	for _, steps := range []int{6, 10, 20, 40} {
-		for seed := range seeds {
-			if msg := randomPeers(t, seed, steps); msg != "" {
-				t.Fatalf("seed %d, %d steps: %s", seed, steps, msg)
-			}
-		}
-	}
-}
-
 // randomPrompt is a prompt of a system prompt (one of two) and up to three
 // turns (each one of three), whole blocks each, hashed as one text.
 func randomPrompt(r *mrand.Rand) Request {
@@ -867,97 +844,4 @@ func randomPrompt(r *mrand.Rand) Request {
 	}
 	h := prefixindex.Hasher{BlockTokens: 64, BytesPerToken: 4}.HashBytes(nil, 1, text)
 	return Request{Hashes: h, BlockTokens: 64, PromptTokens: len(text) / 4, Model: "m"}
-}
-
-// randomPeers runs one random history and returns what went wrong, "" for
-// nothing.
-func randomPeers(t *testing.T, seed uint64, steps int) string {
-	type request struct {
-		router int
-		c      *Charge
-		chain  []uint64
-		first  bool
-	}
-	r := mrand.New(mrand.NewPCG(seed, 7))
-	w := wire(t, "x")
-	ms := members("x")
-	ms[0].Hardware.KVCapacityTokens = 1 << 24
-	opts := Options{}.WithDefaults()
-	prefilled := map[uint64]bool{}
-	var requests []*request
-	var history []string
-	for range steps {
-		i := r.IntN(2)
-		f := w.fleets[i]
-		switch op := r.IntN(6); {
-		case op <= 1:
-			req := randomPrompt(r)
-			d := f.Decide(t0, req, ms, &opts, rng(), nil)
-			requests = append(requests, &request{i, d.Charge, req.Hashes, false})
-			history = append(history, fmt.Sprintf("%s decides #%d (%d blocks, matched %d)", w.names[i], len(requests)-1, len(req.Hashes), d.MatchedTokens/64))
-		case op <= 3:
-			var waiting []int
-			for k, q := range requests {
-				if q.c.up != nil && !q.first {
-					waiting = append(waiting, k)
-				}
-			}
-			if len(waiting) == 0 {
-				continue
-			}
-			k := waiting[r.IntN(len(waiting))]
-			q := requests[k]
-			if op == 2 {
-				w.fleets[q.router].Progress(q.c, 1, t0)
-				q.first = true
-				for _, h := range q.chain {
-					prefilled[h] = true
-				}
-				history = append(history, fmt.Sprintf("#%d first token", k))
-			} else {
-				w.fleets[q.router].Release(q.c, t0)
-				history = append(history, fmt.Sprintf("#%d fails", k))
-			}
-		case op == 4:
-			for k, q := range requests {
-				if q.c.up != nil && q.first {
-					w.fleets[q.router].Complete(q.c, "m", Usage{OutputTokens: 1}, t0)
-					history = append(history, fmt.Sprintf("#%d completes", k))
-					break
-				}
-			}
-		case op == 5:
-			n := r.IntN(len(w.queue) + 1)
-			for range n {
-				e := w.queue[0]
-				w.queue = w.queue[1:]
-				w.fleets[1-e.from].Apply(w.names[e.from], e.ev, t0)
-			}
-			history = append(history, fmt.Sprintf("deliver %d", n))
-		}
-	}
-	w.deliver()
-	allowed := maps.Clone(prefilled)
-	for _, q := range requests {
-		if q.c.up != nil && !q.first {
-			for _, h := range q.chain {
-				allowed[h] = true
-			}
-		}
-	}
-	for i, f := range w.fleets {
-		for _, h := range f.index.Entries("x", nil) {
-			if !allowed[h] {
-				where := ""
-				for k, q := range requests {
-					if p := slices.Index(q.chain, h); p >= 0 {
-						where += fmt.Sprintf(" #%d[%d]", k, p)
-					}
-				}
-				return fmt.Sprintf("router %s holds a block (%s) no prefill ran through and no waiting request routed\n  %s",
-					w.names[i], where, strings.Join(history, "\n  "))
-			}
-		}
-	}
-	return ""
 }
