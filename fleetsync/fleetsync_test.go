@@ -1815,3 +1815,27 @@ func TestSnapshotLeavesOutWhatFailedMeanwhile(t *testing.T) {
 		t.Fatalf("after the snapshot, chain A,B,C matches %d tokens, want 16 (A alone: B and C failed)", d.MatchedTokens)
 	}
 }
+
+// TestForgetLostInAnOutageIsSent: a request fails before its first token
+// while its router is cut off from NATS: its forget, which could not be
+// sent, is sent once connected again, so the peer, which had learned its
+// blocks from its routing, does not keep them (the renewal's restatement
+// carries no hashes).
+func TestForgetLostInAnOutageIsSent(t *testing.T) {
+	ns := startNATS(t, -1)
+	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
+	fa, fb, a, _ := fleetPair(t, url, url, "test.lostforget")
+	waitFor(t, "b hearing a", func() bool { return len(fb.Peers()) == 1 })
+	opts := router.Options{}.WithDefaults()
+	members := []router.Member{{Dial: "x:1", Available: true, Healthy: true}}
+	d := fa.Decide(time.Now(), router.Request{Hashes: []uint64{11, 12, 13}, BlockTokens: 16, PromptTokens: 48}, members, &opts, rand.New(rand.NewPCG(1, 2)), nil)
+	blocks := func() int { return fb.Snapshot(time.Now())[0].IndexBlocks }
+	waitFor(t, "b learning the request's blocks", func() bool { return blocks() == 3 })
+
+	ns.Shutdown()
+	waitFor(t, "a noticing the loss", func() bool { return !a.Stats().Connected })
+	fa.Release(d.Charge, time.Now()) // 503 before any token; its forget cannot go
+	waitFor(t, "the forget dropped", func() bool { return a.Stats().Dropped > 0 })
+	startNATS(t, port)
+	waitFor(t, "b forgetting the failed request's blocks", func() bool { return blocks() == 0 })
+}

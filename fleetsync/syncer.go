@@ -261,6 +261,13 @@ type Syncer struct {
 	lostOps map[string]Message
 	opSeq   uint64
 	keptSeq map[string]uint64
+	// lostForgets are the failed requests' forgets (EventForgot) that
+	// could not be sent, in order, within maxLostForgetHashes hashes
+	// (lostForgetHashes), sent once connected: nothing else makes the
+	// peers forget what those requests' routings added to their indexes
+	// (a renewal's restatement carries no hashes).
+	lostForgets      []Message
+	lostForgetHashes int
 	// ownOps are this router's operators' latest drain or undrain per
 	// upstream that no peer's later one replaced: restated with the
 	// charges, since a peer may have missed it without either side
@@ -998,12 +1005,16 @@ func (s *Syncer) Publish(m Message) bool {
 
 // drop counts m as dropped and notes what the peers missed: a charge's
 // routing or release (its progress carries running totals, which the
-// next one makes good), or an operator's drain. Nothing restates stored
-// responses or index changes.
+// next one makes good), or an operator's drain; a forget is kept to send
+// once connected (see lostForgets). Nothing restates stored responses or
+// prefilled blocks.
 func (s *Syncer) drop(m Message) {
 	s.dropped.Add(1)
 	if ev := m.Event; ev != nil && ev.Kind != router.EventProgressed && ev.Kind != router.EventStored && !isIndexEvent(ev.Kind) {
 		s.lost.Store(true)
+	}
+	if ev := m.Event; ev != nil && ev.Kind == router.EventForgot {
+		s.keepForget(m)
 	}
 	s.keepOp(m)
 }
@@ -1130,8 +1141,33 @@ func (s *Syncer) keepOp(m Message) {
 	}
 }
 
-// maxLostOps bounds the operators' drains kept while disconnected.
-const maxLostOps = 4096
+// maxLostOps bounds the operators' drains kept while disconnected, and
+// maxLostForgetHashes the hashes of the forgets kept.
+const (
+	maxLostOps          = 4096
+	maxLostForgetHashes = 1 << 18
+)
+
+// keepForget keeps m, a forget that could not be sent, to send once
+// connected (see lostForgets); beyond the bound it is lost.
+func (s *Syncer) keepForget(m Message) {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	if n := len(m.Event.Hashes); s.lostForgetHashes+n <= maxLostForgetHashes {
+		s.lostForgets = append(s.lostForgets, m)
+		s.lostForgetHashes += n
+	}
+}
+
+// takeLostForgets returns the forgets that could not be sent, in order,
+// and forgets them.
+func (s *Syncer) takeLostForgets() []Message {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	out := s.lostForgets
+	s.lostForgets, s.lostForgetHashes = nil, 0
+	return out
+}
 
 // takeLostOps returns the operators' drains that could not be sent, and
 // forgets them. A drain's deadline counts from when the operator made it,
@@ -1335,6 +1371,9 @@ func (s *Syncer) run() {
 			}
 		}
 		for _, m := range s.takeLostOps() {
+			add(m)
+		}
+		for _, m := range s.takeLostForgets() {
 			add(m)
 		}
 	}
