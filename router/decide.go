@@ -265,35 +265,19 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
 		ContextTokens:    expectedContextTokens(&req, prompt),
 	}
-	want, listed := cmp.Or(adapter, req.Model), false
+	home := -1
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
-		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), want)
+		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried)
-		listed = listed || want != "" && slices.Contains(cands[i].Models, want)
-	}
-	home := -1
-	for i := range members {
 		// A home that does not serve the model asked for cannot continue
 		// the response either: routed as any other request, the request
 		// gets the engine's 404 at once, where waiting for the home would
 		// end in a shed 503 the client retries.
-		if isHome(&req, &members[i]) && scorer.ServesModel(&sreq, &cands[i]) {
+		if home < 0 && isHome(&req, m) && scorer.ServesModel(&sreq, &cands[i]) {
 			home = i
-			break
-		}
-	}
-	if listed && home < 0 {
-		// An upstream whose list names the model surely serves it; one
-		// whose list is unknown (an engine still loading, a list gone
-		// stale) only may, and answers 404 if it does not: while some
-		// list names it, the unknown ones are left out.
-		for i := range cands {
-			if cands[i].Models == nil {
-				cands[i].Models = []string{}
-			}
 		}
 	}
 	if home >= 0 {

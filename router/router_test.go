@@ -425,32 +425,6 @@ func TestUnservableModel(t *testing.T) {
 	}
 }
 
-// TestListedBeatsUnknown: an upstream whose list names the model asked
-// for wins over one whose list is unknown (an engine still loading, a
-// list gone stale), however busy the one and idle the other: the unknown
-// one answers 404 if it does not serve the model. With no list naming it,
-// the unknown one is tried; a stored response's home whose list is
-// unknown stays its home.
-func TestListedBeatsUnknown(t *testing.T) {
-	f := New()
-	opts := Options{}.WithDefaults()
-	ms := members("a", "b")
-	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "llama"}}}
-	req := Request{Model: "llama", PromptTokens: 100}
-	for i := range 20 {
-		d := f.Decide(t0, req, ms, &opts, rng(), nil)
-		if d.Charge == nil || d.Charge.Dial() != "a" {
-			t.Fatalf("request %d for the model a lists, a busy and b's list unknown: %+v", i, d)
-		}
-	}
-	if d := f.Decide(t0, Request{Model: "qwen", PromptTokens: 100}, ms, &opts, rng(), nil); d.Charge == nil || d.Charge.Dial() != "b" {
-		t.Fatalf("a model no list names went to %+v, not to b, whose list is unknown", d)
-	}
-	if d := f.Decide(t0, Request{Model: "llama", PromptTokens: 100, Home: "b"}, ms, &opts, rng(), nil); d.Charge == nil || d.Charge.Dial() != "b" {
-		t.Fatalf("a stored response's home, its list unknown, lost its request: %+v", d)
-	}
-}
-
 // TestModelRequired: a request naming no model goes anywhere while the
 // members serve one base model (adapters aside), and is refused when they
 // serve several.
