@@ -133,3 +133,63 @@ func TestUnknownModelDecidesOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestPassThroughAroundADeadLister: an engine that listed the model died
+// (nothing listens: its list is kept however old), and another runs but
+// its /v1/models fails (its list unknown). A request for the model is
+// not sent only to the dead one: the one whose list is unknown may serve
+// it.
+func TestPassThroughAroundADeadLister(t *testing.T) {
+	var noDelay atomic.Int64
+	a := listingEngine(t, func() string { return "base" }, &noDelay)
+	prom, err := os.ReadFile("../scrape/testdata/vllm.prom")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			http.Error(w, "busy", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = w.Write(prom)
+	}))
+	t.Cleanup(b.Close)
+	s := scrape.New(scrape.Config{Interval: 50 * time.Millisecond, ModelsInterval: 50 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	da, db := a.Listener.Addr().String(), b.Listener.Addr().String()
+	s.SetTargets([]string{da, db})
+	s.Start(ctx)
+	waitUntil(t, "both engines scraped", func() bool { return s.Seq(da) > 0 && s.Seq(db) > 0 })
+	a.Close()
+	waitUntil(t, "the dead engine seen down", func() bool { return s.Down(da) })
+	p := testPolicy(t, zap.NewNop())
+	p.scraper = s
+	pool := reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: da},
+		{Host: new(reverseproxy.Host), Dial: db},
+	}
+	toB := 0
+	for range 40 {
+		r := httptest.NewRequest("POST", "/v1/embeddings", nil)
+		if up := p.chooseFallback(pool, r, httptest.NewRecorder(), &passThrough{model: "base"}); up != nil && up.Dial == db {
+			toB++
+		}
+	}
+	if toB == 0 {
+		t.Fatal("40 requests for a model the dead engine lists: none went to the running one, whose list is unknown")
+	}
+}
+
+// waitUntil waits for cond, failing the test after a minute (a busy
+// machine slows the scrapes).
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

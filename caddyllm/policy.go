@@ -1176,8 +1176,8 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	pool = p.undrained(pool)
 	// A request for a model (an embedding, a tokenization, a score) goes
 	// where the model is served: to an upstream listing it, or, when none
-	// does, whose list is unknown. When every list is known and none has
-	// it, it is not served here.
+	// that does can take it, whose list is unknown. When every list is
+	// known and none has it, it is not served here.
 	if pt != nil && pt.model != "" && p.scraper != nil {
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
@@ -1241,26 +1241,30 @@ func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.Upstrea
 }
 
 // servingModel is the upstreams of pool whose model lists (see
-// listedModels) name model, or, when none does, those whose lists are
-// unknown (they may serve it: an engine still loading, one whose list
-// went stale); known says some upstream had a list.
+// listedModels) name model, when one of them can take a request now;
+// else those and the ones whose lists are unknown (they may serve it: an
+// engine still loading, one whose list went stale). known says some
+// upstream had a list.
 func (p *Policy) servingModel(pool reverseproxy.UpstreamPool, model string) (serving reverseproxy.UpstreamPool, known bool) {
 	now := time.Now()
 	var unknown reverseproxy.UpstreamPool
+	live := false
 	for _, u := range pool {
 		listed, listKnown := p.lists(u, model, now)
 		known = known || listKnown
 		switch {
 		case listed:
 			serving = append(serving, u)
+			// A dead engine keeps the list it last gave.
+			live = live || u.Available() && !p.scraper.Down(u.Dial)
 		case !listKnown:
 			unknown = append(unknown, u)
 		}
 	}
-	if len(serving) == 0 {
-		return unknown, known
+	if live {
+		return serving, known
 	}
-	return serving, known
+	return append(serving, unknown...), known
 }
 
 // listingModel splits pool into the upstreams whose model lists name

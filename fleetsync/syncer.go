@@ -262,10 +262,10 @@ type Syncer struct {
 	opSeq   uint64
 	keptSeq map[string]uint64
 	// lostForgets are the failed requests' forgets (EventForgot) that
-	// could not be sent, in order, within maxLostForgetHashes hashes
-	// (lostForgetHashes), sent once connected: nothing else makes the
-	// peers forget what those requests' routings added to their indexes
-	// (a renewal's restatement carries no hashes).
+	// could not be sent while disconnected (see unsent), in order, within
+	// maxLostForgetHashes hashes (lostForgetHashes), sent once connected:
+	// nothing else makes the peers forget what those requests' routings
+	// added to their indexes (a renewal's restatement carries no hashes).
 	lostForgets      []Message
 	lostForgetHashes int
 	// ownOps are this router's operators' latest drain or undrain per
@@ -1005,16 +1005,12 @@ func (s *Syncer) Publish(m Message) bool {
 
 // drop counts m as dropped and notes what the peers missed: a charge's
 // routing or release (its progress carries running totals, which the
-// next one makes good), or an operator's drain; a forget is kept to send
-// once connected (see lostForgets). Nothing restates stored responses or
-// prefilled blocks.
+// next one makes good), or an operator's drain. Nothing restates stored
+// responses or index changes (but see unsent).
 func (s *Syncer) drop(m Message) {
 	s.dropped.Add(1)
 	if ev := m.Event; ev != nil && ev.Kind != router.EventProgressed && ev.Kind != router.EventStored && !isIndexEvent(ev.Kind) {
 		s.lost.Store(true)
-	}
-	if ev := m.Event; ev != nil && ev.Kind == router.EventForgot {
-		s.keepForget(m)
 	}
 	s.keepOp(m)
 }
@@ -1141,6 +1137,18 @@ func (s *Syncer) keepOp(m Message) {
 	}
 }
 
+// unsent drops m, which the publishing loop took in its order but could
+// not send; a failed request's forget is kept to send once connected, in
+// that order still: everything queued before it went before it. (One a
+// full queue drops is not kept: messages queued before it would follow
+// it.)
+func (s *Syncer) unsent(m Message) {
+	s.drop(m)
+	if ev := m.Event; ev != nil && ev.Kind == router.EventForgot {
+		s.keepForget(m)
+	}
+}
+
 // maxLostOps bounds the operators' drains kept while disconnected, and
 // maxLostForgetHashes the hashes of the forgets kept.
 const (
@@ -1227,7 +1235,7 @@ func (s *Syncer) run() {
 				// while it reconnects it holds its lock through each
 				// attempt, which the publication would wait for.
 				for _, m := range b.Messages {
-					s.drop(m)
+					s.unsent(m)
 				}
 				break
 			}
@@ -1243,7 +1251,7 @@ func (s *Syncer) run() {
 			setOpTimes(msg.Header, b.Messages)
 			if err := s.nc.PublishMsg(msg); err != nil {
 				for _, m := range b.Messages {
-					s.drop(m)
+					s.unsent(m)
 				}
 				if errors.Is(err, os.ErrDeadlineExceeded) {
 					// The path to the server stalled without closing:
