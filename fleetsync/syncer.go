@@ -349,7 +349,8 @@ type senderName struct {
 	epoch uint64
 	heard time.Time
 	// seq is the number of its last batch under epoch (see seqHeader), 0
-	// when unnumbered (a router of a version before).
+	// when unnumbered (a router of a version before, or only index
+	// batches heard so far).
 	seq uint64
 }
 
@@ -855,8 +856,6 @@ func (s *Syncer) noteLiveOp(m *Message) {
 	}
 }
 
-// newerLiveOp reports whether m is a snapshot's drain of an upstream whose
-// drain or undrain arrived live since the snapshot was asked for.
 // maxLiveForgot bounds the blocks noteLiveForgot holds.
 const maxLiveForgot = 1 << 16
 
@@ -905,6 +904,8 @@ func (s *Syncer) leaveOutForgotten(m *Message) {
 	}
 }
 
+// newerLiveOp reports whether m is a snapshot's drain of an upstream whose
+// drain or undrain arrived live since the snapshot was asked for.
 func (s *Syncer) newerLiveOp(m *Message) bool {
 	if m.Drain == "" {
 		return false

@@ -141,7 +141,7 @@ func (row answerRow) check(t *testing.T, resp *http.Response, b []byte, err erro
 // parser's memory on a large body of tiny messages is measured by
 // caddyllm's BenchmarkHandlerParse (the row here checks that such a body is
 // parsed and answered at once), and the bounded table of model names by
-// router.TestLearnedModelsBounded.
+// router.TestModelTableIsBounded.
 func TestAnswers(t *testing.T) {
 	// One replica with 16,384 tokens of KV.
 	fleet := startFleet(t, 1, 1, kvsim.Config{NumGPUBlocks: 1024})

@@ -253,7 +253,7 @@ func (f *Fleet) failed(c *Charge, now time.Time) {
 }
 
 // forget makes u's index forget hashes, a failed request's blocks from
-// position from of its chain on, at now. The requests there still waiting
+// position from of its chain on. The requests there still waiting
 // for their first token whose prompts share some of them re-insert their
 // chains at it (see confirm), and those that counted them as held at
 // their decision no longer do: should they fail too, they forget them as

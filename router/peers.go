@@ -14,8 +14,10 @@ import (
 // routed, peers' charges count as queued work until released, their
 // completions teach the output estimate, and the responses they saw
 // stored tell where a conversation continues. Events carry hashes, counts
-// and response ids, never prompt text. Delivery is best-effort: a lost event is made good by
-// expiry, and a peer that goes silent loses its charges.
+// and response ids, never prompt text. Delivery is best-effort: a lost
+// charge event is made good by expiry, and a peer that goes silent loses
+// its charges; a lost forget leaves blocks in the peers' indexes until
+// they are evicted.
 
 // EventKind says what happened to a charge.
 type EventKind uint8
@@ -51,13 +53,15 @@ const (
 	// in the sender's (the blocks before were held there already, or
 	// another request's prefill ran through them). It comes before the
 	// charge's EventReleased. Peers forget what its routing added to
-	// theirs, except what a prefill they saw there holds.
+	// theirs, except what their own requests' prefills there hold.
 	EventForgot
-	// EventPrefilled: Dial's engine prefilled the blocks Hashes at At
-	// (zero: unknown), which a failure had made the sending router's
-	// index forget, or kept from a peer's forget (see EventForgot). It is
-	// about no charge. A router that saw the engine restart since At
-	// ignores it: the engine lost them.
+	// EventPrefilled: Dial's engine prefilled the blocks Hashes no
+	// earlier than At (zero: unknown), which a failure or an engine
+	// restart had made the sending router's index forget, or which it
+	// kept from a peer's forget (see EventForgot). ID, when set, is the
+	// charge whose first token said so; the event changes no charge. A
+	// router that saw the engine restart since At ignores it: the engine
+	// may have lost them.
 	EventPrefilled
 )
 
@@ -90,7 +94,9 @@ type Event struct {
 	Response string
 	// From is where a forgot event's sender forgot its chain from.
 	From int
-	// At is when a prefilled event's blocks were prefilled.
+	// At is, on the sender's clock, a time no later than a prefilled
+	// event's prefill (a first token, or a waiting request's decision,
+	// before which nothing it shares was confirmed).
 	At time.Time
 }
 
@@ -370,7 +376,10 @@ func (f *Fleet) publish(ev Event) {
 // and reports whether it changed anything. Events for upstreams f does
 // not route to (no config of this router names them, it never routed
 // there, or it forgot them) are ignored, as are events of charges it
-// never saw routed.
+// never saw routed; except a forget, which forgets from the root what a
+// charge it does not know may have added (see applyForgot), and is noted
+// for a peer's snapshot kept for an upstream not known yet (see
+// forgetPending).
 func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -488,9 +497,9 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 // their first token there insert their chains again at it (see forget).
 // Caller holds f.mu.
 func (f *Fleet) applyForgot(u *upstream, hashes []uint64, from int) {
-	// at is when the engine prefilled the blocks kept: the first token
-	// of the request that ran through them, or, for a waiting request's
-	// kept, no later than its decision.
+	// at is no later than the engine's prefill of the blocks kept: the
+	// first token of the request that ran through them, or, for a
+	// waiting request's kept, its decision (the prefill came after it).
 	held, at := 0, time.Time{}
 	for _, c := range u.prefilled {
 		if n := sharedBlocks(c.chain, hashes); n > held {

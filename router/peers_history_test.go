@@ -418,8 +418,7 @@ func histModes() map[string]histMode {
 // with every event applied.
 //
 // Left out: an engine restart a router notes while events from before it
-// are still on their way to it (restartInFlight, restartStaggered), as a
-// routing event carries no time: a routing from before the restart then
+// are still on their way to it, as a routing event carries no time: a routing from before the restart then
 // inserts blocks the engine lost. Events arrive in milliseconds and an
 // engine takes seconds to restart, and to be seen restarted.
 func TestPeersNeverClaimWhatNoEnginePrefilled(t *testing.T) {
