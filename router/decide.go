@@ -155,7 +155,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	defer f.mu.Unlock()
 	f.decisions.Add(1)
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
-	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
+	sd := chooseListedFirst(sreq, cands, members, opts, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
 		d.releases, d.at = f.releases.Load(), now
@@ -286,6 +286,47 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		}
 	}
 	return sreq, cands, states
+}
+
+// chooseListedFirst is scorer.Choose, first among the candidates whose
+// model lists name the model asked for, when one of them is running and
+// available and some other candidate's list is unknown (not fetched yet,
+// or stale): such a one may not serve the model, and would answer 404.
+// When none of the listing ones can take the request, all are
+// considered, as Choose alone does, so the request waits (is held) only
+// when no candidate at all can take it.
+func chooseListedFirst(sreq scorer.Request, cands []scorer.Candidate, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) scorer.Decision {
+	want := cmp.Or(sreq.Adapter, sreq.Model)
+	listed, unknown := false, false
+	for i := range cands {
+		switch {
+		case cands[i].Models == nil:
+			unknown = true
+		case want != "" && cands[i].Available && !members[i].Down && slices.Contains(cands[i].Models, want):
+			listed = true
+		}
+	}
+	if !listed || !unknown {
+		return scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
+	}
+	var hidden []int
+	for i := range cands {
+		if cands[i].Models == nil && cands[i].Available {
+			cands[i].Available = false
+			hidden = append(hidden, i)
+		}
+	}
+	sd := scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
+	for _, i := range hidden {
+		cands[i].Available = true
+	}
+	if sd.Chosen >= 0 {
+		return sd
+	}
+	if explain != nil {
+		explain.Top, explain.Filtered = explain.Top[:0], explain.Filtered[:0]
+	}
+	return scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 }
 
 // severalBaseModels says members' model lists name more than one base

@@ -425,6 +425,54 @@ func TestUnservableModel(t *testing.T) {
 	}
 }
 
+// TestListedBeatsUnknown: an upstream whose list names the model asked
+// for is chosen before one whose list is unknown (not fetched yet, or
+// stale: it may not serve the model, and would answer 404), however busy
+// the one and idle the other. The unknown one takes the request when no
+// list names the model, and when no upstream that lists it can take the
+// request: its engine is down, Caddy counts it unavailable, or it was
+// tried already; so a request is held only when no upstream at all can
+// take it. A stored response's home whose list is unknown stays its home.
+func TestListedBeatsUnknown(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a", "b")
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "llama"}}}
+	req := Request{Model: "llama", PromptTokens: 100}
+	for i := range 20 {
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge == nil || d.Charge.Dial() != "a" {
+			t.Fatalf("request %d for the model a lists, a busy and b's list unknown: %+v", i, d)
+		}
+	}
+	goesTo := func(what string, req Request, ms []Member, want string) {
+		t.Helper()
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge == nil || d.Charge.Dial() != want {
+			t.Fatalf("%s: %+v (blocked by %s), want %s", what, d, d.Blocked, want)
+		}
+		f.Release(d.Charge, t0)
+	}
+	goesTo("a model no list names", Request{Model: "qwen", PromptTokens: 100}, ms, "b")
+	goesTo("a stored response's home, its list unknown", Request{Model: "llama", PromptTokens: 100, Home: "b"}, ms, "b")
+	for _, tc := range []struct {
+		name string
+		set  func(m *Member)
+	}{
+		{"a's engine down", func(m *Member) { m.Down = true }},
+		{"a unavailable to Caddy", func(m *Member) { m.Available = false }},
+		{"a tried already", func(m *Member) { m.Tried = true }},
+	} {
+		ms := slices.Clone(ms)
+		tc.set(&ms[0])
+		goesTo(tc.name, req, ms, "b")
+	}
+	var explain scorer.Explanation
+	if d := f.Decide(t0, req, ms, &opts, rng(), &explain); d.Charge == nil || len(explain.Top) == 0 || explain.Top[0].Name != "a" {
+		t.Fatalf("the explanation of a choice among the listing upstreams: %+v", explain)
+	}
+}
+
 // TestModelRequired: a request naming no model goes anywhere while the
 // members serve one base model (adapters aside), and is refused when they
 // serve several.
