@@ -292,9 +292,9 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 // model lists name the model asked for, when one of them is running and
 // available and some other candidate's list is unknown (not fetched yet,
 // or stale): such a one may not serve the model, and would answer 404.
-// When none of the listing ones can take the request, all are
-// considered, as Choose alone does, so the request waits (is held) only
-// when no candidate at all can take it.
+// When none of the listing ones can take the request (whole: not only cut
+// at its context), all are considered, as Choose alone does, so the
+// request waits (is held) only when no candidate at all can take it.
 func chooseListedFirst(sreq scorer.Request, cands []scorer.Candidate, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) scorer.Decision {
 	want := cmp.Or(sreq.Adapter, sreq.Model)
 	listed, unknown := false, false
@@ -309,7 +309,8 @@ func chooseListedFirst(sreq scorer.Request, cands []scorer.Candidate, members []
 	if !listed || !unknown {
 		return scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	}
-	var hidden []int
+	var buf [16]int
+	hidden := buf[:0]
 	for i := range cands {
 		if cands[i].Models == nil && cands[i].Available {
 			cands[i].Available = false
@@ -320,7 +321,11 @@ func chooseListedFirst(sreq scorer.Request, cands []scorer.Candidate, members []
 	for _, i := range hidden {
 		cands[i].Available = true
 	}
-	if sd.Chosen >= 0 {
+	if sd.Chosen >= 0 && !sd.CutAtContext {
+		if explain != nil {
+			// They were not filtered out, only left for later.
+			explain.Filtered = slices.DeleteFunc(explain.Filtered, func(e scorer.Excluded) bool { return slices.Contains(hidden, e.Index) })
+		}
 		return sd
 	}
 	if explain != nil {

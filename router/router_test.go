@@ -468,8 +468,20 @@ func TestListedBeatsUnknown(t *testing.T) {
 		goesTo(tc.name, req, ms, "b")
 	}
 	var explain scorer.Explanation
-	if d := f.Decide(t0, req, ms, &opts, rng(), &explain); d.Charge == nil || len(explain.Top) == 0 || explain.Top[0].Name != "a" {
-		t.Fatalf("the explanation of a choice among the listing upstreams: %+v", explain)
+	if d := f.Decide(t0, req, ms, &opts, rng(), &explain); d.Charge == nil || len(explain.Top) == 0 || explain.Top[0].Name != "a" || len(explain.Filtered) != 0 {
+		t.Fatalf("the explanation of a choice among the listing upstreams (b, not tried, is not filtered out): %+v", explain)
+	}
+
+	// A listing upstream that can take the request only cut at its
+	// context (its engine may refuse it) does not beat an unknown one.
+	f = New()
+	ms = members("a", "b")
+	ms[0].Models = []scrape.ModelInfo{{ID: "llama", MaxModelLen: 8192}}
+	// 7,000 tokens counted from text (5,600 surely) and max_tokens 2,000:
+	// 9,000 expected, more than a's 8,192; 7,600 surely, less.
+	long := Request{Model: "llama", PromptTokens: 7000, PromptBytes: 28000, MaxTokens: 2000}
+	if d := f.Decide(t0, long, ms, &opts, rng(), nil); d.Charge == nil || d.Charge.Dial() != "b" {
+		t.Fatalf("a request a's context holds only cut: %+v, want b, whose list is unknown", d)
 	}
 }
 

@@ -64,6 +64,10 @@ type Decision struct {
 	Eligible int
 	// Blocked is the most common filter reason when none fits.
 	Blocked FilterReason
+	// CutAtContext says no candidate holds the request's whole estimate:
+	// the chosen one holds what it surely needs, and may cut it at its
+	// context.
+	CutAtContext bool
 }
 
 // Explanation is filled by Choose when asked for, for logs and headers.
@@ -109,6 +113,7 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 			explain.Filtered = explain.Filtered[:0]
 		}
 		d, _ = choose(&req, cands, opts, rng, explain)
+		d.CutAtContext = d.Chosen >= 0
 	}
 	return d
 }
