@@ -221,6 +221,75 @@ func TestBackgroundResponseGoesHome(t *testing.T) {
 	}
 }
 
+// TestStreamedBackgroundResponseResumesHome: a streamed background
+// response (vLLM's background mode with stream=true) whose client leaves
+// mid-stream goes on at its engine, and the client resumes it through the
+// router (GET /v1/responses/{id}?stream=true&starting_after=N) from its
+// home replica, to its end; the text read before and after the break is
+// the stored response's. Read with the official client.
+func TestStreamedBackgroundResponseResumesHome(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	var first *http.Response
+	stream := client.Responses.NewStreaming(ctx, responses.ResponseNewParams{
+		Model:           kvsim.DefaultModel,
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a streamed background story", 2_000))},
+		MaxOutputTokens: openai.Int(60),
+		Background:      openai.Bool(true),
+	}, option.WithResponseInto(&first))
+	var id string
+	var got strings.Builder
+	last := int64(-1)
+	for stream.Next() {
+		ev := stream.Current()
+		last = ev.SequenceNumber
+		switch ev.Type {
+		case "response.created":
+			id = ev.Response.ID
+		case "response.output_text.delta":
+			got.WriteString(ev.Delta)
+		}
+		if got.Len() > 0 && last >= 6 {
+			break // the client leaves mid-stream
+		}
+	}
+	stream.Close()
+	if id == "" || got.Len() == 0 || first == nil {
+		t.Fatalf("before the break: id %q, text %q (%v)", id, got.String(), stream.Err())
+	}
+	home := first.Header.Get(kvsim.ReplicaHeader)
+	// The Go client sends stream in a JSON body; vLLM reads the query.
+	var resumedFrom *http.Response
+	resumed := client.Responses.GetStreaming(ctx, id, responses.ResponseGetParams{StartingAfter: openai.Int(last)},
+		option.WithQuery("stream", "true"), option.WithResponseInto(&resumedFrom))
+	completed := false
+	for resumed.Next() {
+		ev := resumed.Current()
+		if ev.SequenceNumber != last+1 {
+			t.Fatalf("resumed with event %d after %d", ev.SequenceNumber, last)
+		}
+		last = ev.SequenceNumber
+		switch ev.Type {
+		case "response.output_text.delta":
+			got.WriteString(ev.Delta)
+		case "response.completed":
+			completed = true
+		}
+	}
+	if err := resumed.Err(); err != nil || !completed {
+		t.Fatalf("the resumed stream: completed %v, %v", completed, err)
+	}
+	if from := resumedFrom.Header.Get(kvsim.ReplicaHeader); from != home {
+		t.Fatalf("resumed from %s, its home is %s", from, home)
+	}
+	stored, err := client.Responses.Get(ctx, id, responses.ResponseGetParams{})
+	if err != nil || stored.OutputText() != got.String() || stored.Usage.OutputTokens != 60 {
+		t.Fatalf("stored: %v, %d tokens, %q; streamed %q", err, stored.Usage.OutputTokens, stored.OutputText(), got.String())
+	}
+}
+
 // TestDrainMovesAQueuedResponsesStream: a Responses stream announces its
 // response (response.created) before the engine has run it. At a drain
 // deadline, the one still queued at the engine, its announcement held

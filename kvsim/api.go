@@ -308,13 +308,8 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		if rf.StoreSet { // null is None in vLLM's request: not stored
 			p.Store = rf.Store != nil && bool(*rf.Store)
 		}
-		if p.Background = rf.Background != nil && bool(*rf.Background); p.Background {
-			switch {
-			case !p.Store:
-				return nil, errBadRequest("background can only be used when `store` is true")
-			case p.Stream:
-				return nil, errBadRequest("kvsim does not stream background responses: poll GET /v1/responses/{id}")
-			}
+		if p.Background = rf.Background != nil && bool(*rf.Background); p.Background && !p.Store {
+			return nil, errBadRequest("background can only be used when `store` is true")
 		}
 		if rf.Instructions != nil && *rf.Instructions != "" { // empty: none, as in vLLM
 			p.Instructions = rf.Instructions

@@ -2,10 +2,12 @@ package kvsim
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"maps"
 	"net/http"
+	"strconv"
 	"sync"
 )
 
@@ -111,6 +113,72 @@ type storedResponse struct {
 	// cancel ends a background response's generation; nil once it has
 	// ended, or for a response answered when done.
 	cancel func()
+	// events are a streamed background response's events, which
+	// GET /v1/responses/{id}?stream=true replays and follows; nil for
+	// any other response.
+	events *eventLog
+}
+
+// eventLog is a streamed background response's events, as SSE frames
+// numbered by their place (their sequence_number), for its readers: the
+// stream that asked for it, and those resuming it by its id.
+type eventLog struct {
+	mu     sync.Mutex
+	frames [][]byte
+	done   bool
+	// more is closed, and replaced, when a frame comes or the log ends.
+	more chan struct{}
+}
+
+func newEventLog() *eventLog { return &eventLog{more: make(chan struct{})} }
+
+// add appends frame; end ends the log (with frame, if any).
+func (l *eventLog) add(frame []byte, end bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done {
+		return
+	}
+	if frame != nil {
+		l.frames = append(l.frames, frame)
+	}
+	l.done = end
+	close(l.more)
+	l.more = make(chan struct{})
+}
+
+// from returns the frames from index i on, whether the log has ended,
+// and a channel closed when there is more.
+func (l *eventLog) from(i int) ([][]byte, bool, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.frames[min(max(0, i), len(l.frames)):], l.done, l.more
+}
+
+// serve writes the log's frames from index i on to w as an SSE stream,
+// following it until it ends or the client goes.
+func (l *eventLog) serve(w http.ResponseWriter, r *http.Request, i int) {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	rc := http.NewResponseController(w)
+	for {
+		frames, done, more := l.from(i)
+		for _, f := range frames {
+			if _, err := w.Write(f); err != nil {
+				return
+			}
+		}
+		i += len(frames)
+		if rc.Flush() != nil || done {
+			return
+		}
+		select {
+		case <-more:
+		case <-r.Context().Done():
+			return
+		}
+	}
 }
 
 func (rs *responseStore) get(id string) (storedResponse, bool) {
@@ -185,6 +253,61 @@ func (rs *responder) background() {
 	go bg.runBackground(msgID, stop)
 }
 
+// backgroundStream answers a streamed background Responses API request
+// as vLLM does: its events are kept (eventLog) while it is generated, so
+// that the stream continues whether its client stays or goes, and
+// GET /v1/responses/{id}?stream=true&starting_after=N resumes it; its
+// cancellation (handleCancel) ends it, as a background response's.
+func (rs *responder) backgroundStream() {
+	msgID := newID("msg_")
+	events := newEventLog()
+	stop := make(chan struct{})
+	rs.s.responses.put(rs.req.ID, storedResponse{object: withStatus(rs.responseObject(msgID, nil, nil), "queued"),
+		cancel: sync.OnceFunc(func() { close(stop) }), events: events})
+	bg := *rs
+	bg.w, bg.gone, bg.cutAfter = nil, stop, 0
+	go bg.runBackgroundStream(msgID, events)
+	events.serve(rs.w, rs.r, 0)
+}
+
+// runBackgroundStream generates a streamed background response into
+// events; see backgroundStream.
+func (rs *responder) runBackgroundStream(msgID string, events *eventLog) {
+	defer rs.s.driver.Abort(rs.req) // a no-op once it has finished
+	id := rs.req.ID
+	seq := 0
+	emit := func(typ string, fields map[string]any, end bool) bool {
+		fields["type"], fields["sequence_number"] = typ, seq
+		seq++
+		b, _ := json.Marshal(fields)
+		events.add(fmt.Appendf(nil, "event: %s\ndata: %s\n\n", typ, b), end)
+		return true
+	}
+	done := rs.responseEvents(msgID, emit, func(ev string) {
+		rs.s.responses.update(id, func(r *storedResponse) {
+			if r.cancel != nil {
+				r.object = withStatus(r.object, ev)
+			}
+		})
+	}, func(text []byte, object map[string]any) {
+		msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
+		rs.s.responses.update(id, func(r *storedResponse) {
+			if r.cancel != nil { // not cancelled meanwhile
+				*r = storedResponse{msgs: msgs, object: object, events: events}
+			}
+		})
+	})
+	if !done {
+		// Cancelled (handleCancel stored it so), or the engine stopped.
+		rs.s.responses.update(id, func(r *storedResponse) {
+			if r.cancel != nil {
+				r.object, r.cancel = withStatus(r.object, "failed"), nil
+			}
+		})
+	}
+	events.add(nil, true)
+}
+
 // runBackground generates a background response; see background.
 func (rs *responder) runBackground(msgID string, stop <-chan struct{}) {
 	defer rs.s.driver.Abort(rs.req) // a no-op once it has finished
@@ -253,7 +376,11 @@ func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleRetrieve answers GET /v1/responses/{id}: the stored response, or
-// 404 from a server that does not hold it.
+// 404 from a server that does not hold it. With stream=true it replays a
+// streamed background response's events after starting_after (a
+// sequence_number; all without it) and follows them until the response
+// ends, as vLLM does; a response that was not streamed in the background
+// has none (400).
 func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	stored, ok := s.responses.get(id)
@@ -262,7 +389,28 @@ func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 			Message: fmt.Sprintf("Response with id '%s' not found.", id)})
 		return
 	}
-	writeJSON(w, http.StatusOK, stored.object)
+	q := r.URL.Query()
+	stream, err := strconv.ParseBool(cmp.Or(q.Get("stream"), "false"))
+	if err != nil {
+		writeError(w, errBadRequest("stream must be a boolean"))
+		return
+	}
+	if !stream {
+		writeJSON(w, http.StatusOK, stored.object)
+		return
+	}
+	after := -1
+	if v := q.Get("starting_after"); v != "" {
+		if after, err = strconv.Atoi(v); err != nil || after < -1 {
+			writeError(w, errBadRequest("starting_after must be a sequence number"))
+			return
+		}
+	}
+	if stored.events == nil {
+		writeError(w, errBadRequest(fmt.Sprintf("response '%s' was not streamed in the background: it has no events to stream", id)))
+		return
+	}
+	stored.events.serve(w, r, after+1)
 }
 
 func mustJSON(v any) json.RawMessage {
@@ -341,7 +489,7 @@ func (rs *responder) streamResponse() {
 	h.Set("Cache-Control", "no-cache")
 	rc := http.NewResponseController(rs.w)
 	seq := 0
-	send := func(typ string, fields map[string]any) bool {
+	emit := func(typ string, fields map[string]any, _ bool) bool {
 		fields["type"], fields["sequence_number"] = typ, seq
 		seq++
 		b, _ := json.Marshal(fields)
@@ -350,45 +498,58 @@ func (rs *responder) streamResponse() {
 		}
 		return rc.Flush() == nil
 	}
-	msgID := newID("msg_")
+	rs.responseEvents(newID("msg_"), emit, nil, rs.store)
+}
+
+// responseEvents generates a Responses API answer as its typed events,
+// handing each to emit (end for the last), which reports whether to go
+// on. status, when set, is told of the response's first token
+// ("in_progress"), and finished of the whole text and the response done,
+// before the events that close it. It reports whether the response
+// finished.
+func (rs *responder) responseEvents(msgID string, emit func(typ string, fields map[string]any, end bool) bool,
+	status func(string), finished func(text []byte, object map[string]any)) bool {
 	at := func(fields map[string]any) map[string]any {
 		fields["item_id"], fields["output_index"], fields["content_index"] = msgID, 0, 0
 		return fields
 	}
-	if !send("response.created", map[string]any{"response": rs.responseObject(msgID, nil, nil)}) ||
-		!send("response.in_progress", map[string]any{"response": rs.responseObject(msgID, nil, nil)}) {
-		return
+	if !emit("response.created", map[string]any{"response": rs.responseObject(msgID, nil, nil)}, false) ||
+		!emit("response.in_progress", map[string]any{"response": rs.responseObject(msgID, nil, nil)}, false) {
+		return false
 	}
 	var text []byte
 	for {
 		evs, ok := rs.next()
 		if !ok {
-			return
+			return false
 		}
 		for _, ev := range evs {
 			switch ev.Kind {
 			case EventFirstToken, EventToken:
 				if ev.Kind == EventFirstToken {
-					if !send("response.output_item.added", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, nil, "in_progress")}) ||
-						!send("response.content_part.added", at(map[string]any{"part": outputText(nil)})) {
-						return
+					if status != nil {
+						status("in_progress")
+					}
+					if !emit("response.output_item.added", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, nil, "in_progress")}, false) ||
+						!emit("response.content_part.added", at(map[string]any{"part": outputText(nil)}), false) {
+						return false
 					}
 				}
 				text = append(text, ev.Text...)
-				if !send("response.output_text.delta", at(map[string]any{"delta": string(ev.Text), "logprobs": []any{}})) {
-					return
+				if !emit("response.output_text.delta", at(map[string]any{"delta": string(ev.Text), "logprobs": []any{}}), false) {
+					return false
 				}
 				if rs.cutHere() {
-					return
+					return false
 				}
 			case EventFinished:
 				object := rs.responseObject(msgID, text, &ev)
-				rs.store(text, object)
-				_ = send("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}})) &&
-					send("response.content_part.done", at(map[string]any{"part": outputText(text)})) &&
-					send("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}) &&
-					send("response.completed", map[string]any{"response": object})
-				return
+				finished(text, object)
+				_ = emit("response.output_text.done", at(map[string]any{"text": string(text), "logprobs": []any{}}), false) &&
+					emit("response.content_part.done", at(map[string]any{"part": outputText(text)}), false) &&
+					emit("response.output_item.done", map[string]any{"output_index": 0, "item": rs.messageItem(msgID, text, "completed")}, false) &&
+					emit("response.completed", map[string]any{"response": object}, true)
+				return true
 			}
 		}
 	}

@@ -3,6 +3,7 @@ package kvsim
 import (
 	"context"
 	"errors"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -255,5 +256,131 @@ func TestBackgroundResponses(t *testing.T) {
 	noStore.Store = openai.Bool(false)
 	if _, err := client.Responses.New(ctx, noStore); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
 		t.Fatalf("background without store: %v", err)
+	}
+}
+
+// TestBackgroundResponsesStream: a streamed background response (vLLM's
+// background mode with stream=true) goes on when its client leaves the
+// stream, and GET /v1/responses/{id}?stream=true&starting_after=N resumes
+// it after event N, to its end; read with the official client. Its text
+// is whole: the deltas before and after the break make the stored
+// response's. A response not streamed in the background has no events to
+// resume (400), and a cancellation ends the stream.
+func TestBackgroundResponsesStream(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	params := func(maxOutput int64) responses.ResponseNewParams {
+		return responses.ResponseNewParams{
+			Model:           DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("Tell me a long story.")},
+			MaxOutputTokens: openai.Int(maxOutput),
+			Background:      openai.Bool(true),
+		}
+	}
+	first := client.Responses.NewStreaming(ctx, params(40))
+	var id string
+	var text strings.Builder
+	last := int64(-1)
+	for first.Next() {
+		ev := first.Current()
+		if ev.SequenceNumber != last+1 {
+			t.Fatalf("event %d after %d", ev.SequenceNumber, last)
+		}
+		last = ev.SequenceNumber
+		switch ev.Type {
+		case "response.created":
+			id = ev.Response.ID
+			if !ev.Response.Background {
+				t.Fatalf("created: %+v", ev.Response)
+			}
+		case "response.output_text.delta":
+			text.WriteString(ev.Delta)
+		}
+		if text.Len() > 0 && last >= 6 {
+			break // the client leaves mid-stream
+		}
+	}
+	first.Close()
+	if id == "" || text.Len() == 0 {
+		t.Fatalf("before the break: id %q, text %q (%v)", id, text.String(), first.Err())
+	}
+	// The Go client sends stream as a JSON field of the GET; vLLM, as
+	// FastAPI, reads the query (the Python client's way): say it there.
+	streamQuery := option.WithQuery("stream", "true")
+	resumed := client.Responses.GetStreaming(ctx, id, responses.ResponseGetParams{StartingAfter: openai.Int(last)}, streamQuery)
+	completed := false
+	for resumed.Next() {
+		ev := resumed.Current()
+		if ev.SequenceNumber != last+1 {
+			t.Fatalf("resumed with event %d after %d", ev.SequenceNumber, last)
+		}
+		last = ev.SequenceNumber
+		switch ev.Type {
+		case "response.output_text.delta":
+			text.WriteString(ev.Delta)
+		case "response.completed":
+			completed = true
+		}
+	}
+	if err := resumed.Err(); err != nil || !completed {
+		t.Fatalf("the resumed stream: completed %v, %v", completed, err)
+	}
+	stored, err := client.Responses.Get(ctx, id, responses.ResponseGetParams{})
+	if err != nil || stored.OutputText() != text.String() || stored.Usage.OutputTokens != 40 {
+		t.Fatalf("stored: %v, %d tokens, %q; streamed %q", err, stored.Usage.OutputTokens, stored.OutputText(), text.String())
+	}
+
+	var apiErr *openai.Error
+	plain, err := client.Responses.New(ctx, responses.ResponseNewParams{Model: DefaultModel,
+		Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("hi")}, MaxOutputTokens: openai.Int(3)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := client.Responses.GetStreaming(ctx, plain.ID, responses.ResponseGetParams{}, streamQuery)
+	if s.Next() || !errors.As(s.Err(), &apiErr) || apiErr.StatusCode != 400 {
+		t.Fatalf("streaming a response not streamed in the background: %v", s.Err())
+	}
+	resp, err := http.Get(srv.URL + "/v1/responses/" + id + "?stream=true&starting_after=x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 400 {
+		t.Fatalf("starting_after=x: %d", resp.StatusCode)
+	}
+
+	// Cancelled at its first text, a million-token stream ends.
+	ended := make(chan error, 1)
+	go func() {
+		long := client.Responses.NewStreaming(ctx, params(1_000_000))
+		defer long.Close()
+		longID, cancelled := "", false
+		for long.Next() {
+			switch ev := long.Current(); ev.Type {
+			case "response.created":
+				longID = ev.Response.ID
+			case "response.output_text.delta":
+				if !cancelled {
+					cancelled = true
+					if _, err := client.Responses.Cancel(ctx, longID); err != nil {
+						ended <- err
+						return
+					}
+				}
+			case "response.completed":
+				ended <- errors.New("a cancelled response completed")
+				return
+			}
+		}
+		ended <- long.Err()
+	}()
+	select {
+	case err := <-ended:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("a cancelled streamed background response's stream did not end")
 	}
 }

@@ -431,6 +431,8 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			}
 		}
 		switch {
+		case p.Background && p.Stream:
+			rs.backgroundStream()
 		case p.Background:
 			rs.background()
 		case endpoint == EndpointResponses && p.Stream:
