@@ -52,8 +52,9 @@ type ParsedRequest struct {
 	Tools              json.RawMessage
 	PreviousResponseID string
 	Store              bool
-	// Background: the answer is the response queued, generated after it
-	// and retrieved by its id (store must be on; kvsim does not stream it).
+	// Background: the answer is the response queued (or, streamed, its
+	// events as they come), generated after it and retrieved by its id
+	// (store must be on).
 	Background bool
 	// CacheSalt is vLLM's cache_salt (see Request.CacheSalt).
 	CacheSalt string

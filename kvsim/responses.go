@@ -6,8 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 )
 
@@ -94,8 +96,13 @@ func responsesMessages(input json.RawMessage) ([]ChatMessage, error) {
 }
 
 // maxStoredResponses bounds the responses a server keeps for
-// previous_response_id; the oldest goes first.
-const maxStoredResponses = 4096
+// previous_response_id; the oldest goes first. maxEventLogs bounds the
+// streamed background responses whose events it keeps (about 230 bytes
+// a token): an older one is kept without them.
+const (
+	maxStoredResponses = 4096
+	maxEventLogs       = 64
+)
 
 // responseStore is the server's stored responses, in memory, as vLLM
 // keeps them when its response store is on: each one's conversation (its
@@ -105,6 +112,8 @@ type responseStore struct {
 	mu    sync.Mutex
 	byID  map[string]storedResponse
 	order []string
+	// logged are the ids whose events are kept, oldest first.
+	logged []string
 }
 
 type storedResponse struct {
@@ -199,6 +208,17 @@ func (rs *responseStore) put(id string, r storedResponse) {
 		return
 	}
 	rs.byID[id] = r
+	if r.events != nil {
+		rs.logged = append(rs.logged, id)
+		if len(rs.logged) > maxEventLogs {
+			// Its readers keep what they hold; no new one comes.
+			if old, ok := rs.byID[rs.logged[0]]; ok {
+				old.events = nil
+				rs.byID[rs.logged[0]] = old
+			}
+			rs.logged = rs.logged[1:]
+		}
+	}
 	rs.order = append(rs.order, id)
 	if len(rs.order) > maxStoredResponses {
 		delete(rs.byID, rs.order[0])
@@ -293,7 +313,7 @@ func (rs *responder) runBackgroundStream(msgID string, events *eventLog) {
 		msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
 		rs.s.responses.update(id, func(r *storedResponse) {
 			if r.cancel != nil { // not cancelled meanwhile
-				*r = storedResponse{msgs: msgs, object: object, events: events}
+				*r = storedResponse{msgs: msgs, object: object, events: r.events} // nil once evicted (maxEventLogs)
 			}
 		})
 	})
@@ -390,8 +410,13 @@ func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	q := r.URL.Query()
-	stream, err := strconv.ParseBool(cmp.Or(q.Get("stream"), "false"))
-	if err != nil {
+	// A query bool as FastAPI reads it (pydantic's words).
+	var stream bool
+	switch strings.ToLower(cmp.Or(q.Get("stream"), "false")) {
+	case "1", "true", "t", "yes", "y", "on":
+		stream = true
+	case "0", "false", "f", "no", "n", "off":
+	default:
 		writeError(w, errBadRequest("stream must be a boolean"))
 		return
 	}
@@ -401,6 +426,7 @@ func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 	}
 	after := -1
 	if v := q.Get("starting_after"); v != "" {
+		var err error
 		if after, err = strconv.Atoi(v); err != nil || after < -1 {
 			writeError(w, errBadRequest("starting_after must be a sequence number"))
 			return
@@ -410,7 +436,7 @@ func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errBadRequest(fmt.Sprintf("response '%s' was not streamed in the background: it has no events to stream", id)))
 		return
 	}
-	stored.events.serve(w, r, after+1)
+	stored.events.serve(w, r, min(after, math.MaxInt-1)+1)
 }
 
 func mustJSON(v any) json.RawMessage {

@@ -3,6 +3,7 @@ package kvsim
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -185,8 +186,9 @@ func TestOtherAPIsFieldsIgnored(t *testing.T) {
 // is answered at once, queued, and generated after the answer; retrieved
 // by its id it comes in progress, then done with its text and usage. One
 // cancelled before it is done stays cancelled, and cannot be cancelled
-// again; a done one cannot be cancelled. Background needs store, and
-// kvsim does not stream it. Driven with the official client.
+// again; a done one cannot be cancelled. Background needs store (see
+// TestBackgroundResponsesStream for one streamed). Driven with the
+// official client.
 func TestBackgroundResponses(t *testing.T) {
 	sim, srv := newTestServer(t, Config{})
 	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
@@ -382,5 +384,107 @@ func TestBackgroundResponsesStream(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("a cancelled streamed background response's stream did not end")
+	}
+}
+
+// TestBackgroundStreamEdges: starting_after at the largest integer sends
+// nothing (it once wrapped to replay everything), stream takes FastAPI's
+// boolean words, and only the latest maxEventLogs streamed background
+// responses keep their events.
+func TestBackgroundStreamEdges(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	start := func() string {
+		s := client.Responses.NewStreaming(ctx, responses.ResponseNewParams{
+			Model:           DefaultModel,
+			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("hi")},
+			MaxOutputTokens: openai.Int(3),
+			Background:      openai.Bool(true),
+		})
+		defer s.Close()
+		id := ""
+		for s.Next() {
+			if ev := s.Current(); ev.Type == "response.created" {
+				id = ev.Response.ID
+			}
+		}
+		if s.Err() != nil || id == "" {
+			t.Fatalf("a streamed background response: %q, %v", id, s.Err())
+		}
+		return id
+	}
+	id := start()
+	get := func(query string) (int, string) {
+		t.Helper()
+		resp, err := http.Get(srv.URL + "/v1/responses/" + id + "?" + query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, body := get("stream=true&starting_after=9223372036854775807"); code != 200 || body != "" {
+		t.Fatalf("after the largest sequence number: %d, %d bytes", code, len(body))
+	}
+	for _, word := range []string{"yes", "On", "1", "t"} {
+		if code, body := get("stream=" + word); code != 200 || !strings.Contains(body, "response.completed") {
+			t.Fatalf("stream=%s: %d %.80s", word, code, body)
+		}
+	}
+	if code, _ := get("stream=maybe"); code != 400 {
+		t.Fatalf("stream=maybe: %d", code)
+	}
+	for range maxEventLogs {
+		start()
+	}
+	if code, body := get("stream=true"); code != 400 {
+		t.Fatalf("the events of a response %d streamed ones ago: %d %.80s", maxEventLogs, code, body)
+	}
+	if code, _ := get(""); code != 200 {
+		t.Fatalf("the response itself, its events dropped: %d", code)
+	}
+}
+
+// TestCancelledBackgroundStreamDoesNotComplete: a streamed background
+// response cancelled while its last tokens wait unread at the engine logs
+// no response.completed (next used to pick at random between the
+// cancellation and the ready tokens), as the stored response says
+// cancelled.
+func TestCancelledBackgroundStreamDoesNotComplete(t *testing.T) {
+	sim, _ := newTestServer(t, Config{})
+	completed := 0
+	const runs = 20
+	for range runs {
+		body := `{"model":"` + DefaultModel + `","input":"hi","background":true,"stream":true,"max_output_tokens":3}`
+		p, err := ParseRequest(EndpointResponses, []byte(body), sim.tok, sim.cfg.DefaultOutputTokens)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req := &Request{ID: newID("resp_"), Context: p.Context, OutputTokens: p.OutputTokens,
+			LengthLimited: p.LengthLimited, CapOutput: p.CapsMaxTokens}
+		stream, err := sim.driver.Submit(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for sim.driver.InFlight() > 0 { // all its events wait in the stream
+			time.Sleep(time.Millisecond)
+		}
+		stop := make(chan struct{})
+		close(stop) // cancelled (handleCancel: status cancelled, cancel nil)
+		sim.responses.put(req.ID, storedResponse{object: map[string]any{"status": "cancelled"}})
+		rs := &responder{s: sim, p: p, req: req, stream: stream, model: DefaultModel, gone: stop}
+		events := newEventLog()
+		rs.runBackgroundStream("msg_x", events)
+		frames, _, _ := events.from(0)
+		for _, f := range frames {
+			if strings.HasPrefix(string(f), "event: response.completed") {
+				completed++
+			}
+		}
+	}
+	if completed > 0 {
+		t.Errorf("%d of %d cancelled streams logged response.completed", completed, runs)
 	}
 }

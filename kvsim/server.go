@@ -477,6 +477,11 @@ func (rs *responder) next() ([]Event, bool) {
 		gone = rs.r.Context().Done()
 	}
 	select {
+	case <-gone: // first: a cancelled generation takes no more events
+		return nil, false
+	default:
+	}
+	select {
 	case <-gone:
 		return nil, false
 	case <-rs.s.driver.Done():
