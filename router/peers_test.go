@@ -570,6 +570,17 @@ func (w *wired) deliver() {
 	}
 }
 
+// allMatch fails t unless every router's index matches want tokens of
+// req, asked quietly (see quietMatch); what says what req is.
+func (w *wired) allMatch(t *testing.T, req Request, want int, what string) {
+	t.Helper()
+	for i, f := range w.fleets {
+		if got := quietMatch(t, f, req); got != want {
+			t.Errorf("router %s matched %d %s, want %d", w.names[i], got, what, want)
+		}
+	}
+}
+
 // TestPeersForgetWhatAFailedRequestDidNotPrefill: a request that fails
 // before its first token takes its blocks back at every router, not only
 // at its own: the conversation's next turn is not sent "warm" through
@@ -596,11 +607,7 @@ func TestPeersForgetWhatAFailedRequestDidNotPrefill(t *testing.T) {
 		}
 		a.Release(r.Charge, t0) // the engine answered 500 at once
 		w.deliver()
-		for i, f := range w.fleets {
-			if got := matched(f, turn(100)); got != 0 {
-				t.Errorf("router %s matched %d tokens of a prompt no engine prefilled", w.names[i], got)
-			}
-		}
+		w.allMatch(t, turn(100), 0, "tokens of a prompt no engine prefilled")
 	})
 
 	t.Run("a peer's request past its first token", func(t *testing.T) {
@@ -663,11 +670,7 @@ func TestPeersForgetWhatAFailedRequestDidNotPrefill(t *testing.T) {
 		if w.told[EventForgot] != 0 {
 			t.Errorf("a told its peers to forget the blocks of a request past its first token")
 		}
-		for i, f := range w.fleets {
-			if got := matched(f, turn(100)); got != 2048 {
-				t.Errorf("router %s matched %d of the prefilled turn's 2,048 tokens", w.names[i], got)
-			}
-		}
+		w.allMatch(t, turn(100), 2048, "of the prefilled turn's 2,048 tokens")
 	})
 }
 
@@ -692,11 +695,7 @@ func TestPeersForgetWhatTwoFailuresDidNotPrefill(t *testing.T) {
 	w.deliver()             // a hears s's routing, b hears r's failure
 	b.Release(s.Charge, t0) // the engine fails s too
 	w.deliver()
-	for i, f := range w.fleets {
-		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
-			t.Errorf("router %s matched %d tokens of a system prompt no engine prefilled", w.names[i], got)
-		}
-	}
+	w.allMatch(t, sharedTurn(300), 0, "tokens of a system prompt no engine prefilled")
 }
 
 // TestRestartedEngineProtectsNothing: a request past its first token when
@@ -718,11 +717,7 @@ func TestRestartedEngineProtectsNothing(t *testing.T) {
 	w.deliver()
 	a.Release(r.Charge, t0)
 	w.deliver()
-	for i, f := range w.fleets {
-		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
-			t.Errorf("router %s matched %d tokens at an engine that restarted and prefilled nothing since", w.names[i], got)
-		}
-	}
+	w.allMatch(t, sharedTurn(300), 0, "tokens at an engine that restarted and prefilled nothing since")
 }
 
 // TestPendingSnapshotDoesNotUndoAForget: a router that does not know an
@@ -776,11 +771,7 @@ func TestPeersForgetWhatTwoFailuresAtOnceDidNotPrefill(t *testing.T) {
 	a.Release(r.Charge, t0)
 	b.Release(s.Charge, t0) // both 503, nothing crossed yet
 	w.deliver()
-	for i, f := range w.fleets {
-		if got := quietMatch(t, f, sharedTurn(300)); got != 0 {
-			t.Errorf("router %s matched %d tokens of a system prompt no engine prefilled", w.names[i], got)
-		}
-	}
+	w.allMatch(t, sharedTurn(300), 0, "tokens of a system prompt no engine prefilled")
 }
 
 // TestUnrelatedForgetRepublishesNothing: a peer's failure that forgot
