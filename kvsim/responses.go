@@ -261,52 +261,49 @@ func withStatus(object map[string]any, status string) map[string]any {
 // at once, with the response queued and stored, and generates it after
 // the answer (in progress from its first token), storing it done;
 // retrieved by its id meanwhile, it says how far it is, and its
-// cancellation (handleCancel) ends it.
+// cancellation (handleCancel) ends it. Streamed, its events are kept
+// (eventLog) while it is generated, so that the stream goes on whether
+// its client stays or goes, and GET /v1/responses/{id}?stream=true&
+// starting_after=N resumes it.
 func (rs *responder) background() {
 	msgID := newID("msg_")
 	queued := withStatus(rs.responseObject(msgID, nil, nil), "queued")
+	var events *eventLog
+	if rs.p.Stream {
+		events = newEventLog()
+	}
 	stop := make(chan struct{})
-	rs.s.responses.put(rs.req.ID, storedResponse{object: queued, cancel: sync.OnceFunc(func() { close(stop) })})
-	writeJSON(rs.w, http.StatusOK, queued)
+	rs.s.responses.put(rs.req.ID, storedResponse{object: queued, cancel: sync.OnceFunc(func() { close(stop) }), events: events})
+	if events == nil {
+		writeJSON(rs.w, http.StatusOK, queued)
+	}
 	bg := *rs
 	bg.w, bg.gone, bg.cutAfter = nil, stop, 0
-	go bg.runBackground(msgID, stop)
+	go bg.runBackground(msgID, events)
+	if events != nil {
+		events.serve(rs.w, rs.r, 0)
+	}
 }
 
-// backgroundStream answers a streamed background Responses API request
-// as vLLM does: its events are kept (eventLog) while it is generated, so
-// that the stream continues whether its client stays or goes, and
-// GET /v1/responses/{id}?stream=true&starting_after=N resumes it; its
-// cancellation (handleCancel) ends it, as a background response's.
-func (rs *responder) backgroundStream() {
-	msgID := newID("msg_")
-	events := newEventLog()
-	stop := make(chan struct{})
-	rs.s.responses.put(rs.req.ID, storedResponse{object: withStatus(rs.responseObject(msgID, nil, nil), "queued"),
-		cancel: sync.OnceFunc(func() { close(stop) }), events: events})
-	bg := *rs
-	bg.w, bg.gone, bg.cutAfter = nil, stop, 0
-	go bg.runBackgroundStream(msgID, events)
-	events.serve(rs.w, rs.r, 0)
-}
-
-// runBackgroundStream generates a streamed background response into
-// events; see backgroundStream.
-func (rs *responder) runBackgroundStream(msgID string, events *eventLog) {
+// runBackground generates a background response, its events into events
+// when it is streamed (nil: not); see background.
+func (rs *responder) runBackground(msgID string, events *eventLog) {
 	defer rs.s.driver.Abort(rs.req) // a no-op once it has finished
 	id := rs.req.ID
 	seq := 0
 	emit := func(typ string, fields map[string]any, end bool) bool {
-		fields["type"], fields["sequence_number"] = typ, seq
-		seq++
-		b, _ := json.Marshal(fields)
-		events.add(fmt.Appendf(nil, "event: %s\ndata: %s\n\n", typ, b), end)
+		if events != nil {
+			fields["type"], fields["sequence_number"] = typ, seq
+			seq++
+			b, _ := json.Marshal(fields)
+			events.add(fmt.Appendf(nil, "event: %s\ndata: %s\n\n", typ, b), end)
+		}
 		return true
 	}
-	done := rs.responseEvents(msgID, emit, func(ev string) {
+	done := rs.responseEvents(msgID, emit, func(status string) {
 		rs.s.responses.update(id, func(r *storedResponse) {
 			if r.cancel != nil {
-				r.object = withStatus(r.object, ev)
+				r.object = withStatus(r.object, status)
 			}
 		})
 	}, func(text []byte, object map[string]any) {
@@ -325,47 +322,8 @@ func (rs *responder) runBackgroundStream(msgID string, events *eventLog) {
 			}
 		})
 	}
-	events.add(nil, true)
-}
-
-// runBackground generates a background response; see background.
-func (rs *responder) runBackground(msgID string, stop <-chan struct{}) {
-	defer rs.s.driver.Abort(rs.req) // a no-op once it has finished
-	id := rs.req.ID
-	var text []byte
-	started := false
-	for {
-		evs, ok := rs.next()
-		if !ok {
-			// Cancelled (handleCancel stored it so), or the engine stopped.
-			rs.s.responses.update(id, func(r *storedResponse) {
-				if r.cancel != nil {
-					r.object, r.cancel = withStatus(r.object, "failed"), nil
-				}
-			})
-			return
-		}
-		for _, ev := range evs {
-			if ev.Kind == EventFinished {
-				object := rs.responseObject(msgID, text, &ev)
-				msgs := append(rs.p.responseMessages(rs.previous), ChatMessage{Role: "assistant", Content: mustJSON(string(text))})
-				rs.s.responses.update(id, func(r *storedResponse) {
-					if r.cancel != nil { // not cancelled meanwhile
-						*r = storedResponse{msgs: msgs, object: object}
-					}
-				})
-				return
-			}
-			text = append(text, ev.Text...)
-			if !started {
-				started = true
-				rs.s.responses.update(id, func(r *storedResponse) {
-					if r.cancel != nil {
-						r.object = withStatus(r.object, "in_progress")
-					}
-				})
-			}
-		}
+	if events != nil {
+		events.add(nil, true)
 	}
 }
 

@@ -476,7 +476,7 @@ func TestCancelledBackgroundStreamDoesNotComplete(t *testing.T) {
 		sim.responses.put(req.ID, storedResponse{object: map[string]any{"status": "cancelled"}})
 		rs := &responder{s: sim, p: p, req: req, stream: stream, model: DefaultModel, gone: stop}
 		events := newEventLog()
-		rs.runBackgroundStream("msg_x", events)
+		rs.runBackground("msg_x", events)
 		frames, _, _ := events.from(0)
 		for _, f := range frames {
 			if strings.HasPrefix(string(f), "event: response.completed") {

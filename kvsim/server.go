@@ -431,8 +431,6 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			}
 		}
 		switch {
-		case p.Background && p.Stream:
-			rs.backgroundStream()
 		case p.Background:
 			rs.background()
 		case endpoint == EndpointResponses && p.Stream:
