@@ -878,7 +878,7 @@ func (s *Syncer) noteLiveForgot(m *Message) {
 		blocks = map[uint64]struct{}{}
 		s.liveForgot[ev.Dial] = blocks
 	}
-	for _, h := range ev.Hashes[min(max(0, ev.From), len(ev.Hashes)):] {
+	for _, h := range ev.SenderForgot() {
 		if s.liveForgotten >= maxLiveForgot {
 			return
 		}

@@ -297,16 +297,16 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 // request waits (is held) only when no candidate at all can take it.
 func chooseListedFirst(sreq scorer.Request, cands []scorer.Candidate, members []Member, opts *Options, rng scorer.Rand, explain *scorer.Explanation) scorer.Decision {
 	want := cmp.Or(sreq.Adapter, sreq.Model)
-	listed, unknown := false, false
-	for i := range cands {
-		switch {
-		case cands[i].Models == nil:
-			unknown = true
-		case want != "" && cands[i].Available && !members[i].Down && slices.Contains(cands[i].Models, want):
-			listed = true
-		}
+	// Every decision comes here: the lists are searched only when some
+	// are known and some not.
+	unknown, listed := false, false
+	for i := 0; !unknown && i < len(cands); i++ {
+		unknown = cands[i].Models == nil
 	}
-	if !listed || !unknown {
+	for i := 0; unknown && want != "" && !listed && i < len(cands); i++ {
+		listed = cands[i].Available && !members[i].Down && slices.Contains(cands[i].Models, want)
+	}
+	if !listed {
 		return scorer.Choose(sreq, cands, opts.Scorer, rng, explain)
 	}
 	var buf [16]int

@@ -100,6 +100,12 @@ type Event struct {
 	At time.Time
 }
 
+// SenderForgot is the blocks a forgot event's sender forgot: its
+// Hashes from From on.
+func (ev *Event) SenderForgot() []uint64 {
+	return ev.Hashes[min(max(0, ev.From), len(ev.Hashes)):]
+}
+
 // KeepLive makes f keep its own charges in flight, from now on, for
 // LiveEvents (a router that shares its view), or stop keeping them.
 func (f *Fleet) KeepLive(on bool) {
@@ -404,7 +410,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		case u == nil && ev.Kind == EventForgot:
 			// Perhaps in a peer's snapshot kept for it: the sender's
 			// depth is the best guess of what was held before.
-			return f.forgetPending(ev.Dial, ev.Hashes[min(max(0, ev.From), len(ev.Hashes)):])
+			return f.forgetPending(ev.Dial, ev.SenderForgot())
 		case u == nil || u.forgotten:
 			return false
 		case ev.Kind == EventPrefilled:
