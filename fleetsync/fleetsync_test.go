@@ -330,29 +330,41 @@ func TestPeersExchangeThroughNATS(t *testing.T) {
 	}
 }
 
-// TestStoredResponsesTravelApart: stored responses published among
-// charges reach the peer, and travel in batches of their own: every
-// batch on the wire that carries a charge is version 3, which a router of
-// the version before reads whole.
-func TestStoredResponsesTravelApart(t *testing.T) {
-	ns := startNATS(t, -1)
-	spy, err := nats.Connect(ns.ClientURL())
+// spyOn subscribes to subject at url, as a peer would, and returns what
+// has been published there so far.
+func spyOn(t *testing.T, url, subject string) func() []*nats.Msg {
+	t.Helper()
+	spy, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer spy.Close()
-	var wireMu sync.Mutex
-	var wire [][]byte
-	if _, err := spy.Subscribe("test.stored", func(m *nats.Msg) {
-		wireMu.Lock()
-		defer wireMu.Unlock()
-		wire = append(wire, m.Data)
+	t.Cleanup(spy.Close)
+	var mu sync.Mutex
+	var seen []*nats.Msg
+	if _, err := spy.Subscribe(subject, func(m *nats.Msg) {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, m)
 	}); err != nil {
 		t.Fatal(err)
 	}
 	if err := spy.Flush(); err != nil {
 		t.Fatal(err)
 	}
+	return func() []*nats.Msg {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(seen)
+	}
+}
+
+// TestStoredResponsesTravelApart: stored responses published among
+// charges reach the peer, and travel in batches of their own: every
+// batch on the wire that carries a charge is version 3, which a router of
+// the version before reads whole.
+func TestStoredResponsesTravelApart(t *testing.T) {
+	ns := startNATS(t, -1)
+	wire := spyOn(t, ns.ClientURL(), "test.stored")
 	var ra, rb received
 	a := startSyncer(t, ra.config(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.stored"}))
 	startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.stored"}))
@@ -384,9 +396,8 @@ func TestStoredResponsesTravelApart(t *testing.T) {
 	if !reflect.DeepEqual(gotCharges, charges) || !reflect.DeepEqual(gotStored, stored) {
 		t.Fatalf("b got charges %+v\nand stored %+v", gotCharges, gotStored)
 	}
-	wireMu.Lock()
-	defer wireMu.Unlock()
-	for _, p := range wire {
+	for _, m := range wire() {
+		p := m.Data
 		batch, err := DecodeBatch(p)
 		if err != nil {
 			t.Fatal(err)
@@ -1662,23 +1673,7 @@ func TestCredentialsInURLsAreNotLogged(t *testing.T) {
 // it reads, and renews for nothing.
 func TestIndexChangesTravelInOrder(t *testing.T) {
 	ns := startNATS(t, -1)
-	spy, err := nats.Connect(ns.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer spy.Close()
-	var wireMu sync.Mutex
-	var wire []*nats.Msg
-	if _, err := spy.Subscribe("test.index", func(m *nats.Msg) {
-		wireMu.Lock()
-		defer wireMu.Unlock()
-		wire = append(wire, m)
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if err := spy.Flush(); err != nil {
-		t.Fatal(err)
-	}
+	wire := spyOn(t, ns.ClientURL(), "test.index")
 	var ra, rb received
 	a := startSyncer(t, ra.config(Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.index"}))
 	b := startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.index"}))
@@ -1716,10 +1711,8 @@ func TestIndexChangesTravelInOrder(t *testing.T) {
 	if st := b.Stats(); st.Missed != 0 || st.Malformed != 0 {
 		t.Fatalf("b's stats: %+v", st)
 	}
-	wireMu.Lock()
-	defer wireMu.Unlock()
 	var last uint64
-	for _, m := range wire {
+	for _, m := range wire() {
 		batch, err := DecodeBatch(m.Data)
 		if err != nil {
 			t.Fatal(err)

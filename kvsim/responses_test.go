@@ -182,6 +182,17 @@ func TestOtherAPIsFieldsIgnored(t *testing.T) {
 	}
 }
 
+// backgroundParams asks for a background response to input of at most
+// maxOutput tokens.
+func backgroundParams(input string, maxOutput int64) responses.ResponseNewParams {
+	return responses.ResponseNewParams{
+		Model:           DefaultModel,
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(input)},
+		MaxOutputTokens: openai.Int(maxOutput),
+		Background:      openai.Bool(true),
+	}
+}
+
 // TestBackgroundResponses: a background response (vLLM's background mode)
 // is answered at once, queued, and generated after the answer; retrieved
 // by its id it comes in progress, then done with its text and usage. One
@@ -193,15 +204,7 @@ func TestBackgroundResponses(t *testing.T) {
 	sim, srv := newTestServer(t, Config{})
 	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
 	ctx := context.Background()
-	params := func(maxOutput int64) responses.ResponseNewParams {
-		return responses.ResponseNewParams{
-			Model:           DefaultModel,
-			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("Tell me a long story.")},
-			MaxOutputTokens: openai.Int(maxOutput),
-			Background:      openai.Bool(true),
-		}
-	}
-	resp, err := client.Responses.New(ctx, params(20))
+	resp, err := client.Responses.New(ctx, backgroundParams("Tell me a long story.", 20))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,7 +232,7 @@ func TestBackgroundResponses(t *testing.T) {
 		t.Fatalf("cancelling a done response: %v", err)
 	}
 
-	long, err := client.Responses.New(ctx, params(1_000_000))
+	long, err := client.Responses.New(ctx, backgroundParams("Tell me a long story.", 1_000_000))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,7 +257,7 @@ func TestBackgroundResponses(t *testing.T) {
 		t.Fatalf("cancelling an unknown response: %v", err)
 	}
 
-	noStore := params(5)
+	noStore := backgroundParams("Tell me a long story.", 5)
 	noStore.Store = openai.Bool(false)
 	if _, err := client.Responses.New(ctx, noStore); !errors.As(err, &apiErr) || apiErr.StatusCode != 400 {
 		t.Fatalf("background without store: %v", err)
@@ -272,15 +275,7 @@ func TestBackgroundResponsesStream(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
 	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
 	ctx := context.Background()
-	params := func(maxOutput int64) responses.ResponseNewParams {
-		return responses.ResponseNewParams{
-			Model:           DefaultModel,
-			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("Tell me a long story.")},
-			MaxOutputTokens: openai.Int(maxOutput),
-			Background:      openai.Bool(true),
-		}
-	}
-	first := client.Responses.NewStreaming(ctx, params(40))
+	first := client.Responses.NewStreaming(ctx, backgroundParams("Tell me a long story.", 40))
 	var id string
 	var text strings.Builder
 	last := int64(-1)
@@ -355,7 +350,7 @@ func TestBackgroundResponsesStream(t *testing.T) {
 	// Cancelled at its first text, a million-token stream ends.
 	ended := make(chan error, 1)
 	go func() {
-		long := client.Responses.NewStreaming(ctx, params(1_000_000))
+		long := client.Responses.NewStreaming(ctx, backgroundParams("Tell me a long story.", 1_000_000))
 		defer long.Close()
 		longID, cancelled := "", false
 		for long.Next() {
@@ -396,12 +391,7 @@ func TestBackgroundStreamEdges(t *testing.T) {
 	client := openai.NewClient(option.WithBaseURL(srv.URL+"/v1/"), option.WithAPIKey("none"), option.WithMaxRetries(0))
 	ctx := context.Background()
 	start := func() string {
-		s := client.Responses.NewStreaming(ctx, responses.ResponseNewParams{
-			Model:           DefaultModel,
-			Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String("hi")},
-			MaxOutputTokens: openai.Int(3),
-			Background:      openai.Bool(true),
-		})
+		s := client.Responses.NewStreaming(ctx, backgroundParams("hi", 3))
 		defer s.Close()
 		id := ""
 		for s.Next() {

@@ -264,18 +264,7 @@ func histRun(t *testing.T, mode histMode, ops []histOp, verbose bool) string {
 			restartAt(j)
 		}
 	}
-	for {
-		moved := false
-		for j := range n {
-			for len(queues[j]) > 0 {
-				deliverOne(j)
-				moved = true
-			}
-		}
-		if !moved {
-			break
-		}
-	}
+	flush()
 	allowed := map[uint64]bool{}
 	for _, q := range reqs {
 		if q == nil {
