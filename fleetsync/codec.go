@@ -98,6 +98,10 @@ type Message struct {
 	// not sent.
 	seq  uint64
 	made time.Time
+	// countedDropped marks a message kept to send again once connected
+	// that events_dropped has counted: sending it again can fail too, and
+	// it is one message lost for a while, not one for every try.
+	countedDropped bool
 }
 
 // Batch is what one publication carries.

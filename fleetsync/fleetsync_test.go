@@ -1832,3 +1832,29 @@ func TestForgetLostInAnOutageIsSent(t *testing.T) {
 	startNATS(t, port)
 	waitFor(t, "b forgetting the failed request's blocks", func() bool { return blocks() == 0 })
 }
+
+// TestKeptMessagesCountAsDroppedOnce: a failed request's forget and an
+// operator's drain that could not be sent are kept to send once
+// connected; a try that fails again does not count them again.
+func TestKeptMessagesCountAsDroppedOnce(t *testing.T) {
+	s := &Syncer{}
+	forget := Message{Event: &router.Event{Kind: router.EventForgot, ID: 9, Dial: "x:1", Hashes: []uint64{1, 2}}}
+	drain := Message{Drain: "x:2", Deadline: time.Minute}
+	s.unsent(forget)
+	s.unsent(drain)
+	for try := 1; try <= 3; try++ {
+		if got := s.dropped.Load(); got != 2 {
+			t.Fatalf("try %d: dropped %d, want 2", try, got)
+		}
+		forgets, ops := s.takeLostForgets(), s.takeLostOps()
+		if len(forgets) != 1 || len(ops) != 1 {
+			t.Fatalf("try %d: kept %d forgets and %d drains, want 1 and 1", try, len(forgets), len(ops))
+		}
+		s.unsent(forgets[0]) // the connection broke again
+		s.unsent(ops[0])
+	}
+	s.unsent(Message{Event: &router.Event{Kind: router.EventForgot, ID: 10, Dial: "x:1", Hashes: []uint64{3}}})
+	if got := s.dropped.Load(); got != 3 {
+		t.Fatalf("a new forget unsent: dropped %d, want 3", got)
+	}
+}

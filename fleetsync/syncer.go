@@ -169,7 +169,10 @@ type Stats struct {
 	Connected bool   `json:"connected"`
 	// Sent counts messages published; Applied, peers' messages received
 	// and handed to OnMessage; Dropped, messages lost to a full queue or
-	// an unreachable NATS; Malformed, batches that did not decode.
+	// an unreachable NATS, each once (an operator's drain or a failed
+	// request's forget kept and sent once connected counts too, and not
+	// again when a try to send it fails); Malformed, batches that did
+	// not decode.
 	Sent        uint64 `json:"events_sent"`
 	Applied     uint64 `json:"events_applied"`
 	Dropped     uint64 `json:"events_dropped"`
@@ -987,7 +990,7 @@ func (s *Syncer) Publish(m Message) bool {
 	if !s.live.Load() {
 		// Not connected yet (or closed): no peer has heard of a charge
 		// yet, but an operator's drain is sent once connected.
-		s.dropped.Add(1)
+		s.countDropped(&m)
 		select {
 		case <-s.stop:
 		default:
@@ -1009,11 +1012,20 @@ func (s *Syncer) Publish(m Message) bool {
 // next one makes good), or an operator's drain. Nothing restates stored
 // responses or index changes (but see unsent).
 func (s *Syncer) drop(m Message) {
-	s.dropped.Add(1)
+	s.countDropped(&m)
 	if ev := m.Event; ev != nil && ev.Kind != router.EventProgressed && ev.Kind != router.EventStored && !isIndexEvent(ev.Kind) {
 		s.lost.Store(true)
 	}
 	s.keepOp(m)
+}
+
+// countDropped counts m in events_dropped, once: a message kept to send
+// again is not counted again when that fails too.
+func (s *Syncer) countDropped(m *Message) {
+	if !m.countedDropped {
+		m.countedDropped = true
+		s.dropped.Add(1)
+	}
 }
 
 // numberOp numbers m, when it is an operator's drain or undrain, in the
@@ -1144,6 +1156,7 @@ func (s *Syncer) keepOp(m Message) {
 // full queue drops is not kept: messages queued before it would follow
 // it.)
 func (s *Syncer) unsent(m Message) {
+	s.countDropped(&m) // the copy kept is counted
 	s.drop(m)
 	if ev := m.Event; ev != nil && ev.Kind == router.EventForgot {
 		s.keepForget(m)
@@ -1229,7 +1242,9 @@ func (s *Syncer) run() {
 		case <-s.stop:
 			// Closing: what is left goes unsent rather than keep Close
 			// waiting on the network.
-			s.dropped.Add(n)
+			for i := range b.Messages {
+				s.countDropped(&b.Messages[i])
+			}
 		default:
 			if !s.connected.Load() {
 				// Disconnected: the client would refuse it anyway, and
