@@ -224,26 +224,25 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// TTFT and the request's duration count from here: a client's slow
 	// upload is not its upstream's time.
 	arrived := time.Now()
-	req, err := h.parser.parse(endpoint, body)
-	if err != nil {
+	st := &requestState{body: body, origBody: body, arrived: arrived}
+	if err := h.parser.parseInto(&st.parsed, endpoint, body); err != nil {
 		var bad errBadRequest
 		errors.As(err, &bad)
 		unrouted(repl)
 		writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", http.StatusBadRequest, bad.param, err.Error())
 		return nil
 	}
-	req.BlockTokens = h.BlockTokens
-
-	st := &requestState{req: req, body: body, origBody: body, arrived: arrived}
+	st.req = &st.parsed
+	st.req.BlockTokens = h.BlockTokens
 	st.setParsedPlaceholders()
 	if repl != nil {
 		repl.Map(st.placeholder)
 	}
 
 	// Put the bytes back with a fixed length; the policy installs a fresh
-	// reader on every attempt, so retries resend the whole body.
-	st.firstBody.Reset(body)
-	r.Body = &st.firstBody
+	// reader on every attempt after the first, so retries resend the
+	// whole body.
+	r.Body = st.firstBody(body)
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	setContentLength(r.Header, len(body))
@@ -722,10 +721,17 @@ type requestState struct {
 	cutTarget *attempt
 	rec       *tokenRecorder
 
-	// recorder and firstBody are the handler's response writer and the
-	// first attempt's body, held here to save two allocations a request.
-	recorder  tokenRecorder
-	firstBody bodyReader
+	// parsed, recorder, firstAttempt and firstReader are the request as
+	// parsed, the handler's response writer, the first attempt and its
+	// body's reader, held here to save allocations; a later attempt, a
+	// continuation's request and body get their own. firstReadCloser is
+	// firstReader as the request's body (see firstBody).
+	parsed          Request
+	recorder        tokenRecorder
+	firstAttempt    attempt
+	firstReader     bytes.Reader
+	firstReadCloser io.ReadCloser
+	firstUsed       bool
 
 	// arrived is when the handler had read the request's body;
 	// sawFirstToken records that its first token was measured (a
@@ -963,8 +969,8 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	// Nor does a Responses request continuing a stored response (the
 	// engine counts the stored conversation too), nor a prompt with
 	// media (the engine counts the images' tokens).
-	if rec.usage != nil && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" && !st.req.Media {
-		usage.PromptTokens = rec.usage.PromptTokens
+	if rec.hasUsage && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" && !st.req.Media {
+		usage.PromptTokens = rec.usage.promptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
 }

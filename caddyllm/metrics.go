@@ -366,8 +366,8 @@ func (m *metrics) observeDuration(dial, reason string, sinceArrival time.Duratio
 
 // observeCompletion records a finished response's figures.
 func (m *metrics) observeCompletion(rec *tokenRecorder) {
-	if rec.usage != nil {
-		m.promptTokens.Add(float64(rec.usage.PromptTokens))
+	if rec.hasUsage {
+		m.promptTokens.Add(float64(rec.usage.promptTokens))
 		if n := rec.cachedTokens(); n > 0 {
 			m.cachedPromptTokens.Add(float64(n))
 		}

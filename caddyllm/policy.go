@@ -591,11 +591,8 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		a.release()
 	}
 	// Never read r.Body here: install a fresh reader of the bytes the
-	// handler kept, so a retry resends the full body. A *bytes.Reader
-	// behind io.NopCloser is a body net/http knows is in memory: it sends
-	// it with the headers in one write, where any other reader makes the
-	// transport flush the headers first, a second system call a request.
-	r.Body = io.NopCloser(bytes.NewReader(st.body))
+	// handler kept, so a retry resends the full body.
+	r.Body = st.attemptBody()
 	r.ContentLength = int64(len(st.body))
 
 	// The request may start within QueueTimeout of its arrival (or of its
@@ -900,7 +897,8 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	}
 	dial := d.Charge.Dial()
 	st.sh = p.sh
-	a := &attempt{st: st, sh: p.sh, charge: d.Charge}
+	a := st.newAttempt()
+	*a = attempt{st: st, sh: p.sh, charge: d.Charge}
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
@@ -981,13 +979,39 @@ func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *
 	}
 }
 
-// bodyReader is the request body the handler installs for reverse_proxy,
-// read from the bytes it kept; it lives in the request state, saving an
-// allocation. (The policy replaces it on every attempt.)
-type bodyReader struct{ bytes.Reader }
+// firstBody returns body as the request's body for its first attempt.
+// A *bytes.Reader behind io.NopCloser is a body net/http knows is in
+// memory: it sends it with the headers in one write, where any other
+// reader makes the transport flush the headers first, a second system
+// call a request.
+func (st *requestState) firstBody(body []byte) io.ReadCloser {
+	st.firstReader.Reset(body)
+	st.firstReadCloser = io.NopCloser(&st.firstReader)
+	return st.firstReadCloser
+}
 
-// Close implements io.Closer.
-func (*bodyReader) Close() error { return nil }
+// attemptBody returns a reader of the whole body for an attempt: the
+// first one's (rewound: nothing may have read it, but nothing relies on
+// that) until an attempt took it, then a fresh one each time, as an
+// attempt the proxy gave up on may still be reading its own.
+func (st *requestState) attemptBody() io.ReadCloser {
+	if !st.firstUsed && st.firstReadCloser != nil {
+		st.firstReader.Reset(st.body)
+		return st.firstReadCloser
+	}
+	return io.NopCloser(bytes.NewReader(st.body))
+}
+
+// newAttempt returns the attempt to fill for a decision: the first one
+// kept in the state, or a new one (a drain may still hold an earlier).
+// It marks the first attempt's body as taken too.
+func (st *requestState) newAttempt() *attempt {
+	if st.firstUsed {
+		return new(attempt)
+	}
+	st.firstUsed = true
+	return &st.firstAttempt
+}
 
 // attempt is one routing of a request to an upstream: the engine's charge
 // there and the request's registration with the drain registry, which

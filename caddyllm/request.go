@@ -421,6 +421,16 @@ type reading struct {
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
+	req := new(Request)
+	if err := p.parseInto(req, endpoint, body); err != nil {
+		return nil, err
+	}
+	return req, nil
+}
+
+// parseInto is parse into req, which the handler keeps in the request's
+// state, saving an allocation.
+func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 	// A UTF-8 byte order mark before the JSON: vLLM reads the body with
 	// Python's json.loads, which skips it.
 	body = bytes.TrimPrefix(body, utf8BOM)
@@ -439,11 +449,11 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	sc.s.buf = nil
 	switch {
 	case sc.s.err != nil:
-		return nil, errBadRequest{msg: sc.s.err.Error()}
+		return errBadRequest{msg: sc.s.err.Error()}
 	case r.typeErr != nil:
-		return nil, r.typeErr
+		return r.typeErr
 	}
-	req := &Request{Endpoint: endpoint, Stream: r.stream, Sequences: 1}
+	*req = Request{Endpoint: endpoint, Stream: r.stream, Sequences: 1}
 	if r.n.set && r.n.v > 1 {
 		// n below 1 the engine refuses; whatever it does with it, it
 		// generates at most one sequence a prompt.
@@ -465,7 +475,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 		if len(name) > maxModelNameBytes {
 			// Model names are short; a long one would go into the access
 			// log, the 404's message and the per-model table.
-			return nil, errModelTooLong
+			return errModelTooLong
 		}
 		req.Model = p.modelName(name)
 	}
@@ -473,14 +483,14 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	if r.cacheSaltSet {
 		cacheSalt := decodeString(sc.dec[:0], body[r.cacheSalt.start:r.cacheSalt.end], r.cacheSaltEscaped)
 		if len(cacheSalt) == 0 {
-			return nil, errEmptyCacheSalt
+			return errEmptyCacheSalt
 		}
 		salt = saltWith(p.salt, string(cacheSalt))
 	}
 	switch endpoint {
 	case EndpointCompletions:
 		if r.promptErr != nil {
-			return nil, r.promptErr
+			return r.promptErr
 		}
 		if r.promptSet {
 			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
@@ -493,9 +503,9 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	case EndpointChatCompletions:
 		switch {
 		case r.messagesErr != nil:
-			return nil, r.messagesErr
+			return r.messagesErr
 		case !r.messagesSeen:
-			return nil, badRequestf("messages", "invalid request: messages is required")
+			return badRequestf("messages", "invalid request: messages is required")
 		}
 		if r.hashedTools != r.tools || r.hashedSet != r.toolsSet {
 			// The tools came after the messages (as the OpenAI Python
@@ -510,11 +520,11 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 	case EndpointResponses:
 		switch {
 		case r.inputErr != nil:
-			return nil, r.inputErr
+			return r.inputErr
 		case r.instructionsErr != nil:
-			return nil, r.instructionsErr
+			return r.instructionsErr
 		case !r.inputSeen:
-			return nil, badRequestf("input", "invalid request: input is required")
+			return badRequestf("input", "invalid request: input is required")
 		}
 		// Hashed once the whole body is read, in canonical order: the
 		// tools, the instructions (the system message vLLM makes of
@@ -534,7 +544,7 @@ func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
 			req.PreviousResponseID = string(decodeString(sc.dec[:0], body[r.previous.start:r.previous.end], r.previousEscaped))
 		}
 	}
-	return req, nil
+	return nil
 }
 
 // utf8BOM is the UTF-8 encoding of U+FEFF, the byte order mark.

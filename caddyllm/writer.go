@@ -65,7 +65,9 @@ type tokenRecorder struct {
 	// take, and one acquisition per streamed token contended with them.
 	unreported int
 	body       bytes.Buffer
-	usage      *usage
+	// usage is the response's reported usage, when hasUsage.
+	usage    reportedUsage
+	hasUsage bool
 
 	// Identity and text of the stream, for continuing it elsewhere.
 	streamID      string
@@ -400,7 +402,7 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		line = append([]byte("data: "), data...)
 	}
 	if chunk.Usage != nil {
-		t.usage = chunk.Usage
+		t.usage, t.hasUsage = chunk.Usage.reported(), true
 	}
 	if text != "" {
 		t.tokens++
@@ -423,7 +425,7 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		t.streamCreated = f.created
 	}
 	if f.hasUsage {
-		t.usage = withCached(f.usage, f.cached, f.hasCached)
+		t.usage, t.hasUsage = withCached(f.usage, f.cached, f.hasCached), true
 	}
 	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
 		t.tokens++
@@ -494,7 +496,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.pendingEvent = typ // counts when the event ends
 	}
 	if ev.hasUsage {
-		t.usage = withCached(ev.usage, ev.cached, ev.hasCached)
+		t.usage, t.hasUsage = withCached(ev.usage, ev.cached, ev.hasCached), true
 	}
 }
 
@@ -538,14 +540,32 @@ func (u *responsesUsage) usage() usage {
 		PromptTokensDetails: u.InputTokensDetails}
 }
 
-// withCached returns u with its prompt's cached tokens, when reported.
-func withCached(u usage, cached int, hasCached bool) *usage {
-	if hasCached {
-		u.PromptTokensDetails = &struct {
-			CachedTokens int `json:"cached_tokens"`
-		}{cached}
+// reportedUsage is the part of a response's usage the router reads, kept
+// by value (see usage.reported).
+type reportedUsage struct {
+	promptTokens, completionTokens int
+	// cachedTokens is the prompt's tokens found in the prefix cache, -1
+	// when not reported.
+	cachedTokens int
+}
+
+// reported returns what the router reads of u.
+func (u *usage) reported() reportedUsage {
+	r := reportedUsage{promptTokens: u.PromptTokens, completionTokens: u.CompletionTokens, cachedTokens: -1}
+	if u.PromptTokensDetails != nil {
+		r.cachedTokens = u.PromptTokensDetails.CachedTokens
 	}
-	return &u
+	return r
+}
+
+// withCached returns what the router reads of u with its prompt's cached
+// tokens, when reported.
+func withCached(u usage, cached int, hasCached bool) reportedUsage {
+	r := u.reported()
+	if hasCached {
+		r.cachedTokens = cached
+	}
+	return r
 }
 
 // generatesOtherwise reports whether a chunk without text carries a tool
@@ -585,12 +605,9 @@ func (t *tokenRecorder) complete() bool {
 		return t.done && !t.failed
 	}
 	rest, ok := usageValue(t.body.Bytes())
-	var u *usage
 	if ok {
-		u, ok = usageOfValue(rest, t.responses)
-	}
-	if ok {
-		t.usage = u
+		t.usage, ok = usageOfValue(rest, t.responses)
+		t.hasUsage = ok
 	}
 	if t.responses {
 		// Its id, also for a response not done (see below), which its
@@ -613,17 +630,17 @@ func (t *tokenRecorder) complete() bool {
 // expensive thing the router did per request, so only the object after
 // the last "usage" key is read, with the request's scanner (encoding/json
 // only for what it does not handle); the body must still end its object.
-func usageOfBody(body []byte, responses bool) (*usage, bool) {
+func usageOfBody(body []byte, responses bool) (reportedUsage, bool) {
 	rest, ok := usageValue(body)
 	if !ok {
-		return nil, false
+		return reportedUsage{}, false
 	}
 	return usageOfValue(rest, responses)
 }
 
 // usageOfValue reads the usage object at the start of rest (what
 // usageValue found).
-func usageOfValue(rest []byte, responses bool) (*usage, bool) {
+func usageOfValue(rest []byte, responses bool) (reportedUsage, bool) {
 	var u usage
 	var depth [1]uint64
 	s := scanner{buf: rest, inObject: depth[:]}
@@ -637,7 +654,11 @@ func usageOfValue(rest []byte, responses bool) (*usage, bool) {
 		return withCached(u, cached, hasCached), true
 	}
 	// Anything unusual is for encoding/json to read.
-	return decodeUsage(rest, responses)
+	decoded, ok := decodeUsage(rest, responses)
+	if !ok {
+		return reportedUsage{}, false
+	}
+	return decoded.reported(), true
 }
 
 // decodeUsage decodes the usage object at the start of rest with
@@ -690,18 +711,18 @@ func usageValue(body []byte) ([]byte, bool) {
 // completionTokens is the output length: the usage's when reported, else
 // the tokens counted.
 func (t *tokenRecorder) completionTokens() int {
-	if t.usage != nil {
-		return t.usage.CompletionTokens
+	if t.hasUsage {
+		return t.usage.completionTokens
 	}
 	return t.tokens
 }
 
 // cachedTokens is the engine's reported prefix-cache hit, or -1.
 func (t *tokenRecorder) cachedTokens() int {
-	if t.usage == nil || t.usage.PromptTokensDetails == nil {
+	if !t.hasUsage {
 		return -1
 	}
-	return t.usage.PromptTokensDetails.CachedTokens
+	return t.usage.cachedTokens
 }
 
 // spliceState rewrites a continuation's chunks into the original stream.

@@ -72,7 +72,7 @@ func TestUsageOfBody(t *testing.T) {
 		{`not json "usage":{}`, false, 0},
 	} {
 		u, ok := usageOfBody([]byte(tc.body), false)
-		if ok != tc.ok || (ok && u.CompletionTokens != tc.tokens) {
+		if ok != tc.ok || (ok && u.completionTokens != tc.tokens) {
 			t.Errorf("%s: ok=%v usage=%+v", tc.body, ok, u)
 		}
 	}
