@@ -88,6 +88,13 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 				h.logger.Debug("stream ended by a failed attempt", zap.Error(err), zap.String("why", msg))
 				return h.endStream(rec, msg)
 			}
+			if err != nil && !rec.wroteHeader && clientCtx.Err() != nil {
+				// The client left before any answer (while held at the
+				// gateway, say: the policy then chose no upstream, which
+				// the proxy reports as its 503). Caddy's proxy logs a
+				// client gone as 499, not as a server error.
+				return caddyhttp.Error(statusClientClosedRequest, context.Cause(clientCtx))
+			}
 			return err
 		}
 		cause := "upstream_error"

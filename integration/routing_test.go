@@ -8,6 +8,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -115,10 +117,13 @@ func TestHotPrefixSpills(t *testing.T) {
 // TestGatewayViewShowsHeldRequests: a request that no replica can take
 // (all are drained) waits at the gateway, and the admin API (GET
 // /llm_affinity/gateway) and the caddy_llm_affinity_gateway_held gauge say
-// so; once its client gives up, it waits no more.
+// so; once its client gives up, it waits no more, and Caddy's access log
+// has it as 499 (client closed request), as the proxy logs a client gone,
+// not as a server's 503.
 func TestGatewayViewShowsHeldRequests(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "queue_timeout 10m", ""))
+	accessLog := filepath.Join(t.TempDir(), "access.log")
+	startCaddy(t, withAccessLog(caddyfile(fleet, "", "queue_timeout 10m", ""), accessLog))
 	held := func() int {
 		var v caddyllm.GatewayView
 		getJSON(t, adminURL+"/llm_affinity/gateway", &v)
@@ -149,9 +154,47 @@ func TestGatewayViewShowsHeldRequests(t *testing.T) {
 	giveUp()
 	<-done
 	eventually(t, 10*time.Second, "the request gone from the gateway", func() bool { return held() == 0 })
+	var statuses []int
+	eventually(t, 10*time.Second, "the request in the access log", func() bool {
+		statuses = accessLogStatuses(t, accessLog, "/v1/completions")
+		return len(statuses) > 0
+	})
+	if len(statuses) != 1 || statuses[0] != 499 {
+		t.Errorf("access log statuses %v for the request whose client left, want [499]", statuses)
+	}
 	for _, r := range fleet {
 		adminDo(t, "DELETE", "/llm_affinity/upstreams/"+r.dial()+"/drain")
 	}
+}
+
+// withAccessLog adds to config's site an access log in JSON, written to
+// path.
+func withAccessLog(config, path string) string {
+	site := "http://" + routerHost + " {\n"
+	return strings.Replace(config, site, site+"\tlog {\n\t\toutput file "+path+"\n\t\tformat json\n\t}\n", 1)
+}
+
+// accessLogStatuses returns the statuses the access log at path has for
+// requests to uri, in order.
+func accessLogStatuses(t *testing.T, path, uri string) []int {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	var statuses []int
+	for line := range strings.SplitSeq(strings.TrimSpace(string(raw)), "\n") {
+		var entry struct {
+			Request struct {
+				URI string `json:"uri"`
+			} `json:"request"`
+			Status int `json:"status"`
+		}
+		if json.Unmarshal([]byte(line), &entry) == nil && entry.Request.URI == uri {
+			statuses = append(statuses, entry.Status)
+		}
+	}
+	return statuses
 }
 
 // TestShedWhenNothingFits: with every replica's KV full of stalled
