@@ -199,9 +199,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if endpoint == EndpointOther {
 		unrouted(repl)
-		if r.Method == http.MethodGet && strings.HasSuffix(r.URL.Path, "/v1/models") {
+		if (r.Method == http.MethodGet || r.Method == http.MethodHead) && strings.HasSuffix(r.URL.Path, "/v1/models") {
 			return serveModels(w, r, next)
 		}
+		return h.servePassThrough(w, r, next)
+	}
+	if !declaresJSON(r.Header) {
+		// vLLM refuses such a body, however good its JSON (400,
+		// "Unsupported Media Type"), before it reads the model: the
+		// engine answers, where the router's own 404 or 400 would point
+		// the client at another mistake first.
+		unrouted(repl)
 		return h.servePassThrough(w, r, next)
 	}
 	if encodedBody(r.Header) {
@@ -306,7 +314,9 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 		case !whole:
 		case changesAdapters(r):
 			pt.loraName, pt.unload = loraNameOfBody(body), strings.HasSuffix(r.URL.Path, "/unload_lora_adapter")
-		default:
+		case declaresJSON(r.Header):
+			// Only then: vLLM refuses any other body (400) before it
+			// reads the model, which the router's 404 would hide.
 			pt.model = modelOfBody(body)
 		}
 	}
@@ -421,6 +431,13 @@ func isJSON(h http.Header) bool {
 	}
 	mt, _, err := mime.ParseMediaType(ct)
 	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
+}
+
+// declaresJSON reports whether h's Content-Type is application/json (its
+// parameters aside), the only body vLLM's generation endpoints take.
+func declaresJSON(h http.Header) bool {
+	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
+	return err == nil && mt == "application/json"
 }
 
 // passThroughKey is the context key of a pass-through request's

@@ -144,6 +144,29 @@ func TestModelsListBehindACompressingEngine(t *testing.T) {
 	}
 }
 
+// TestHeadModelsAsGet: HEAD /v1/models has the headers of GET's answer,
+// the whole pool's list (RFC 9110: the same headers), not one engine's.
+func TestHeadModelsAsGet(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	loadTenantAdapters(t, fleet) // each engine's list differs from the pool's
+	resp, list := getModels(t)
+	if resp.StatusCode != 200 || !strings.Contains(string(list), "tenant-0") || !strings.Contains(string(list), "tenant-1") {
+		t.Fatalf("GET: %d %s", resp.StatusCode, list)
+	}
+	for range 4 { // on both engines
+		resp, err := http.Head(routerURL + "/v1/models")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || resp.ContentLength != int64(len(list)) || len(b) != 0 {
+			t.Fatalf("HEAD: %d, Content-Length %d, %d bytes of body; GET's list is %d bytes", resp.StatusCode, resp.ContentLength, len(b), len(list))
+		}
+	}
+}
+
 type gzipWriter struct {
 	http.ResponseWriter
 	z *gzip.Writer

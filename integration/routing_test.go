@@ -441,6 +441,64 @@ func TestUnknownModelAnswersAtOnce(t *testing.T) {
 	}
 }
 
+// TestBodyNotDeclaredJSONGetsTheEnginesAnswer: vLLM refuses a body whose
+// Content-Type is not application/json (400, "Unsupported Media Type")
+// before it reads the model; the router passes such a request on rather
+// than answer for its model (404) or its JSON (400), which would send the
+// client after another mistake first. application/json with parameters is
+// routed as any.
+func TestBodyNotDeclaredJSONGetsTheEnginesAnswer(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	modelsScraped(t, fleet)
+	send := func(contentType, body string) (int, string, http.Header) {
+		t.Helper()
+		req, _ := http.NewRequest("POST", routerURL+"/v1/chat/completions", strings.NewReader(body))
+		if contentType != "" {
+			req.Header.Set("Content-Type", contentType)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b), resp.Header
+	}
+	unknown := `{"model":"gpt-4","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`
+	for _, tc := range []struct{ contentType, body string }{
+		{"text/plain", unknown},
+		{"", unknown},
+		{"application/x-www-form-urlencoded", unknown}, // curl -d without -H
+		{"application/vnd.api+json", unknown},
+		{"text/plain", `{"model":"` + kvsim.DefaultModel + `","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`},
+		{"text/plain", `not json`},
+	} {
+		status, body, header := send(tc.contentType, tc.body)
+		if status != 400 || !strings.Contains(body, "Unsupported Media Type") || header.Get("X-LLM-Affinity") != "" {
+			t.Errorf("Content-Type %q, %s: %d %s (explained %q), want the engine's 400", tc.contentType, tc.body, status, body, header.Get("X-LLM-Affinity"))
+		}
+	}
+	// Passed through unread too (kvsim has no embeddings: its own 404).
+	req, _ := http.NewRequest("POST", routerURL+"/v1/embeddings", strings.NewReader(`{"model":"gpt-4","input":"hi"}`))
+	req.Header.Set("Content-Type", "text/plain")
+	if resp, err := http.DefaultClient.Do(req); err != nil {
+		t.Fatal(err)
+	} else {
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if strings.Contains(string(b), "model_not_found") {
+			t.Errorf("embeddings as text/plain: %d %s, want the engine's answer", resp.StatusCode, b)
+		}
+	}
+	if status, body, _ := send("Application/JSON; charset=utf-8", unknown); status != 404 || !strings.Contains(body, "model_not_found") {
+		t.Errorf("application/json with a charset: %d %s, want the router's 404", status, body)
+	}
+	if status, body, header := send("application/json; charset=utf-8", `{"model":"`+kvsim.DefaultModel+`","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`); status != 200 || header.Get("X-LLM-Affinity") == "" {
+		t.Errorf("application/json with a charset: %d %s, not routed by the router", status, body)
+	}
+}
+
 // TestUnknownModelWithoutModelLists: without scraping the router cannot
 // know, so the request goes to an engine, whose 404 comes back.
 func TestUnknownModelWithoutModelLists(t *testing.T) {
