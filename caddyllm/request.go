@@ -84,8 +84,10 @@ type Request struct {
 	// its own. 0 for a single prompt.
 	LongestPromptTokens int
 	// MaxTokens is max_tokens or max_completion_tokens (max_output_tokens
-	// for the Responses API), 0 when absent.
-	MaxTokens int
+	// for the Responses API), 0 when absent; maxCompletionTokens says it
+	// was max_completion_tokens, for the messages that name it.
+	MaxTokens           int
+	maxCompletionTokens bool
 	// Sequences is how many sequences the engine generates: a batch's
 	// prompts times n, the choices asked for each (chat and completions);
 	// 1 for one prompt and one choice. Each takes its own output's KV,
@@ -151,8 +153,11 @@ func (r *Request) tooLongMessage(prompt int) string {
 		return fmt.Sprintf("The prompt is about %s, more than any upstream serving the model holds (its KV cache, or the model's context length there).", tokensText(prompt))
 	}
 	name := "max_tokens"
-	if r.Endpoint == EndpointResponses {
+	switch {
+	case r.Endpoint == EndpointResponses:
 		name = "max_output_tokens"
+	case r.maxCompletionTokens:
+		name = "max_completion_tokens"
 	}
 	return fmt.Sprintf("The prompt is about %s and %s is %d, more in all than any upstream serving the model holds (its KV cache, or the model's context length there).", tokensText(prompt), name, r.MaxTokens)
 }
@@ -466,7 +471,7 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 			req.MaxTokens = max(0, r.maxOutput.v)
 		}
 	case r.maxCompletion.set:
-		req.MaxTokens = max(0, r.maxCompletion.v)
+		req.MaxTokens, req.maxCompletionTokens = max(0, r.maxCompletion.v), true
 	case r.maxTokens.set:
 		req.MaxTokens = max(0, r.maxTokens.v)
 	}
@@ -876,7 +881,7 @@ func (r *reading) message(i int) {
 		return
 	case '{':
 	default:
-		r.typeError("messages", "an object")
+		r.typeError(fmt.Sprintf("messages[%d]", i), "an object")
 		r.skip()
 		return
 	}
@@ -896,7 +901,14 @@ func (r *reading) message(i int) {
 		}
 		switch f := fieldOf(key, msgFields[:]); f {
 		case fieldRole:
-			r.optString(&m.role, &m.roleEscaped, "messages.role")
+			if c := s.ws(); c != '"' && c != 'n' {
+				// Named here, where the index is known (optString's
+				// name would be formatted for every message).
+				r.typeError(fmt.Sprintf("messages[%d].role", i), "a string")
+				r.skip()
+				break
+			}
+			r.optString(&m.role, &m.roleEscaped, "")
 		case fieldContent:
 			if s.ws() == '"' { // the usual content, read here: no call
 				if start, end, _, ok := s.str(); ok {

@@ -356,8 +356,8 @@ func TestTypeErrorsInTheAPIsWords(t *testing.T) {
 		body, want string
 	}{
 		{EndpointChatCompletions, `{"messages":"x"}`, "messages must be an array"},
-		{EndpointChatCompletions, `{"messages":["x"]}`, "messages must be an object"},
-		{EndpointChatCompletions, `{"messages":[{"role":7}]}`, "messages.role must be a string"},
+		{EndpointChatCompletions, `{"messages":["x"]}`, "messages[0] must be an object"},
+		{EndpointChatCompletions, `{"messages":[{"role":"user"},{"role":7}]}`, "messages[1].role must be a string"},
 		{EndpointCompletions, `{"model":3}`, "model must be a string"},
 		{EndpointCompletions, `{"max_tokens":"x"}`, "max_tokens must be an integer"},
 		{EndpointCompletions, `{"max_tokens":1.5}`, "max_tokens must be an integer"},
@@ -366,6 +366,26 @@ func TestTypeErrorsInTheAPIsWords(t *testing.T) {
 		_, err := p.parse(tc.ep, []byte(tc.body))
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "caddyllm") || strings.Contains(err.Error(), "int") && !strings.Contains(tc.want, "int") {
 			t.Errorf("%s: %v, want %q", tc.body, err, tc.want)
+		}
+		// param names the same field as the message.
+		var bad errBadRequest
+		if errors.As(err, &bad) && !strings.HasPrefix(tc.want, bad.param+" ") {
+			t.Errorf("%s: param %q, the message says %q", tc.body, bad.param, tc.want)
+		}
+	}
+	// The too-long message names the field the client set.
+	for _, tc := range []struct {
+		body, want string
+	}{
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":7}`, "max_tokens is 7"},
+		{`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":7}`, "max_completion_tokens is 7"},
+	} {
+		req, err := p.parse(EndpointChatCompletions, []byte(tc.body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if msg := req.tooLongMessage(100); !strings.Contains(msg, tc.want) {
+			t.Errorf("%s: %q, want %q", tc.body, msg, tc.want)
 		}
 	}
 }
