@@ -166,6 +166,77 @@ func FuzzChunkMatchesDecode(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) { sameAsDecode(t, data) })
 }
 
+// sameAsWhole feeds template, then chunk, to a recorder that knows the
+// template's shape and to one that reads every chunk whole, and fails when
+// they record anything differently.
+func sameAsWhole(t *testing.T, template, chunk []byte) {
+	t.Helper()
+	fast := newTokenRecorder(nil, &requestState{req: &Request{}})
+	whole := newTokenRecorder(nil, &requestState{req: &Request{}})
+	for _, data := range [][]byte{template, chunk} {
+		line := append([]byte("data: "), data...)
+		fast.event(line, false)
+		whole.shape, whole.shapeText = whole.shape[:0], 0
+		whole.event(line, false)
+	}
+	if fast.tokens != whole.tokens || fast.generated.String() != whole.generated.String() || fast.usage != whole.usage ||
+		fast.hasUsage != whole.hasUsage || fast.streamID != whole.streamID || fast.streamObject != whole.streamObject ||
+		fast.streamModel != whole.streamModel || fast.streamCreated != whole.streamCreated || fast.done != whole.done || fast.failed != whole.failed {
+		t.Fatalf("%q then %q: recorded %d %q usage %v %+v, read whole %d %q usage %v %+v", template, chunk,
+			fast.tokens, fast.generated.String(), fast.hasUsage, fast.usage, whole.tokens, whole.generated.String(), whole.hasUsage, whole.usage)
+	}
+}
+
+// TestChunkOfTheSameShape: a token chunk that differs from the last one
+// read whole only in its text is read by its shape (no scan), and
+// recorded as if read whole; anything else around the text is read whole.
+func TestChunkOfTheSameShape(t *testing.T) {
+	template := `{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null}]}`
+	head, tail, _ := strings.Cut(template, `"a"`)
+	for _, text := range []string{`b`, `caf\u00e9 \"q\" \ud83d\ude00\n`, "\xff", `\"},"x":{"`, `"`, `a"b`, `\q`, "\x01", `\`, ``, `a","b`} {
+		sameAsWhole(t, []byte(template), []byte(head+`"`+text+`"`+tail))
+	}
+	rec := newTokenRecorder(nil, &requestState{req: &Request{}})
+	rec.event([]byte("data: "+template), false)
+	if !rec.sameShape([]byte(head+`"next"`+tail)) || rec.generated.String() != "anext" || rec.tokens != 2 {
+		t.Fatalf("the same chunk with another text not read by its shape: %d %q", rec.tokens, rec.generated.String())
+	}
+	for _, other := range []string{
+		strings.Replace(template, `"created":1`, `"created":2`, 1),
+		strings.Replace(template, `"finish_reason":null`, `"finish_reason":"stop"`, 1),
+		head + `""` + tail, // no text: a tool call or reasoning may be what it generates
+		head + `"x"` + tail + ` `,
+	} {
+		if rec.sameShape([]byte(other)) {
+			t.Errorf("%s read by its shape", other)
+		}
+		sameAsWhole(t, []byte(template), []byte(other))
+	}
+	// A chunk with usage is not a shape: the next one without it is read whole.
+	withUsage := strings.Replace(template, `}]}`, `}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}`, 1)
+	sameAsWhole(t, []byte(withUsage), []byte(strings.Replace(withUsage, `"a"`, `"b"`, 1)))
+}
+
+// FuzzChunkOfTheSameShape: a chunk made of a token chunk's bytes around
+// any text is recorded as if read whole, after that token chunk.
+func FuzzChunkOfTheSameShape(f *testing.F) {
+	for i, c := range chunkCorpus {
+		f.Add([]byte(c), []byte(`x \"y\" \u00e9`), uint8(i))
+	}
+	f.Fuzz(func(t *testing.T, template, text []byte, cut uint8) {
+		var fields chunkFields
+		if !readChunk(template, &fields) || fields.text.end <= fields.text.start {
+			// Not a template: any chunk after any other.
+			if n := len(template); n > 0 {
+				sameAsWhole(t, template[:int(cut)%n], template[int(cut)%n:])
+			}
+			return
+		}
+		chunk := append(append(append([]byte(nil), template[:fields.text.start]...), text...), template[fields.text.end:]...)
+		sameAsWhole(t, template, chunk)
+	})
+}
+
 // usageCorpus is completion bodies with and without usage.
 var usageCorpus = []string{
 	`{"choices":[{"text":"a \"usage\": 5"}],"usage":{"prompt_tokens":3,"completion_tokens":9}}`,

@@ -77,6 +77,13 @@ type tokenRecorder struct {
 	generated     strings.Builder
 	// scratch holds a decoded string on its way into generated.
 	scratch []byte
+	// shape is the last token chunk read whole, its text left out: the
+	// bytes before the text are shape[:shapeText], those after it the
+	// rest. Engines send every token of a stream in the same chunk with
+	// another text; a chunk with the same bytes around a valid string is
+	// that chunk, read without scanning it again (see sameShape).
+	shape     []byte
+	shapeText int
 
 	// headerSent mirrors wroteHeader for the drain timer's goroutine.
 	headerSent atomic.Bool
@@ -379,7 +386,11 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		return line
 	}
 	if !rewrite {
-		// The usual chunk is read without decoding it.
+		// The usual chunk is read without decoding it, and most often
+		// without reading it again.
+		if t.sameShape(data) {
+			return line
+		}
 		var f chunkFields
 		if readChunk(data, &f) {
 			t.recordChunk(data, &f)
@@ -415,6 +426,37 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	return line
 }
 
+// addText counts a chunk's text, raw as in the chunk (escaped when it has
+// escapes), as a token and keeps it.
+func (t *tokenRecorder) addText(raw []byte, escaped bool) {
+	t.tokens++
+	t.scratch = decodeString(t.scratch[:0], raw, escaped)
+	t.generated.Write(t.scratch)
+	t.unreported++
+}
+
+// sameShape records data, a chunk, and reports true when it is the last
+// token chunk read whole (shape) with another text: the same bytes before
+// and after a string that is valid and not empty. Such a chunk is what
+// readChunk would read as that one with this text (the JSON around is
+// byte for byte one it read), so recordChunk would record only the text.
+func (t *tokenRecorder) sameShape(data []byte) bool {
+	if len(t.shape) == 0 || len(data) <= len(t.shape) {
+		return false
+	}
+	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
+	if !bytes.HasPrefix(data, head) || !bytes.HasSuffix(data, tail) {
+		return false
+	}
+	s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
+	start, end, escaped, ok := s.str()
+	if !ok || end != len(data)-len(tail) {
+		return false
+	}
+	t.addText(data[start:end], escaped)
+	return true
+}
+
 // recordChunk records what readChunk found in a chunk: as event does
 // with the decoded chunk.
 func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
@@ -428,10 +470,11 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		t.usage, t.hasUsage = withCached(f.usage, f.cached, f.hasCached), true
 	}
 	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
-		t.tokens++
-		t.scratch = decodeString(t.scratch[:0], raw, bytes.IndexByte(raw, '\\') >= 0)
-		t.generated.Write(t.scratch)
-		t.unreported++
+		t.addText(raw, bytes.IndexByte(raw, '\\') >= 0)
+		if !f.hasUsage {
+			t.shape = append(append(t.shape[:0], data[:f.text.start]...), data[f.text.end:]...)
+			t.shapeText = f.text.start
+		}
 	} else if generatesOtherwise(data) {
 		// A tool call's arguments or a reasoning model's thoughts are
 		// generated tokens too: the first one ends the prefill.

@@ -18,6 +18,10 @@
 # CONCURRENCY (32), PROMPT_BYTES (512), BASE_PORT (18080: uses BASE_PORT..BASE_PORT+6),
 # MIN_RATIO (unset; when set, exit 1 if the ratio is below it).
 #
+# STREAM_TOKENS=N (unset: not streamed) has every request stream its answer, as LLM clients
+# mostly do: the upstream sends N one-token events, each flushed, then the usage and [DONE], so
+# that the router's reading of each event is measured beside Caddy's copying of it.
+#
 # INSTRUCTIONS=1 runs Caddy under valgrind's callgrind and reports, for each site, the
 # instructions Caddy executed per request (user space only: the kernel's share, its system calls,
 # is reported beside as before). Unlike time, the count does not move with the neighbours' load,
@@ -34,6 +38,7 @@ PROMPT_BYTES=${PROMPT_BYTES:-512}
 BASE_PORT=${BASE_PORT:-18080}
 MIN_RATIO=${MIN_RATIO:-}
 INSTRUCTIONS=${INSTRUCTIONS:-}
+STREAM_TOKENS=${STREAM_TOKENS:-}
 if [ -n "$INSTRUCTIONS" ] && [ -n "$MIN_RATIO" ]; then
 	echo "MIN_RATIO compares requests per second, which INSTRUCTIONS=1 does not measure" >&2
 	exit 2
@@ -76,7 +81,7 @@ go build -o "$work/caddy" ./cmd/caddy
 go build -o "$work/loadgen" ./scripts/loadgen
 go build -o "$work/upstream" ./scripts/trivial-upstream
 
-"$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" 2>"$work/upstream.log" &
+"$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" 2>"$work/upstream.log" &
 pids+=($!)
 
 cat >"$work/Caddyfile" <<EOF
@@ -112,8 +117,13 @@ pids+=("$caddy_pid")
 # A small completions request: PROMPT_BYTES of shared text (about PROMPT_BYTES/4 tokens), then
 # a request number (loadgen fills in {{seq}}), like chats that share a system prompt.
 prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
-printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' \
-	"$prompt" >"$work/body.json"
+if [ -n "$STREAM_TOKENS" ]; then
+	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":%d,"stream":true,"stream_options":{"include_usage":true}}' \
+		"$prompt" "$STREAM_TOKENS" >"$work/body.json"
+else
+	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' \
+		"$prompt" >"$work/body.json"
+fi
 
 wait_for() {
 	local url=$1
@@ -198,7 +208,7 @@ field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
 }
 
-echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes"
+echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes${STREAM_TOKENS:+, streamed in $STREAM_TOKENS events}"
 # Medians: one round disturbed by a neighbour moves a mean, not a median.
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 rr_all=()
