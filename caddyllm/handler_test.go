@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -20,6 +21,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
@@ -374,5 +377,47 @@ func TestBodyReadErrors(t *testing.T) {
 		if w.Code != tc.status || !strings.Contains(w.Body.String(), tc.want) || strings.Contains(w.Body.String(), "10.9.8.7") {
 			t.Errorf("%v: %d %s, want %d with %q", tc.err, w.Code, w.Body, tc.status, tc.want)
 		}
+	}
+}
+
+// TestBodyNotDeclaredJSONIsPassedThrough: a generation request whose body
+// is not declared application/json goes to an upstream unread, and is no
+// sign of a route without the handler (that warning is for requests the
+// handler never saw, logged once).
+func TestBodyNotDeclaredJSONIsPassedThrough(t *testing.T) {
+	core, logs := observer.New(zapcore.WarnLevel)
+	p := testPolicy(t, zap.New(core))
+	p.warnedUnparsed = new(atomic.Bool)
+	pool := movePool()
+	h := moveHandler()
+	var routed *reverseproxy.Upstream
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		routed = p.Select(pool, r, w)
+		w.WriteHeader(http.StatusBadRequest) // what vLLM answers
+		return nil
+	})
+	for _, contentType := range []string{"text/plain", "", "application/x-www-form-urlencoded"} {
+		r := moveRequest(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+		r.Header.Set("Content-Type", contentType)
+		routed = nil
+		if err := h.ServeHTTP(httptest.NewRecorder(), r, next); err != nil || routed == nil {
+			t.Fatalf("Content-Type %q: error %v, routed to %v", contentType, err, routed)
+		}
+		if requestStateOf(r) != nil {
+			t.Fatalf("Content-Type %q: the body was read", contentType)
+		}
+	}
+	if n := logs.Len(); n != 0 {
+		t.Fatalf("%d warnings for requests the handler passed on: %v", n, logs.All()[0].Message)
+	}
+	// Without the handler: warned once.
+	for range 2 {
+		r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(`{}`))
+		if p.Select(pool, r, httptest.NewRecorder()) == nil {
+			t.Fatal("not routed")
+		}
+	}
+	if n := logs.FilterMessageSnippet("without the llm_affinity handler").Len(); n != 1 {
+		t.Fatalf("%d warnings for a route without the handler, want 1", n)
 	}
 }

@@ -1187,10 +1187,12 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			}
 		}
 	}
-	// A generation request the handler did not read: the llm_affinity
-	// directive is missing from the route, or comes after reverse_proxy.
-	// Affinity is then off for every request; say so once.
-	if p.warnedUnparsed != nil && endpointOf(r.Method, r.URL.Path) != EndpointOther && p.warnedUnparsed.CompareAndSwap(false, true) {
+	// A generation request the handler did not see (pt is nil): the
+	// llm_affinity directive is missing from the route, or comes after
+	// reverse_proxy. Affinity is then off for every request; say so once.
+	// (One it saw and passed on, a body not declared JSON, says nothing
+	// of the config.)
+	if p.warnedUnparsed != nil && pt == nil && endpointOf(r.Method, r.URL.Path) != EndpointOther && p.warnedUnparsed.CompareAndSwap(false, true) {
 		p.logger.Warn("a generation request reached lb_policy llm_affinity without the llm_affinity handler having read it: "+
 			"routing such requests with the fallback policy, without affinity; put the llm_affinity directive in the route before reverse_proxy",
 			zap.String("path", r.URL.Path))
