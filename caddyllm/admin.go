@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -167,6 +168,9 @@ func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, e
 		switch err := dec.Decode(&body); {
 		case err == io.EOF && r.ContentLength < 0:
 			// An empty chunked body: no body after all.
+		case errors.As(err, new(*json.UnmarshalTypeError)):
+			// Its text names Go types, not the API's.
+			return 0, fmt.Errorf("reading drain request body: want a JSON object such as {\"deadline\":\"30s\"}, with deadline a string")
 		case err != nil:
 			return 0, fmt.Errorf("reading drain request body: %v", err)
 		case body == nil:

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/bits"
+	"strings"
 	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
@@ -54,20 +55,26 @@ func (s *scanner) unexpected(context string) bool {
 	if s.pos >= len(s.buf) {
 		return s.fail("unexpected end of JSON input")
 	}
-	return s.fail("invalid character %s %s", quoteChar(s.buf[s.pos]), context)
+	return s.fail("invalid character (%s) %s", describeChar(s.buf[s.pos]), context)
 }
 
-// quoteChar formats c as encoding/json's errors do.
-func quoteChar(c byte) string {
+// describeChar names c for an error message without quoting the body
+// (encoding/json's errors quote it): JSON's own punctuation as itself,
+// anything else by its kind.
+func describeChar(c byte) string {
 	switch {
-	case c == '\'':
-		return `'\''`
-	case c == '"':
-		return `'"'`
-	case c < 0x20 || c >= 0x7f:
-		return fmt.Sprintf("%q", string(rune(c)))
+	case strings.IndexByte(`{}[]:,"`, c) >= 0:
+		return "'" + string(c) + "'"
+	case c < 0x20 || c == 0x7f:
+		return "a control character"
+	case c >= 0x80:
+		return "a byte outside ASCII"
+	case 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z':
+		return "a letter"
+	case '0' <= c && c <= '9':
+		return "a digit"
 	}
-	return "'" + string(c) + "'"
+	return "a symbol"
 }
 
 // ws skips whitespace and returns the next byte, 0 at the end.

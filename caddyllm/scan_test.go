@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"strings"
 	"testing"
 )
 
@@ -25,5 +26,25 @@ func TestHasControl(t *testing.T) {
 				p[i] = fill
 			}
 		}
+	}
+}
+
+// TestSyntaxErrorsDoNotQuoteTheBody: the 400 for malformed JSON says where
+// and what kind of byte, never the byte itself (encoding/json's errors
+// quote it), but for JSON's own punctuation.
+func TestSyntaxErrorsDoNotQuoteTheBody(t *testing.T) {
+	p := testParser()
+	for _, body := range []string{
+		`QZXW not json`, `{"model":QZXW}`, `{"messages":[{"role":"user","content":"\Q"}]}`, `{"model" Q}`,
+		`{"model":"m"} Q`, `[1 Q]`, "{\"model\":\"m\x01Q\"}", "{\"model\":\xffQ}", `{"max_tokens":1Q}`,
+	} {
+		_, err := p.parse(EndpointChatCompletions, []byte(body))
+		if err == nil || strings.Contains(err.Error(), "Q") || strings.Contains(err.Error(), "\xff") || !strings.Contains(err.Error(), "at byte") {
+			t.Errorf("%q: %v", body, err)
+		}
+	}
+	_, err := p.parse(EndpointChatCompletions, []byte(`{"model":"m",}`))
+	if err == nil || !strings.Contains(err.Error(), "'}'") {
+		t.Errorf("JSON's own punctuation not named: %v", err)
 	}
 }
