@@ -183,6 +183,13 @@ func newMetrics(sh *shared) *metrics {
 	for _, code := range []string{"model_not_found", "context_length_exceeded", "400"} {
 		m.refused.WithLabelValues(code)
 	}
+	for _, reason := range []string{string(scorer.Warm), string(scorer.Cold), string(scorer.Spill), string(scorer.Adapter),
+		fallbackReason, string(scorer.Shed), refusedReason} {
+		m.decisions.WithLabelValues(reason)
+	}
+	for _, to := range []string{"draining", "drained", "undrained"} {
+		m.drainTransitions.WithLabelValues(to)
+	}
 	for _, cause := range []string{"drain", "upstream_error"} {
 		for _, outcome := range []string{"redispatched", "continued", "cut"} {
 			m.movedRequests.WithLabelValues(cause, outcome)

@@ -203,3 +203,24 @@ func TestUpstreamGaugesBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestFixedLabelCountersStartAtZero: the counters whose labels take a
+// fixed set of values have every series, at 0, before their first event,
+// so that a rate or an alert on the first one sees it.
+func TestFixedLabelCountersStartAtZero(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	for _, c := range []struct {
+		vec  *prometheus.CounterVec
+		name string
+		want int
+	}{
+		{m.decisions, "decisions_total", 7}, {m.drainTransitions, "drain_transitions_total", 3},
+		{m.shed, "shed_total", 9}, {m.refused, "refused_total", 3}, {m.movedRequests, "moved_requests_total", 6},
+	} {
+		if n := testutil.CollectAndCount(c.vec); n != c.want {
+			t.Errorf("%s has %d series before any event, want %d", c.name, n, c.want)
+		}
+	}
+}
