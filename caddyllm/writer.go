@@ -614,15 +614,35 @@ func withCached(u usage, cached int, hasCached bool) reportedUsage {
 // generatesOtherwise reports whether a chunk without text carries a tool
 // call or reasoning (vLLM's reasoning_content, or reasoning).
 func generatesOtherwise(data []byte) bool {
-	return bytes.Contains(data, []byte(`"tool_calls":[{`)) ||
+	return indexQuoted(data, `"tool_calls":[{`) >= 0 ||
 		nonEmptyString(data, `"reasoning_content":"`) || nonEmptyString(data, `"reasoning":"`)
 }
 
 // nonEmptyString reports whether key (a JSON key and the quote opening its
 // value) appears in data with a value that is not empty.
 func nonEmptyString(data []byte, key string) bool {
-	i := bytes.Index(data, []byte(key))
+	i := indexQuoted(data, key)
 	return i >= 0 && i+len(key) < len(data) && data[i+len(key)] != '"'
+}
+
+// indexQuoted is bytes.Index(data, quoted) for a quoted that begins with a
+// quote, searched for from its second byte: a quote is JSON's most
+// frequent byte, and bytes.Index, which looks for the first byte first,
+// would stop at every one (an empty chunk cost a thousand instructions a
+// search).
+func indexQuoted(data []byte, quoted string) int {
+	rest := quoted[1:]
+	for off := 1; off < len(data); {
+		i := bytes.Index(data[off:], []byte(rest))
+		if i < 0 {
+			return -1
+		}
+		if i += off; data[i-1] == '"' {
+			return i - 1
+		}
+		off = i + 1
+	}
+	return -1
 }
 
 // decode returns the string at sp of data, decoded.

@@ -1,11 +1,14 @@
 package caddyllm
 
 import (
+	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
@@ -404,4 +407,42 @@ func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 		}
 		sh.Destruct()
 	}
+}
+
+// BenchmarkStreamedResponse is the recorder's work on a streamed chat
+// completion as vLLM sends it (a role chunk, 64 one-token chunks, the
+// finish, the usage, [DONE]), one Write per event as Caddy's proxy flushes
+// them: the router's cost per streamed token, beside Caddy's copying.
+// The request has no attempt: the fleet's accounting is not part of it.
+func BenchmarkStreamedResponse(b *testing.B) {
+	const head = `data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"delta":`
+	events := []string{head + `{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}` + "\n\n"}
+	for i := range 64 {
+		events = append(events, head+`{"content":" tok`+strconv.Itoa(i)+`"},"logprobs":null,"finish_reason":null}],"usage":null}`+"\n\n")
+	}
+	events = append(events, head+`{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}`+"\n\n",
+		`data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[],"usage":{"prompt_tokens":130,"total_tokens":194,"completion_tokens":64}}`+"\n\n",
+		"data: [DONE]\n\n")
+	raw := make([][]byte, len(events))
+	size := 0
+	for i, e := range events {
+		raw[i] = []byte(e)
+		size += len(e)
+	}
+	w := &discardWriter{h: make(http.Header)}
+	b.SetBytes(int64(size))
+	b.ReportAllocs()
+	cpu := cputime.Start()
+	for b.Loop() {
+		rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
+		w.h.Set("Content-Type", "text/event-stream")
+		rec.WriteHeader(http.StatusOK)
+		for _, e := range raw {
+			rec.Write(e)
+		}
+		if rec.tokens != 64 || !rec.done || !rec.hasUsage {
+			b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
+		}
+	}
+	cputime.Report(b, cpu)
 }
