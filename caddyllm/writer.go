@@ -232,6 +232,10 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
+			if t.oneTokenEvent(p) {
+				t.reportTokens()
+				return t.writeEvents(p, len(p))
+			}
 			end, _ := t.scan(p, false)
 			if t.responses && !t.outputStarted {
 				if len(t.held)+len(p) <= maxSSELine {
@@ -455,6 +459,23 @@ func (t *tokenRecorder) sameShape(data []byte) bool {
 	}
 	t.addText(data[start:end], escaped)
 	return true
+}
+
+// oneTokenEvent records p and reports true when p is one whole event, a
+// single data line whose chunk has the last token chunk's shape (see
+// sameShape): what an engine flushes for each token, read here without
+// splitting it into lines. (Such a line holds no line break: the shape's
+// bytes come from one line, and a valid string has none.)
+func (t *tokenRecorder) oneTokenEvent(p []byte) bool {
+	if len(t.line) != 0 || t.skipLine || len(t.shape) == 0 {
+		return false
+	}
+	data, ok := bytes.CutPrefix(p, []byte("data: "))
+	if !ok {
+		return false
+	}
+	data, ok = bytes.CutSuffix(data, []byte("\n\n"))
+	return ok && t.sameShape(data)
 }
 
 // recordChunk records what readChunk found in a chunk: as event does

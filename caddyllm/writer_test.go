@@ -409,20 +409,64 @@ func TestStoredResponseHomeAtFirstEvent(t *testing.T) {
 	}
 }
 
+// streamEvents is a streamed chat completion as vLLM sends it: a role
+// chunk, n one-token chunks, the finish, the usage, [DONE].
+func streamEvents(n int) []string {
+	const head = `data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"delta":`
+	events := []string{head + `{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}` + "\n\n"}
+	for i := range n {
+		events = append(events, head+`{"content":" tok`+strconv.Itoa(i)+`"},"logprobs":null,"finish_reason":null}],"usage":null}`+"\n\n")
+	}
+	return append(events, head+`{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}`+"\n\n",
+		`data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[],"usage":{"prompt_tokens":130,"total_tokens":`+strconv.Itoa(130+n)+`,"completion_tokens":`+strconv.Itoa(n)+`}}`+"\n\n",
+		"data: [DONE]\n\n")
+}
+
+// TestStreamRecordedAlikeInAnySplit: a stream written an event at a time
+// (each token event read by its shape) is recorded and passed on as the
+// same stream written whole, in small pieces, or with other line endings
+// (read line by line).
+func TestStreamRecordedAlikeInAnySplit(t *testing.T) {
+	events := streamEvents(20)
+	whole := strings.Join(events, "")
+	record := func(writes []string) (*tokenRecorder, string) {
+		w := httptest.NewRecorder()
+		w.Header().Set("Content-Type", "text/event-stream")
+		rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
+		rec.WriteHeader(http.StatusOK)
+		for _, p := range writes {
+			rec.Write([]byte(p))
+		}
+		rec.flushHeld()
+		return rec, w.Body.String()
+	}
+	want, wantBody := record([]string{whole})
+	if want.tokens != 20 || !want.done || !want.hasUsage || want.usage.completionTokens != 20 {
+		t.Fatalf("whole: %d tokens, done %v, usage %+v", want.tokens, want.done, want.usage)
+	}
+	var pieces []string
+	for i := 0; i < len(whole); i += 7 {
+		pieces = append(pieces, whole[i:min(i+7, len(whole))])
+	}
+	crlf := strings.ReplaceAll(whole, "\n", "\r\n")
+	for name, writes := range map[string][]string{"an event at a time": events, "7 bytes at a time": pieces, "CRLF": {crlf}} {
+		got, body := record(writes)
+		if got.tokens != want.tokens || got.generated.String() != want.generated.String() || got.usage != want.usage || got.done != want.done {
+			t.Errorf("%s: %d tokens %q usage %+v, want %d %q %+v", name, got.tokens, got.generated.String(), got.usage, want.tokens, want.generated.String(), want.usage)
+		}
+		if name != "CRLF" && body != wantBody {
+			t.Errorf("%s: passed on %q, want %q", name, body, wantBody)
+		}
+	}
+}
+
 // BenchmarkStreamedResponse is the recorder's work on a streamed chat
 // completion as vLLM sends it (a role chunk, 64 one-token chunks, the
 // finish, the usage, [DONE]), one Write per event as Caddy's proxy flushes
 // them: the router's cost per streamed token, beside Caddy's copying.
 // The request has no attempt: the fleet's accounting is not part of it.
 func BenchmarkStreamedResponse(b *testing.B) {
-	const head = `data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"delta":`
-	events := []string{head + `{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":null}` + "\n\n"}
-	for i := range 64 {
-		events = append(events, head+`{"content":" tok`+strconv.Itoa(i)+`"},"logprobs":null,"finish_reason":null}],"usage":null}`+"\n\n")
-	}
-	events = append(events, head+`{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}`+"\n\n",
-		`data: {"id":"chatcmpl-5f0c","object":"chat.completion.chunk","created":1732000000,"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[],"usage":{"prompt_tokens":130,"total_tokens":194,"completion_tokens":64}}`+"\n\n",
-		"data: [DONE]\n\n")
+	events := streamEvents(64)
 	raw := make([][]byte, len(events))
 	size := 0
 	for i, e := range events {
