@@ -232,11 +232,15 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
-			if t.oneTokenEvent(p) {
+			n, end := t.tokenEvents(p), -1
+			if n == len(p) {
 				t.reportTokens()
-				return t.writeEvents(p, len(p))
+				end = n
+			} else if end, _ = t.scan(p[n:], false); end >= 0 {
+				end += n
+			} else if n > 0 {
+				end = n
 			}
-			end, _ := t.scan(p, false)
 			if t.responses && !t.outputStarted {
 				if len(t.held)+len(p) <= maxSSELine {
 					if end >= 0 {
@@ -461,21 +465,36 @@ func (t *tokenRecorder) sameShape(data []byte) bool {
 	return true
 }
 
-// oneTokenEvent records p and reports true when p is one whole event, a
+// tokenEvents records the whole token events at the start of p, each a
 // single data line whose chunk has the last token chunk's shape (see
-// sameShape): what an engine flushes for each token, read here without
-// splitting it into lines. (Such a line holds no line break: the shape's
-// bytes come from one line, and a valid string has none.)
-func (t *tokenRecorder) oneTokenEvent(p []byte) bool {
+// sameShape), and returns their length: what an engine flushes for each
+// token is read without splitting it into lines. Such a line holds no
+// line break (the shape's bytes come from one line, a valid string has
+// none), so it is read as scan would read it.
+func (t *tokenRecorder) tokenEvents(p []byte) int {
 	if len(t.line) != 0 || t.skipLine || len(t.shape) == 0 {
-		return false
+		return 0
 	}
-	data, ok := bytes.CutPrefix(p, []byte("data: "))
-	if !ok {
-		return false
+	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
+	n := 0
+	for {
+		event := p[n:]
+		data, ok := bytes.CutPrefix(event, []byte("data: "))
+		if !ok || !bytes.HasPrefix(data, head) {
+			return n
+		}
+		s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
+		start, end, escaped, ok := s.str()
+		if !ok || end == start {
+			return n // an empty text: a tool call or reasoning may be what it generates
+		}
+		rest, ok := bytes.CutPrefix(data[end:], tail)
+		if !ok || !bytes.HasPrefix(rest, []byte("\n\n")) {
+			return n
+		}
+		t.addText(data[start:end], escaped)
+		n += len(event) - len(rest) + 2
 	}
-	data, ok = bytes.CutSuffix(data, []byte("\n\n"))
-	return ok && t.sameShape(data)
 }
 
 // recordChunk records what readChunk found in a chunk: as event does

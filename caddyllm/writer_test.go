@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -461,32 +462,38 @@ func TestStreamRecordedAlikeInAnySplit(t *testing.T) {
 }
 
 // BenchmarkStreamedResponse is the recorder's work on a streamed chat
-// completion as vLLM sends it (a role chunk, 64 one-token chunks, the
-// finish, the usage, [DONE]), one Write per event as Caddy's proxy flushes
-// them: the router's cost per streamed token, beside Caddy's copying.
-// The request has no attempt: the fleet's accounting is not part of it.
+// completion as vLLM sends it (streamEvents(64)), written one event at a
+// time (an engine flushes each token, and Caddy's proxy each read) or
+// three at a time (reads that found several): the router's cost per
+// streamed token, beside Caddy's copying. The request has no attempt: the
+// fleet's accounting is not part of it.
 func BenchmarkStreamedResponse(b *testing.B) {
 	events := streamEvents(64)
-	raw := make([][]byte, len(events))
-	size := 0
-	for i, e := range events {
-		raw[i] = []byte(e)
-		size += len(e)
-	}
-	w := &discardWriter{h: make(http.Header)}
-	b.SetBytes(int64(size))
-	b.ReportAllocs()
-	cpu := cputime.Start()
-	for b.Loop() {
-		rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
-		w.h.Set("Content-Type", "text/event-stream")
-		rec.WriteHeader(http.StatusOK)
-		for _, e := range raw {
-			rec.Write(e)
+	for _, perWrite := range []int{1, 3} {
+		var writes [][]byte
+		size := 0
+		for i := 0; i < len(events); i += perWrite {
+			w := []byte(strings.Join(events[i:min(i+perWrite, len(events))], ""))
+			writes = append(writes, w)
+			size += len(w)
 		}
-		if rec.tokens != 64 || !rec.done || !rec.hasUsage {
-			b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
-		}
+		b.Run(fmt.Sprintf("events-per-write=%d", perWrite), func(b *testing.B) {
+			w := &discardWriter{h: make(http.Header)}
+			b.SetBytes(int64(size))
+			b.ReportAllocs()
+			cpu := cputime.Start()
+			for b.Loop() {
+				rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
+				w.h.Set("Content-Type", "text/event-stream")
+				rec.WriteHeader(http.StatusOK)
+				for _, p := range writes {
+					rec.Write(p)
+				}
+				if rec.tokens != 64 || !rec.done || !rec.hasUsage {
+					b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
+				}
+			}
+			cputime.Report(b, cpu)
+		})
 	}
-	cputime.Report(b, cpu)
 }
