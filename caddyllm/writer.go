@@ -232,15 +232,7 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 	}
 	if t.status == http.StatusOK {
 		if t.sse {
-			n, end := t.tokenEvents(p), -1
-			if n == len(p) {
-				t.reportTokens()
-				end = n
-			} else if end, _ = t.scan(p[n:], false); end >= 0 {
-				end += n
-			} else if n > 0 {
-				end = n
-			}
+			end, _ := t.scan(p, false)
 			if t.responses && !t.outputStarted {
 				if len(t.held)+len(p) <= maxSSELine {
 					if end >= 0 {
@@ -319,6 +311,14 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 	defer t.reportTokens()
 	end = -1
 	for off := 0; off < len(p); {
+		if !rewrite && len(t.line) == 0 && !t.skipLine {
+			// The usual token events, read whole, without lines.
+			if n := t.tokenEvents(p[off:]); n > 0 {
+				off += n
+				end = off
+				continue
+			}
+		}
 		i := bytes.IndexByte(p[off:], '\n')
 		if i < 0 {
 			if len(t.line)+len(p)-off > maxSSELine {
@@ -465,14 +465,14 @@ func (t *tokenRecorder) sameShape(data []byte) bool {
 	return true
 }
 
-// tokenEvents records the whole token events at the start of p, each a
-// single data line whose chunk has the last token chunk's shape (see
-// sameShape), and returns their length: what an engine flushes for each
-// token is read without splitting it into lines. Such a line holds no
-// line break (the shape's bytes come from one line, a valid string has
-// none), so it is read as scan would read it.
+// tokenEvents records the whole token events at the start of p (at the
+// start of a line), each a single data line whose chunk has the last
+// token chunk's shape (see sameShape), and returns their length: what an
+// engine sends for each token is read without splitting it into lines.
+// Such a line holds no line break (the shape's bytes come from one line,
+// a valid string has none), so it is read as scan would read it.
 func (t *tokenRecorder) tokenEvents(p []byte) int {
-	if len(t.line) != 0 || t.skipLine || len(t.shape) == 0 {
+	if len(t.shape) == 0 {
 		return 0
 	}
 	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]

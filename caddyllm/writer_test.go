@@ -463,21 +463,29 @@ func TestStreamRecordedAlikeInAnySplit(t *testing.T) {
 
 // BenchmarkStreamedResponse is the recorder's work on a streamed chat
 // completion as vLLM sends it (streamEvents(64)), written one event at a
-// time (an engine flushes each token, and Caddy's proxy each read) or
-// three at a time (reads that found several): the router's cost per
+// time (an engine flushes each token, and Caddy's proxy each read), three
+// at a time (reads that found several), or in pieces of 1,000 bytes (reads
+// that end within an event): the router's cost per
 // streamed token, beside Caddy's copying. The request has no attempt: the
 // fleet's accounting is not part of it.
 func BenchmarkStreamedResponse(b *testing.B) {
 	events := streamEvents(64)
-	for _, perWrite := range []int{1, 3} {
+	whole := []byte(strings.Join(events, ""))
+	for _, perWrite := range []int{1, 3, 0} {
 		var writes [][]byte
-		size := 0
-		for i := 0; i < len(events); i += perWrite {
-			w := []byte(strings.Join(events[i:min(i+perWrite, len(events))], ""))
-			writes = append(writes, w)
-			size += len(w)
+		name := fmt.Sprintf("events-per-write=%d", perWrite)
+		if perWrite == 0 {
+			// Reads that end in the middle of an event.
+			name = "bytes-per-write=1000"
+			for i := 0; i < len(whole); i += 1000 {
+				writes = append(writes, whole[i:min(i+1000, len(whole))])
+			}
 		}
-		b.Run(fmt.Sprintf("events-per-write=%d", perWrite), func(b *testing.B) {
+		for i := 0; perWrite > 0 && i < len(events); i += perWrite {
+			writes = append(writes, []byte(strings.Join(events[i:min(i+perWrite, len(events))], "")))
+		}
+		size := len(whole)
+		b.Run(name, func(b *testing.B) {
 			w := &discardWriter{h: make(http.Header)}
 			b.SetBytes(int64(size))
 			b.ReportAllocs()
