@@ -534,7 +534,13 @@ func (s *scanner) key(dst []byte) ([]byte, bool) {
 	if !ok {
 		return nil, false
 	}
-	k := decodeString(dst, s.buf[start:end], escaped)
+	// Keys are only matched against ASCII names: a key without escapes
+	// matches as it is (invalid UTF-8, which decoding would replace with
+	// U+FFFD, matches no name either way).
+	k := s.buf[start:end]
+	if escaped {
+		k = decodeString(dst, k, true)
+	}
 	if s.ws() != ':' {
 		return nil, s.unexpected("after object key")
 	}

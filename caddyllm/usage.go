@@ -54,8 +54,10 @@ func keyOf(key []byte, names []string, seen *uint8) (int, bool) {
 			return i, true
 		}
 	}
+	// An ASCII key folds only to a name of its length.
+	ascii := isASCII(key)
 	for _, name := range names {
-		if equalFold(key, name) {
+		if (!ascii || len(key) == len(name)) && equalFold(key, name) {
 			return 0, false
 		}
 	}
