@@ -433,11 +433,18 @@ func isJSON(h http.Header) bool {
 	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
 }
 
-// declaresJSON reports whether h's Content-Type is application/json (its
-// parameters aside), the only body vLLM's generation endpoints take.
+// declaresJSON reports whether h's Content-Type is application/json, in
+// any case, its parameters aside: the only body vLLM's generation
+// endpoints take (it compares what comes before the first semicolon,
+// lower-cased, and so does this, without parsing the parameters).
 func declaresJSON(h http.Header) bool {
-	mt, _, err := mime.ParseMediaType(h.Get("Content-Type"))
-	return err == nil && mt == "application/json"
+	const mediaType = "application/json"
+	values := h["Content-Type"] // canonical: no Get's canonicalization
+	if len(values) == 0 {
+		return false
+	}
+	v, _, _ := strings.Cut(values[0], ";")
+	return strings.EqualFold(v, mediaType)
 }
 
 // passThroughKey is the context key of a pass-through request's
