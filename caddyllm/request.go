@@ -800,8 +800,7 @@ func (r *reading) unquoted(start, end int, escaped bool) []byte {
 	if !escaped {
 		return r.body[start:end]
 	}
-	r.sc.dec = decodeString(r.sc.dec[:0], r.body[start:end], true)
-	return r.sc.dec
+	return decodeInto(&r.sc.dec, r.body[start:end], true)
 }
 
 // laxInt reads p, a JSON number or a string's contents, as an integer the
@@ -1078,8 +1077,7 @@ func (r *reading) hashMessage(m *msgRange) {
 	default:
 		role := r.body[m.role.start:m.role.end]
 		if m.roleEscaped || !isASCII(role) {
-			r.sc.dec = decodeString(r.sc.dec[:0], role, m.roleEscaped)
-			role = r.sc.dec
+			role = decodeInto(&r.sc.dec, role, m.roleEscaped)
 		}
 		b.Write(role)
 	}

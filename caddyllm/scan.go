@@ -557,6 +557,20 @@ func (s *scanner) end() bool {
 	return true
 }
 
+// decodeInto is decodeString into *space, which keeps what it decoded:
+// a string that needed no decoding comes back as raw itself, which lies in
+// someone else's bytes (the request's body, sent on as it came; the
+// proxy's read buffer, written to the client), and *space must never
+// become it, or the next decoding would write over them.
+func decodeInto(space *[]byte, raw []byte, escaped bool) []byte {
+	d := decodeString((*space)[:0], raw, escaped)
+	if len(d) > 0 && len(raw) > 0 && &d[0] == &raw[0] {
+		return d
+	}
+	*space = d
+	return d
+}
+
 // decodeString returns the string value of raw (a string's contents as
 // scanned) as encoding/json decodes it: escapes resolved, invalid UTF-8
 // and unpaired surrogates replaced with U+FFFD. Plain ASCII is returned

@@ -48,3 +48,21 @@ func TestSyntaxErrorsDoNotQuoteTheBody(t *testing.T) {
 		t.Errorf("JSON's own punctuation not named: %v", err)
 	}
 }
+
+// TestDecodingNeverWritesIntoTheBody: a string that needs no decoding is
+// used where it lies, in the request body; the next one that does is
+// decoded into the parser's own space, never over the body (which is sent
+// to the engine as it came).
+func TestDecodingNeverWritesIntoTheBody(t *testing.T) {
+	p := testParser()
+	body := `{"model":"m","messages":[{"role":"usér","content":"a"},{"role":"\u0075ser","content":"b"},{"role":"\u00fc","content":"c"}]}`
+	raw := []byte(body)
+	for range 3 { // the parser's space is pooled: again, with what the last parse left
+		if _, err := p.parse(EndpointChatCompletions, raw); err != nil {
+			t.Fatal(err)
+		}
+		if string(raw) != body {
+			t.Fatalf("the body changed: %s", raw)
+		}
+	}
+}

@@ -438,8 +438,7 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 // escapes), as a token and keeps it.
 func (t *tokenRecorder) addText(raw []byte, escaped bool) {
 	t.tokens++
-	t.scratch = decodeString(t.scratch[:0], raw, escaped)
-	t.generated.Write(t.scratch)
+	t.generated.Write(decodeInto(&t.scratch, raw, escaped))
 	t.unreported++
 }
 

@@ -505,3 +505,34 @@ func BenchmarkStreamedResponse(b *testing.B) {
 		})
 	}
 }
+
+// TestRecorderNeverWritesIntoTheProxysBuffer: Caddy's proxy reads every
+// piece of a stream into one buffer and writes it on; the text of a token
+// that needs no decoding is kept where it lies, and the next one that
+// does is decoded into the recorder's own space, never into that buffer
+// (the client got a token's escaped newline as a raw one, breaking the
+// event).
+func TestRecorderNeverWritesIntoTheProxysBuffer(t *testing.T) {
+	const head = `data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"`
+	const tail = `"},"finish_reason":null}]}` + "\n\n"
+	for _, texts := range [][]string{{`Hello`, `\n`, `\"`, `caf\u00e9`, `x`, `\t`}, {`ab`, `\u00e9`}} {
+		w := httptest.NewRecorder()
+		w.Header().Set("Content-Type", "text/event-stream")
+		rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
+		rec.WriteHeader(http.StatusOK)
+		buf, want := make([]byte, 32<<10), ""
+		for _, text := range texts {
+			n := copy(buf, head+text+tail)
+			rec.Write(buf[:n])
+			want += head + text + tail
+		}
+		// Two events in one piece too.
+		both := head + texts[0] + tail + head + texts[1] + tail
+		n := copy(buf, both)
+		rec.Write(buf[:n])
+		want += both
+		if w.Body.String() != want {
+			t.Errorf("%q: the client got\n%s\nwant\n%s", texts, w.Body.String(), want)
+		}
+	}
+}
