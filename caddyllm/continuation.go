@@ -127,6 +127,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			outcome("cut")
 			return h.endStream(rec, "the request was moved too many times")
 		}
+		rec.dropUnsent() // what was read of a held event the client never got
 		body, req, err := h.continuation(st, rec)
 		if err != nil {
 			outcome("cut")

@@ -461,3 +461,34 @@ func TestAdapterRefusedIsNotResident(t *testing.T) {
 		}
 	}
 }
+
+// TestContinuationFollowsWhatTheClientGot: a token whose event was cut
+// before its end (its line came, the blank line after it did not) was
+// held back, so the client never got it: the continuation asks for the
+// text the client has, not that token too, and counts it once.
+func TestContinuationFollowsWhatTheClientGot(t *testing.T) {
+	const partial = "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" lost\"}}]}\n"
+	var continued string
+	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
+		if n == 1 {
+			startStream(w) // "Hi"
+			w.Write([]byte(partial))
+			panic(http.ErrAbortHandler) // the upstream died before the event's end
+		}
+		b, _ := io.ReadAll(r.Body)
+		continued = string(b)
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		w.Write([]byte(strings.Replace(sseChunk, `"Hi"`, `" again"`, 1) + "data: [DONE]\n\n"))
+		return nil
+	})
+	if err != nil || attempts != 2 {
+		t.Fatalf("attempts %d, error %v", attempts, err)
+	}
+	if !strings.Contains(continued, `"content":"Hi"`) || strings.Contains(continued, "lost") {
+		t.Errorf("the continuation asked for %s, want the text the client got (Hi)", continued)
+	}
+	if body := rr.Body.String(); strings.Contains(body, "lost") || !strings.Contains(body, `" again"`) {
+		t.Errorf("the client got %q", body)
+	}
+}

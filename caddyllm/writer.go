@@ -84,6 +84,11 @@ type tokenRecorder struct {
 	// that chunk, read without scanning it again (see sameShape).
 	shape     []byte
 	shapeText int
+	// sentText and sentTokens are generated's length and tokens at the
+	// end of the last whole event, which writeEvents passes on: text read
+	// from an event held back, cut before its end, never reached the
+	// client (see dropUnsent).
+	sentText, sentTokens int
 
 	// headerSent mirrors wroteHeader for the drain timer's goroutine.
 	headerSent atomic.Bool
@@ -281,6 +286,7 @@ func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
 	}
 	if end < 0 {
 		end = len(p)
+		t.markSent() // too long to hold: it goes as it comes
 	}
 	if len(t.held) > 0 {
 		if _, err := t.ResponseWriterWrapper.Write(t.held); err != nil {
@@ -297,6 +303,7 @@ func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
 // flushHeld passes on what writeEvents held back: the attempt ended
 // normally, so it is all the stream has.
 func (t *tokenRecorder) flushHeld() {
+	t.markSent()
 	if len(t.held) > 0 {
 		t.ResponseWriterWrapper.Write(t.held)
 		t.held, t.heldEvents = t.held[:0], 0
@@ -316,6 +323,7 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 			if n := t.tokenEvents(p[off:]); n > 0 {
 				off += n
 				end = off
+				t.markSent()
 				continue
 			}
 		}
@@ -337,6 +345,7 @@ func (t *tokenRecorder) scan(p []byte, rewrite bool) (end int, err error) {
 			line = bytes.TrimSuffix(line, []byte{'\r'})
 			if len(line) == 0 {
 				end = off + i + 1
+				t.markSent()
 			}
 			out := t.event(line, rewrite)
 			if rewrite && out != nil {
@@ -432,6 +441,23 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.unreported++
 	}
 	return line
+}
+
+// markSent notes that what was read so far reaches the client.
+func (t *tokenRecorder) markSent() {
+	t.sentText, t.sentTokens = t.generated.Len(), t.tokens
+}
+
+// dropUnsent forgets the text and tokens read from an event held back
+// when its attempt was cut before the event's end: the client never got
+// them, and a continuation must follow what the client has.
+func (t *tokenRecorder) dropUnsent() {
+	if t.generated.Len() > t.sentText {
+		sent := t.generated.String()[:t.sentText]
+		t.generated.Reset()
+		t.generated.WriteString(sent)
+	}
+	t.tokens = t.sentTokens
 }
 
 // addText counts a chunk's text, raw as in the chunk (escaped when it has
