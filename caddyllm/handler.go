@@ -436,12 +436,14 @@ func isJSON(h http.Header) bool {
 // declaresJSON reports whether h's Content-Type is application/json, in
 // any case, its parameters aside: the only body vLLM's generation
 // endpoints take (it compares what comes before the first semicolon,
-// lower-cased, and so does this, without parsing the parameters).
+// lower-cased, and so does this, without parsing the parameters). A body
+// without a Content-Type counts as JSON: SGLang and other engines read it
+// so (vLLM refuses it, routed or not).
 func declaresJSON(h http.Header) bool {
 	const mediaType = "application/json"
 	values := h["Content-Type"] // canonical: no Get's canonicalization
 	if len(values) == 0 {
-		return false
+		return true
 	}
 	v, _, _ := strings.Cut(values[0], ";")
 	return strings.EqualFold(v, mediaType)

@@ -396,7 +396,7 @@ func TestBodyNotDeclaredJSONIsPassedThrough(t *testing.T) {
 		w.WriteHeader(http.StatusBadRequest) // what vLLM answers
 		return nil
 	})
-	for _, contentType := range []string{"text/plain", "", "application/x-www-form-urlencoded"} {
+	for _, contentType := range []string{"text/plain", "application/x-www-form-urlencoded", "application/json-seq"} {
 		r := moveRequest(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
 		r.Header.Set("Content-Type", contentType)
 		routed = nil
