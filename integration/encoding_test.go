@@ -228,3 +228,46 @@ func TestEarlyAnswerKeepsHTTP2Connection(t *testing.T) {
 		t.Fatalf("after the 413: status %d, reused connection %v; want the same connection", status, reused)
 	}
 }
+
+// TestStreamedTextArrivesAsSent: an engine's streamed tokens reach the
+// client byte for byte through Caddy's proxy, which reads every piece of
+// the stream into one buffer: plain tokens and tokens with escapes (a
+// newline, a quote, a unicode escape) in turn, one event a flush and
+// several in one. (The recorder used to decode an escaped token into the
+// proxy's buffer where the previous plain one lay, and the client got a
+// raw newline that broke the event.)
+func TestStreamedTextArrivesAsSent(t *testing.T) {
+	texts := []string{`Hello`, `\n`, ` world`, `\"quoted\"`, `caf\u00e9`, `\t`, `end`}
+	var events []string
+	for i := range 40 {
+		events = append(events, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"`+
+			texts[i%len(texts)]+`"},"logprobs":null,"finish_reason":null}]}`+"\n\n")
+	}
+	events = append(events, "data: [DONE]\n\n")
+	want := strings.Join(events, "")
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		for i, e := range events {
+			io.WriteString(w, e)
+			if i%3 != 1 { // now and then two events in one flush
+				w.(http.Flusher).Flush()
+			}
+		}
+	}))
+	t.Cleanup(engine.Close)
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity
+	}
+}
+`, routerHost, strings.TrimPrefix(engine.URL, "http://")))
+	for range 3 {
+		c := postRaw(t, "/v1/chat/completions", []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}`))
+		if c.status != 200 || c.body != want {
+			t.Fatalf("status %d, the client got\n%s\nwant\n%s", c.status, c.body, want)
+		}
+	}
+}
