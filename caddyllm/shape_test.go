@@ -25,6 +25,31 @@ const (
 	shapeTailB = `,"logprobs":null,"finish_reason":null}]}`
 )
 
+// A Responses delta event's data around its text and sequence number.
+const (
+	responsesHead = `{"content_index":0,"delta":`
+	responsesMid  = `,"item_id":"msg_1","logprobs":[],"output_index":0,"sequence_number":`
+	responsesTail = `,"type":"response.output_text.delta"}`
+)
+
+// seqText is a sequence number from c, now and then one no plain JSON
+// integer is (a leading zero, a sign, a fraction, too many digits).
+func seqText(c byte) string {
+	switch c % 16 {
+	case 0:
+		return "07"
+	case 1:
+		return "-3"
+	case 2:
+		return "4.0"
+	case 3:
+		return "1234567890123456789"
+	case 4:
+		return "0"
+	}
+	return fmt.Sprint(int(c) * 1000003)
+}
+
 // shapeStream builds an SSE stream from prog, each byte choosing the next
 // event (token chunks of two shapes and their variants, role, tool-call,
 // reasoning and usage chunks, [DONE], errors, comments, other line
@@ -55,7 +80,7 @@ func shapeStream(prog []byte) []byte {
 	for i := 0; i < len(prog); {
 		start := b.Len()
 		op := next(&i)
-		switch op % 26 {
+		switch op % 31 {
 		case 0, 1, 2, 3:
 			fmt.Fprintf(&b, "data: %s{\"content\":\"%s\"}%s\n\n", shapeHeadA, text(&i), shapeTailA)
 		case 4:
@@ -111,6 +136,26 @@ func shapeStream(prog []byte) []byte {
 		case 25:
 			// Several choices.
 			fmt.Fprintf(&b, "data: {\"choices\":[{\"index\":0,\"text\":\"%s\"},{\"index\":1,\"text\":\"%s\"}]}\n\n", text(&i), text(&i))
+		case 26, 27, 28:
+			// A Responses delta, as vLLM sends it: the sequence number
+			// after the text, changing at every event.
+			fmt.Fprintf(&b, "event: response.output_text.delta\ndata: %s\"%s\"%s%s%s\n\n", responsesHead, text(&i), responsesMid, seqText(next(&i)), responsesTail)
+		case 29:
+			// Its variants: another event name, no space, a reasoning delta.
+			switch next(&i) % 3 {
+			case 0:
+				fmt.Fprintf(&b, "event:response.output_text.delta\ndata: %s\"%s\"%s%d%s\n\n", responsesHead, text(&i), responsesMid, next(&i), responsesTail)
+			case 1:
+				fmt.Fprintf(&b, "event: response.reasoning_text.delta\ndata: %s\"%s\"%s%d%s\n\n", responsesHead, text(&i), responsesMid, next(&i),
+					strings.Replace(responsesTail, "output_text", "reasoning_text", 1))
+			case 2:
+				fmt.Fprintf(&b, "data: %s\"%s\"%s%d%s\n\n", responsesHead, text(&i), responsesMid, next(&i), responsesTail)
+			}
+		case 30:
+			fmt.Fprintf(&b, "event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\",\"usage\":null},\"sequence_number\":%d,\"type\":\"response.created\"}\n\n", next(&i))
+			if next(&i)%2 == 0 {
+				fmt.Fprintf(&b, "event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"usage\":{\"input_tokens\":3,\"output_tokens\":%d,\"total_tokens\":9}},\"sequence_number\":%d,\"type\":\"response.completed\"}\n\n", next(&i), next(&i))
+			}
 		}
 		if b.Len() > start {
 			last = append(last[:0], b.Bytes()[start:]...)
@@ -204,6 +249,8 @@ func FuzzShapesReadAsWhole(f *testing.F) {
 	f.Add([]byte{0, 1, 0, 2, 15, 3, 16, 4, 19, 5, 6, 21, 7, 22, 0, 8, 23, 9, 0, 10}, []byte{5, 7, 250, 2, 1}, uint8(1), uint8(2), uint8(1))
 	f.Add([]byte{4, 1, 4, 2, 4, 3, 25, 1, 2, 4, 17, 5, 1, 2, 3, 4, 5, 4, 6, 24, 3, 65, 4, 7}, []byte{}, uint8(2), uint8(0), uint8(0))
 	f.Add([]byte{0, 1, 0, 2, 0, 29, 0, 3, 24, 50, 34, 0, 200, 14, 9, 10, 0}, []byte{30, 255}, uint8(0), uint8(1), uint8(1))
+	f.Add([]byte{30, 1, 26, 1, 9, 26, 2, 10, 27, 3, 0, 28, 16, 5, 26, 15, 6, 29, 0, 1, 7, 29, 1, 2, 8, 26, 17, 1, 30, 0, 5, 6}, []byte{255, 40, 3}, uint8(2), uint8(0), uint8(0))
+	f.Add([]byte{30, 1, 26, 1, 9, 26, 2, 10, 26, 3, 11, 26, 4, 12, 29, 2, 3, 4, 26, 5, 20, 24, 9, 65, 26, 6, 21}, []byte{60, 7, 250, 1}, uint8(2), uint8(3), uint8(2))
 	f.Fuzz(func(t *testing.T, prog, splits []byte, ep, opAt, op uint8) {
 		stream := shapeStream(prog)
 		if len(stream) > 1<<16 {

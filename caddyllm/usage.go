@@ -172,15 +172,18 @@ var (
 
 // responseEvent is what readResponseEvent finds in an event's data.
 type responseEvent struct {
-	typ       span
-	id        span // the response's id (response.created has it)
-	seq       int64
-	hasSeq    bool
-	delta     bool // a non-empty delta: a generated token
-	usage     usage
-	cached    int
-	hasUsage  bool
-	hasCached bool
+	typ    span
+	id     span // the response's id (response.created has it)
+	seq    int64
+	hasSeq bool
+	delta  bool // a non-empty delta: a generated token
+	// deltaText is the delta's contents when it is a string, and
+	// seqNumber the sequence number's literal (for a Responses shape).
+	deltaText, seqNumber span
+	usage                usage
+	cached               int
+	hasUsage             bool
+	hasCached            bool
 }
 
 // readResponseEvent reads a Responses API stream event's data: its type,
@@ -197,7 +200,7 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 		case 1:
 			if s.ws() == '"' {
 				start, end, _, ok := s.str()
-				ev.delta = end > start
+				ev.delta, ev.deltaText = end > start, span{start, end}
 				return ok
 			}
 		case 2:
@@ -220,7 +223,10 @@ func readResponseEvent(data []byte, ev *responseEvent) bool {
 			})
 		case 3:
 			ev.hasSeq = s.ws() != 'n'
-			return s.optInt(&ev.seq)
+			start := s.pos
+			ok := s.optInt(&ev.seq)
+			ev.seqNumber = span{start, s.pos}
+			return ok
 		}
 		_, _, ok := s.skip()
 		return ok

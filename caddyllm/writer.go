@@ -84,6 +84,10 @@ type tokenRecorder struct {
 	// that chunk, read without scanning it again (see sameShape).
 	shape     []byte
 	shapeText int
+	// shapeSeq is, for a Responses stream's shape (a delta event, from
+	// its event line on), where its sequence number goes: it changes at
+	// every event, as the text does.
+	shapeSeq int
 	// readWhole keeps every chunk read whole, as before shapes: the tests
 	// compare what the shapes record with it.
 	readWhole bool
@@ -503,6 +507,9 @@ func (t *tokenRecorder) tokenEvents(p []byte) int {
 	if len(t.shape) == 0 {
 		return 0
 	}
+	if t.responses {
+		return t.responseTokenEvents(p)
+	}
 	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
 	n := 0
 	for {
@@ -521,6 +528,78 @@ func (t *tokenRecorder) tokenEvents(p []byte) int {
 			return n
 		}
 		t.addText(data[start:end], escaped)
+		n += len(event) - len(rest) + 2
+	}
+}
+
+// learnResponseShape keeps the shape of a Responses delta event read
+// whole (data, with ev and typ as read): its event line, named typ as
+// pendingEvent says, and its data but for the delta's text and the
+// sequence number after it. Only plain ones: no usage or response id, a
+// number of digits alone.
+func (t *tokenRecorder) learnResponseShape(data []byte, ev *responseEvent, typ string) {
+	delta, seq := ev.deltaText, ev.seqNumber
+	if t.readWhole || t.pendingEvent != typ || ev.hasUsage || ev.id.end > ev.id.start || !ev.hasSeq ||
+		seq.start < delta.end || plainDigits(data[seq.start:seq.end]) < 0 {
+		return
+	}
+	t.shape = append(append(append(t.shape[:0], "event: "...), typ...), "\ndata: "...)
+	lead := len(t.shape)
+	t.shape = append(append(append(t.shape, data[:delta.start]...), data[delta.end:seq.start]...), data[seq.end:]...)
+	t.shapeText, t.shapeSeq = lead+delta.start, lead+seq.start-(delta.end-delta.start)
+}
+
+// plainDigits returns the value of p, a JSON integer of at most 18
+// digits with no sign, fraction or leading zero, and -1 for anything else.
+func plainDigits(p []byte) int64 {
+	if len(p) == 0 || len(p) > 18 || len(p) > 1 && p[0] == '0' {
+		return -1
+	}
+	var n int64
+	for _, c := range p {
+		if c < '0' || c > '9' {
+			return -1
+		}
+		n = n*10 + int64(c-'0')
+	}
+	return n
+}
+
+// responseTokenEvents is tokenEvents for a Responses stream: whole delta
+// events of the shape, their text and sequence number aside, each
+// recorded as responseEvent records it (a token, the sequence number,
+// the output begun) and as its end does (the event's name, counted).
+func (t *tokenRecorder) responseTokenEvents(p []byte) int {
+	head, mid, tail := t.shape[:t.shapeText], t.shape[t.shapeText:t.shapeSeq], t.shape[t.shapeSeq:]
+	n := 0
+	for {
+		event := p[n:]
+		if !bytes.HasPrefix(event, head) {
+			return n
+		}
+		s := scanner{buf: event, pos: len(head) - 1} // at the delta's opening quote
+		start, end, _, ok := s.str()
+		if !ok || end == start {
+			return n
+		}
+		rest, ok := bytes.CutPrefix(event[end:], mid)
+		if !ok {
+			return n
+		}
+		digits := 0
+		for digits < len(rest) && '0' <= rest[digits] && rest[digits] <= '9' {
+			digits++
+		}
+		seq := plainDigits(rest[:digits])
+		rest, ok = bytes.CutPrefix(rest[digits:], tail)
+		if seq < 0 || !ok || !bytes.HasPrefix(rest, []byte("\n\n")) {
+			return n
+		}
+		t.tokens++
+		t.unreported++
+		t.outputStarted = true
+		t.lastSeq, t.seenSeq = seq, true
+		t.pendingEvent = ""
 		n += len(event) - len(rest) + 2
 	}
 }
@@ -603,6 +682,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.tokens++
 		t.unreported++
 		t.outputStarted = true
+		t.learnResponseShape(data, &ev, typ)
 	} else if typ != "" {
 		t.pendingEvent = typ // counts when the event ends
 	}

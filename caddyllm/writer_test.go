@@ -423,6 +423,44 @@ func streamEvents(n int) []string {
 		"data: [DONE]\n\n")
 }
 
+// responsesStreamEvents is a streamed Responses API answer as vLLM sends
+// it: created, n deltas of one token, completed with the usage.
+func responsesStreamEvents(n int) []string {
+	events := []string{"event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"in_progress\",\"usage\":null},\"sequence_number\":0,\"type\":\"response.created\"}\n\n"}
+	for i := range n {
+		events = append(events, "event: response.output_text.delta\ndata: "+responsesHead+`" tok`+strconv.Itoa(i)+`"`+responsesMid+strconv.Itoa(i+1)+responsesTail+"\n\n")
+	}
+	return append(events, "event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"completed\",\"usage\":{\"input_tokens\":12,\"output_tokens\":"+
+		strconv.Itoa(n)+",\"total_tokens\":"+strconv.Itoa(12+n)+"}},\"sequence_number\":"+strconv.Itoa(n+1)+",\"type\":\"response.completed\"}\n\n")
+}
+
+// TestResponsesStreamByShape: a Responses stream's deltas, whose sequence
+// number changes at every event, are read by the first one's shape, and
+// recorded as reading each whole records them.
+func TestResponsesStreamByShape(t *testing.T) {
+	record := func(readWhole bool) *tokenRecorder {
+		w := httptest.NewRecorder()
+		w.Header().Set("Content-Type", "text/event-stream")
+		rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointResponses, Stream: true}})
+		rec.readWhole = readWhole
+		rec.WriteHeader(http.StatusOK)
+		for _, e := range responsesStreamEvents(20) {
+			rec.Write([]byte(e))
+		}
+		return rec
+	}
+	fast, whole := record(false), record(true)
+	if len(fast.shape) == 0 || fast.shapeSeq == 0 {
+		t.Fatal("no shape learned from the deltas")
+	}
+	if fast.tokens != 20 || fast.lastSeq != 21 || !fast.done || !fast.hasUsage || fast.usage.completionTokens != 20 || fast.responseID != "resp_1" {
+		t.Fatalf("%d tokens, last sequence number %d, done %v, usage %+v, id %q", fast.tokens, fast.lastSeq, fast.done, fast.usage, fast.responseID)
+	}
+	if a, b := recorderState(fast), recorderState(whole); a != b {
+		t.Fatalf("by shape %s\nread whole %s", a, b)
+	}
+}
+
 // TestStreamRecordedAlikeInAnySplit: a stream written an event at a time
 // (each token event read by its shape) is recorded and passed on as the
 // same stream written whole, in small pieces, or with other line endings
@@ -469,9 +507,15 @@ func TestStreamRecordedAlikeInAnySplit(t *testing.T) {
 // streamed token, beside Caddy's copying. The request has no attempt: the
 // fleet's accounting is not part of it.
 func BenchmarkStreamedResponse(b *testing.B) {
-	events := streamEvents(64)
+	b.Run("responses", func(b *testing.B) { benchmarkStream(b, responsesStreamEvents(64), EndpointResponses, []int{1}) })
+	benchmarkStream(b, streamEvents(64), EndpointChatCompletions, []int{1, 3, 0})
+}
+
+// benchmarkStream runs BenchmarkStreamedResponse's cases for events of
+// endpoint: perWrite events a Write, or 1,000 bytes a Write for 0.
+func benchmarkStream(b *testing.B, events []string, endpoint Endpoint, perWrites []int) {
 	whole := []byte(strings.Join(events, ""))
-	for _, perWrite := range []int{1, 3, 0} {
+	for _, perWrite := range perWrites {
 		var writes [][]byte
 		name := fmt.Sprintf("events-per-write=%d", perWrite)
 		if perWrite == 0 {
@@ -491,7 +535,7 @@ func BenchmarkStreamedResponse(b *testing.B) {
 			b.ReportAllocs()
 			cpu := cputime.Start()
 			for b.Loop() {
-				rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: EndpointChatCompletions, Stream: true}})
+				rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: endpoint, Stream: true}})
 				w.h.Set("Content-Type", "text/event-stream")
 				rec.WriteHeader(http.StatusOK)
 				for _, p := range writes {
