@@ -206,7 +206,7 @@ func recordStream(stream []byte, splits []byte, endpoint Endpoint, readWhole boo
 		wn, err := rec.Write(buf[:nb])
 		rest = rest[n:]
 		r.bodies = append(r.bodies, w.Body.String())
-		r.rets = append(r.rets, fmt.Sprint(wn, err, rec.tokens, rec.generated.String(), len(rec.held), rec.heldEvents, string(rec.line), rec.skipLine))
+		r.rets = append(r.rets, fmt.Sprint(wn, err, recorderState(rec), rec.sentText, rec.sentTokens))
 	}
 	rec.flushHeld()
 	r.bodies = append(r.bodies, w.Body.String())
@@ -251,6 +251,10 @@ func FuzzShapesReadAsWhole(f *testing.F) {
 	f.Add([]byte{0, 1, 0, 2, 0, 29, 0, 3, 24, 50, 34, 0, 200, 14, 9, 10, 0}, []byte{30, 255}, uint8(0), uint8(1), uint8(1))
 	f.Add([]byte{30, 1, 26, 1, 9, 26, 2, 10, 27, 3, 0, 28, 16, 5, 26, 15, 6, 29, 0, 1, 7, 29, 1, 2, 8, 26, 17, 1, 30, 0, 5, 6}, []byte{255, 40, 3}, uint8(2), uint8(0), uint8(0))
 	f.Add([]byte{30, 1, 26, 1, 9, 26, 2, 10, 26, 3, 11, 26, 4, 12, 29, 2, 3, 4, 26, 5, 20, 24, 9, 65, 26, 6, 21}, []byte{60, 7, 250, 1}, uint8(2), uint8(3), uint8(2))
+	// helper-86's: a duplicate key that the scanner gives up on and
+	// encoding/json reads (the last one wins) must teach no shape.
+	f.Add([]byte("event: response.output_text.delta\ndata: {\"delta\":\"a\",\"sequence_number\":1,\"type\":\"response.output_text.delta\",\"sequence_number\":5}\n\n"+
+		"event: response.output_text.delta\ndata: {\"delta\":\"b\",\"sequence_number\":2,\"type\":\"response.output_text.delta\",\"sequence_number\":5}\n\n"), []byte{}, uint8(2), uint8(7), uint8(0))
 	f.Fuzz(func(t *testing.T, prog, splits []byte, ep, opAt, op uint8) {
 		stream := shapeStream(prog)
 		if len(stream) > 1<<16 {

@@ -639,7 +639,8 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 	known := t.responseID != ""
 	var ev responseEvent
 	var typ string
-	if readResponseEvent(data, &ev) {
+	scanned := readResponseEvent(data, &ev)
+	if scanned {
 		typ = string(data[ev.typ.start:ev.typ.end])
 	} else {
 		var e struct {
@@ -682,7 +683,9 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.tokens++
 		t.unreported++
 		t.outputStarted = true
-		t.learnResponseShape(data, &ev, typ)
+		if scanned { // the spans are only whole when the scanner read it all
+			t.learnResponseShape(data, &ev, typ)
+		}
 	} else if typ != "" {
 		t.pendingEvent = typ // counts when the event ends
 	}
@@ -712,6 +715,7 @@ func (t *tokenRecorder) responseEventName(typ string) {
 func (t *tokenRecorder) restart() {
 	t.held, t.heldEvents, t.line, t.skipLine, t.pendingEvent = t.held[:0], 0, t.line[:0], false, ""
 	t.done, t.failed, t.responseID, t.lastSeq, t.seenSeq = false, false, "", 0, false
+	t.shape, t.shapeText, t.shapeSeq = t.shape[:0], 0, 0 // the new attempt's stream is read whole first
 	t.splice = &spliceState{restart: true}
 }
 
