@@ -481,20 +481,32 @@ func (t *tokenRecorder) addText(raw []byte, escaped bool) {
 // readChunk would read as that one with this text (the JSON around is
 // byte for byte one it read), so recordChunk would record only the text.
 func (t *tokenRecorder) sameShape(data []byte) bool {
-	if len(t.shape) == 0 || len(data) <= len(t.shape) {
+	if len(t.shape) == 0 {
 		return false
 	}
-	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
-	if !bytes.HasPrefix(data, head) || !bytes.HasSuffix(data, tail) {
-		return false
-	}
-	s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
-	start, end, escaped, ok := s.str()
-	if !ok || end != len(data)-len(tail) {
+	start, end, after, escaped, ok := t.shapedText(data)
+	if !ok || after != len(data) {
 		return false
 	}
 	t.addText(data[start:end], escaped)
 	return true
+}
+
+// shapedText finds the chunk of the last token chunk's shape at the start
+// of data: its bytes before the text, a valid, non-empty string, its bytes
+// after. It returns the text's range, whether it has escapes and where
+// the chunk ends; ok is false when data does not start so.
+func (t *tokenRecorder) shapedText(data []byte) (start, end, after int, escaped, ok bool) {
+	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
+	if !bytes.HasPrefix(data, head) {
+		return 0, 0, 0, false, false
+	}
+	s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
+	start, end, escaped, ok = s.str()
+	if !ok || end == start || !bytes.HasPrefix(data[end:], tail) {
+		return 0, 0, 0, false, false
+	}
+	return start, end, end + len(tail), escaped, true
 }
 
 // tokenEvents records the whole token events at the start of p (at the
@@ -510,25 +522,18 @@ func (t *tokenRecorder) tokenEvents(p []byte) int {
 	if t.responses {
 		return t.responseTokenEvents(p)
 	}
-	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
 	n := 0
 	for {
-		event := p[n:]
-		data, ok := bytes.CutPrefix(event, []byte("data: "))
-		if !ok || !bytes.HasPrefix(data, head) {
+		data, ok := bytes.CutPrefix(p[n:], []byte("data: "))
+		if !ok {
 			return n
 		}
-		s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
-		start, end, escaped, ok := s.str()
-		if !ok || end == start {
-			return n // an empty text: a tool call or reasoning may be what it generates
-		}
-		rest, ok := bytes.CutPrefix(data[end:], tail)
-		if !ok || !bytes.HasPrefix(rest, []byte("\n\n")) {
+		start, end, after, escaped, ok := t.shapedText(data)
+		if !ok || !bytes.HasPrefix(data[after:], []byte("\n\n")) {
 			return n
 		}
 		t.addText(data[start:end], escaped)
-		n += len(event) - len(rest) + 2
+		n += len("data: ") + after + 2
 	}
 }
 
