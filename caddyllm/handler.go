@@ -222,8 +222,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				strings.Join(r.Header.Values("Content-Encoding"), ", ")))
 		return nil
 	}
-	body, err := h.readBody(r)
+	body, pooled, err := h.readBody(r)
 	if err != nil {
+		pooled.release() // nothing else has seen it
 		unrouted(repl)
 		closeUnread(w, r)
 		writeBodyError(w, err)
@@ -232,8 +233,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// TTFT and the request's duration count from here: a client's slow
 	// upload is not its upstream's time.
 	arrived := time.Now()
-	st := &requestState{body: body, origBody: body, arrived: arrived}
+	st := &requestState{body: body, origBody: body, pooled: pooled, arrived: arrived}
 	if err := h.parser.parseInto(&st.parsed, endpoint, body); err != nil {
+		pooled.release() // the error quotes none of it
 		var bad errBadRequest
 		errors.As(err, &bad)
 		unrouted(repl)
@@ -267,7 +269,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	rec.init(w, st)
 	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
-	// http.ErrAbortHandler inside next.ServeHTTP.
+	// http.ErrAbortHandler inside next.ServeHTTP. The body's buffer goes
+	// back last.
+	defer st.releaseBody(rec)
 	defer st.finish(rec)
 
 	err = h.serve(rec, r, next, st)
@@ -399,7 +403,7 @@ func noContinueFromEngine(r *http.Request) { r.Header.Del("Expect") }
 func (h *Handler) peekBody(r *http.Request) (body []byte, whole bool, err error) {
 	noContinueFromEngine(r)
 	if r.ContentLength > 0 {
-		if body, err = readDeclared(r.Body, r.ContentLength); err != nil {
+		if body, err = readDeclared(r.Body, r.ContentLength, nil); err != nil {
 			return nil, false, err
 		}
 	} else {
@@ -628,33 +632,74 @@ func (c *attemptContext) Value(key any) any {
 }
 
 // readBody reads the whole body up to the limit.
-func (h *Handler) readBody(r *http.Request) ([]byte, error) {
+func (h *Handler) readBody(r *http.Request) ([]byte, *pooledBody, error) {
 	if r.ContentLength > h.MaxBodyBytes {
-		return nil, &http.MaxBytesError{Limit: h.MaxBodyBytes}
+		return nil, nil, &http.MaxBytesError{Limit: h.MaxBodyBytes}
 	}
 	if r.Body == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	noContinueFromEngine(r)
 	defer r.Body.Close()
+	pb := newPooledBody()
+	var err error
 	if r.ContentLength > 0 {
-		return readDeclared(r.Body, r.ContentLength)
+		pb.b, err = readDeclared(r.Body, r.ContentLength, pb.b)
+	} else {
+		buf := bytes.NewBuffer(pb.b)
+		_, err = buf.ReadFrom(http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes))
+		pb.b = buf.Bytes()
 	}
-	limited := http.MaxBytesReader(nil, r.Body, h.MaxBodyBytes)
-	var buf bytes.Buffer
-	_, err := buf.ReadFrom(limited)
-	return buf.Bytes(), err
+	return pb.b, pb, err
+}
+
+// bodyPool holds the buffers of request bodies read for routing, for
+// reuse: an agent sends its whole conversation, often hundreds of
+// kilobytes, on every turn, and a buffer per request was most of the
+// router's garbage. Caddy's reverse_proxy pools the bodies it buffers the
+// same way.
+var bodyPool sync.Pool // of *pooledBody
+
+// maxPooledBody is the largest buffer bodyPool keeps, so that a rare body
+// near max_body does not hold on to its memory.
+const maxPooledBody = 4 << 20
+
+// pooledBody is a request body's buffer from bodyPool.
+type pooledBody struct{ b []byte }
+
+// newPooledBody returns an empty buffer from bodyPool, or a new one.
+func newPooledBody() *pooledBody {
+	if pb, _ := bodyPool.Get().(*pooledBody); pb != nil {
+		return pb
+	}
+	return new(pooledBody)
+}
+
+// release puts the buffer back in bodyPool. Only a caller that knows
+// nothing reads the body any more may call it (see
+// requestState.releaseBody).
+func (pb *pooledBody) release() {
+	if pb == nil || cap(pb.b) > maxPooledBody {
+		return
+	}
+	pb.b = pb.b[:0]
+	bodyPool.Put(pb)
 }
 
 // bodyChunk is the most memory a body gets before its bytes arrive.
 const bodyChunk = 16 << 10
 
 // readDeclared reads a body of the declared length n (the server's reader
-// ends there) into one buffer of that size when it is small, as nearly
-// every body is; a larger one grows as its bytes arrive, so a client that
-// declares a huge body and sends nothing costs no more than bodyChunk.
-func readDeclared(body io.Reader, n int64) ([]byte, error) {
-	buf := make([]byte, min(n, bodyChunk))
+// ends there) into buf's capacity, or into one new buffer of that size
+// when it is small, as nearly every body is; a larger one grows as its
+// bytes arrive, so a client that declares a huge body and sends nothing
+// costs no more than bodyChunk.
+func readDeclared(body io.Reader, n int64, buf []byte) ([]byte, error) {
+	if size := min(n, max(bodyChunk, int64(cap(buf)))); int64(cap(buf)) >= size {
+		buf = buf[:size]
+	} else {
+		buf = make([]byte, size)
+	}
 	read := 0
 	for {
 		m, err := io.ReadFull(body, buf[read:])
@@ -725,6 +770,10 @@ type requestState struct {
 	req      *Request
 	body     []byte // what the next attempt sends
 	origBody []byte // what the client sent
+	// pooled is origBody's buffer, for bodyPool; sent counts the attempts
+	// given the body (see releaseBody).
+	pooled *pooledBody
+	sent   int
 	current  *attempt
 	tried    []string
 	// sh is the routing state of the policy that routed the request.
@@ -999,6 +1048,22 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		usage.PromptTokens = rec.usage.promptTokens
 	}
 	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
+}
+
+// releaseBody returns the body's buffer to bodyPool when no transport can
+// be reading it any more. A transport may read a request's body after its
+// round trip has returned (net/http's RoundTripper contract), and an
+// attempt the proxy gave up on may still be sending it; an engine that
+// answered 2xx to the only attempt has read the whole body, so all of it
+// was sent. Any other request leaves its buffer to the garbage collector.
+func (st *requestState) releaseBody(rec *tokenRecorder) {
+	st.mu.Lock()
+	pooled, sent := st.pooled, st.sent
+	st.pooled = nil
+	st.mu.Unlock()
+	if sent == 1 && rec.status >= 200 && rec.status < 300 {
+		pooled.release()
+	}
 }
 
 // Interface guards

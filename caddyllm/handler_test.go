@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -30,7 +31,7 @@ import (
 
 // benchBody is a request body whose reader can be rewound, so the
 // benchmark's loop allocates no reader of its own.
-type benchBody struct{ strings.Reader }
+type benchBody struct{ bytes.Reader }
 
 func (*benchBody) Close() error { return nil }
 
@@ -38,20 +39,29 @@ func (*benchBody) Close() error { return nil }
 // that does what reverse_proxy does with a trivial upstream: Select, then
 // a small JSON completion with usage. It is the per-request cost of the
 // llm_affinity path apart from the proxying itself (overhead.sh measures
-// that): the parse of a 602-byte body, the request state, the attempt's
+// that): the read and parse of the body, the request state, the attempt's
 // context, the response writer and the bookkeeping at the end. As in
 // net/http's server, each request's context is a fresh cancellable one
-// carrying Caddy's replacer.
+// carrying Caddy's replacer. completion-602B is overhead.sh's request;
+// chat-256KiB an agent's turn, whose body is most of the memory.
 func BenchmarkHandlerServe(b *testing.B) {
+	b.Run("completion-602B", func(b *testing.B) {
+		benchServe(b, "/v1/completions", []byte(`{"model":"m","prompt":"`+strings.Repeat("abcd", 128)+`","max_tokens":16,"n":1,"user":"r-000042"}`))
+	})
+	b.Run("chat-256KiB", func(b *testing.B) {
+		benchServe(b, "/v1/chat/completions", benchChat(b, 256<<10, false, false))
+	})
+}
+
+func benchServe(b *testing.B, path string, reqBody []byte) {
 	h := &Handler{logger: zap.NewNop(), BlockTokens: prefixindex.DefaultBlockTokens, MaxBodyBytes: defaultMaxBodyBytes}
-	h.parser = newParser(prefixindex.Hasher{}, 4, "")
+	h.parser = newParser(prefixindex.Hasher{MaxBlocks: defaultMaxPrefixTokens / prefixindex.DefaultBlockTokens}, 4, "")
 	p := testPolicy(b, zap.NewNop())
 	p.ExplainHeader = false
 	pool := reverseproxy.UpstreamPool{
 		{Host: new(reverseproxy.Host), Dial: "bench-a:1"}, {Host: new(reverseproxy.Host), Dial: "bench-b:1"},
 		{Host: new(reverseproxy.Host), Dial: "bench-c:1"}, {Host: new(reverseproxy.Host), Dial: "bench-d:1"},
 	}
-	reqBody := `{"model":"m","prompt":"` + strings.Repeat("abcd", 128) + `","max_tokens":16,"n":1,"user":"r-000042"}`
 	respBody := []byte(`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":140,"completion_tokens":16,"total_tokens":156}}`)
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		if p.Select(pool, r, w) == nil {
@@ -64,10 +74,11 @@ func BenchmarkHandlerServe(b *testing.B) {
 		_, err := w.Write(respBody)
 		return err
 	})
-	base := httptest.NewRequest("POST", "/v1/completions", nil)
+	base := httptest.NewRequest("POST", path, nil)
 	base.Header.Set("Content-Type", "application/json")
 	body := new(benchBody)
 	w := &discardWriter{h: make(http.Header)}
+	b.SetBytes(int64(len(reqBody)))
 	b.ReportAllocs()
 	cpu := cputime.Start()
 	for b.Loop() {
@@ -144,7 +155,7 @@ func TestAttemptContextCarriesState(t *testing.T) {
 func TestDeclaredLengthIsNotAllocatedUpFront(t *testing.T) {
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	b, err := readDeclared(strings.NewReader("0123456789"), 1<<30)
+	b, err := readDeclared(strings.NewReader("0123456789"), 1<<30, nil)
 	runtime.ReadMemStats(&after)
 	if !errors.Is(err, io.ErrUnexpectedEOF) || string(b) != "0123456789" {
 		t.Fatalf("read %q, %v", b, err)
@@ -154,9 +165,68 @@ func TestDeclaredLengthIsNotAllocatedUpFront(t *testing.T) {
 	}
 	for _, size := range []int{1, 600, bodyChunk, bodyChunk + 1, 3*bodyChunk + 17} {
 		want := strings.Repeat("x", size)
-		if got, err := readDeclared(strings.NewReader(want), int64(size)); err != nil || string(got) != want {
+		if got, err := readDeclared(strings.NewReader(want), int64(size), nil); err != nil || string(got) != want {
 			t.Fatalf("%d bytes: read %d, %v", size, len(got), err)
 		}
+	}
+}
+
+// TestDeclaredBodyReadIntoTheGivenBuffer: a buffer from bodyPool with room
+// for the body is read into as it is, with no allocation.
+func TestDeclaredBodyReadIntoTheGivenBuffer(t *testing.T) {
+	body := strings.Repeat("y", 3*bodyChunk+5)
+	buf := make([]byte, 0, 4*bodyChunk)
+	r := strings.NewReader(body)
+	allocs := testing.AllocsPerRun(20, func() {
+		r.Reset(body)
+		got, err := readDeclared(r, int64(len(body)), buf)
+		if err != nil || string(got) != body || &got[0] != &buf[:1][0] {
+			t.Fatalf("read %d bytes, %v, into the given buffer: %v", len(got), err, &got[0] == &buf[:1][0])
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocations reading into a buffer with room", allocs)
+	}
+}
+
+// TestBodyBufferReturnsOnlyWhenNothingReadsIt: a request's body buffer
+// goes back to bodyPool only when no transport can still be sending from
+// it: after the one attempt, answered 2xx by the engine, which read the
+// whole body to answer. After an attempt the proxy gave up on (a retry, a
+// continuation), an answer before the body may have been read (4xx, 5xx),
+// or none (nothing was sent, or another policy's proxy may have sent it),
+// it is left to the garbage collector.
+func TestBodyBufferReturnsOnlyWhenNothingReadsIt(t *testing.T) {
+	for _, tc := range []struct {
+		sent, status int
+		back         bool
+	}{
+		{1, http.StatusOK, true},
+		{1, http.StatusCreated, true},
+		{2, http.StatusOK, false},
+		{3, http.StatusOK, false},
+		{1, http.StatusBadRequest, false},
+		{1, http.StatusRequestEntityTooLarge, false},
+		{1, http.StatusBadGateway, false},
+		{1, 0, false},
+		{0, http.StatusOK, false},
+		{0, http.StatusServiceUnavailable, false},
+	} {
+		pb := &pooledBody{b: []byte(`{"prompt":"x"}`)}
+		st := &requestState{pooled: pb, sent: tc.sent}
+		st.recorder.status = tc.status
+		st.releaseBody(&st.recorder)
+		if back := len(pb.b) == 0; back != tc.back {
+			t.Errorf("%d attempts, status %d: back in the pool %v, want %v", tc.sent, tc.status, back, tc.back)
+		}
+		if st.pooled != nil {
+			t.Errorf("%d attempts, status %d: the state still holds the buffer", tc.sent, tc.status)
+		}
+	}
+	big := &pooledBody{b: make([]byte, maxPooledBody+1)}
+	big.release()
+	if len(big.b) == 0 {
+		t.Error("a buffer over maxPooledBody went back to the pool")
 	}
 }
 

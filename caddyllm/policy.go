@@ -1004,8 +1004,9 @@ func (st *requestState) attemptBody() io.ReadCloser {
 
 // newAttempt returns the attempt to fill for a decision: the first one
 // kept in the state, or a new one (a drain may still hold an earlier).
-// It marks the first attempt's body as taken too.
+// It marks the first attempt's body as taken too, and counts the attempt.
 func (st *requestState) newAttempt() *attempt {
+	st.sent++
 	if st.firstUsed {
 		return new(attempt)
 	}
