@@ -772,10 +772,10 @@ type requestState struct {
 	origBody []byte // what the client sent
 	// pooled is origBody's buffer, for bodyPool; sent counts the attempts
 	// given the body (see releaseBody).
-	pooled *pooledBody
-	sent   int
-	current  *attempt
-	tried    []string
+	pooled  *pooledBody
+	sent    int
+	current *attempt
+	tried   []string
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
 	shed *shedding
