@@ -1056,7 +1056,9 @@ func (st *requestState) finish(rec *tokenRecorder) {
 // attempt the proxy gave up on may still be sending it; an engine that
 // answered 2xx to the only attempt has read the whole body, so all of it
 // was sent. Any other request leaves its buffer to the garbage collector.
+// The response's buffer goes back too (rec is the request's recorder).
 func (st *requestState) releaseBody(rec *tokenRecorder) {
+	rec.releaseBody()
 	st.mu.Lock()
 	pooled, sent := st.pooled, st.sent
 	st.pooled = nil

@@ -195,7 +195,8 @@ func TestDeclaredBodyReadIntoTheGivenBuffer(t *testing.T) {
 // whole body to answer. After an attempt the proxy gave up on (a retry, a
 // continuation), an answer before the body may have been read (4xx, 5xx),
 // or none (nothing was sent, or another policy's proxy may have sent it),
-// it is left to the garbage collector.
+// it is left to the garbage collector. The response's buffer always goes
+// back.
 func TestBodyBufferReturnsOnlyWhenNothingReadsIt(t *testing.T) {
 	for _, tc := range []struct {
 		sent, status int
@@ -215,9 +216,16 @@ func TestBodyBufferReturnsOnlyWhenNothingReadsIt(t *testing.T) {
 		pb := &pooledBody{b: []byte(`{"prompt":"x"}`)}
 		st := &requestState{pooled: pb, sent: tc.sent}
 		st.recorder.status = tc.status
+		resp := &pooledBody{}
+		st.recorder.bodyBuf, st.recorder.body = resp, []byte(`{"usage":{}}`)
 		st.releaseBody(&st.recorder)
 		if back := len(pb.b) == 0; back != tc.back {
 			t.Errorf("%d attempts, status %d: back in the pool %v, want %v", tc.sent, tc.status, back, tc.back)
+		}
+		// The response kept for its usage is the recorder's alone: its
+		// buffer always goes back.
+		if st.recorder.bodyBuf != nil || st.recorder.body != nil || len(resp.b) != 0 || cap(resp.b) == 0 {
+			t.Errorf("%d attempts, status %d: the response's buffer is not back in the pool", tc.sent, tc.status)
 		}
 		if st.pooled != nil {
 			t.Errorf("%d attempts, status %d: the state still holds the buffer", tc.sent, tc.status)

@@ -64,7 +64,11 @@ type tokenRecorder struct {
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
 	unreported int
-	body       bytes.Buffer
+	// body is an unstreamed response, up to maxUsageBody, read for its
+	// usage at the end; its buffer comes from bodyPool (bodyBuf) and goes
+	// back with releaseBody.
+	body    []byte
+	bodyBuf *pooledBody
 	// usage is the response's reported usage, when hasUsage.
 	usage    reportedUsage
 	hasUsage bool
@@ -259,14 +263,18 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 			}
 			return t.writeEvents(p, end)
 		}
-		if t.body.Len()+len(p) <= maxUsageBody {
-			t.body.Write(p)
+		if len(t.body)+len(p) <= maxUsageBody {
+			if t.bodyBuf == nil {
+				t.bodyBuf = newPooledBody()
+				t.body = t.bodyBuf.b[:0]
+			}
+			t.body = append(t.body, p...)
 		}
-		if t.responses && t.responseID == "" && t.st != nil && t.body.Len()-len(p) < maxIDScan {
+		if t.responses && t.responseID == "" && t.st != nil && len(t.body)-len(p) < maxIDScan {
 			// The id comes first: the peers learn the response's home
 			// before the client has read the body. Only the body's start
 			// is scanned, however large the write that brought it.
-			b := t.body.Bytes()
+			b := t.body
 			if id, ok := scanResponseID(b[:min(len(b), maxIDScan)]); ok && id != "" {
 				t.responseID = id
 				t.st.rememberResponse(id)
@@ -816,6 +824,16 @@ func (t *tokenRecorder) reportTokens() {
 	}
 }
 
+// releaseBody puts the buffer of the response kept for its usage back in
+// bodyPool, once complete has read it: only the recorder reads it.
+func (t *tokenRecorder) releaseBody() {
+	if t.bodyBuf != nil {
+		t.bodyBuf.b = t.body
+		t.bodyBuf.release()
+		t.body, t.bodyBuf = nil, nil
+	}
+}
+
 // complete reports whether the response ended normally.
 func (t *tokenRecorder) complete() bool {
 	if t.encoded {
@@ -824,7 +842,7 @@ func (t *tokenRecorder) complete() bool {
 	if t.sse {
 		return t.done && !t.failed
 	}
-	rest, ok := usageValue(t.body.Bytes())
+	rest, ok := usageValue(t.body)
 	if ok {
 		t.usage, ok = usageOfValue(rest, t.responses)
 		t.hasUsage = ok
@@ -834,7 +852,7 @@ func (t *tokenRecorder) complete() bool {
 		// engine has stored all the same; Write read it already from
 		// the body's start unless it lay further in.
 		if t.responseID == "" {
-			t.responseID = responseIDOfBody(t.body.Bytes())
+			t.responseID = responseIDOfBody(t.body)
 		}
 		if ok && bytes.HasPrefix(bytes.TrimSpace(rest), []byte("null")) {
 			// A response not done yet (background: true answers at once,
