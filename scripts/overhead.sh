@@ -5,8 +5,9 @@
 # upstreams (scripts/trivial-upstream, which answer at once with a small JSON completion):
 #   A  reverse_proxy with lb_policy round_robin
 #   B  the llm_affinity handler + reverse_proxy with lb_policy llm_affinity
-# A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions with a small
-# JSON body to each, interleaved A B A B ..., and the script prints requests per second for
+# A closed-loop Go load generator (scripts/loadgen) sends POST /v1/completions (or, with
+# API=responses, /v1/responses) with a small JSON body to each, interleaved A B A B ..., and
+# the script prints requests per second for
 # each round and the ratio B/A of the means, and (on Linux) Caddy's CPU time per request for
 # each, as means and as medians over the rounds, and its read and write system calls per request.
 # Needs only Go.
@@ -21,6 +22,11 @@
 # STREAM_TOKENS=N (unset: not streamed) has every request stream its answer, as LLM clients
 # mostly do: the upstream sends N one-token events, each flushed, then the usage and [DONE], so
 # that the router's reading of each event is measured beside Caddy's copying of it.
+#
+# API=responses (default: completions) sends the same prompt to POST /v1/responses as `input`
+# (max_output_tokens, stream), and the upstream answers as vLLM's Responses API does (with
+# STREAM_TOKENS, its typed events: N output_text.delta events between the ones that open and
+# close the response).
 #
 # INSTRUCTIONS=1 runs Caddy under valgrind's callgrind and reports, for each site, the
 # instructions Caddy executed per request (user space only: the kernel's share, its system calls,
@@ -39,6 +45,14 @@ BASE_PORT=${BASE_PORT:-18080}
 MIN_RATIO=${MIN_RATIO:-}
 INSTRUCTIONS=${INSTRUCTIONS:-}
 STREAM_TOKENS=${STREAM_TOKENS:-}
+API=${API:-completions}
+case "$API" in
+completions | responses) ;;
+*)
+	echo "API must be completions or responses, not $API" >&2
+	exit 2
+	;;
+esac
 if [ -n "$INSTRUCTIONS" ] && [ -n "$MIN_RATIO" ]; then
 	echo "MIN_RATIO compares requests per second, which INSTRUCTIONS=1 does not measure" >&2
 	exit 2
@@ -117,7 +131,10 @@ pids+=("$caddy_pid")
 # A small completions request: PROMPT_BYTES of shared text (about PROMPT_BYTES/4 tokens), then
 # a request number (loadgen fills in {{seq}}), like chats that share a system prompt.
 prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
-if [ -n "$STREAM_TOKENS" ]; then
+if [ "$API" = responses ]; then
+	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","input":"%s Question {{seq}}?","max_output_tokens":%d%s}' \
+		"$prompt" "${STREAM_TOKENS:-16}" "${STREAM_TOKENS:+,\"stream\":true}" >"$work/body.json"
+elif [ -n "$STREAM_TOKENS" ]; then
 	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":%d,"stream":true,"stream_options":{"include_usage":true}}' \
 		"$prompt" "$STREAM_TOKENS" >"$work/body.json"
 else
@@ -141,8 +158,8 @@ wait_for() {
 }
 # curl may be absent on a bare CI image: fall back to the load generator itself.
 if command -v curl >/dev/null; then
-	wait_for "http://127.0.0.1:$rr_port/v1/completions"
-	wait_for "http://127.0.0.1:$llm_port/v1/completions"
+	wait_for "http://127.0.0.1:$rr_port/v1/$API"
+	wait_for "http://127.0.0.1:$llm_port/v1/$API"
 else
 	sleep 2
 fi
@@ -173,7 +190,7 @@ caddy_syscalls() {
 	fi
 }
 measure() { # measure PORT: prints loadgen's line plus caddy_cpu_us_per_req= and system calls per request
-	local url="http://127.0.0.1:$1/v1/completions" line t0 t1 s0 s1
+	local url="http://127.0.0.1:$1/v1/$API" line t0 t1 s0 s1
 	"$work/loadgen" -url "$url" -body "$work/body.json" -c "$CONCURRENCY" -d "$WARMUP" -warmup 0 >/dev/null
 	[ -z "$INSTRUCTIONS" ] || callgrind_control --zero "$caddy_pid" >/dev/null
 	t0=$(caddy_cpu)
@@ -208,7 +225,7 @@ field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
 }
 
-echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, body $(wc -c <"$work/body.json") bytes${STREAM_TOKENS:+, streamed in $STREAM_TOKENS events}"
+echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, POST /v1/$API, body $(wc -c <"$work/body.json") bytes${STREAM_TOKENS:+, streamed in $STREAM_TOKENS events}"
 # Medians: one round disturbed by a neighbour moves a mean, not a median.
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 rr_all=()

@@ -3,7 +3,11 @@
 // that a benchmark through a proxy in front of it measures the proxy. scripts/overhead.sh
 // uses it. A request with "stream":true gets the completion as vLLM streams it: -chunks
 // events of one token each, flushed one by one, a last one with the finish reason, the usage
-// (vLLM sends it with stream_options.include_usage; here always) and [DONE].
+// (vLLM sends it with stream_options.include_usage; here always) and [DONE]. A POST to
+// /v1/responses gets a Responses API response instead, with an id of its own; streamed, as
+// vLLM streams one (its fields in alphabetical order): response.created and .in_progress, the
+// message's item and content part, -chunks output_text.delta events, the text, part and item
+// done, and response.completed with the usage.
 //
 //	go run ./scripts/trivial-upstream -addr 127.0.0.1:18091,127.0.0.1:18092 -chunks 64
 package main
@@ -12,6 +16,7 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
 	"log"
 	"net"
@@ -19,6 +24,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 )
 
 const completion = `{"id":"cmpl-trivial","object":"text_completion","created":1700000000,` +
@@ -41,10 +47,59 @@ const (
 		`"completion_tokens":%d,"total_tokens":%d}}` + "\n\n"
 )
 
+// The Responses API's events, their ids and numbers to fill in. A response's fields are in
+// alphabetical order, as vLLM (and kvsim) write them.
+const (
+	responseInProgress = `{"background":false,"created_at":1700000000,"error":null,"id":"%[1]s",` +
+		`"incomplete_details":null,"max_output_tokens":null,"model":"meta-llama/Llama-3.1-8B-Instruct",` +
+		`"object":"response","output":[],"parallel_tool_calls":true,"status":"in_progress","tool_choice":"auto",` +
+		`"tools":[],"usage":null}`
+	responseDone = `{"background":false,"created_at":1700000000,"error":null,"id":"%[1]s",` +
+		`"incomplete_details":null,"max_output_tokens":null,"model":"meta-llama/Llama-3.1-8B-Instruct",` +
+		`"object":"response","output":[{"content":[{"annotations":[],"text":"%[3]s","type":"output_text"}],` +
+		`"id":"%[2]s","role":"assistant","status":"completed","type":"message"}],"parallel_tool_calls":true,` +
+		`"status":"completed","tool_choice":"auto","tools":[],"usage":{"input_tokens":64,` +
+		`"input_tokens_details":{"cached_tokens":0},"output_tokens":%[4]d,` +
+		`"output_tokens_details":{"reasoning_tokens":0},"total_tokens":%[5]d}}`
+)
+
+// responseEvents streams a Responses API answer of chunks one-token deltas, each event flushed
+// on its own.
+func responseEvents(w io.Writer, flush func(), n uint64, chunks int) {
+	id, msg := fmt.Sprintf("resp_trivial%016x", n), fmt.Sprintf("msg_trivial%016x", n)
+	text := strings.Repeat(" ok", chunks)
+	seq := 0
+	// event writes an event: fields are those before sequence_number, after those between it
+	// and type.
+	event := func(typ, fields string, after ...string) bool {
+		_, err := fmt.Fprintf(w, "event: %s\ndata: {%s\"sequence_number\":%d,%s\"type\":\"%s\"}\n\n", typ, fields, seq, strings.Join(after, ""), typ)
+		seq++
+		flush()
+		return err == nil
+	}
+	at := fmt.Sprintf(`"item_id":"%s","logprobs":[],"output_index":0,`, msg)
+	if !event("response.created", `"response":`+fmt.Sprintf(responseInProgress, id)+`,`) ||
+		!event("response.in_progress", `"response":`+fmt.Sprintf(responseInProgress, id)+`,`) ||
+		!event("response.output_item.added", fmt.Sprintf(`"item":{"content":[],"id":"%s","role":"assistant","status":"in_progress","type":"message"},"output_index":0,`, msg)) ||
+		!event("response.content_part.added", fmt.Sprintf(`"content_index":0,"item_id":"%s","output_index":0,"part":{"annotations":[],"text":"","type":"output_text"},`, msg)) {
+		return
+	}
+	for range chunks {
+		if !event("response.output_text.delta", `"content_index":0,"delta":" ok",`+at) {
+			return
+		}
+	}
+	_ = event("response.output_text.done", `"content_index":0,`+at, `"text":"`+text+`",`) &&
+		event("response.content_part.done", fmt.Sprintf(`"content_index":0,"item_id":"%s","output_index":0,"part":{"annotations":[],"text":"%s","type":"output_text"},`, msg, text)) &&
+		event("response.output_item.done", fmt.Sprintf(`"item":{"content":[{"annotations":[],"text":"%s","type":"output_text"}],"id":"%s","role":"assistant","status":"completed","type":"message"},"output_index":0,`, text, msg)) &&
+		event("response.completed", `"response":`+fmt.Sprintf(responseDone, id, msg, text, chunks, 64+chunks)+`,`)
+}
+
 func main() {
 	addrs := flag.String("addr", "127.0.0.1:18091", "comma-separated `addresses` to listen on, one replica each")
 	chunks := flag.Int("chunks", 16, "tokens of a streamed completion, an event each")
 	flag.Parse()
+	var responses atomic.Uint64 // numbers the Responses API's ids
 	usage := strings.Replace(strings.Replace(usageEvent, "%d", strconv.Itoa(*chunks), 1), "%d", strconv.Itoa(64+*chunks), 1)
 
 	handler := func(replica string) http.Handler {
@@ -65,7 +120,20 @@ func main() {
 				return
 			}
 			w.Header().Set("X-Replica", replica)
-			if !bytes.Contains(body, []byte(`"stream":true`)) {
+			streamed := bytes.Contains(body, []byte(`"stream":true`))
+			if strings.HasSuffix(r.URL.Path, "/responses") {
+				n := responses.Add(1)
+				if !streamed {
+					w.Header().Set("Content-Type", "application/json")
+					fmt.Fprintf(w, responseDone, fmt.Sprintf("resp_trivial%016x", n), fmt.Sprintf("msg_trivial%016x", n), " ok", 1, 65)
+					return
+				}
+				w.Header().Set("Content-Type", "text/event-stream")
+				flusher, _ := w.(http.Flusher)
+				responseEvents(w, flusher.Flush, n, *chunks)
+				return
+			}
+			if !streamed {
 				w.Header().Set("Content-Type", "application/json")
 				_, _ = io.WriteString(w, completion)
 				return
