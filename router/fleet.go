@@ -59,7 +59,10 @@ type Fleet struct {
 	// holds the peers' charges applied here, peers when each peer was
 	// last heard from; nextID numbers this router's charges.
 	publisher func(Event)
-	remote    map[remoteKey]*Charge
+	// publishing says publisher is set, for RememberResponse, which need
+	// not take mu without one.
+	publishing atomic.Bool
+	remote     map[remoteKey]*Charge
 	// remoteCharges counts each peer's entries in remote.
 	remoteCharges map[string]int
 	peers         map[string]time.Time

@@ -1,8 +1,11 @@
 package router
 
 import (
+	"container/list"
 	"fmt"
+	"math/rand/v2"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -127,7 +130,7 @@ func TestResponseHomesBounded(t *testing.T) {
 	if f.ResponseHome("resp_0") != "" || f.ResponseHome("resp_first") != "a" || f.ResponseHome("resp_new") != "c" {
 		t.Fatalf("resp_0 %q resp_first %q resp_new %q", f.ResponseHome("resp_0"), f.ResponseHome("resp_first"), f.ResponseHome("resp_new"))
 	}
-	if n := len(f.homes.byID); n != MaxResponseHomes || f.homes.order.Len() != n {
+	if n := len(f.homes.byID); n != MaxResponseHomes || len(f.homes.newestFirst()) != n || len(f.homes.entries) != n {
 		t.Fatalf("%d remembered, want %d", n, MaxResponseHomes)
 	}
 }
@@ -167,5 +170,105 @@ func TestStoredResponsesReachPeers(t *testing.T) {
 	}
 	if c.ResponseHome("resp_1") != "" || c.ResponseHome("resp_2") != "y" {
 		t.Fatalf("c: resp_1 on %q, resp_2 on %q", c.ResponseHome("resp_1"), c.ResponseHome("resp_2"))
+	}
+}
+
+// BenchmarkRememberResponse is what a stored response costs the router:
+// its home noted (a new id, the table full, so the least recently used
+// goes) and looked up by the next turn of its conversation.
+func BenchmarkRememberResponse(b *testing.B) {
+	f := New()
+	ids := make([]string, 2*MaxResponseHomes)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("resp_%024x", i)
+	}
+	for _, id := range ids[:MaxResponseHomes] {
+		f.RememberResponse(id, "a")
+	}
+	b.ReportAllocs()
+	i := MaxResponseHomes
+	for b.Loop() {
+		id := ids[i%len(ids)]
+		f.RememberResponse(id, "b")
+		if f.ResponseHome(id) != "b" {
+			b.Fatal("forgotten")
+		}
+		i++
+	}
+}
+
+// TestResponseHomesKeepTheOrderOfUse: the table of homes, linked by index,
+// does what a container/list in order of use does (the implementation it
+// replaced), over random remembers, lookups, forgets and restores of a
+// few ids in a table of eight: the same homes, the same evictions, the
+// same order for a snapshot.
+func TestResponseHomesKeepTheOrderOfUse(t *testing.T) {
+	const limit = 8
+	rng := rand.New(rand.NewPCG(1, 2))
+	for run := range 200 {
+		h := responseHomes{limit: limit}
+		var ref list.List // of responseHome, most recently used first
+		find := func(id string) *list.Element {
+			for e := ref.Front(); e != nil; e = e.Next() {
+				if e.Value.(responseHome).id == id {
+					return e
+				}
+			}
+			return nil
+		}
+		for step := range 200 {
+			id, dial := fmt.Sprint("resp_", rng.IntN(14)), fmt.Sprint("u", rng.IntN(3))
+			var what string
+			switch op := rng.IntN(4); op {
+			case 0:
+				what = "remember " + id + " at " + dial
+				e := find(id)
+				want := e == nil || e.Value.(responseHome).dial != dial
+				if e != nil {
+					ref.Remove(e)
+				} else if ref.Len() >= limit {
+					ref.Remove(ref.Back())
+				}
+				ref.PushFront(responseHome{id: id, dial: dial})
+				if got := h.remember(id, dial); got != want {
+					t.Fatalf("run %d step %d: %s: news %v, want %v", run, step, what, got, want)
+				}
+			case 1:
+				what = "look up " + id
+				want := ""
+				if e := find(id); e != nil {
+					want = e.Value.(responseHome).dial
+					ref.MoveToFront(e)
+				}
+				if got := h.home(id); got != want {
+					t.Fatalf("run %d step %d: %s: %q, want %q", run, step, what, got, want)
+				}
+			case 2:
+				what = "forget " + id
+				if e := find(id); e != nil {
+					ref.Remove(e)
+				}
+				h.forget(id)
+			case 3:
+				what = "restore " + id + " at " + dial
+				want := find(id) == nil && ref.Len() < limit
+				if want {
+					ref.PushBack(responseHome{id: id, dial: dial})
+				}
+				if got := h.restore(id, dial); got != want {
+					t.Fatalf("run %d step %d: %s: restored %v, want %v", run, step, what, got, want)
+				}
+			}
+			var want []responseHome
+			for e := ref.Front(); e != nil; e = e.Next() {
+				want = append(want, e.Value.(responseHome))
+			}
+			if got := h.newestFirst(); !slices.Equal(got, want) {
+				t.Fatalf("run %d step %d: after %s: homes %v, want %v", run, step, what, got, want)
+			}
+			if len(h.byID) != len(want) {
+				t.Fatalf("run %d step %d: after %s: %d ids indexed, want %d", run, step, what, len(h.byID), len(want))
+			}
+		}
 	}
 }

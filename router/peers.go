@@ -369,6 +369,7 @@ func (f *Fleet) SetPublisher(publish func(Event)) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.publisher = publish
+	f.publishing.Store(publish != nil)
 }
 
 // publish hands ev to the publisher, if any. Caller holds f.mu.
