@@ -690,10 +690,11 @@ func (pb *pooledBody) release() {
 const bodyChunk = 16 << 10
 
 // readDeclared reads a body of the declared length n (the server's reader
-// ends there) into buf's capacity, or into one new buffer of that size
-// when it is small, as nearly every body is; a larger one grows as its
-// bytes arrive, so a client that declares a huge body and sends nothing
-// costs no more than bodyChunk.
+// ends there) into buf's capacity (a pooled buffer, see bodyPool), or into
+// one new buffer of that size when it is small, as nearly every body is; a
+// larger one grows as its bytes arrive, so a client that declares a huge
+// body and sends nothing costs no more new memory than bodyChunk (it holds
+// the pooled buffer it was given for as long as it takes).
 func readDeclared(body io.Reader, n int64, buf []byte) ([]byte, error) {
 	if size := min(n, max(bodyChunk, int64(cap(buf)))); int64(cap(buf)) >= size {
 		buf = buf[:size]
@@ -1051,12 +1052,17 @@ func (st *requestState) finish(rec *tokenRecorder) {
 }
 
 // releaseBody returns the body's buffer to bodyPool when no transport can
-// be reading it any more. A transport may read a request's body after its
-// round trip has returned (net/http's RoundTripper contract), and an
-// attempt the proxy gave up on may still be sending it; an engine that
-// answered 2xx to the only attempt has read the whole body, so all of it
-// was sent. Any other request leaves its buffer to the garbage collector.
-// The response's buffer goes back too (rec is the request's recorder).
+// be reading it any more. A RoundTripper may read a request's body after
+// the round trip has returned (its contract), and an attempt the proxy gave
+// up on may still be sending it. net/http's own transports see to it for
+// HTTP/1 and HTTP/2: a response's end waits for the body's write, or the
+// connection is closed; HTTP/3 upstreams are not checked. As a second
+// guard the buffer goes back only after one attempt answered 2xx: an
+// engine reads the whole body before it answers, so all of it was sent.
+// (rec.status is what the client got: a handle_response route that turns
+// an engine's early error into a 200 leaves only the first guard.) Any
+// other request leaves its buffer to the garbage collector. The response's
+// buffer always goes back (rec is the request's recorder, its only reader).
 func (st *requestState) releaseBody(rec *tokenRecorder) {
 	rec.releaseBody()
 	st.mu.Lock()

@@ -100,12 +100,16 @@ func processWrites(t *testing.T) int64 {
 
 // TestBodiesArriveWholeFromReusedBuffers: the handler reuses the buffers
 // it reads request bodies into, so a buffer must not go back to its pool
-// while a transport may still send from it. Through a real Caddy, eight
+// while the request may still be sent from it. Through a real Caddy, eight
 // clients send bodies of 600 bytes to 300 KB, each with its own text,
 // to two upstreams that check every body against the client's digest,
 // and to a dead one (a dial error: Caddy retries elsewhere, resending the
 // body); some requests are refused at once, before the body is read. Every
-// body that reaches an upstream must be the client's.
+// body that reaches an upstream must be the client's. A buffer released
+// while its request is in flight (tried: once Select has chosen) fails it;
+// the rule for which buffers go back at the request's end is
+// TestBodyBufferReturnsOnlyWhenNothingReadsIt's (net/http's transports
+// do not read a body after the response's end, so no test here can tell).
 func TestBodiesArriveWholeFromReusedBuffers(t *testing.T) {
 	var checked, corrupt atomic.Int64
 	check := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
