@@ -48,10 +48,22 @@ func BenchmarkHandlerServe(b *testing.B) {
 	b.Run("completion-602B", func(b *testing.B) {
 		benchServe(b, "/v1/completions", []byte(`{"model":"m","prompt":"`+strings.Repeat("abcd", 128)+`","max_tokens":16,"n":1,"user":"r-000042"}`))
 	})
+	b.Run("responses-608B", func(b *testing.B) {
+		benchServe(b, "/v1/responses", []byte(`{"model":"m","input":"`+strings.Repeat("abcd", 128)+`","max_output_tokens":16,"user":"r-000042"}`))
+	})
 	b.Run("chat-256KiB", func(b *testing.B) {
 		benchServe(b, "/v1/chat/completions", benchChat(b, 256<<10, false, false))
 	})
 }
+
+// benchResponse is a Responses API response as vLLM writes it, with its
+// usage.
+const benchResponse = `{"background":false,"created_at":1700000000,"error":null,"id":"resp_bench0000000000000001",` +
+	`"incomplete_details":null,"max_output_tokens":null,"model":"m","object":"response","output":[{"content":` +
+	`[{"annotations":[],"text":" ok","type":"output_text"}],"id":"msg_bench0000000000000001","role":"assistant",` +
+	`"status":"completed","type":"message"}],"parallel_tool_calls":true,"status":"completed","tool_choice":"auto",` +
+	`"tools":[],"usage":{"input_tokens":140,"input_tokens_details":{"cached_tokens":0},"output_tokens":16,` +
+	`"output_tokens_details":{"reasoning_tokens":0},"total_tokens":156}}`
 
 func benchServe(b *testing.B, path string, reqBody []byte) {
 	h := &Handler{logger: zap.NewNop(), BlockTokens: prefixindex.DefaultBlockTokens, MaxBodyBytes: defaultMaxBodyBytes}
@@ -63,6 +75,9 @@ func benchServe(b *testing.B, path string, reqBody []byte) {
 		{Host: new(reverseproxy.Host), Dial: "bench-c:1"}, {Host: new(reverseproxy.Host), Dial: "bench-d:1"},
 	}
 	respBody := []byte(`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":140,"completion_tokens":16,"total_tokens":156}}`)
+	if strings.HasSuffix(path, "/responses") {
+		respBody = []byte(benchResponse)
+	}
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		if p.Select(pool, r, w) == nil {
 			b.Fatal("no upstream")

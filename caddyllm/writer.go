@@ -927,14 +927,19 @@ func usageValue(body []byte) ([]byte, bool) {
 	body = bytes.TrimSpace(body)
 	// The last occurrence, found by forward searches: bytes.Index is
 	// vectorized and LastIndex is not, and the usage comes near the end.
-	key := []byte(`"usage"`)
-	i := bytes.Index(body, key)
-	for i >= 0 {
-		next := bytes.Index(body[i+1:], key)
-		if next < 0 {
+	// The search is for usage" and the quote before it checked after: a
+	// search starting with a quote stops at every quote of the body.
+	key := []byte(`usage"`)
+	i := -1
+	for from := 1; from < len(body); {
+		at := bytes.Index(body[from:], key)
+		if at < 0 {
 			break
 		}
-		i += 1 + next
+		if at += from; body[at-1] == '"' {
+			i = at - 1
+		}
+		from = at + 1
 	}
 	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
 		return nil, false
