@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Splits what the llm_affinity router costs per request, next to plain Caddy, by function.
+#
+# Three Caddy processes run under valgrind's cachegrind at once: one with the llm_affinity
+# handler and policy, one with lb_policy round_robin, both in front of the same four trivial
+# upstreams (scripts/trivial-upstream), and one serving nothing, whose count (start-up, timers)
+# is subtracted from the other two. The load generator (scripts/loadgen) loads the first two
+# side by side for DURATION; the script then prints each one's instructions per request, their
+# difference by group (the plugin's own code, garbage collection, allocation, maps, ...) and
+# the functions that differ most. cachegrind attributes each instruction to the function it
+# lies in; callgrind (scripts/overhead.sh INSTRUCTIONS=1) follows calls, which Go's goroutine
+# switches confuse, so its per-function figures are not to be trusted, only its totals.
+#
+#   scripts/overhead-split.sh
+#   DURATION=40s API=responses TOP=40 scripts/overhead-split.sh
+#
+# Environment: DURATION (40s), CONCURRENCY (32), PROMPT_BYTES (512), API (completions or
+# responses), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6).
+# Needs Go and valgrind (Debian's package); takes about DURATION plus a minute.
+set -euo pipefail
+
+DURATION=${DURATION:-40s}
+CONCURRENCY=${CONCURRENCY:-32}
+PROMPT_BYTES=${PROMPT_BYTES:-512}
+API=${API:-completions}
+TOP=${TOP:-30}
+BASE_PORT=${BASE_PORT:-18180}
+case "$API" in
+completions | responses) ;;
+*)
+	echo "API must be completions or responses, not $API" >&2
+	exit 2
+	;;
+esac
+command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 1; }
+
+cd "$(dirname "$0")/.."
+work=$(mktemp -d)
+pids=()
+cleanup() {
+	for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+	wait 2>/dev/null || true
+	rm -rf "$work"
+}
+trap cleanup EXIT
+
+llm_port=$BASE_PORT
+rr_port=$((BASE_PORT + 1))
+idle_port=$((BASE_PORT + 2))
+ups=""
+for i in 3 4 5 6; do ups+="127.0.0.1:$((BASE_PORT + i)) "; done
+ups=${ups% }
+for p in "$llm_port" "$rr_port" "$idle_port" $ups; do
+	if (exec 3<>"/dev/tcp/127.0.0.1/${p##*:}") 2>/dev/null; then
+		echo "port ${p##*:} is in use: stop what listens there, or set BASE_PORT" >&2
+		exit 1
+	fi
+done
+
+echo "building caddy, loadgen and trivial-upstream ..." >&2
+go build -o "$work/caddy" ./cmd/caddy
+go build -o "$work/loadgen" ./scripts/loadgen
+go build -o "$work/upstream" ./scripts/trivial-upstream
+"$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" 2>"$work/upstream.log" &
+pids+=($!)
+
+site() { # site PORT POLICY-LINES
+	cat <<EOF
+{
+	admin off
+	persist_config off
+}
+http://:$1 {
+$2
+}
+EOF
+}
+site "$llm_port" "	llm_affinity
+	reverse_proxy $ups {
+		lb_policy llm_affinity
+	}" >"$work/llm.Caddyfile"
+site "$rr_port" "	reverse_proxy $ups {
+		lb_policy round_robin
+	}" >"$work/rr.Caddyfile"
+site "$idle_port" "	respond 404" >"$work/idle.Caddyfile"
+for s in llm rr idle; do
+	GODEBUG=asyncpreemptoff=1 valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$work/$s.cg" \
+		"$work/caddy" run --config "$work/$s.Caddyfile" --adapter caddyfile >"$work/$s.log" 2>&1 &
+	pids+=($!)
+done
+
+prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
+if [ "$API" = responses ]; then
+	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","input":"%s Question {{seq}}?","max_output_tokens":16}' "$prompt" >"$work/body.json"
+else
+	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' "$prompt" >"$work/body.json"
+fi
+# Caddy takes seconds to start under valgrind: wait until each listens, then warm it up.
+for p in "$llm_port" "$rr_port" "$idle_port"; do
+	for _ in $(seq 1 600); do
+		(exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break
+		sleep 0.2
+	done
+done
+for p in "$llm_port" "$rr_port"; do
+	"$work/loadgen" -url "http://127.0.0.1:$p/v1/$API" -body "$work/body.json" -c 1 -d 1s -warmup 0 >"$work/warm.$p"
+	if ! grep -q ' errors=0 ' "$work/warm.$p"; then
+		echo "the warm-up against port $p failed: $(cat "$work/warm.$p")" >&2
+		exit 1
+	fi
+done
+"$work/loadgen" -url "http://127.0.0.1:$rr_port/v1/$API" -body "$work/body.json" -c "$CONCURRENCY" -d "$DURATION" -warmup 0 >"$work/rr.load" &
+rr_load=$!
+"$work/loadgen" -url "http://127.0.0.1:$llm_port/v1/$API" -body "$work/body.json" -c "$CONCURRENCY" -d "$DURATION" -warmup 0 >"$work/llm.load"
+wait "$rr_load"
+# Stop the three at once (interrupted, valgrind writes its counts), so the idle one lived as long.
+for pid in "${pids[@]:1}"; do kill -INT "$pid" 2>/dev/null || true; done
+for pid in "${pids[@]:1}"; do wait "$pid" 2>/dev/null || true; done
+pids=("${pids[0]}")
+cat "$work/llm.load" "$work/rr.load" | sed 's/^/loadgen: /'
+field() { tr ' ' '\n' <"$1" | sed -n "s/^$2=//p"; }
+# Requests served: the measured ones and the warm-up's.
+n_llm=$(($(field "$work/llm.load" requests) + $(field "$work/warm.$llm_port" requests)))
+n_rr=$(($(field "$work/rr.load" requests) + $(field "$work/warm.$rr_port" requests)))
+
+# The awk programs read all their input: one that stopped early would end cg_annotate with
+# SIGPIPE, which pipefail makes this script's failure.
+functions() { # functions FILE: "count<TAB>function" for every function
+	cg_annotate --threshold=0 --show-percs=no "$1" 2>/dev/null | awk '
+		/file:function/ { on = 1; next }
+		on && /^-+$/ { next }
+		on && NF == 0 { if (n) on = 0; next }
+		on { c = $1; gsub(",", "", c); sub(/^ *[0-9,]+ +/, ""); printf "%s\t%s\n", c, $0; n++ }'
+}
+total() { cg_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'; }
+for s in llm rr idle; do functions "$work/$s.cg" >"$work/$s.fn"; done
+awk -F'\t' -v nl="$n_llm" -v nr="$n_rr" -v tl="$(total "$work/llm.cg")" -v tr="$(total "$work/rr.cg")" \
+	-v ti="$(total "$work/idle.cg")" -v top="$TOP" '
+	FILENAME ~ /llm.fn$/ { l[$2] += $1; names[$2] = 1; next }
+	FILENAME ~ /rr.fn$/ { r[$2] += $1; names[$2] = 1; next }
+	{ i[$2] += $1 }
+	function group(f) {
+		if (f ~ /llmaffinity/) return "the plugin'"'"'s own code"
+		if (f ~ /runtime\/(mgc|mbitmap|mheap|mwbbuf|mspanset|mcentral|mcache|mfinal)|gc\/scan/) return "garbage collection"
+		if (f ~ /runtime\/(malloc|mbarrier)|memclr|gcWriteBarrier|newobject|makeslice|growslice/) return "allocation"
+		if (f ~ /internal\/runtime\/maps|aeshash|strhash|mapaccess|mapassign/) return "map lookups"
+		if (f ~ /bytealg|bytes\/bytes|strings\/strings|memmove/) return "byte searches, copies"
+		if (f ~ /context\/context/) return "contexts"
+		if (f ~ /prometheus/) return "Prometheus client"
+		if (f ~ /runtime\/(proc|lock|sema|chan|select|netpoll|time|stack|symtab|traceback|stkframe|mgcstack|preempt|os_linux|sys_linux|signal)|internal\/sync|sync\//) return "scheduler, locks, stacks"
+		return "other"
+	}
+	END {
+		printf "instructions a request: llm_affinity %.0f (%d requests), round_robin %.0f (%d requests), difference %+.0f\n",
+			(tl - ti) / nl, nl, (tr - ti) / nr, nr, (tl - ti) / nl - (tr - ti) / nr
+		for (f in names) {
+			d = (l[f] - i[f]) / nl - (r[f] - i[f]) / nr
+			g[group(f)] += d
+			printf "%.0f\t%.0f\t%.0f\t%s\n", d, (l[f] - i[f]) / nl, (r[f] - i[f]) / nr, f > "/dev/stderr"
+		}
+		print "difference by group:"
+		for (k in g) printf "  %+8.0f  %s\n", g[k], k | "sort -g -r"
+		close("sort -g -r")
+	}' "$work/llm.fn" "$work/rr.fn" "$work/idle.fn" 2>"$work/diff"
+echo "functions that differ most (difference, llm_affinity, round_robin):"
+sort -t$'\t' -k1,1 -g -r "$work/diff" | head -n "$TOP" | awk -F'\t' '{ printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
+echo "  ..."
+sort -t$'\t' -k1,1 -g "$work/diff" | head -n 8 | awk -F'\t' '{ printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
