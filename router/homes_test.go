@@ -200,12 +200,12 @@ func BenchmarkRememberResponse(b *testing.B) {
 // TestResponseHomesKeepTheOrderOfUse: the table of homes, linked by index,
 // does what a container/list in order of use does (the implementation it
 // replaced), over random remembers, lookups, forgets and restores of a
-// few ids in a table of eight: the same homes, the same evictions, the
-// same order for a snapshot.
+// few ids in tables of one to eight: the same homes, the same evictions,
+// the same order for a snapshot; and its links stay whole (check).
 func TestResponseHomesKeepTheOrderOfUse(t *testing.T) {
-	const limit = 8
 	rng := rand.New(rand.NewPCG(1, 2))
 	for run := range 200 {
+		limit := 1 + run%8
 		h := responseHomes{limit: limit}
 		var ref list.List // of responseHome, most recently used first
 		find := func(id string) *list.Element {
@@ -269,6 +269,53 @@ func TestResponseHomesKeepTheOrderOfUse(t *testing.T) {
 			if len(h.byID) != len(want) {
 				t.Fatalf("run %d step %d: after %s: %d ids indexed, want %d", run, step, what, len(h.byID), len(want))
 			}
+			if err := h.check(); err != nil {
+				t.Fatalf("run %d step %d: after %s: %v", run, step, what, err)
+			}
 		}
 	}
+}
+
+// check reports what is wrong with h's links: each entry linked both ways
+// from newest to oldest, every id indexed at its entry, the free list
+// holding every other entry, emptied.
+func (h *responseHomes) check() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.byID == nil {
+		return nil
+	}
+	linked, prev := 0, int32(-1)
+	for i := h.newest; i >= 0; i = h.entries[i].next {
+		if linked++; linked > len(h.entries) {
+			return fmt.Errorf("the order of use loops")
+		}
+		e := h.entries[i]
+		if e.prev != prev {
+			return fmt.Errorf("entry %d links back to %d, not %d", i, e.prev, prev)
+		}
+		if at, ok := h.byID[e.id]; !ok || at != i {
+			return fmt.Errorf("entry %d's id %q indexed at %d (%v)", i, e.id, at, ok)
+		}
+		prev = i
+	}
+	if h.oldest != prev {
+		return fmt.Errorf("oldest is %d, the list ends at %d", h.oldest, prev)
+	}
+	if linked != len(h.byID) {
+		return fmt.Errorf("%d entries linked, %d ids indexed", linked, len(h.byID))
+	}
+	free := 0
+	for i := h.free; i >= 0; i = h.entries[i].next {
+		if free++; free > len(h.entries) {
+			return fmt.Errorf("the free list loops")
+		}
+		if e := h.entries[i]; e.id != "" || e.dial != "" {
+			return fmt.Errorf("free entry %d still holds %q at %q", i, e.id, e.dial)
+		}
+	}
+	if linked+free != len(h.entries) {
+		return fmt.Errorf("%d linked and %d free of %d entries", linked, free, len(h.entries))
+	}
+	return nil
 }

@@ -97,8 +97,13 @@ else
 fi
 # Caddy takes seconds to start under valgrind: wait until each listens, then warm it up.
 for p in "$llm_port" "$rr_port" "$idle_port"; do
-	for _ in $(seq 1 600); do
+	for i in $(seq 1 600); do
 		(exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && break
+		if [ "$i" = 600 ]; then
+			echo "nothing listens on port $p after 2 minutes; the Caddy logs:" >&2
+			cat "$work"/*.log >&2
+			exit 1
+		fi
 		sleep 0.2
 	done
 done
@@ -118,6 +123,16 @@ for pid in "${pids[@]:1}"; do kill -INT "$pid" 2>/dev/null || true; done
 for pid in "${pids[@]:1}"; do wait "$pid" 2>/dev/null || true; done
 pids=("${pids[0]}")
 cat "$work/llm.load" "$work/rr.load" | sed 's/^/loadgen: /'
+# Failed requests cost instructions too, and the load generator counts only the served.
+for f in llm rr; do
+	if ! grep -q ' errors=0 ' "$work/$f.load"; then
+		echo "requests to the $f site failed: no instructions a request reported" >&2
+		exit 1
+	fi
+done
+for s in llm rr idle; do
+	[ -s "$work/$s.cg" ] || { echo "cachegrind wrote no counts for the $s Caddy; its log:" >&2; cat "$work/$s.log" >&2; exit 1; }
+done
 field() { tr ' ' '\n' <"$1" | sed -n "s/^$2=//p"; }
 # Requests served: the measured ones and the warm-up's.
 n_llm=$(($(field "$work/llm.load" requests) + $(field "$work/warm.$llm_port" requests)))
@@ -126,13 +141,13 @@ n_rr=$(($(field "$work/rr.load" requests) + $(field "$work/warm.$rr_port" reques
 # The awk programs read all their input: one that stopped early would end cg_annotate with
 # SIGPIPE, which pipefail makes this script's failure.
 functions() { # functions FILE: "count<TAB>function" for every function
-	cg_annotate --threshold=0 --show-percs=no "$1" 2>/dev/null | awk '
+	cg_annotate --threshold=0 --show-percs=no "$1" | awk '
 		/file:function/ { on = 1; next }
 		on && /^-+$/ { next }
 		on && NF == 0 { if (n) on = 0; next }
 		on { c = $1; gsub(",", "", c); sub(/^ *[0-9,]+ +/, ""); printf "%s\t%s\n", c, $0; n++ }'
 }
-total() { cg_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'; }
+total() { cg_annotate "$1" | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'; }
 for s in llm rr idle; do functions "$work/$s.cg" >"$work/$s.fn"; done
 awk -F'\t' -v nl="$n_llm" -v nr="$n_rr" -v tl="$(total "$work/llm.cg")" -v tr="$(total "$work/rr.cg")" \
 	-v ti="$(total "$work/idle.cg")" -v top="$TOP" '
@@ -156,13 +171,15 @@ awk -F'\t' -v nl="$n_llm" -v nr="$n_rr" -v tl="$(total "$work/llm.cg")" -v tr="$
 		for (f in names) {
 			d = (l[f] - i[f]) / nl - (r[f] - i[f]) / nr
 			g[group(f)] += d
-			printf "%.0f\t%.0f\t%.0f\t%s\n", d, (l[f] - i[f]) / nl, (r[f] - i[f]) / nr, f > "/dev/stderr"
+			printf "%.0f\t%.0f\t%.0f\t%s\n", d, (l[f] - i[f]) / nl, (r[f] - i[f]) / nr, f > diff
 		}
 		print "difference by group:"
 		for (k in g) printf "  %+8.0f  %s\n", g[k], k | "sort -g -r"
 		close("sort -g -r")
-	}' "$work/llm.fn" "$work/rr.fn" "$work/idle.fn" 2>"$work/diff"
+	}' diff="$work/diff" "$work/llm.fn" "$work/rr.fn" "$work/idle.fn"
+# awk cuts the sorted lists (head would end sort with SIGPIPE, a failure under pipefail).
 echo "functions that differ most (difference, llm_affinity, round_robin):"
-sort -t$'\t' -k1,1 -g -r "$work/diff" | head -n "$TOP" | awk -F'\t' '{ printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
+show='NR <= n { printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
+sort -t$'\t' -k1,1 -g -r "$work/diff" | awk -F'\t' -v n="$TOP" "$show"
 echo "  ..."
-sort -t$'\t' -k1,1 -g "$work/diff" | head -n 8 | awk -F'\t' '{ printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
+sort -t$'\t' -k1,1 -g "$work/diff" | awk -F'\t' -v n=8 "$show"

@@ -48,17 +48,18 @@ const (
 )
 
 // The Responses API's events, their ids and numbers to fill in. A response's fields are in
-// alphabetical order, as vLLM (and kvsim) write them.
+// alphabetical order, as vLLM (and kvsim) write them. Its answers stop at max_output_tokens, as
+// overhead.sh asks (16, or the streamed tokens), so they are "incomplete", as kvsim has them.
 const (
 	responseInProgress = `{"background":false,"created_at":1700000000,"error":null,"id":"%[1]s",` +
-		`"incomplete_details":null,"max_output_tokens":null,"model":"meta-llama/Llama-3.1-8B-Instruct",` +
+		`"incomplete_details":null,"max_output_tokens":%[2]d,"model":"meta-llama/Llama-3.1-8B-Instruct",` +
 		`"object":"response","output":[],"parallel_tool_calls":true,"status":"in_progress","tool_choice":"auto",` +
 		`"tools":[],"usage":null}`
 	responseDone = `{"background":false,"created_at":1700000000,"error":null,"id":"%[1]s",` +
-		`"incomplete_details":null,"max_output_tokens":null,"model":"meta-llama/Llama-3.1-8B-Instruct",` +
-		`"object":"response","output":[{"content":[{"annotations":[],"text":"%[3]s","type":"output_text"}],` +
-		`"id":"%[2]s","role":"assistant","status":"completed","type":"message"}],"parallel_tool_calls":true,` +
-		`"status":"completed","tool_choice":"auto","tools":[],"usage":{"input_tokens":64,` +
+		`"incomplete_details":{"reason":"max_output_tokens"},"max_output_tokens":%[4]d,` +
+		`"model":"meta-llama/Llama-3.1-8B-Instruct","object":"response","output":[{"content":[{"annotations":[],` +
+		`"text":"%[3]s","type":"output_text"}],"id":"%[2]s","role":"assistant","status":"completed","type":"message"}],` +
+		`"parallel_tool_calls":true,"status":"incomplete","tool_choice":"auto","tools":[],"usage":{"input_tokens":64,` +
 		`"input_tokens_details":{"cached_tokens":0},"output_tokens":%[4]d,` +
 		`"output_tokens_details":{"reasoning_tokens":0},"total_tokens":%[5]d}}`
 )
@@ -78,8 +79,8 @@ func responseEvents(w io.Writer, flush func(), n uint64, chunks int) {
 		return err == nil
 	}
 	at := fmt.Sprintf(`"item_id":"%s","logprobs":[],"output_index":0,`, msg)
-	if !event("response.created", `"response":`+fmt.Sprintf(responseInProgress, id)+`,`) ||
-		!event("response.in_progress", `"response":`+fmt.Sprintf(responseInProgress, id)+`,`) ||
+	if !event("response.created", `"response":`+fmt.Sprintf(responseInProgress, id, chunks)+`,`) ||
+		!event("response.in_progress", `"response":`+fmt.Sprintf(responseInProgress, id, chunks)+`,`) ||
 		!event("response.output_item.added", fmt.Sprintf(`"item":{"content":[],"id":"%s","role":"assistant","status":"in_progress","type":"message"},"output_index":0,`, msg)) ||
 		!event("response.content_part.added", fmt.Sprintf(`"content_index":0,"item_id":"%s","output_index":0,"part":{"annotations":[],"text":"","type":"output_text"},`, msg)) {
 		return
@@ -125,7 +126,7 @@ func main() {
 				n := responses.Add(1)
 				if !streamed {
 					w.Header().Set("Content-Type", "application/json")
-					fmt.Fprintf(w, responseDone, fmt.Sprintf("resp_trivial%016x", n), fmt.Sprintf("msg_trivial%016x", n), " ok", 1, 65)
+					fmt.Fprintf(w, responseDone, fmt.Sprintf("resp_trivial%016x", n), fmt.Sprintf("msg_trivial%016x", n), " ok", 16, 80)
 					return
 				}
 				w.Header().Set("Content-Type", "text/event-stream")
