@@ -17,12 +17,29 @@ import (
 // Turn n+1 of a conversation therefore extends turn n (with its generation prompt and the
 // assistant's reply) byte for byte.
 const (
-	templateStart      = "<|start|>"
-	templateEnd        = "<|end|>\n"
-	generationPrompt   = templateStart + "assistant\n"
-	fillerAlphabet     = "abcdefghijklmnopqrstuvwxyz"
+	templateStart    = "<|start|>"
+	templateEnd      = "<|end|>\n"
+	generationPrompt = templateStart + "assistant\n"
+	// fillerAlphabet is the letters of filler words: mostly lower case,
+	// with a line break and a double quote, which a real model's output
+	// (prose in paragraphs, code, JSON) has and which JSON escapes, so
+	// that what reads the answers (the router's recorder, a client) meets
+	// escapes as it would behind a real engine.
+	fillerAlphabet     = "abcdefghijklmnop\nrstuvw\"yz"
 	maxFillerWordCount = 4096
 )
+
+// fillerDigit is each filler letter's place in fillerAlphabet, -1 for
+// other bytes.
+var fillerDigit = func() (d [256]int8) {
+	for i := range d {
+		d[i] = -1
+	}
+	for i := 0; i < len(fillerAlphabet); i++ {
+		d[fillerAlphabet[i]] = int8(i)
+	}
+	return d
+}()
 
 // Tokenizer is the deterministic pseudo-tokenizer: token i of a text is its bytes
 // [i*BytesPerToken, (i+1)*BytesPerToken), the last one possibly shorter.
@@ -35,7 +52,8 @@ type Tokenizer struct {
 
 // NewTokenizer returns a tokenizer of bytesPerToken bytes a token (1..16) and its filler
 // vocabulary: words of exactly bytesPerToken bytes, " aaa", " aab", ... (letters only when
-// bytesPerToken is 1).
+// bytesPerToken is 1), whose letters include a line break and a double quote (see
+// fillerAlphabet).
 func NewTokenizer(bytesPerToken int) *Tokenizer {
 	if bytesPerToken < 1 {
 		bytesPerToken = 1
@@ -97,10 +115,11 @@ func (t *Tokenizer) wordIndex(tail []byte) (int, bool) {
 	}
 	n := 0
 	for _, c := range letters {
-		if c < 'a' || c > 'z' {
+		d := fillerDigit[c]
+		if d < 0 {
 			return 0, false
 		}
-		n = n*len(fillerAlphabet) + int(c-'a')
+		n = n*len(fillerAlphabet) + int(d)
 		if n >= len(t.words) {
 			return 0, false
 		}
