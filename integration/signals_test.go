@@ -133,7 +133,10 @@ func engineView(t *testing.T, dial string) *caddyllm.EngineView {
 // TestLoRAReplicatesOnce: a tenant's requests go to the replica holding
 // its adapter until that replica's queue outweighs the load cost, then
 // exactly one more replica loads it. The adapter is learned from the
-// engines' /v1/models (it has a parent), not configured.
+// engines' /v1/models (it has a parent), not configured. The burst is
+// routed while the engines are stalled (kvsim's fault), so that the queues
+// it is routed by are the ones the router charged, however slowly a busy
+// machine lets the engines run or the requests arrive.
 func TestLoRAReplicatesOnce(t *testing.T) {
 	// Loading costs 1 s: a burst that queues less than that on two
 	// replicas needs no third.
@@ -154,6 +157,9 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 	if first.status != 200 || !strings.Contains(first.explain, "reason=adapter") {
 		t.Fatalf("first tenant request: %d %q %s", first.status, first.explain, first.body)
 	}
+	for _, r := range fleet {
+		r.sim.SetFaults(kvsim.Faults{Stall: true})
+	}
 	count := map[string]int{}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -170,6 +176,16 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 			count[c.replica]++
 			mu.Unlock()
 		}(i)
+	}
+	eventually(t, 30*time.Second, "the whole burst routed", func() bool {
+		routed := 0
+		for _, u := range upstreams(t) {
+			routed += u.InFlight
+		}
+		return routed == 14
+	})
+	for _, r := range fleet {
+		r.sim.SetFaults(kvsim.Faults{})
 	}
 	wg.Wait()
 	t.Logf("holder %s, burst %v", first.replica, count)
