@@ -163,6 +163,12 @@ func TestLoRAReplicatesOnce(t *testing.T) {
 	count := map[string]int{}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
+	t.Cleanup(func() { // also when the test fails while the engines are stalled
+		for _, r := range fleet {
+			r.sim.SetFaults(kvsim.Faults{})
+		}
+		wg.Wait()
+	})
 	for i := 0; i < 14; i++ {
 		wg.Add(1)
 		go func(i int) {
