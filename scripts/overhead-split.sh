@@ -15,7 +15,9 @@
 #   DURATION=40s API=responses TOP=40 scripts/overhead-split.sh
 #
 # Environment: DURATION (40s), CONCURRENCY (32), PROMPT_BYTES (512), API (completions or
-# responses), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6).
+# responses), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
+# at 10s or more: in a 3 s run the scheduler's spinning (runtime.lock2, findRunnable) differed by
+# tens of thousands of instructions a request between the two processes.
 # Needs Go and valgrind (Debian's package); takes about DURATION plus a minute.
 set -euo pipefail
 
@@ -47,20 +49,14 @@ trap cleanup EXIT
 llm_port=$BASE_PORT
 rr_port=$((BASE_PORT + 1))
 idle_port=$((BASE_PORT + 2))
+up_ports=($((BASE_PORT + 3)) $((BASE_PORT + 4)) $((BASE_PORT + 5)) $((BASE_PORT + 6)))
 ups=""
-for i in 3 4 5 6; do ups+="127.0.0.1:$((BASE_PORT + i)) "; done
+for p in "${up_ports[@]}"; do ups+="127.0.0.1:$p "; done
 ups=${ups% }
-for p in "$llm_port" "$rr_port" "$idle_port" $ups; do
-	if (exec 3<>"/dev/tcp/127.0.0.1/${p##*:}") 2>/dev/null; then
-		echo "port ${p##*:} is in use: stop what listens there, or set BASE_PORT" >&2
-		exit 1
-	fi
-done
-
-echo "building caddy, loadgen and trivial-upstream ..." >&2
-go build -o "$work/caddy" ./cmd/caddy
-go build -o "$work/loadgen" ./scripts/loadgen
-go build -o "$work/upstream" ./scripts/trivial-upstream
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+ports_free "$llm_port" "$rr_port" "$idle_port" "${up_ports[@]}"
+build_bench_tools "$work"
 "$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" 2>"$work/upstream.log" &
 pids+=($!)
 

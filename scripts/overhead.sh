@@ -81,19 +81,10 @@ for p in "${up_ports[@]}"; do
 done
 upstreams=${upstreams% }
 
-# Another process on the ports would answer in Caddy's stead, and be measured (under valgrind,
-# Caddy takes seconds to listen, and the readiness check below would pass at once).
-for p in "$rr_port" "$llm_port" "${up_ports[@]}"; do
-	if (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-		echo "port $p is in use: stop what listens there, or set BASE_PORT" >&2
-		exit 1
-	fi
-done
-
-echo "building caddy, loadgen and trivial-upstream ..." >&2
-go build -o "$work/caddy" ./cmd/caddy
-go build -o "$work/loadgen" ./scripts/loadgen
-go build -o "$work/upstream" ./scripts/trivial-upstream
+# shellcheck source=scripts/bench-common.sh
+. scripts/bench-common.sh
+ports_free "$rr_port" "$llm_port" "${up_ports[@]}"
+build_bench_tools "$work"
 
 "$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" 2>"$work/upstream.log" &
 pids+=($!)
