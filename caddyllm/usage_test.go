@@ -11,7 +11,7 @@ import (
 // refUsageOfBody is usageOfBody as it was before the scanner read the
 // usage: encoding/json decodes the value after the last "usage" key.
 func refUsageOfBody(body []byte, responses bool) (reportedUsage, bool) {
-	rest, ok := usageValue(body)
+	rest, ok := refUsageValue(body)
 	if !ok {
 		return reportedUsage{}, false
 	}
@@ -20,6 +20,21 @@ func refUsageOfBody(body []byte, responses bool) (reportedUsage, bool) {
 		return reportedUsage{}, false
 	}
 	return u.reported(), true
+}
+
+// refUsageValue is usageValue as first written, with bytes.LastIndex: what
+// follows the colon of the last "usage" key of a complete JSON object body.
+func refUsageValue(body []byte) ([]byte, bool) {
+	body = bytes.TrimSpace(body)
+	i := bytes.LastIndex(body, []byte(`"usage"`))
+	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
+		return nil, false
+	}
+	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
+	if len(rest) == 0 || rest[0] != ':' {
+		return nil, false
+	}
+	return rest[1:], true
 }
 
 // chunkCorpus is streamed chunks as engines send them, and odd ones.
@@ -239,6 +254,8 @@ func FuzzChunkOfTheSameShape(f *testing.F) {
 
 // usageCorpus is completion bodies with and without usage.
 var usageCorpus = []string{
+	// A key ending in usage after the usage, and usage" at the start.
+	`{"usage":{"prompt_tokens":3},"xusage":2}`, `usage":{}}`, `{"usage"usage":1}`,
 	`{"choices":[{"text":"a \"usage\": 5"}],"usage":{"prompt_tokens":3,"completion_tokens":9}}`,
 	`{"usage": {"completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}, "id": "x"}`,
 	`{"choices":[],"usage":{"completion_tokens":4`, `{"choices":[]}`, `not json "usage":{}`, `{"usage":null}`,
