@@ -82,14 +82,20 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 			Output: responses.ResponseInputItemFunctionCallOutputOutputUnionParam{OfString: openai.String("42")},
 		}},
 	}}
+	// A longer answer: its deltas are read by their shape (see
+	// tokenRecorder.responseTokenEvents), and kvsim's words hold line
+	// breaks and quotes, which the events carry escaped.
+	params.MaxOutputTokens = openai.Int(64)
 	var second *http.Response
 	stream := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&second))
 	var final responses.Response
+	var streamed strings.Builder
 	deltas := 0
 	for stream.Next() {
 		switch ev := stream.Current(); ev.Type {
 		case "response.output_text.delta":
 			deltas++
+			streamed.WriteString(ev.Delta)
 		case "response.completed", "response.incomplete":
 			final = ev.Response
 		}
@@ -100,8 +106,11 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 	if got := second.Header.Get(kvsim.ReplicaHeader); got != replica || !strings.Contains(second.Header.Get("X-LLM-Affinity"), "reason=warm") {
 		t.Fatalf("turn 2 went to %s (%s), turn 1 to %s", got, second.Header.Get("X-LLM-Affinity"), replica)
 	}
-	if deltas != 8 || final.Usage.InputTokensDetails.CachedTokens < 2000 {
+	if deltas != 64 || final.Usage.InputTokensDetails.CachedTokens < 2000 {
 		t.Fatalf("turn 2: %d deltas, usage %+v", deltas, final.Usage)
+	}
+	if text := final.OutputText(); streamed.String() != text || !strings.ContainsAny(text, "\n\"") {
+		t.Fatalf("turn 2: the deltas say %q, the response %q (with a line break or a quote to escape)", streamed.String(), text)
 	}
 	eventually(t, 10*time.Second, "turn 2 completed and released", func() bool {
 		u := upstream(t, dial)
