@@ -502,6 +502,37 @@ func TestBrokenStreamContinues(t *testing.T) {
 	}
 }
 
+// TestContinuationAfterAnEscapedToken: a stream cut just after a token
+// holding a line break or a quote (escaped in its event) is continued from
+// the text the client got, decoded: the continuation's prompt ends with
+// that token's bytes, which decide kvsim's next token, so text kept
+// escaped, or decoded wrongly, would continue otherwise than the
+// uninterrupted answer.
+func TestContinuationAfterAnEscapedToken(t *testing.T) {
+	const bpt = 4 // kvsim's bytes a token, set: its tokens are its text's runs of bpt bytes
+	fleet := startFleet(t, 2, 20, kvsim.Config{BytesPerToken: bpt})
+	a, b := fleet[0], fleet[1]
+	startCaddy(t, caddyfile(fleet, "", fmt.Sprintf("upstream %s {\n\t\t\t\tprefill_rate 100000\n\t\t\t}", a.dial()), ""))
+	for i, rq := range requestBodies(2, "escaped") {
+		want, _ := reference(t, b, rq.path, rq.body)
+		// Cut after the first token with a byte JSON escapes.
+		cut := 0
+		for k := 0; (k+1)*bpt <= len(want) && cut == 0; k++ {
+			if strings.ContainsAny(want[k*bpt:(k+1)*bpt], "\n\"") {
+				cut = k + 1
+			}
+		}
+		if cut == 0 || cut >= 120 {
+			t.Fatalf("request %d: no token to cut after in %q", i, want)
+		}
+		a.sim.SetFaults(kvsim.Faults{CutAfterTokens: cut})
+		res, err := stream(context.Background(), rq.path, rq.body)
+		if err != nil || res.status != 200 || !res.done || res.errEvent || res.text != want || res.replica != a.name {
+			t.Fatalf("request %d cut after token %d (%q): %v %+v\nwant text %q", i, cut, want[(cut-1)*bpt:cut*bpt], err, res, want)
+		}
+	}
+}
+
 // TestConfigDrainList: an upstream listed under drain takes no requests;
 // a reload that no longer lists it puts it back in service.
 func TestConfigDrainList(t *testing.T) {
