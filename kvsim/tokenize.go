@@ -51,9 +51,9 @@ type Tokenizer struct {
 }
 
 // NewTokenizer returns a tokenizer of bytesPerToken bytes a token (1..16) and its filler
-// vocabulary: words of exactly bytesPerToken bytes, " aaa", " aab", ... (letters only when
-// bytesPerToken is 1), whose letters include a line break and a double quote (see
-// fillerAlphabet).
+// vocabulary: words of exactly bytesPerToken bytes, " aaa", " aab", ... (a letter alone, with
+// no space, when bytesPerToken is 1), whose letters include a line break and a double quote
+// (see fillerAlphabet): with 1 or 2 bytes a token, a word may be `"`, "\n", ` "` or " \n".
 func NewTokenizer(bytesPerToken int) *Tokenizer {
 	if bytesPerToken < 1 {
 		bytesPerToken = 1
