@@ -800,14 +800,14 @@ type requestState struct {
 	// parsed, recorder, firstAttempt and firstReader are the request as
 	// parsed, the handler's response writer, the first attempt and its
 	// body's reader, held here to save allocations; a later attempt, a
-	// continuation's request and body get their own. firstReadCloser is
-	// firstReader as the request's body (see firstBody).
+	// continuation's request and body get their own (sent counts them).
+	// firstReadCloser is firstReader as the request's body (see
+	// firstBody).
 	parsed          Request
 	recorder        tokenRecorder
 	firstAttempt    attempt
 	firstReader     bytes.Reader
 	firstReadCloser io.ReadCloser
-	firstUsed       bool
 
 	// arrived is when the handler had read the request's body;
 	// sawFirstToken records that its first token was measured (a

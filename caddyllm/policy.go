@@ -995,7 +995,7 @@ func (st *requestState) firstBody(body []byte) io.ReadCloser {
 // that) until an attempt took it, then a fresh one each time, as an
 // attempt the proxy gave up on may still be reading its own.
 func (st *requestState) attemptBody() io.ReadCloser {
-	if !st.firstUsed && st.firstReadCloser != nil {
+	if st.sent == 0 && st.firstReadCloser != nil {
 		st.firstReader.Reset(st.body)
 		return st.firstReadCloser
 	}
@@ -1004,13 +1004,12 @@ func (st *requestState) attemptBody() io.ReadCloser {
 
 // newAttempt returns the attempt to fill for a decision: the first one
 // kept in the state, or a new one (a drain may still hold an earlier).
-// It marks the first attempt's body as taken too, and counts the attempt.
+// It counts the attempt, which marks the first attempt's body as taken.
 func (st *requestState) newAttempt() *attempt {
 	st.sent++
-	if st.firstUsed {
+	if st.sent > 1 {
 		return new(attempt)
 	}
-	st.firstUsed = true
 	return &st.firstAttempt
 }
 

@@ -274,8 +274,7 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 			// The id comes first: the peers learn the response's home
 			// before the client has read the body. Only the body's start
 			// is scanned, however large the write that brought it.
-			b := t.body
-			if id, ok := scanResponseID(b[:min(len(b), maxIDScan)]); ok && id != "" {
+			if id, ok := scanResponseID(t.body[:min(len(t.body), maxIDScan)]); ok && id != "" {
 				t.responseID = id
 				t.st.rememberResponse(id)
 			}
@@ -448,12 +447,10 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.usage, t.hasUsage = chunk.Usage.reported(), true
 	}
 	if text != "" {
-		t.tokens++
+		t.countToken()
 		t.generated.WriteString(text)
-		t.unreported++
 	} else if generatesOtherwise(data) {
-		t.tokens++
-		t.unreported++
+		t.countToken()
 	}
 	return line
 }
@@ -478,8 +475,14 @@ func (t *tokenRecorder) dropUnsent() {
 // addText counts a chunk's text, raw as in the chunk (escaped when it has
 // escapes), as a token and keeps it.
 func (t *tokenRecorder) addText(raw []byte, escaped bool) {
-	t.tokens++
+	t.countToken()
 	t.generated.Write(decodeInto(&t.scratch, raw, escaped))
+}
+
+// countToken counts a generated token, reported to the fleet at the end
+// of the Write (see unreported).
+func (t *tokenRecorder) countToken() {
+	t.tokens++
 	t.unreported++
 }
 
@@ -608,8 +611,7 @@ func (t *tokenRecorder) responseTokenEvents(p []byte) int {
 		if seq < 0 || !ok || !bytes.HasPrefix(rest, []byte("\n\n")) {
 			return n
 		}
-		t.tokens++
-		t.unreported++
+		t.countToken()
 		t.outputStarted = true
 		t.lastSeq, t.seenSeq = seq, true
 		t.pendingEvent = ""
@@ -638,8 +640,7 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 	} else if generatesOtherwise(data) {
 		// A tool call's arguments or a reasoning model's thoughts are
 		// generated tokens too: the first one ends the prefill.
-		t.tokens++
-		t.unreported++
+		t.countToken()
 	}
 }
 
@@ -693,8 +694,7 @@ func (t *tokenRecorder) responseEvent(data []byte) {
 		t.st.rememberResponse(t.responseID)
 	}
 	if ev.delta && strings.HasSuffix(typ, ".delta") {
-		t.tokens++
-		t.unreported++
+		t.countToken()
 		t.outputStarted = true
 		if scanned { // the spans are only whole when the scanner read it all
 			t.learnResponseShape(data, &ev, typ)
