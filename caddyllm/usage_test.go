@@ -22,19 +22,11 @@ func refUsageOfBody(body []byte, responses bool) (reportedUsage, bool) {
 	return u.reported(), true
 }
 
-// refUsageValue is usageValue as first written, with bytes.LastIndex: what
-// follows the colon of the last "usage" key of a complete JSON object body.
+// refUsageValue is usageValue as first written, finding the last "usage"
+// key with bytes.LastIndex.
 func refUsageValue(body []byte) ([]byte, bool) {
 	body = bytes.TrimSpace(body)
-	i := bytes.LastIndex(body, []byte(`"usage"`))
-	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
-		return nil, false
-	}
-	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
-	if len(rest) == 0 || rest[0] != ':' {
-		return nil, false
-	}
-	return rest[1:], true
+	return valueAfterUsageKey(body, bytes.LastIndex(body, []byte(`"usage"`)))
 }
 
 // chunkCorpus is streamed chunks as engines send them, and odd ones.

@@ -941,6 +941,12 @@ func usageValue(body []byte) ([]byte, bool) {
 		}
 		from = at + 1
 	}
+	return valueAfterUsageKey(body, i)
+}
+
+// valueAfterUsageKey returns what follows the colon of the "usage" key at
+// i (-1: none) of body, a JSON object with its space trimmed.
+func valueAfterUsageKey(body []byte, i int) ([]byte, bool) {
 	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
 		return nil, false
 	}
