@@ -21,6 +21,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -233,9 +234,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// TTFT and the request's duration count from here: a client's slow
 	// upload is not its upstream's time.
 	arrived := time.Now()
-	st := &requestState{body: body, origBody: body, pooled: pooled, arrived: arrived}
+	st := newRequestState()
+	st.body, st.origBody, st.pooled, st.arrived = body, body, pooled, arrived
 	if err := h.parser.parseInto(&st.parsed, endpoint, body); err != nil {
 		pooled.release() // the error quotes none of it
+		st.recycle()
 		var bad errBadRequest
 		errors.As(err, &bad)
 		unrouted(repl)
@@ -244,10 +247,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	st.req = &st.parsed
 	st.req.BlockTokens = h.BlockTokens
-	st.setParsedPlaceholders()
 	if repl != nil {
-		repl.Map(st.placeholder)
+		st.ph = new(placeholderValues)
+		repl.Map(st.ph.placeholder)
 	}
+	st.setParsedPlaceholders()
 
 	// Put the bytes back with a fixed length; the policy installs a fresh
 	// reader on every attempt after the first, so retries resend the
@@ -261,6 +265,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// encode handler, before this one, still compresses it for a client
 	// that asked. The client's header is back for the access log once
 	// the proxy is done.
+	//
+	// The state goes back to statePool after everything else, the
+	// client's header included (the request held st.identity).
+	defer st.recycleAfter(r)
 	defer askIdentity(r, st.identity[:]).restore(r)
 
 	// The recorder lives in the state: one allocation for both. The state
@@ -275,6 +283,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	defer st.finish(rec)
 
 	err = h.serve(rec, r, next, st)
+	st.servedAll = true // not unwinding a panic
 	if shed := st.shedInfo(); shed != nil && !rec.wroteHeader {
 		if shed.explained != "" {
 			w.Header().Set(explainHeader, shed.explained)
@@ -821,8 +830,15 @@ type requestState struct {
 	// request was counted as held once.
 	waitSince, heldSince time.Time
 	queued               bool
-	// ph holds the placeholders' values (see placeholder).
-	ph placeholderValues
+	// ph holds the placeholders' values (see placeholder); nil when the
+	// request has no replacer (the model list's state, tests').
+	ph *placeholderValues
+	// cutPending records that a drain deadline took one of the
+	// request's attempts to cut before it ended (its Cut may still run);
+	// servedAll that the handler's serve returned, rather than panicked.
+	// Either keeps the state out of statePool (see recycle).
+	cutPending atomic.Bool
+	servedAll  bool
 	// identity holds the Accept-Encoding value sent to engines (see
 	// askIdentity), saving an allocation.
 	identity [1]string
@@ -1033,7 +1049,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		}
 		return
 	}
-	a.flight.End()
+	a.endFlight()
 	if a.sh.drains.IsDraining(a.charge.Dial()) {
 		a.sh.metrics.drainCompleted.Inc()
 	}
@@ -1072,6 +1088,50 @@ func (st *requestState) releaseBody(rec *tokenRecorder) {
 	if sent == 1 && rec.status >= 200 && rec.status < 300 {
 		pooled.release()
 	}
+}
+
+// statePool holds request states for reuse. The state is the largest
+// allocation a routed request makes, and measured under load its garbage
+// collection cost the router more than its own parse of the request.
+var statePool = sync.Pool{New: func() any { return new(requestState) }}
+
+// newRequestState returns an empty state, from statePool when it has one.
+func newRequestState() *requestState { return statePool.Get().(*requestState) }
+
+// recycleAfter ends the request's use of st, for the handler's last defer:
+// r's body, a reader in st, goes, and st goes back to statePool when it
+// can (see recycle).
+func (st *requestState) recycleAfter(r *http.Request) {
+	if !st.servedAll {
+		return // a panic: an attempt may be anywhere
+	}
+	r.Body = http.NoBody
+	st.recycle()
+}
+
+// recycle puts st back in statePool, emptied, when nothing can reach it
+// any more; otherwise it is left to the garbage collector. What may reach
+// it after the handler is done:
+//   - a drain deadline's Cut of an attempt, taken before the attempt
+//     ended (cutPending): the first attempt lives in st;
+//   - a transport still sending an attempt's body: the first attempt's
+//     reader lives in st, so the state goes back under the body buffer's
+//     own rule (one attempt sent, answered 2xx; see releaseBody), or
+//     when no attempt was sent;
+//   - an access log's placeholders, which live apart (ph).
+//
+// Every attempt's registration has ended by then (finish, or Select on a
+// retry). Contexts given to transports hold the state only for the
+// policy's key, which no transport asks for.
+// It reports whether st went back.
+func (st *requestState) recycle() bool {
+	sent := st.sent
+	if st.cutPending.Load() || st.current != nil || sent > 1 || sent == 1 && (st.rec == nil || st.rec.status < 200 || st.rec.status >= 300) {
+		return false
+	}
+	*st = requestState{}
+	statePool.Put(st)
+	return true
 }
 
 // Interface guards

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -25,6 +26,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
@@ -512,5 +514,95 @@ func TestBodyNotDeclaredJSONIsPassedThrough(t *testing.T) {
 	}
 	if n := logs.FilterMessageSnippet("without the llm_affinity handler").Len(); n != 1 {
 		t.Fatalf("%d warnings for a route without the handler, want 1", n)
+	}
+}
+
+// TestStateGoesBackOnlyWhenNothingReachesIt: a request's state returns to
+// statePool only when no transport may still read the first attempt's
+// body from it (the body buffer's rule), no attempt is left registered,
+// and no drain cut, taken before its attempt ended, may still run.
+func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
+	for _, tc := range []struct {
+		sent, status int
+		current      bool
+		back         bool
+	}{
+		{1, http.StatusOK, false, true},
+		{1, http.StatusCreated, false, true},
+		{0, http.StatusServiceUnavailable, false, true}, // shed or refused: never sent
+		{0, 0, false, true},                             // a body that did not parse
+		{2, http.StatusOK, false, false},
+		{1, http.StatusBadGateway, false, false},
+		{1, 0, false, false},
+		{1, http.StatusOK, true, false},
+	} {
+		st := newRequestState()
+		st.sent = tc.sent
+		if tc.status != 0 {
+			st.rec = &st.recorder
+			st.recorder.status = tc.status
+		}
+		if tc.current {
+			st.current = &st.firstAttempt
+		}
+		if back := st.recycle(); back != tc.back {
+			t.Errorf("%d attempts, status %d, attempt left %v: back %v, want %v", tc.sent, tc.status, tc.current, back, tc.back)
+		}
+		if tc.back && (st.sent != 0 || st.rec != nil) {
+			t.Errorf("%d attempts, status %d: the state went back without being emptied", tc.sent, tc.status)
+		}
+	}
+
+	// A drain deadline took the attempt to cut (its Cut is running)
+	// before the attempt ended: the Cut reaches into the state.
+	drains := drain.New(drain.Events{})
+	st := newRequestState()
+	st.rec = &st.recorder
+	st.recorder.status = http.StatusOK
+	a := st.newAttempt()
+	*a = attempt{st: st}
+	a.flight = drains.Enter("up:1", a)
+	cutting, finish := make(chan struct{}), make(chan struct{})
+	st.setCancel(func(error) { close(cutting); <-finish }, time.Now())
+	st.cutTarget = a
+	drains.Drain("up:1", 0, drain.Admin)
+	<-cutting
+	a.endFlight()
+	close(finish)
+	if st.recycle() {
+		t.Error("the state went back while a drain's cut of its attempt was under way")
+	}
+}
+
+// TestPlaceholdersOutliveTheRequestState: an access log reads a request's
+// placeholders after the handler returned, when its state may already
+// serve the next request: each request keeps its own values.
+func TestPlaceholdersOutliveTheRequestState(t *testing.T) {
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if p.Select(pool, r, w) == nil {
+			return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, err := io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`)
+		return err
+	})
+	var repls []*caddy.Replacer
+	for i := range 32 {
+		r := moveRequest(fmt.Sprintf(`{"model":"model-%d","messages":[{"role":"user","content":"%s"}],"max_tokens":2}`, i, strings.Repeat("x", 4*(i+1))))
+		repls = append(repls, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer))
+		rr := httptest.NewRecorder()
+		if err := h.ServeHTTP(rr, r, next); err != nil || rr.Code != http.StatusOK {
+			t.Fatalf("request %d: %v, %d %s", i, err, rr.Code, rr.Body)
+		}
+	}
+	for i, repl := range repls {
+		model, _ := repl.GetString("http.llm_affinity.model")
+		attempt, _ := repl.GetString("http.llm_affinity.attempt")
+		upstream, _ := repl.GetString("http.llm_affinity.upstream")
+		if model != fmt.Sprintf("model-%d", i) || attempt != "1" || upstream == "" {
+			t.Errorf("request %d's placeholders after the others: model %q, attempt %q, upstream %q", i, model, attempt, upstream)
+		}
 	}
 }

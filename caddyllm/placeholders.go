@@ -48,13 +48,14 @@ type placeholderValues struct {
 // placeholder is the request's replacer provider for
 // {http.llm_affinity.*}. A placeholder without a value (no decision yet,
 // no first token) is known and nil: an access log field is null and a
-// header empty, never the placeholder's own text.
-func (st *requestState) placeholder(key string) (any, bool) {
+// header empty, never the placeholder's own text. The values live apart
+// from the request's state: an access log reads them after the handler
+// returned, when the state may serve another request (see statePool).
+func (v *placeholderValues) placeholder(key string) (any, bool) {
 	name, ok := strings.CutPrefix(key, placeholderPrefix)
 	if !ok {
 		return nil, false
 	}
-	v := &st.ph
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	var val any
@@ -103,7 +104,10 @@ func noPlaceholders(key string) (any, bool) {
 
 // setParsedPlaceholders records what the handler knows from the body.
 func (st *requestState) setParsedPlaceholders() {
-	v := &st.ph
+	v := st.ph
+	if v == nil {
+		return
+	}
 	v.mu.Lock()
 	v.model, v.promptTokens, v.stream = st.req.Model, st.req.PromptTokens, st.req.Stream
 	v.mu.Unlock()
@@ -112,7 +116,10 @@ func (st *requestState) setParsedPlaceholders() {
 // setDecisionPlaceholders records the last decision's; caller holds st.mu.
 func (st *requestState) setDecisionPlaceholders(attempt int) {
 	d := &st.decision
-	v := &st.ph
+	v := st.ph
+	if v == nil {
+		return
+	}
 	v.mu.Lock()
 	v.decided, v.upstream, v.reason, v.matched, v.estimate, v.attempt = true, d.upstream, d.reason, d.matched, d.estimate, attempt
 	// The decision's prompt length: learned from the engines' usage once
@@ -127,7 +134,10 @@ func (st *requestState) setDecisionPlaceholders(attempt int) {
 // prompt length its answer used (0: keep the one recorded); caller holds
 // st.mu.
 func (st *requestState) setShedPlaceholders(reason, blockedBy string, prompt int) {
-	v := &st.ph
+	v := st.ph
+	if v == nil {
+		return
+	}
 	v.mu.Lock()
 	v.shed, v.decided, v.upstream, v.reason, v.blockedBy = true, false, "", reason, blockedBy
 	if prompt > 0 {
@@ -138,7 +148,10 @@ func (st *requestState) setShedPlaceholders(reason, blockedBy string, prompt int
 
 // setTTFTPlaceholder records the observed time to first token.
 func (st *requestState) setTTFTPlaceholder(seconds float64) {
-	v := &st.ph
+	v := st.ph
+	if v == nil {
+		return
+	}
 	v.mu.Lock()
 	v.ttft, v.hasTTFT = seconds, true
 	v.mu.Unlock()

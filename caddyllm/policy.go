@@ -1046,17 +1046,26 @@ func (a *attempt) Cut() {
 	cancel(errDrainCut)
 }
 
+// endFlight ends the attempt's registration with the drain registry,
+// noting in the request's state a drain cut that may still come (see
+// requestState.recycle).
+func (a *attempt) endFlight() {
+	if a.flight.EndPending() {
+		a.st.cutPending.Store(true)
+	}
+}
+
 // release gives back what the attempt holds, for a response that did not
 // complete. Safe to call twice.
 func (a *attempt) release() {
-	a.flight.End()
+	a.endFlight()
 	a.sh.fleet.Release(a.charge, time.Now())
 }
 
 // refused releases a for a request its upstream answered 404 (see
 // router.Fleet.Refused).
 func (a *attempt) refused() {
-	a.flight.End()
+	a.endFlight()
 	a.sh.fleet.Refused(a.charge, time.Now())
 }
 

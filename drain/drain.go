@@ -120,11 +120,18 @@ type upstream struct {
 	holds    []Hold
 	deadline time.Time
 	timer    *time.Timer
-	flights  map[uint64]Cutter
+	flights  map[uint64]flight
 	cut      int
 	// expired says the deadline has cut what was in flight: a request
 	// entering while those end is past it already.
 	expired bool
+}
+
+// flight is a request in flight and whether a deadline took it to cut:
+// its Cut may then run after it ended (see Flight.EndPending).
+type flight struct {
+	cut     Cutter
+	cutting bool
 }
 
 // maxSpare bounds the forgotten upstreams kept for reuse.
@@ -163,7 +170,7 @@ func (r *Registry) get(key string) *upstream {
 		if n := len(r.spare); n > 0 {
 			u, r.spare = r.spare[n-1], r.spare[:n-1]
 		} else {
-			u = &upstream{flights: make(map[uint64]Cutter)}
+			u = &upstream{flights: make(map[uint64]flight)}
 		}
 		r.upstreams[key] = u
 	}
@@ -371,7 +378,7 @@ func (r *Registry) Enter(key string, cut Cutter) Flight {
 	u := r.get(key)
 	r.nextID++
 	id := r.nextID
-	u.flights[id] = cut
+	f := flight{cut: cut}
 	// A request routed just as the upstream drained is in flight there
 	// after all, and the deadline applies to it.
 	switch {
@@ -391,27 +398,37 @@ func (r *Registry) Enter(key string, cut Cutter) Flight {
 		if e := r.events.DeadlineCut; e != nil {
 			r.emit(func() { e(key, 1) })
 		}
+		f.cutting = true
 		go cut.Cut()
 	}
+	u.flights[id] = f
 	r.unlock()
 	return Flight{r: r, u: u, key: key, id: id}
 }
 
 // End unregisters the request. Calls after the first do nothing.
-func (f Flight) End() {
+func (f Flight) End() { f.EndPending() }
+
+// EndPending is End, reporting whether the drain deadline took the
+// request to cut before it ended: its Cut may then still run, or be about
+// to, and whatever Cut reaches must stay valid. The first call reports it;
+// later ones report false.
+func (f Flight) EndPending() (cutPending bool) {
 	if f.r == nil {
-		return
+		return false
 	}
 	f.r.lock()
 	defer f.r.unlock()
 	// Ids are never reused, so a flight already ended is not found, also
 	// when its upstream was forgotten and its record reused.
-	if _, ok := f.u.flights[f.id]; !ok {
-		return
+	fl, ok := f.u.flights[f.id]
+	if !ok {
+		return false
 	}
 	delete(f.u.flights, f.id)
 	f.r.settle(f.key, f.u)
 	f.r.prune(f.key, f.u)
+	return fl.cutting
 }
 
 // Begin is Enter for a cut function, returning the end function.
@@ -428,8 +445,10 @@ func (r *Registry) expire(key string, at time.Time) {
 		return
 	}
 	cuts := make([]Cutter, 0, len(u.flights))
-	for _, c := range u.flights {
-		cuts = append(cuts, c)
+	for id, f := range u.flights {
+		cuts = append(cuts, f.cut)
+		f.cutting = true
+		u.flights[id] = f
 	}
 	u.cut += len(cuts)
 	u.expired = true

@@ -317,3 +317,37 @@ func TestIsDrainingCountsClosedUpstreams(t *testing.T) {
 		t.Fatalf("closed count %d after the last undrain", r.closed.Load())
 	}
 }
+
+// TestEndReportsACutStillPending: a request the deadline took to cut
+// reports so when it ends, also when its Cut has not run yet (it ran late,
+// on the deadline's goroutine); one ended before the deadline, or on
+// another upstream, does not.
+func TestEndReportsACutStillPending(t *testing.T) {
+	r := New(Events{})
+	early := r.Enter("a", CutFunc(func() { t.Error("cut a request that had ended") }))
+	elsewhere := r.Enter("b", CutFunc(func() { t.Error("cut a request on another upstream") }))
+	taken := make(chan struct{})
+	finish := make(chan struct{})
+	late := r.Enter("a", CutFunc(func() { close(taken); <-finish }))
+	if early.EndPending() {
+		t.Fatal("a request ended before any drain reports a cut")
+	}
+	r.Drain("a", 0, Admin)
+	<-taken // the deadline's Cut runs, and has not returned
+	// Past the deadline, while what it cut has not all ended, a new
+	// request is cut at once, on a goroutine that may not have run yet.
+	past := r.Enter("a", CutFunc(func() {}))
+	if !past.EndPending() {
+		t.Fatal("a request cut on entering past the deadline does not report it")
+	}
+	if !late.EndPending() {
+		t.Fatal("a request the deadline took to cut does not report it")
+	}
+	close(finish)
+	if late.EndPending() {
+		t.Fatal("a second end reports the cut again")
+	}
+	if elsewhere.EndPending() {
+		t.Fatal("a request on an upstream that never drained reports a cut")
+	}
+}
