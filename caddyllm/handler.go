@@ -1129,7 +1129,8 @@ func (st *requestState) recycle() bool {
 	if st.cutPending.Load() || st.current != nil || sent > 1 || sent == 1 && (st.rec == nil || st.rec.status < 200 || st.rec.status >= 300) {
 		return false
 	}
-	*st = requestState{}
+	closer := st.firstReadCloser
+	*st = requestState{firstReadCloser: closer}
 	statePool.Put(st)
 	return true
 }

@@ -983,10 +983,13 @@ func (p *Policy) lookAgain(r *http.Request, pool reverseproxy.UpstreamPool, st *
 // A *bytes.Reader behind io.NopCloser is a body net/http knows is in
 // memory: it sends it with the headers in one write, where any other
 // reader makes the transport flush the headers first, a second system
-// call a request.
+// call a request. The closer wraps the state's own reader, so it stays
+// with the state when it is reused (see recycle).
 func (st *requestState) firstBody(body []byte) io.ReadCloser {
 	st.firstReader.Reset(body)
-	st.firstReadCloser = io.NopCloser(&st.firstReader)
+	if st.firstReadCloser == nil {
+		st.firstReadCloser = io.NopCloser(&st.firstReader)
+	}
 	return st.firstReadCloser
 }
 
