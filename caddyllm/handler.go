@@ -238,7 +238,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	st.body, st.origBody, st.pooled, st.arrived = body, body, pooled, arrived
 	if err := h.parser.parseInto(&st.parsed, endpoint, body); err != nil {
 		pooled.release() // the error quotes none of it
-		st.recycle()
+		st.putBack()     // nothing else has seen it
 		var bad errBadRequest
 		errors.As(err, &bad)
 		unrouted(repl)
@@ -1114,25 +1114,32 @@ func (st *requestState) recycleAfter(r *http.Request) {
 // it after the handler is done:
 //   - a drain deadline's Cut of an attempt, taken before the attempt
 //     ended (cutPending): the first attempt lives in st;
-//   - a transport still sending an attempt's body: the first attempt's
-//     reader lives in st, so the state goes back under the body buffer's
-//     own rule (one attempt sent, answered 2xx; see releaseBody), or
-//     when no attempt was sent;
+//   - a transport still sending the body: the first attempt's reader
+//     lives in st, so the state goes back under the body buffer's own
+//     rule (one attempt sent, answered 2xx; see releaseBody). A request
+//     this policy never sent may have been sent by another proxy in the
+//     route, whose transport may still read it (HTTP/3's sends the body
+//     on a goroutine of its own);
 //   - an access log's placeholders, which live apart (ph).
 //
 // Every attempt's registration has ended by then (finish, or Select on a
 // retry). Contexts given to transports hold the state only for the
-// policy's key, which no transport asks for.
-// It reports whether st went back.
+// policy's key, which no transport asks for. It reports whether st went
+// back.
 func (st *requestState) recycle() bool {
-	sent := st.sent
-	if st.cutPending.Load() || st.current != nil || sent > 1 || sent == 1 && (st.rec == nil || st.rec.status < 200 || st.rec.status >= 300) {
+	if st.cutPending.Load() || st.current != nil || st.sent != 1 || st.rec == nil || st.rec.status < 200 || st.rec.status >= 300 {
 		return false
 	}
-	closer := st.firstReadCloser
+	st.putBack()
+	return true
+}
+
+// putBack empties st and puts it in statePool; only a caller that knows
+// nothing else can reach st may call it.
+func (st *requestState) putBack() {
+	closer := st.firstReadCloser // it wraps st's own reader
 	*st = requestState{firstReadCloser: closer}
 	statePool.Put(st)
-	return true
 }
 
 // Interface guards

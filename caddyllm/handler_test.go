@@ -529,8 +529,11 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 	}{
 		{1, http.StatusOK, false, true},
 		{1, http.StatusCreated, false, true},
-		{0, http.StatusServiceUnavailable, false, true}, // shed or refused: never sent
-		{0, 0, false, true},                             // a body that did not parse
+		// Shed or refused by the policy, or sent by another policy's
+		// proxy, whose transport may still read the body.
+		{0, http.StatusServiceUnavailable, false, false},
+		{0, http.StatusUnauthorized, false, false},
+		{0, http.StatusOK, false, false},
 		{2, http.StatusOK, false, false},
 		{1, http.StatusBadGateway, false, false},
 		{1, 0, false, false},
@@ -604,5 +607,103 @@ func TestPlaceholdersOutliveTheRequestState(t *testing.T) {
 		if model != fmt.Sprintf("model-%d", i) || attempt != "1" || upstream == "" {
 			t.Errorf("request %d's placeholders after the others: model %q, attempt %q, upstream %q", i, model, attempt, upstream)
 		}
+	}
+}
+
+// TestStateReturnsThroughTheHandler follows the state's return through
+// ServeHTTP (a state that went back is emptied): a request answered 200 by
+// its one attempt gives it back; one whose attempt a drain deadline cut,
+// one that panicked, and one that another policy's proxy sent keep it out.
+// The last one's body is read after the handler returned, as a transport
+// may, and after the next request was served: it must arrive whole.
+func TestStateReturnsThroughTheHandler(t *testing.T) {
+	const completion = `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`
+	body := func(content string) string {
+		return `{"model":"m","messages":[{"role":"user","content":"` + content + `"}],"max_tokens":2}`
+	}
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	serve := func(reqBody string, attempt func(w http.ResponseWriter, r *http.Request, up *reverseproxy.Upstream)) *requestState {
+		t.Helper()
+		var st *requestState
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			if st == nil {
+				st = requestStateOf(r)
+			}
+			up := p.Select(pool, r, w)
+			if up == nil {
+				return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
+			}
+			attempt(w, r, up)
+			return nil
+		})
+		if err := h.ServeHTTP(httptest.NewRecorder(), moveRequest(reqBody), next); err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	answer := func(w http.ResponseWriter) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		io.WriteString(w, completion)
+	}
+	back := func(st *requestState) bool { return st.req == nil && st.rec == nil }
+
+	if st := serve(body("plain"), func(w http.ResponseWriter, _ *http.Request, _ *reverseproxy.Upstream) { answer(w) }); !back(st) {
+		t.Error("a request answered 200 by its only attempt kept its state out of the pool")
+	}
+
+	// The response has begun when the deadline cuts: the attempt ends as
+	// it is, with a Cut taken before its end.
+	st := serve(body("cut"), func(w http.ResponseWriter, r *http.Request, up *reverseproxy.Upstream) {
+		answer(w)
+		p.sh.drains.Drain(up.Dial, 0, drain.Admin)
+		<-r.Context().Done()
+	})
+	if back(st) {
+		t.Error("a request whose attempt the drain deadline took to cut gave its state back")
+	}
+	for _, u := range pool {
+		p.sh.drains.Undrain(u.Dial, drain.Admin)
+	}
+
+	var panicked *requestState
+	func() {
+		defer func() {
+			if recover() != http.ErrAbortHandler {
+				t.Error("the client's abort did not reach the server")
+			}
+		}()
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			panicked = requestStateOf(r)
+			p.Select(pool, r, w)
+			answer(w)
+			panic(http.ErrAbortHandler) // the proxy's, for a client gone mid-response
+		})
+		h.ServeHTTP(httptest.NewRecorder(), moveRequest(body("aborted")), next)
+	}()
+	if panicked == nil || back(panicked) {
+		t.Error("a request that panicked gave its state back")
+	}
+
+	// A proxy with another policy (no Select) sends the body, and its
+	// transport is still reading it when the upstream's early answer ends
+	// the handler.
+	first := body(strings.Repeat("A", 64<<10))
+	var unread io.Reader
+	var other *requestState
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		other, unread = requestStateOf(r), r.Body
+		w.WriteHeader(http.StatusUnauthorized)
+		return nil
+	})
+	if err := h.ServeHTTP(httptest.NewRecorder(), moveRequest(first), next); err != nil {
+		t.Fatal(err)
+	}
+	if back(other) {
+		t.Error("a request another proxy sent gave its state back")
+	}
+	serve(body("SECRET "+strings.Repeat("B", 1<<10)), func(w http.ResponseWriter, _ *http.Request, _ *reverseproxy.Upstream) { answer(w) })
+	if got, _ := io.ReadAll(unread); string(got) != first {
+		t.Errorf("the other proxy's transport read %d bytes (%.40q...), not the request's %d", len(got), got, len(first))
 	}
 }
