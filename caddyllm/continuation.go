@@ -231,7 +231,7 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	if tools, ok := m["tools"]; ok && string(tools) != "null" && string(tools) != "[]" {
 		return nil, nil, errors.New("a stream that may call tools cannot be continued")
 	}
-	text := rec.generated.String()
+	text := string(rec.generated)
 	switch endpoint {
 	case EndpointCompletions:
 		var prompt string

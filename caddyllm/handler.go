@@ -1138,7 +1138,9 @@ func (st *requestState) recycle() bool {
 // nothing else can reach st may call it.
 func (st *requestState) putBack() {
 	closer := st.firstReadCloser // it wraps st's own reader
+	buffers := st.recorder.keepBuffers()
 	*st = requestState{firstReadCloser: closer}
+	st.recorder.reuseBuffers(buffers)
 	statePool.Put(st)
 }
 

@@ -556,6 +556,23 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 		}
 	}
 
+	// The recorder's buffers stay with the state, emptied, but for one
+	// too large to keep.
+	st0 := newRequestState()
+	st0.sent, st0.rec = 1, &st0.recorder
+	rec := &st0.recorder
+	rec.status, rec.tokens = http.StatusOK, 3
+	rec.generated, rec.shape, rec.held = []byte("some text"), []byte(`{"choices":[{"text":`), []byte("data: {")
+	rec.line = make([]byte, maxKeptBuffer+1)
+	if !st0.recycle() {
+		t.Fatal("a state answered 200 by its only attempt did not go back")
+	}
+	if len(rec.generated) != 0 || cap(rec.generated) == 0 || len(rec.shape) != 0 || cap(rec.shape) == 0 ||
+		len(rec.held) != 0 || cap(rec.held) == 0 || rec.line != nil || rec.tokens != 0 || rec.status != 0 {
+		t.Errorf("the state went back with its recorder's buffers %q %q %q (line %d bytes), %d tokens, status %d",
+			rec.generated, rec.shape, rec.held, cap(rec.line), rec.tokens, rec.status)
+	}
+
 	// A drain deadline took the attempt to cut (its Cut is running)
 	// before the attempt ended: the Cut reaches into the state.
 	drains := drain.New(drain.Events{})

@@ -216,7 +216,7 @@ func recordStream(stream []byte, splits []byte, endpoint Endpoint, readWhole boo
 // recorderState is all a recorder records, as text.
 func recorderState(t *tokenRecorder) string {
 	return fmt.Sprintf("tokens=%d gen=%q usage=%+v has=%v id=%q obj=%q cr=%d model=%q done=%v failed=%v held=%q he=%d line=%q skip=%v rid=%q seq=%d/%v out=%v pend=%q unrep=%d",
-		t.tokens, t.generated.String(), t.usage, t.hasUsage, t.streamID, t.streamObject, t.streamCreated, t.streamModel,
+		t.tokens, string(t.generated), t.usage, t.hasUsage, t.streamID, t.streamObject, t.streamCreated, t.streamModel,
 		t.done, t.failed, t.held, t.heldEvents, t.line, t.skipLine, t.responseID, t.lastSeq, t.seenSeq, t.outputStarted, t.pendingEvent, t.unreported)
 }
 

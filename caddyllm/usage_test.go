@@ -62,8 +62,8 @@ func sameAsDecode(t *testing.T, data []byte) {
 	rec := newTokenRecorder(nil, &requestState{req: &Request{}})
 	rec.recordChunk(data, &f)
 	text, _ := c.text()
-	if rec.generated.String() != text || (text != "" || generatesOtherwise(data)) != (rec.tokens == 1) {
-		t.Fatalf("%q: text %q, encoding/json %q", data, rec.generated.String(), text)
+	if string(rec.generated) != text || (text != "" || generatesOtherwise(data)) != (rec.tokens == 1) {
+		t.Fatalf("%q: text %q, encoding/json %q", data, string(rec.generated), text)
 	}
 	if c.ID != "" && (rec.streamID != c.ID || rec.streamObject != c.Object || rec.streamModel != c.Model || rec.streamCreated != c.Created) {
 		t.Fatalf("%q: identity %q %q %q %d, encoding/json %+v", data, rec.streamID, rec.streamObject, rec.streamModel, rec.streamCreated, c)
@@ -186,11 +186,11 @@ func sameAsWhole(t *testing.T, template, chunk []byte) {
 		whole.shape, whole.shapeText = whole.shape[:0], 0
 		whole.event(line, false)
 	}
-	if fast.tokens != whole.tokens || fast.generated.String() != whole.generated.String() || fast.usage != whole.usage ||
+	if fast.tokens != whole.tokens || string(fast.generated) != string(whole.generated) || fast.usage != whole.usage ||
 		fast.hasUsage != whole.hasUsage || fast.streamID != whole.streamID || fast.streamObject != whole.streamObject ||
 		fast.streamModel != whole.streamModel || fast.streamCreated != whole.streamCreated || fast.done != whole.done || fast.failed != whole.failed {
 		t.Fatalf("%q then %q: recorded %d %q usage %v %+v, read whole %d %q usage %v %+v", template, chunk,
-			fast.tokens, fast.generated.String(), fast.hasUsage, fast.usage, whole.tokens, whole.generated.String(), whole.hasUsage, whole.usage)
+			fast.tokens, string(fast.generated), fast.hasUsage, fast.usage, whole.tokens, string(whole.generated), whole.hasUsage, whole.usage)
 	}
 }
 
@@ -205,8 +205,8 @@ func TestChunkOfTheSameShape(t *testing.T) {
 	}
 	rec := newTokenRecorder(nil, &requestState{req: &Request{}})
 	rec.event([]byte("data: "+template), false)
-	if !rec.sameShape([]byte(head+`"next"`+tail)) || rec.generated.String() != "anext" || rec.tokens != 2 {
-		t.Fatalf("the same chunk with another text not read by its shape: %d %q", rec.tokens, rec.generated.String())
+	if !rec.sameShape([]byte(head+`"next"`+tail)) || string(rec.generated) != "anext" || rec.tokens != 2 {
+		t.Fatalf("the same chunk with another text not read by its shape: %d %q", rec.tokens, string(rec.generated))
 	}
 	for _, other := range []string{
 		strings.Replace(template, `"created":1`, `"created":2`, 1),
@@ -301,7 +301,7 @@ func BenchmarkResponseUsage(b *testing.B) {
 				b.Fatal("not read")
 			}
 			rec.recordChunk(chunk, &f)
-			rec.generated.Reset()
+			rec.generated = rec.generated[:0]
 		}
 	})
 	b.Run("chunk/decode", func(b *testing.B) {

@@ -78,7 +78,11 @@ type tokenRecorder struct {
 	streamObject  string
 	streamCreated int64
 	streamModel   string
-	generated     strings.Builder
+	// generated is the text so far, decoded. It and the other buffers
+	// below (scratch, shape, line, held) stay with the request's state
+	// when it is reused, emptied (see keepBuffers): none is handed on
+	// beyond the request, whatever reads them copies.
+	generated []byte
 	// scratch holds a decoded string on its way into generated.
 	scratch []byte
 	// shape is the last token chunk read whole, its text left out: the
@@ -164,6 +168,31 @@ func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
 	t := new(tokenRecorder)
 	t.init(w, st)
 	return t
+}
+
+// recorderBuffers are a recorder's buffers, emptied, for the next
+// request that uses its state (see requestState.putBack).
+type recorderBuffers struct{ generated, scratch, shape, line, held []byte }
+
+// maxKeptBuffer is the largest buffer a pooled state keeps, so that one
+// long answer does not hold its memory for good.
+const maxKeptBuffer = 16 << 10
+
+// keepBuffers returns t's buffers, emptied, but for those over
+// maxKeptBuffer.
+func (t *tokenRecorder) keepBuffers() recorderBuffers {
+	keep := func(b []byte) []byte {
+		if cap(b) > maxKeptBuffer {
+			return nil
+		}
+		return b[:0]
+	}
+	return recorderBuffers{keep(t.generated), keep(t.scratch), keep(t.shape), keep(t.line), keep(t.held)}
+}
+
+// reuseBuffers gives t the buffers keepBuffers kept.
+func (t *tokenRecorder) reuseBuffers(b recorderBuffers) {
+	t.generated, t.scratch, t.shape, t.line, t.held = b.generated, b.scratch, b.shape, b.line, b.held
 }
 
 // init sets up a zero recorder to wrap w for st.
@@ -448,7 +477,7 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	}
 	if text != "" {
 		t.countToken()
-		t.generated.WriteString(text)
+		t.generated = append(t.generated, text...)
 	} else if generatesOtherwise(data) {
 		t.countToken()
 	}
@@ -457,18 +486,14 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 
 // markSent notes that what was read so far reaches the client.
 func (t *tokenRecorder) markSent() {
-	t.sentText, t.sentTokens = t.generated.Len(), t.tokens
+	t.sentText, t.sentTokens = len(t.generated), t.tokens
 }
 
 // dropUnsent forgets the text and tokens read from an event held back
 // when its attempt was cut before the event's end: the client never got
 // them, and a continuation must follow what the client has.
 func (t *tokenRecorder) dropUnsent() {
-	if t.generated.Len() > t.sentText {
-		sent := t.generated.String()[:t.sentText]
-		t.generated.Reset()
-		t.generated.WriteString(sent)
-	}
+	t.generated = t.generated[:min(len(t.generated), t.sentText)]
 	t.tokens = t.sentTokens
 }
 
@@ -476,7 +501,7 @@ func (t *tokenRecorder) dropUnsent() {
 // escapes), as a token and keeps it.
 func (t *tokenRecorder) addText(raw []byte, escaped bool) {
 	t.countToken()
-	t.generated.Write(decodeInto(&t.scratch, raw, escaped))
+	t.generated = append(t.generated, decodeInto(&t.scratch, raw, escaped)...)
 }
 
 // countToken counts a generated token, reported to the fleet at the end

@@ -139,8 +139,8 @@ func TestToolCallsAndReasoningAreGenerated(t *testing.T) {
 	} {
 		rec.Write([]byte("data: " + chunk + "\n\n"))
 	}
-	if rec.tokens != 3 || rec.generated.String() != "done" {
-		t.Fatalf("%d tokens, text %q; want 3 and \"done\"", rec.tokens, rec.generated.String())
+	if rec.tokens != 3 || string(rec.generated) != "done" {
+		t.Fatalf("%d tokens, text %q; want 3 and \"done\"", rec.tokens, string(rec.generated))
 	}
 }
 
@@ -490,8 +490,8 @@ func TestStreamRecordedAlikeInAnySplit(t *testing.T) {
 	crlf := strings.ReplaceAll(whole, "\n", "\r\n")
 	for name, writes := range map[string][]string{"an event at a time": events, "7 bytes at a time": pieces, "CRLF": {crlf}} {
 		got, body := record(writes)
-		if got.tokens != want.tokens || got.generated.String() != want.generated.String() || got.usage != want.usage || got.done != want.done {
-			t.Errorf("%s: %d tokens %q usage %+v, want %d %q %+v", name, got.tokens, got.generated.String(), got.usage, want.tokens, want.generated.String(), want.usage)
+		if got.tokens != want.tokens || string(got.generated) != string(want.generated) || got.usage != want.usage || got.done != want.done {
+			t.Errorf("%s: %d tokens %q usage %+v, want %d %q %+v", name, got.tokens, string(got.generated), got.usage, want.tokens, string(want.generated), want.usage)
 		}
 		if name != "CRLF" && body != wantBody {
 			t.Errorf("%s: passed on %q, want %q", name, body, wantBody)

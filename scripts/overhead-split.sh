@@ -13,9 +13,11 @@
 #
 #   scripts/overhead-split.sh
 #   DURATION=40s API=responses TOP=40 scripts/overhead-split.sh
+#   STREAM_TOKENS=64 scripts/overhead-split.sh
 #
 # Environment: DURATION (40s), CONCURRENCY (32), PROMPT_BYTES (512), API (completions or
-# responses), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
+# responses), STREAM_TOKENS (unset: not streamed; N: streamed in N one-token events, as in
+# scripts/overhead.sh), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
 # at 10s or more: in a 3 s run the scheduler's spinning (runtime.lock2, findRunnable) differed by
 # tens of thousands of instructions a request between the two processes.
 # Needs Go and valgrind (Debian's package); takes about DURATION plus a minute.
@@ -25,6 +27,7 @@ DURATION=${DURATION:-40s}
 CONCURRENCY=${CONCURRENCY:-32}
 PROMPT_BYTES=${PROMPT_BYTES:-512}
 API=${API:-completions}
+STREAM_TOKENS=${STREAM_TOKENS:-}
 TOP=${TOP:-30}
 BASE_PORT=${BASE_PORT:-18180}
 case "$API" in
@@ -57,7 +60,7 @@ ups=${ups% }
 . scripts/bench-common.sh
 ports_free "$llm_port" "$rr_port" "$idle_port" "${up_ports[@]}"
 build_bench_tools "$work"
-"$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" 2>"$work/upstream.log" &
+"$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" 2>"$work/upstream.log" &
 pids+=($!)
 
 site() { # site PORT POLICY-LINES
@@ -85,12 +88,7 @@ for s in llm rr idle; do
 	pids+=($!)
 done
 
-prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
-if [ "$API" = responses ]; then
-	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","input":"%s Question {{seq}}?","max_output_tokens":16}' "$prompt" >"$work/body.json"
-else
-	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' "$prompt" >"$work/body.json"
-fi
+write_body "$work/body.json"
 # Caddy takes seconds to start under valgrind: wait until each listens, then warm it up.
 for p in "$llm_port" "$rr_port" "$idle_port"; do
 	for i in $(seq 1 600); do

@@ -119,19 +119,7 @@ fi
 caddy_pid=$!
 pids+=("$caddy_pid")
 
-# A small completions request: PROMPT_BYTES of shared text (about PROMPT_BYTES/4 tokens), then
-# a request number (loadgen fills in {{seq}}), like chats that share a system prompt.
-prompt=$(head -c "$PROMPT_BYTES" </dev/zero | tr '\0' 'a' | sed 's/a\{8\}/lorem a /g')
-if [ "$API" = responses ]; then
-	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","input":"%s Question {{seq}}?","max_output_tokens":%d%s}' \
-		"$prompt" "${STREAM_TOKENS:-16}" "${STREAM_TOKENS:+,\"stream\":true}" >"$work/body.json"
-elif [ -n "$STREAM_TOKENS" ]; then
-	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":%d,"stream":true,"stream_options":{"include_usage":true}}' \
-		"$prompt" "$STREAM_TOKENS" >"$work/body.json"
-else
-	printf '{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"%s Question {{seq}}?","max_tokens":16}' \
-		"$prompt" >"$work/body.json"
-fi
+write_body "$work/body.json"
 
 wait_for() {
 	local url=$1
