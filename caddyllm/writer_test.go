@@ -550,6 +550,38 @@ func benchmarkStream(b *testing.B, events []string, endpoint Endpoint, perWrites
 	}
 }
 
+// BenchmarkStreamedResponsePooled is BenchmarkStreamedResponse's chat
+// stream, an event a Write, with each request's state from statePool and
+// back, as the handler has it: the recorder's buffers are the last
+// stream's.
+func BenchmarkStreamedResponsePooled(b *testing.B) {
+	var writes [][]byte
+	for _, e := range streamEvents(64) {
+		writes = append(writes, []byte(e))
+	}
+	w := &discardWriter{h: make(http.Header)}
+	b.SetBytes(int64(len(strings.Join(streamEvents(64), ""))))
+	b.ReportAllocs()
+	cpu := cputime.Start()
+	for b.Loop() {
+		st := newRequestState()
+		st.parsed = Request{Endpoint: EndpointChatCompletions, Stream: true}
+		st.req = &st.parsed
+		rec := &st.recorder
+		rec.init(w, st)
+		w.h.Set("Content-Type", "text/event-stream")
+		rec.WriteHeader(http.StatusOK)
+		for _, p := range writes {
+			rec.Write(p)
+		}
+		if rec.tokens != 64 || !rec.done || !rec.hasUsage {
+			b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
+		}
+		st.putBack()
+	}
+	cputime.Report(b, cpu)
+}
+
 // TestRecorderNeverWritesIntoTheProxysBuffer: Caddy's proxy reads every
 // piece of a stream into one buffer and writes it on; the text of a token
 // that needs no decoding is kept where it lies, and the next one that
