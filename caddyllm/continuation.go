@@ -136,7 +136,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		}
 		// The cut event's start, held back, and the line being read go:
 		// the continuation begins at an event's start.
-		rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
+		rec.held, rec.heldEvents, rec.line, rec.skipLine = rec.held[:0], 0, rec.line[:0], false
 		if body == nil { // nothing left to generate
 			outcome("continued")
 			endedClean = true
@@ -180,8 +180,9 @@ func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	if rec.responses {
 		// The whole events held back go first (the error follows the
 		// response's announcement, numbered after it); an event cut off
-		// in the middle does not.
-		rec.held = rec.held[:rec.heldEvents]
+		// in the middle does not. (Never beyond held's length: its buffer
+		// may hold an earlier request's bytes, see keepBuffers.)
+		rec.held = rec.held[:min(rec.heldEvents, len(rec.held))]
 		rec.flushHeld()
 		seq := int64(0)
 		if rec.seenSeq {

@@ -1137,11 +1137,18 @@ func (st *requestState) recycle() bool {
 // putBack empties st and puts it in statePool; only a caller that knows
 // nothing else can reach st may call it.
 func (st *requestState) putBack() {
-	closer := st.firstReadCloser // it wraps st's own reader
+	st.empty()
+	statePool.Put(st)
+}
+
+// empty makes st a new request's state, keeping what is its own: the
+// first body's closer (it wraps st's reader) and the recorder's buffers,
+// emptied.
+func (st *requestState) empty() {
+	closer := st.firstReadCloser
 	buffers := st.recorder.keepBuffers()
 	*st = requestState{firstReadCloser: closer}
 	st.recorder.reuseBuffers(buffers)
-	statePool.Put(st)
 }
 
 // Interface guards
