@@ -20,26 +20,11 @@ func pooledRecorder(w http.ResponseWriter, endpoint Endpoint, prime, primeSplits
 	rec := &st.recorder
 	rec.init(pw, st)
 	rec.WriteHeader(http.StatusOK)
-	rest := prime
-	for k := 0; len(rest) > 0; k++ {
+	writeInPieces(rec, prime, primeSplits, func(k int) {
 		if k == 3 {
-			switch primeOp % 4 {
-			case 1:
-				rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
-				rec.splice = &spliceState{priorTokens: rec.tokens}
-			case 2:
-				rec.restart()
-			case 3:
-				rec.dropUnsent()
-			}
+			streamOp(rec, primeOp, func(string) {})
 		}
-		n := len(rest)
-		if k < len(primeSplits) {
-			n = min(n, int(primeSplits[k])+1)
-		}
-		rec.Write(append([]byte(nil), rest[:n]...))
-		rest = rest[n:]
-	}
+	}, func(int, error) {})
 	st.empty() // as putBack, without the pool
 
 	st.parsed = Request{Endpoint: endpoint, Stream: true}
@@ -54,48 +39,42 @@ func pooledRecorder(w http.ResponseWriter, endpoint Endpoint, prime, primeSplits
 func runOn(rec *tokenRecorder, w *httptest.ResponseRecorder, stream, splits []byte, opAt int, op byte) *shapeRun {
 	rec.WriteHeader(http.StatusOK)
 	r := &shapeRun{rec: rec, w: w}
-	rest := stream
-	buf := make([]byte, len(stream)+1)
-	for k := 0; len(rest) > 0; k++ {
+	writeInPieces(rec, stream, splits, func(k int) {
 		if k == opAt {
-			switch op % 5 {
-			case 1:
-				rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
-				rec.splice = &spliceState{priorTokens: rec.tokens}
-			case 2:
-				rec.restart()
-			case 3:
-				rec.dropUnsent()
-				r.rets = append(r.rets, "continuation text "+string(rec.generated))
-				rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
-				rec.splice = &spliceState{priorTokens: rec.tokens}
-			case 4:
-				if rec.heldEvents <= len(rec.held) {
-					rec.held = rec.held[:rec.heldEvents]
-				} else {
-					r.rets = append(r.rets, fmt.Sprintf("heldEvents %d > len(held) %d", rec.heldEvents, len(rec.held)))
-				}
-				rec.flushHeld()
-			}
+			streamOp(rec, op, func(note string) { r.rets = append(r.rets, note) })
 		}
-		n := len(rest)
-		if k < len(splits) {
-			n = min(n, int(splits[k])+1)
-			if splits[k] > 200 {
-				n = min(len(rest), int(splits[k]-200)*37+1)
-			}
-		}
-		nb := copy(buf, rest[:n])
-		wn, err := rec.Write(buf[:nb])
-		rest = rest[n:]
+	}, func(wn int, err error) {
 		r.bodies = append(r.bodies, w.Body.String())
 		r.rets = append(r.rets, fmt.Sprint(wn, err, recorderState(rec), rec.sentText, rec.sentTokens, rec.shapeText, rec.shapeSeq, string(rec.shape)))
-	}
+	})
 	rec.dropUnsent()
 	r.rets = append(r.rets, "final text "+string(rec.generated))
 	rec.flushHeld()
 	r.bodies = append(r.bodies, w.Body.String())
 	return r
+}
+
+// streamOp does to rec what the handler may do between two writes, by op:
+// splice in a continuation (1), restart (2), cut and continue (3: what was
+// sent and the continuation's text, noted), or end the stream after its
+// whole events held back (4).
+func streamOp(rec *tokenRecorder, op byte, note func(string)) {
+	switch op % 5 {
+	case 1:
+		beginSplice(rec)
+	case 2:
+		rec.restart()
+	case 3:
+		rec.dropUnsent()
+		note("continuation text " + string(rec.generated))
+		beginSplice(rec)
+	case 4:
+		if rec.heldEvents > len(rec.held) {
+			note(fmt.Sprintf("heldEvents %d > len(held) %d", rec.heldEvents, len(rec.held)))
+		}
+		rec.held = rec.held[:min(rec.heldEvents, len(rec.held))]
+		rec.flushHeld()
+	}
 }
 
 // newSSE is a client's end of a stream.

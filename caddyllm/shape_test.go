@@ -183,18 +183,33 @@ func recordStream(stream []byte, splits []byte, endpoint Endpoint, readWhole boo
 	rec.readWhole = readWhole
 	rec.WriteHeader(http.StatusOK)
 	r := &shapeRun{rec: rec, w: w}
-	rest := stream
-	buf := make([]byte, len(stream)+1)
-	for k := 0; len(rest) > 0; k++ {
+	writeInPieces(rec, stream, splits, func(k int) {
 		if k == opAt {
 			switch op % 3 {
 			case 1:
-				rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
-				rec.splice = &spliceState{priorTokens: rec.tokens}
+				beginSplice(rec)
 			case 2:
 				rec.restart()
 			}
 		}
+	}, func(wn int, err error) {
+		r.bodies = append(r.bodies, w.Body.String())
+		r.rets = append(r.rets, fmt.Sprint(wn, err, recorderState(rec), rec.sentText, rec.sentTokens))
+	})
+	rec.flushHeld()
+	r.bodies = append(r.bodies, w.Body.String())
+	return r
+}
+
+// writeInPieces writes stream to rec in the pieces splits says (a split
+// k bytes long, or over 200 a multiple of 37; the rest in one piece),
+// through one buffer as Caddy's proxy does, calling before(k) ahead of
+// write k and after with what it returned.
+func writeInPieces(rec *tokenRecorder, stream, splits []byte, before func(k int), after func(wn int, err error)) {
+	rest := stream
+	buf := make([]byte, len(stream)+1)
+	for k := 0; len(rest) > 0; k++ {
+		before(k)
 		n := len(rest)
 		if k < len(splits) {
 			n = min(n, int(splits[k])+1)
@@ -205,12 +220,15 @@ func recordStream(stream []byte, splits []byte, endpoint Endpoint, readWhole boo
 		nb := copy(buf, rest[:n])
 		wn, err := rec.Write(buf[:nb])
 		rest = rest[n:]
-		r.bodies = append(r.bodies, w.Body.String())
-		r.rets = append(r.rets, fmt.Sprint(wn, err, recorderState(rec), rec.sentText, rec.sentTokens))
+		after(wn, err)
 	}
-	rec.flushHeld()
-	r.bodies = append(r.bodies, w.Body.String())
-	return r
+}
+
+// beginSplice starts splicing a continuation into rec's stream, as the
+// handler does after a cut: what was held back and the line being read go.
+func beginSplice(rec *tokenRecorder) {
+	rec.held, rec.line, rec.skipLine = rec.held[:0], rec.line[:0], false
+	rec.splice = &spliceState{priorTokens: rec.tokens}
 }
 
 // recorderState is all a recorder records, as text.

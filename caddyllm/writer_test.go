@@ -535,18 +535,23 @@ func benchmarkStream(b *testing.B, events []string, endpoint Endpoint, perWrites
 			b.ReportAllocs()
 			cpu := cputime.Start()
 			for b.Loop() {
-				rec := newTokenRecorder(w, &requestState{req: &Request{Endpoint: endpoint, Stream: true}})
-				w.h.Set("Content-Type", "text/event-stream")
-				rec.WriteHeader(http.StatusOK)
-				for _, p := range writes {
-					rec.Write(p)
-				}
-				if rec.tokens != 64 || !rec.done || !rec.hasUsage {
-					b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
-				}
+				streamTo(b, newTokenRecorder(w, &requestState{req: &Request{Endpoint: endpoint, Stream: true}}), w, writes)
 			}
 			cputime.Report(b, cpu)
 		})
+	}
+}
+
+// streamTo has rec pass on a 64-token stream in writes to w, and checks
+// it read the stream whole.
+func streamTo(b *testing.B, rec *tokenRecorder, w *discardWriter, writes [][]byte) {
+	w.h.Set("Content-Type", "text/event-stream")
+	rec.WriteHeader(http.StatusOK)
+	for _, p := range writes {
+		rec.Write(p)
+	}
+	if rec.tokens != 64 || !rec.done || !rec.hasUsage {
+		b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
 	}
 }
 
@@ -567,16 +572,8 @@ func BenchmarkStreamedResponsePooled(b *testing.B) {
 		st := newRequestState()
 		st.parsed = Request{Endpoint: EndpointChatCompletions, Stream: true}
 		st.req = &st.parsed
-		rec := &st.recorder
-		rec.init(w, st)
-		w.h.Set("Content-Type", "text/event-stream")
-		rec.WriteHeader(http.StatusOK)
-		for _, p := range writes {
-			rec.Write(p)
-		}
-		if rec.tokens != 64 || !rec.done || !rec.hasUsage {
-			b.Fatalf("%d tokens, done %v, usage %v", rec.tokens, rec.done, rec.hasUsage)
-		}
+		st.recorder.init(w, st)
+		streamTo(b, &st.recorder, w, writes)
 		st.putBack()
 	}
 	cputime.Report(b, cpu)
