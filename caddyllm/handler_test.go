@@ -674,7 +674,11 @@ func TestStateReturnsThroughTheHandler(t *testing.T) {
 	st := serve(body("cut"), func(w http.ResponseWriter, r *http.Request, up *reverseproxy.Upstream) {
 		answer(w)
 		p.sh.drains.Drain(up.Dial, 0, drain.Admin)
-		<-r.Context().Done()
+		select {
+		case <-r.Context().Done():
+		case <-time.After(time.Minute):
+			t.Fatal("the drain deadline did not cut the attempt")
+		}
 	})
 	if back(st) {
 		t.Error("a request whose attempt the drain deadline took to cut gave its state back")
