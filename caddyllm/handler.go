@@ -1085,9 +1085,17 @@ func (st *requestState) releaseBody(rec *tokenRecorder) {
 	pooled, sent := st.pooled, st.sent
 	st.pooled = nil
 	st.mu.Unlock()
-	if sent == 1 && rec.status >= 200 && rec.status < 300 {
+	if bodySentWhole(sent, rec) {
 		pooled.release()
 	}
+}
+
+// bodySentWhole is the rule releaseBody and recycle share: the request's
+// only attempt was answered 2xx (see releaseBody for why that says no
+// transport still reads its body). sent counts the attempts; rec is the
+// request's recorder, nil before one was set up.
+func bodySentWhole(sent int, rec *tokenRecorder) bool {
+	return sent == 1 && rec != nil && rec.status >= 200 && rec.status < 300
 }
 
 // statePool holds request states for reuse. The state is the largest
@@ -1127,7 +1135,7 @@ func (st *requestState) recycleAfter(r *http.Request) {
 // policy's key, which no transport asks for. It reports whether st went
 // back.
 func (st *requestState) recycle() bool {
-	if st.cutPending.Load() || st.current != nil || st.sent != 1 || st.rec == nil || st.rec.status < 200 || st.rec.status >= 300 {
+	if st.cutPending.Load() || st.current != nil || !bodySentWhole(st.sent, st.rec) {
 		return false
 	}
 	st.putBack()
