@@ -374,3 +374,26 @@ func FuzzModelOfBody(f *testing.F) {
 		}
 	})
 }
+
+// FuzzIndexByRare: indexByRare finds what bytes.Index finds, for each key
+// generatesOtherwise looks for, in a chunk or anything else.
+func FuzzIndexByRare(f *testing.F) {
+	for _, c := range chunkCorpus {
+		f.Add([]byte(c))
+	}
+	for _, s := range []string{`"tool_calls":[{`, `x"tool_calls":[[{"tool_calls":[{`, `"reasoning":"`, `"reasoning_content":"x"`,
+		`gg"reasoning":"g"reasoning":""`, `"reasoning`, `reasoning":"`, `[{`, `g`} {
+		f.Add([]byte(s))
+	}
+	keys := []struct {
+		key  string
+		rare byte
+	}{{`"tool_calls":[{`, '['}, {`"reasoning_content":"`, 'g'}, {`"reasoning":"`, 'g'}}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		for _, k := range keys {
+			if got, want := indexByRare(data, k.key, k.rare), bytes.Index(data, []byte(k.key)); got != want {
+				t.Fatalf("indexByRare(%q, %q) = %d, bytes.Index %d", data, k.key, got, want)
+			}
+		}
+	})
+}

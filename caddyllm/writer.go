@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 
@@ -85,11 +86,13 @@ type tokenRecorder struct {
 	generated []byte
 	// scratch holds a decoded string on its way into generated.
 	scratch []byte
-	// shape is the last token chunk read whole, its text left out: the
-	// bytes before the text are shape[:shapeText], those after it the
-	// rest. Engines send every token of a stream in the same chunk with
+	// shape is the last token chunk read whole, its text left out, as
+	// its event: "data: ", the bytes before the text up to
+	// shape[shapeText], those after it and the blank line that ends the
+	// event. Engines send every token of a stream in the same chunk with
 	// another text; a chunk with the same bytes around a valid string is
-	// that chunk, read without scanning it again (see sameShape).
+	// that chunk, read without scanning it again (see sameShape and
+	// tokenEvents, which compares a whole event's bytes at once).
 	shape     []byte
 	shapeText int
 	// shapeSeq is, for a Responses stream's shape (a delta event, from
@@ -339,7 +342,10 @@ func (t *tokenRecorder) writeEvents(p []byte, end int) (int, error) {
 	if _, err := t.ResponseWriterWrapper.Write(p[:end]); err != nil {
 		return 0, err
 	}
-	t.held, t.heldEvents = append(t.held[:0], p[end:]...), 0
+	t.held, t.heldEvents = t.held[:0], 0
+	if end < len(p) {
+		t.held = append(t.held, p[end:]...)
+	}
 	return len(p), nil
 }
 
@@ -501,6 +507,11 @@ func (t *tokenRecorder) dropUnsent() {
 // escapes), as a token and keeps it.
 func (t *tokenRecorder) addText(raw []byte, escaped bool) {
 	t.countToken()
+	if !escaped && isASCII(raw) {
+		// Most tokens: their text as it is.
+		t.generated = append(t.generated, raw...)
+		return
+	}
 	t.generated = append(t.generated, decodeInto(&t.scratch, raw, escaped)...)
 }
 
@@ -520,7 +531,8 @@ func (t *tokenRecorder) sameShape(data []byte) bool {
 	if len(t.shape) == 0 {
 		return false
 	}
-	start, end, after, escaped, ok := t.shapedText(data)
+	head, tail := t.shape[len(eventData):t.shapeText], t.shape[t.shapeText:len(t.shape)-len(eventEnd)]
+	start, end, after, escaped, ok := shapedText(data, head, tail)
 	if !ok || after != len(data) {
 		return false
 	}
@@ -528,12 +540,19 @@ func (t *tokenRecorder) sameShape(data []byte) bool {
 	return true
 }
 
-// shapedText finds the chunk of the last token chunk's shape at the start
-// of data: its bytes before the text, a valid, non-empty string, its bytes
-// after. It returns the text's range, whether it has escapes and where
-// the chunk ends; ok is false when data does not start so.
-func (t *tokenRecorder) shapedText(data []byte) (start, end, after int, escaped, ok bool) {
-	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
+// The bytes around a token chunk's data in its event, as tokenEvents reads
+// it.
+const (
+	eventData = "data: "
+	eventEnd  = "\n\n"
+)
+
+// shapedText finds head, a valid, non-empty string and tail at the start
+// of data: a token chunk or event of the last one's shape, head ending
+// with the quote opening its text. It returns the text's range, whether
+// it has escapes and where tail ends; ok is false when data does not
+// start so.
+func shapedText(data, head, tail []byte) (start, end, after int, escaped, ok bool) {
 	if !bytes.HasPrefix(data, head) {
 		return 0, 0, 0, false, false
 	}
@@ -558,26 +577,24 @@ func (t *tokenRecorder) tokenEvents(p []byte) int {
 	if t.responses {
 		return t.responseTokenEvents(p)
 	}
+	// The event's bytes around its text, each compared at once.
+	head, tail := t.shape[:t.shapeText], t.shape[t.shapeText:]
 	n := 0
 	for {
-		data, ok := bytes.CutPrefix(p[n:], []byte("data: "))
+		start, end, after, escaped, ok := shapedText(p[n:], head, tail)
 		if !ok {
 			return n
 		}
-		start, end, after, escaped, ok := t.shapedText(data)
-		if !ok || !bytes.HasPrefix(data[after:], []byte("\n\n")) {
-			return n
-		}
-		t.addText(data[start:end], escaped)
-		n += len("data: ") + after + 2
+		t.addText(p[n+start:n+end], escaped)
+		n += after
 	}
 }
 
 // learnResponseShape keeps the shape of a Responses delta event read
 // whole (data, with ev and typ as read): its event line, named typ as
-// pendingEvent says, and its data but for the delta's text and the
-// sequence number after it. Only plain ones: no usage or response id, a
-// number of digits alone.
+// pendingEvent says, its data but for the delta's text and the sequence
+// number after it, and the blank line that ends it. Only plain ones: no
+// usage or response id, a number of digits alone.
 func (t *tokenRecorder) learnResponseShape(data []byte, ev *responseEvent, typ string) {
 	delta, seq := ev.deltaText, ev.seqNumber
 	if t.readWhole || t.pendingEvent != typ || ev.hasUsage || ev.id.end > ev.id.start || !ev.hasSeq ||
@@ -586,7 +603,7 @@ func (t *tokenRecorder) learnResponseShape(data []byte, ev *responseEvent, typ s
 	}
 	t.shape = append(append(append(t.shape[:0], "event: "...), typ...), "\ndata: "...)
 	lead := len(t.shape)
-	t.shape = append(append(append(t.shape, data[:delta.start]...), data[delta.end:seq.start]...), data[seq.end:]...)
+	t.shape = append(append(append(append(t.shape, data[:delta.start]...), data[delta.end:seq.start]...), data[seq.end:]...), eventEnd...)
 	t.shapeText, t.shapeSeq = lead+delta.start, lead+seq.start-(delta.end-delta.start)
 }
 
@@ -632,15 +649,15 @@ func (t *tokenRecorder) responseTokenEvents(p []byte) int {
 			digits++
 		}
 		seq := plainDigits(rest[:digits])
-		rest, ok = bytes.CutPrefix(rest[digits:], tail)
-		if seq < 0 || !ok || !bytes.HasPrefix(rest, []byte("\n\n")) {
+		rest, ok = bytes.CutPrefix(rest[digits:], tail) // with the blank line
+		if seq < 0 || !ok {
 			return n
 		}
 		t.countToken()
 		t.outputStarted = true
 		t.lastSeq, t.seenSeq = seq, true
 		t.pendingEvent = ""
-		n += len(event) - len(rest) + 2
+		n += len(event) - len(rest)
 	}
 }
 
@@ -659,8 +676,9 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
 		t.addText(raw, bytes.IndexByte(raw, '\\') >= 0)
 		if !f.hasUsage && !t.readWhole {
-			t.shape = append(append(t.shape[:0], data[:f.text.start]...), data[f.text.end:]...)
-			t.shapeText = f.text.start
+			t.shape = slices.Grow(t.shape[:0], len(eventData)+len(data)-len(raw)+len(eventEnd))
+			t.shape = append(append(append(append(t.shape, eventData...), data[:f.text.start]...), data[f.text.end:]...), eventEnd...)
+			t.shapeText = len(eventData) + f.text.start
 		}
 	} else if generatesOtherwise(data) {
 		// A tool call's arguments or a reasoning model's thoughts are
@@ -804,33 +822,32 @@ func withCached(u usage, cached int, hasCached bool) reportedUsage {
 // generatesOtherwise reports whether a chunk without text carries a tool
 // call or reasoning (vLLM's reasoning_content, or reasoning).
 func generatesOtherwise(data []byte) bool {
-	return indexQuoted(data, `"tool_calls":[{`) >= 0 ||
+	return indexByRare(data, `"tool_calls":[{`, '[') >= 0 ||
 		nonEmptyString(data, `"reasoning_content":"`) || nonEmptyString(data, `"reasoning":"`)
 }
 
 // nonEmptyString reports whether key (a JSON key and the quote opening its
 // value) appears in data with a value that is not empty.
 func nonEmptyString(data []byte, key string) bool {
-	i := indexQuoted(data, key)
+	i := indexByRare(data, key, 'g')
 	return i >= 0 && i+len(key) < len(data) && data[i+len(key)] != '"'
 }
 
-// indexQuoted is bytes.Index(data, quoted) for a quoted that begins with a
-// quote, searched for from its second byte: a quote is JSON's most
-// frequent byte, and bytes.Index, which looks for the first byte first,
-// would stop at every one (an empty chunk cost a thousand instructions a
-// search).
-func indexQuoted(data []byte, quoted string) int {
-	rest := quoted[1:]
-	for off := 1; off < len(data); {
-		i := bytes.Index(data[off:], []byte(rest))
+// indexByRare is bytes.Index(data, key), searched for from the first rare
+// byte of key, one chunks seldom have: bytes.Index looks for the first
+// byte first, and stops at every quote, JSON's most frequent byte (an
+// empty chunk cost a thousand instructions a search).
+func indexByRare(data []byte, key string, rare byte) int {
+	at := strings.IndexByte(key, rare)
+	for off := at; off < len(data); {
+		i := bytes.IndexByte(data[off:], rare)
 		if i < 0 {
 			return -1
 		}
-		if i += off; data[i-1] == '"' {
-			return i - 1
+		if start := off + i - at; start+len(key) <= len(data) && string(data[start:start+len(key)]) == key {
+			return start
 		}
-		off = i + 1
+		off += i + 1
 	}
 	return -1
 }
