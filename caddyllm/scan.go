@@ -182,6 +182,23 @@ func (s *scanner) str() (start, end int, escaped, ok bool) {
 	}
 }
 
+// stringAt reads the string whose contents begin at start of buf (its
+// opening quote just before) as str does: where its contents end, and
+// whether they have escapes. A streamed token is most often a few plain
+// bytes, found in the first eight without a scanner.
+func stringAt(buf []byte, start int) (end int, escaped, ok bool) {
+	if start+8 <= len(buf) {
+		if m := special(binary.LittleEndian.Uint64(buf[start:])); m != 0 {
+			if end = start + bits.TrailingZeros64(m)>>3; buf[end] == '"' {
+				return end, false, true
+			}
+		}
+	}
+	s := scanner{buf: buf, pos: start - 1}
+	_, end, escaped, ok = s.str()
+	return end, escaped, ok
+}
+
 // hasControl reports whether p has a byte below 0x20.
 func hasControl(p []byte) bool {
 	var acc uint64

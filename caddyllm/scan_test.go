@@ -66,3 +66,23 @@ func TestDecodingNeverWritesIntoTheBody(t *testing.T) {
 		}
 	}
 }
+
+// FuzzStringAt: stringAt reads what the scanner's str reads, wherever the
+// string starts.
+func FuzzStringAt(f *testing.F) {
+	for _, s := range []string{`" ok","x"`, `"ab\"c"`, "\"a\x01b\"", `"12345678"`, `"1234567"`, `""`, `"\u00e9"`, `"caf` + "\xc3\xa9" + `"`} {
+		f.Add([]byte(s), uint8(1))
+	}
+	f.Fuzz(func(t *testing.T, data []byte, at uint8) {
+		start := int(at)%(len(data)+1) + 1 // the contents begin after a quote at start-1
+		if start > len(data) {
+			return
+		}
+		s := scanner{buf: data, pos: start - 1}
+		_, wantEnd, wantEscaped, wantOK := s.str()
+		end, escaped, ok := stringAt(data, start)
+		if end != wantEnd || escaped != wantEscaped || ok != wantOK {
+			t.Fatalf("stringAt(%q, %d) = %d, %v, %v; str %d, %v, %v", data, start, end, escaped, ok, wantEnd, wantEscaped, wantOK)
+		}
+	})
+}

@@ -556,8 +556,8 @@ func shapedText(data, head, tail []byte) (start, end, after int, escaped, ok boo
 	if !bytes.HasPrefix(data, head) {
 		return 0, 0, 0, false, false
 	}
-	s := scanner{buf: data, pos: len(head) - 1} // at the text's opening quote
-	start, end, escaped, ok = s.str()
+	start = len(head)
+	end, escaped, ok = stringAt(data, start)
 	if !ok || end == start || !bytes.HasPrefix(data[end:], tail) {
 		return 0, 0, 0, false, false
 	}
@@ -635,8 +635,8 @@ func (t *tokenRecorder) responseTokenEvents(p []byte) int {
 		if !bytes.HasPrefix(event, head) {
 			return n
 		}
-		s := scanner{buf: event, pos: len(head) - 1} // at the delta's opening quote
-		start, end, _, ok := s.str()
+		start := len(head)
+		end, _, ok := stringAt(event, start)
 		if !ok || end == start {
 			return n
 		}
