@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"bytes"
 	"cmp"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"slices"
@@ -1236,13 +1237,17 @@ func (r *reading) hashBuffer(blockBytes int) []uint64 {
 	return r.hashes[:0]
 }
 
+// isASCII reports whether p has no byte of 0x80 or above, eight bytes at
+// a time: p is most often a key, a role or a token's text.
 func isASCII(p []byte) bool {
-	for _, c := range p {
-		if c >= utf8.RuneSelf {
-			return false
-		}
+	var acc uint64
+	for ; len(p) >= 8; p = p[8:] {
+		acc |= binary.LittleEndian.Uint64(p)
 	}
-	return true
+	for _, c := range p {
+		acc |= uint64(c)
+	}
+	return acc&msb == 0
 }
 
 // The prompt forms of the completions API.

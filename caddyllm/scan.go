@@ -80,7 +80,11 @@ func describeChar(c byte) string {
 // ws skips whitespace and returns the next byte, 0 at the end.
 func (s *scanner) ws() byte {
 	for s.pos < len(s.buf) {
-		switch c := s.buf[s.pos]; c {
+		c := s.buf[s.pos]
+		if c > ' ' {
+			return c // most often: no whitespace at all
+		}
+		switch c {
 		case ' ', '\t', '\n', '\r':
 			s.pos++
 		default:
