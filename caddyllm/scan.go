@@ -551,6 +551,17 @@ func (s *scanner) key(dst []byte) ([]byte, bool) {
 	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {
 		return nil, s.unexpected("looking for beginning of object key string")
 	}
+	// Most keys are plain, shorter than eight bytes and followed at once
+	// by the colon: their closing quote is the first quote, backslash or
+	// control byte of the eight after the opening one.
+	if p := s.pos + 1; p+8 < len(s.buf) {
+		if m := special(binary.LittleEndian.Uint64(s.buf[p:])); m != 0 {
+			if end := p + bits.TrailingZeros64(m)>>3; s.buf[end] == '"' && s.buf[end+1] == ':' {
+				s.pos = end + 2
+				return s.buf[p:end], true
+			}
+		}
+	}
 	start, end, escaped, ok := s.str()
 	if !ok {
 		return nil, false
