@@ -833,10 +833,11 @@ func nonEmptyString(data []byte, key string) bool {
 	return i >= 0 && i+len(key) < len(data) && data[i+len(key)] != '"'
 }
 
-// indexByRare is bytes.Index(data, key), searched for from the first rare
-// byte of key, one chunks seldom have: bytes.Index looks for the first
-// byte first, and stops at every quote, JSON's most frequent byte (an
-// empty chunk cost a thousand instructions a search).
+// indexByRare is bytes.Index(data, key), searched for from the first
+// occurrence in key of rare (which key must have), a byte chunks have few
+// of: bytes.Index looks for the first byte first, and stops at every
+// quote, JSON's most frequent byte, or every t or r after it (an empty
+// chunk cost a thousand instructions a search).
 func indexByRare(data []byte, key string, rare byte) int {
 	at := strings.IndexByte(key, rare)
 	for off := at; off < len(data); {
