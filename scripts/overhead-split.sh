@@ -17,7 +17,7 @@
 #
 # Environment: DURATION (40s), CONCURRENCY (32), PROMPT_BYTES (512), API (completions or
 # responses), STREAM_TOKENS (unset: not streamed; N: streamed in N one-token events, as in
-# scripts/overhead.sh), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
+# scripts/overhead.sh), TOKEN_INTERVAL (as in scripts/overhead.sh), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
 # at 10s or more: in a 3 s run the scheduler's spinning (runtime.lock2, findRunnable) differed by
 # tens of thousands of instructions a request between the two processes.
 # Needs Go and valgrind (Debian's package); takes about DURATION plus a minute.
@@ -60,7 +60,7 @@ ups=${ups% }
 . scripts/bench-common.sh
 ports_free "$llm_port" "$rr_port" "$idle_port" "${up_ports[@]}"
 build_bench_tools "$work"
-"$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" 2>"$work/upstream.log" &
+"$work/upstream" -addr "$(echo "$ups" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" -token-interval "${TOKEN_INTERVAL:-0}" 2>"$work/upstream.log" &
 pids+=($!)
 
 site() { # site PORT POLICY-LINES

@@ -22,6 +22,9 @@
 # STREAM_TOKENS=N (unset: not streamed) has every request stream its answer, as LLM clients
 # mostly do: the upstream sends N one-token events, each flushed, then the usage and [DONE], so
 # that the router's reading of each event is measured beside Caddy's copying of it.
+# TOKEN_INTERVAL (a Go duration, e.g. 2ms; default none) has the upstream pace its token events
+# as an engine does: each then reaches Caddy, and the router, in a read and a write of its own
+# (without it Caddy reads several at once).
 #
 # API=responses (default: completions) sends the same prompt to POST /v1/responses as `input`
 # (max_output_tokens, stream), and the upstream answers as vLLM's Responses API does (with
@@ -86,7 +89,7 @@ upstreams=${upstreams% }
 ports_free "$rr_port" "$llm_port" "${up_ports[@]}"
 build_bench_tools "$work"
 
-"$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" 2>"$work/upstream.log" &
+"$work/upstream" -addr "$(echo "$upstreams" | tr ' ' ',')" -chunks "${STREAM_TOKENS:-16}" -token-interval "${TOKEN_INTERVAL:-0}" 2>"$work/upstream.log" &
 pids+=($!)
 
 cat >"$work/Caddyfile" <<EOF

@@ -7,9 +7,12 @@
 // /v1/responses gets a Responses API response instead, with an id of its own; streamed, as
 // vLLM streams one (its fields in alphabetical order): response.created and .in_progress, the
 // message's item and content part, -chunks output_text.delta events, the text, part and item
-// done, and response.completed with the usage.
+// done, and response.completed with the usage. -token-interval paces the token events as an
+// engine generating does, so that a proxy passes each on in a write of its own; without it they
+// come as fast as they are written, and a proxy reads several at once.
 //
 //	go run ./scripts/trivial-upstream -addr 127.0.0.1:18091,127.0.0.1:18092 -chunks 64
+//	go run ./scripts/trivial-upstream -chunks 64 -token-interval 2ms
 package main
 
 import (
@@ -25,6 +28,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 const completion = `{"id":"cmpl-trivial","object":"text_completion","created":1700000000,` +
@@ -65,8 +69,8 @@ const (
 )
 
 // responseEvents streams a Responses API answer of chunks one-token deltas, each event flushed
-// on its own.
-func responseEvents(w io.Writer, flush func(), n uint64, chunks int) {
+// on its own, interval apart.
+func responseEvents(w io.Writer, flush func(), n uint64, chunks int, interval time.Duration) {
 	id, msg := fmt.Sprintf("resp_trivial%016x", n), fmt.Sprintf("msg_trivial%016x", n)
 	text := strings.Repeat(" ok", chunks)
 	seq := 0
@@ -86,6 +90,7 @@ func responseEvents(w io.Writer, flush func(), n uint64, chunks int) {
 		return
 	}
 	for range chunks {
+		pace(interval)
 		if !event("response.output_text.delta", `"content_index":0,"delta":" ok",`+at) {
 			return
 		}
@@ -96,9 +101,17 @@ func responseEvents(w io.Writer, flush func(), n uint64, chunks int) {
 		event("response.completed", `"response":`+fmt.Sprintf(responseDone, id, msg, text, chunks, 64+chunks)+`,`)
 }
 
+// pace waits interval, the time an engine takes to generate a token (none for 0).
+func pace(interval time.Duration) {
+	if interval > 0 {
+		time.Sleep(interval)
+	}
+}
+
 func main() {
 	addrs := flag.String("addr", "127.0.0.1:18091", "comma-separated `addresses` to listen on, one replica each")
 	chunks := flag.Int("chunks", 16, "tokens of a streamed completion, an event each")
+	interval := flag.Duration("token-interval", 0, "time between a stream's token events (0: none)")
 	flag.Parse()
 	var responses atomic.Uint64 // numbers the Responses API's ids
 	usage := strings.Replace(strings.Replace(usageEvent, "%d", strconv.Itoa(*chunks), 1), "%d", strconv.Itoa(64+*chunks), 1)
@@ -131,7 +144,7 @@ func main() {
 				}
 				w.Header().Set("Content-Type", "text/event-stream")
 				flusher, _ := w.(http.Flusher)
-				responseEvents(w, flusher.Flush, n, *chunks)
+				responseEvents(w, flusher.Flush, n, *chunks, *interval)
 				return
 			}
 			if !streamed {
@@ -142,6 +155,7 @@ func main() {
 			w.Header().Set("Content-Type", "text/event-stream; charset=utf-8")
 			flusher, _ := w.(http.Flusher)
 			for range *chunks {
+				pace(*interval)
 				if _, err := io.WriteString(w, tokenEvent); err != nil {
 					return
 				}
