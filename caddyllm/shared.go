@@ -135,7 +135,6 @@ func newShared() *shared {
 	}
 	sh.metrics = newMetrics(sh)
 	sh.drains = drain.New(sh.drainEvents())
-	sh.fleet.SetPublisher(sh.publishEvent)
 	go sh.janitor()
 	return sh
 }

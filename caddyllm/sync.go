@@ -190,10 +190,14 @@ func (sh *shared) applySnapshot(peer string, m fleetsync.Message) {
 }
 
 // addSyncer and removeSyncer keep the list publishing reads without a
-// lock: the fleet publishes under its own lock, on every decision.
+// lock: the fleet publishes under its own lock, on every decision. The
+// fleet has a publisher only while there is a list to publish to: without
+// one it builds no event at all (a stream's every token made one).
 func (sh *shared) addSyncer(s *fleetsync.Syncer) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
+	// First the publisher, which publishes nothing until the list has s.
+	sh.fleet.SetPublisher(sh.publishEvent)
 	list := append(slices.Clone(sh.loadSyncers()), s)
 	sh.syncers.Store(&list)
 	// The charges in flight are kept only while they are shared, for
@@ -215,6 +219,7 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 		// No peer any more: the fleet's drains are this router's own
 		// affair again, and no undrain of them could reach it.
 		sh.fleetDrains = nil
+		sh.fleet.SetPublisher(nil)
 	}
 }
 
