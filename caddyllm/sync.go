@@ -258,8 +258,9 @@ func (sh *shared) loadSyncers() []*fleetsync.Syncer {
 // publishEvent is the fleet's publisher: it hands the event of one of this
 // router's charges to every connection (queued, never blocking).
 func (sh *shared) publishEvent(ev router.Event) {
-	// Without sync this runs on every decision: return before anything
-	// takes ev's address (which would move it to the heap).
+	// The list can be empty for a moment (a syncer about to join it, or
+	// the last one leaving): return before anything takes ev's address
+	// (which would move it to the heap).
 	if len(sh.loadSyncers()) > 0 {
 		sh.publishCharge(ev)
 	}
