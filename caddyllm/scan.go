@@ -546,7 +546,7 @@ func (s *scanner) colonAfterKey() bool {
 }
 
 // key reads an object key and the colon after it, decoded into dst (a
-// scratch buffer) when it has escapes or non-ASCII bytes.
+// scratch buffer) when it has escapes.
 func (s *scanner) key(dst []byte) ([]byte, bool) {
 	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {
 		return nil, s.unexpected("looking for beginning of object key string")

@@ -207,7 +207,7 @@ field() { # field NAME LINE
 	echo "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"
 }
 
-echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, POST /v1/$API, body $(wc -c <"$work/body.json") bytes${STREAM_TOKENS:+, streamed in $STREAM_TOKENS events}"
+echo "go $(go env GOVERSION), $(nproc) CPUs, concurrency $CONCURRENCY, $DURATION per run, $ROUNDS rounds, POST /v1/$API, body $(wc -c <"$work/body.json") bytes${STREAM_TOKENS:+, streamed in $STREAM_TOKENS events}${TOKEN_INTERVAL:+, $TOKEN_INTERVAL apart}"
 # Medians: one round disturbed by a neighbour moves a mean, not a median.
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
 rr_all=()
