@@ -215,3 +215,52 @@ func TestFleetDrainsOfRemovedUpstreams(t *testing.T) {
 		t.Error("no sync connection left, yet a peer's late drain is kept")
 	}
 }
+
+// TestPublisherFollowsTheSyncers: the fleet has a publisher while a sync
+// connection is in use, and only then: a stored response's home reaches
+// the connection of the config loaded, across a reload that replaces it
+// (the new config acquired before the old one is released, as Caddy
+// provisions and cleans up), and again once another comes after the last
+// was gone.
+func TestPublisherFollowsTheSyncers(t *testing.T) {
+	ns := natstest.Start(t, -1)
+	sh := newShared()
+	defer sh.Destruct()
+	acquire := func(subject string) (*fleetsync.Syncer, string) {
+		t.Helper()
+		s, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: subject}, zap.NewNop(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s, key
+	}
+	n := 0
+	remember := func() {
+		n++
+		sh.fleet.RememberResponse(fmt.Sprintf("resp_%d", n), "up:1")
+	}
+	// published remembers a new response's home and waits until s has
+	// counted it: sent, or dropped while it connects.
+	published := func(s *fleetsync.Syncer) {
+		t.Helper()
+		counted := func() uint64 { st := s.Stats(); return st.Sent + st.Dropped }
+		before := counted()
+		remember()
+		for deadline := time.Now().Add(10 * time.Second); counted() == before; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("response %d's home not published to %s", n, s.Stats().Subject)
+			}
+		}
+	}
+	remember() // no sync: nothing to publish to
+	a, keyA := acquire("publisher-a")
+	published(a)
+	b, keyB := acquire("publisher-b") // a reload: the new config first
+	sh.releaseSync(keyA)               // then the old one's cleanup
+	published(b)
+	sh.releaseSync(keyB)
+	remember()
+	c, keyC := acquire("publisher-c")
+	defer sh.releaseSync(keyC)
+	published(c)
+}
