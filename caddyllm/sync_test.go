@@ -256,7 +256,7 @@ func TestPublisherFollowsTheSyncers(t *testing.T) {
 	a, keyA := acquire("publisher-a")
 	published(a)
 	b, keyB := acquire("publisher-b") // a reload: the new config first
-	sh.releaseSync(keyA)               // then the old one's cleanup
+	sh.releaseSync(keyA)              // then the old one's cleanup
 	published(b)
 	sh.releaseSync(keyB)
 	remember()
