@@ -191,16 +191,28 @@ func (s *scanner) str() (start, end int, escaped, ok bool) {
 // whether they have escapes. A streamed token is most often a few plain
 // bytes, found in the first eight without a scanner.
 func stringAt(buf []byte, start int) (end int, escaped, ok bool) {
-	if start+8 <= len(buf) {
-		if m := special(binary.LittleEndian.Uint64(buf[start:])); m != 0 {
-			if end = start + bits.TrailingZeros64(m)>>3; buf[end] == '"' {
-				return end, false, true
-			}
-		}
+	if end = plainEnd(buf, start); end >= 0 {
+		return end, false, true
 	}
 	s := scanner{buf: buf, pos: start - 1}
 	_, end, escaped, ok = s.str()
 	return end, escaped, ok
+}
+
+// plainEnd returns where the string whose contents begin at start of buf
+// ends when it is plain (no escape, no control byte) and shorter than
+// eight bytes, its closing quote then the first quote, backslash or
+// control byte of the eight from start; -1 otherwise, or when buf has
+// fewer than eight bytes from start.
+func plainEnd(buf []byte, start int) int {
+	if start+8 <= len(buf) {
+		if m := special(binary.LittleEndian.Uint64(buf[start:])); m != 0 {
+			if end := start + bits.TrailingZeros64(m)>>3; buf[end] == '"' {
+				return end
+			}
+		}
+	}
+	return -1
 }
 
 // hasControl reports whether p has a byte below 0x20.
@@ -552,14 +564,11 @@ func (s *scanner) key(dst []byte) ([]byte, bool) {
 		return nil, s.unexpected("looking for beginning of object key string")
 	}
 	// Most keys are plain, shorter than eight bytes and followed at once
-	// by the colon: their closing quote is the first quote, backslash or
-	// control byte of the eight after the opening one.
+	// by the colon.
 	if p := s.pos + 1; p+8 < len(s.buf) {
-		if m := special(binary.LittleEndian.Uint64(s.buf[p:])); m != 0 {
-			if end := p + bits.TrailingZeros64(m)>>3; s.buf[end] == '"' && s.buf[end+1] == ':' {
-				s.pos = end + 2
-				return s.buf[p:end], true
-			}
+		if end := plainEnd(s.buf, p); end >= 0 && s.buf[end+1] == ':' {
+			s.pos = end + 2
+			return s.buf[p:end], true
 		}
 	}
 	start, end, escaped, ok := s.str()
