@@ -20,6 +20,10 @@
 # scripts/overhead.sh), TOKEN_INTERVAL (as in scripts/overhead.sh), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
 # at 10s or more: in a 3 s run the scheduler's spinning (runtime.lock2, findRunnable) differed by
 # tens of thousands of instructions a request between the two processes.
+# The whole difference moves by several thousand instructions from run to run (garbage
+# collection and the scheduler, which depend on how the two processes were loaded); the other
+# groups repeat within a few instructions, and their sum is printed on its own line: compare
+# that one between two builds.
 # Needs Go and valgrind (Debian's package); takes about DURATION plus a minute.
 set -euo pipefail
 
@@ -170,6 +174,8 @@ awk -F'\t' -v nl="$n_llm" -v nr="$n_rr" -v tl="$(total "$work/llm.cg")" -v tr="$
 		print "difference by group:"
 		for (k in g) printf "  %+8.0f  %s\n", g[k], k | "sort -g -r"
 		close("sort -g -r")
+		for (k in g) if (k != "garbage collection" && k != "scheduler, locks, stacks") steady += g[k]
+		printf "difference without garbage collection and the scheduler (what repeats run to run): %+.0f\n", steady
 	}' diff="$work/diff" "$work/llm.fn" "$work/rr.fn" "$work/idle.fn"
 # awk cuts the sorted lists (head would end sort with SIGPIPE, a failure under pipefail).
 echo "functions that differ most (difference, llm_affinity, round_robin):"
