@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -232,20 +233,54 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	if tools, ok := m["tools"]; ok && string(tools) != "null" && string(tools) != "[]" {
 		return nil, nil, errors.New("a stream that may call tools cannot be continued")
 	}
+	if constrained(m) {
+		// The engine would start the format's grammar anew on the
+		// continuation's output, after text that began it already.
+		return nil, nil, errors.New("a stream with a response format or structured output cannot be continued")
+	}
+	if rec.untold {
+		return nil, nil, errors.New("a stream with reasoning or tool call deltas cannot be continued from its text")
+	}
 	text := string(rec.generated)
+	echo, _ := rawLaxBool(m["echo"])
 	switch endpoint {
 	case EndpointCompletions:
 		var prompt string
 		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
 			return nil, nil, errors.New("only a string prompt can be continued")
 		}
+		if echo {
+			// vLLM sends the prompt before the first text: the client has
+			// it, and the continuation must not send it again.
+			var ok bool
+			if text, ok = strings.CutPrefix(text, prompt); !ok {
+				return nil, nil, errors.New("a stream that echoes its prompt cannot be continued unless it began with it")
+			}
+			m["echo"] = json.RawMessage("false")
+		}
 		m["prompt"] = mustJSON(prompt + text)
 	case EndpointChatCompletions:
+		if echo {
+			// With echo, vLLM sends the final message again when the
+			// answer continues it, as a continuation does.
+			return nil, nil, errors.New("a chat stream with echo cannot be continued")
+		}
 		var msgs []json.RawMessage
 		if err := json.Unmarshal(m["messages"], &msgs); err != nil {
 			return nil, nil, err
 		}
-		msgs = append(msgs, mustJSON(map[string]string{"role": "assistant", "content": text}))
+		if continuesFinal, _ := rawLaxBool(m["continue_final_message"]); continuesFinal && len(msgs) > 0 {
+			// The engine was extending the client's own final message
+			// (a prefilled answer): the text goes on in it, not in a
+			// turn of its own, which the chat template would open anew.
+			last, err := extendContent(msgs[len(msgs)-1], text)
+			if err != nil {
+				return nil, nil, err
+			}
+			msgs[len(msgs)-1] = last
+		} else {
+			msgs = append(msgs, mustJSON(map[string]string{"role": "assistant", "content": text}))
+		}
 		m["messages"] = mustJSON(msgs)
 		// vLLM's way to extend a partial assistant message.
 		m["continue_final_message"] = json.RawMessage("true")
@@ -262,6 +297,11 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 			m[key] = mustJSON(max(1, left))
 		}
 	}
+	// What the engine must still generate before it may stop; vLLM
+	// refuses a min_tokens over max_tokens.
+	if n, ok := rawLaxInt(m["min_tokens"]); ok && n > 0 {
+		m["min_tokens"] = mustJSON(max(0, n-rec.tokens))
+	}
 	body := mustJSON(m)
 	req, err := h.parser.parse(endpoint, body)
 	if err != nil {
@@ -269,6 +309,77 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	}
 	req.BlockTokens = h.BlockTokens
 	return body, req, nil
+}
+
+// constrained says the request m asks for structured output: a
+// response_format other than text, or vLLM's structured_outputs or
+// guided_* parameters.
+func constrained(m map[string]json.RawMessage) bool {
+	given := func(k string) bool {
+		v := bytes.TrimSpace(m[k])
+		return len(v) > 0 && string(v) != "null"
+	}
+	if given("response_format") {
+		var format struct{ Type string }
+		if json.Unmarshal(m["response_format"], &format) != nil || format.Type != "text" {
+			return true
+		}
+	}
+	for _, k := range []string{"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"} {
+		if given(k) {
+			return true
+		}
+	}
+	return false
+}
+
+// extendContent returns msg, a chat message, with text added to the end of
+// its content: a string, or the text of its last part when that is a
+// text part (vLLM joins parts with newlines, so a part of its own would
+// add one).
+func extendContent(msg json.RawMessage, text string) (json.RawMessage, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(msg, &m); err != nil || m == nil {
+		return nil, errors.New("its final message is not an object")
+	}
+	var s string
+	switch content := bytes.TrimSpace(m["content"]); {
+	case len(content) == 0 || string(content) == "null":
+		m["content"] = mustJSON(text)
+	case json.Unmarshal(content, &s) == nil:
+		m["content"] = mustJSON(s + text)
+	default:
+		var parts []map[string]json.RawMessage
+		var typ, partText string
+		if json.Unmarshal(content, &parts) != nil || len(parts) == 0 ||
+			json.Unmarshal(parts[len(parts)-1]["type"], &typ) != nil || typ != "text" ||
+			json.Unmarshal(parts[len(parts)-1]["text"], &partText) != nil {
+			return nil, errors.New("its final message's content does not end with text")
+		}
+		parts[len(parts)-1]["text"] = mustJSON(partText + text)
+		m["content"] = mustJSON(parts)
+	}
+	return mustJSON(m), nil
+}
+
+// rawLaxBool reads a raw JSON value as the parser reads a boolean field
+// (true, "yes", 1), as vLLM does; ok is false for anything else.
+func rawLaxBool(raw json.RawMessage) (v, ok bool) {
+	raw = bytes.TrimSpace(raw)
+	switch string(raw) {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	if len(raw) > 0 && raw[0] == '"' {
+		var s string
+		if json.Unmarshal(raw, &s) != nil {
+			return false, false
+		}
+		return laxBool([]byte(s), true)
+	}
+	return laxBool(raw, false)
 }
 
 // rawLaxInt reads a raw JSON value as the parser reads an integer field

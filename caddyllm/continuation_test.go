@@ -33,8 +33,10 @@ func moveHandler() *Handler {
 	return &Handler{logger: zap.NewNop(), BlockTokens: 4, MaxBodyBytes: defaultMaxBodyBytes, parser: testParser()}
 }
 
-func moveRequest(body string) *http.Request {
-	r := httptest.NewRequest("POST", "/v1/chat/completions", strings.NewReader(body))
+func moveRequest(body string) *http.Request { return moveRequestTo("/v1/chat/completions", body) }
+
+func moveRequestTo(path, body string) *http.Request {
+	r := httptest.NewRequest("POST", path, strings.NewReader(body))
 	r.Header.Set("Content-Type", "application/json")
 	return r.WithContext(context.WithValue(context.Background(), caddy.ReplacerCtxKey, caddy.NewEmptyReplacer()))
 }
@@ -58,6 +60,12 @@ func moves(t *testing.T, extra string, attempt func(n int, w http.ResponseWriter
 // configure, if any, changes the policy first.
 func movesBody(t *testing.T, body string, attempt func(n int, w http.ResponseWriter, r *http.Request) error, configure ...func(*Policy)) (*httptest.ResponseRecorder, int, *Policy, error) {
 	t.Helper()
+	return movesTo(t, "/v1/chat/completions", body, attempt, configure...)
+}
+
+// movesTo is movesBody for a request to path.
+func movesTo(t *testing.T, path, body string, attempt func(n int, w http.ResponseWriter, r *http.Request) error, configure ...func(*Policy)) (*httptest.ResponseRecorder, int, *Policy, error) {
+	t.Helper()
 	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
 	for _, c := range configure {
 		c(p)
@@ -75,7 +83,7 @@ func movesBody(t *testing.T, body string, attempt func(n int, w http.ResponseWri
 		return attempt(n, w, r)
 	})
 	rr := httptest.NewRecorder()
-	err := h.ServeHTTP(rr, moveRequest(body), next)
+	err := h.ServeHTTP(rr, moveRequestTo(path, body), next)
 	return rr, n, p, err
 }
 
@@ -490,5 +498,200 @@ func TestContinuationFollowsWhatTheClientGot(t *testing.T) {
 	}
 	if body := rr.Body.String(); strings.Contains(body, "lost") || !strings.Contains(body, `" again"`) {
 		t.Errorf("the client got %q", body)
+	}
+}
+
+// continuedBody serves body to path, its first attempt writing first (a
+// stream's events) and dying, its second answering with second (events,
+// after the headers); it returns what the client got and the body the
+// second attempt was sent, "" when there was none.
+func continuedBody(t *testing.T, path, body, first, second string) (got, continued string) {
+	t.Helper()
+	rr, _, _, err := movesTo(t, path, body, func(n int, w http.ResponseWriter, r *http.Request) error {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		if n == 1 {
+			w.Write([]byte(first))
+			panic(http.ErrAbortHandler) // the upstream died mid-stream
+		}
+		b, _ := io.ReadAll(r.Body)
+		continued = string(b)
+		_, err := w.Write([]byte(second))
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rr.Body.String(), continued
+}
+
+// completionEvent is a streamed completion's event with text.
+func completionEvent(text string) string {
+	return `data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":` + strconv.Quote(text) + `,"logprobs":null,"finish_reason":null}]}` + "\n\n"
+}
+
+// chatEvent is a streamed chat completion's event with delta.
+func chatEvent(delta string) string {
+	return `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":` + delta + `}]}` + "\n\n"
+}
+
+// TestContinuationOfAnEchoedPrompt: vLLM sends a completion's prompt
+// before its text when asked to echo it. The continuation is the prompt
+// and the text after the echo, without echo (the client has the prompt):
+// neither the prompt nor its echo twice. A chat stream with echo, whose
+// continuation vLLM would answer by sending the final message again, is
+// not continued.
+func TestContinuationOfAnEchoedPrompt(t *testing.T) {
+	got, continued := continuedBody(t, "/v1/completions",
+		`{"model":"m","prompt":"Hello world","max_tokens":8,"stream":true,"echo":true}`,
+		completionEvent("Hello world w0")+completionEvent(" w1"),
+		completionEvent(" w2")+"data: [DONE]\n\n")
+	var req struct {
+		Prompt    string
+		Echo      bool
+		MaxTokens int `json:"max_tokens"`
+	}
+	if err := json.Unmarshal([]byte(continued), &req); err != nil || req.Prompt != "Hello world w0 w1" || req.Echo || req.MaxTokens != 6 {
+		t.Fatalf("the continuation asked for %s (%v); want the prompt Hello world w0 w1, no echo, 6 tokens", continued, err)
+	}
+	if strings.Count(got, "Hello world") != 1 || !strings.Contains(got, `" w2"`) {
+		t.Errorf("the client got %q", got)
+	}
+	got, continued = continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"echo":"yes"}`,
+		chatEvent(`{"content":"Hi"}`), "")
+	if continued != "" || !strings.Contains(got, "with echo cannot be continued") || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		t.Errorf("a chat stream with echo: continued with %q, the client got %q", continued, got)
+	}
+}
+
+// TestContinuationLowersMinTokens: min_tokens counts the output already
+// generated, as max_tokens does; vLLM refuses a min_tokens over
+// max_tokens, which a continuation asking for the original min_tokens
+// would be.
+func TestContinuationLowersMinTokens(t *testing.T) {
+	_, continued := continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":8,"min_tokens":8}`,
+		chatEvent(`{"content":"a"}`)+chatEvent(`{"content":"b"}`),
+		chatEvent(`{"content":"c"}`)+"data: [DONE]\n\n")
+	var req struct {
+		MaxTokens int `json:"max_tokens"`
+		MinTokens int `json:"min_tokens"`
+	}
+	if err := json.Unmarshal([]byte(continued), &req); err != nil || req.MaxTokens != 6 || req.MinTokens != 6 {
+		t.Fatalf("the continuation asked for %s (%v); want max_tokens and min_tokens 6", continued, err)
+	}
+}
+
+// TestReasoningStreamsAreNotContinued: the recorder keeps a stream's
+// text, not a reasoning model's thoughts (nor a tool call's arguments):
+// continued from the text alone, the engine would think again from the
+// start. Such a stream ends with an error event and [DONE].
+func TestReasoningStreamsAreNotContinued(t *testing.T) {
+	for _, event := range []string{
+		chatEvent(`{"reasoning_content":"hmm"}`),
+		chatEvent(`{"reasoning":"hmm"}`),
+		// A key given twice: decoded by encoding/json, not scanned.
+		strings.Replace(chatEvent(`{"reasoning":"hmm"}`), `"object":`, `"object":"x","object":`, 1),
+	} {
+		got, continued := continuedBody(t, "/v1/chat/completions",
+			`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`,
+			chatEvent(`{"role":"assistant","content":""}`)+event+chatEvent(`{"content":"So"}`), "")
+		if continued != "" || !strings.Contains(got, "reasoning or tool call deltas cannot be continued") || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+			t.Errorf("%s: continued with %q, the client got %q", event, continued, got)
+		}
+	}
+}
+
+// TestContinuationExtendsTheClientsFinalMessage: a client that has the
+// engine continue its own final message (continue_final_message, a
+// prefilled answer) gets it continued still: the text generated goes on
+// in that message, a string or the text of its last part, not in a turn
+// of its own that the chat template would open anew.
+func TestContinuationExtendsTheClientsFinalMessage(t *testing.T) {
+	for _, tc := range []struct{ content, want string }{
+		{`"{\"name\": \""`, `"{\"name\": \"Ada\""`},
+		{`[{"type":"text","text":"{"}]`, `[{"text":"{Ada\"","type":"text"}]`},
+	} {
+		_, continued := continuedBody(t, "/v1/chat/completions",
+			`{"model":"m","messages":[{"role":"user","content":"JSON"},{"role":"assistant","content":`+tc.content+`}],"continue_final_message":true,"add_generation_prompt":false,"stream":true}`,
+			chatEvent(`{"content":"Ada"}`)+chatEvent(`{"content":"\""}`),
+			chatEvent(`{"content":"}"}`)+"data: [DONE]\n\n")
+		var req struct{ Messages []map[string]json.RawMessage }
+		if err := json.Unmarshal([]byte(continued), &req); err != nil || len(req.Messages) != 2 {
+			t.Fatalf("%s: the continuation asked for %s (%v); want the same two messages", tc.content, continued, err)
+		}
+		if got := string(req.Messages[1]["content"]); got != tc.want {
+			t.Errorf("%s: the final message's content is %s, want %s", tc.content, got, tc.want)
+		}
+	}
+	got, continued := continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","messages":[{"role":"user","content":"describe"},{"role":"assistant","content":[{"type":"image_url","image_url":{"url":"data:,"}}]}],"continue_final_message":true,"add_generation_prompt":false,"stream":true}`,
+		chatEvent(`{"content":"It"}`), "")
+	if continued != "" || !strings.Contains(got, "does not end with text") {
+		t.Errorf("a final message ending with an image: continued with %q, the client got %q", continued, got)
+	}
+}
+
+// TestSplicedUsageKeepsItsDetails: the usage of a continued stream counts
+// the client's prompt and the whole output; the cached tokens, counted by
+// the continuation's engine over a prompt that held the text generated
+// before, are at most the client's prompt, and the usage's other members
+// pass on.
+func TestSplicedUsageKeepsItsDetails(t *testing.T) {
+	got, _ := continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`,
+		chatEvent(`{"content":"a"}`)+chatEvent(`{"content":"b"}`),
+		chatEvent(`{"content":"c"}`)+
+			`data: {"id":"c2","object":"chat.completion.chunk","created":2,"model":"m","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":12},"completion_tokens_details":{"reasoning_tokens":0}}}`+"\n\n"+
+			"data: [DONE]\n\n")
+	i := strings.Index(got, `"usage":`)
+	if i < 0 {
+		t.Fatalf("no usage in %q", got)
+	}
+	var u struct {
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		TotalTokens         int `json:"total_tokens"`
+		PromptTokensDetails struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+		CompletionTokensDetails *struct {
+			ReasoningTokens int `json:"reasoning_tokens"`
+		} `json:"completion_tokens_details"`
+	}
+	rest := got[i+len(`"usage":`):]
+	if err := json.NewDecoder(strings.NewReader(rest)).Decode(&u); err != nil {
+		t.Fatal(err)
+	}
+	if u.PromptTokens != 10 || u.CompletionTokens != 3 || u.TotalTokens != 13 || u.PromptTokensDetails.CachedTokens != 10 || u.CompletionTokensDetails == nil {
+		t.Errorf("usage %+v; want 10 prompt (2 of the 12 were generated), 3 completion, 10 cached, the completion details kept", u)
+	}
+}
+
+// TestStructuredStreamsAreNotContinued: an engine constraining output to a
+// format starts its grammar anew on a continuation's output, after text
+// that began the format already: such a stream ends with an error event
+// and [DONE]. A response_format of plain text constrains nothing.
+func TestStructuredStreamsAreNotContinued(t *testing.T) {
+	for _, extra := range []string{
+		`"response_format":{"type":"json_object"},`,
+		`"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}},`,
+		`"structured_outputs":{"choice":["a","b"]},`,
+		`"guided_json":{"type":"object"},`,
+		`"guided_regex":"[a-z]+",`,
+	} {
+		got, continued := continuedBody(t, "/v1/chat/completions",
+			`{"model":"m",`+extra+`"messages":[{"role":"user","content":"hi"}],"stream":true}`,
+			chatEvent(`{"content":"{"}`), "")
+		if continued != "" || !strings.Contains(got, "structured output cannot be continued") || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+			t.Errorf("%s: continued with %q, the client got %q", extra, continued, got)
+		}
+	}
+	_, continued := continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","response_format":{"type":"text"},"guided_json":null,"messages":[{"role":"user","content":"hi"}],"stream":true}`,
+		chatEvent(`{"content":"Hi"}`), chatEvent(`{"content":" there"}`)+"data: [DONE]\n\n")
+	if continued == "" {
+		t.Error("a stream with response_format text was not continued")
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 
@@ -61,6 +62,10 @@ type tokenRecorder struct {
 	line         []byte
 	skipLine     bool
 	tokens       int // text-bearing chunks sent to the client
+	// untold says the stream carried output generated does not keep (a
+	// reasoning model's thoughts, a tool call's arguments): it cannot be
+	// continued from its text.
+	untold bool
 	// unreported counts the tokens of the Write being scanned, reported
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
@@ -486,6 +491,7 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.generated = append(t.generated, text...)
 	} else if generatesOtherwise(data) {
 		t.countToken()
+		t.untold = true
 	}
 	return line
 }
@@ -684,6 +690,7 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		// A tool call's arguments or a reasoning model's thoughts are
 		// generated tokens too: the first one ends the prefill.
 		t.countToken()
+		t.untold = true
 	}
 }
 
@@ -1031,6 +1038,32 @@ type spliceState struct {
 	restart bool
 }
 
+// rewriteUsage sets the counts of u in raw, a usage object, keeping its
+// other members (completion_tokens_details, and the like).
+func rewriteUsage(raw json.RawMessage, u *usage) (json.RawMessage, bool) {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(raw, &m) != nil || m == nil {
+		return nil, false
+	}
+	set := func(m map[string]json.RawMessage, k string, v int) {
+		m[k] = json.RawMessage(strconv.Itoa(v))
+	}
+	set(m, "prompt_tokens", u.PromptTokens)
+	set(m, "completion_tokens", u.CompletionTokens)
+	set(m, "total_tokens", u.TotalTokens)
+	if d := u.PromptTokensDetails; d != nil {
+		var details map[string]json.RawMessage
+		if json.Unmarshal(m["prompt_tokens_details"], &details) == nil && details != nil {
+			set(details, "cached_tokens", d.CachedTokens)
+			if b, err := json.Marshal(details); err == nil {
+				m["prompt_tokens_details"] = b
+			}
+		}
+	}
+	b, err := json.Marshal(m)
+	return b, err == nil
+}
+
 // rewrite gives a continuation chunk the original stream's identity and
 // fixes its usage to cover the whole generation.
 func (s *spliceState) rewrite(data []byte, chunk *streamChunk, t *tokenRecorder) []byte {
@@ -1050,7 +1083,16 @@ func (s *spliceState) rewrite(data []byte, chunk *streamChunk, t *tokenRecorder)
 		u.PromptTokens = max(0, u.PromptTokens-s.priorTokens)
 		u.CompletionTokens += s.priorTokens
 		u.TotalTokens = u.PromptTokens + u.CompletionTokens
-		set("usage", u)
+		if d := u.PromptTokensDetails; d != nil {
+			// The continuation's cache may hold some of the text it
+			// was given as prompt, which the client's prompt is not.
+			d.CachedTokens = min(d.CachedTokens, u.PromptTokens)
+		}
+		if usage, ok := rewriteUsage(m["usage"], u); ok {
+			m["usage"] = usage
+		} else {
+			set("usage", u)
+		}
 	}
 	out, err := json.Marshal(m)
 	if err != nil {
