@@ -95,9 +95,13 @@ type Message struct {
 	Deadline       time.Duration
 	// seq orders an operator's messages within the sending router (see
 	// Syncer.numberOp), and made is when the operator made it; they are
-	// not sent.
-	seq  uint64
-	made time.Time
+	// not sent. order places it among every router's drains and undrains
+	// of the upstream (unix nanoseconds; sent in opTimesHeader): made, or
+	// just after the latest one known here when that is later, as a
+	// peer's is when its clock runs fast.
+	seq   uint64
+	made  time.Time
+	order int64
 	// countedDropped marks a message kept to send again once connected
 	// that events_dropped has counted: sending it again can fail too, and
 	// it is one message lost for a while, not one for every try.

@@ -1858,3 +1858,47 @@ func TestKeptMessagesCountAsDroppedOnce(t *testing.T) {
 		t.Fatalf("a new forget unsent: dropped %d, want 3", got)
 	}
 }
+
+// TestOpAfterAFastPeersStands: a peer whose clock runs an hour fast stamps
+// its drain an hour ahead. An operator's undrain made here after that
+// drain came is placed after it (each upstream's ops are ordered as a
+// Lamport clock), so every router takes the undrain, and none takes the
+// fast peer's drain back when it is restated; a drain's deadline still
+// counts from when the operator made it.
+func TestOpAfterAFastPeersStands(t *testing.T) {
+	here, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ahead := time.Now().Add(time.Hour).UnixNano()
+	fastDrain := Message{Drain: "x:1", Deadline: time.Minute}
+	if !here.peerOp(&fastDrain, ahead) || !other.peerOp(&fastDrain, ahead) {
+		t.Fatal("the fast peer's drain did not stand")
+	}
+	undrain := Message{Undrain: "x:1"}
+	here.numberOp(&undrain)
+	here.noteOwnOp(undrain)
+	h := nats.Header{}
+	setOpTimes(h, []Message{undrain})
+	at := opTimes(&nats.Msg{Header: h})
+	if len(at) != 1 || at[0] <= ahead {
+		t.Fatalf("the undrain is sent as made at %v, not after the fast peer's drain (%d)", at, ahead)
+	}
+	if !other.peerOp(&undrain, at[0]) {
+		t.Fatal("a peer took the undrain for older than the fast peer's drain")
+	}
+	for name, s := range map[string]*Syncer{"here": here, "the peer": other} {
+		if s.peerOp(&fastDrain, ahead) {
+			t.Errorf("%s: the fast peer's drain, restated, undid the undrain made after it", name)
+		}
+	}
+	drain := Message{Drain: "x:1", Deadline: time.Minute}
+	here.numberOp(&drain)
+	if left := drain.deadlineLeft().Deadline; left > time.Minute || left < 59*time.Second {
+		t.Errorf("a drain made after the fast peer's has %v of its minute left", left)
+	}
+}

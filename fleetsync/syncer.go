@@ -1029,15 +1029,20 @@ func (s *Syncer) countDropped(m *Message) {
 }
 
 // numberOp numbers m, when it is an operator's drain or undrain, in the
-// order they were made.
+// order they were made, and places it after every op of its upstream
+// known here: the operator's latest action stands at every peer, even
+// after one a peer with a fast clock (or this router, before its clock
+// stepped back) stamped later than now.
 func (s *Syncer) numberOp(m *Message) {
-	if m.opDial() == "" {
+	dial := m.opDial()
+	if dial == "" {
 		return
 	}
 	s.opsMu.Lock()
 	defer s.opsMu.Unlock()
 	s.opSeq++
 	m.seq, m.made = s.opSeq, time.Now()
+	m.order = max(m.made.UnixNano(), s.opAt[dial]+1)
 }
 
 // noteOwnOp keeps m, when it is this router's operator's drain or
@@ -1055,7 +1060,7 @@ func (s *Syncer) noteOwnOp(m Message) {
 	if _, ok := s.ownOps[dial]; ok || len(s.ownOps) < maxLostOps {
 		s.ownOps[dial] = m
 	}
-	s.noteOpAtLocked(dial, m.made.UnixNano())
+	s.noteOpAtLocked(dial, m.orderAt())
 }
 
 // noteOpAtLocked records at as when dial's latest op was made, if later
@@ -1083,6 +1088,18 @@ func (s *Syncer) peerOp(m *Message, at int64) bool {
 		s.noteOpAtLocked(dial, at)
 	}
 	return true
+}
+
+// orderAt is m's order among its upstream's ops (see Message.order), 0
+// when unknown.
+func (m *Message) orderAt() int64 {
+	switch {
+	case m.order != 0:
+		return m.order
+	case !m.made.IsZero():
+		return m.made.UnixNano()
+	}
+	return 0
 }
 
 // opDial is the upstream m concerns when it is an operator's drain or
@@ -1457,11 +1474,7 @@ func setOpTimes(h nats.Header, msgs []Message) {
 		if len(b) > 0 {
 			b = append(b, ',')
 		}
-		var at int64
-		if !msgs[i].made.IsZero() {
-			at = msgs[i].made.UnixNano()
-		}
-		b = strconv.AppendInt(b, at, 10)
+		b = strconv.AppendInt(b, msgs[i].orderAt(), 10)
 	}
 	if b == nil {
 		h.Del(opTimesHeader)
