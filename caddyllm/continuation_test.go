@@ -695,3 +695,53 @@ func TestStructuredStreamsAreNotContinued(t *testing.T) {
 		t.Error("a stream with response_format text was not continued")
 	}
 }
+
+// FuzzExtendContent: whatever the final message, extendContent either
+// refuses it or returns a JSON object whose content is the message's
+// content with text at the end: the string, or the last text part's.
+func FuzzExtendContent(f *testing.F) {
+	for _, msg := range []string{
+		`{"role":"assistant","content":"{\"a\": "}`,
+		`{"role":"assistant","content":[{"type":"text","text":"x"}]}`,
+		`{"role":"assistant","content":[{"type":"image_url","image_url":{"url":"u"}}]}`,
+		`{"role":"assistant","content":null}`,
+		`{"role":"assistant"}`,
+		`{"content":7}`, `[]`, `null`, `"x"`, `{"content":[]}`,
+	} {
+		f.Add([]byte(msg), "more")
+	}
+	f.Fuzz(func(t *testing.T, msg []byte, text string) {
+		out, err := extendContent(msg, text)
+		if err != nil {
+			return
+		}
+		var m map[string]json.RawMessage
+		if json.Unmarshal(out, &m) != nil {
+			t.Fatalf("not an object: %s", out)
+		}
+		var before map[string]json.RawMessage
+		if json.Unmarshal(msg, &before) != nil {
+			t.Fatalf("extended a message that is not an object: %q", msg)
+		}
+		// Text as encoding/json would read it back (invalid UTF-8 is
+		// replaced).
+		var want string
+		json.Unmarshal(mustJSON(text), &want)
+		var s string
+		if json.Unmarshal(m["content"], &s) == nil {
+			var was string
+			json.Unmarshal(before["content"], &was)
+			if s != was+want {
+				t.Fatalf("content %q, want %q + %q", s, was, want)
+			}
+			return
+		}
+		var parts []struct {
+			Type, Text string
+		}
+		if json.Unmarshal(m["content"], &parts) != nil || len(parts) == 0 || parts[len(parts)-1].Type != "text" ||
+			!strings.HasSuffix(parts[len(parts)-1].Text, want) {
+			t.Fatalf("content %s does not end with the text part %q", m["content"], want)
+		}
+	})
+}
