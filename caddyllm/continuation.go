@@ -249,9 +249,10 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
 			return nil, nil, errors.New("only a string prompt can be continued")
 		}
-		if echo {
+		if echo && text != "" {
 			// vLLM sends the prompt before the first text: the client has
-			// it, and the continuation must not send it again.
+			// it, and the continuation must not send it again. (Without
+			// text yet, the client has no echo either.)
 			var ok bool
 			if text, ok = strings.CutPrefix(text, prompt); !ok {
 				return nil, nil, errors.New("a stream that echoes its prompt cannot be continued unless it began with it")

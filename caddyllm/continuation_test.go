@@ -557,6 +557,15 @@ func TestContinuationOfAnEchoedPrompt(t *testing.T) {
 	if strings.Count(got, "Hello world") != 1 || !strings.Contains(got, `" w2"`) {
 		t.Errorf("the client got %q", got)
 	}
+	// Cut before any text: the client has no echo yet, and the
+	// continuation is the request as it came.
+	_, continued = continuedBody(t, "/v1/completions",
+		`{"model":"m","prompt":"Hello world","max_tokens":8,"stream":true,"echo":true}`,
+		completionEvent(""), completionEvent("Hello world w0")+"data: [DONE]\n\n")
+	req.Echo = false
+	if err := json.Unmarshal([]byte(continued), &req); err != nil || req.Prompt != "Hello world" || !req.Echo {
+		t.Fatalf("cut before any text, the continuation asked for %s (%v); want the prompt as it came, with echo", continued, err)
+	}
 	got, continued = continuedBody(t, "/v1/chat/completions",
 		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"echo":"yes"}`,
 		chatEvent(`{"content":"Hi"}`), "")
