@@ -1902,3 +1902,41 @@ func TestOpAfterAFastPeersStands(t *testing.T) {
 		t.Errorf("a drain made after the fast peer's has %v of its minute left", left)
 	}
 }
+
+// TestOpsAfterTheSameFastOpAgree: two routers that heard the same fast
+// peer's drain, whose operators then act on the upstream at once, stamp
+// their ops apart, so both take the later of the two, and neither takes
+// the other's and drops its own (which would split them for good). Two
+// ops made one after the other on one router are ordered so as well.
+func TestOpsAfterTheSameFastOpAgree(t *testing.T) {
+	a, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ahead := time.Now().Add(time.Hour).UnixNano()
+	fast := Message{Drain: "x:1", Deadline: time.Minute}
+	a.peerOp(&fast, ahead)
+	b.peerOp(&fast, ahead)
+	undrain, drain := Message{Undrain: "x:1"}, Message{Drain: "x:1", Deadline: time.Minute}
+	a.numberOp(&undrain)
+	a.noteOwnOp(undrain)
+	b.numberOp(&drain)
+	b.noteOwnOp(drain)
+	if undrain.order <= ahead || drain.order <= ahead || undrain.order == drain.order {
+		t.Fatalf("orders: the fast drain %d, a's undrain %d, b's drain %d; want both after it, apart", ahead, undrain.order, drain.order)
+	}
+	aTakes, bTakes := a.peerOp(&drain, drain.order), b.peerOp(&undrain, undrain.order)
+	if aTakes != (drain.order > undrain.order) || bTakes != (undrain.order > drain.order) {
+		t.Fatalf("a takes b's drain: %v, b takes a's undrain: %v; want only the later one taken", aTakes, bTakes)
+	}
+	first, second := Message{Undrain: "x:1"}, Message{Drain: "x:1", Deadline: time.Minute}
+	a.numberOp(&first)
+	a.numberOp(&second)
+	if second.order <= first.order {
+		t.Fatalf("one router's ops in a row ordered %d then %d", first.order, second.order)
+	}
+}

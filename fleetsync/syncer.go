@@ -1042,7 +1042,14 @@ func (s *Syncer) numberOp(m *Message) {
 	defer s.opsMu.Unlock()
 	s.opSeq++
 	m.seq, m.made = s.opSeq, time.Now()
-	m.order = max(m.made.UnixNano(), s.opAt[dial]+1)
+	// Placed after a later op by a random part of a millisecond: two
+	// routers that knew the same one and act within a message's travel
+	// would otherwise stamp theirs alike, and each take the other's.
+	m.order = m.made.UnixNano()
+	if latest := s.opAt[dial]; m.order <= latest {
+		m.order = latest + 1 + rand.Int64N(int64(time.Millisecond))
+	}
+	s.noteOpAtLocked(dial, m.order)
 }
 
 // noteOwnOp keeps m, when it is this router's operator's drain or
@@ -1066,7 +1073,7 @@ func (s *Syncer) noteOwnOp(m Message) {
 // noteOpAtLocked records at as when dial's latest op was made, if later
 // than what is known. Caller holds opsMu.
 func (s *Syncer) noteOpAtLocked(dial string, at int64) {
-	if s.opAt == nil || len(s.opAt) >= maxLostOps {
+	if _, known := s.opAt[dial]; s.opAt == nil || !known && len(s.opAt) >= maxLostOps {
 		s.opAt = make(map[string]int64) // bounded: forgetting only lets a stale op through
 	}
 	s.opAt[dial] = max(s.opAt[dial], at)
