@@ -289,6 +289,11 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	default:
 		return nil, nil, errors.New("not a generation endpoint")
 	}
+	if _, given := m["max_tokens"]; endpoint == EndpointCompletions && !given {
+		// vLLM's default for a completion (OpenAI's too): the
+		// continuation gets what is left of it, not 16 more.
+		m["max_tokens"] = json.RawMessage("16")
+	}
 	for _, key := range []string{"max_tokens", "max_completion_tokens", "kvsim_output_tokens"} {
 		if n, ok := rawLaxInt(m[key]); ok && n > 0 {
 			left := n - rec.tokens

@@ -602,6 +602,10 @@ func TestReasoningStreamsAreNotContinued(t *testing.T) {
 		chatEvent(`{"reasoning":"hmm"}`),
 		// A key given twice: decoded by encoding/json, not scanned.
 		strings.Replace(chatEvent(`{"reasoning":"hmm"}`), `"object":`, `"object":"x","object":`, 1),
+		// The thoughts' end and the answer's start in one event (an
+		// event of several tokens), read either way.
+		chatEvent(`{"reasoning_content":"hmm.","content":"So"}`),
+		strings.Replace(chatEvent(`{"reasoning":"hmm.","content":"So"}`), `"object":`, `"object":"x","object":`, 1),
 	} {
 		got, continued := continuedBody(t, "/v1/chat/completions",
 			`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`,
@@ -753,4 +757,25 @@ func FuzzExtendContent(f *testing.F) {
 			t.Fatalf("content %s does not end with the text part %q", m["content"], want)
 		}
 	})
+}
+
+// TestContinuationOfACompletionWithoutMaxTokens: vLLM generates 16 tokens
+// for a completion that gives no max_tokens; its continuation asks for
+// what is left of them, not 16 more.
+func TestContinuationOfACompletionWithoutMaxTokens(t *testing.T) {
+	_, continued := continuedBody(t, "/v1/completions",
+		`{"model":"m","prompt":"Hello","stream":true}`,
+		completionEvent(" a")+completionEvent(" b"), completionEvent(" c")+"data: [DONE]\n\n")
+	var req struct {
+		MaxTokens int `json:"max_tokens"`
+	}
+	if err := json.Unmarshal([]byte(continued), &req); err != nil || req.MaxTokens != 14 {
+		t.Fatalf("the continuation asked for %s (%v); want max_tokens 14", continued, err)
+	}
+	_, continued = continuedBody(t, "/v1/chat/completions",
+		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`,
+		chatEvent(`{"content":"a"}`), chatEvent(`{"content":"b"}`)+"data: [DONE]\n\n")
+	if strings.Contains(continued, "max_tokens") {
+		t.Errorf("a chat continuation asked for %s; a chat request without max_tokens has no such default", continued)
+	}
 }

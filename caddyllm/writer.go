@@ -489,6 +489,9 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	if text != "" {
 		t.countToken()
 		t.generated = append(t.generated, text...)
+		// An event of several tokens can end a reasoning model's
+		// thoughts and begin its answer.
+		t.untold = t.untold || thinks(data)
 	} else if generatesOtherwise(data) {
 		t.countToken()
 		t.untold = true
@@ -681,6 +684,10 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 	}
 	if raw := data[f.text.start:f.text.end]; len(raw) > 0 {
 		t.addText(raw, bytes.IndexByte(raw, '\\') >= 0)
+		// An event of several tokens can end a reasoning model's
+		// thoughts and begin its answer. (Read whole only: a chunk of
+		// the shape, text and nothing else, has none.)
+		t.untold = t.untold || thinks(data)
 		if !f.hasUsage && !t.readWhole {
 			t.shape = slices.Grow(t.shape[:0], len(eventData)+len(data)-len(raw)+len(eventEnd))
 			t.shape = append(append(append(append(t.shape, eventData...), data[:f.text.start]...), data[f.text.end:]...), eventEnd...)
@@ -831,6 +838,18 @@ func withCached(u usage, cached int, hasCached bool) reportedUsage {
 func generatesOtherwise(data []byte) bool {
 	return indexByRare(data, `"tool_calls":[{`, '[') >= 0 ||
 		nonEmptyString(data, `"reasoning_content":"`) || nonEmptyString(data, `"reasoning":"`)
+}
+
+// thinks reports whether a chunk with text carries a reasoning model's
+// thoughts as well (reasoning_content, or reasoning, not empty): one
+// search for both keys, as most chunks have neither. (Tool calls come
+// only to a request that offers tools, which is not continued anyway.)
+func thinks(data []byte) bool {
+	i := indexByRare(data, `"reasoning`, 'g')
+	if i < 0 {
+		return false
+	}
+	return nonEmptyString(data[i:], `"reasoning_content":"`) || nonEmptyString(data[i:], `"reasoning":"`)
 }
 
 // nonEmptyString reports whether key (a JSON key and the quote opening its
