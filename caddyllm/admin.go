@@ -2,7 +2,6 @@ package caddyllm
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -144,6 +143,54 @@ func methodNotAllowed(w http.ResponseWriter, r *http.Request, allowed ...string)
 		Err: fmt.Errorf("method %s not allowed; use %s", r.Method, strings.Join(allowed, " or "))}
 }
 
+// drainBodyDeadline reads a drain request's body, one JSON object whose
+// only member is deadline, a string, given once and named so exactly
+// (encoding/json would take the last of two, and "Deadline" for it);
+// given says it had one. An empty chunked body has none.
+func drainBodyDeadline(body io.Reader, chunked bool) (deadline string, given bool, err error) {
+	const want = `want a JSON object such as {"deadline":"30s"}`
+	fail := func(format string, args ...any) (string, bool, error) {
+		return "", false, fmt.Errorf("reading drain request body: "+format, args...)
+	}
+	dec := json.NewDecoder(body)
+	tok, err := dec.Token()
+	switch {
+	case err == io.EOF && chunked:
+		return "", false, nil
+	case err != nil:
+		return fail("%v", err)
+	case tok != json.Delim('{'):
+		return fail(want)
+	}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return fail("%v", err)
+		}
+		if key, _ := tok.(string); key != "deadline" {
+			return fail("unknown field %q: the only one is deadline", key)
+		}
+		if given {
+			return fail("deadline given twice")
+		}
+		if tok, err = dec.Token(); err != nil {
+			return fail("%v", err)
+		}
+		var ok bool
+		if deadline, ok = tok.(string); !ok {
+			return fail(want + ", with deadline a string")
+		}
+		given = true
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return fail("%v", err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return fail("more than one JSON object")
+	}
+	return deadline, given, nil
+}
+
 // drainDeadlineOf reads the deadline from the query (?deadline=30s) or a
 // JSON body ({"deadline":"30s"}); without one it is byDefault. Anything
 // it does not understand is refused: a misspelt or doubled deadline must
@@ -160,31 +207,15 @@ func drainDeadlineOf(r *http.Request, byDefault time.Duration) (time.Duration, e
 	}
 	raw, given := query.Get("deadline"), query.Has("deadline")
 	if r.Body != nil && r.ContentLength != 0 {
-		var body *struct {
-			Deadline *string `json:"deadline"`
+		deadline, inBody, err := drainBodyDeadline(http.MaxBytesReader(nil, r.Body, 4096), r.ContentLength < 0)
+		if err != nil {
+			return 0, err
 		}
-		dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, 4096))
-		dec.DisallowUnknownFields()
-		switch err := dec.Decode(&body); {
-		case err == io.EOF && r.ContentLength < 0:
-			// An empty chunked body: no body after all.
-		case errors.As(err, new(*json.UnmarshalTypeError)):
-			// Its text names Go types, not the API's.
-			return 0, fmt.Errorf("reading drain request body: want a JSON object such as {\"deadline\":\"30s\"}, with deadline a string")
-		case err != nil:
-			return 0, fmt.Errorf("reading drain request body: %v", err)
-		case body == nil:
-			return 0, fmt.Errorf("reading drain request body: want a JSON object such as {\"deadline\":\"30s\"}")
-		default:
-			if _, err := dec.Token(); err != io.EOF {
-				return 0, fmt.Errorf("reading drain request body: more than one JSON object")
+		if inBody {
+			if given {
+				return 0, fmt.Errorf("deadline given in both the query and the body")
 			}
-			if body.Deadline != nil {
-				if given {
-					return 0, fmt.Errorf("deadline given in both the query and the body")
-				}
-				raw, given = *body.Deadline, true
-			}
+			raw, given = deadline, true
 		}
 	}
 	if !given {

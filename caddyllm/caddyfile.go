@@ -41,8 +41,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		switch opt := d.Val(); opt {
+		opt := d.Val()
+		if seen[opt] {
+			// Given twice, one of them is a mistake: say so rather than
+			// let the later win silently.
+			return d.Errf("%s already specified", opt)
+		}
+		seen[opt] = true
+		switch opt {
 		case "block_tokens":
 			if err := intArg(d, &h.BlockTokens); err != nil {
 				return err
@@ -62,6 +70,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			size, err := humanize.ParseBytes(d.Val())
 			if err != nil {
 				return d.Errf("parsing max_body %q: want a size such as 32MiB or 1MB: %v", d.Val(), err)
+			}
+			if size > maxMaxBodyBytes {
+				// Beyond int64 it would wrap negative, which means the
+				// default.
+				return d.Errf("max_body %s is larger than 1GiB: the router holds a request's whole body", d.Val())
 			}
 			h.MaxBodyBytes = int64(size)
 		case "salt":
@@ -140,8 +153,16 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		"imposed_delay_weight": &p.ImposedDelayWeight, "decode_weight": &p.DecodeWeight,
 		"eviction_weight": &p.EvictionWeight,
 	}
+	seen := make(map[string]bool)
 	for d.NextBlock(0) {
 		opt := d.Val()
+		// Given twice, one of them is a mistake: say so rather than let
+		// the later win silently. Lists (adapters, drain) and upstream
+		// blocks (one per dial) may come in several lines.
+		if repeatable := opt == "adapters" || opt == "drain" || opt == "upstream"; seen[opt] && !repeatable {
+			return d.Errf("%s already specified", opt)
+		}
+		seen[opt] = true
 		if dst, ok := durations[opt]; ok {
 			if !d.NextArg() {
 				return d.ArgErr()
@@ -170,14 +191,9 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
-			// Given twice, one of them is a mistake: say so rather than
-			// let the later win silently.
 			dst := &p.OutputEstimate
 			if opt == "strategy" {
 				dst = &p.Strategy
-			}
-			if *dst != "" {
-				return d.Errf("%s already specified", opt)
 			}
 			*dst = d.Val()
 		case "output_tokens":
@@ -202,7 +218,12 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			hp := new(HardwareProfile)
+			given := make(map[string]bool)
 			for nesting := d.Nesting(); d.NextBlock(nesting); {
+				if given[d.Val()] {
+					return d.Errf("%s already specified for upstream %s", d.Val(), dial)
+				}
+				given[d.Val()] = true
 				if err := hardwareArg(d, d.Val(), hp); err != nil {
 					return err
 				}
@@ -219,10 +240,11 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			p.Upstreams[dial] = hp
 			continue
 		case "adapters":
-			p.Adapters = append(p.Adapters, d.RemainingArgs()...)
-			if len(p.Adapters) == 0 {
+			names := d.RemainingArgs()
+			if len(names) == 0 {
 				return d.ArgErr()
 			}
+			p.Adapters = append(p.Adapters, names...)
 			continue
 		case "max_loras":
 			if err := intArg(d, &p.MaxLoras); err != nil {
@@ -241,10 +263,11 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		case "drain":
-			p.Drain = append(p.Drain, d.RemainingArgs()...)
-			if len(p.Drain) == 0 {
+			dials := d.RemainingArgs()
+			if len(dials) == 0 {
 				return d.ArgErr()
 			}
+			p.Drain = append(p.Drain, dials...)
 			continue
 		case "metrics_path":
 			if !d.NextArg() {
@@ -271,9 +294,6 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "explain_header":
 			p.ExplainHeader = true
 		case "sync":
-			if p.Sync != nil {
-				return d.Err("sync already specified")
-			}
 			p.Sync = &SyncConfig{URLs: d.RemainingArgs()}
 			if len(p.Sync.URLs) == 0 {
 				return d.ArgErr()
@@ -283,6 +303,9 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				dst, ok := fields[d.Val()]
 				if !ok {
 					return d.Errf("unrecognized sync option '%s'", d.Val())
+				}
+				if *dst != "" {
+					return d.Errf("sync %s already specified", d.Val())
 				}
 				if !d.NextArg() {
 					return d.ArgErr()
@@ -296,9 +319,6 @@ func (p *Policy) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "fallback":
 			if !d.NextArg() {
 				return d.ArgErr()
-			}
-			if p.FallbackRaw != nil {
-				return d.Err("fallback selection policy already specified")
 			}
 			name := d.Val()
 			modID := "http.reverse_proxy.selection_policies." + name

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -85,6 +86,18 @@ func TestCaddyfileErrors(t *testing.T) {
 		{"llm_affinity {\n upstream a:1 {\n kv_capacity 1 decode_rate 2\n }\n}", "wrong argument count or unexpected line ending after 'decode_rate'"},
 		{"llm_affinity {\n queue_timeout 5s drain_deadline 1s\n}", "wrong argument count or unexpected line ending after 'drain_deadline'"},
 		{"llm_affinity {\n tie 0.01 0.02\n}", "wrong argument count or unexpected line ending after '0.02'"},
+		// Any option but a list or an upstream block, given twice.
+		{"llm_affinity {\n queue_timeout 5s\n queue_timeout 1m\n}", "queue_timeout already specified"},
+		{"llm_affinity {\n prefill_rate 1\n prefill_rate 2\n}", "prefill_rate already specified"},
+		{"llm_affinity {\n sglang 0.5 32 1.5\n sglang 0.4 16 1.1\n}", "sglang already specified"},
+		{"llm_affinity {\n tie 0.01\n tie 0.02\n}", "tie already specified"},
+		{"llm_affinity {\n explain_header\n explain_header\n}", "explain_header already specified"},
+		{"llm_affinity {\n upstream a:1 {\n kv_capacity 1\n kv_capacity 2\n }\n}", "kv_capacity already specified for upstream a:1"},
+		{"llm_affinity {\n sync nats://a:1 {\n subject x\n subject y\n }\n}", "sync subject already specified"},
+		{"llm_affinity {\n fallback first\n fallback random\n}", "fallback already specified"},
+		// A list's later line without arguments.
+		{"llm_affinity {\n adapters a\n adapters\n}", "wrong argument count"},
+		{"llm_affinity {\n drain a:1\n drain\n}", "wrong argument count"},
 	} {
 		var p Policy
 		err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
@@ -96,11 +109,21 @@ func TestCaddyfileErrors(t *testing.T) {
 		{`llm_affinity { max_body lots }`, "parsing max_body"},
 		{`llm_affinity { max_body -1 }`, `parsing max_body "-1": want a size such as 32MiB`},
 		{`llm_affinity { block_tokens x }`, `block_tokens: not an integer: "x"`},
+		// Past int64 it would wrap negative, which means the default.
+		{`llm_affinity { max_body 10EB }`, "max_body 10EB is larger than 1GiB"},
+		{`llm_affinity { max_body 18446744073709551615 }`, "is larger than 1GiB"},
+		{"llm_affinity {\n salt a\n salt b\n}", "salt already specified"},
 	} {
 		var h Handler
 		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in)); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("handler %q: error %v, want %q", tc.in, err, tc.want)
 		}
+	}
+	// Lists may come in several lines.
+	var p Policy
+	if err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser("llm_affinity {\n adapters a\n adapters b c\n drain x:1\n drain y:1\n}")); err != nil ||
+		!slices.Equal(p.Adapters, []string{"a", "b", "c"}) || !slices.Equal(p.Drain, []string{"x:1", "y:1"}) {
+		t.Fatalf("lists in several lines: adapters %q, drain %q, %v", p.Adapters, p.Drain, err)
 	}
 	var h Handler
 	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_affinity {

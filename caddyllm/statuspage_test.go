@@ -167,6 +167,10 @@ func TestDrainRequestsAsked(t *testing.T) {
 		{"", `null`}, {"", `["5s"]`}, {"", `[1]`}, {"", `{"deadline":5}`}, {"", `{"deadline":""}`},
 		{"?deadlin=5s", ""}, {"?deadline=1s&deadline=1h", ""}, {"?deadline=", ""}, {"?deadline=-1s", ""},
 		{"?deadline=10s", `{"deadline":"1h"}`},
+		// A deadline given twice, or named otherwise (encoding/json would
+		// take the last, and "Deadline" for it); null is no string.
+		{"", `{"deadline":"5s","deadline":"9s"}`}, {"", `{"Deadline":"3s"}`}, {"", `{"deadline":null}`},
+		{"", `{"deadline":"5s"`}, {"", `{}{}`},
 	} {
 		var body io.Reader
 		if tc.body != "" {
