@@ -1866,14 +1866,7 @@ func TestKeptMessagesCountAsDroppedOnce(t *testing.T) {
 // fast peer's drain back when it is restated; a drain's deadline still
 // counts from when the operator made it.
 func TestOpAfterAFastPeersStands(t *testing.T) {
-	here, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	here, other := unconnected(t), unconnected(t)
 	ahead := time.Now().Add(time.Hour).UnixNano()
 	fastDrain := Message{Drain: "x:1", Deadline: time.Minute}
 	if !here.peerOp(&fastDrain, ahead) || !other.peerOp(&fastDrain, ahead) {
@@ -1909,14 +1902,7 @@ func TestOpAfterAFastPeersStands(t *testing.T) {
 // the other's and drops its own (which would split them for good). Two
 // ops made one after the other on one router are ordered so as well.
 func TestOpsAfterTheSameFastOpAgree(t *testing.T) {
-	a, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b := unconnected(t), unconnected(t)
 	ahead := time.Now().Add(time.Hour).UnixNano()
 	fast := Message{Drain: "x:1", Deadline: time.Minute}
 	a.peerOp(&fast, ahead)
@@ -1939,4 +1925,14 @@ func TestOpsAfterTheSameFastOpAgree(t *testing.T) {
 	if second.order <= first.order {
 		t.Fatalf("one router's ops in a row ordered %d then %d", first.order, second.order)
 	}
+}
+
+// unconnected is a syncer that was never started, for its bookkeeping.
+func unconnected(t *testing.T) *Syncer {
+	t.Helper()
+	s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
