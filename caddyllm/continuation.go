@@ -245,9 +245,15 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	echo, _ := rawLaxBool(m["echo"])
 	switch endpoint {
 	case EndpointCompletions:
+		// Text only: token ids would need the text generated as token
+		// ids, which only the engine's tokenizer gives.
 		var prompt string
+		var inList []string
 		if err := json.Unmarshal(m["prompt"], &prompt); err != nil {
-			return nil, nil, errors.New("only a string prompt can be continued")
+			if json.Unmarshal(m["prompt"], &inList) != nil || len(inList) != 1 {
+				return nil, nil, errors.New("only a text prompt can be continued (not token ids, nor several prompts)")
+			}
+			prompt = inList[0] // a list of one text
 		}
 		if echo && text != "" {
 			// vLLM sends the prompt before the first text: the client has
@@ -259,7 +265,11 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 			}
 			m["echo"] = json.RawMessage("false")
 		}
-		m["prompt"] = mustJSON(prompt + text)
+		if inList != nil {
+			m["prompt"] = mustJSON([]string{prompt + text})
+		} else {
+			m["prompt"] = mustJSON(prompt + text)
+		}
 	case EndpointChatCompletions:
 		if echo {
 			// With echo, vLLM sends the final message again when the

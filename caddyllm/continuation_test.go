@@ -779,3 +779,24 @@ func TestContinuationOfACompletionWithoutMaxTokens(t *testing.T) {
 		t.Errorf("a chat continuation asked for %s; a chat request without max_tokens has no such default", continued)
 	}
 }
+
+// TestContinuationOfPromptForms: a completion's prompt given as a list of
+// one text is continued as one; token ids (the text generated would have
+// to be token ids, which only the engine's tokenizer gives) and several
+// prompts are not, and their streams end with an error event.
+func TestContinuationOfPromptForms(t *testing.T) {
+	_, continued := continuedBody(t, "/v1/completions",
+		`{"model":"m","prompt":["Hello"],"max_tokens":8,"stream":true}`,
+		completionEvent(" a"), completionEvent(" b")+"data: [DONE]\n\n")
+	var req struct{ Prompt []string }
+	if err := json.Unmarshal([]byte(continued), &req); err != nil || !slices.Equal(req.Prompt, []string{"Hello a"}) {
+		t.Fatalf("a list of one text: the continuation asked for %s (%v); want the prompt [Hello a]", continued, err)
+	}
+	for _, prompt := range []string{`[1,2,3]`, `[[1,2],[3]]`, `["a","b"]`} {
+		got, continued := continuedBody(t, "/v1/completions",
+			`{"model":"m","prompt":`+prompt+`,"max_tokens":8,"stream":true}`, completionEvent(" a"), "")
+		if continued != "" || !strings.Contains(got, "only a text prompt can be continued") || !strings.HasSuffix(got, "data: [DONE]\n\n") {
+			t.Errorf("prompt %s: continued with %q, the client got %q", prompt, continued, got)
+		}
+	}
+}

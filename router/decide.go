@@ -120,9 +120,10 @@ type Decision struct {
 	// Unservable, when nothing was chosen, says no member serves the
 	// request's model (every one lists its models, and none lists it):
 	// waiting cannot help. NotRunning says the members that might serve
-	// it (their models unknown) are all down, nothing listening there: a
-	// wait of a few seconds is not likely to help either, but the model
-	// may exist (an engine still starting).
+	// it (listing its model, or their models unknown) are all down,
+	// nothing listening there (the whole fleet, it may be): a wait of a
+	// few seconds is not likely to help either, but the model may exist
+	// (an engine still starting).
 	Unservable, NotRunning bool
 	// ModelRequired says the request names no model while the members
 	// serve more than one base model (by their lists): an engine serves
@@ -164,12 +165,11 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		// the model, whatever else keeps each from taking it now (a drain,
 		// Caddy's health checks, a full queue), none of which lasts.
 		servers, tooSmall := 0, true
-		listed, unlistedDown := false, len(cands) > 0
+		serversDown := len(cands) > 0
 		for i := range cands {
 			c := &cands[i]
 			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
-			listed = listed || byModel
-			unlistedDown = unlistedDown && (byModel || members[i].Down)
+			serversDown = serversDown && (byModel || members[i].Down)
 			d.Unservable = d.Unservable && byModel
 			if !byModel {
 				servers++
@@ -178,7 +178,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 			}
 		}
 		d.TooLong = servers > 0 && tooSmall
-		d.NotRunning = !d.Unservable && listed && unlistedDown
+		d.NotRunning = !d.Unservable && serversDown
 		return d
 	}
 	u, cand := states[sd.Chosen], &cands[sd.Chosen]

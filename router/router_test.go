@@ -423,6 +423,21 @@ func TestUnservableModel(t *testing.T) {
 	if d := f.Decide(t0, Request{Model: "tenant-a", PromptTokens: 10}, ms, &opts, rng(), nil); d.Charge != nil || d.Unservable || !d.NotRunning {
 		t.Fatalf("an adapter only b, down, listed: %+v", d)
 	}
+	// The whole fleet down, each listing the model: not running either
+	// (a wait at the gateway would not bring an engine back), and so
+	// while one of them is still up but busy (it can take the request
+	// later).
+	all := members("a", "b")
+	for i := range all {
+		all[i].Models, all[i].Down, all[i].Available = []scrape.ModelInfo{{ID: "llama"}}, true, false
+	}
+	if d := f.Decide(t0, Request{Model: "llama", PromptTokens: 10}, all, &opts, rng(), nil); d.Charge != nil || d.Unservable || !d.NotRunning {
+		t.Fatalf("every upstream serving the model down: %+v", d)
+	}
+	all[0].Down = false
+	if d := f.Decide(t0, Request{Model: "llama", PromptTokens: 10}, all, &opts, rng(), nil); d.Charge != nil || d.NotRunning {
+		t.Fatalf("one upstream serving the model up, unavailable now: %+v", d)
+	}
 }
 
 // TestListedBeatsUnknown: an upstream whose list names the model asked
