@@ -191,3 +191,31 @@ func TestDrainRequestsAsked(t *testing.T) {
 		t.Fatalf("after a drain: %s", got)
 	}
 }
+
+// FuzzDrainBodyDeadline: a drain body the reader takes is one JSON
+// object, and its deadline is what encoding/json reads from it; one it
+// refuses gets an error that names no Go type.
+func FuzzDrainBodyDeadline(f *testing.F) {
+	for _, b := range []string{`{"deadline":"5s"}`, `{}`, `{"deadline":"5s","deadline":"9s"}`, `{"Deadline":"1s"}`,
+		`{"deadline":null}`, `{"deadline":5}`, ` { "deadline" : "1m" } `, `{"deadline":"\u0035s"}`, `[]`, `{"deadline":"5s"}{}`} {
+		f.Add([]byte(b))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		deadline, given, err := drainBodyDeadline(strings.NewReader(string(body)), false)
+		if err != nil {
+			if strings.Contains(err.Error(), "Go ") || strings.Contains(err.Error(), "*string") {
+				t.Fatalf("%q: %v", body, err)
+			}
+			return
+		}
+		var ref struct {
+			Deadline *string `json:"deadline"`
+		}
+		if json.Unmarshal(body, &ref) != nil {
+			t.Fatalf("took %q, which encoding/json refuses", body)
+		}
+		if given != (ref.Deadline != nil) || given && deadline != *ref.Deadline {
+			t.Fatalf("%q: deadline %q (given %v), encoding/json reads %v", body, deadline, given, ref.Deadline)
+		}
+	})
+}
