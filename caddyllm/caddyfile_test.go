@@ -145,10 +145,17 @@ func TestPolicyValidate(t *testing.T) {
 		{OutputEstimate: OutputAverage, ShedStatus: 503, ImposedDelayWeight: math.NaN()},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, TieSeconds: math.Inf(1)},
 		{OutputEstimate: OutputAverage, ShedStatus: 503, KVMarginTokens: -100_000}, // would turn the KV fit off
+		// Under a token a second: estimates centuries long.
+		{OutputEstimate: OutputAverage, ShedStatus: 503, Hardware: &HardwareProfile{PrefillTokensPerSecond: 1e-300}},
+		{OutputEstimate: OutputAverage, ShedStatus: 503, Upstreams: map[string]*HardwareProfile{"a:1": {DecodeTokensPerSecond: 0.5}}},
 	} {
 		if err := p.Validate(); err == nil {
 			t.Errorf("%+v validated", p)
 		}
+	}
+	ok := Policy{OutputEstimate: OutputAverage, ShedStatus: 503, Hardware: &HardwareProfile{PrefillTokensPerSecond: 1, DecodeTokensPerSecond: 120}}
+	if err := ok.Validate(); err != nil {
+		t.Errorf("rates of 1 and 120 tokens a second: %v", err)
 	}
 }
 
