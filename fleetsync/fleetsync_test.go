@@ -1936,3 +1936,32 @@ func unconnected(t *testing.T) *Syncer {
 	}
 	return s
 }
+
+// TestSnapshotCarriesOpTimes: a router that starts from a peer's snapshot
+// learns when the drains in it were made, as the peer knows it, so its
+// own later op of such an upstream is placed after them, even after one
+// stamped by a peer whose clock ran an hour fast.
+func TestSnapshotCarriesOpTimes(t *testing.T) {
+	ns := startNATS(t, -1)
+	a := startPeerRouter(t, ns.ClientURL(), "a", "test.optimes", "x:1")
+	answering(t, ns, "test.optimes")
+	ahead := time.Now().Add(time.Hour).UnixNano()
+	if !a.syncer.peerOp(&Message{Drain: "x:1", Deadline: time.Minute}, ahead) {
+		t.Fatal("a did not take the fast peer's drain")
+	}
+	a.drained.Store("x:1", time.Minute)
+
+	b := startPeerRouter(t, ns.ClientURL(), "b", "test.optimes", "x:1")
+	waitFor(t, "b starting with a's view", func() bool { return b.syncer.Stats().SnapshotFrom == a.syncer.Name() })
+	if _, ok := b.drained.Load("x:1"); !ok {
+		t.Fatal("the drain did not reach b")
+	}
+	undrain := Message{Undrain: "x:1"}
+	b.syncer.numberOp(&undrain)
+	if undrain.order <= ahead {
+		t.Fatalf("b's undrain is placed at %d, before the drain it learned from the snapshot (%d)", undrain.order, ahead)
+	}
+	if !a.syncer.peerOp(&undrain, undrain.order) {
+		t.Fatal("a ignored b's undrain")
+	}
+}

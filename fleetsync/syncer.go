@@ -828,11 +828,18 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 			log.Info("started with a peer's view", zap.String("from", from), zap.Uint64("messages", s.snapshotMessages.Load()))
 			return true
 		}
+		times := opTimes(msg)
 		for _, m := range b.Messages {
 			select {
 			case <-s.stop:
 				return true
 			default:
+			}
+			if m.opDial() != "" && len(times) > 0 {
+				// When the peer knows the drain was made: this router's
+				// own later op of the upstream is placed after it.
+				s.noteOpAt(m.opDial(), times[0])
+				times = times[1:]
 			}
 			if s.newerLiveOp(&m) {
 				continue
@@ -929,6 +936,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	var msgs []Message
 	if instance != s.cfg.Instance {
 		msgs = s.cfg.Snapshot()
+		s.stampSnapshotOps(msgs)
 	}
 	// Else a new connection of this router's own (a reload changed its
 	// sync options) asks, while this one is still in the queue group: it
@@ -939,6 +947,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 		parts++
 		reply := nats.NewMsg(msg.Reply)
 		reply.Header.Set(partHeader, strconv.Itoa(parts))
+		setOpTimes(reply.Header, b.Messages)
 		reply.Data = AppendBatch(nil, &b)
 		b.Messages, size = b.Messages[:0], 0
 		return nc.PublishMsg(reply)
@@ -1068,6 +1077,29 @@ func (s *Syncer) noteOwnOp(m Message) {
 		s.ownOps[dial] = m
 	}
 	s.noteOpAtLocked(dial, m.orderAt())
+}
+
+// stampSnapshotOps gives the operators' drains among msgs, a snapshot,
+// the time of the latest op of their upstream known here.
+func (s *Syncer) stampSnapshotOps(msgs []Message) {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	for i := range msgs {
+		if dial := msgs[i].opDial(); dial != "" {
+			msgs[i].order = s.opAt[dial]
+		}
+	}
+}
+
+// noteOpAt is noteOpAtLocked, taking the lock; an unknown time (0) is
+// not noted.
+func (s *Syncer) noteOpAt(dial string, at int64) {
+	if at == 0 {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	s.noteOpAtLocked(dial, at)
 }
 
 // noteOpAtLocked records at as when dial's latest op was made, if later
