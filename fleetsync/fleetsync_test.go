@@ -1965,3 +1965,20 @@ func TestSnapshotCarriesOpTimes(t *testing.T) {
 		t.Fatal("a ignored b's undrain")
 	}
 }
+
+// TestOpTableForgetsTheOldest: past its bound the table of op times
+// forgets the upstream whose latest op is the oldest, not every one: an
+// upstream a fast peer drained stays ordered after that drain.
+func TestOpTableForgetsTheOldest(t *testing.T) {
+	s := unconnected(t)
+	ahead := time.Now().Add(time.Hour).UnixNano()
+	s.peerOp(&Message{Drain: "x:1", Deadline: time.Minute}, ahead)
+	for i := range maxLostOps + 10 {
+		s.peerOp(&Message{Drain: fmt.Sprintf("u%d:1", i)}, time.Now().UnixNano())
+	}
+	undrain := Message{Undrain: "x:1"}
+	s.numberOp(&undrain)
+	if undrain.order <= ahead || len(s.opAt) > maxLostOps {
+		t.Fatalf("after %d other upstreams' ops the undrain is placed at %d, before the fast drain (%d); %d times kept", maxLostOps+10, undrain.order, ahead, len(s.opAt))
+	}
+}

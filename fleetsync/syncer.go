@@ -25,6 +25,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"net/url"
@@ -1105,8 +1106,20 @@ func (s *Syncer) noteOpAt(dial string, at int64) {
 // noteOpAtLocked records at as when dial's latest op was made, if later
 // than what is known. Caller holds opsMu.
 func (s *Syncer) noteOpAtLocked(dial string, at int64) {
-	if _, known := s.opAt[dial]; s.opAt == nil || !known && len(s.opAt) >= maxLostOps {
-		s.opAt = make(map[string]int64) // bounded: forgetting only lets a stale op through
+	if s.opAt == nil {
+		s.opAt = make(map[string]int64)
+	}
+	if _, known := s.opAt[dial]; !known && len(s.opAt) >= maxLostOps {
+		// Bounded: the upstream whose latest op is the oldest goes.
+		// Forgetting it lets a stale op of it through, or has this
+		// router's next op of it stamped by its clock alone.
+		oldest, oldestAt := "", int64(math.MaxInt64)
+		for d, t := range s.opAt {
+			if t < oldestAt {
+				oldest, oldestAt = d, t
+			}
+		}
+		delete(s.opAt, oldest)
 	}
 	s.opAt[dial] = max(s.opAt[dial], at)
 }
