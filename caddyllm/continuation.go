@@ -381,41 +381,46 @@ func extendContent(msg json.RawMessage, text string) (json.RawMessage, error) {
 // rawLaxBool reads a raw JSON value as the parser reads a boolean field
 // (true, "yes", 1), as vLLM does; ok is false for anything else.
 func rawLaxBool(raw json.RawMessage) (v, ok bool) {
-	raw = bytes.TrimSpace(raw)
-	switch string(raw) {
-	case "true":
+	p, quoted, ok := rawScalar(raw)
+	switch {
+	case !ok:
+		return false, false
+	case !quoted && string(p) == "true":
 		return true, true
-	case "false":
+	case !quoted && string(p) == "false":
 		return false, true
 	}
-	if len(raw) > 0 && raw[0] == '"' {
-		var s string
-		if json.Unmarshal(raw, &s) != nil {
-			return false, false
-		}
-		return laxBool([]byte(s), true)
+	return laxBool(p, quoted)
+}
+
+// rawScalar is raw, a JSON value, as the lax readers take it: a string's
+// contents (quoted), or the value itself; ok is false for a string that
+// does not decode.
+func rawScalar(raw json.RawMessage) (p []byte, quoted, ok bool) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || raw[0] != '"' {
+		return raw, false, true
 	}
-	return laxBool(raw, false)
+	var s string
+	if json.Unmarshal(raw, &s) != nil {
+		return nil, false, false
+	}
+	return []byte(s), true, true
 }
 
 // rawLaxInt reads a raw JSON value as the parser reads an integer field
 // (16, 16.0, "16", true), as vLLM does; ok is false for anything else.
 func rawLaxInt(raw json.RawMessage) (int, bool) {
-	raw = bytes.TrimSpace(raw)
-	switch string(raw) {
-	case "true":
+	p, quoted, ok := rawScalar(raw)
+	switch {
+	case !ok:
+		return 0, false
+	case !quoted && string(p) == "true":
 		return 1, true
-	case "false":
+	case !quoted && string(p) == "false":
 		return 0, true
 	}
-	if len(raw) > 0 && raw[0] == '"' {
-		var s string
-		if json.Unmarshal(raw, &s) != nil {
-			return 0, false
-		}
-		return laxInt([]byte(s), true)
-	}
-	return laxInt(raw, false)
+	return laxInt(p, quoted)
 }
 
 func mustJSON(v any) json.RawMessage {

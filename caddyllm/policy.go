@@ -270,17 +270,6 @@ type HardwareProfile struct {
 	KVCapacityTokens int `json:"kv_capacity_tokens,omitempty"`
 }
 
-// rate is hp's prefill (or decode) rate as given, 0 for a nil profile.
-func (hp *HardwareProfile) rate(prefill bool) float64 {
-	switch {
-	case hp == nil:
-		return 0
-	case prefill:
-		return hp.PrefillTokensPerSecond
-	}
-	return hp.DecodeTokensPerSecond
-}
-
 // CaddyModule returns the Caddy module information.
 func (Policy) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
@@ -538,12 +527,15 @@ func (p *Policy) Validate() error {
 		}
 	}
 	for _, hp := range append([]*HardwareProfile{p.Hardware}, mapValues(p.Upstreams)...) {
-		if hp != nil && (hp.PrefillTokensPerSecond < 0 || hp.DecodeTokensPerSecond < 0 || hp.KVCapacityTokens < 0) {
+		if hp == nil {
+			continue
+		}
+		if hp.PrefillTokensPerSecond < 0 || hp.DecodeTokensPerSecond < 0 || hp.KVCapacityTokens < 0 {
 			return fmt.Errorf("hardware profile values must not be negative")
 		}
 		// Under a token a second, a rate is a mistake (a unit, a
 		// decimal point) that would make every estimate centuries long.
-		for _, rate := range []float64{hp.rate(true), hp.rate(false)} {
+		for _, rate := range []float64{hp.PrefillTokensPerSecond, hp.DecodeTokensPerSecond} {
 			if rate > 0 && rate < 1 {
 				return fmt.Errorf("prefill_rate and decode_rate are tokens a second: %v is under 1", rate)
 			}

@@ -836,14 +836,14 @@ func withCached(u usage, cached int, hasCached bool) reportedUsage {
 // generatesOtherwise reports whether a chunk without text carries a tool
 // call or reasoning (vLLM's reasoning_content, or reasoning).
 func generatesOtherwise(data []byte) bool {
-	return indexByRare(data, `"tool_calls":[{`, '[') >= 0 ||
-		nonEmptyString(data, `"reasoning_content":"`) || nonEmptyString(data, `"reasoning":"`)
+	return indexByRare(data, `"tool_calls":[{`, '[') >= 0 || thinks(data)
 }
 
-// thinks reports whether a chunk with text carries a reasoning model's
-// thoughts as well (reasoning_content, or reasoning, not empty): one
-// search for both keys, as most chunks have neither. (Tool calls come
-// only to a request that offers tools, which is not continued anyway.)
+// thinks reports whether a chunk carries a reasoning model's thoughts
+// (reasoning_content, or reasoning, not empty): one search for both
+// keys, as most chunks have neither. For a chunk with text it is all
+// generatesOtherwise asks (tool calls come only to a request that offers
+// tools, which is not continued anyway).
 func thinks(data []byte) bool {
 	i := indexByRare(data, `"reasoning`, 'g')
 	if i < 0 {
@@ -1057,12 +1057,13 @@ type spliceState struct {
 	restart bool
 }
 
-// rewriteUsage sets the counts of u in raw, a usage object, keeping its
-// other members (completion_tokens_details, and the like).
-func rewriteUsage(raw json.RawMessage, u *usage) (json.RawMessage, bool) {
+// rewriteUsage sets the counts of u in raw, a usage object (u decoded
+// from it), keeping its other members (completion_tokens_details, and
+// the like).
+func rewriteUsage(raw json.RawMessage, u *usage) json.RawMessage {
 	var m map[string]json.RawMessage
-	if json.Unmarshal(raw, &m) != nil || m == nil {
-		return nil, false
+	if json.Unmarshal(raw, &m) != nil {
+		return raw // not so: u came from it
 	}
 	set := func(m map[string]json.RawMessage, k string, v int) {
 		m[k] = json.RawMessage(strconv.Itoa(v))
@@ -1080,7 +1081,10 @@ func rewriteUsage(raw json.RawMessage, u *usage) (json.RawMessage, bool) {
 		}
 	}
 	b, err := json.Marshal(m)
-	return b, err == nil
+	if err != nil {
+		return raw
+	}
+	return b
 }
 
 // rewrite gives a continuation chunk the original stream's identity and
@@ -1107,11 +1111,7 @@ func (s *spliceState) rewrite(data []byte, chunk *streamChunk, t *tokenRecorder)
 			// was given as prompt, which the client's prompt is not.
 			d.CachedTokens = min(d.CachedTokens, u.PromptTokens)
 		}
-		if usage, ok := rewriteUsage(m["usage"], u); ok {
-			m["usage"] = usage
-		} else {
-			set("usage", u)
-		}
+		m["usage"] = rewriteUsage(m["usage"], u)
 	}
 	out, err := json.Marshal(m)
 	if err != nil {

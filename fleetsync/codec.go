@@ -96,9 +96,9 @@ type Message struct {
 	// seq orders an operator's messages within the sending router (see
 	// Syncer.numberOp), and made is when the operator made it; they are
 	// not sent. order places it among every router's drains and undrains
-	// of the upstream (unix nanoseconds; sent in opTimesHeader): made, or
-	// just after the latest one known here when that is later, as a
-	// peer's is when its clock runs fast.
+	// of the upstream (unix nanoseconds, 0 unknown; sent in
+	// opTimesHeader): made, or just after the latest one known here when
+	// that is later, as a peer's is when its clock runs fast.
 	seq   uint64
 	made  time.Time
 	order int64

@@ -1077,7 +1077,7 @@ func (s *Syncer) noteOwnOp(m Message) {
 	if _, ok := s.ownOps[dial]; ok || len(s.ownOps) < maxLostOps {
 		s.ownOps[dial] = m
 	}
-	s.noteOpAtLocked(dial, m.orderAt())
+	s.noteOpAtLocked(dial, m.order)
 }
 
 // stampSnapshotOps gives the operators' drains among msgs, a snapshot,
@@ -1140,18 +1140,6 @@ func (s *Syncer) peerOp(m *Message, at int64) bool {
 		s.noteOpAtLocked(dial, at)
 	}
 	return true
-}
-
-// orderAt is m's order among its upstream's ops (see Message.order), 0
-// when unknown.
-func (m *Message) orderAt() int64 {
-	switch {
-	case m.order != 0:
-		return m.order
-	case !m.made.IsZero():
-		return m.made.UnixNano()
-	}
-	return 0
 }
 
 // opDial is the upstream m concerns when it is an operator's drain or
@@ -1526,7 +1514,7 @@ func setOpTimes(h nats.Header, msgs []Message) {
 		if len(b) > 0 {
 			b = append(b, ',')
 		}
-		b = strconv.AppendInt(b, msgs[i].orderAt(), 10)
+		b = strconv.AppendInt(b, msgs[i].order, 10)
 	}
 	if b == nil {
 		h.Del(opTimesHeader)
