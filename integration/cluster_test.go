@@ -53,15 +53,34 @@ func buildCaddy(t *testing.T) string {
 	return caddyBin
 }
 
+// freePort returns a TCP port nothing listens on now, never one it
+// returned before in this process.
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	for {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		// The kernel may hand out a port again once it is closed, before
+		// the process it was picked for listens on it: a quickstart's
+		// replica once got its admin API's port and never answered.
+		if !portsGiven[port] {
+			portsGiven[port] = true
+			return port
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
+
+// portsGiven are the ports freePort returned in this process.
+var (
+	portsMu    sync.Mutex
+	portsGiven = make(map[int]bool)
+)
 
 // natsServer runs a real NATS server in this process on port.
 func natsServer(t *testing.T, port int) *server.Server { return natstest.Start(t, port) }
