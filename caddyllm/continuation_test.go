@@ -434,15 +434,15 @@ func TestAnswersExplained(t *testing.T) {
 			t.Fatalf("teaching request: %d %s", rr.Code, rr.Body)
 		}
 	}
-	rr, repl = serve(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("many words ", 1000)+`"}],"max_tokens":7}`, nil)
+	rr, repl = serve(`{"model":"m","messages":[{"role":"user","content":"`+strings.Repeat("many words ", 2000)+`"}],"max_tokens":7}`, nil)
 	prompt := placeholder(repl, "prompt_tokens")
 	want = fmt.Sprintf("reason=refused; blocked_by=context_length; prompt=%s; attempt=1", prompt)
 	var answer struct {
 		Error struct{ Message string } `json:"error"`
 	}
 	json.Unmarshal(rr.Body.Bytes(), &answer)
-	if parsed, _ := strconv.Atoi(prompt); parsed < 5000 {
-		t.Errorf("the refusal's prompt %s tokens is not the learned count (11,000 bytes at 2 a token)", prompt)
+	if parsed, _ := strconv.Atoi(prompt); parsed < 10_000 {
+		t.Errorf("the refusal's prompt %s tokens is not the learned count (22,000 bytes at 2 a token)", prompt)
 	}
 	if rr.Code != http.StatusBadRequest || rr.Header().Get(explainHeader) != want || !strings.Contains(answer.Error.Message, prompt) {
 		t.Errorf("too long: %d, explanation %q, want %q; message %q", rr.Code, rr.Header().Get(explainHeader), want, answer.Error.Message)

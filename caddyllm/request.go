@@ -392,26 +392,32 @@ type reading struct {
 	tools        span
 	toolsSet     bool
 	messagesSeen bool
-	messagesErr  error
-	hashedTools  span
-	hashedSet    bool
+	// toolsExtra and msgsExtra are the bytes the escapes of the tools and
+	// of the messages kept (or the Responses input's items) take beyond
+	// their text (see scanner.escapeExtra): the prompt's size is its
+	// text's, as the engine reads it.
+	toolsExtra, msgsExtra int
+	messagesErr           error
+	hashedTools           span
+	hashedSet             bool
 
 	// Responses: whether the input was given (a string or an array; its
 	// items are in the scratch's msgs), its first error, the
 	// instructions' string contents (set when not empty) and their error,
 	// and max_output_tokens. The input's and instructions' errors are
 	// the last value's: a key given again replaces them, as its value.
-	inputSeen       bool
-	inputErr        error
-	instructions    span
-	instructionsSet bool
-	instructionsErr error
-	maxOutput       optInt
-	previous        span
-	previousEscaped bool
-	previousSet     bool
-	noStore         bool
-	background      bool
+	inputSeen         bool
+	inputErr          error
+	instructions      span
+	instructionsSet   bool
+	instructionsErr   error
+	instructionsExtra int
+	maxOutput         optInt
+	previous          span
+	previousEscaped   bool
+	previousSet       bool
+	noStore           bool
+	background        bool
 
 	// Completions: the prompt's shape error, its size in tokens and, for
 	// text, in bytes (0 for token ids).
@@ -560,7 +566,14 @@ var utf8BOM = []byte("\xef\xbb\xbf")
 // media parts left out.
 func (r *reading) countText(req *Request) {
 	media := r.mediaBytes()
-	req.PromptBytes = r.sc.blocks.Len() - media
+	escapes := r.msgsExtra
+	if r.toolsSet {
+		escapes += r.toolsExtra
+	}
+	if r.endpoint == EndpointResponses && r.instructionsSet {
+		escapes += r.instructionsExtra
+	}
+	req.PromptBytes = max(0, r.sc.blocks.Len()-media-escapes)
 	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), media > 0
 }
 
@@ -655,10 +668,12 @@ func (r *reading) object() {
 			v, ok := r.laxFlag()
 			r.background = ok && v
 		case fieldTools:
+			before := s.escapeExtra
 			start, end, ok := s.skip()
 			if ok {
 				r.tools = span{start, end}
 				r.toolsSet = string(r.body[start:end]) != "null"
+				r.toolsExtra = s.escapeExtra - before
 			}
 		case fieldMaxTokens:
 			r.optInt(&r.maxTokens, "max_tokens")
@@ -846,7 +861,7 @@ func (r *reading) messages() {
 	case 'n':
 		if s.literal() {
 			r.messagesSeen, r.messagesErr = false, nil
-			r.sc.msgs = r.sc.msgs[:0]
+			r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
 		}
 		return
 	case '[':
@@ -856,7 +871,7 @@ func (r *reading) messages() {
 		return
 	}
 	r.messagesSeen, r.messagesErr = true, nil
-	r.sc.msgs = r.sc.msgs[:0]
+	r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
 	if r.endpoint == EndpointChatCompletions {
 		r.startChat()
 	}
@@ -876,7 +891,7 @@ func (r *reading) message(i int) {
 	switch s.ws() {
 	case 'n':
 		if s.literal() {
-			r.addMessage(i, m)
+			r.addMessage(i, m, 0)
 		}
 		return
 	case '{':
@@ -890,15 +905,19 @@ func (r *reading) message(i int) {
 		return
 	}
 	var x msgExtra
+	// The escapes' extra bytes of what is hashed: the content, name,
+	// tool_call_id and tool_calls (the last value of each counts).
+	var escapes [4]int
 	for first := true; ; first = false {
 		key, more := s.member(first, r.sc.key[:0])
 		if !more {
 			if s.err == nil {
 				r.keepExtra(&m, &x)
-				r.addMessage(i, m)
+				r.addMessage(i, m, escapes[0]+escapes[1]+escapes[2]+escapes[3])
 			}
 			return
 		}
+		before := s.escapeExtra
 		switch f := fieldOf(key, msgFields[:]); f {
 		case fieldRole:
 			if c := s.ws(); c != '"' && c != 'n' {
@@ -917,15 +936,16 @@ func (r *reading) message(i int) {
 			} else {
 				r.content(&m, &x)
 			}
+			escapes[0] = s.escapeExtra - before
 		case fieldName, fieldToolCallID, fieldToolCalls:
 			v := r.value()
 			switch f {
 			case fieldName:
-				x.name = v
+				x.name, escapes[1] = v, s.escapeExtra-before
 			case fieldToolCallID:
-				x.toolCallID = v
+				x.toolCallID, escapes[2] = v, s.escapeExtra-before
 			default:
-				x.toolCalls = v
+				x.toolCalls, escapes[3] = v, s.escapeExtra-before
 			}
 		default:
 			r.skip()
@@ -982,7 +1002,7 @@ func (r *reading) content(m *msgRange, x *msgExtra) {
 			r.skip()
 			continue
 		}
-		partStart := s.pos
+		partStart, partEscapes := s.pos, s.escapeExtra
 		s.pos++
 		if !s.push(true) {
 			return
@@ -1011,7 +1031,7 @@ func (r *reading) content(m *msgRange, x *msgExtra) {
 			return
 		}
 		if media {
-			x.media += s.pos - partStart
+			x.media += s.pos - partStart - (s.escapeExtra - partEscapes)
 		}
 	}
 	if s.err == nil {
@@ -1039,8 +1059,9 @@ func (r *reading) mediaBytes() int {
 	return n
 }
 
-// addMessage records and, for a chat, hashes messages[i].
-func (r *reading) addMessage(i int, m msgRange) {
+// addMessage records and, for a chat, hashes messages[i], whose hashed
+// values' escapes take escapes bytes beyond their text.
+func (r *reading) addMessage(i int, m msgRange, escapes int) {
 	// Only a valid chat's messages are kept (to hash again if its tools
 	// come after them): a body of empty or null elements must not cost
 	// a record each.
@@ -1051,7 +1072,7 @@ func (r *reading) addMessage(i int, m msgRange) {
 		r.messagesErr = badRequestf(fmt.Sprintf("messages[%d].role", i), "invalid request: messages[%d].role is required", i)
 		return
 	}
-	r.sc.msgs = append(r.sc.msgs, m)
+	r.sc.msgs, r.msgsExtra = append(r.sc.msgs, m), r.msgsExtra+escapes
 	r.hashMessage(&m)
 }
 
@@ -1111,9 +1132,11 @@ func (r *reading) readInstructions() {
 	r.instructionsSet, r.instructionsErr = false, nil
 	switch s.ws() {
 	case '"':
+		before := s.escapeExtra
 		start, end, _, ok := s.str()
 		// Empty instructions are none: vLLM adds no system message.
 		r.instructions, r.instructionsSet = span{start, end}, ok && end > start
+		r.instructionsExtra = s.escapeExtra - before
 	case 'n':
 		s.literal()
 	default:
@@ -1128,16 +1151,18 @@ func (r *reading) readInstructions() {
 func (r *reading) input() {
 	s := r.s
 	r.inputSeen, r.inputErr = false, nil
-	r.sc.msgs = r.sc.msgs[:0]
+	r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
 	switch s.ws() {
 	case 'n':
 		s.literal()
 		return
 	case '"':
+		before := s.escapeExtra
 		start, end, _, ok := s.str()
 		if ok {
 			r.inputSeen = true
 			r.sc.msgs = append(r.sc.msgs, msgRange{implied: impliedUser, content: span{start, end}})
+			r.msgsExtra = s.escapeExtra - before
 		}
 		return
 	case '[':
@@ -1168,7 +1193,7 @@ func (r *reading) item(i int) {
 		r.skip()
 		return
 	}
-	start := s.pos
+	start, itemEscapes := s.pos, s.escapeExtra
 	s.pos++
 	if !s.push(true) {
 		return
@@ -1177,6 +1202,7 @@ func (r *reading) item(i int) {
 	var x msgExtra
 	var typ span
 	var typEscaped bool
+	contentEscapes := 0
 	for first := true; ; first = false {
 		key, more := s.member(first, r.sc.key[:0])
 		if !more {
@@ -1186,7 +1212,9 @@ func (r *reading) item(i int) {
 		case fieldRole:
 			r.itemString(i, &m.role, &m.roleEscaped)
 		case fieldContent:
+			before := s.escapeExtra
 			r.content(&m, &x)
+			contentEscapes = s.escapeExtra - before
 		case fieldType:
 			r.itemString(i, &typ, &typEscaped)
 		default:
@@ -1199,8 +1227,10 @@ func (r *reading) item(i int) {
 	switch {
 	case m.role.end > m.role.start:
 		r.keepExtra(&m, &x)
+		r.msgsExtra += contentEscapes
 	case typ.end > typ.start:
 		m = msgRange{role: typ, roleEscaped: typEscaped, content: span{start, s.pos}}
+		r.msgsExtra += s.escapeExtra - itemEscapes
 	default:
 		r.inputErr = badRequestf(fmt.Sprintf("input[%d]", i), "invalid request: input[%d] must have a role or a type", i)
 		return
@@ -1273,11 +1303,13 @@ func (r *reading) prompt() {
 		s.literal()
 		return
 	case '"':
+		before := s.escapeExtra
 		start, end, _, ok := s.str()
 		if ok {
 			b.Reset(r.p.hasher, r.hashBuffer(r.p.hasher.BlockBytes()))
 			b.Write(r.body[start:end])
-			r.promptSet, r.promptTokens, r.promptBytes = true, r.p.tokens(end-start), end-start
+			text := end - start - (s.escapeExtra - before)
+			r.promptSet, r.promptTokens, r.promptBytes = true, r.p.tokens(text), text
 		}
 		return
 	case '[':
@@ -1292,6 +1324,7 @@ func (r *reading) prompt() {
 	}
 	r.promptSet = true
 	form := formTokens
+	escapes := 0 // the strings' escapes' bytes beyond their text
 	switch s.ws() {
 	case ']':
 		s.pos++
@@ -1321,13 +1354,16 @@ func (r *reading) prompt() {
 					r.skip()
 					break
 				}
+				before := s.escapeExtra
 				start, end, _, ok := s.str()
 				if ok {
 					if i > 0 {
 						b.WriteString(sepMessage)
 					}
 					b.Write(r.body[start:end])
-					r.prompts, r.longest = r.prompts+1, max(r.longest, r.p.tokens(end-start))
+					text := end - start - (s.escapeExtra - before)
+					escapes += s.escapeExtra - before
+					r.prompts, r.longest = r.prompts+1, max(r.longest, r.p.tokens(text))
 				}
 			case formBatch:
 				before := r.promptTokens
@@ -1337,7 +1373,8 @@ func (r *reading) prompt() {
 		}
 	}
 	if s.err == nil && form == formStrings {
-		r.promptTokens, r.promptBytes = r.p.tokens(b.Len()), b.Len()
+		text := b.Len() - escapes
+		r.promptTokens, r.promptBytes = r.p.tokens(text), text
 	}
 }
 

@@ -16,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
@@ -94,10 +96,36 @@ func refMedia(content json.RawMessage) int {
 		var typ string
 		if len(typed.Type) > 0 && typed.Type[0] == '"' && json.Unmarshal(typed.Type, &typ) == nil &&
 			!slices.Contains(textParts[:], typ) {
-			media += len(part)
+			media += len(part) - refEscapeExtra(part)
 		}
 	}
 	return media
+}
+
+// refEscapeExtra is the bytes the escapes in raw (valid JSON, or a
+// string's contents) take beyond the UTF-8 they stand for: the prompt is
+// counted as the engine reads its text.
+func refEscapeExtra(raw []byte) int {
+	extra := 0
+	for i := 0; i < len(raw); i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		if raw[i+1] != 'u' {
+			extra++
+			i++
+			continue
+		}
+		v, _ := strconv.ParseUint(string(raw[i+2:i+6]), 16, 32)
+		switch r := rune(v); {
+		case utf16.IsSurrogate(r):
+			extra += 6 - 2 // a pair is 12 bytes for 4
+		default:
+			extra += 6 - utf8.RuneLen(r)
+		}
+		i += 5
+	}
+	return extra
 }
 
 // refRaw is a value as the canonical prompt has it: a string's contents
@@ -311,9 +339,11 @@ func (p *parser) refSalt(cacheSalt *string) (string, error) {
 func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRequest) error {
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
+	escapes := 0
 	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
 		c.Write(tools)
 		c.WriteString(sepMessage)
+		escapes += refEscapeExtra(tools)
 	}
 	message := func(role string, content []byte) {
 		c.WriteString(role)
@@ -323,6 +353,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		}
 		c.Write(content)
 		c.WriteString(sepMessage)
+		escapes += refEscapeExtra(content)
 	}
 	media := 0
 	var instructions *string
@@ -362,7 +393,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		return badRequestf("", "invalid request: input must be a string or an array")
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptBytes = c.Len() - media
+	req.PromptBytes = c.Len() - media - escapes
 	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
 	var store refLaxBool = true
 	req.NoStore = len(raw.Store) > 0 && store.UnmarshalJSON(raw.Store) == nil && !bool(store)
@@ -386,7 +417,8 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	case '"':
 		s := prompt[1 : len(prompt)-1] // valid JSON: ends with the quote
 		req.Hashes = p.hasher.HashBytes(nil, seed, s)
-		req.PromptTokens, req.PromptBytes = p.tokens(len(s)), len(s)
+		text := len(s) - refEscapeExtra(s)
+		req.PromptTokens, req.PromptBytes = p.tokens(text), text
 		return nil
 	case '[':
 	default:
@@ -406,7 +438,7 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 	}
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
-	longest := 0
+	longest, escapes := 0, 0
 	for i, part := range parts {
 		part = bytes.TrimSpace(part)
 		if len(part) < 2 || part[0] != '"' {
@@ -416,10 +448,12 @@ func (p *parser) refHashPrompt(req *Request, seed uint64, prompt json.RawMessage
 			c.WriteString(sepMessage)
 		}
 		c.Write(part[1 : len(part)-1])
-		longest = max(longest, p.tokens(len(part)-2))
+		extra := refEscapeExtra(part)
+		escapes += extra
+		longest = max(longest, p.tokens(len(part)-2-extra))
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()), c.Len()
+	req.PromptTokens, req.PromptBytes = p.tokens(c.Len()-escapes), c.Len()-escapes
 	if len(parts) > 1 {
 		req.LongestPromptTokens = longest
 		req.Sequences = min(req.Sequences*len(parts), maxSequences)
@@ -460,9 +494,11 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 	}
 	var c prefixindex.Blocks
 	c.Reset(p.hasher, nil)
+	escapes := 0
 	if tools := bytes.TrimSpace(raw.Tools); len(tools) > 0 && string(tools) != "null" {
 		c.Write(tools)
 		c.WriteString(sepMessage)
+		escapes += refEscapeExtra(tools)
 	}
 	media := 0
 	for i, m := range raw.Messages {
@@ -476,6 +512,7 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 			content = content[1 : len(content)-1]
 		}
 		c.Write(content)
+		escapes += refEscapeExtra(content)
 		for _, f := range []struct {
 			name string
 			v    json.RawMessage
@@ -485,13 +522,14 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 				c.WriteString(f.name)
 				c.WriteString(sepField)
 				c.Write(v)
+				escapes += refEscapeExtra(v)
 			}
 		}
 		c.WriteString(sepMessage)
 		media += refMedia(m.Content)
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptBytes = c.Len() - media
+	req.PromptBytes = c.Len() - media - escapes
 	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
 	return nil
 }

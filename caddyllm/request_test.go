@@ -1,6 +1,7 @@
 package caddyllm
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -9,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/zeebo/xxh3"
 
@@ -753,5 +756,123 @@ func TestCacheSaltIsAnotherPrefix(t *testing.T) {
 				t.Fatalf("%v: cache_salt %s: %v", ep, bad, err)
 			}
 		}
+	}
+}
+
+// asciiJSON is s as a JSON string the way Python's json.dumps writes it
+// by default (ensure_ascii: every non-ASCII character escaped, a pair of
+// escapes beyond the BMP), as the requests library and the OpenAI Python
+// client before httpx 0.28 send it.
+func asciiJSON(s string) string {
+	var b strings.Builder
+	b.WriteByte('"')
+	for _, r := range s {
+		switch {
+		case r == '"' || r == '\\':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r < 0x20:
+			fmt.Fprintf(&b, `\u%04x`, r)
+		case r < utf8.RuneSelf:
+			b.WriteRune(r)
+		default:
+			r1, r2 := utf16.EncodeRune(r)
+			if r1 == utf8.RuneError {
+				r1 = r
+			} else {
+				fmt.Fprintf(&b, `\u%04x`, r1)
+				r1 = r2
+			}
+			fmt.Fprintf(&b, `\u%04x`, r1)
+		}
+	}
+	b.WriteByte('"')
+	return b.String()
+}
+
+// TestPromptCountsTextNotEscapes: the prompt's size is its text's, as
+// the engine reads it, however the client escaped it: Python's default
+// escapes every non-ASCII character (six bytes for one CJK character, of
+// three), Go's encoding/json escapes <, > and & (six bytes for one),
+// every encoder a newline or a quote (two for one). Counted as sent, CJK
+// text from a Python client looked twice its length, and a prompt within
+// the context was refused as too long.
+func TestPromptCountsTextNotEscapes(t *testing.T) {
+	p := testParser()
+	text := strings.Repeat("路由器把请求发给最快的副本。<b>\"quoted\" & done</b>\n\tnext 😀 é\\\n", 40)
+	plain, err := json.Marshal(text)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var unescaped bytes.Buffer
+	enc := json.NewEncoder(&unescaped)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(text); err != nil {
+		t.Fatal(err)
+	}
+	forms := map[string]string{
+		"Python's ensure_ascii": asciiJSON(text),
+		"Go's HTML escapes":     string(plain),
+		"only what JSON needs":  strings.TrimSpace(unescaped.String()),
+	}
+	// The size of each shape's text, alike whatever the escapes: the
+	// role and the separators the canonical prompt adds are counted too.
+	bodies := []struct {
+		endpoint Endpoint
+		body     func(s string) string
+		want     int
+	}{
+		{EndpointChatCompletions, func(s string) string { return `{"model":"m","messages":[{"role":"user","content":` + s + `}]}` }, 0},
+		{EndpointChatCompletions, func(s string) string {
+			return `{"model":"m","messages":[{"role":"tool","tool_call_id":` + s + `,"content":[{"type":"text","text":` + s + `}]}],"tools":[{"d":` + s + `}]}`
+		}, 0},
+		{EndpointCompletions, func(s string) string { return `{"model":"m","prompt":` + s + `}` }, len(text)},
+		{EndpointCompletions, func(s string) string { return `{"model":"m","prompt":[` + s + `,` + s + `]}` }, 0},
+		{EndpointResponses, func(s string) string { return `{"model":"m","instructions":` + s + `,"input":` + s + `}` }, 0},
+		{EndpointResponses, func(s string) string {
+			return `{"model":"m","input":[{"role":"user","content":` + s + `},{"type":"function_call_output","output":` + s + `}]}`
+		}, 0},
+	}
+	for i, b := range bodies {
+		var sizes []string
+		want := b.want
+		for name, s := range forms {
+			req, err := p.parse(b.endpoint, []byte(b.body(s)))
+			if err != nil {
+				t.Fatalf("shape %d, %s: %v", i, name, err)
+			}
+			if want == 0 {
+				want = req.PromptBytes
+			}
+			if req.PromptBytes != want || req.PromptTokens != p.tokens(want) {
+				sizes = append(sizes, fmt.Sprintf("%s: %d bytes, %d tokens", name, req.PromptBytes, req.PromptTokens))
+			}
+		}
+		if len(sizes) > 0 {
+			t.Errorf("shape %d: want %d bytes, got %s", i, want, strings.Join(sizes, "; "))
+		}
+		if want < len(text) {
+			t.Errorf("shape %d: %d bytes, less than the text's %d", i, want, len(text))
+		}
+	}
+	// The longest prompt of a batch is counted as text too.
+	req, err := p.parse(EndpointCompletions, []byte(`{"model":"m","prompt":["a",`+asciiJSON(text)+`]}`))
+	if err != nil || req.LongestPromptTokens != p.tokens(len(text)) {
+		t.Fatalf("batch: longest %d, want %d (%v)", req.LongestPromptTokens, p.tokens(len(text)), err)
+	}
+	// A media part's escapes are not taken from the text twice.
+	image := func(url string) []byte {
+		return []byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"abc"},` +
+			`{"type":"image_url","image_url":{"url":"` + url + strings.Repeat("QUJD", 100) + `"}}]}]}`)
+	}
+	a, err := p.parse(EndpointChatCompletions, image(`data:image\/png;base64,`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := p.parse(EndpointChatCompletions, image(`data:image/png;base64,`))
+	if !a.Media || a.PromptBytes != b.PromptBytes {
+		t.Fatalf("with an escaped image URL: %d bytes, unescaped %d", a.PromptBytes, b.PromptBytes)
 	}
 }

@@ -29,6 +29,13 @@ type scanner struct {
 	// bounds the depth: maxDepth/64+1 words allow what encoding/json
 	// allows.
 	inObject []uint64
+	// escapeExtra counts, over every string read, the bytes its escapes
+	// take beyond the UTF-8 they stand for (1 for \n, 3 for \u4e2d): a
+	// span's text is its bytes less what the count rose by while it was
+	// read. Engines count the text: a client that escapes every
+	// non-ASCII character (Python's json.dumps does by default) sends
+	// twice its bytes.
+	escapeExtra int
 }
 
 // syntaxError is a malformed body, at a byte offset.
@@ -175,6 +182,7 @@ func (s *scanner) str() (start, end int, escaped, ok bool) {
 		p := i + bs
 		if p+1 < len(buf) && simpleEscape[buf[p+1]] {
 			i = p + 2
+			s.escapeExtra++
 		} else if i, ok = s.escape(p); !ok {
 			return 0, 0, false, false
 		}
@@ -274,6 +282,7 @@ func (s *scanner) strMarks(start, i int, escaped bool) (int, int, bool, bool) {
 					escaped = true
 					if p+1 < len(buf) && simpleEscape[buf[p+1]] {
 						i = p + 2
+						s.escapeExtra++
 					} else if i, ok = s.escape(p); !ok {
 						return 0, 0, false, false
 					}
@@ -310,8 +319,8 @@ func (s *scanner) strMarks(start, i int, escaped bool) (int, int, bool, bool) {
 // escape.
 var simpleEscape = [256]bool{'"': true, '\\': true, '/': true, 'b': true, 'f': true, 'n': true, 'r': true, 't': true}
 
-// escape checks the escape sequence whose backslash is at p and returns
-// the offset after it.
+// escape checks the escape sequence whose backslash is at p, counts it in
+// escapeExtra and returns the offset after it.
 func (s *scanner) escape(p int) (int, bool) {
 	buf := s.buf
 	if p+1 >= len(buf) {
@@ -320,6 +329,7 @@ func (s *scanner) escape(p int) (int, bool) {
 	}
 	switch buf[p+1] {
 	case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+		s.escapeExtra++
 		return p + 2, true
 	case 'u':
 		for k := p + 2; k < p+6; k++ {
@@ -332,6 +342,11 @@ func (s *scanner) escape(p int) (int, bool) {
 				return 0, s.unexpected("in \\u hexadecimal character escape")
 			}
 		}
+		n := utf8.RuneLen(hex4(buf[p+2:]))
+		if n < 0 {
+			n = 2 // half of a surrogate pair's four bytes
+		}
+		s.escapeExtra += 6 - n
 		return p + 6, true
 	}
 	s.pos = p + 1

@@ -560,9 +560,10 @@ func TestOversizedBodyAnsweredAtOnce(t *testing.T) {
 }
 
 // TestImpossibleRequestsAnsweredAtOnce: a prompt larger than every
-// upstream's KV cache gets 400 context_length_exceeded, and a compressed
-// body 415, at once (a wait for capacity would last the client's
-// timeout); a prompt that fits is served.
+// upstream's KV cache (text even at 16 bytes a token) gets 400
+// context_length_exceeded, and a compressed body 415, at once (a wait for
+// capacity would last the client's timeout); a prompt that fits is
+// served.
 func TestImpossibleRequestsAnsweredAtOnce(t *testing.T) {
 	fleet := startFleet(t, 2, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "kv_capacity 4096\n\t\t\tqueue_timeout 10m", ""))
@@ -582,7 +583,7 @@ func TestImpossibleRequestsAnsweredAtOnce(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	long, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("long", 40_000), "max_tokens": 4})
+	long, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text("long", 80_000), "max_tokens": 4})
 	if code, body := do(string(long), ""); code != http.StatusBadRequest || !strings.Contains(body, `"code":"context_length_exceeded"`) {
 		t.Fatalf("prompt over every KV cache: %d %s", code, body)
 	}

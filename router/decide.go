@@ -257,12 +257,12 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	adapter := opts.adapterOf(req.Model, members)
 	// A learned bytes per token rescales the prompt and, alike, the
 	// prefix each upstream holds (its blocks are runs of the same text).
-	prompt, scale, learned := f.promptTokens(&req)
+	prompt, scale, _ := f.promptTokens(&req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Sequences: sequencesOf(req), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
-		LeastKVTokens:    leastKVTokens(&req, prompt, learned),
+		LeastKVTokens:    leastKVTokens(&req, prompt),
 		ContextTokens:    expectedContextTokens(&req, prompt),
 	}
 	home := -1
@@ -369,33 +369,18 @@ func isHome(req *Request, m *Member) bool {
 	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining
 }
 
-// The share by which a prompt counted from text may be over its real
-// length, before and after its model's bytes per token is learned: a
-// request is refused as too long only beyond it (the engine, which
-// counts exactly, answers for anything nearer). Before, the count is at
-// the configured bytes per token (4 by default) and the tolerance covers
-// text up to 5 bytes a token (English prose runs 4 to 5 with current
-// tokenizers; code and CJK text fewer, which the count then undercounts,
-// and the engine refuses).
-const (
-	promptToleranceUnlearned = 0.2
-	promptToleranceLearned   = 0.05
-)
-
 // leastKVTokens is the KV req surely takes (scorer.Request.LeastKVTokens),
-// its prompt counted as prompt tokens. A prompt counted from text is
-// surely as long as both counts say with their tolerance: at the
-// configured bytes per token and, once learned, at the model's. The
-// learned ratio is the traffic's, not this prompt's (code, prose and CJK
-// text differ), so it never makes a refusal stricter than the configured
-// count.
-func leastKVTokens(req *Request, prompt int, learned bool) int {
+// its prompt counted as prompt tokens. A prompt of text surely has at
+// least a token for every maxBytesPerToken bytes of it, and no count
+// nearer can be sure: a tokenizer's bytes per token depend on the text
+// more than on the traffic (with tiktoken's cl100k_base, which Llama 3's
+// tokenizer extends: about 3 for CJK text and minified JSON, 4 for prose
+// and code, 5.6 for JSON indented by four spaces, 7.5 by eight). Anything nearer its limit goes to the engine,
+// which counts exactly and answers 400 at once if it is too long.
+func leastKVTokens(req *Request, prompt int) int {
 	least := prompt
 	if req.PromptBytes > 0 {
-		least = int(float64(req.PromptTokens) * (1 - promptToleranceUnlearned))
-		if learned {
-			least = min(least, int(float64(prompt)*(1-promptToleranceLearned)))
-		}
+		least = min(prompt, req.PromptBytes/maxBytesPerToken)
 	}
 	if req.LongestPromptTokens > 0 && req.PromptTokens > 0 {
 		// A batch: only its longest prompt must fit at once.

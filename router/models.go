@@ -21,9 +21,11 @@ type modelStats struct {
 	used uint64
 }
 
-// Bounds of the learned prompt bytes per token. Real tokenizers give
-// about 1.5 (CJK, emoji) to 6 (plain English); outside these the
-// responses are not what the estimate should learn from.
+// Bounds of the learned prompt bytes per token. Real text gives about
+// 1.5 (emoji) to 8 (JSON indented by eight spaces); outside these the
+// responses are not what the estimate should learn from. The upper bound
+// is also the most a prompt's text is taken to hold a token for when it
+// is refused as too long (see leastKVTokens).
 const (
 	minBytesPerToken = 1.0
 	maxBytesPerToken = 16.0

@@ -786,9 +786,9 @@ func TestFailedAttemptKeepsWhatAnotherPrefilled(t *testing.T) {
 // for what it surely needs: its whole prompt (cached or not: the cache is
 // in the same KV) and its max_tokens when set. Its expected output is an
 // estimate that an engine cuts at the context, and a prompt counted from
-// text is an estimate too: within their tolerance the request is routed
-// (it starts once the KV is free), and the engine, which counts exactly,
-// answers for it.
+// text is an estimate too, surely no shorter than a token every 16 bytes:
+// within that the request is routed (it starts once the KV is free), and
+// the engine, which counts exactly, answers for it.
 func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 500}.WithDefaults()
 	ms := members("a", "b")
@@ -811,8 +811,11 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 		{"prompt 4,000 and 500 expected", Request{PromptTokens: 4000}, false},
 		{"prompt 3,000 and max_tokens 2,000", Request{PromptTokens: 3000, MaxTokens: 2000}, true},
 		{"prompt 3,000 and max_tokens 1,000", Request{PromptTokens: 3000, MaxTokens: 1000}, false},
-		{"text estimated at 5,000 (unlearned: within a fifth)", Request{PromptTokens: 5000, PromptBytes: 20_000}, false},
-		{"text estimated at 5,200 (unlearned)", Request{PromptTokens: 5200, PromptBytes: 20_800}, true},
+		{"text estimated at 5,000", Request{PromptTokens: 5000, PromptBytes: 20_000}, false},
+		{"text of 65,536 bytes: 4,096 tokens at 16 bytes a token", Request{PromptTokens: 16_384, PromptBytes: 65_536}, false},
+		{"text of 65,552 bytes: 4,097 tokens at 16 bytes a token", Request{PromptTokens: 16_388, PromptBytes: 65_552}, true},
+		{"text of 32,768 bytes and max_tokens 2,048", Request{PromptTokens: 8192, PromptBytes: 32_768, MaxTokens: 2048}, false},
+		{"text of 32,784 bytes and max_tokens 2,048", Request{PromptTokens: 8196, PromptBytes: 32_784, MaxTokens: 2048}, true},
 		{"token ids, 4,097", Request{PromptTokens: 4097}, true},
 		{"prompt 3,000 and max_output_tokens 2,000, which the engine caps", Request{PromptTokens: 3000, MaxTokens: 2000, MaxTokensCapped: true}, false},
 		{"a batch of two 3,000-token prompts", Request{PromptTokens: 6000, LongestPromptTokens: 3000}, false},
@@ -824,10 +827,9 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 		}
 	}
 
-	// A learned ratio never makes a refusal stricter than the configured
-	// count: traffic at 1 byte a token (short agent turns, code) says
-	// little of the next prompt's text. Text at 5,000 bytes is refused
-	// only when the configured count, 1,250, is beyond the KV too.
+	// A learned ratio does not make a refusal stricter: traffic at 1 byte
+	// a token (short agent turns, code) says little of the next prompt's
+	// text.
 	dense := New()
 	dense.learn("m", 8000, Usage{PromptTokens: 8000})
 	dense.learn("m", 8000, Usage{PromptTokens: 8000})
@@ -838,8 +840,8 @@ func TestTooLongCountsWhatSurelyRuns(t *testing.T) {
 	if d := decide(dense, Request{Model: "m", PromptTokens: 1250, PromptBytes: 5000}); d.TooLong {
 		t.Error("5,000 bytes of text refused on the learned ratio alone")
 	}
-	if d := decide(dense, Request{Model: "m", PromptTokens: 5200, PromptBytes: 20_800}); !d.TooLong {
-		t.Error("20,800 bytes of text not refused, though too long by both counts")
+	if d := decide(dense, Request{Model: "m", PromptTokens: 16_388, PromptBytes: 65_552}); !d.TooLong {
+		t.Error("65,552 bytes of text not refused, though too long at 16 bytes a token")
 	}
 
 	// A prompt longer than the KV is too long however much of it an

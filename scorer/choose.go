@@ -222,10 +222,13 @@ func filter(req *Request, c *Candidate, marginTokens int) FilterReason {
 }
 
 // mayBeTooLong says req, let through the context filter only cut at its
-// context, is expected to exceed c's context length: the engine may well
-// refuse it.
+// context, is expected to exceed c's context length or its whole KV: the
+// engine may well refuse it (an engine's context fits in its KV: vLLM
+// does not start otherwise), and if it does not, it queues the request
+// until its KV frees, as the gateway would.
 func mayBeTooLong(req *Request, c *Candidate) bool {
-	return req.cutAtContext && c.ContextTokens > 0 && max(req.ContextTokens, req.LeastKVTokens) > c.ContextTokens
+	return req.cutAtContext && (c.ContextTokens > 0 && max(req.ContextTokens, req.LeastKVTokens) > c.ContextTokens ||
+		c.KVCapacityTokens > 0 && req.ContextTokens > c.KVCapacityTokens)
 }
 
 // OutputKVTokens is the KV the request's output takes: each sequence's.

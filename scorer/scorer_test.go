@@ -82,6 +82,22 @@ func TestMaybeTooLongIsNotHeldForKV(t *testing.T) {
 	if d := Choose(r, []Candidate{busy}, Options{}, nil, nil); d.Chosen != -1 || d.Blocked != FilteredKV {
 		t.Fatalf("a request within the context did not wait for KV: %+v", d)
 	}
+
+	// An expected context beyond the whole KV may be refused alike (an
+	// engine's context fits its KV), whether the context length is not
+	// known or said to be longer.
+	for _, context := range []int{0, 131_072} {
+		other := busy
+		other.ContextTokens = context
+		r.ContextTokens, r.LeastKVTokens, r.OutputTokens = 3011+1500, 500+1500, 1500
+		if d := Choose(r, []Candidate{other}, Options{}, nil, nil); d.Chosen != 0 {
+			t.Fatalf("context %d: a request beyond the whole KV was held for KV: %+v", context, d)
+		}
+		r.ContextTokens, r.LeastKVTokens = 3011, 500 // its output expected, not asked for
+		if d := Choose(r, []Candidate{other}, Options{}, nil, nil); d.Chosen != -1 || d.Blocked != FilteredKV {
+			t.Fatalf("context %d: a request whose prompt and max_tokens fit the KV did not wait for KV: %+v", context, d)
+		}
+	}
 }
 
 func TestShedWhenNothingFits(t *testing.T) {
