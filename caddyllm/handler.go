@@ -786,6 +786,9 @@ type requestState struct {
 	sent    int
 	current *attempt
 	tried   []string
+	// unreached are the tried upstreams whose attempt got no answer (the
+	// connection failed): they hold nothing of this request's.
+	unreached []string
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
 	shed *shedding

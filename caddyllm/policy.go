@@ -597,6 +597,9 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
+		if st.rec != nil && st.rec.answers == a.answersBefore {
+			st.unreached = append(st.unreached, a.charge.Dial())
+		}
 		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
@@ -882,7 +885,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	// Read before Caddy's view of the members: a release after it, which
 	// that view may not show, readies the request's hold at once.
 	releasesBefore := p.sh.fleet.Releases()
-	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, now)
+	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, st.unreached, now)
 	// The full explanation (top candidates, filter reasons) costs
 	// allocations, so it is built only when debug logs are on.
 	var ex *scorer.Explanation
@@ -909,6 +912,9 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.sh = p.sh
 	a := st.newAttempt()
 	*a = attempt{st: st, sh: p.sh, charge: d.Charge}
+	if st.rec != nil {
+		a.answersBefore = st.rec.answers
+	}
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
@@ -1034,6 +1040,10 @@ type attempt struct {
 	sh     *shared
 	charge *router.Charge
 	flight drain.Flight
+	// answersBefore is the request's recorder's answers when the attempt
+	// began: a retry after an attempt that added none (its connection
+	// failed) knows its upstream never got the request.
+	answersBefore int
 }
 
 // Cut is called at the drain deadline of the attempt's upstream: it

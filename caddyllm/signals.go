@@ -12,11 +12,12 @@ import (
 
 // members describes pool to the decision engine, into dst: Caddy's
 // verdicts (available, healthy), the drains, whether an earlier attempt of
-// the request went there, the configured hardware and the engine's fresh
+// the request went there (and unreached, found unreachable), the
+// configured hardware and the engine's fresh
 // scraped signals. Only engine signals fresher than ScrapeMaxAge count;
 // older ones leave the router to its own accounting, but for the list of
 // the models the engine serves, which keeps filtering.
-func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool reverseproxy.UpstreamPool, tried []string, now time.Time) ([]router.Member, []scrape.Signals) {
+func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool reverseproxy.UpstreamPool, tried, unreached []string, now time.Time) ([]router.Member, []scrape.Signals) {
 	// Room for every engine up front: members point into it.
 	dst, engines = dst[:0], slices.Grow(engines[:0], len(pool))
 	for _, u := range pool {
@@ -33,6 +34,9 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 		}
 		for _, t := range tried {
 			m.Tried = m.Tried || t == u.Dial
+		}
+		for _, t := range unreached {
+			m.Unreached = m.Unreached || t == u.Dial
 		}
 		if p.scraper != nil {
 			m.Scraped = true

@@ -181,7 +181,7 @@ func TestAnswers(t *testing.T) {
 		answerRow{name: "a prompt longer than any upstream's KV capacity at 16 bytes a token", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"prompt"`}.
 			post("/v1/completions", completion(text("huge", 300_000), 4)), // 75,000 tokens
 		answerRow{name: "a prompt longer than any upstream's KV capacity", status: 400, typ: "BadRequestError", code: `400`,
-			message: "exceeds the KV cache capacity", engine: true}.
+			message:                                                       "exceeds the KV cache capacity", engine: true}.
 			post("/v1/completions", completion(text("long", 120_000), 4)), // 30,000 tokens
 		// About 16,000 CJK characters sent as Python's json.dumps sends them
 		// (ensure_ascii: six bytes each) are 48,000 bytes of text, 12,000

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -171,6 +172,51 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 		if got, err := client.Responses.Get(ctx, resp.ID, responses.ResponseGetParams{}); err != nil || got.ID != resp.ID {
 			t.Fatalf("conversation %d: retrieving %s: %v", c, resp.ID, err)
 		}
+	}
+}
+
+// TestPreviousResponseAfterItsHomeCrashed: a request naming a response
+// whose replica has crashed (since the health checks last looked: here
+// there are none) gets the 404 the API gives for a response it does not
+// hold, from another replica, at once, where retrying only the home ended
+// in the proxy's empty 502. The retry is Caddy's (lb_retries): the first
+// attempt's connection is refused, and the router, seeing no answer came
+// back, no longer counts that replica as the response's home. Keep-alive
+// is off so that the attempt dials: on a connection kept from before the
+// crash the proxy reads EOF instead, and retries no POST after that (the
+// engine may have had it), which is Caddy's 502 whatever the router does.
+func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2\n\t\ttransport http {\n\t\t\tkeepalive off\n\t\t}"))
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	params := responses.ResponseNewParams{
+		Model:           kvsim.DefaultModel,
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
+		MaxOutputTokens: openai.Int(4),
+	}
+	var first *http.Response
+	resp, err := client.Responses.New(ctx, params, option.WithResponseInto(&first))
+	if err != nil {
+		t.Fatalf("turn 1: %v", err)
+	}
+	home := first.Header.Get(kvsim.ReplicaHeader)
+	for _, r := range fleet {
+		if r.name == home {
+			r.http.CloseClientConnections()
+			r.http.Close() // its port now refuses connections
+		}
+	}
+	params.PreviousResponseID = openai.String(resp.ID)
+	params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+	var second *http.Response
+	_, err = client.Responses.New(ctx, params, option.WithResponseInto(&second))
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || !strings.Contains(apiErr.Message, resp.ID) {
+		t.Fatalf("turn 2 after the home %s crashed: %v, want the 404 for %s", home, err, resp.ID)
+	}
+	if got := second.Header.Get(kvsim.ReplicaHeader); got == "" || got == home {
+		t.Fatalf("the 404 came from %q (home %s)", got, home)
 	}
 }
 

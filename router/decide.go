@@ -55,7 +55,8 @@ type Request struct {
 	// Fleet.ResponseHome). While it is a member, healthy, not draining
 	// and serving the model asked for (its list says so, or says
 	// nothing), it is the only candidate, tried before or not (when it is
-	// full the request waits for it); otherwise the request is routed as
+	// full the request waits for it), unless an earlier attempt found it
+	// unreachable (Member.Unreached); otherwise the request is routed as
 	// any other (and the engine it reaches answers for the state it
 	// lacks).
 	Home string
@@ -78,6 +79,11 @@ type Member struct {
 	// Tried says an earlier attempt of this request went here: it is
 	// avoided while any untried member is available.
 	Tried bool
+	// Unreached says an earlier attempt of this request went here and
+	// got no answer (the connection failed: the engine is gone, or
+	// restarting). It is no home: what it stored is out of reach, and
+	// the request goes where an engine can answer for itself.
+	Unreached bool
 	// Draining upstreams take no new requests.
 	Draining bool
 	// Hardware is its profile; unset rates take the defaults.
@@ -364,9 +370,12 @@ func (m *Member) modelList() []scrape.ModelInfo {
 }
 
 // isHome says m is req's home and can take it: healthy (a full upstream
-// is waited for) and not draining.
+// is waited for), not draining, and not found unreachable by an earlier
+// attempt: a home whose engine crashed holds the response no more (engines
+// keep stored responses in memory), and retrying only it would end in
+// the proxy's 502 where another engine answers 404 at once.
 func isHome(req *Request, m *Member) bool {
-	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining
+	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining && !m.Unreached
 }
 
 // leastKVTokens is the KV req surely takes (scorer.Request.LeastKVTokens),
