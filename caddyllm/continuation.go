@@ -6,11 +6,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 )
 
@@ -27,12 +30,28 @@ var errDrainCut = fmt.Errorf("llm_affinity: upstream drain deadline passed: %w",
 // request whose client left (nginx's 499).
 const statusClientClosedRequest = 499
 
-// maxRedispatch bounds how often one request moves because of drains.
+// maxRedispatch bounds how often one request moves because of drains or
+// lost upstreams.
 const maxRedispatch = 4
 
+// lostUpstream reports whether err is the proxy's for an upstream that went
+// away before answering: its connection refused, reset or closed (an
+// engine that crashed or restarted). Not a timeout: a slow engine may still
+// be generating behind it.
+func lostUpstream(err error) bool {
+	var he caddyhttp.HandlerError
+	if !errors.As(err, &he) || he.StatusCode != http.StatusBadGateway {
+		return false
+	}
+	var dial reverseproxy.DialError
+	return errors.As(err, &dial) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
 // serve runs the rest of the chain for one request and moves it when its
-// attempt is cut off: by a drain deadline, or by an upstream that breaks a
-// stream off (it died mid-generation). A response that has not started is
+// attempt is cut off: by a drain deadline, by an upstream that breaks a
+// stream off (it died mid-generation), or by one that went away before
+// answering (lostUpstream). A response that has not started is
 // re-dispatched with its full body, invisibly to the client; a started
 // stream is continued on another upstream (the prompt plus the text so
 // far, the remaining max_tokens) and spliced into the same SSE stream;
@@ -67,7 +86,13 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 
 		finished := rec.wroteHeader && !aborted && (rec.done || !rec.sse)
 		broken := aborted && rec.sse && !rec.done
-		if clientCtx.Err() != nil || finished || (!cut && !broken) {
+		// lost: the upstream went away before answering (an engine that
+		// crashed under its request, or whose kept-alive connection was
+		// dead). Caddy retries no POST after a connection it had begun
+		// to use; the request is sent again here instead: no engine kept
+		// it, and the client has nothing yet.
+		lost := !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && lostUpstream(err) && st.shedInfo() == nil
+		if clientCtx.Err() != nil || finished || (!cut && !broken && !lost) {
 			if aborted {
 				panic(http.ErrAbortHandler)
 			}

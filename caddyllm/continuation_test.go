@@ -6,11 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -797,6 +800,31 @@ func TestContinuationOfPromptForms(t *testing.T) {
 			`{"model":"m","prompt":`+prompt+`,"max_tokens":8,"stream":true}`, completionEvent(" a"), "")
 		if continued != "" || !strings.Contains(got, "only a text prompt can be continued") || !strings.HasSuffix(got, "data: [DONE]\n\n") {
 			t.Errorf("prompt %s: continued with %q, the client got %q", prompt, continued, got)
+		}
+	}
+}
+
+// TestLostUpstream: only an upstream gone before answering (its connection
+// refused, reset or closed) sends a request again; a timeout, the
+// client's leaving or another failure does not.
+func TestLostUpstream(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"refused", caddyhttp.Error(http.StatusBadGateway, reverseproxy.NewDialError(syscall.ECONNREFUSED)), true},
+		{"closed", caddyhttp.Error(http.StatusBadGateway, io.EOF), true},
+		{"closed mid-header", caddyhttp.Error(http.StatusBadGateway, fmt.Errorf("reading: %w", io.ErrUnexpectedEOF)), true},
+		{"reset", caddyhttp.Error(http.StatusBadGateway, &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}), true},
+		{"timeout", caddyhttp.Error(http.StatusGatewayTimeout, context.DeadlineExceeded), false},
+		{"client gone", caddyhttp.Error(statusClientClosedRequest, context.Canceled), false},
+		{"another failure", caddyhttp.Error(http.StatusBadGateway, errors.New("malformed HTTP response")), false},
+		{"no upstream", caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available")), false},
+		{"no error", nil, false},
+	} {
+		if got := lostUpstream(tc.err); got != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
 		}
 	}
 }

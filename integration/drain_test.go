@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -499,6 +500,52 @@ func TestBrokenStreamContinues(t *testing.T) {
 	}
 	if m := scrapeMetrics(t); !strings.Contains(m, `caddy_llm_affinity_moved_requests_total{cause="upstream_error",outcome="continued"}`) {
 		t.Error("no continued stream counted")
+	}
+}
+
+// TestLostUpstreamSendsAgain: an engine that goes away under a request
+// before answering it (its connection closed with nothing written, as a
+// crashed engine's, or a kept-alive connection that was dead) does not
+// cost the client a 502: the request is sent again, to another replica
+// while one is untried. Caddy itself retries no POST after a connection
+// it began to use. Here each replica drops the first request it gets.
+func TestLostUpstreamSendsAgain(t *testing.T) {
+	var dropped atomic.Int32
+	dropFirst := func(next http.Handler) http.Handler {
+		var once sync.Once
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			drop := false
+			if r.Method == http.MethodPost {
+				once.Do(func() { drop = true })
+			}
+			if !drop {
+				next.ServeHTTP(w, r)
+				return
+			}
+			dropped.Add(1)
+			if c, _, err := http.NewResponseController(w).Hijack(); err == nil {
+				c.Close()
+			}
+		})
+	}
+	fleet := wrappedFleet(t, dropFirst, dropFirst)
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	for i := range 2 {
+		c := post(t, "/v1/chat/completions", chat([]msg{{"user", text(fmt.Sprint("lost ", i), 400)}}, 4))
+		if c.status != 200 || c.replica == "" {
+			t.Fatalf("request %d: %d %s", i, c.status, c.body)
+		}
+	}
+	if n := dropped.Load(); n != 2 {
+		t.Fatalf("%d requests dropped, want each replica's first", n)
+	}
+	if m := scrapeMetrics(t); !strings.Contains(m, `caddy_llm_affinity_moved_requests_total{cause="upstream_error",outcome="redispatched"} 2`) {
+		for _, line := range strings.Split(m, "\n") {
+			if strings.Contains(line, "moved_requests_total{") {
+				t.Log(line)
+			}
+		}
+		t.Error("the two lost attempts not counted as moved")
 	}
 }
 

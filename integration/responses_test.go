@@ -178,16 +178,14 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 // TestPreviousResponseAfterItsHomeCrashed: a request naming a response
 // whose replica has crashed (since the health checks last looked: here
 // there are none) gets the 404 the API gives for a response it does not
-// hold, from another replica, at once, where retrying only the home ended
-// in the proxy's empty 502. The retry is Caddy's (lb_retries): the first
-// attempt's connection is refused, and the router, seeing no answer came
-// back, no longer counts that replica as the response's home. Keep-alive
-// is off so that the attempt dials: on a connection kept from before the
-// crash the proxy reads EOF instead, and retries no POST after that (the
-// engine may have had it), which is Caddy's 502 whatever the router does.
+// hold, from another replica, at once, where sending it to the home alone
+// ended in the proxy's empty 502. Its first attempt reads EOF on the
+// connection kept alive from turn 1 (or is refused a new one); the request
+// is sent again, and the router, seeing that no answer came back, no
+// longer counts that replica as the response's home.
 func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2\n\t\ttransport http {\n\t\t\tkeepalive off\n\t\t}"))
+	startCaddy(t, caddyfile(fleet, "", "", ""))
 	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	ctx := context.Background()
 	params := responses.ResponseNewParams{
