@@ -34,6 +34,12 @@ const statusClientClosedRequest = 499
 // lost upstreams.
 const maxRedispatch = 4
 
+// maxLostResends bounds how often one request is sent again because its
+// upstream went away before answering. Once covers an engine that crashed
+// (or a dead kept-alive connection); a request that itself crashes
+// engines (a query of death) takes down at most two.
+const maxLostResends = 1
+
 // lostUpstream reports whether err is the proxy's for an upstream that went
 // away before answering: its connection refused, reset or closed (an
 // engine that crashed or restarted). Not a timeout: a slow engine may still
@@ -64,6 +70,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 	// left).
 	var continuing []string
 	endedClean := false // the stream was ended here with nothing left to generate
+	lostResends := 0    // the times it was sent again after a lost upstream
 	defer func() {
 		outcome := "cut"
 		if rec.done && !rec.failed || endedClean {
@@ -91,7 +98,11 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		// dead). Caddy retries no POST after a connection it had begun
 		// to use; the request is sent again here instead: no engine kept
 		// it, and the client has nothing yet.
-		lost := !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && lostUpstream(err) && st.shedInfo() == nil
+		lost := !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && lostResends < maxLostResends &&
+			lostUpstream(err) && st.shedInfo() == nil
+		if lost {
+			lostResends++
+		}
 		if clientCtx.Err() != nil || finished || (!cut && !broken && !lost) {
 			if aborted {
 				panic(http.ErrAbortHandler)

@@ -508,15 +508,19 @@ func TestBrokenStreamContinues(t *testing.T) {
 // crashed engine's, or a kept-alive connection that was dead) does not
 // cost the client a 502: the request is sent again, to another replica
 // while one is untried. Caddy itself retries no POST after a connection
-// it began to use. Here each replica drops the first request it gets.
+// it began to use. It is sent again once only: a request that crashes
+// engines itself must not take down the fleet. Here the fleet drops the
+// first request it gets, then drops every request's first attempt.
 func TestLostUpstreamSendsAgain(t *testing.T) {
 	var dropped atomic.Int32
+	var once sync.Once
+	dropAll := atomic.Bool{}
 	dropFirst := func(next http.Handler) http.Handler {
-		var once sync.Once
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			drop := false
 			if r.Method == http.MethodPost {
 				once.Do(func() { drop = true })
+				drop = drop || dropAll.Load()
 			}
 			if !drop {
 				next.ServeHTTP(w, r)
@@ -536,8 +540,15 @@ func TestLostUpstreamSendsAgain(t *testing.T) {
 			t.Fatalf("request %d: %d %s", i, c.status, c.body)
 		}
 	}
-	if n := dropped.Load(); n != 2 {
-		t.Fatalf("%d requests dropped, want each replica's first", n)
+	if n := dropped.Load(); n != 1 {
+		t.Fatalf("%d requests dropped, want the first", n)
+	}
+	dropAll.Store(true)
+	if c := post(t, "/v1/chat/completions", chat([]msg{{"user", text("lost again", 400)}}, 4)); c.status != http.StatusBadGateway {
+		t.Fatalf("every attempt dropped: %d %s, want the proxy's 502", c.status, c.body)
+	}
+	if n := dropped.Load(); n != 3 {
+		t.Fatalf("%d requests dropped, want the first, then one request sent twice", n)
 	}
 	if m := scrapeMetrics(t); !strings.Contains(m, `caddy_llm_affinity_moved_requests_total{cause="upstream_error",outcome="redispatched"} 2`) {
 		for _, line := range strings.Split(m, "\n") {
