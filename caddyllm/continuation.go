@@ -34,30 +34,37 @@ const statusClientClosedRequest = 499
 // lost upstreams.
 const maxRedispatch = 4
 
-// maxLostResends bounds how often one request is sent again because its
-// upstream went away before answering. Once covers an engine that crashed
-// (or a dead kept-alive connection); a request that itself crashes
-// engines (a query of death) takes down at most two.
-const maxLostResends = 1
+// maxDroppedResends bounds how often one request is sent again because
+// its upstream closed the connection before answering. Once covers an
+// engine that crashed under it, or a kept-alive connection the engine had
+// closed; a request that itself crashes engines (a query of death) takes
+// down at most two (or two rounds of Caddy's retries, where lb_retry_match
+// retries transport errors). A refused connection does not count: the
+// request reached no engine.
+const maxDroppedResends = 1
 
-// lostUpstream reports whether err is the proxy's for an upstream that went
-// away before answering: its connection refused, reset or closed (an
-// engine that crashed or restarted). Not a timeout: a slow engine may still
-// be generating behind it.
-func lostUpstream(err error) bool {
+// upstreamLoss says how err, the proxy's, lost the request's upstream
+// before any answer: refused, its connection never opened (nothing
+// listens there, and Caddy's own retries of that, if any, are spent);
+// dropped, its connection closed or reset (an engine that crashed, or a
+// kept-alive connection it had closed). Neither for a timeout: a slow
+// engine may still be generating behind it.
+func upstreamLoss(err error) (refused, dropped bool) {
 	var he caddyhttp.HandlerError
 	if !errors.As(err, &he) || he.StatusCode != http.StatusBadGateway {
-		return false
+		return false, false
 	}
 	var dial reverseproxy.DialError
-	return errors.As(err, &dial) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED)
+	if errors.As(err, &dial) || errors.Is(err, syscall.ECONNREFUSED) {
+		return true, false
+	}
+	return false, errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // serve runs the rest of the chain for one request and moves it when its
 // attempt is cut off: by a drain deadline, by an upstream that breaks a
 // stream off (it died mid-generation), or by one that went away before
-// answering (lostUpstream). A response that has not started is
+// answering (upstreamLoss). A response that has not started is
 // re-dispatched with its full body, invisibly to the client; a started
 // stream is continued on another upstream (the prompt plus the text so
 // far, the remaining max_tokens) and spliced into the same SSE stream;
@@ -70,7 +77,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 	// left).
 	var continuing []string
 	endedClean := false // the stream was ended here with nothing left to generate
-	lostResends := 0    // the times it was sent again after a lost upstream
+	droppedResends := 0 // the times it was sent again after a dropped connection
 	defer func() {
 		outcome := "cut"
 		if rec.done && !rec.failed || endedClean {
@@ -94,14 +101,20 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		finished := rec.wroteHeader && !aborted && (rec.done || !rec.sse)
 		broken := aborted && rec.sse && !rec.done
 		// lost: the upstream went away before answering (an engine that
-		// crashed under its request, or whose kept-alive connection was
-		// dead). Caddy retries no POST after a connection it had begun
-		// to use; the request is sent again here instead: no engine kept
-		// it, and the client has nothing yet.
-		lost := !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && lostResends < maxLostResends &&
-			lostUpstream(err) && st.shedInfo() == nil
-		if lost {
-			lostResends++
+		// crashed under its request, or a kept-alive connection it had
+		// closed; or nothing listens there). Caddy retries no POST after
+		// a connection it had begun to use; the request is sent again
+		// here instead: no engine kept it, and the client has nothing yet.
+		lost := false
+		if !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && st.shedInfo() == nil {
+			refused, dropped := upstreamLoss(err)
+			if refused {
+				st.markUnreached()
+			}
+			lost = refused || dropped && droppedResends < maxDroppedResends
+			if dropped && lost {
+				droppedResends++
+			}
 		}
 		if clientCtx.Err() != nil || finished || (!cut && !broken && !lost) {
 			if aborted {

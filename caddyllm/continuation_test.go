@@ -804,27 +804,29 @@ func TestContinuationOfPromptForms(t *testing.T) {
 	}
 }
 
-// TestLostUpstream: only an upstream gone before answering (its connection
-// refused, reset or closed) sends a request again; a timeout, the
-// client's leaving or another failure does not.
-func TestLostUpstream(t *testing.T) {
+// TestUpstreamLoss: only an upstream gone before answering sends a
+// request again: refused (nothing listens: the request reached no engine)
+// or dropped (its connection closed or reset); a timeout, the client's
+// leaving or another failure does not.
+func TestUpstreamLoss(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		err  error
-		want bool
+		name             string
+		err              error
+		refused, dropped bool
 	}{
-		{"refused", caddyhttp.Error(http.StatusBadGateway, reverseproxy.NewDialError(syscall.ECONNREFUSED)), true},
-		{"closed", caddyhttp.Error(http.StatusBadGateway, io.EOF), true},
-		{"closed mid-header", caddyhttp.Error(http.StatusBadGateway, fmt.Errorf("reading: %w", io.ErrUnexpectedEOF)), true},
-		{"reset", caddyhttp.Error(http.StatusBadGateway, &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}), true},
-		{"timeout", caddyhttp.Error(http.StatusGatewayTimeout, context.DeadlineExceeded), false},
-		{"client gone", caddyhttp.Error(statusClientClosedRequest, context.Canceled), false},
-		{"another failure", caddyhttp.Error(http.StatusBadGateway, errors.New("malformed HTTP response")), false},
-		{"no upstream", caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available")), false},
-		{"no error", nil, false},
+		{"refused", caddyhttp.Error(http.StatusBadGateway, reverseproxy.NewDialError(syscall.ECONNREFUSED)), true, false},
+		{"refused, wrapped", caddyhttp.Error(http.StatusBadGateway, &net.OpError{Op: "dial", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}), true, false},
+		{"closed", caddyhttp.Error(http.StatusBadGateway, io.EOF), false, true},
+		{"closed mid-header", caddyhttp.Error(http.StatusBadGateway, fmt.Errorf("reading: %w", io.ErrUnexpectedEOF)), false, true},
+		{"reset", caddyhttp.Error(http.StatusBadGateway, &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}), false, true},
+		{"timeout", caddyhttp.Error(http.StatusGatewayTimeout, context.DeadlineExceeded), false, false},
+		{"client gone", caddyhttp.Error(statusClientClosedRequest, context.Canceled), false, false},
+		{"another failure", caddyhttp.Error(http.StatusBadGateway, errors.New("malformed HTTP response")), false, false},
+		{"no upstream", caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available")), false, false},
+		{"no error", nil, false, false},
 	} {
-		if got := lostUpstream(tc.err); got != tc.want {
-			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		if refused, dropped := upstreamLoss(tc.err); refused != tc.refused || dropped != tc.dropped {
+			t.Errorf("%s: refused %v dropped %v, want %v %v", tc.name, refused, dropped, tc.refused, tc.dropped)
 		}
 	}
 }

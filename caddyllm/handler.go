@@ -786,8 +786,8 @@ type requestState struct {
 	sent    int
 	current *attempt
 	tried   []string
-	// unreached are the tried upstreams whose attempt got no answer (the
-	// connection failed): they hold nothing of this request's.
+	// unreached are the upstreams an attempt found nothing listening at
+	// (its connection refused): they hold nothing of this request's.
 	unreached []string
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
@@ -990,6 +990,16 @@ func (st *requestState) progress(n int) {
 			a.sh.metrics.recordTTFT(dec.upstream, sinceDecision, a.charge.Estimate)
 		}
 		st.setTTFTPlaceholder(now.Sub(st.arrived).Seconds())
+	}
+}
+
+// markUnreached notes that the current attempt's upstream had nothing
+// listening (see router.Member.Unreached).
+func (st *requestState) markUnreached() {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if a := st.current; a != nil {
+		st.unreached = append(st.unreached, a.charge.Dial())
 	}
 }
 

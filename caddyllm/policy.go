@@ -597,9 +597,6 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
-		if st.rec != nil && st.rec.answers == a.answersBefore {
-			st.unreached = append(st.unreached, a.charge.Dial())
-		}
 		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
@@ -912,9 +909,6 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.sh = p.sh
 	a := st.newAttempt()
 	*a = attempt{st: st, sh: p.sh, charge: d.Charge}
-	if st.rec != nil {
-		a.answersBefore = st.rec.answers
-	}
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
@@ -1040,10 +1034,6 @@ type attempt struct {
 	sh     *shared
 	charge *router.Charge
 	flight drain.Flight
-	// answersBefore is the request's recorder's answers when the attempt
-	// began: a retry after an attempt that added none (its connection
-	// failed) knows its upstream never got the request.
-	answersBefore int
 }
 
 // Cut is called at the drain deadline of the attempt's upstream: it

@@ -12,7 +12,7 @@ import (
 
 // members describes pool to the decision engine, into dst: Caddy's
 // verdicts (available, healthy), the drains, whether an earlier attempt of
-// the request went there (and unreached, found unreachable), the
+// the request went there (and unreached, found nothing listening), the
 // configured hardware and the engine's fresh
 // scraped signals. Only engine signals fresher than ScrapeMaxAge count;
 // older ones leave the router to its own accounting, but for the list of

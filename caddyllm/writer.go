@@ -35,11 +35,7 @@ type tokenRecorder struct {
 
 	wroteHeader bool
 	status      int
-	// answers counts the upstream answers (final statuses) written here,
-	// the client's or not: an attempt that added none reached no engine
-	// (see attempt.answersBefore).
-	answers int
-	sse     bool
+	sse         bool
 	// encoded: the engine compressed the body anyway (the handler asks
 	// for identity), so it passes on unread: no tokens, usage or
 	// continuation, and the first write stands for the first token.
@@ -215,9 +211,6 @@ func (t *tokenRecorder) init(w http.ResponseWriter, st *requestState) {
 
 // WriteHeader notes the status and whether the response is a stream.
 func (t *tokenRecorder) WriteHeader(status int) {
-	if status >= 200 {
-		t.answers++
-	}
 	if t.discard.Load() {
 		return
 	}

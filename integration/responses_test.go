@@ -1,9 +1,12 @@
 package integration
 
 import (
+	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -180,12 +183,20 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 // there are none) gets the 404 the API gives for a response it does not
 // hold, from another replica, at once, where sending it to the home alone
 // ended in the proxy's empty 502. Its first attempt reads EOF on the
-// connection kept alive from turn 1 (or is refused a new one); the request
-// is sent again, and the router, seeing that no answer came back, no
-// longer counts that replica as the response's home.
+// connection kept alive from turn 1 and is sent again to the home, whose
+// port refuses it (with lb_retries, Caddy tries it there again first);
+// the refusal tells the router nothing listens there, so it no longer
+// counts that replica as the response's home, and sends the request
+// again elsewhere.
 func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
+	for _, proxyOpts := range []string{"", "lb_retries 2"} {
+		t.Run(cmp.Or(proxyOpts, "no retries"), func(t *testing.T) { homeCrashed(t, proxyOpts) })
+	}
+}
+
+func homeCrashed(t *testing.T, proxyOpts string) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "", ""))
+	startCaddy(t, caddyfile(fleet, "", "", proxyOpts))
 	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	ctx := context.Background()
 	params := responses.ResponseNewParams{
@@ -215,6 +226,67 @@ func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
 	}
 	if got := second.Header.Get(kvsim.ReplicaHeader); got == "" || got == home {
 		t.Fatalf("the 404 came from %q (home %s)", got, home)
+	}
+}
+
+// TestPreviousResponseHomeFailsOnce: a home that fails a request once,
+// alive, is still the home: the request goes back to it and gets its
+// answer, not another replica's 404. Its connection closed before an
+// answer (a kept-alive connection the engine had closed) is sent again
+// by the handler; its 503, which lb_retry_match retries, by Caddy.
+func TestPreviousResponseHomeFailsOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name, proxyOpts string
+		fail            func(w http.ResponseWriter)
+	}{
+		{"connection closed", "", func(w http.ResponseWriter) {
+			if c, _, err := http.NewResponseController(w).Hijack(); err == nil {
+				c.Close()
+			}
+		}},
+		{"503 retried by retry_match", "lb_retries 2\n\t\tlb_retry_match {\n\t\t\texpression `{rp.status_code} == 503`\n\t\t}",
+			func(w http.ResponseWriter) { w.WriteHeader(http.StatusServiceUnavailable) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var once sync.Once
+			wrap := func(_ string, sim http.Handler) http.Handler {
+				return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if r.Method == http.MethodPost {
+						b, _ := io.ReadAll(r.Body)
+						r.Body = io.NopCloser(bytes.NewReader(b))
+						fail := false
+						if bytes.Contains(b, []byte("previous_response_id")) {
+							once.Do(func() { fail = true })
+						}
+						if fail {
+							tc.fail(w)
+							return
+						}
+					}
+					sim.ServeHTTP(w, r)
+				})
+			}
+			fleet := startFleetServing(t, 3, 20, kvsim.Config{}, wrap)
+			startCaddy(t, caddyfile(fleet, "", "", tc.proxyOpts))
+			client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+			params := responses.ResponseNewParams{
+				Model:           kvsim.DefaultModel,
+				Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
+				MaxOutputTokens: openai.Int(4),
+			}
+			var first, second *http.Response
+			resp, err := client.Responses.New(context.Background(), params, option.WithResponseInto(&first))
+			if err != nil {
+				t.Fatalf("turn 1: %v", err)
+			}
+			params.PreviousResponseID = openai.String(resp.ID)
+			params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+			_, err = client.Responses.New(context.Background(), params, option.WithResponseInto(&second))
+			home := first.Header.Get(kvsim.ReplicaHeader)
+			if err != nil || second.Header.Get(kvsim.ReplicaHeader) != home {
+				t.Fatalf("turn 2, its home %s failing it once: %v, answered by %s", home, err, second.Header.Get(kvsim.ReplicaHeader))
+			}
+		})
 	}
 }
 

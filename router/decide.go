@@ -79,10 +79,10 @@ type Member struct {
 	// Tried says an earlier attempt of this request went here: it is
 	// avoided while any untried member is available.
 	Tried bool
-	// Unreached says an earlier attempt of this request went here and
-	// got no answer (the connection failed: the engine is gone, or
-	// restarting). It is no home: what it stored is out of reach, and
-	// the request goes where an engine can answer for itself.
+	// Unreached says an earlier attempt of this request found nothing
+	// listening here (its connection refused: the engine is gone, or
+	// restarting). It is no home: what it stored is gone with the
+	// engine, and the request goes where an engine can answer for itself.
 	Unreached bool
 	// Draining upstreams take no new requests.
 	Draining bool
@@ -370,10 +370,12 @@ func (m *Member) modelList() []scrape.ModelInfo {
 }
 
 // isHome says m is req's home and can take it: healthy (a full upstream
-// is waited for), not draining, and not found unreachable by an earlier
-// attempt: a home whose engine crashed holds the response no more (engines
-// keep stored responses in memory), and retrying only it would end in
-// the proxy's 502 where another engine answers 404 at once.
+// is waited for), not draining, and not found with nothing listening by
+// an earlier attempt: a home whose engine crashed holds the response no
+// more (engines keep stored responses in memory), and retrying only it
+// would end in the proxy's 502 where another engine answers 404 at once.
+// A connection closed before an answer is not that: the engine may be
+// alive (a kept-alive connection it had closed).
 func isHome(req *Request, m *Member) bool {
 	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining && !m.Unreached
 }
