@@ -229,6 +229,58 @@ func homeCrashed(t *testing.T, proxyOpts string) {
 	}
 }
 
+// TestDownEngineAvoided: once the scrape finds nothing listening at a
+// replica (Caddy, without health checks, still counts it healthy), new
+// requests stop trying it first, though it holds their prefix, and a
+// stored response there is no home:
+// a request naming it gets another replica's 404 on its first attempt.
+func TestDownEngineAvoided(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tscrape_max_age 300ms\n\t\t\tmodels_interval 100ms", ""))
+	waitForModelLists(t, fleet)
+	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	params := responses.ResponseNewParams{
+		Model:           kvsim.DefaultModel,
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
+		MaxOutputTokens: openai.Int(4),
+	}
+	var first *http.Response
+	resp, err := client.Responses.New(context.Background(), params, option.WithResponseInto(&first))
+	if err != nil {
+		t.Fatalf("turn 1: %v", err)
+	}
+	home := first.Header.Get(kvsim.ReplicaHeader)
+	for _, r := range fleet {
+		if r.name == home {
+			r.http.CloseClientConnections()
+			r.http.Close()
+		}
+	}
+	n := 0
+	eventually(t, 15*time.Second, "six requests in a row answered on their first attempt", func() bool {
+		for range 6 {
+			n++
+			// Turn 1's prompt, then more: its prefix is the dead replica's.
+			c := post(t, "/v1/chat/completions", chat([]msg{{"user", text("a conversation", 2_000)}, {"assistant", "ok"}, {"user", fmt.Sprint("after the crash ", n)}}, 2))
+			if c.status != 200 {
+				t.Fatalf("request %d: %d %s", n, c.status, c.body)
+			}
+			if !strings.Contains(c.explain, "attempt=1") {
+				return false
+			}
+		}
+		return true
+	})
+	params.PreviousResponseID = openai.String(resp.ID)
+	params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+	var second *http.Response
+	_, err = client.Responses.New(context.Background(), params, option.WithResponseInto(&second))
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || !strings.Contains(second.Header.Get("X-LLM-Affinity"), "attempt=1") {
+		t.Fatalf("turn 2 after its home %s was found down: %v (%s), want the 404 on the first attempt", home, err, second.Header.Get("X-LLM-Affinity"))
+	}
+}
+
 // TestPreviousResponseHomeFailsOnce: a home that fails a request once,
 // alive, is still the home: the request goes back to it and gets its
 // answer, not another replica's 404. Its connection closed before an

@@ -93,7 +93,8 @@ type Member struct {
 	Engine *scrape.Signals
 	// Down says its engine's last scrape found nothing listening: it
 	// does not run now a model it listed, nor can it be counted on to
-	// serve one while its models are unknown.
+	// serve one while its models are unknown. It is avoided while an
+	// untried member that is not down is available, and is no home.
 	Down bool
 	// Models are the models its engine last listed (/v1/models), however
 	// old, for a member whose Engine is stale; nil when never listed. A
@@ -245,7 +246,11 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]
 	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
 	f.scratchCands, f.scratchStates = cands, states
-	avoidTried := false
+	// A member tried already is avoided while an untried one is
+	// available; one whose engine was found not listening, while an
+	// untried listening one is (Caddy may still count it healthy: it has
+	// no health checks of its own, or they have not run yet).
+	avoidTried, avoidDown := false, false
 	for i := range members {
 		m := &members[i]
 		states[i] = f.upstream(m.Dial, now)
@@ -256,6 +261,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 			}
 		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
+		avoidDown = avoidDown || (m.Available && !m.Tried && !m.Down)
 	}
 	// Match after registering, so every upstream has a slot in depths.
 	depths := f.index.Match(req.Hashes, f.scratchDepths)
@@ -277,7 +283,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
 		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
-		cands[i].Available = m.Available && !(avoidTried && m.Tried)
+		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
 		// A home that does not serve the model asked for cannot continue
 		// the response either: routed as any other request, the request
 		// gets the engine's 404 at once, where waiting for the home would
@@ -370,14 +376,14 @@ func (m *Member) modelList() []scrape.ModelInfo {
 }
 
 // isHome says m is req's home and can take it: healthy (a full upstream
-// is waited for), not draining, and not found with nothing listening by
-// an earlier attempt: a home whose engine crashed holds the response no
+// is waited for), not draining, and not found with nothing listening (by
+// its last scrape, or by an earlier attempt): a home whose engine crashed holds the response no
 // more (engines keep stored responses in memory), and retrying only it
 // would end in the proxy's 502 where another engine answers 404 at once.
 // A connection closed before an answer is not that: the engine may be
 // alive (a kept-alive connection it had closed).
 func isHome(req *Request, m *Member) bool {
-	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining && !m.Unreached
+	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining && !m.Down && !m.Unreached
 }
 
 // leastKVTokens is the KV req surely takes (scorer.Request.LeastKVTokens),

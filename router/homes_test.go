@@ -15,8 +15,8 @@ import (
 // TestRequestGoesHome: a request with a home goes there while it is a
 // healthy member that is not draining, whatever the others offer (one
 // holds its whole prefix, idle) and though it was tried before; a full
-// home is waited for; a home down, draining or found unreachable by an
-// earlier attempt leaves the request routed as any other.
+// home is waited for; a home down (by Caddy's health checks or its
+// scrape), draining or found unreachable by an earlier attempt leaves the request routed as any other.
 func TestRequestGoesHome(t *testing.T) {
 	f := New()
 	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 10}.WithDefaults()
@@ -61,6 +61,8 @@ func TestRequestGoesHome(t *testing.T) {
 		// Its engine crashed since the health checks last looked: the
 		// attempt there got no answer, and the response is gone with it.
 		func(m *Member) { m.Tried, m.Unreached = true, true },
+		// Its last scrape found nothing listening there.
+		func(m *Member) { m.Down = true },
 	} {
 		d := f.Decide(t0, req, with(change), &opts, rng(), nil)
 		if d.Charge == nil || d.Charge.Dial() == home {

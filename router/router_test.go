@@ -180,6 +180,37 @@ func TestTriedAvoided(t *testing.T) {
 	}
 }
 
+// TestDownAvoided: an upstream whose engine was found not listening
+// (Caddy, without health checks of its own, still counts it healthy) is
+// avoided while an untried one that listens is available, though it holds
+// the request's whole prefix; it is used when it is all there is, and when
+// the only other one was tried already.
+func TestDownAvoided(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	req := Request{Hashes: hashes(1, 512), BlockTokens: 64, PromptTokens: 512}
+	ms := members("a", "b")
+	served(f, f.Decide(t0, req, ms[:1], &opts, rng(), nil).Charge, t0) // a holds the prefix
+	ms[0].Down = true
+	for range 5 {
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Chosen != 1 {
+			t.Fatalf("chose the upstream not listening over one that is")
+		}
+		served(f, d.Charge, t0)
+	}
+	ms[1].Tried = true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("chose %d; the other was tried already", d.Chosen)
+	} else {
+		served(f, d.Charge, t0)
+	}
+	ms[1].Tried, ms[1].Available = false, false
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("chose %d; the upstream not listening is the only one left", d.Chosen)
+	}
+}
+
 // TestAdapterResidency: the last MaxLoras adapters sent to an upstream
 // are resident, older ones in host memory, others remote; a running
 // adapter the engine reports is resident.
