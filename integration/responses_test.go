@@ -197,32 +197,13 @@ func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
 func homeCrashed(t *testing.T, proxyOpts string) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "", proxyOpts))
-	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
-	ctx := context.Background()
-	params := responses.ResponseNewParams{
-		Model:           kvsim.DefaultModel,
-		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
-		MaxOutputTokens: openai.Int(4),
-	}
-	var first *http.Response
-	resp, err := client.Responses.New(ctx, params, option.WithResponseInto(&first))
-	if err != nil {
-		t.Fatalf("turn 1: %v", err)
-	}
-	home := first.Header.Get(kvsim.ReplicaHeader)
-	for _, r := range fleet {
-		if r.name == home {
-			r.http.CloseClientConnections()
-			r.http.Close() // its port now refuses connections
-		}
-	}
-	params.PreviousResponseID = openai.String(resp.ID)
-	params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+	client, next, id, home := storeConversation(t)
+	crash(fleet, home)
 	var second *http.Response
-	_, err = client.Responses.New(ctx, params, option.WithResponseInto(&second))
+	_, err := client.Responses.New(context.Background(), next, option.WithResponseInto(&second))
 	var apiErr *openai.Error
-	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || !strings.Contains(apiErr.Message, resp.ID) {
-		t.Fatalf("turn 2 after the home %s crashed: %v, want the 404 for %s", home, err, resp.ID)
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || !strings.Contains(apiErr.Message, id) {
+		t.Fatalf("turn 2 after the home %s crashed: %v, want the 404 for %s", home, err, id)
 	}
 	if got := second.Header.Get(kvsim.ReplicaHeader); got == "" || got == home {
 		t.Fatalf("the 404 came from %q (home %s)", got, home)
@@ -238,24 +219,8 @@ func TestDownEngineAvoided(t *testing.T) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tscrape_max_age 300ms\n\t\t\tmodels_interval 100ms", ""))
 	waitForModelLists(t, fleet)
-	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
-	params := responses.ResponseNewParams{
-		Model:           kvsim.DefaultModel,
-		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
-		MaxOutputTokens: openai.Int(4),
-	}
-	var first *http.Response
-	resp, err := client.Responses.New(context.Background(), params, option.WithResponseInto(&first))
-	if err != nil {
-		t.Fatalf("turn 1: %v", err)
-	}
-	home := first.Header.Get(kvsim.ReplicaHeader)
-	for _, r := range fleet {
-		if r.name == home {
-			r.http.CloseClientConnections()
-			r.http.Close()
-		}
-	}
+	client, next, _, home := storeConversation(t)
+	crash(fleet, home)
 	n := 0
 	eventually(t, 15*time.Second, "six requests in a row answered on their first attempt", func() bool {
 		for range 6 {
@@ -271,10 +236,8 @@ func TestDownEngineAvoided(t *testing.T) {
 		}
 		return true
 	})
-	params.PreviousResponseID = openai.String(resp.ID)
-	params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
 	var second *http.Response
-	_, err = client.Responses.New(context.Background(), params, option.WithResponseInto(&second))
+	_, err := client.Responses.New(context.Background(), next, option.WithResponseInto(&second))
 	var apiErr *openai.Error
 	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound || !strings.Contains(second.Header.Get("X-LLM-Affinity"), "attempt=1") {
 		t.Fatalf("turn 2 after its home %s was found down: %v (%s), want the 404 on the first attempt", home, err, second.Header.Get("X-LLM-Affinity"))
@@ -320,25 +283,45 @@ func TestPreviousResponseHomeFailsOnce(t *testing.T) {
 			}
 			fleet := startFleetServing(t, 3, 20, kvsim.Config{}, wrap)
 			startCaddy(t, caddyfile(fleet, "", "", tc.proxyOpts))
-			client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
-			params := responses.ResponseNewParams{
-				Model:           kvsim.DefaultModel,
-				Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
-				MaxOutputTokens: openai.Int(4),
-			}
-			var first, second *http.Response
-			resp, err := client.Responses.New(context.Background(), params, option.WithResponseInto(&first))
-			if err != nil {
-				t.Fatalf("turn 1: %v", err)
-			}
-			params.PreviousResponseID = openai.String(resp.ID)
-			params.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
-			_, err = client.Responses.New(context.Background(), params, option.WithResponseInto(&second))
-			home := first.Header.Get(kvsim.ReplicaHeader)
+			client, next, _, home := storeConversation(t)
+			var second *http.Response
+			_, err := client.Responses.New(context.Background(), next, option.WithResponseInto(&second))
 			if err != nil || second.Header.Get(kvsim.ReplicaHeader) != home {
 				t.Fatalf("turn 2, its home %s failing it once: %v, answered by %s", home, err, second.Header.Get(kvsim.ReplicaHeader))
 			}
 		})
+	}
+}
+
+// storeConversation stores a response of a 2,000-byte prompt through the
+// router, with the official client, and returns the client, the next
+// turn's request naming it, its id and the replica that stored it.
+func storeConversation(t *testing.T) (client openai.Client, next responses.ResponseNewParams, id, home string) {
+	t.Helper()
+	client = openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	next = responses.ResponseNewParams{
+		Model:           kvsim.DefaultModel,
+		Input:           responses.ResponseNewParamsInputUnion{OfString: openai.String(text("a conversation", 2_000))},
+		MaxOutputTokens: openai.Int(4),
+	}
+	var first *http.Response
+	resp, err := client.Responses.New(context.Background(), next, option.WithResponseInto(&first))
+	if err != nil {
+		t.Fatalf("turn 1: %v", err)
+	}
+	next.PreviousResponseID = openai.String(resp.ID)
+	next.Input = responses.ResponseNewParamsInputUnion{OfString: openai.String("Go on.")}
+	return client, next, resp.ID, first.Header.Get(kvsim.ReplicaHeader)
+}
+
+// crash stops the server of the replica named name, as its engine's
+// death would: its connections close, and its port refuses new ones.
+func crash(fleet []*replica, name string) {
+	for _, r := range fleet {
+		if r.name == name {
+			r.http.CloseClientConnections()
+			r.http.Close()
+		}
 	}
 }
 
