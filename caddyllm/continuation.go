@@ -107,13 +107,13 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		// here instead: no engine kept it, and the client has nothing yet.
 		lost := false
 		if !rec.wroteHeader && !aborted && !cut && moves < maxRedispatch && st.shedInfo() == nil {
-			refused, dropped := upstreamLoss(err)
-			if refused {
+			switch refused, dropped := upstreamLoss(err); {
+			case refused:
 				st.markUnreached()
-			}
-			lost = refused || dropped && droppedResends < maxDroppedResends
-			if dropped && lost {
+				lost = true
+			case dropped && droppedResends < maxDroppedResends:
 				droppedResends++
+				lost = true
 			}
 		}
 		if clientCtx.Err() != nil || finished || (!cut && !broken && !lost) {

@@ -1361,9 +1361,9 @@ func (r *reading) prompt() {
 						b.WriteString(sepMessage)
 					}
 					b.Write(r.body[start:end])
-					text := end - start - (s.escapeExtra - before)
-					escapes += s.escapeExtra - before
-					r.prompts, r.longest = r.prompts+1, max(r.longest, r.p.tokens(text))
+					extra := s.escapeExtra - before
+					escapes += extra
+					r.prompts, r.longest = r.prompts+1, max(r.longest, r.p.tokens(end-start-extra))
 				}
 			case formBatch:
 				before := r.promptTokens

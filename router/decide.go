@@ -55,8 +55,8 @@ type Request struct {
 	// Fleet.ResponseHome). While it is a member, healthy, not draining
 	// and serving the model asked for (its list says so, or says
 	// nothing), it is the only candidate, tried before or not (when it is
-	// full the request waits for it), unless an earlier attempt found it
-	// unreachable (Member.Unreached); otherwise the request is routed as
+	// full the request waits for it), unless nothing listens there
+	// (Member.Down, Member.Unreached); otherwise the request is routed as
 	// any other (and the engine it reaches answers for the state it
 	// lacks).
 	Home string
@@ -269,7 +269,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	adapter := opts.adapterOf(req.Model, members)
 	// A learned bytes per token rescales the prompt and, alike, the
 	// prefix each upstream holds (its blocks are runs of the same text).
-	prompt, scale, _ := f.promptTokens(&req)
+	prompt, scale := f.promptTokens(&req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Sequences: sequencesOf(req), Model: req.Model, Adapter: adapter,
@@ -377,11 +377,11 @@ func (m *Member) modelList() []scrape.ModelInfo {
 
 // isHome says m is req's home and can take it: healthy (a full upstream
 // is waited for), not draining, and not found with nothing listening (by
-// its last scrape, or by an earlier attempt): a home whose engine crashed holds the response no
-// more (engines keep stored responses in memory), and retrying only it
-// would end in the proxy's 502 where another engine answers 404 at once.
-// A connection closed before an answer is not that: the engine may be
-// alive (a kept-alive connection it had closed).
+// its last scrape, or by an earlier attempt): a home whose engine crashed
+// holds the response no more (engines keep stored responses in memory),
+// and retrying only it would end in the proxy's 502 where another engine
+// answers 404 at once. A connection closed before an answer is not that:
+// the engine may be alive (a kept-alive connection it had closed).
 func isHome(req *Request, m *Member) bool {
 	return req.Home != "" && m.Dial == req.Home && m.Healthy && !m.Draining && !m.Down && !m.Unreached
 }
@@ -392,8 +392,9 @@ func isHome(req *Request, m *Member) bool {
 // nearer can be sure: a tokenizer's bytes per token depend on the text
 // more than on the traffic (with tiktoken's cl100k_base, which Llama 3's
 // tokenizer extends: about 3 for CJK text and minified JSON, 4 for prose
-// and code, 5.6 for JSON indented by four spaces, 7.5 by eight). Anything nearer its limit goes to the engine,
-// which counts exactly and answers 400 at once if it is too long.
+// and code, 5.6 for JSON indented by four spaces, 7.5 by eight). Anything
+// nearer its limit goes to the engine, which counts exactly and answers
+// 400 at once if it is too long.
 func leastKVTokens(req *Request, prompt int) int {
 	least := prompt
 	if req.PromptBytes > 0 {

@@ -107,17 +107,17 @@ func (m *modelStats) learnPrompt(promptBytes, promptTokens int) {
 // promptTokens is req's prompt length in tokens and the factor its
 // estimate was scaled by: for a text prompt of a model whose bytes per
 // token the router learned, its bytes over the learned ratio, else the
-// caller's estimate; learned says the ratio was. Caller holds f.mu.
-func (f *Fleet) promptTokens(req *Request) (tokens int, scale float64, learned bool) {
+// caller's estimate. Caller holds f.mu.
+func (f *Fleet) promptTokens(req *Request) (tokens int, scale float64) {
 	if req.PromptBytes <= 0 || req.PromptTokens <= 0 {
-		return req.PromptTokens, 1, false
+		return req.PromptTokens, 1
 	}
 	m := f.model(req.Model, false)
 	if m == nil || !m.bytesPerToken.learned() {
-		return req.PromptTokens, 1, false
+		return req.PromptTokens, 1
 	}
 	tokens = max(1, int(math.Ceil(float64(req.PromptBytes)/m.bytesPerToken.value)))
-	return tokens, float64(tokens) / float64(req.PromptTokens), true
+	return tokens, float64(tokens) / float64(req.PromptTokens)
 }
 
 // BytesPerToken is the prompt bytes per token learned for model from its
