@@ -14,10 +14,13 @@
 #   scripts/overhead-split.sh
 #   DURATION=40s API=responses TOP=40 scripts/overhead-split.sh
 #   STREAM_TOKENS=64 scripts/overhead-split.sh
+#   CACHE_SIM=1 scripts/overhead-split.sh   # also each one's cache misses a request
 #
 # Environment: DURATION (40s), CONCURRENCY (32), PROMPT_BYTES (512), API (completions or
 # responses), STREAM_TOKENS (unset: not streamed; N: streamed in N one-token events, as in
-# scripts/overhead.sh), TOKEN_INTERVAL (as in scripts/overhead.sh), TOP (30 functions), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
+# scripts/overhead.sh), TOKEN_INTERVAL (as in scripts/overhead.sh), TOP (30 functions), CACHE_SIM (1: cachegrind simulates the
+# caches too, a 32 KiB first-level instruction cache among them, and the script prints each site's
+# misses a request and the functions whose instruction-cache misses differ most), BASE_PORT (18180: uses BASE_PORT..BASE_PORT+6). Keep DURATION
 # at 10s or more: in a 3 s run the scheduler's spinning (runtime.lock2, findRunnable) differed by
 # tens of thousands of instructions a request between the two processes.
 # The whole difference moves by several thousand instructions from run to run (garbage
@@ -33,6 +36,9 @@ PROMPT_BYTES=${PROMPT_BYTES:-512}
 API=${API:-completions}
 STREAM_TOKENS=${STREAM_TOKENS:-}
 TOP=${TOP:-30}
+CACHE_SIM=${CACHE_SIM:-}
+cache_sim=no
+[ "$CACHE_SIM" = 1 ] && cache_sim=yes
 BASE_PORT=${BASE_PORT:-18180}
 case "$API" in
 completions | responses) ;;
@@ -87,7 +93,7 @@ site "$rr_port" "	reverse_proxy $ups {
 	}" >"$work/rr.Caddyfile"
 site "$idle_port" "	respond 404" >"$work/idle.Caddyfile"
 for s in llm rr idle; do
-	GODEBUG=asyncpreemptoff=1 valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file="$work/$s.cg" \
+	GODEBUG=asyncpreemptoff=1 valgrind --tool=cachegrind --cache-sim=$cache_sim --cachegrind-out-file="$work/$s.cg" \
 		"$work/caddy" run --config "$work/$s.Caddyfile" --adapter caddyfile >"$work/$s.log" 2>&1 &
 	pids+=($!)
 done
@@ -138,12 +144,13 @@ n_rr=$(($(field "$work/rr.load" requests) + $(field "$work/warm.$rr_port" reques
 
 # The awk programs read all their input: one that stopped early would end cg_annotate with
 # SIGPIPE, which pipefail makes this script's failure.
-functions() { # functions FILE: "count<TAB>function" for every function
-	cg_annotate --threshold=0 --show-percs=no "$1" | awk '
+functions() { # functions FILE [COLUMN]: "count<TAB>function" for every function, the count of
+	# the COLUMNth event (1, the default, is instructions; with CACHE_SIM, 2 is I1 misses)
+	cg_annotate --threshold=0 --show-percs=no "$1" | awk -v col="${2:-1}" '
 		/file:function/ { on = 1; next }
 		on && /^-+$/ { next }
 		on && NF == 0 { if (n) on = 0; next }
-		on { c = $1; gsub(",", "", c); sub(/^ *[0-9,]+ +/, ""); printf "%s\t%s\n", c, $0; n++ }'
+		on { c = $col; gsub(",", "", c); while (sub(/^ *[0-9,.]+ +/, "")) {}; printf "%s\t%s\n", c + 0, $0; n++ }'
 }
 total() { cg_annotate "$1" | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }'; }
 for s in llm rr idle; do functions "$work/$s.cg" >"$work/$s.fn"; done
@@ -183,3 +190,35 @@ show='NR <= n { printf "  %+8.0f %8.0f %8.0f  %s\n", $1, $2, $3, substr($4, 1, 1
 sort -t$'\t' -k1,1 -g -r "$work/diff" | awk -F'\t' -v n="$TOP" "$show"
 echo "  ..."
 sort -t$'\t' -k1,1 -g "$work/diff" | awk -F'\t' -v n=8 "$show"
+[ "$CACHE_SIM" = 1 ] || exit 0
+
+# Each event's count a request: instructions (Ir), first-level instruction-cache misses (I1mr),
+# data reads and their misses (Dr, D1mr), writes and theirs (Dw, D1mw); the last-level ones (IL,
+# DL) are all but zero. A miss costs cycles an instruction count does not show.
+echo "cache simulation, a request (llm_affinity, round_robin, difference):"
+events() { cg_annotate "$1" | awk '/PROGRAM TOTALS/ && !done { for (i = 1; i <= 9; i++) { c = $(2 * i - 1); gsub(",", "", c); printf "%s ", c }; done = 1 }'; }
+awk -v l="$(events "$work/llm.cg")" -v r="$(events "$work/rr.cg")" -v i="$(events "$work/idle.cg")" \
+	-v nl="$n_llm" -v nr="$n_rr" 'BEGIN {
+	split("Ir I1mr ILmr Dr D1mr DLmr Dw D1mw DLmw", name, " ")
+	split(l, a, " "); split(r, b, " "); split(i, c, " ")
+	for (k = 1; k <= 9; k++) {
+		x = (a[k] - c[k]) / nl; y = (b[k] - c[k]) / nr
+		printf "  %-5s %10.0f %10.0f %+10.0f\n", name[k], x, y, x - y
+	}
+}'
+for s in llm rr idle; do functions "$work/$s.cg" 2 >"$work/$s.i1"; done
+awk -F'\t' -v nl="$n_llm" -v nr="$n_rr" '
+	FILENAME ~ /llm.i1$/ { l[$2] += $1; names[$2] = 1; next }
+	FILENAME ~ /rr.i1$/ { r[$2] += $1; names[$2] = 1; next }
+	{ i[$2] += $1 }
+	END {
+		for (f in names) {
+			d = (l[f] - i[f]) / nl - (r[f] - i[f]) / nr
+			if (f ~ /llmaffinity/) own += d; else rest += d
+			printf "%.1f\t%.1f\t%.1f\t%s\n", d, (l[f] - i[f]) / nl, (r[f] - i[f]) / nr, f > diff
+		}
+		printf "instruction-cache misses a request over round robin: the plugin'"'"'s own code %+.0f, the rest %+.0f\n", own, rest
+	}' diff="$work/i1diff" "$work/llm.i1" "$work/rr.i1" "$work/idle.i1"
+echo "functions whose instruction-cache misses differ most (difference, llm_affinity, round_robin):"
+show1='NR <= n { printf "  %+8.1f %8.1f %8.1f  %s\n", $1, $2, $3, substr($4, 1, 140) }'
+sort -t$'\t' -k1,1 -g -r "$work/i1diff" | awk -F'\t' -v n="$TOP" "$show1"
