@@ -94,7 +94,11 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 			since = time.Now()
 		}
 		st.setCancel(cancel, since)
-		err, aborted := serveRecovering(rec, r.WithContext(&attemptContext{Context: ctx, st: st}), next)
+		var actx context.Context = &attemptContext{Context: ctx, st: st}
+		if st.req != nil && st.req.PreviousResponseID != "" {
+			actx = st.traceConnections(actx)
+		}
+		err, aborted := serveRecovering(rec, r.WithContext(actx), next)
 		cut := st.takeCut() // also ends the discarding of a cut attempt's output
 		cancel(nil)
 

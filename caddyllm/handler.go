@@ -18,6 +18,8 @@ import (
 	"mime"
 	"net"
 	"net/http"
+	"net/http/httptrace"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -789,6 +791,13 @@ type requestState struct {
 	// unreached are the upstreams an attempt found nothing listening at
 	// (its connection refused): they hold nothing of this request's.
 	unreached []string
+	// connTrace, set for a request that goes to its stored response's
+	// home, has the transport report in gotConn that an attempt got a
+	// connection: one that did not was refused (or its dial or TLS
+	// handshake failed), which Caddy's retries, asking Select again, do
+	// not say (see Policy.Select).
+	connTrace *httptrace.ClientTrace
+	gotConn   atomic.Bool
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
 	shed *shedding
@@ -999,8 +1008,26 @@ func (st *requestState) markUnreached() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if a := st.current; a != nil {
-		st.unreached = append(st.unreached, a.charge.Dial())
+		st.noteUnreached(a.charge.Dial())
 	}
+}
+
+// noteUnreached adds dial to the upstreams found with nothing listening;
+// st.mu is held.
+func (st *requestState) noteUnreached(dial string) {
+	if !slices.Contains(st.unreached, dial) {
+		st.unreached = append(st.unreached, dial)
+	}
+}
+
+// traceConnections returns ctx with a trace that notes in st.gotConn each
+// connection an attempt gets, for a request that goes home: its home
+// must be left at its first refusal, also inside Caddy's retries.
+func (st *requestState) traceConnections(ctx context.Context) context.Context {
+	if st.connTrace == nil {
+		st.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { st.gotConn.Store(true) }}
+	}
+	return httptrace.WithClientTrace(ctx, st.connTrace)
 }
 
 // countMove counts a request moved off its upstream (by cause) and what

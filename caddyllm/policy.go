@@ -597,9 +597,16 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
+		if st.connTrace != nil && !st.gotConn.Load() {
+			// Caddy asks again after an attempt that got no connection:
+			// nothing listens there (its home crashed, say), and with
+			// lb_try_duration Caddy would retry it until that passes.
+			st.noteUnreached(a.charge.Dial())
+		}
 		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
+	st.gotConn.Store(false)
 	// Never read r.Body here: install a fresh reader of the bytes the
 	// handler kept, so a retry resends the full body.
 	r.Body = st.attemptBody()

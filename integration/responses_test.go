@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -188,8 +189,14 @@ func TestPreviousResponseGoesHome(t *testing.T) {
 // the refusal tells the router nothing listens there, so it no longer
 // counts that replica as the response's home, and sends the request
 // again elsewhere.
+//
+// With lb_try_duration (and no passive health checks to mark the home
+// unhealthy), Caddy asks the policy again after each refused attempt
+// until that duration passes: the home is left after its first refusal
+// (the attempt's body unread: no connection opened), not after 10 s of
+// retries of it.
 func TestPreviousResponseAfterItsHomeCrashed(t *testing.T) {
-	for _, proxyOpts := range []string{"", "lb_retries 2"} {
+	for _, proxyOpts := range []string{"", "lb_retries 2", "lb_try_duration 10s\n\t\tlb_try_interval 50ms"} {
 		t.Run(cmp.Or(proxyOpts, "no retries"), func(t *testing.T) { homeCrashed(t, proxyOpts) })
 	}
 }
@@ -207,6 +214,13 @@ func homeCrashed(t *testing.T, proxyOpts string) {
 	}
 	if got := second.Header.Get(kvsim.ReplicaHeader); got == "" || got == home {
 		t.Fatalf("the 404 came from %q (home %s)", got, home)
+	}
+	// The home once or twice (a kept-alive connection to it may close
+	// under the first attempt, which is sent again), then another.
+	explain := second.Header.Get("X-LLM-Affinity")
+	_, after, _ := strings.Cut(explain, "attempt=") // the explanation's last field
+	if attempt, err := strconv.Atoi(after); err != nil || attempt > 3 {
+		t.Fatalf("the 404 came on attempt %q: %s", after, explain)
 	}
 }
 
