@@ -335,6 +335,12 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 			pt.model = modelOfBody(body)
 		}
 	}
+	if storedResponseID(r.URL.Path) != "" {
+		// Its home is the one replica with the response, until an attempt
+		// finds nothing listening there.
+		pt.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { pt.gotConn.Store(true) }}
+		ctx = httptrace.WithClientTrace(ctx, pt.connTrace)
+	}
 	return pt.serve(w, r, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
 }
 
@@ -491,6 +497,21 @@ type passThrough struct {
 	// one for an attempt the proxy has left does nothing.
 	attempts int
 	cut      bool
+	// connTrace, set for a request about a stored response, has the
+	// transport note in gotConn that an attempt got a connection; lastDial
+	// is the last attempt's upstream, and unreached those an attempt got
+	// none from (see Policy.chooseFallback).
+	connTrace *httptrace.ClientTrace
+	gotConn   atomic.Bool
+	lastDial  string
+	unreached []string
+}
+
+// isUnreached says an attempt of the request got no connection at dial.
+func (pt *passThrough) isUnreached(dial string) bool {
+	pt.mu.Lock()
+	defer pt.mu.Unlock()
+	return slices.Contains(pt.unreached, dial)
 }
 
 // enter registers the request's next attempt, on dial, ending the last.

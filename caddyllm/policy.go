@@ -1153,9 +1153,23 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		// (lb_retries), and the answer stands, counted once.
 		return p.answered()
 	}
+	if pt != nil && pt.connTrace != nil {
+		pt.mu.Lock()
+		if pt.lastDial != "" && !pt.gotConn.Load() && !slices.Contains(pt.unreached, pt.lastDial) {
+			// Caddy asks again after an attempt that got no connection.
+			pt.unreached = append(pt.unreached, pt.lastDial)
+		}
+		pt.gotConn.Store(false)
+		pt.mu.Unlock()
+	}
 	up := p.chooseFallback(pool, r, w, pt)
 	if up == nil {
 		return nil // no decision: Caddy may ask again
+	}
+	if pt != nil && pt.connTrace != nil {
+		pt.mu.Lock()
+		pt.lastDial = up.Dial
+		pt.mu.Unlock()
 	}
 	p.sh.metrics.decision(fallbackReason).Inc()
 	p.enterPassThrough(r, pt, up.Dial)
@@ -1211,10 +1225,15 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// continuing it does.
 	if dial := p.sh.fleet.ResponseHome(storedResponseID(r.URL.Path)); dial != "" {
 		for _, u := range pool {
-			if u.Dial == dial && u.Available() {
+			if u.Dial == dial && u.Available() && (pt == nil || !pt.isUnreached(dial)) {
 				return u
 			}
 		}
+	}
+	if pt != nil && len(pt.unreached) > 0 {
+		// Nothing listens there: another engine answers for the response
+		// (404: it is gone with its engine).
+		pool = slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return pt.isUnreached(u.Dial) })
 	}
 	// A generation request the handler did not see (pt is nil): the
 	// llm_affinity directive is missing from the route, or comes after

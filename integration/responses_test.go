@@ -224,6 +224,27 @@ func homeCrashed(t *testing.T, proxyOpts string) {
 	}
 }
 
+// TestStoredResponseGetAfterItsHomeCrashed: a retrieval of a stored
+// response (passed through, not parsed) goes to its home; once an attempt
+// there gets no connection (the home crashed, and no health check has
+// noticed), Caddy's retry goes to another replica, whose engine answers
+// 404 at once, where every retry went to the dead home, ending in 502.
+func TestStoredResponseGetAfterItsHomeCrashed(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2"))
+	client, _, id, home := storeConversation(t)
+	crash(fleet, home)
+	var got *http.Response
+	_, err := client.Responses.Get(context.Background(), id, responses.ResponseGetParams{}, option.WithResponseInto(&got))
+	var apiErr *openai.Error
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound {
+		t.Fatalf("the stored response %s after its home %s crashed: %v, want the 404", id, home, err)
+	}
+	if r := got.Header.Get(kvsim.ReplicaHeader); r == "" || r == home {
+		t.Fatalf("the 404 came from %q (home %s)", r, home)
+	}
+}
+
 // TestDownEngineAvoided: once the scrape finds nothing listening at a
 // replica (Caddy, without health checks, still counts it healthy), a
 // stored response there is no home, so a request naming it gets another
