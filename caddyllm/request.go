@@ -304,6 +304,8 @@ const (
 	fieldCacheSalt
 	fieldBackground
 	fieldOther = -1
+	// fieldBody stands for the body itself, in a type error.
+	fieldBody = len(topFields)
 )
 
 const (
@@ -365,9 +367,16 @@ type reading struct {
 	body     []byte
 	s        *scanner
 	sc       *parseScratch
-	// typeErr is the first field of the wrong type: reported unless the
-	// body is not JSON at all, as encoding/json does.
-	typeErr error
+	// typeErrs are the values of the wrong type, in the body's order,
+	// each the first of its top-level field (fieldBody for the body
+	// itself), reported unless the body is not JSON at all, as
+	// encoding/json does; errFields has a bit for each field with one.
+	// vLLM reads the body with Python's json.loads, where a key's last
+	// value wins: a later value of the same field takes the earlier one's
+	// error back. field is the top-level field being read.
+	typeErrs  []fieldError
+	errFields uint32
+	field     int
 
 	model        span
 	modelEscaped bool
@@ -462,8 +471,8 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 	switch {
 	case sc.s.err != nil:
 		return errBadRequest{msg: sc.s.err.Error()}
-	case r.typeErr != nil:
-		return r.typeErr
+	case len(r.typeErrs) > 0:
+		return r.typeErrs[0].err
 	}
 	*req = Request{Endpoint: endpoint, Stream: r.stream, Sequences: 1}
 	if r.n.set && r.n.v > 1 {
@@ -587,14 +596,33 @@ func (p *parser) modelName(name []byte) string {
 	return s
 }
 
-// typeError records a field of the wrong type, in the API's words.
+// fieldError is a value of the wrong type in a top-level field.
+type fieldError struct {
+	field int
+	err   error
+}
+
+// typeError records a value of the wrong type, in the API's words: the
+// first in the top-level field being read.
 func (r *reading) typeError(field, want string) {
-	if r.typeErr == nil {
-		param := field
-		if field == "the body" {
-			param = ""
-		}
-		r.typeErr = badRequestf(param, "invalid request: %s must be %s", field, want)
+	if r.errFields&(1<<r.field) != 0 {
+		return
+	}
+	param := field
+	if r.field == fieldBody {
+		param = ""
+	}
+	r.typeErrs = append(r.typeErrs, fieldError{r.field, badRequestf(param, "invalid request: %s must be %s", field, want)})
+	r.errFields |= 1 << r.field
+}
+
+// readingField notes that field is read (again): an earlier value's
+// error is taken back, as that value is.
+func (r *reading) readingField(field int) {
+	r.field = field
+	if r.errFields&(1<<field) != 0 {
+		r.errFields &^= 1 << field
+		r.typeErrs = slices.DeleteFunc(r.typeErrs, func(e fieldError) bool { return e.field == field })
 	}
 }
 
@@ -613,6 +641,7 @@ func (r *reading) read() {
 		s.literal() // null: an empty request, as encoding/json has it
 	default:
 		if _, _, ok := s.skip(); ok {
+			r.field = fieldBody
 			r.typeError("the body", "an object")
 		}
 	}
@@ -639,11 +668,13 @@ func (r *reading) object() {
 			r.skip()
 			continue
 		}
+		if field != fieldOther {
+			r.readingField(field)
+		}
 		switch field {
 		case fieldModel:
-			if r.optString(&r.model, &r.modelEscaped, "model") {
-				r.modelSet = true
-			}
+			// A null given last takes the model back, as vLLM reads it.
+			r.modelSet = r.optString(&r.model, &r.modelEscaped, "model")
 		case fieldCacheSalt:
 			// A null one given last takes the salt back, as vLLM reads it.
 			r.cacheSaltSet = r.optString(&r.cacheSalt, &r.cacheSaltEscaped, "cache_salt")
@@ -658,7 +689,7 @@ func (r *reading) object() {
 		case fieldMaxOutputTokens:
 			r.optInt(&r.maxOutput, "max_output_tokens")
 		case fieldPreviousResponseID:
-			r.previousSet = r.optString(&r.previous, &r.previousEscaped, "previous_response_id") || r.previousSet
+			r.previousSet = r.optString(&r.previous, &r.previousEscaped, "previous_response_id")
 		case fieldStore:
 			// The router only needs to know store is surely off, so it
 			// refuses no value: the engine answers for a bad one.
@@ -689,7 +720,9 @@ func (r *reading) object() {
 					r.stream = c == 't'
 				}
 			case c == 'n':
-				s.literal()
+				if s.literal() {
+					r.stream = false
+				}
 			case c == '"' || c == '-' || '0' <= c && c <= '9':
 				text, ok := r.scalar(c)
 				if !ok {
@@ -745,8 +778,9 @@ func (r *reading) laxFlag() (v, ok bool) {
 	return false, false
 }
 
-// optString reads a string field that may be null (null leaves dst as it
-// was); it reports whether it read a string.
+// optString reads a string field that may be null; it reports whether it
+// read a string (a null leaves dst as it was: the caller's flag says the
+// field is unset, as a null given last makes it in vLLM).
 func (r *reading) optString(dst *span, escaped *bool, name string) bool {
 	s := r.s
 	switch s.ws() {

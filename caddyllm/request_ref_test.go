@@ -242,7 +242,7 @@ func refAPIType(t reflect.Type) string {
 // parse reads body for endpoint. It never panics; errors are
 // errBadRequest.
 func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
-	body = bytes.TrimPrefix(body, utf8BOM)
+	body = refLastValues(bytes.TrimPrefix(body, utf8BOM))
 	if endpoint == EndpointResponses {
 		return p.refParseResponses(body)
 	}
@@ -295,6 +295,50 @@ func (p *parser) refParse(endpoint Endpoint, body []byte) (*Request, error) {
 		}
 	}
 	return req, nil
+}
+
+// refLastValues is body, an object, with each key's last value only, in
+// the place of its first, as Python's json.loads (vLLM's) reads it: where
+// encoding/json decodes a struct field given twice, the first value's type
+// error stands, and a null leaves a string as it was. The values keep
+// their bytes (a Responses API item's are hashed as sent). A body without
+// a key given twice, or that is no valid object, stays as it is.
+func refLastValues(body []byte) []byte {
+	if !json.Valid(body) {
+		return body
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return body
+	}
+	var keys []string
+	values := map[string]json.RawMessage{}
+	read := 0
+	for dec.More() {
+		t, err := dec.Token()
+		key, ok := t.(string)
+		var value json.RawMessage
+		if err != nil || !ok || dec.Decode(&value) != nil {
+			return body
+		}
+		if _, seen := values[key]; !seen {
+			keys = append(keys, key)
+		}
+		values[key] = value
+		read++
+	}
+	if read == len(keys) {
+		return body
+	}
+	out := []byte{'{'}
+	for i, key := range keys {
+		if i > 0 {
+			out = append(out, ',')
+		}
+		k, _ := json.Marshal(key)
+		out = append(append(append(out, k...), ':'), values[key]...)
+	}
+	return append(out, '}')
 }
 
 // refParseResponses is refParse for the Responses API.
@@ -608,6 +652,11 @@ func referenceCorpus() []string {
 		`{"prompt":[1,"a"]}`, `{"prompt":["a",1]}`, `{"prompt":[[1],"a"]}`, `{"prompt":[null,[1]]}`, `{"prompt":[["a"]]}`,
 		`{"prompt":[]}`, `{"prompt":[[]]}`, `{"prompt":[""]}`, `{"prompt":""}`, `{"prompt":null}`, `{"prompt":{}}`, `{"prompt":true}`,
 		`{"prompt":[{}]}`, `{"prompt":[true]}`, `{"prompt":3,"prompt":"x"}`, `{"prompt":"x","prompt":3}`,
+		`{"prompt":"x","max_tokens":"abc","max_tokens":2}`, `{"prompt":"x","max_tokens":2,"max_tokens":"abc"}`,
+		`{"model":5,"prompt":"x","model":"m"}`, `{"prompt":"x","stream":2,"stream":false}`, `{"prompt":"x","n":2.5,"n":1}`,
+		`{"prompt":"x","cache_salt":5,"cache_salt":"s"}`, `{"prompt":"x","max_tokens":"a","n":"b","max_tokens":null}`,
+		`{"messages":5,"messages":[{"role":"user","content":"x"}]}`, `{"messages":[{"role":5}],"messages":[{"role":"user","content":"x"}]}`,
+		`{"messages":[{"role":"user","content":"x"}],"messages":[{"role":5}]}`, `7`, `{"model":5,"model":null,"prompt":"x"}`,
 		`{"prompt":"\u00e9\"\\\/\b\f\n\r\t\ud83d\ude00 \ud800 \udc00x"}`,
 		`{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":["string","null"]}}}}}]}`,
 		`{"messages":[{"role":"user","content":"hi"}],"model":"m","tools":[{"type":"function"}],"stream":true}`,

@@ -189,6 +189,10 @@ func TestAnswers(t *testing.T) {
 		// refused.
 		answerRow{name: "CJK text escaped as Python sends it, within the KV capacity", status: 200}.
 			post("/v1/completions", `{"model":"`+model+`","max_tokens":4,"prompt":`+strconv.QuoteToASCII(strings.Repeat("路由器把请求发给最快的副本。", 16_000/14)+"路由器")+`}`),
+		// vLLM reads the body with Python's json.loads: a key's last value
+		// wins, and the earlier one, of the wrong type, is not seen.
+		answerRow{name: "a key given twice, the first value of the wrong type", status: 200}.
+			post("/v1/completions", `{"model":"`+model+`","prompt":"hello","max_tokens":"many","max_tokens":2}`),
 		answerRow{name: "a short prompt whose max_tokens exceeds the KV capacity", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`,
 			param: `"prompt"`, message: "max_tokens is 20000"}.
 			post("/v1/completions", completion("hello", 20_000)),
