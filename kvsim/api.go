@@ -3,6 +3,7 @@ package kvsim
 import (
 	"bytes"
 	"encoding/json"
+	"math"
 	"strings"
 	"unicode/utf8"
 )
@@ -430,6 +431,11 @@ func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([][]byte, error) {
 	return [][]byte{text}, nil
 }
 
+// VocabSize is the number of token ids the simulated model knows: Llama
+// 3.1's vocabulary. A prompt of token ids outside it is refused, as vLLM
+// refuses one.
+const VocabSize = 128_256
+
 // parseOnePrompt reads one prompt: a string or an array of token ids.
 func parseOnePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 	switch raw[0] {
@@ -440,14 +446,22 @@ func parseOnePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 		}
 		return []byte(s), nil
 	case '[':
-		var ids []int64
-		if err := json.Unmarshal(raw, &ids); err != nil {
+		// vLLM's request model reads token ids in pydantic's lax mode, so
+		// 2.0 is token 2; its engine then refuses an id outside the
+		// model's vocabulary.
+		var nums []float64
+		if err := json.Unmarshal(raw, &nums); err != nil {
 			return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
 		}
-		for _, id := range ids {
-			if id < 0 {
-				return nil, errBadRequestf("token id %d is out of vocabulary", id)
+		ids := make([]int64, len(nums))
+		for i, f := range nums {
+			if f != math.Trunc(f) {
+				return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
 			}
+			if f < 0 || f >= VocabSize {
+				return nil, errBadRequestf("token id %.0f is out of vocabulary", f)
+			}
+			ids[i] = int64(f)
 		}
 		return tok.TokenIDsToText(ids), nil
 	}

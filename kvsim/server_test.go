@@ -1088,3 +1088,23 @@ func TestCacheSaltKeepsPrefixesApart(t *testing.T) {
 		t.Fatalf("an empty salt: %d %s", resp.StatusCode, out)
 	}
 }
+
+// TestTokenIDsAsVLLMReadsThem: a prompt of token ids takes integral
+// numbers written as floats (pydantic's lax mode) and refuses an id
+// outside the model's vocabulary with 400, as vLLM does.
+func TestTokenIDsAsVLLMReadsThem(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	for prompt, want := range map[string]int{
+		`[1, 2.0, 128255]`: http.StatusOK,
+		`[[1.0], [7]]`:     http.StatusOK,
+		`[128256]`:         http.StatusBadRequest,
+		`[4294967296]`:     http.StatusBadRequest,
+		`[-1]`:             http.StatusBadRequest,
+		`[1.5]`:            http.StatusBadRequest,
+	} {
+		resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","max_tokens":1,"prompt":`+prompt+`}`)
+		if resp.StatusCode != want {
+			t.Errorf("prompt %s: status %d, want %d: %s", prompt, resp.StatusCode, want, out)
+		}
+	}
+}
