@@ -16,6 +16,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -643,6 +644,11 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 				return p.answered()
 			}
 			continue
+		case d.Unservable && !utf8.Valid(st.origBody):
+			// vLLM refuses a body that is not UTF-8 before it reads the
+			// model: its 400, not the router's 404.
+			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest,
+				message: "the request body is not valid UTF-8", reason: "invalid_utf8", refused: true})
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
 				message: modelNotFound(st.req.Model), reason: "model", refused: true})

@@ -176,6 +176,10 @@ func TestAnswers(t *testing.T) {
 	rows := []answerRow{
 		answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
 			post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`),
+		// vLLM refuses a body that is not UTF-8 before it reads the model.
+		answerRow{name: "a body not UTF-8 naming a model no upstream serves", status: 400, typ: "invalid_request_error", code: `400`,
+			message: "not valid UTF-8"}.
+			post("/v1/chat/completions", "{\"model\":\"gpt-4\",\"max_tokens\":4,\"messages\":[{\"role\":\"user\",\"content\":\"h\xffi\"}]}"),
 		// Text is refused here only when it is too long even at 16 bytes
 		// a token; nearer, the engine counts it and answers, at once.
 		answerRow{name: "a prompt longer than any upstream's KV capacity at 16 bytes a token", status: 400, typ: "invalid_request_error", code: `"context_length_exceeded"`, param: `"prompt"`}.
