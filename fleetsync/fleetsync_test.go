@@ -1386,18 +1386,24 @@ func TestRenewalDropsOnlyItsOwnPeers(t *testing.T) {
 // TestSnapshotWithDocumentedPermissions: the NATS permissions the README
 // gives a router's user are enough to ask for a snapshot and to answer
 // one.
+//
+// The server runs the example configuration users copy
+// (caddyfile-examples/nats-server.conf), read as nats-server reads it:
+// `allow_responses: true` there, as the README once said, allows one reply
+// a request, and the snapshot's end was refused.
 func TestSnapshotWithDocumentedPermissions(t *testing.T) {
-	perms := &server.Permissions{
-		Publish:   &server.SubjectPermission{Allow: []string{"test.perm", "test.perm.snapshot"}},
-		Subscribe: &server.SubjectPermission{Allow: []string{"test.perm", "test.perm.snapshot", "_INBOX.>"}},
-		Response:  &server.ResponsePermission{MaxMsgs: -1, Expires: time.Minute},
+	t.Setenv("ROUTER_PASSWORD", "p")
+	opts, err := server.ProcessConfigFile("../caddyfile-examples/nats-server.conf")
+	if err != nil {
+		t.Fatal(err)
 	}
-	ns := natstest.StartWith(t, &server.Options{Port: -1, Users: []*server.User{{Username: "r", Password: "p", Permissions: perms}}})
-	url := "nats://r:p@" + ns.Addr().String()
-	a := startPeerRouter(t, url, "a", "test.perm", "x:1")
-	answering(t, ns, "test.perm")
+	opts.Port = -1
+	ns := natstest.StartWith(t, opts)
+	url := "nats://router:p@" + ns.Addr().String()
+	a := startPeerRouter(t, url, "a", "llm_affinity", "x:1")
+	answering(t, ns, "llm_affinity")
 	a.decide([]uint64{1, 2, 3})
-	b := startPeerRouter(t, url, "b", "test.perm", "x:1")
+	b := startPeerRouter(t, url, "b", "llm_affinity", "x:1")
 	waitFor(t, "b starting with a's view", func() bool { return b.syncer.Stats().SnapshotFrom == a.syncer.Name() })
 	if d := b.decide([]uint64{1, 2, 3}); d.MatchedTokens != 48 {
 		t.Fatalf("b matched %d tokens of a's request, want 48", d.MatchedTokens)

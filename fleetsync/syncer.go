@@ -480,6 +480,12 @@ func (s *Syncer) options() ([]nats.Option, error) {
 				s.noteConnError(err)
 				return
 			}
+			if errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), "_INBOX.") {
+				// A reply refused: most often a snapshot's part beyond
+				// the one reply `allow_responses: true` allows.
+				log.Warn("NATS error", zap.Error(err), zap.String("hint", snapshotPermissionHint))
+				return
+			}
 			log.Warn("NATS error", zap.Error(err))
 		}),
 	}
@@ -731,6 +737,11 @@ const (
 	snapshotRetryWait = time.Second
 )
 
+// snapshotPermissionHint is logged where a snapshot's replies may have
+// been refused by the NATS user's permissions.
+const snapshotPermissionHint = "a snapshot is several replies: a NATS user whose permissions have " +
+	"allow_responses: true may send one; give it allow_responses: { max: -1 } (see caddyfile-examples/nats-server.conf)"
+
 // partHeader numbers a snapshot's parts, from 1, so that a requester
 // stops at a part lost (a reconnection in the middle): what follows a
 // gap could restore a chain's blocks without their parent.
@@ -802,6 +813,11 @@ func (s *Syncer) askSnapshot(nc *nats.Conn) bool {
 		case errors.Is(err, nats.ErrTimeout) && from == "":
 			log.Info("no peer answered the request for a snapshot; starting with an empty view")
 			return true
+		case err != nil && parts > 0 && errors.Is(err, nats.ErrTimeout):
+			// The peer's further replies were refused, or lost.
+			log.Warn("the snapshot was cut short", zap.String("from", from), zap.Int("parts", parts), zap.Error(err),
+				zap.String("hint", snapshotPermissionHint))
+			return false
 		case err != nil:
 			log.Warn("the snapshot was cut short", zap.String("from", from), zap.Int("parts", parts), zap.Error(err))
 			return false
