@@ -1104,7 +1104,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		// unless the request continued a stored response (the engine's
 		// 404 is then for the response).
 		if rec.status == http.StatusNotFound && st.req.PreviousResponseID == "" {
-			a.refused()
+			a.refused(st.req.Model)
 		} else {
 			a.release()
 		}

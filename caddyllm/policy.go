@@ -921,7 +921,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	dial := d.Charge.Dial()
 	st.sh = p.sh
 	a := st.newAttempt()
-	*a = attempt{st: st, sh: p.sh, charge: d.Charge}
+	*a = attempt{st: st, sh: p.sh, charge: d.Charge, scraper: p.scraper}
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
@@ -1047,6 +1047,9 @@ type attempt struct {
 	sh     *shared
 	charge *router.Charge
 	flight drain.Flight
+	// scraper is the policy's, nil without scrape_interval: an engine's
+	// 404 for the model makes it fetch that engine's list again.
+	scraper *scrape.Scraper
 }
 
 // Cut is called at the drain deadline of the attempt's upstream: it
@@ -1089,10 +1092,18 @@ func (a *attempt) release() {
 }
 
 // refused releases a for a request its upstream answered 404 (see
-// router.Fleet.Refused).
-func (a *attempt) refused() {
+// router.Fleet.Refused): the engine does not serve model, whatever the
+// list it last gave says (an adapter unloaded there by a call that did
+// not pass the router, say). The model is taken off that list and the
+// list fetched again at once, so the next requests go to an engine that
+// serves it rather than to this one until models_interval passes.
+func (a *attempt) refused(model string) {
 	a.endFlight()
 	a.sh.fleet.Refused(a.charge, time.Now())
+	if a.scraper != nil && model != "" {
+		a.scraper.ForgetModel(a.charge.Dial(), model)
+		a.scraper.RefreshModels(a.charge.Dial())
+	}
 }
 
 // explain logs the decision at debug level and, when enabled, sets the

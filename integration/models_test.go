@@ -517,3 +517,62 @@ func TestOneContinue(t *testing.T) {
 		}
 	}
 }
+
+// TestAdapterUnloadedOnAnEngineLeavesItsList: an adapter unloaded on an
+// engine by a call that did not pass the router (an operator's, straight
+// to the engine) is still on the list the router last fetched; the
+// engine's 404 for it takes it off that list at once and has the list
+// fetched again, so the next requests go to the replica that still serves
+// it, where before they went on to the warm replica, 404 after 404, until
+// models_interval (here an hour) passed.
+func TestAdapterUnloadedOnAnEngineLeavesItsList(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	for _, r := range fleet {
+		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
+			strings.NewReader(`{"lora_name":"tenant","lora_path":"/adapters/tenant"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	eventually(t, 10*time.Second, "the adapter on both replicas' lists", func() bool {
+		for _, r := range fleet {
+			if v := listedEngine(t, r.dial()); v == nil || !slices.Contains(v.Models, "tenant") {
+				return false
+			}
+		}
+		return true
+	})
+	body := chat([]msg{{"user", text("a tenant's long question", 2_000)}}, 2)
+	body["model"] = "tenant"
+	first := post(t, "/v1/chat/completions", body)
+	if first.status != 200 {
+		t.Fatalf("first request: %d %s", first.status, first.body)
+	}
+	var home *replica
+	for _, r := range fleet {
+		if r.name == first.replica {
+			home = r
+		}
+	}
+	resp, err := http.Post(home.http.URL+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"tenant"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	// The warm replica is chosen once more and answers 404: it is how
+	// the router learns of the unload.
+	if c := post(t, "/v1/chat/completions", body); c.status != http.StatusNotFound || c.replica != home.name {
+		t.Fatalf("after the unload on %s: %d from %s, want its 404", home.name, c.status, c.replica)
+	}
+	eventually(t, 10*time.Second, "the adapter off the list of "+home.name, func() bool {
+		v := listedEngine(t, home.dial())
+		return v != nil && !slices.Contains(v.Models, "tenant")
+	})
+	for i := range 5 {
+		if c := post(t, "/v1/chat/completions", body); c.status != 200 || c.replica == home.name {
+			t.Fatalf("request %d after the 404: %d from %s (%s)", i, c.status, c.replica, c.explain)
+		}
+	}
+}
