@@ -1839,6 +1839,24 @@ func TestForgetLostInAnOutageIsSent(t *testing.T) {
 	waitFor(t, "b forgetting the failed request's blocks", func() bool { return blocks() == 0 })
 }
 
+// TestResponseStoredInAnOutageIsSent: a response stored while its router
+// is cut off from NATS is made known once connected again, so that its
+// next turn through the peer goes home; before, its home was dropped with
+// the outage's other events, and nothing restated it: the peer sent every
+// later turn by its input alone, to engines that answered 404.
+func TestResponseStoredInAnOutageIsSent(t *testing.T) {
+	ns := startNATS(t, -1)
+	port, url := ns.Addr().(*net.TCPAddr).Port, ns.ClientURL()
+	fa, fb, a, _ := fleetPair(t, url, url, "test.loststored")
+	waitFor(t, "b hearing a", func() bool { return len(fb.Peers()) == 1 })
+	ns.Shutdown()
+	waitFor(t, "a noticing the loss", func() bool { return !a.Stats().Connected })
+	fa.RememberResponse("resp_outage", "x:1")
+	waitFor(t, "the home dropped", func() bool { return a.Stats().Dropped > 0 })
+	startNATS(t, port)
+	waitFor(t, "b learning the response's home", func() bool { return fb.ResponseHome("resp_outage") == "x:1" })
+}
+
 // TestKeptMessagesCountAsDroppedOnce: a failed request's forget and an
 // operator's drain that could not be sent are kept to send once
 // connected; a try that fails again does not count them again.

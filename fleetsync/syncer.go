@@ -272,6 +272,11 @@ type Syncer struct {
 	// added to their indexes (a renewal's restatement carries no hashes).
 	lostForgets      []Message
 	lostForgetHashes int
+	// lostStored are the stored responses' homes (EventStored) that could
+	// not be sent, at most maxLostStored, sent once connected: a peer that
+	// never hears of one sends the response's next turn by its input
+	// alone, to an engine that answers 404, and no later traffic tells it.
+	lostStored []Message
 	// ownOps are this router's operators' latest drain or undrain per
 	// upstream that no peer's later one replaced: restated with the
 	// charges, since a peer may have missed it without either side
@@ -1015,12 +1020,14 @@ func (s *Syncer) Publish(m Message) bool {
 	s.noteLiveForgot(&m)
 	if !s.live.Load() {
 		// Not connected yet (or closed): no peer has heard of a charge
-		// yet, but an operator's drain is sent once connected.
+		// yet, but an operator's drain and a stored response's home are
+		// sent once connected.
 		s.countDropped(&m)
 		select {
 		case <-s.stop:
 		default:
 			s.keepOp(m)
+			s.keepStored(m)
 		}
 		return false
 	}
@@ -1035,14 +1042,15 @@ func (s *Syncer) Publish(m Message) bool {
 
 // drop counts m as dropped and notes what the peers missed: a charge's
 // routing or release (its progress carries running totals, which the
-// next one makes good), or an operator's drain. Nothing restates stored
-// responses or index changes (but see unsent).
+// next one makes good), an operator's drain, or a stored response's home
+// (kept to send again). Nothing restates index changes (but see unsent).
 func (s *Syncer) drop(m Message) {
 	s.countDropped(&m)
 	if ev := m.Event; ev != nil && ev.Kind != router.EventProgressed && ev.Kind != router.EventStored && !isIndexEvent(ev.Kind) {
 		s.lost.Store(true)
 	}
 	s.keepOp(m)
+	s.keepStored(m)
 }
 
 // countDropped counts m in events_dropped, once: a message kept to send
@@ -1236,11 +1244,13 @@ func (s *Syncer) unsent(m Message) {
 	}
 }
 
-// maxLostOps bounds the operators' drains kept while disconnected, and
-// maxLostForgetHashes the hashes of the forgets kept.
+// maxLostOps bounds the operators' drains kept while disconnected,
+// maxLostForgetHashes the hashes of the forgets kept, and maxLostStored
+// the stored responses' homes (an id is at most 256 bytes).
 const (
 	maxLostOps          = 4096
 	maxLostForgetHashes = 1 << 18
+	maxLostStored       = 1 << 14
 )
 
 // keepForget keeps m, a forget that could not be sent, to send once
@@ -1252,6 +1262,29 @@ func (s *Syncer) keepForget(m Message) {
 		s.lostForgets = append(s.lostForgets, m)
 		s.lostForgetHashes += n
 	}
+}
+
+// keepStored keeps m, when it is a stored response's home, to send once
+// connected; beyond maxLostStored it is lost.
+func (s *Syncer) keepStored(m Message) {
+	if m.Event == nil || m.Event.Kind != router.EventStored {
+		return
+	}
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	if len(s.lostStored) < maxLostStored {
+		s.lostStored = append(s.lostStored, m)
+	}
+}
+
+// takeLostStored returns the stored responses' homes that could not be
+// sent, and forgets them.
+func (s *Syncer) takeLostStored() []Message {
+	s.opsMu.Lock()
+	defer s.opsMu.Unlock()
+	out := s.lostStored
+	s.lostStored = nil
+	return out
 }
 
 // takeLostForgets returns the forgets that could not be sent, in order,
@@ -1471,6 +1504,9 @@ func (s *Syncer) run() {
 			add(m)
 		}
 		for _, m := range s.takeLostForgets() {
+			add(m)
+		}
+		for _, m := range s.takeLostStored() {
 			add(m)
 		}
 	}
