@@ -335,13 +335,17 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 			pt.model = modelOfBody(body)
 		}
 	}
-	if storedResponseID(r.URL.Path) != "" {
-		// Its home is the one replica with the response, until an attempt
-		// finds nothing listening there.
-		pt.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { pt.gotConn.Store(true) }}
-		ctx = httptrace.WithClientTrace(ctx, pt.connTrace)
-	}
-	return pt.serve(w, r, r.WithContext(context.WithValue(ctx, passThroughKey{}, pt)), next)
+	return pt.serve(w, r, r.WithContext(context.WithValue(pt.traceConnections(ctx), passThroughKey{}, pt)), next)
+}
+
+// traceConnections returns ctx with a trace that notes in pt.gotConn each
+// connection an attempt gets: Caddy's retry of an attempt that got none
+// (nothing listens there; health checks, if any, have not noticed) must go
+// to another upstream, and a stored response's request must leave its
+// home, whose engine crashed with the response (see Policy.selectFallback).
+func (pt *passThrough) traceConnections(ctx context.Context) context.Context {
+	pt.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { pt.gotConn.Store(true) }}
+	return httptrace.WithClientTrace(ctx, pt.connTrace)
 }
 
 // serve runs next for a request passed through, r with the context that
@@ -497,10 +501,9 @@ type passThrough struct {
 	// one for an attempt the proxy has left does nothing.
 	attempts int
 	cut      bool
-	// connTrace, set for a request about a stored response, has the
-	// transport note in gotConn that an attempt got a connection; lastDial
-	// is the last attempt's upstream, and unreached those an attempt got
-	// none from (see Policy.chooseFallback).
+	// connTrace has the transport note in gotConn that an attempt got a
+	// connection; lastDial is the last attempt's upstream, and unreached
+	// those an attempt got none from (see Policy.chooseFallback).
 	connTrace *httptrace.ClientTrace
 	gotConn   atomic.Bool
 	lastDial  string
@@ -569,7 +572,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
 	defer pt.end()
 	defer cancel(nil)
-	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(ctx, passThroughKey{}, pt), st: st}), next)
+	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(pt.traceConnections(ctx), passThroughKey{}, pt), st: st}), next)
 }
 
 // modelsWriter passes an engine's answer to GET /v1/models on with its

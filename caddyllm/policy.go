@@ -1242,15 +1242,22 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// continuing it does.
 	if dial := p.sh.fleet.ResponseHome(storedResponseID(r.URL.Path)); dial != "" {
 		for _, u := range pool {
-			if u.Dial == dial && u.Available() && (pt == nil || !pt.isUnreached(dial)) {
+			if u.Dial == dial && u.Available() && (pt == nil || !pt.isUnreached(dial)) && (p.scraper == nil || !p.scraper.Down(dial)) {
 				return u
 			}
 		}
 	}
 	if pt != nil && len(pt.unreached) > 0 {
-		// Nothing listens there: another engine answers for the response
-		// (404: it is gone with its engine).
+		// Nothing listened there at an earlier attempt: another engine
+		// answers (for a stored response, 404: it is gone with its engine).
 		pool = slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return pt.isUnreached(u.Dial) })
+	}
+	if p.scraper != nil && slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) }) &&
+		slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return u.Available() && !p.scraper.Down(u.Dial) }) {
+		// Nothing listened at the last scrape of some (Caddy, without
+		// health checks, still counts them available): the others first,
+		// as routed requests have it.
+		pool = slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) })
 	}
 	// A generation request the handler did not see (pt is nil): the
 	// llm_affinity directive is missing from the route, or comes after
