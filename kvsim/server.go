@@ -500,10 +500,14 @@ func (rs *responder) cutHere() bool {
 	return false
 }
 
-// cut closes the connection abruptly, as a crashed engine would.
+// cut closes the connection abruptly, as a crashed engine would: a
+// stream after what it sent, an answer not streamed with nothing written
+// (vLLM sends that one whole once generated, its headers too).
 func (rs *responder) cut() {
 	rc := http.NewResponseController(rs.w)
-	_ = rc.Flush()
+	if rs.p.Stream {
+		_ = rc.Flush()
+	}
 	if conn, _, err := rc.Hijack(); err == nil {
 		_ = conn.Close()
 		return

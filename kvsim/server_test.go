@@ -1108,3 +1108,19 @@ func TestTokenIDsAsVLLMReadsThem(t *testing.T) {
 		}
 	}
 }
+
+// TestCutAnswerNotStreamedSendsNothing: cut_after_tokens closes the
+// connection of an answer not streamed with nothing written, as a vLLM
+// that crashed mid-generation would (its answer comes whole at the end);
+// a 200 with a truncated body, as before, was another failure than the
+// one the fault stands for.
+func TestCutAnswerNotStreamedSendsNothing(t *testing.T) {
+	sim, srv := newTestServer(t, Config{})
+	sim.SetFaults(Faults{CutAfterTokens: 3})
+	resp, err := http.Post(srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"`+DefaultModel+`","prompt":"x y","max_tokens":40}`))
+	if err == nil {
+		resp.Body.Close()
+		t.Fatalf("got %d, want the connection closed with nothing written", resp.StatusCode)
+	}
+}
