@@ -88,8 +88,12 @@ type latencySeries struct {
 const otherUpstream = "other"
 
 // latencyBuckets are the buckets of the latency histograms, in seconds:
-// 5 ms to about 82 s, doubling.
-var latencyBuckets = prometheus.ExponentialBuckets(0.005, 2, 15)
+// 5 ms to about 82 s, doubling; durationBuckets go on to about 11
+// minutes, for whole generations (production.Caddyfile lets one take 5).
+var (
+	latencyBuckets  = prometheus.ExponentialBuckets(0.005, 2, 15)
+	durationBuckets = prometheus.ExponentialBuckets(0.005, 2, 18)
+)
 
 // estimateErrorBuckets are signed: observed minus estimated TTFT is
 // negative when the first token came sooner than estimated. Prometheus
@@ -127,7 +131,7 @@ func newMetrics(sh *shared) *metrics {
 		matchedTokens: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "matched_tokens",
 			Help:    "Prompt tokens the chosen upstream was expected to hold in its prefix cache.",
-			Buckets: prometheus.ExponentialBuckets(64, 2, 12),
+			Buckets: append([]float64{0}, prometheus.ExponentialBuckets(64, 2, 12)...), // 0: cold
 		}),
 		timeToFirstToken: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "time_to_first_token_seconds",
@@ -137,7 +141,7 @@ func newMetrics(sh *shared) *metrics {
 		requestDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "request_duration_seconds",
 			Help:    "Time from the request's arrival to the last byte of its response, for routed requests, by upstream and decision reason.",
-			Buckets: latencyBuckets,
+			Buckets: durationBuckets,
 		}, []string{"upstream", "reason"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "queue_wait_seconds",

@@ -224,3 +224,29 @@ func TestFixedLabelCountersStartAtZero(t *testing.T) {
 		}
 	}
 }
+
+// TestBucketsTellColdAndLongApart: a cold decision (0 tokens matched)
+// has a bucket of its own, not the one of matches up to 64 tokens, and a
+// five-minute generation (production.Caddyfile's response_header_timeout)
+// lands in a bucket below +Inf.
+func TestBucketsTellColdAndLongApart(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	m.name("a:1")
+	m.observeDecision("a:1", "cold", 0, 100)
+	m.observeDecision("a:1", "warm", 50, 100)
+	m.observeDuration("a:1", "cold", 5*time.Minute)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m.matchedTokens, m.requestDuration)
+	got := exposition(t, reg)
+	for _, want := range []string{
+		`caddy_llm_affinity_matched_tokens_bucket{le="0"} 1`,
+		`caddy_llm_affinity_matched_tokens_bucket{le="64"} 2`,
+		`caddy_llm_affinity_request_duration_seconds_bucket{reason="cold",upstream="a:1",le="327.68"} 1`,
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("no %s in:\n%s", want, got)
+		}
+	}
+}
