@@ -1282,6 +1282,9 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			pt.notFound = true
 			p.sh.metrics.decision(refusedReason).Inc()
 			p.sh.metrics.refused.WithLabelValues("model_not_found").Inc()
+			if c := p.logger.Check(zapcore.DebugLevel, refusedReason); c != nil {
+				c.Write(zap.String("blocked_by", "model"), zap.Int("status", http.StatusNotFound), zap.Bool("passed_through", true))
+			}
 			return p.answered()
 		}
 		pool = serving
