@@ -70,7 +70,10 @@ type shared struct {
 	// routing path skips applyPendingDrains' lock when there are none.
 	pendingSites atomic.Int32
 	scrapers     map[*scrape.Scraper]bool
-	nextSite     uint64
+	// foreignBlockTokens are the peers' block sizes warned of (see
+	// warnForeignBlocks).
+	foreignBlockTokens []int
+	nextSite           uint64
 	// fleetDrains are the operators' drains in force across the routers
 	// sharing a view, by upstream, with their deadlines: those heard from
 	// peers and, while this router syncs, its own, until an undrain. An

@@ -288,6 +288,9 @@ func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 	now := time.Now()
 	switch {
 	case m.Event != nil:
+		if ev := m.Event; ev.Kind == router.EventRouted && sh.fleet.ForeignBlockTokens(ev.BlockTokens) {
+			sh.warnForeignBlocks(peer, ev.BlockTokens)
+		}
 		sh.fleet.Apply(peer, *m.Event, now)
 	case m.Drain != "":
 		// Kept also for an upstream this router does not route to now:
@@ -297,6 +300,27 @@ func (sh *shared) applyPeer(peer string, m fleetsync.Message) {
 		sh.fleetOp(m.Undrain, false, 0)
 	}
 }
+
+// warnForeignBlocks warns, once for each block size, that a peer hashes
+// prompts in blocks of another size than this router: their prefixes
+// never match, and a conversation's next turn through one is cold where
+// the other routed it.
+func (sh *shared) warnForeignBlocks(peer string, blockTokens int) {
+	sh.mu.Lock()
+	first := !slices.Contains(sh.foreignBlockTokens, blockTokens) && len(sh.foreignBlockTokens) < maxForeignBlockTokens
+	if first {
+		sh.foreignBlockTokens = append(sh.foreignBlockTokens, blockTokens)
+	}
+	sh.mu.Unlock()
+	if first {
+		sh.logger.Warn("a peer router hashes prompts in blocks of another size: no prefix it routes matches this router's, "+
+			"so affinity across the two is lost; give every router on the sync subject the same block_tokens (and salt)",
+			zap.String("peer", peer), zap.Int("peer_block_tokens", blockTokens), zap.Ints("block_tokens", sh.fleet.OwnBlockTokens()))
+	}
+}
+
+// maxForeignBlockTokens bounds the block sizes warned of.
+const maxForeignBlockTokens = 16
 
 // SyncView is the sync state of the admin API: each connection's counters
 // and the peers heard from.

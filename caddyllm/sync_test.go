@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net/http/httptest"
 	"net/url"
 	"slices"
@@ -11,10 +12,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/fleetsync"
 	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // TestSyncCountersSurviveClosing: the sync counters keep what a connection
@@ -263,4 +267,32 @@ func TestPublisherFollowsTheSyncers(t *testing.T) {
 	c, keyC := acquire("publisher-c")
 	defer sh.releaseSync(keyC)
 	published(c)
+}
+
+// TestPeerWithOtherBlockSizeWarned: a peer whose routed requests were
+// hashed in blocks of another size than this router's never shares a
+// prefix with it; its first such request is warned of, once for the size,
+// where before the loss of affinity across the two was silent. A peer of
+// the same size, or one heard before this router routed anything, is not.
+func TestPeerWithOtherBlockSizeWarned(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	core, logs := observer.New(zapcore.WarnLevel)
+	sh.logger = zap.New(core)
+	dial := "blocks:1"
+	sh.fleet.Name(dial, time.Now())
+	routed := func(id uint64, blockTokens int) fleetsync.Message {
+		return fleetsync.Message{Event: &router.Event{Kind: router.EventRouted, ID: id, Dial: dial, Hashes: []uint64{1, 2}, BlockTokens: blockTokens, Prefill: 64, Decode: 16, KV: 80}}
+	}
+	sh.applyPeer("early#1", routed(1, 32)) // nothing routed here yet: nothing to compare
+	opts := router.Options{}.WithDefaults()
+	members := []router.Member{{Dial: dial, Available: true, Healthy: true}}
+	sh.fleet.Decide(time.Now(), router.Request{Hashes: []uint64{7}, BlockTokens: 16, PromptTokens: 16}, members, &opts, rand.New(rand.NewPCG(1, 2)), nil)
+	sh.applyPeer("same#1", routed(2, 16))
+	sh.applyPeer("other#1", routed(3, 32))
+	sh.applyPeer("other#1", routed(4, 32))
+	warned := logs.FilterMessageSnippet("blocks of another size")
+	if warned.Len() != 1 || warned.All()[0].ContextMap()["peer_block_tokens"] != int64(32) || warned.All()[0].ContextMap()["peer"] != "other#1" {
+		t.Fatalf("warnings: %v, want one for other#1's blocks of 32 tokens", logs.All())
+	}
 }

@@ -162,6 +162,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.decisions.Add(1)
+	if bt := req.BlockTokens; bt > 0 && !slices.Contains(f.ownBlockTokens, bt) && len(f.ownBlockTokens) < maxOwnBlockTokens {
+		f.ownBlockTokens = append(f.ownBlockTokens, bt)
+	}
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
 	sd := chooseListedFirst(sreq, cands, members, opts, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
@@ -298,6 +301,28 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		}
 	}
 	return sreq, cands, states
+}
+
+// maxOwnBlockTokens bounds the block sizes Fleet.ownBlockTokens keeps.
+const maxOwnBlockTokens = 8
+
+// ForeignBlockTokens says a peer that routed with blocks of blockTokens
+// tokens hashes its prompts unlike this router: it has routed requests,
+// none with blocks of that size. Such peers' prefixes never match this
+// router's (a prefix's hashes depend on its block size), so affinity
+// across them is lost, silently but for this.
+func (f *Fleet) ForeignBlockTokens(blockTokens int) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return blockTokens > 0 && len(f.ownBlockTokens) > 0 && !slices.Contains(f.ownBlockTokens, blockTokens)
+}
+
+// OwnBlockTokens returns the block sizes this router's requests were
+// hashed with.
+func (f *Fleet) OwnBlockTokens() []int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.ownBlockTokens)
 }
 
 // chooseListedFirst is scorer.Choose, first among the candidates whose

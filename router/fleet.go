@@ -54,6 +54,9 @@ type Fleet struct {
 	releases atomic.Uint64
 	// decisions counts Decide's calls that took mu (see Decisions).
 	decisions atomic.Uint64
+	// ownBlockTokens are the block sizes this router's requests were
+	// hashed with (one a handler; a few at most), under mu.
+	ownBlockTokens []int
 
 	// publisher receives the events of this router's own charges; remote
 	// holds the peers' charges applied here, peers when each peer was
