@@ -285,6 +285,13 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
 		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
+		if adapter != "" && opts.Adapters[adapter] && cands[i].Models != nil && !slices.Contains(cands[i].Models, adapter) {
+			// A configured adapter any engine can load on its first
+			// request (vLLM's LoRA resolvers; kvsim's adapters on
+			// storage): an engine whose list lacks it may serve it, as
+			// one whose list is unknown may; those listing it come first.
+			cands[i].Models = nil
+		}
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
 		// A home that does not serve the model asked for cannot continue

@@ -1015,3 +1015,33 @@ func BenchmarkFirstTokenWithPending(b *testing.B) {
 		f.Complete(d.Charge, "", Usage{OutputTokens: 10}, t0)
 	}
 }
+
+// TestConfiguredAdapterLoadsAnywhere: an adapter named in Options.Adapters
+// is one any engine can load on its first request (vLLM's LoRA resolvers,
+// kvsim's adapters on storage): no list naming it is no 404, and an engine
+// whose list lacks it may take it, as one whose list is unknown may, the
+// ones listing it first. An adapter not configured and listed nowhere is
+// not served here, as before.
+func TestConfiguredAdapterLoadsAnywhere(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"tz": true}}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "base"}}}
+	}
+	d := f.Decide(t0, Request{Model: "tz", PromptTokens: 100}, ms, &opts, rng(), nil)
+	if d.Charge == nil || d.Unservable {
+		t.Fatalf("a configured adapter no list names: %+v (blocked by %s), want it routed", d, d.Blocked)
+	}
+	f.Release(d.Charge, t0)
+	if d := f.Decide(t0, Request{Model: "tq", PromptTokens: 100}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("an adapter neither configured nor listed: %+v, want it unservable", d)
+	}
+	ms[1].Engine.Models = append(ms[1].Engine.Models, scrape.ModelInfo{ID: "tz", Parent: "base"})
+	for i := range 10 {
+		d := f.Decide(t0, Request{Model: "tz", PromptTokens: 100}, ms, &opts, rng(), nil)
+		if d.Charge == nil || d.Charge.Dial() != "b" {
+			t.Fatalf("request %d with b listing the adapter: %+v, want b", i, d)
+		}
+	}
+}
