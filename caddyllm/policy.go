@@ -781,7 +781,20 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 	if st.modelList == nil && p.scraper != nil {
 		st.modelList = p.modelList(pool)
 	}
+	if p.scraper != nil && slices.ContainsFunc(pool, p.modelsFailing) &&
+		slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return u.Available() && !p.modelsFailing(u) }) {
+		// An engine whose last /v1/models failed would most likely fail
+		// this one too (its 500, or a timeout, for the client) where the
+		// others' lists make the answer.
+		pool = slices.DeleteFunc(slices.Clone(pool), p.modelsFailing)
+	}
 	return p.selectFallback(pool, r, w)
+}
+
+// modelsFailing says u's engine failed its last model list fetch.
+func (p *Policy) modelsFailing(u *reverseproxy.Upstream) bool {
+	st, ok := p.scraper.StatusOf(u.Dial)
+	return ok && st.ModelsError != ""
 }
 
 // modelList is the pool's models list (see listModels), nil when an

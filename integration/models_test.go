@@ -576,3 +576,35 @@ func TestAdapterUnloadedOnAnEngineLeavesItsList(t *testing.T) {
 		}
 	}
 }
+
+// TestModelsListAvoidsAFailingEngine: GET /v1/models goes to one engine,
+// whose answer the router replaces with every engine's list; an engine
+// whose last list fetch failed is not that one while another can answer,
+// where one request in two got its 500.
+func TestModelsListAvoidsAFailingEngine(t *testing.T) {
+	fleet := startFleetServing(t, 2, 20, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if strings.HasSuffix(name, "-0") && r.URL.Path == "/v1/models" {
+				http.Error(w, "model list broken", http.StatusInternalServerError)
+				return
+			}
+			sim.ServeHTTP(w, r)
+		})
+	})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	eventually(t, 10*time.Second, "the failing list fetch seen", func() bool {
+		v := listedEngine(t, fleet[0].dial())
+		return v != nil && v.ModelsError != ""
+	})
+	for i := range 20 {
+		resp, err := http.Get(routerURL + "/v1/models")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), kvsim.DefaultModel) {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+	}
+}
