@@ -616,10 +616,9 @@ func (r *reading) typeError(field, want string) {
 	r.errFields |= 1 << r.field
 }
 
-// readingField notes that field is read (again): an earlier value's
-// error is taken back, as that value is.
-func (r *reading) readingField(field int) {
-	r.field = field
+// forgetErrors takes back the errors of field, read again: as its
+// earlier value, they are no more.
+func (r *reading) forgetErrors(field int) {
 	if r.errFields&(1<<field) != 0 {
 		r.errFields &^= 1 << field
 		r.typeErrs = slices.DeleteFunc(r.typeErrs, func(e fieldError) bool { return e.field == field })
@@ -669,7 +668,10 @@ func (r *reading) object() {
 			continue
 		}
 		if field != fieldOther {
-			r.readingField(field)
+			r.field = field
+			if r.errFields != 0 {
+				r.forgetErrors(field)
+			}
 		}
 		switch field {
 		case fieldModel:
