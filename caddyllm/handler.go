@@ -508,6 +508,8 @@ type passThrough struct {
 	gotConn   atomic.Bool
 	lastDial  string
 	unreached []string
+	// modelsList says the request is GET /v1/models (see serveModels).
+	modelsList bool
 }
 
 // isUnreached says an attempt of the request got no connection at dial.
@@ -568,7 +570,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	// Passed through as any request the router does not parse: a drain
 	// waits for it and its deadline cuts it.
 	ctx, cancel := context.WithCancelCause(r.Context())
-	pt := &passThrough{cancel: cancel}
+	pt := &passThrough{cancel: cancel, modelsList: true}
 	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
 	defer pt.end()
 	defer cancel(nil)

@@ -781,17 +781,20 @@ func (p *Policy) listModels(pool reverseproxy.UpstreamPool, r *http.Request, w h
 	if st.modelList == nil && p.scraper != nil {
 		st.modelList = p.modelList(pool)
 	}
-	if p.scraper != nil && slices.ContainsFunc(pool, p.modelsFailing) &&
-		slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return u.Available() && !p.modelsFailing(u) }) {
-		// An engine whose last /v1/models failed would most likely fail
-		// this one too (its 500, or a timeout, for the client) where the
-		// others' lists make the answer.
-		pool = slices.DeleteFunc(slices.Clone(pool), p.modelsFailing)
-	}
 	return p.selectFallback(pool, r, w)
 }
 
-// modelsFailing says u's engine failed its last model list fetch.
+// preferring is pool without the upstreams avoid names, when one that is
+// available is left; else pool.
+func preferring(pool reverseproxy.UpstreamPool, avoid func(*reverseproxy.Upstream) bool) reverseproxy.UpstreamPool {
+	if !slices.ContainsFunc(pool, avoid) || !slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return u.Available() && !avoid(u) }) {
+		return pool
+	}
+	return slices.DeleteFunc(slices.Clone(pool), avoid)
+}
+
+// modelsFailing says u's engine failed its last model list fetch: it
+// would most likely fail a client's too (its 500, or a timeout).
 func (p *Policy) modelsFailing(u *reverseproxy.Upstream) bool {
 	st, ok := p.scraper.StatusOf(u.Dial)
 	return ok && st.ModelsError != ""
@@ -1260,18 +1263,6 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			}
 		}
 	}
-	if pt != nil && len(pt.unreached) > 0 {
-		// Nothing listened there at an earlier attempt: another engine
-		// answers (for a stored response, 404: it is gone with its engine).
-		pool = slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return pt.isUnreached(u.Dial) })
-	}
-	if p.scraper != nil && slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) }) &&
-		slices.ContainsFunc(pool, func(u *reverseproxy.Upstream) bool { return u.Available() && !p.scraper.Down(u.Dial) }) {
-		// Nothing listened at the last scrape of some (Caddy, without
-		// health checks, still counts them available): the others first,
-		// as routed requests have it.
-		pool = slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) })
-	}
 	// A generation request the handler did not see (pt is nil): the
 	// llm_affinity directive is missing from the route, or comes after
 	// reverse_proxy. Affinity is then off for every request; say so once.
@@ -1313,6 +1304,21 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			pool = listing
 		case !pt.unload && len(lacking) > 0:
 			pool = lacking
+		}
+	}
+	// Engines found with nothing listening, by an earlier attempt of this
+	// request (another engine answers; for a stored response, 404: it is
+	// gone with its engine) or by the last scrape (Caddy, without health
+	// checks, may still count them available), come last, as for routed
+	// requests; so does, for the models list, an engine whose last list
+	// fetch failed (the others' lists make the answer).
+	if pt != nil && len(pt.unreached) > 0 {
+		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return pt.isUnreached(u.Dial) })
+	}
+	if p.scraper != nil {
+		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) })
+		if pt != nil && pt.modelsList {
+			pool = preferring(pool, p.modelsFailing)
 		}
 	}
 	if p.fallback != nil {
