@@ -281,16 +281,24 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		ContextTokens:    expectedContextTokens(&req, prompt),
 	}
 	home := -1
+	loadable := adapter != "" && opts.Adapters[adapter]
+	base, baseKnown := "", false
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
 		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
-		if adapter != "" && opts.Adapters[adapter] && cands[i].Models != nil && !slices.Contains(cands[i].Models, adapter) {
-			// A configured adapter any engine can load on its first
-			// request (vLLM's LoRA resolvers; kvsim's adapters on
-			// storage): an engine whose list lacks it may serve it, as
-			// one whose list is unknown may; those listing it come first.
-			cands[i].Models = nil
+		if loadable && cands[i].Models != nil && !slices.Contains(cands[i].Models, adapter) {
+			// A configured adapter any engine of its base model can load
+			// on its first request (vLLM's LoRA resolvers; kvsim's
+			// adapters on storage): such an engine whose list lacks it may
+			// serve it, as one whose list is unknown may; those listing
+			// it come first.
+			if !baseKnown {
+				base, baseKnown = adapterBase(adapter, members), true
+			}
+			if base != "" && slices.Contains(cands[i].Models, base) || base == "" && !severalBaseModels(members) {
+				cands[i].Models = nil
+			}
 		}
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
@@ -308,6 +316,19 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		}
 	}
 	return sreq, cands, states
+}
+
+// adapterBase is the base model some member's list names as adapter's
+// parent, "" when none lists it.
+func adapterBase(adapter string, members []Member) string {
+	for i := range members {
+		for _, m := range members[i].modelList() {
+			if m.ID == adapter && m.Parent != "" {
+				return m.Parent
+			}
+		}
+	}
+	return ""
 }
 
 // maxOwnBlockTokens bounds the block sizes Fleet.ownBlockTokens keeps.

@@ -1045,3 +1045,24 @@ func TestConfiguredAdapterLoadsAnywhere(t *testing.T) {
 		}
 	}
 }
+
+// TestConfiguredAdapterStaysOnItsBase: a configured adapter loads only on
+// an engine of its base model: one serving another base model is no
+// candidate for it, whatever the others' load (a review's test). Its base
+// is its parent on the lists that name it; with no list naming it, any
+// engine may take it only while the lists name one base model.
+func TestConfiguredAdapterStaysOnItsBase(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"tz": true}}.WithDefaults()
+	ms := members("a", "b")
+	ms[0].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "llama"}, {ID: "tz", Parent: "llama"}}}
+	ms[1].Engine = &scrape.Signals{Running: -1, Waiting: -1, Models: []scrape.ModelInfo{{ID: "qwen"}}}
+	ms[0].Available = false
+	if d := f.Decide(t0, Request{Model: "tz", PromptTokens: 100}, ms, &opts, rng(), nil); d.Charge != nil {
+		t.Fatalf("adapter tz (base llama) routed to %s, which serves only qwen", d.Charge.Dial())
+	}
+	ms[0].Engine.Models = []scrape.ModelInfo{{ID: "llama"}}
+	if d := f.Decide(t0, Request{Model: "tz", PromptTokens: 100}, ms, &opts, rng(), nil); d.Charge != nil || !d.Unservable {
+		t.Fatalf("adapter tz listed nowhere, two base models: %+v, want it unservable", d)
+	}
+}
