@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"os"
 	"slices"
 	"strconv"
@@ -827,6 +828,43 @@ func TestUpstreamLoss(t *testing.T) {
 	} {
 		if refused, dropped := upstreamLoss(tc.err); refused != tc.refused || dropped != tc.dropped {
 			t.Errorf("%s: refused %v dropped %v, want %v %v", tc.name, refused, dropped, tc.refused, tc.dropped)
+		}
+	}
+}
+
+// TestOnlyARefusalIsUnreached: an attempt counts as having found nothing
+// listening only when its dial was refused (or, on a unix socket, found
+// no socket) and it got no connection: a dial that timed out (an engine
+// with a full accept queue), or the router's own want of sockets, leaves
+// the engine, alive perhaps and holding a stored response, a candidate (a
+// review found the first version taking any attempt without a
+// connection for a refusal).
+func TestOnlyARefusalIsUnreached(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		dialErr   error
+		got       bool
+		unreached bool
+	}{
+		{"refused", &net.OpError{Op: "dial", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}, false, true},
+		{"no unix socket", &net.OpError{Op: "dial", Err: os.NewSyscallError("connect", syscall.ENOENT)}, false, true},
+		{"timed out", &net.OpError{Op: "dial", Err: os.ErrDeadlineExceeded}, false, false},
+		{"no sockets left here", &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EMFILE)}, false, false},
+		{"refused, then a kept-alive connection", &net.OpError{Op: "dial", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}, true, false},
+		{"connected", nil, true, false},
+	} {
+		var c connOutcome
+		trace := c.trace()
+		trace.ConnectDone("tcp", "127.0.0.1:1", tc.dialErr)
+		if tc.got {
+			trace.GotConn(httptrace.GotConnInfo{})
+		}
+		if got := c.unreached(); got != tc.unreached {
+			t.Errorf("%s: unreached %v, want %v", tc.name, got, tc.unreached)
+		}
+		c.reset()
+		if c.unreached() {
+			t.Errorf("%s: still unreached after reset", tc.name)
 		}
 	}
 }

@@ -24,6 +24,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -338,13 +339,13 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 	return pt.serve(w, r, r.WithContext(context.WithValue(pt.traceConnections(ctx), passThroughKey{}, pt)), next)
 }
 
-// traceConnections returns ctx with a trace that notes in pt.gotConn each
-// connection an attempt gets: Caddy's retry of an attempt that got none
-// (nothing listens there; health checks, if any, have not noticed) must go
+// traceConnections returns ctx with a trace that notes in pt.conn how
+// each attempt's connection went: Caddy's retry of an attempt that found
+// nothing listening (health checks, if any, have not noticed) must go
 // to another upstream, and a stored response's request must leave its
 // home, whose engine crashed with the response (see Policy.selectFallback).
 func (pt *passThrough) traceConnections(ctx context.Context) context.Context {
-	pt.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { pt.gotConn.Store(true) }}
+	pt.connTrace = pt.conn.trace()
 	return httptrace.WithClientTrace(ctx, pt.connTrace)
 }
 
@@ -501,11 +502,11 @@ type passThrough struct {
 	// one for an attempt the proxy has left does nothing.
 	attempts int
 	cut      bool
-	// connTrace has the transport note in gotConn that an attempt got a
-	// connection; lastDial is the last attempt's upstream, and unreached
-	// those an attempt got none from (see Policy.chooseFallback).
+	// connTrace has the transport report the attempts' connections in
+	// conn; lastDial is the last attempt's upstream, and unreached those
+	// where an attempt found nothing listening (see Policy.chooseFallback).
 	connTrace *httptrace.ClientTrace
-	gotConn   atomic.Bool
+	conn      connOutcome
 	lastDial  string
 	unreached []string
 	// modelsList says the request is GET /v1/models (see serveModels).
@@ -818,12 +819,11 @@ type requestState struct {
 	// (its connection refused): they hold nothing of this request's.
 	unreached []string
 	// connTrace, set for a request that goes to its stored response's
-	// home, has the transport report in gotConn that an attempt got a
-	// connection: one that did not was refused (or its dial or TLS
-	// handshake failed), which Caddy's retries, asking Select again, do
-	// not say (see Policy.Select).
+	// home, has the transport report each attempt's connection (see
+	// connOutcome): Caddy's retries, asking Select again, do not say why
+	// an attempt failed.
 	connTrace *httptrace.ClientTrace
-	gotConn   atomic.Bool
+	conn      connOutcome
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
 	shed *shedding
@@ -1046,15 +1046,42 @@ func (st *requestState) noteUnreached(dial string) {
 	}
 }
 
-// traceConnections returns ctx with a trace that notes in st.gotConn each
-// connection an attempt gets, for a request that goes home: its home
+// traceConnections returns ctx with a trace that notes in st.conn how
+// each attempt's connection went, for a request that goes home: its home
 // must be left at its first refusal, also inside Caddy's retries.
 func (st *requestState) traceConnections(ctx context.Context) context.Context {
 	if st.connTrace == nil {
-		st.connTrace = &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { st.gotConn.Store(true) }}
+		st.connTrace = st.conn.trace()
 	}
 	return httptrace.WithClientTrace(ctx, st.connTrace)
 }
+
+// connOutcome is what the transport reported of an attempt's connection.
+type connOutcome struct {
+	got, refused atomic.Bool
+}
+
+// trace reports to c: a connection got (new or kept alive), or a dial
+// refused.
+func (c *connOutcome) trace() *httptrace.ClientTrace {
+	return &httptrace.ClientTrace{
+		GotConn: func(httptrace.GotConnInfo) { c.got.Store(true) },
+		ConnectDone: func(_, _ string, err error) {
+			if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) { // nothing listens (a unix socket: none there)
+				c.refused.Store(true)
+			}
+		},
+	}
+}
+
+// unreached says the attempt found nothing listening: a dial refused and
+// no connection got. A dial that timed out, a TLS handshake that failed,
+// or the router's own want of sockets is not that: the engine may be alive
+// (and, for a stored response, hold it).
+func (c *connOutcome) unreached() bool { return c.refused.Load() && !c.got.Load() }
+
+// reset readies c for the next attempt.
+func (c *connOutcome) reset() { c.got.Store(false); c.refused.Store(false) }
 
 // countMove counts a request moved off its upstream (by cause) and what
 // became of it.

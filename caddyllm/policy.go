@@ -598,16 +598,16 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	}
 	if a := st.current; a != nil {
 		st.tried = append(st.tried, a.charge.Dial())
-		if st.connTrace != nil && !st.gotConn.Load() {
-			// Caddy asks again after an attempt that got no connection:
-			// nothing listens there (its home crashed, say), and with
-			// lb_try_duration Caddy would retry it until that passes.
+		if st.connTrace != nil && st.conn.unreached() {
+			// Caddy asks again after an attempt that found nothing
+			// listening (its home crashed, say): with lb_try_duration it
+			// would retry it until that passes.
 			st.noteUnreached(a.charge.Dial())
 		}
 		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
-	st.gotConn.Store(false)
+	st.conn.reset()
 	// Never read r.Body here: install a fresh reader of the bytes the
 	// handler kept, so a retry resends the full body.
 	r.Body = st.attemptBody()
@@ -1188,11 +1188,12 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	}
 	if pt != nil && pt.connTrace != nil {
 		pt.mu.Lock()
-		if pt.lastDial != "" && !pt.gotConn.Load() && !slices.Contains(pt.unreached, pt.lastDial) {
-			// Caddy asks again after an attempt that got no connection.
+		if pt.lastDial != "" && pt.conn.unreached() && !slices.Contains(pt.unreached, pt.lastDial) {
+			// Caddy asks again after an attempt that found nothing
+			// listening.
 			pt.unreached = append(pt.unreached, pt.lastDial)
 		}
-		pt.gotConn.Store(false)
+		pt.conn.reset()
 		pt.mu.Unlock()
 	}
 	up := p.chooseFallback(pool, r, w, pt)
