@@ -1028,6 +1028,13 @@ func (st *requestState) progress(n int) {
 	}
 }
 
+// modelNotServed says body, an engine's 404, is for the model asked for
+// (vLLM's and kvsim's "The model `…` does not exist."), not for a path the
+// engine lacks (an older vLLM's /v1/responses: FastAPI's "Not Found").
+func modelNotServed(body []byte) bool {
+	return bytes.Contains(body, []byte("does not exist"))
+}
+
 // markUnreached notes that the current attempt's upstream had nothing
 // listening (see router.Member.Unreached).
 func (st *requestState) markUnreached() {
@@ -1136,7 +1143,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		// unless the request continued a stored response (the engine's
 		// 404 is then for the response).
 		if rec.status == http.StatusNotFound && st.req.PreviousResponseID == "" {
-			a.refused(st.req.Model)
+			a.refused(st.req.Model, modelNotServed(rec.body))
 		} else {
 			a.release()
 		}

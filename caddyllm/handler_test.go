@@ -728,3 +728,20 @@ func TestStateReturnsThroughTheHandler(t *testing.T) {
 		t.Errorf("the other proxy's transport read %d bytes (%.40q...), not the request's %d", len(got), got, len(first))
 	}
 }
+
+// TestModelNotServedReadsTheEnginesAnswer: only an engine's 404 for the
+// model makes the router take the model off that engine's list; a 404 for
+// a path the engine lacks (an older vLLM's /v1/responses) would have
+// taken the base model off it, and had the list fetched again at each.
+func TestModelNotServedReadsTheEnginesAnswer(t *testing.T) {
+	for body, want := range map[string]bool{
+		`{"error":{"message":"The model ` + "`tenant`" + ` does not exist.","type":"NotFoundError","param":null,"code":404}}`: true,
+		`{"object":"error","message":"The model ` + "`tenant`" + ` does not exist.","type":"NotFoundError","param":null,"code":404}`: true,
+		`{"detail":"Not Found"}`: false,
+		``:                       false,
+	} {
+		if got := modelNotServed([]byte(body)); got != want {
+			t.Errorf("%s: %v, want %v", body, got, want)
+		}
+	}
+}

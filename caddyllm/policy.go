@@ -1108,15 +1108,16 @@ func (a *attempt) release() {
 }
 
 // refused releases a for a request its upstream answered 404 (see
-// router.Fleet.Refused): the engine does not serve model, whatever the
-// list it last gave says (an adapter unloaded there by a call that did
-// not pass the router, say). The model is taken off that list and the
-// list fetched again at once, so the next requests go to an engine that
-// serves it rather than to this one until models_interval passes.
-func (a *attempt) refused(model string) {
+// router.Fleet.Refused). When the 404 says the engine does not serve
+// model (notServed), whatever the list it last gave says (an adapter
+// unloaded there by a call that did not pass the router, say), the model
+// is taken off that list and the list fetched again at once, so the next
+// requests go to an engine that serves it rather than to this one until
+// models_interval passes.
+func (a *attempt) refused(model string, notServed bool) {
 	a.endFlight()
 	a.sh.fleet.Refused(a.charge, time.Now())
-	if a.scraper != nil && model != "" {
+	if a.scraper != nil && model != "" && notServed {
 		a.scraper.ForgetModel(a.charge.Dial(), model)
 		a.scraper.RefreshModels(a.charge.Dial())
 	}

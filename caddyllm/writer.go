@@ -316,9 +316,19 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 				t.st.rememberResponse(id)
 			}
 		}
+	} else if t.status == http.StatusNotFound && len(t.body) < maxNotFoundBody {
+		// An engine's 404 says what it did not find (see modelNotServed).
+		if t.bodyBuf == nil {
+			t.bodyBuf = newPooledBody()
+			t.body = t.bodyBuf.b[:0]
+		}
+		t.body = append(t.body, p[:min(len(p), maxNotFoundBody-len(t.body))]...)
 	}
 	return t.ResponseWriterWrapper.Write(p)
 }
+
+// maxNotFoundBody is how much of an engine's 404 is kept: its message.
+const maxNotFoundBody = 1 << 10
 
 // maxIDScan is how much of a Responses body is scanned for its id while it
 // arrives, at each write: the id comes first, within a few hundred bytes.
