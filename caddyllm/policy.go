@@ -639,16 +639,17 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// larger than every upstream's KV cache; a 503 would tell the
 		// client to retry.
 		switch {
+		case d.Unservable && !utf8.Valid(st.origBody):
+			// vLLM refuses a body that is not UTF-8 before it reads the
+			// model: its 400, not the router's 404, and at once (no model
+			// lists fetched again for it).
+			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest,
+				message: "the request body is not valid UTF-8", reason: "invalid_utf8", refused: true})
 		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed, lists):
 			if r.Context().Err() != nil {
 				return p.answered()
 			}
 			continue
-		case d.Unservable && !utf8.Valid(st.origBody):
-			// vLLM refuses a body that is not UTF-8 before it reads the
-			// model: its 400, not the router's 404.
-			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest,
-				message: "the request body is not valid UTF-8", reason: "invalid_utf8", refused: true})
 		case d.Unservable:
 			return p.refuse(st, d, &shedding{status: http.StatusNotFound, code: "model_not_found", param: "model",
 				message: modelNotFound(st.req.Model), reason: "model", refused: true})

@@ -308,6 +308,9 @@ const (
 	fieldBody = len(topFields)
 )
 
+// reading.errFields has a bit for each top-level field and the body.
+var _ [32 - fieldBody - 1]struct{} // fails to compile past 31 fields
+
 const (
 	fieldRole = iota
 	fieldContent

@@ -162,8 +162,14 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.decisions.Add(1)
-	if bt := req.BlockTokens; bt > 0 && !slices.Contains(f.ownBlockTokens, bt) && len(f.ownBlockTokens) < maxOwnBlockTokens {
-		f.ownBlockTokens = append(f.ownBlockTokens, bt)
+	if bt := req.BlockTokens; bt > 0 {
+		if own := f.ownBlockTokens.Load(); own == nil || !slices.Contains(*own, bt) && len(*own) < maxOwnBlockTokens {
+			sizes := []int{bt}
+			if own != nil {
+				sizes = append(slices.Clone(*own), bt)
+			}
+			f.ownBlockTokens.Store(&sizes)
+		}
 	}
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
 	sd := chooseListedFirst(sreq, cands, members, opts, rng, explain)
@@ -339,18 +345,22 @@ const maxOwnBlockTokens = 8
 // none with blocks of that size. Such peers' prefixes never match this
 // router's (a prefix's hashes depend on its block size), so affinity
 // across them is lost, silently but for this.
+//
+// A router of several sites with different block_tokens knows a size only
+// once a request was routed with it: till then a peer of that size is
+// warned of too.
 func (f *Fleet) ForeignBlockTokens(blockTokens int) bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return blockTokens > 0 && len(f.ownBlockTokens) > 0 && !slices.Contains(f.ownBlockTokens, blockTokens)
+	own := f.ownBlockTokens.Load()
+	return blockTokens > 0 && own != nil && !slices.Contains(*own, blockTokens)
 }
 
 // OwnBlockTokens returns the block sizes this router's requests were
 // hashed with.
 func (f *Fleet) OwnBlockTokens() []int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return slices.Clone(f.ownBlockTokens)
+	if own := f.ownBlockTokens.Load(); own != nil {
+		return slices.Clone(*own)
+	}
+	return nil
 }
 
 // chooseListedFirst is scorer.Choose, first among the candidates whose

@@ -55,8 +55,9 @@ type Fleet struct {
 	// decisions counts Decide's calls that took mu (see Decisions).
 	decisions atomic.Uint64
 	// ownBlockTokens are the block sizes this router's requests were
-	// hashed with (one a handler; a few at most), under mu.
-	ownBlockTokens []int
+	// hashed with (one a handler; a few at most), written under mu and
+	// read without it (see ForeignBlockTokens).
+	ownBlockTokens atomic.Pointer[[]int]
 
 	// publisher receives the events of this router's own charges; remote
 	// holds the peers' charges applied here, peers when each peer was
