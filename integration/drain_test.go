@@ -821,12 +821,7 @@ func TestStoredResponseAtItsDrainedHome(t *testing.T) {
 	if json.Unmarshal([]byte(c.body), &out); c.status != 200 || out.ID == "" {
 		t.Fatalf("create: %d %s", c.status, c.body)
 	}
-	var home string
-	for _, r := range fleet {
-		if r.name == c.replica {
-			home = r.dial()
-		}
-	}
+	home := named(fleet, c.replica).dial()
 	adminDo(t, "POST", "/llm_affinity/upstreams/"+home+"/drain?deadline=0s")
 	eventually(t, 5*time.Second, "the home drained", func() bool { return drainPhase(t, home) == "drained" })
 	for i := range 5 {

@@ -89,6 +89,17 @@ func startReplica(t *testing.T, name string, speed float64, cfg kvsim.Config, wr
 	return &replica{name: name, sim: sim, http: hs}
 }
 
+// named is the replica of fleet named name (a response's X-Kvsim-Replica),
+// nil for none.
+func named(fleet []*replica, name string) *replica {
+	for _, r := range fleet {
+		if r.name == name {
+			return r
+		}
+	}
+	return nil
+}
+
 func dials(fleet []*replica) string {
 	var d []string
 	for _, r := range fleet {

@@ -550,12 +550,7 @@ func TestAdapterUnloadedOnAnEngineLeavesItsList(t *testing.T) {
 	if first.status != 200 {
 		t.Fatalf("first request: %d %s", first.status, first.body)
 	}
-	var home *replica
-	for _, r := range fleet {
-		if r.name == first.replica {
-			home = r
-		}
-	}
+	home := named(fleet, first.replica)
 	resp, err := http.Post(home.http.URL+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"tenant"}`))
 	if err != nil {
 		t.Fatal(err)

@@ -52,12 +52,7 @@ func TestResponsesAPIStaysWarm(t *testing.T) {
 	if replica == "" || !strings.Contains(first.Header.Get("X-LLM-Affinity"), "reason=cold") {
 		t.Fatalf("turn 1: replica %q, explanation %q", replica, first.Header.Get("X-LLM-Affinity"))
 	}
-	var dial string
-	for _, r := range fleet {
-		if r.name == replica {
-			dial = r.dial()
-		}
-	}
+	dial := named(fleet, replica).dial()
 	eventually(t, 10*time.Second, "turn 1 completed", func() bool { return upstream(t, dial).Completed == 1 })
 	// Other conversations spread load meanwhile.
 	for i := range 6 {
@@ -349,11 +344,9 @@ func storeConversation(t *testing.T) (client openai.Client, next responses.Respo
 // crash stops the server of the replica named name, as its engine's
 // death would: its connections close, and its port refuses new ones.
 func crash(fleet []*replica, name string) {
-	for _, r := range fleet {
-		if r.name == name {
-			r.http.CloseClientConnections()
-			r.http.Close()
-		}
+	if r := named(fleet, name); r != nil {
+		r.http.CloseClientConnections()
+		r.http.Close()
 	}
 }
 

@@ -307,12 +307,7 @@ func TestRetryResendsFullBody(t *testing.T) {
 	startCaddy(t, caddyfile(fleet, "", "", "lb_retries 2\n\t\tlb_retry_match {\n\t\t\tmethod POST\n\t\t}"))
 	prompt := text("retry me", 20_000)
 	first := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": prompt, "max_tokens": 4})
-	var dead *replica
-	for _, r := range fleet {
-		if r.name == first.replica {
-			dead = r
-		}
-	}
+	dead := named(fleet, first.replica)
 	if dead == nil {
 		t.Fatalf("turn 1 served by unknown replica %q", first.replica)
 	}

@@ -239,12 +239,7 @@ func TestRestartedEngineIsNotWarm(t *testing.T) {
 	if first.status != 200 {
 		t.Fatalf("turn 1: %d %s", first.status, first.body)
 	}
-	var victim *replica
-	for _, r := range fleet {
-		if r.name == first.replica {
-			victim = r
-		}
-	}
+	victim := named(fleet, first.replica)
 	dial := victim.dial()
 	if u := upstream(t, dial); u.IndexBlocks == 0 {
 		t.Fatalf("turn 1's replica holds no blocks in the index: %+v", u)
