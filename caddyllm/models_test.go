@@ -154,21 +154,8 @@ func TestPassThroughAroundADeadLister(t *testing.T) {
 		_, _ = w.Write(prom)
 	}))
 	t.Cleanup(b.Close)
-	s := scrape.New(scrape.Config{Interval: 50 * time.Millisecond, ModelsInterval: 50 * time.Millisecond})
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	da, db := a.Listener.Addr().String(), b.Listener.Addr().String()
-	s.SetTargets([]string{da, db})
-	s.Start(ctx)
-	waitUntil(t, "both engines scraped", func() bool { return s.Seq(da) > 0 && s.Seq(db) > 0 })
-	a.Close()
-	waitUntil(t, "the dead engine seen down", func() bool { return s.Down(da) })
-	p := testPolicy(t, zap.NewNop())
-	p.scraper = s
-	pool := reverseproxy.UpstreamPool{
-		{Host: new(reverseproxy.Host), Dial: da},
-		{Host: new(reverseproxy.Host), Dial: db},
-	}
+	p, pool := policyAfterADeath(t, a, b, false)
+	db := pool[1].Dial
 	toB := 0
 	for range 40 {
 		r := httptest.NewRequest("POST", "/v1/embeddings", nil)
@@ -178,6 +165,54 @@ func TestPassThroughAroundADeadLister(t *testing.T) {
 	}
 	if toB == 0 {
 		t.Fatal("40 requests for a model the dead engine lists: none went to the running one, whose list is unknown")
+	}
+}
+
+// TestPassThroughDownListerIsNoNotFound: a model listed only by an engine
+// the last scrape found down is no 404 model_not_found for a request
+// passed through (the model exists; its engine is down): engines found
+// down come last, after the model's listers are chosen, not before (a
+// review's test, failing when they were left out first).
+func TestPassThroughDownListerIsNoNotFound(t *testing.T) {
+	var noDelay atomic.Int64
+	a := listingEngine(t, func() string { return "emb" }, &noDelay)
+	b := listingEngine(t, func() string { return "chat" }, &noDelay)
+	p, pool := policyAfterADeath(t, a, b, true)
+	pt := &passThrough{model: "emb"}
+	r := httptest.NewRequest("POST", "/v1/embeddings", nil)
+	up := p.chooseFallback(pool, r, httptest.NewRecorder(), pt)
+	if pt.notFound {
+		t.Fatalf("model listed by a down engine: router answered 404 model_not_found (up=%v)", up)
+	}
+}
+
+// policyAfterADeath starts a scraper over engines a and b, waits until it
+// has scraped both (with listsFetched, their model lists too), closes a,
+// waits until the scrape finds it down, and returns a policy on that
+// scraper with the pool of the two, a first.
+func policyAfterADeath(t *testing.T, a, b *httptest.Server, listsFetched bool) (*Policy, reverseproxy.UpstreamPool) {
+	t.Helper()
+	s := scrape.New(scrape.Config{Interval: 50 * time.Millisecond, ModelsInterval: 50 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	da, db := a.Listener.Addr().String(), b.Listener.Addr().String()
+	s.SetTargets([]string{da, db})
+	s.Start(ctx)
+	waitUntil(t, "both engines scraped", func() bool {
+		if s.Seq(da) == 0 || s.Seq(db) == 0 {
+			return false
+		}
+		sa, _ := s.Latest(da, time.Now(), time.Hour)
+		sb, _ := s.Latest(db, time.Now(), time.Hour)
+		return !listsFetched || !sa.ModelsAt.IsZero() && !sb.ModelsAt.IsZero()
+	})
+	a.Close()
+	waitUntil(t, "the dead engine seen down", func() bool { return s.Down(da) })
+	p := testPolicy(t, zap.NewNop())
+	p.scraper = s
+	return p, reverseproxy.UpstreamPool{
+		{Host: new(reverseproxy.Host), Dial: da},
+		{Host: new(reverseproxy.Host), Dial: db},
 	}
 }
 

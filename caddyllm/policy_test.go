@@ -513,39 +513,3 @@ func TestUnloadedConfigSkipsDroppedUpstreams(t *testing.T) {
 		t.Fatal("the dropped upstream's state came back")
 	}
 }
-
-// TestPassThroughDownListerIsNoNotFound: a model listed only by an engine
-// the last scrape found down is no 404 model_not_found for a request
-// passed through (the model exists; its engine is down): engines found
-// down come last, after the model's listers are chosen, not before (a
-// review's test, failing when they were left out first).
-func TestPassThroughDownListerIsNoNotFound(t *testing.T) {
-	var noDelay atomic.Int64
-	a := listingEngine(t, func() string { return "emb" }, &noDelay)
-	b := listingEngine(t, func() string { return "chat" }, &noDelay)
-	s := scrape.New(scrape.Config{Interval: 50 * time.Millisecond, ModelsInterval: 50 * time.Millisecond})
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	da, db := a.Listener.Addr().String(), b.Listener.Addr().String()
-	s.SetTargets([]string{da, db})
-	s.Start(ctx)
-	waitUntil(t, "both engines scraped", func() bool {
-		sa, _ := s.Latest(da, time.Now(), time.Hour)
-		sb, _ := s.Latest(db, time.Now(), time.Hour)
-		return s.Seq(da) > 0 && s.Seq(db) > 0 && !sa.ModelsAt.IsZero() && !sb.ModelsAt.IsZero()
-	})
-	a.Close()
-	waitUntil(t, "the dead engine seen down", func() bool { return s.Down(da) })
-	p := testPolicy(t, zap.NewNop())
-	p.scraper = s
-	pool := reverseproxy.UpstreamPool{
-		{Host: new(reverseproxy.Host), Dial: da},
-		{Host: new(reverseproxy.Host), Dial: db},
-	}
-	pt := &passThrough{model: "emb"}
-	r := httptest.NewRequest("POST", "/v1/embeddings", nil)
-	up := p.chooseFallback(pool, r, httptest.NewRecorder(), pt)
-	if pt.notFound {
-		t.Fatalf("model listed by a down engine: router answered 404 model_not_found (up=%v)", up)
-	}
-}
