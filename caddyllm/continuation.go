@@ -96,7 +96,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		st.setCancel(cancel, since)
 		var actx context.Context = &attemptContext{Context: ctx, st: st}
 		if st.req != nil && st.req.PreviousResponseID != "" {
-			actx = st.traceConnections(actx)
+			actx = st.conns.traced(actx)
 		}
 		err, aborted := serveRecovering(rec, r.WithContext(actx), next)
 		cut := st.takeCut() // also ends the discarding of a cut attempt's output

@@ -853,18 +853,19 @@ func TestOnlyARefusalIsUnreached(t *testing.T) {
 		{"refused, then a kept-alive connection", &net.OpError{Op: "dial", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}, true, false},
 		{"connected", nil, true, false},
 	} {
-		var c connOutcome
-		trace := c.trace()
+		var l connLog
+		trace := httptrace.ContextClientTrace(l.traced(context.Background()))
 		trace.ConnectDone("tcp", "127.0.0.1:1", tc.dialErr)
 		if tc.got {
 			trace.GotConn(httptrace.GotConnInfo{})
 		}
-		if got := c.unreached(); got != tc.unreached {
+		l.attemptEnded("a:1")
+		if got := l.isUnreached("a:1"); got != tc.unreached {
 			t.Errorf("%s: unreached %v, want %v", tc.name, got, tc.unreached)
 		}
-		c.reset()
-		if c.unreached() {
-			t.Errorf("%s: still unreached after reset", tc.name)
+		l.attemptEnded("b:1") // nothing reported of this one
+		if l.isUnreached("b:1") {
+			t.Errorf("%s: the next attempt counted as unreached too", tc.name)
 		}
 	}
 }

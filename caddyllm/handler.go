@@ -336,17 +336,11 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 			pt.model = modelOfBody(body)
 		}
 	}
-	return pt.serve(w, r, r.WithContext(context.WithValue(pt.traceConnections(ctx), passThroughKey{}, pt)), next)
-}
-
-// traceConnections returns ctx with a trace that notes in pt.conn how
-// each attempt's connection went: Caddy's retry of an attempt that found
-// nothing listening (health checks, if any, have not noticed) must go
-// to another upstream, and a stored response's request must leave its
-// home, whose engine crashed with the response (see Policy.selectFallback).
-func (pt *passThrough) traceConnections(ctx context.Context) context.Context {
-	pt.connTrace = pt.conn.trace()
-	return httptrace.WithClientTrace(ctx, pt.connTrace)
+	// Caddy's retry of an attempt that found nothing listening (health
+	// checks, if any, have not noticed) must go to another upstream, and a
+	// stored response's request must leave its home, whose engine crashed
+	// with the response (see Policy.selectFallback).
+	return pt.serve(w, r, r.WithContext(context.WithValue(pt.conns.traced(ctx), passThroughKey{}, pt)), next)
 }
 
 // serve runs next for a request passed through, r with the context that
@@ -502,22 +496,13 @@ type passThrough struct {
 	// one for an attempt the proxy has left does nothing.
 	attempts int
 	cut      bool
-	// connTrace has the transport report the attempts' connections in
-	// conn; lastDial is the last attempt's upstream, and unreached those
-	// where an attempt found nothing listening (see Policy.chooseFallback).
-	connTrace *httptrace.ClientTrace
-	conn      connOutcome
-	lastDial  string
-	unreached []string
+	// conns is what the transport reported of the attempts, lastDial the
+	// last one's upstream (see Policy.selectFallback); both are the
+	// proxy's goroutine's.
+	conns    connLog
+	lastDial string
 	// modelsList says the request is GET /v1/models (see serveModels).
 	modelsList bool
-}
-
-// isUnreached says an attempt of the request got no connection at dial.
-func (pt *passThrough) isUnreached(dial string) bool {
-	pt.mu.Lock()
-	defer pt.mu.Unlock()
-	return slices.Contains(pt.unreached, dial)
 }
 
 // enter registers the request's next attempt, on dial, ending the last.
@@ -575,7 +560,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
 	defer pt.end()
 	defer cancel(nil)
-	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(pt.traceConnections(ctx), passThroughKey{}, pt), st: st}), next)
+	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(pt.conns.traced(ctx), passThroughKey{}, pt), st: st}), next)
 }
 
 // modelsWriter passes an engine's answer to GET /v1/models on with its
@@ -815,15 +800,11 @@ type requestState struct {
 	sent    int
 	current *attempt
 	tried   []string
-	// unreached are the upstreams an attempt found nothing listening at
-	// (its connection refused): they hold nothing of this request's.
-	unreached []string
-	// connTrace, set for a request that goes to its stored response's
-	// home, has the transport report each attempt's connection (see
-	// connOutcome): Caddy's retries, asking Select again, do not say why
-	// an attempt failed.
-	connTrace *httptrace.ClientTrace
-	conn      connOutcome
+	// conns holds the upstreams an attempt found nothing listening at
+	// (they hold nothing of this request's) and, for a request that goes
+	// to its stored response's home, what the transport reported of each
+	// attempt's connection.
+	conns connLog
 	// sh is the routing state of the policy that routed the request.
 	sh   *shared
 	shed *shedding
@@ -1041,54 +1022,59 @@ func (st *requestState) markUnreached() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if a := st.current; a != nil {
-		st.noteUnreached(a.charge.Dial())
+		st.conns.note(a.charge.Dial())
 	}
 }
 
-// noteUnreached adds dial to the upstreams found with nothing listening;
-// st.mu is held.
-func (st *requestState) noteUnreached(dial string) {
-	if !slices.Contains(st.unreached, dial) {
-		st.unreached = append(st.unreached, dial)
-	}
-}
-
-// traceConnections returns ctx with a trace that notes in st.conn how
-// each attempt's connection went, for a request that goes home: its home
-// must be left at its first refusal, also inside Caddy's retries.
-func (st *requestState) traceConnections(ctx context.Context) context.Context {
-	if st.connTrace == nil {
-		st.connTrace = st.conn.trace()
-	}
-	return httptrace.WithClientTrace(ctx, st.connTrace)
-}
-
-// connOutcome is what the transport reported of an attempt's connection.
-type connOutcome struct {
+// connLog is what the transport reported of a request's attempts, which
+// Caddy's retries, asking the policy again, do not say: whether the last
+// one got a connection or had its dial refused, and the upstreams where
+// one found nothing listening. The trace's hooks may run on the
+// transport's dialing goroutine; the rest is the request's.
+type connLog struct {
+	trace        *httptrace.ClientTrace
 	got, refused atomic.Bool
+	unreached    []string
 }
 
-// trace reports to c: a connection got (new or kept alive), or a dial
-// refused.
-func (c *connOutcome) trace() *httptrace.ClientTrace {
-	return &httptrace.ClientTrace{
-		GotConn: func(httptrace.GotConnInfo) { c.got.Store(true) },
-		ConnectDone: func(_, _ string, err error) {
-			if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) { // nothing listens (a unix socket: none there)
-				c.refused.Store(true)
-			}
-		},
+// traced returns ctx with l's trace: a connection got (new or kept
+// alive), or a dial refused.
+func (l *connLog) traced(ctx context.Context) context.Context {
+	if l.trace == nil {
+		l.trace = &httptrace.ClientTrace{
+			GotConn: func(httptrace.GotConnInfo) { l.got.Store(true) },
+			ConnectDone: func(_, _ string, err error) {
+				if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) { // nothing listens (a unix socket: none there)
+					l.refused.Store(true)
+				}
+			},
+		}
+	}
+	return httptrace.WithClientTrace(ctx, l.trace)
+}
+
+// attemptEnded notes dial ("" for none) as unreached when its attempt,
+// traced, had its dial refused and got no connection, and readies l for
+// the next attempt. A dial that timed out, a TLS handshake that failed,
+// or the router's own want of sockets is not that: the engine may be
+// alive (and, for a stored response, hold it).
+func (l *connLog) attemptEnded(dial string) {
+	if l.trace != nil && dial != "" && l.refused.Load() && !l.got.Load() {
+		l.note(dial)
+	}
+	l.got.Store(false)
+	l.refused.Store(false)
+}
+
+// note adds dial to the upstreams found with nothing listening.
+func (l *connLog) note(dial string) {
+	if !slices.Contains(l.unreached, dial) {
+		l.unreached = append(l.unreached, dial)
 	}
 }
 
-// unreached says the attempt found nothing listening: a dial refused and
-// no connection got. A dial that timed out, a TLS handshake that failed,
-// or the router's own want of sockets is not that: the engine may be alive
-// (and, for a stored response, hold it).
-func (c *connOutcome) unreached() bool { return c.refused.Load() && !c.got.Load() }
-
-// reset readies c for the next attempt.
-func (c *connOutcome) reset() { c.got.Store(false); c.refused.Store(false) }
+// isUnreached says an attempt found nothing listening at dial.
+func (l *connLog) isUnreached(dial string) bool { return slices.Contains(l.unreached, dial) }
 
 // countMove counts a request moved off its upstream (by cause) and what
 // became of it.

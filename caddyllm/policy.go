@@ -596,18 +596,17 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 		// routed, charged or held again.
 		return p.answered()
 	}
+	// Caddy asks again after an attempt that found nothing listening (a
+	// home that crashed, say): with lb_try_duration it would retry it
+	// until that passes.
+	ended := ""
 	if a := st.current; a != nil {
-		st.tried = append(st.tried, a.charge.Dial())
-		if st.connTrace != nil && st.conn.unreached() {
-			// Caddy asks again after an attempt that found nothing
-			// listening (its home crashed, say): with lb_try_duration it
-			// would retry it until that passes.
-			st.noteUnreached(a.charge.Dial())
-		}
+		ended = a.charge.Dial()
+		st.tried = append(st.tried, ended)
 		st.current, st.cutTarget = nil, nil
 		a.release()
 	}
-	st.conn.reset()
+	st.conns.attemptEnded(ended)
 	// Never read r.Body here: install a fresh reader of the bytes the
 	// handler kept, so a retry resends the full body.
 	r.Body = st.attemptBody()
@@ -912,7 +911,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	// Read before Caddy's view of the members: a release after it, which
 	// that view may not show, readies the request's hold at once.
 	releasesBefore := p.sh.fleet.Releases()
-	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, st.unreached, now)
+	scratch.members, scratch.engines = p.members(scratch.members, scratch.engines, pool, st.tried, st.conns.unreached, now)
 	// The full explanation (top candidates, filter reasons) costs
 	// allocations, so it is built only when debug logs are on.
 	var ex *scorer.Explanation
@@ -1188,24 +1187,16 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		// (lb_retries), and the answer stands, counted once.
 		return p.answered()
 	}
-	if pt != nil && pt.connTrace != nil {
-		pt.mu.Lock()
-		if pt.lastDial != "" && pt.conn.unreached() && !slices.Contains(pt.unreached, pt.lastDial) {
-			// Caddy asks again after an attempt that found nothing
-			// listening.
-			pt.unreached = append(pt.unreached, pt.lastDial)
-		}
-		pt.conn.reset()
-		pt.mu.Unlock()
+	if pt != nil {
+		// Caddy asks again after an attempt that found nothing listening.
+		pt.conns.attemptEnded(pt.lastDial)
 	}
 	up := p.chooseFallback(pool, r, w, pt)
 	if up == nil {
 		return nil // no decision: Caddy may ask again
 	}
-	if pt != nil && pt.connTrace != nil {
-		pt.mu.Lock()
+	if pt != nil {
 		pt.lastDial = up.Dial
-		pt.mu.Unlock()
 	}
 	p.sh.metrics.decision(fallbackReason).Inc()
 	p.enterPassThrough(r, pt, up.Dial)
@@ -1261,7 +1252,7 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// continuing it does.
 	if dial := p.sh.fleet.ResponseHome(storedResponseID(r.URL.Path)); dial != "" {
 		for _, u := range pool {
-			if u.Dial == dial && u.Available() && (pt == nil || !pt.isUnreached(dial)) && (p.scraper == nil || !p.scraper.Down(dial)) {
+			if u.Dial == dial && u.Available() && (pt == nil || !pt.conns.isUnreached(dial)) && (p.scraper == nil || !p.scraper.Down(dial)) {
 				return u
 			}
 		}
@@ -1315,8 +1306,8 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	// checks, may still count them available), come last, as for routed
 	// requests; so does, for the models list, an engine whose last list
 	// fetch failed (the others' lists make the answer).
-	if pt != nil && len(pt.unreached) > 0 {
-		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return pt.isUnreached(u.Dial) })
+	if pt != nil && len(pt.conns.unreached) > 0 {
+		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return pt.conns.isUnreached(u.Dial) })
 	}
 	if p.scraper != nil {
 		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) })
