@@ -308,9 +308,6 @@ const (
 	fieldBody = len(topFields)
 )
 
-// reading.errFields has a bit for each top-level field and the body.
-var _ [32 - fieldBody - 1]struct{} // fails to compile past 31 fields
-
 const (
 	fieldRole = iota
 	fieldContent
@@ -373,13 +370,12 @@ type reading struct {
 	// typeErrs are the values of the wrong type, in the body's order,
 	// each the first of its top-level field (fieldBody for the body
 	// itself), reported unless the body is not JSON at all, as
-	// encoding/json does; errFields has a bit for each field with one.
-	// vLLM reads the body with Python's json.loads, where a key's last
-	// value wins: a later value of the same field takes the earlier one's
-	// error back. field is the top-level field being read.
-	typeErrs  []fieldError
-	errFields uint32
-	field     int
+	// encoding/json does. vLLM reads the body with Python's json.loads,
+	// where a key's last value wins: a later value of the same field
+	// takes the earlier one's error back. field is the top-level field
+	// being read.
+	typeErrs []fieldError
+	field    int
 
 	model        span
 	modelEscaped bool
@@ -608,7 +604,7 @@ type fieldError struct {
 // typeError records a value of the wrong type, in the API's words: the
 // first in the top-level field being read.
 func (r *reading) typeError(field, want string) {
-	if r.errFields&(1<<r.field) != 0 {
+	if slices.ContainsFunc(r.typeErrs, r.inField) {
 		return
 	}
 	param := field
@@ -616,17 +612,10 @@ func (r *reading) typeError(field, want string) {
 		param = ""
 	}
 	r.typeErrs = append(r.typeErrs, fieldError{r.field, badRequestf(param, "invalid request: %s must be %s", field, want)})
-	r.errFields |= 1 << r.field
 }
 
-// forgetErrors takes back the errors of field, read again: as its
-// earlier value, they are no more.
-func (r *reading) forgetErrors(field int) {
-	if r.errFields&(1<<field) != 0 {
-		r.errFields &^= 1 << field
-		r.typeErrs = slices.DeleteFunc(r.typeErrs, func(e fieldError) bool { return e.field == field })
-	}
-}
+// inField says e is an error of the top-level field being read.
+func (r *reading) inField(e fieldError) bool { return e.field == r.field }
 
 // skip reads a value routing does not need.
 func (r *reading) skip() {
@@ -672,8 +661,9 @@ func (r *reading) object() {
 		}
 		if field != fieldOther {
 			r.field = field
-			if r.errFields != 0 {
-				r.forgetErrors(field)
+			if len(r.typeErrs) > 0 {
+				// Read again: its earlier value's error goes with it.
+				r.typeErrs = slices.DeleteFunc(r.typeErrs, r.inField)
 			}
 		}
 		switch field {
