@@ -163,12 +163,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	defer f.mu.Unlock()
 	f.decisions.Add(1)
 	if bt := req.BlockTokens; bt > 0 {
-		if own := f.ownBlockTokens.Load(); own == nil || !slices.Contains(*own, bt) && len(*own) < maxOwnBlockTokens {
-			sizes := []int{bt}
-			if own != nil {
-				sizes = append(slices.Clone(*own), bt)
-			}
-			f.ownBlockTokens.Store(&sizes)
+		// The first size is the one of most routers' every request.
+		if own := f.ownBlockTokens.Load(); own == nil || (*own)[0] != bt && !slices.Contains(*own, bt) && len(*own) < maxOwnBlockTokens {
+			f.noteBlockTokens(own, bt)
 		}
 	}
 	sreq, cands, states := f.candidates(now, req, members, opts, true)
@@ -287,24 +284,16 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		ContextTokens:    expectedContextTokens(&req, prompt),
 	}
 	home := -1
-	loadable := adapter != "" && opts.Adapters[adapter]
-	base, baseKnown := "", false
+	var loaders *adapterLoaders
+	if adapter != "" && opts.Adapters[adapter] {
+		loaders = &adapterLoaders{adapter: adapter, members: members}
+	}
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
 		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
-		if loadable && cands[i].Models != nil && !slices.Contains(cands[i].Models, adapter) {
-			// A configured adapter any engine of its base model can load
-			// on its first request (vLLM's LoRA resolvers; kvsim's
-			// adapters on storage): such an engine whose list lacks it may
-			// serve it, as one whose list is unknown may; those listing
-			// it come first.
-			if !baseKnown {
-				base, baseKnown = adapterBase(adapter, members), true
-			}
-			if base != "" && slices.Contains(cands[i].Models, base) || base == "" && !severalBaseModels(members) {
-				cands[i].Models = nil
-			}
+		if loaders != nil && loaders.mayLoad(cands[i].Models) {
+			cands[i].Models = nil
 		}
 		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
@@ -324,6 +313,33 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	return sreq, cands, states
 }
 
+// adapterLoaders tells the engines that may load a configured adapter on
+// its first request (vLLM's LoRA resolvers; kvsim's adapters on storage):
+// those of its base model, which is its parent where a list names it.
+type adapterLoaders struct {
+	adapter   string
+	members   []Member
+	base      string
+	baseKnown bool
+}
+
+// mayLoad says an engine whose list is models, known and lacking the
+// adapter, may serve it, as one whose list is unknown may (those listing
+// it come first). With no list naming it, any engine may while the lists
+// name one base model.
+func (l *adapterLoaders) mayLoad(models []string) bool {
+	if models == nil || slices.Contains(models, l.adapter) {
+		return false
+	}
+	if !l.baseKnown {
+		l.base, l.baseKnown = adapterBase(l.adapter, l.members), true
+	}
+	if l.base != "" {
+		return slices.Contains(models, l.base)
+	}
+	return !severalBaseModels(l.members)
+}
+
 // adapterBase is the base model some member's list names as adapter's
 // parent, "" when none lists it.
 func adapterBase(adapter string, members []Member) string {
@@ -335,6 +351,16 @@ func adapterBase(adapter string, members []Member) string {
 		}
 	}
 	return ""
+}
+
+// noteBlockTokens adds bt to own, the block sizes this router's requests
+// were hashed with. Caller holds f.mu.
+func (f *Fleet) noteBlockTokens(own *[]int, bt int) {
+	sizes := []int{bt}
+	if own != nil {
+		sizes = append(slices.Clone(*own), bt)
+	}
+	f.ownBlockTokens.Store(&sizes)
 }
 
 // maxOwnBlockTokens bounds the block sizes Fleet.ownBlockTokens keeps.
