@@ -735,6 +735,7 @@ func TestStateReturnsThroughTheHandler(t *testing.T) {
 // taken the base model off it, and had the list fetched again at each.
 func TestModelNotServedReadsTheEnginesAnswer(t *testing.T) {
 	for body, want := range map[string]bool{
+		`{"error":{"message":"The model ` + "`tenant`" + ` does not exist.","type":"NotFoundError","param":"model","code":404}}`:     true, // current vLLM, kvsim
 		`{"error":{"message":"The model ` + "`tenant`" + ` does not exist.","type":"NotFoundError","param":null,"code":404}}`:        true,
 		`{"object":"error","message":"The model ` + "`tenant`" + ` does not exist.","type":"NotFoundError","param":null,"code":404}`: true,
 		`{"detail":"Not Found"}`: false,

@@ -557,9 +557,11 @@ func TestAdapterUnloadedOnAnEngineLeavesItsList(t *testing.T) {
 	}
 	resp.Body.Close()
 	// The warm replica is chosen once more and answers 404: it is how
-	// the router learns of the unload.
-	if c := post(t, "/v1/chat/completions", body); c.status != http.StatusNotFound || c.replica != home.name {
-		t.Fatalf("after the unload on %s: %d from %s, want its 404", home.name, c.status, c.replica)
+	// the router learns of the unload. The body is current vLLM's (param
+	// "model"), which the router recognises as a model not served.
+	if c := post(t, "/v1/chat/completions", body); c.status != http.StatusNotFound || c.replica != home.name ||
+		!strings.Contains(c.body, `"param":"model"`) {
+		t.Fatalf("after the unload on %s: %d from %s (%s), want its 404", home.name, c.status, c.replica, c.body)
 	}
 	eventually(t, 10*time.Second, "the adapter off the list of "+home.name, func() bool {
 		v := listedEngine(t, home.dial())

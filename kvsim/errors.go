@@ -62,7 +62,11 @@ func errBadRequestf(format string, args ...any) *APIError {
 }
 
 // errModelNotFound is vLLM's error for a model name that is neither the base model nor a
-// known adapter (its param is null).
+// known adapter. Current vLLM names the field at fault (OpenAIServing._check_model,
+// vllm/entrypoints/openai/engine/serving.py: param="model"); releases before it sent null.
 func errModelNotFound(model string) *APIError {
-	return newAPIError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model))
+	e := newAPIError(http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model))
+	param := "model"
+	e.Param = &param
+	return e
 }
