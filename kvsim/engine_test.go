@@ -3,6 +3,7 @@ package kvsim
 import (
 	"bytes"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -212,6 +213,40 @@ func TestLoRALoadLatencyPaidOnce(t *testing.T) {
 	if err := e.Submit(&Request{Adapter: "nope", Context: []byte("x"), OutputTokens: 1}, e.Now()); err == nil ||
 		err.Error() != "The model `nope` does not exist." {
 		t.Fatalf("unknown adapter: %v", err)
+	}
+}
+
+// TestLoadInplaceKeepsResidency: an in-place load of an adapter in a GPU
+// slot swaps its weights there (vLLM reloads and reactivates it at once), so
+// its next request pays no load; without inplace the load is refused.
+func TestLoadInplaceKeepsResidency(t *testing.T) {
+	e := newTestEngine(t, Config{LoRAStorageLoad: 2 * time.Second})
+	if err := e.LoadAdapterToHost("sql", "/v1", false); err != nil {
+		t.Fatal(err)
+	}
+	ttft := func() time.Duration {
+		r := &Request{Adapter: "sql", Context: []byte("select something from somewhere please"), OutputTokens: 2}
+		if err := e.Submit(r, e.Now()+time.Second); err != nil {
+			t.Fatal(err)
+		}
+		first, _, _ := eventsOf(runToCompletion(t, e), r)
+		return first.Time - r.Arrival
+	}
+	ttft() // on the GPU now
+	if err := e.LoadAdapterToHost("sql", "/v2", false); err == nil || err.(*APIError).Code != 400 {
+		t.Fatalf("second load without inplace: %v", err)
+	}
+	if err := e.LoadAdapterToHost("sql", "/v2", true); err != nil {
+		t.Fatal(err)
+	}
+	if a := e.Adapters(); len(a) != 1 || a[0].Path != "/v2" {
+		t.Fatalf("adapters after an in-place load: %+v", a)
+	}
+	if st := e.Stats(); !slices.Contains(st.GPUAdapters, "sql") || !slices.Contains(st.HostAdapters, "sql") {
+		t.Fatalf("in-place load left the adapter off the GPU or host: gpu %v host %v", st.GPUAdapters, st.HostAdapters)
+	}
+	if warm := ttft(); warm > 100*time.Millisecond {
+		t.Fatalf("TTFT after an in-place load %v: it reloaded from storage", warm)
 	}
 }
 

@@ -70,3 +70,19 @@ func errModelNotFound(model string) *APIError {
 	e.Param = &param
 	return e
 }
+
+// errInvalidUserInput is the 400 vLLM's adapter API (OpenAIServingModels, its
+// load_lora_adapter and unload_lora_adapter checks) answers a request it refuses: its type
+// is "InvalidUserInput", not "BadRequestError".
+func errInvalidUserInput(message string) *APIError {
+	e := errBadRequest(message)
+	e.Type = "InvalidUserInput"
+	return e
+}
+
+// errAdapterLoaded is vLLM's answer to loading, without load_inplace, an adapter already
+// loaded (OpenAIServingModels._check_load_lora_adapter_request).
+func errAdapterLoaded(name string) *APIError {
+	return errInvalidUserInput(fmt.Sprintf("The lora adapter '%s' has already been loaded. "+
+		"If you want to load the adapter in place, set 'load_inplace' to True.", name))
+}

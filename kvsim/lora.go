@@ -50,10 +50,18 @@ func (e *Engine) RegisterAdapter(name, path string) bool {
 }
 
 // LoadAdapterToHost registers an adapter if needed and puts it in host memory, as vLLM's
-// /v1/load_lora_adapter does. It returns a 400 APIError if it was already loaded.
-func (e *Engine) LoadAdapterToHost(name, path string) error {
+// /v1/load_lora_adapter does. An adapter already loaded is a 400 APIError unless inplace
+// (vLLM's load_inplace), which swaps in the weights at path where the old ones were: in host
+// memory, and in its GPU slot if it has one (vLLM reloads and reactivates it at once). As a
+// first load, a load through the API costs no simulated time.
+func (e *Engine) LoadAdapterToHost(name, path string, inplace bool) error {
 	if a, ok := e.adapters[name]; ok && !a.removed {
-		return errBadRequestf("The lora adapter '%s' has already been loaded.", name)
+		if !inplace {
+			return errAdapterLoaded(name)
+		}
+		a.path = path
+		e.putOnHost(a)
+		return nil
 	}
 	e.RegisterAdapter(name, path)
 	e.putOnHost(e.adapters[name])

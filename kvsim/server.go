@@ -727,12 +727,15 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
 }
 
+// adapterRequest is the body of vLLM's LoadLoRAAdapterRequest and UnloadLoRAAdapterRequest.
 type adapterRequest struct {
 	LoraName string `json:"lora_name"`
 	LoraPath string `json:"lora_path"`
+	// LoadInplace replaces the weights of an adapter already loaded (a load only).
+	LoadInplace laxBool `json:"load_inplace"`
 }
 
-func readAdapterRequest(r *http.Request, needPath bool) (adapterRequest, error) {
+func readAdapterRequest(r *http.Request, load bool) (adapterRequest, error) {
 	var ar adapterRequest
 	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
 	if err != nil {
@@ -741,8 +744,11 @@ func readAdapterRequest(r *http.Request, needPath bool) (adapterRequest, error) 
 	if err := json.Unmarshal(body, &ar); err != nil {
 		return ar, errBadRequestf("Invalid JSON body: %v", err)
 	}
-	if ar.LoraName == "" || (needPath && ar.LoraPath == "") {
-		return ar, errBadRequest("Both 'lora_name' and 'lora_path' must be provided.")
+	switch {
+	case load && (ar.LoraName == "" || ar.LoraPath == ""):
+		return ar, errInvalidUserInput("Both 'lora_name' and 'lora_path' must be provided.")
+	case !load && ar.LoraName == "":
+		return ar, errInvalidUserInput("'lora_name' needs to be provided to unload a LoRA adapter.")
 	}
 	return ar, nil
 }
@@ -750,10 +756,11 @@ func readAdapterRequest(r *http.Request, needPath bool) (adapterRequest, error) 
 func (s *Server) handleLoadAdapter(w http.ResponseWriter, r *http.Request) {
 	ar, err := readAdapterRequest(r, true)
 	if err == nil && ar.LoraName == s.model {
-		err = errBadRequestf("The lora adapter '%s' has already been loaded.", ar.LoraName)
+		// kvsim's own refusal: vLLM would load an adapter under the base model's name.
+		err = errAdapterLoaded(ar.LoraName)
 	}
 	if err == nil {
-		s.driver.Do(func(e *Engine) { err = e.LoadAdapterToHost(ar.LoraName, ar.LoraPath) })
+		s.driver.Do(func(e *Engine) { err = e.LoadAdapterToHost(ar.LoraName, ar.LoraPath, bool(ar.LoadInplace)) })
 	}
 	if err != nil {
 		writeError(w, err)

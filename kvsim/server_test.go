@@ -556,6 +556,73 @@ func TestLoRAAdaptersOverHTTP(t *testing.T) {
 	}
 }
 
+// TestLoadInplaceAsVLLM: /v1/load_lora_adapter answers as vLLM's
+// OpenAIServingModels (load_lora_adapter, _check_load_lora_adapter_request):
+// loading an adapter already loaded is a 400 InvalidUserInput that points at
+// load_inplace; with load_inplace (pydantic's lax booleans too) the new path
+// replaces the old and the answer is the usual success; load_inplace for an
+// adapter not loaded is a first load. The other refusals have vLLM's bodies.
+func TestLoadInplaceAsVLLM(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	load := srv.URL + "/v1/load_lora_adapter"
+	expect := func(what string, status int, body string, wantStatus int, want string) {
+		t.Helper()
+		if status != wantStatus || strings.TrimSpace(body) != want {
+			t.Errorf("%s: %d %s\nwant %d %s", what, status, body, wantStatus, want)
+		}
+	}
+	roots := func() map[string]string {
+		t.Helper()
+		resp, err := http.Get(srv.URL + "/v1/models")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var models struct{ Data []struct{ ID, Root string } }
+		if err := json.NewDecoder(resp.Body).Decode(&models); err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]string{}
+		for _, m := range models.Data {
+			out[m.ID] = m.Root
+		}
+		return out
+	}
+	added := "Success: LoRA adapter 'chat-lora' added successfully."
+	resp, out := post(t, load, `{"lora_name":"chat-lora","lora_path":"/adapters/v1"}`)
+	expect("first load", resp.StatusCode, out, 200, added)
+	resp, out = post(t, load, `{"lora_name":"chat-lora","lora_path":"/adapters/v2"}`)
+	expect("second load without load_inplace", resp.StatusCode, out, 400,
+		`{"error":{"message":"The lora adapter 'chat-lora' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True.","type":"InvalidUserInput","param":null,"code":400}}`)
+	if got := roots()["chat-lora"]; got != "/adapters/v1" {
+		t.Errorf("a refused load changed the adapter's path to %q", got)
+	}
+	resp, out = post(t, load, `{"lora_name":"chat-lora","lora_path":"/adapters/v2","load_inplace":true}`)
+	expect("load_inplace", resp.StatusCode, out, 200, added)
+	if got := roots()["chat-lora"]; got != "/adapters/v2" {
+		t.Errorf("after load_inplace the adapter's root is %q, want /adapters/v2", got)
+	}
+	resp, out = post(t, load, `{"lora_name":"chat-lora","lora_path":"/adapters/v3","load_inplace":"yes"}`)
+	expect(`load_inplace "yes"`, resp.StatusCode, out, 200, added)
+	if got := roots()["chat-lora"]; got != "/adapters/v3" {
+		t.Errorf(`after load_inplace "yes" the adapter's root is %q, want /adapters/v3`, got)
+	}
+	resp, out = post(t, load, `{"lora_name":"new-lora","lora_path":"/adapters/new","load_inplace":true}`)
+	expect("load_inplace of an adapter not loaded", resp.StatusCode, out, 200, "Success: LoRA adapter 'new-lora' added successfully.")
+	if got, ok := roots()["new-lora"]; !ok || got != "/adapters/new" {
+		t.Errorf("load_inplace of a new adapter: listed %v, root %q", ok, got)
+	}
+	resp, out = post(t, load, `{"lora_name":"x","lora_path":""}`)
+	expect("empty path", resp.StatusCode, out, 400,
+		`{"error":{"message":"Both 'lora_name' and 'lora_path' must be provided.","type":"InvalidUserInput","param":null,"code":400}}`)
+	resp, out = post(t, srv.URL+"/v1/unload_lora_adapter", `{"lora_name":""}`)
+	expect("unload without a name", resp.StatusCode, out, 400,
+		`{"error":{"message":"'lora_name' needs to be provided to unload a LoRA adapter.","type":"InvalidUserInput","param":null,"code":400}}`)
+	resp, out = post(t, srv.URL+"/v1/unload_lora_adapter", `{"lora_name":"nope"}`)
+	expect("unload of an adapter not loaded", resp.StatusCode, out, 404,
+		`{"error":{"message":"The lora adapter 'nope' cannot be found.","type":"NotFoundError","param":null,"code":404}}`)
+}
+
 func TestFaults(t *testing.T) {
 	sim, srv := newTestServer(t, Config{})
 	setFaults := func(body string) {
