@@ -329,7 +329,9 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 		switch {
 		case !whole:
 		case changesAdapters(r):
-			pt.loraName, pt.unload = loraNameOfBody(body), strings.HasSuffix(r.URL.Path, "/unload_lora_adapter")
+			pt.unload = strings.HasSuffix(r.URL.Path, "/unload_lora_adapter")
+			pt.loraName, pt.inplace = adapterCallOfBody(body)
+			pt.inplace = pt.inplace && !pt.unload
 		case declaresJSON(r.Header):
 			// Only then: vLLM refuses any other body (400) before it
 			// reads the model, which the router's 404 would hide.
@@ -484,11 +486,13 @@ type passThrough struct {
 	model    string
 	notFound bool
 	// loraName is the adapter a load or unload (vLLM's runtime adapter
-	// API) names, "" when not read; unload says it is an unload, and
-	// unloaded, set by the policy, takes the adapter off the chosen
-	// engine's list as the engine says it unloaded it.
+	// API) names, "" when not read; unload says it is an unload, inplace
+	// that it is a load with load_inplace (new weights for an adapter
+	// loaded), and unloaded, set by the policy, takes the adapter off the
+	// chosen engine's list as the engine says it unloaded it.
 	loraName string
 	unload   bool
+	inplace  bool
 	unloaded func()
 	mu       sync.Mutex
 	flight   drain.Flight

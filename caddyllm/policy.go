@@ -1288,13 +1288,15 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		pool = serving
 	}
 	if pt != nil && pt.loraName != "" && p.scraper != nil {
-		// An unload goes to an upstream listing the adapter, a load to
-		// one not listing it yet, when there is one; else the engine
-		// answers (404 for an adapter no engine has, 400 for one every
-		// engine has loaded).
+		// An unload goes to an upstream listing the adapter, and so does
+		// an in-place load (only an engine holding the adapter has weights
+		// to replace), a first load to one not listing it yet, when there
+		// is one; else the engine answers (404 for an adapter no engine
+		// has, 400 for one every engine has loaded; an in-place load of an
+		// adapter no engine lists is a first load).
 		listing, lacking := p.listingModel(pool, pt.loraName)
 		switch {
-		case pt.unload && len(listing) > 0:
+		case (pt.unload || pt.inplace) && len(listing) > 0:
 			pool = listing
 		case !pt.unload && len(lacking) > 0:
 			pool = lacking

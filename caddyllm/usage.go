@@ -276,11 +276,11 @@ func scanResponseID(body []byte) (string, bool) {
 	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0)), true
 }
 
-// modelKeys and loraNameKeys are the members modelOfBody and
-// loraNameOfBody read.
+// modelKeys and adapterCallKeys are the members modelOfBody and
+// adapterCallOfBody read.
 var (
-	modelKeys    = [...]string{"model"}
-	loraNameKeys = [...]string{"lora_name"}
+	modelKeys       = [...]string{"model"}
+	adapterCallKeys = [...]string{"lora_name", "load_inplace"}
 )
 
 // modelOfBody reads the top-level model of a request body, "" when it has
@@ -288,9 +288,30 @@ var (
 // nested too deep, a key given twice): the engine then answers for it.
 func modelOfBody(body []byte) string { return stringOfBody(body, modelKeys[:]) }
 
-// loraNameOfBody reads the adapter a request to vLLM's runtime adapter
-// API (load_lora_adapter, unload_lora_adapter) names, as modelOfBody.
-func loraNameOfBody(body []byte) string { return stringOfBody(body, loraNameKeys[:]) }
+// adapterCallOfBody reads a request to vLLM's runtime adapter API
+// (load_lora_adapter, unload_lora_adapter): the adapter it names
+// (lora_name), "" as modelOfBody, and whether it sets load_inplace, read as
+// vLLM's request model reads a boolean (true, "yes", 1).
+func adapterCallOfBody(body []byte) (name string, inplace bool) {
+	var depth [chunkDepth/64 + 1]uint64
+	s := scanner{buf: body, inObject: depth[:]}
+	var value span
+	ok := s.fields(adapterCallKeys[:], func(i int) bool {
+		if i == 0 {
+			return s.optString(&value)
+		}
+		start, end, ok := s.skip()
+		if ok && i == 1 {
+			inplace, _ = rawLaxBool(body[start:end])
+		}
+		return ok
+	}) && s.end()
+	if !ok || value.end <= value.start {
+		return "", false
+	}
+	raw := body[value.start:value.end]
+	return string(decodeString(nil, raw, bytes.IndexByte(raw, '\\') >= 0)), inplace
+}
 
 // stringOfBody reads the top-level string member key (a one-element
 // slice) of a request body, as modelOfBody.

@@ -357,6 +357,37 @@ func TestModelOfBody(t *testing.T) {
 	}
 }
 
+// TestAdapterCallOfBody: the adapter a load or unload names and whether it
+// asks for an in-place load, load_inplace read as vLLM's request model reads
+// a boolean; a body the scanner does not read whole names no adapter.
+func TestAdapterCallOfBody(t *testing.T) {
+	for _, tc := range []struct {
+		body    string
+		name    string
+		inplace bool
+	}{
+		{`{"lora_name":"tenant","lora_path":"/a"}`, "tenant", false},
+		{`{"lora_name":"tenant","lora_path":"/a","load_inplace":true}`, "tenant", true},
+		{`{"load_inplace":true,"lora_path":"/a","lora_name":"tenant"}`, "tenant", true},
+		{`{"lora_name":"tenant","load_inplace":false}`, "tenant", false},
+		{`{"lora_name":"tenant","load_inplace":"yes"}`, "tenant", true},
+		{`{"lora_name":"tenant","load_inplace":1}`, "tenant", true},
+		{`{"lora_name":"tenant","load_inplace":0}`, "tenant", false},
+		{`{"lora_name":"tenant","load_inplace":null}`, "tenant", false},
+		{`{"lora_name":"tenant","load_inplace":"maybe"}`, "tenant", false},
+		{`{"lora_name":"tenant","load_inplace":{"x":true}}`, "tenant", false},
+		{`{"lora_name":"t\u00e9","load_inplace":true}`, "té", true},
+		{`{"lora_path":"/a","load_inplace":true}`, "", false},
+		{`{"lora_name":"tenant","load_inplace":true,"load_inplace":false}`, "", false}, // twice: for the engine to read
+		{`{"lora_name":"tenant","load_inplace":true`, "", false},
+	} {
+		name, inplace := adapterCallOfBody([]byte(tc.body))
+		if name != tc.name || inplace != tc.inplace {
+			t.Errorf("%s: %q %v, want %q %v", tc.body, name, inplace, tc.name, tc.inplace)
+		}
+	}
+}
+
 // FuzzModelOfBody: a model read from a body is the one encoding/json
 // decodes from it.
 func FuzzModelOfBody(f *testing.F) {

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -168,6 +169,77 @@ func TestAdapterCallsGoWhereTheyCount(t *testing.T) {
 				t.Fatalf("%s right after its unload on %s: %d from %s: %s", name, on, c.status, c.replica, c.body)
 			}
 		}
+	}
+}
+
+// TestInplaceLoadReachesAHolder: a load with load_inplace (vLLM's hot swap
+// of an adapter's weights) goes to an engine whose list has the adapter,
+// where a load goes to one lacking it: there it was a first load, the
+// holders kept the old weights and the fleet served two versions. It
+// reaches one holder only; the other keeps its path. An in-place load of an
+// adapter no engine lists is a first load.
+func TestInplaceLoadReachesAHolder(t *testing.T) {
+	fleet := startFleet(t, 3, 1, kvsim.Config{})
+	for _, r := range fleet[1:] {
+		resp, err := http.Post(r.http.URL+"/v1/load_lora_adapter", "application/json",
+			strings.NewReader(`{"lora_name":"tenant","lora_path":"/adapters/tenant-v1"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	eventually(t, 10*time.Second, "the adapter on its holders' lists and the other's list known", func() bool {
+		for _, r := range fleet {
+			v := listedEngine(t, r.dial())
+			if v == nil || len(v.Models) == 0 || slices.Contains(v.Models, "tenant") != (r != fleet[0]) {
+				return false
+			}
+		}
+		return true
+	})
+	root := func(r *replica) string {
+		t.Helper()
+		resp, err := http.Get(r.http.URL + "/v1/models")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var models struct{ Data []struct{ ID, Root string } }
+		if err := json.NewDecoder(resp.Body).Decode(&models); err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range models.Data {
+			if m.ID == "tenant" {
+				return m.Root
+			}
+		}
+		return ""
+	}
+	for i := range 4 {
+		path := fmt.Sprintf("/adapters/tenant-v%d", i+2)
+		c := post(t, "/v1/load_lora_adapter", map[string]any{"lora_name": "tenant", "lora_path": path, "load_inplace": true})
+		if c.status != http.StatusOK || c.replica == fleet[0].name {
+			t.Fatalf("in-place load %d: %d from %s, want 200 from a holder (%s or %s): %s",
+				i, c.status, c.replica, fleet[1].name, fleet[2].name, c.body)
+		}
+		if got := root(named(fleet, c.replica)); got != path {
+			t.Fatalf("in-place load %d answered by %s, whose adapter's path is %q, want %q", i, c.replica, got, path)
+		}
+		other := fleet[1]
+		if other.name == c.replica {
+			other = fleet[2]
+		}
+		if got := root(other); got == path {
+			t.Fatalf("in-place load %d reached %s too", i, other.name)
+		}
+	}
+	if got := root(fleet[0]); got != "" {
+		t.Fatalf("%s, which lacked the adapter, has it now (%q)", fleet[0].name, got)
+	}
+	c := post(t, "/v1/load_lora_adapter", map[string]any{"lora_name": "fresh", "lora_path": "/adapters/fresh", "load_inplace": true})
+	if c.status != http.StatusOK || !strings.Contains(c.body, "added successfully") {
+		t.Fatalf("in-place load of an adapter no engine has: %d %s", c.status, c.body)
 	}
 }
 
