@@ -137,12 +137,21 @@ func engineView(t *testing.T, dial string) *caddyllm.EngineView {
 // routed while the engines are stalled (kvsim's fault), so that the queues
 // it is routed by are the ones the router charged, however slowly a busy
 // machine lets the engines run or the requests arrive.
+//
+// The engines are scraped once, before the first request (the interval
+// is also the fetches' timeout): what the router learns of them then
+// stands for the whole test, however slowly a busy machine runs it.
+// Scraped every 100ms, the signals and model lists lapsed mid-burst on a
+// loaded machine (older than three intervals, their fetches timing out),
+// and the router rightly stopped counting on them: with no list naming
+// the adapter it routed the rest of the burst as the base model's, by
+// load alone (a third replica, the holder below seven); with some lists
+// lapsed, it sent the rest where a list still named the adapter.
 func TestLoRAReplicatesOnce(t *testing.T) {
 	// Loading costs 1 s: a burst that queues less than that on two
 	// replicas needs no third.
 	fleet := startFleet(t, 3, 1, kvsim.Config{Adapters: []string{"tenant-a"}, LoRAStorageLoad: time.Second})
-	startCaddy(t, caddyfile(fleet, "", `scrape_interval 100ms
-			models_interval 100ms
+	startCaddy(t, caddyfile(fleet, "", `scrape_interval 10m
 			output_estimate max_tokens
 			adapter_load_remote 1s`, ""))
 	eventually(t, 5*time.Second, "every model list scraped", func() bool {
