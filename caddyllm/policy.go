@@ -190,7 +190,8 @@ type Policy struct {
 	ScrapeMaxAge caddy.Duration `json:"scrape_max_age,omitempty"`
 
 	// ModelsInterval is how often /v1/models is fetched when scraping.
-	// Default 10s.
+	// Default 10s. A fetch that failed is tried again sooner, a
+	// ScrapeInterval later, backing off up to ModelsInterval.
 	ModelsInterval caddy.Duration `json:"models_interval,omitempty"`
 
 	// MetricsPath is the engines' metrics path. Default /metrics.

@@ -31,7 +31,9 @@ type Config struct {
 	// Timeout bounds one fetch. Default Interval.
 	Timeout time.Duration
 	// ModelsInterval is the time between fetches of /v1/models. Default
-	// 10s; negative disables them.
+	// 10s; negative disables them. A fetch that failed is tried again
+	// sooner: one Interval later, then twice that, and so on up to 64
+	// Intervals or ModelsInterval, whichever is shorter.
 	ModelsInterval time.Duration
 	// SlowInterval is the time between reads of the figures that change
 	// slowly or only feed the admin API (vLLM's cache configuration, the

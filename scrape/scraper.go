@@ -526,6 +526,14 @@ func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, er
 		}
 		st.ModelsError = truncate(err.Error(), maxScrapeErrorMessages)
 		t.modelsFailures++
+		// Try again soon rather than a whole models interval later: one
+		// timeout would leave the router without the list (which models
+		// and adapters the engine serves) for that long. Backing off,
+		// from one scrape interval to 64 (or the models interval, if
+		// shorter), keeps an engine that always refuses from being asked
+		// every scrape.
+		retry := s.cfg.Interval << min(t.modelsFailures-1, 6)
+		t.modelsDue = start.Add(min(retry, s.cfg.ModelsInterval))
 		return
 	}
 	for model, at := range t.forgotModels {

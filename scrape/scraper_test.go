@@ -455,6 +455,44 @@ func TestModelsWhileMetricsFail(t *testing.T) {
 	})
 }
 
+// TestFailedModelsFetchRetriedSoon: a model list whose fetch failed is
+// fetched again a scrape interval later, not a whole models interval
+// (an hour here), backing off while it keeps failing.
+func TestFailedModelsFetchRetriedSoon(t *testing.T) {
+	var listFails atomic.Bool
+	var lists, scrapes atomic.Int64
+	listFails.Store(true)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			lists.Add(1)
+			if listFails.Load() {
+				http.Error(w, "overloaded", http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+			return
+		}
+		scrapes.Add(1)
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: time.Hour})
+	s.SetTargets([]string{hostOf(srv)})
+	s.Start(ctx)
+	// Failing: asked again, but not at every scrape.
+	waitFor(t, "20 scrapes", 60*time.Second, func() bool { return scrapes.Load() >= 20 })
+	if n, m := lists.Load(), scrapes.Load(); n < 2 || n > m/2 {
+		t.Fatalf("%d list fetches over %d scrapes: want retries, backing off", n, m)
+	}
+	listFails.Store(false)
+	waitFor(t, "m1 listed within the backoff", 60*time.Second, func() bool {
+		sig, _ := s.Latest(hostOf(srv), time.Now(), time.Hour)
+		return strings.Join(sig.ModelIDs(), ",") == "m1"
+	})
+}
+
 // TestRestartFetchesModels: an engine answering again after refusing
 // connections (a new process) has its model list fetched at once, not at
 // the next models interval: the new process may serve other adapters.
