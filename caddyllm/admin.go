@@ -64,7 +64,7 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	}
 	ups := []UpstreamSnapshot{} // [] rather than null while no policy is loaded
 	if sh := lookupShared(); sh != nil {
-		sh.applyPendingDrains("") // the view shows the running config's drains
+		sh.startSites("") // the view shows the running config's drains and capacities
 		ups = sh.snapshot()
 	}
 	slices.SortFunc(ups, func(a, b UpstreamSnapshot) int { return strings.Compare(a.Dial, b.Dial) })
@@ -107,7 +107,7 @@ func handleDrain(w http.ResponseWriter, r *http.Request) error {
 	if sh == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("no llm_affinity policy is loaded")}
 	}
-	sh.applyPendingDrains("")
+	sh.startSites("")
 	if r.Method == http.MethodPost {
 		if !sh.fleet.Routable(dial) {
 			// A typo would otherwise sit in the admin view as a drained

@@ -75,7 +75,7 @@ func (p *Policy) watchUpstreamHealth(ctx caddy.Context, upstreams func() []*reve
 // first request until the drains are in force): the config's first request calls it, or runOnceActive,
 // whichever comes first.
 func (p *Policy) start() {
-	p.sh.applyPendingDrains(p.site)
+	p.sh.startSites(p.site)
 	if p.scraper != nil {
 		p.scraper.Start(p.ctx) // started already, unless this is the process's first config
 	}

@@ -473,7 +473,7 @@ func (c *fleetCollector) Describe(ch chan<- *prometheus.Desc) {
 // names (dynamic ones, whose number has no bound) are summed under
 // upstream="other", their drain phases counted.
 func (c *fleetCollector) Collect(ch chan<- prometheus.Metric) {
-	c.sh.applyPendingDrains("") // the drain phases of the running config
+	c.sh.startSites("") // the drain phases of the running config
 	ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(c.sh.fleet.Held()))
 	m := c.sh.metrics
 	var other UpstreamSnapshot

@@ -384,18 +384,19 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			kv[dial] = n
 		}
 	}
-	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named, kv)
+	// Its capacities and new drains take effect once this config runs:
+	// Caddy may still reject it, and a rejected config must not drain,
+	// cut or resize anything.
+	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named, kv, p.ScrapeInterval > 0, running)
 	// A config drain already in force (the running config has it too) is
-	// held by this site from now on, so a reload never lets it lapse; a
-	// new one takes effect once this config runs: Caddy may still reject
-	// it, and a rejected config must not drain, nor cut, anything.
+	// held by this site from now on, so a reload never lets it lapse.
 	var pending []string
 	for _, dial := range p.Drain {
 		if !p.sh.drains.AddHold(dial, drain.Hold{Cause: drain.ByConfig, Owner: p.site}) {
 			pending = append(pending, dial)
 		}
 	}
-	p.sh.deferDrains(p.site, pending, running)
+	p.sh.deferDrains(p.site, pending)
 	// An upstream some site's health checks drained stays drained under
 	// this site's name until this site's own checks find it healthy: on a
 	// reload the old site lets go of its hold before this site's watcher

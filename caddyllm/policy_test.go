@@ -38,7 +38,7 @@ func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 	p.rng, p.scratch = newLockedRand(), newScratchPool()
 	p.logger = logger
 	p.sh = newShared()
-	p.site = p.sh.addSite(defaultDrainDeadline, nil, nil)
+	p.site = p.sh.addSite(defaultDrainDeadline, nil, nil, false, nil)
 	tb.Cleanup(func() { p.sh.Destruct() })
 	return p
 }

@@ -66,8 +66,9 @@ type shared struct {
 	// last acquired it (see retireReplaced).
 	syncLoads map[*fleetsync.Syncer]context.Context
 	sites     map[string]*site
-	// pendingSites counts the sites with deferred drains, so that the
-	// routing path skips applyPendingDrains' lock when there are none.
+	// pendingSites counts the sites whose config has not run yet, so
+	// that the admin API and the metrics skip startSites' lock when
+	// there are none.
 	pendingSites atomic.Int32
 	scrapers     map[*scrape.Scraper]bool
 	// foreignBlockTokens are the peers' block sizes warned of (see
@@ -93,14 +94,18 @@ type site struct {
 	drainDeadline time.Duration
 	dials         []string
 	// kvCapacity is the KV capacity the site configures for each of its
-	// dials, where it configures one.
+	// dials, where it configures one; scrapes says it reads its engines'
+	// signals, whose own figure wins once known.
 	kvCapacity map[string]int
-	// pending are the config's drains not in force yet: they take effect
-	// once the config runs (a config Caddy rejects must not drain, nor
-	// cut, anything), which is when running differs from the config that
-	// was running when this one was provisioned.
-	pending []string
+	scrapes    bool
+	// running says the site's config runs: only then do its drains and
+	// capacities take effect (a config Caddy rejects must not drain, cut
+	// or resize anything). It runs once the running config differs from
+	// before, the one running when it was provisioned, or once it serves
+	// a request. pending are its drains not in force yet.
+	running bool
 	before  context.Context
+	pending []string
 }
 
 // acquireShared returns the shared host, creating it; each call must be
@@ -188,18 +193,31 @@ func (sh *shared) expireIdle(cutoff time.Time) {
 	}
 }
 
-// addSite registers a provisioned policy naming dials and returns its
-// owner name.
-func (sh *shared) addSite(drainDeadline time.Duration, dials []string, kvCapacity map[string]int) string {
+// addSite registers a provisioned policy naming dials, provisioned while
+// the config before ran, and returns its owner name.
+func (sh *shared) addSite(drainDeadline time.Duration, dials []string, kvCapacity map[string]int, scrapes bool, before context.Context) string {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	sh.nextSite++
 	owner := "site-" + strconv.FormatUint(sh.nextSite, 10)
-	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials, kvCapacity: kvCapacity}
+	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials, kvCapacity: kvCapacity, scrapes: scrapes, before: before}
+	sh.pendingSites.Add(1)
 	return owner
 }
 
-// configuredKV is the largest KV capacity a loaded site configures for
+// configuredLocked is the largest KV capacity the running sites configure
+// for dial (kv_capacity; 0 for none), whether one of those naming it
+// scrapes it, and whether any names it. Caller holds sh.mu.
+func (sh *shared) configuredLocked(dial string) (kv int, scraped, named bool) {
+	for _, s := range sh.sites {
+		if s.running && slices.Contains(s.dials, dial) {
+			kv, scraped, named = max(kv, s.kvCapacity[dial]), scraped || s.scrapes, true
+		}
+	}
+	return kv, scraped, named
+}
+
+// configuredKV is the largest KV capacity a running site configures for
 // each dial (kv_capacity), for the admin view of upstreams not routed to
 // yet.
 func (sh *shared) configuredKV() map[string]int {
@@ -207,6 +225,9 @@ func (sh *shared) configuredKV() map[string]int {
 	defer sh.mu.Unlock()
 	out := make(map[string]int)
 	for _, s := range sh.sites {
+		if !s.running {
+			continue
+		}
 		for dial, n := range s.kvCapacity {
 			out[dial] = max(out[dial], n)
 		}
@@ -214,25 +235,37 @@ func (sh *shared) configuredKV() map[string]int {
 	return out
 }
 
+// configureLocked gives each of dials the KV capacity the running sites
+// configure (see router.Fleet.Configure), so that a reload resizes the
+// index, and shows in the admin view, at once. Caller holds sh.mu.
+func (sh *shared) configureLocked(dials []string) {
+	now := time.Now()
+	for _, dial := range dials {
+		if kv, scraped, named := sh.configuredLocked(dial); named {
+			sh.fleet.Configure(dial, kv, scraped, now)
+		}
+	}
+}
+
 // deferDrains records drains of owner's config that take effect once the
-// config runs; before is the running config's context at provisioning.
-func (sh *shared) deferDrains(owner string, dials []string, before context.Context) {
+// config runs.
+func (sh *shared) deferDrains(owner string, dials []string) {
 	if len(dials) == 0 {
 		return
 	}
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	if s := sh.sites[owner]; s != nil {
-		s.pending, s.before = dials, before
-		sh.pendingSites.Add(1)
+		s.pending = dials
 	}
 }
 
-// applyPendingDrains puts in force the deferred drains of the sites whose
-// config runs now, and of owner's (it serves requests, so it runs). The
-// routing path, the admin API and the metrics call it, whichever notices
-// first; it costs an atomic load when nothing is pending.
-func (sh *shared) applyPendingDrains(owner string) {
+// startSites puts in force what the sites whose config runs now, and
+// owner's (it serves requests, so it runs), configure: their deferred
+// drains and their upstreams' KV capacities. The routing path, the admin
+// API and the metrics call it, whichever notices first; it costs an
+// atomic load when every site runs.
+func (sh *shared) startSites(owner string) {
 	if sh.pendingSites.Load() == 0 {
 		return
 	}
@@ -240,23 +273,30 @@ func (sh *shared) applyPendingDrains(owner string) {
 	sh.mu.Lock()
 	defer sh.mu.Unlock() // held while draining, so removeSite cannot come between
 	for name, s := range sh.sites {
-		if len(s.pending) == 0 || (name != owner && running == s.before) {
+		if s.running || (name != owner && running == s.before) {
 			continue
 		}
 		for _, dial := range s.pending {
 			sh.drains.Drain(dial, s.drainDeadline, drain.Hold{Cause: drain.ByConfig, Owner: name})
 		}
-		s.pending, s.before = nil, nil
+		s.running, s.pending, s.before = true, nil, nil
 		sh.pendingSites.Add(-1)
+		sh.configureLocked(s.dials)
 	}
 }
 
+// removeSite forgets owner's site: its drains are lifted, and the
+// upstreams the running sites still name take their figures.
 func (sh *shared) removeSite(owner string) {
 	sh.mu.Lock()
-	if s := sh.sites[owner]; s != nil && len(s.pending) > 0 {
-		sh.pendingSites.Add(-1)
+	if s := sh.sites[owner]; s != nil {
+		delete(sh.sites, owner)
+		if s.running {
+			sh.configureLocked(s.dials) // a figure the reload lowered, say
+		} else {
+			sh.pendingSites.Add(-1)
+		}
 	}
-	delete(sh.sites, owner)
 	sh.mu.Unlock()
 	sh.drains.ReleaseOwner(owner)
 }

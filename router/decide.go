@@ -658,6 +658,37 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 // configured KV capacity after the last decision that used it.
 const capacityMemory = time.Minute
 
+// Configure gives dial the KV capacity the loaded configurations give it
+// (the largest of theirs, 0 for none) at once, where a decision would
+// size its index only when it next routes, and keep a larger figure for
+// capacityMemory (it cannot tell a reload that lowered it from another
+// site's smaller figure). When scraped, the engine's own figure wins once
+// known, as in decisions. The caller calls it when the loaded
+// configurations change: a reload shows in the index, and the admin view,
+// as soon as it is done.
+func (f *Fleet) Configure(dial string, capacityTokens int, scraped bool, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams[dial]
+	if u == nil || u.forgotten {
+		return
+	}
+	if scraped && u.engineCapacityTokens > 0 {
+		capacityTokens = u.engineCapacityTokens
+	}
+	if capacityTokens <= 0 {
+		return // unknown: decisions size nothing either
+	}
+	u.capacitySeen = now
+	if u.indexBlockTokens == 0 {
+		// No request hashed for it yet: the first decision sizes the
+		// index, in its blocks.
+		u.capacityTokens = capacityTokens
+		return
+	}
+	f.sizeIndex(u, capacityTokens, u.indexBlockTokens)
+}
+
 // sizeIndex gives u's prefix index the capacity of its KV cache, when that
 // changed or a smaller block size appeared. Caller holds f.mu.
 func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int) {

@@ -206,3 +206,57 @@ func TestLoweredCapacityShrinksTheIndex(t *testing.T) {
 		t.Fatalf("the larger figure unused for longer than capacityMemory: index sized for %d, want 4096", got)
 	}
 }
+
+// TestConfigureResizesAtOnce: the loaded configurations' figure, given
+// when they change (a reload), sizes the index at once, down as well as
+// up: decisions alone kept a lowered figure's index for capacityMemory,
+// and showed a raised one only once they routed. When the caller scrapes,
+// the engine's own figure stays. An upstream nothing hashed for yet takes
+// the figure, and its first decision the block size.
+func TestConfigureResizesAtOnce(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 131_072
+	req := Request{Hashes: hashes(1, 512), BlockTokens: 64, PromptTokens: 512, MaxTokens: 1, Model: "m"}
+	served(f, f.Decide(t0, req, ms, &opts, rng(), nil).Charge, t0)
+	check := func(when string, tokens, blocks int) {
+		t.Helper()
+		if s := state(t, f, "a"); s.KVCapacityTokens != tokens || s.IndexCapacityBlocks != blocks {
+			t.Fatalf("%s: index sized for %d tokens, %d blocks; want %d, %d", when, s.KVCapacityTokens, s.IndexCapacityBlocks, tokens, blocks)
+		}
+	}
+	check("routed", 131_072, 2048)
+
+	soon := t0.Add(time.Second)
+	f.Configure("a", 4096, false, soon)
+	check("lowered", 4096, 64)
+	ms[0].Hardware.KVCapacityTokens = 4096
+	served(f, f.Decide(soon, req, ms, &opts, rng(), nil).Charge, soon)
+	check("lowered, then routed", 4096, 64)
+	f.Configure("a", 262_144, false, soon)
+	check("raised", 262_144, 4096)
+
+	// Scraped: the engine's figure, once a decision read it, wins.
+	ms[0].Engine = &scrape.Signals{KVKnown: true, BlockSize: 16, NumGPUBlocks: 2048}
+	served(f, f.Decide(soon, req, ms, &opts, rng(), nil).Charge, soon)
+	check("the engine's figure", 32_768, 512)
+	f.Configure("a", 262_144, true, soon)
+	check("configured while scraped", 32_768, 512)
+	f.Configure("a", 0, false, soon)
+	check("no figure given", 32_768, 512)
+
+	// Not routed to yet: the figure at once, the blocks with the first
+	// decision.
+	f.Name("b", t0)
+	f.Configure("b", 8192, false, soon)
+	if s := state(t, f, "b"); s.KVCapacityTokens != 8192 {
+		t.Fatalf("not routed to yet: capacity %d, want 8192", s.KVCapacityTokens)
+	}
+	mb := members("b")
+	mb[0].Hardware.KVCapacityTokens = 8192
+	served(f, f.Decide(soon, req, mb, &opts, rng(), nil).Charge, soon)
+	if s := state(t, f, "b"); s.KVCapacityTokens != 8192 || s.IndexCapacityBlocks != 128 {
+		t.Fatalf("first routed: %d tokens, %d blocks; want 8192, 128", s.KVCapacityTokens, s.IndexCapacityBlocks)
+	}
+}
