@@ -552,11 +552,17 @@ type UpstreamSnapshot struct {
 	IndexResets int `json:"index_resets"`
 	// Engine is what the engine last reported, when scraping is on.
 	Engine *EngineView `json:"engine,omitempty"`
-	// Drain is the drain phase: active, draining or drained.
+	// Drain is the drain phase: active, draining or drained. An
+	// upstream no loaded config names any more, listed while requests
+	// are in flight there, is draining with DrainCause removed.
 	Drain         string    `json:"drain"`
 	DrainCause    string    `json:"drain_cause,omitempty"`
 	DrainDeadline time.Time `json:"drain_deadline,omitzero"`
 }
+
+// removedCause is the drain cause of an upstream no loaded config names
+// any more, whose requests in flight run out.
+const removedCause = "removed"
 
 // snapshot copies the state of every upstream the router knows: those it
 // holds routing state for, and those drained before it ever routed there.
@@ -589,6 +595,11 @@ func (sh *shared) snapshot() []UpstreamSnapshot {
 		s.RecentTTFTSeconds, s.RecentEstimatedSeconds = sh.metrics.recentTTFT(u.Dial)
 		if d, ok := drainOf[u.Dial]; ok {
 			s.Drain, s.DrainCause, s.DrainDeadline, s.ThisRouterInFlight = d.Phase, string(d.Cause), d.Deadline, d.InFlight
+		}
+		if u.Removed {
+			// No config names it: its drains were lifted, but nothing
+			// routes there any more while its requests run out.
+			s.Drain, s.DrainCause, s.DrainDeadline = drain.Draining.String(), removedCause, time.Time{}
 		}
 		out = append(out, s)
 	}

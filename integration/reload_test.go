@@ -1,11 +1,38 @@
 package integration
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
+	"strings"
 	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
+
+// sendUntil posts a completion of prompt bytes of text seeded by tag,
+// asking for maxTokens, until ctx ends; its status (0 when it got no
+// answer) goes to the channel returned.
+func sendUntil(ctx context.Context, tag string, prompt, maxTokens int) <-chan int {
+	done := make(chan int, 1)
+	go func() {
+		body, _ := json.Marshal(map[string]any{"model": kvsim.DefaultModel, "prompt": text(tag, prompt), "max_tokens": maxTokens})
+		req, _ := http.NewRequestWithContext(ctx, "POST", routerURL+"/v1/completions", strings.NewReader(string(body)))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			done <- 0
+			return
+		}
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}()
+	return done
+}
 
 // TestReloadShowsNewCapacityAtOnce: a reload that changes kv_capacity
 // shows in the admin view, the capacity and the index's size, as soon as
@@ -32,4 +59,59 @@ func TestReloadShowsNewCapacityAtOnce(t *testing.T) {
 				kv, u.KVCapacityTokens, u.IndexCapacity, kv/blockTokens)
 		}
 	}
+}
+
+// TestRemovedUpstreamLeavesDraining: an upstream that a reload drops while
+// a request is in flight there is listed, until that request ends, as
+// draining because removed (not active: nothing routes there any more),
+// and the metrics count it so under upstream="other"; then it leaves the
+// view.
+func TestRemovedUpstreamLeavesDraining(t *testing.T) {
+	fleet := startFleet(t, 2, 1, kvsim.Config{})
+	a, b := fleet[0], fleet[1]
+	a.sim.SetFaults(kvsim.Faults{Stall: true})
+	tester := startCaddy(t, caddyfile(fleet, "", "drain "+b.dial(), ""))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := sendUntil(ctx, "removed", 400, 4)
+	eventually(t, 10*time.Second, "the request in flight on A", func() bool { return upstream(t, a.dial()).InFlight == 1 })
+	adminDo(t, "POST", "/llm_affinity/upstreams/"+a.dial()+"/drain?deadline=1h")
+
+	reload(t, tester, caddyfile(fleet[1:], "", "", ""))
+	u, ok := upstreams(t)[a.dial()]
+	if !ok || u.InFlight != 1 || u.Drain != "draining" || u.DrainCause != "removed" {
+		t.Fatalf("A, dropped with a request in flight: listed %v, in_flight %d, drain %q (%q)", ok, u.InFlight, u.Drain, u.DrainCause)
+	}
+	mfs := metricFamilies(t, adminURL+"/metrics")
+	if m := scrapeMetrics(t); strings.Contains(m, a.dial()) {
+		t.Error("the metrics still label a series with the dropped upstream")
+	}
+	if n := phaseGauge(mfs, "other", "draining"); n != 1 {
+		t.Errorf("caddy_llm_affinity_upstream_drain_phase{upstream=\"other\",phase=\"draining\"} = %v, want 1", n)
+	}
+	if n := phaseGauge(mfs, "other", "active"); n != 0 {
+		t.Errorf("caddy_llm_affinity_upstream_drain_phase{upstream=\"other\",phase=\"active\"} = %v, want 0", n)
+	}
+
+	cancel()
+	<-done
+	eventually(t, 10*time.Second, "A gone from the view with its request", func() bool {
+		_, ok := upstreams(t)[a.dial()]
+		return !ok
+	})
+}
+
+// phaseGauge is caddy_llm_affinity_upstream_drain_phase's value for
+// upstream and phase, 0 when absent.
+func phaseGauge(mfs map[string]*dto.MetricFamily, upstream, phase string) float64 {
+	for _, m := range mfs["caddy_llm_affinity_upstream_drain_phase"].GetMetric() {
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		if labels["upstream"] == upstream && labels["phase"] == phase {
+			return m.GetGauge().GetValue()
+		}
+	}
+	return 0
 }

@@ -304,6 +304,10 @@ type UpstreamState struct {
 	// IndexResets counts the times the upstream's prefixes were forgotten
 	// because its engine restarted.
 	IndexResets int
+	// Removed says the last configuration naming the upstream was
+	// unloaded (Forget) while requests were in flight there: it takes no
+	// new ones, and its state goes with the last.
+	Removed bool
 }
 
 // Snapshot copies every upstream's state.
@@ -318,7 +322,7 @@ func (f *Fleet) Snapshot(now time.Time) []UpstreamState {
 			IndexBlocks: f.index.Blocks(u.id), IndexCapacityBlocks: f.index.Capacity(u.id),
 			Completed: u.completed, LastTTFT: u.lastTTFT, LastEstimatedTTFTSeconds: u.lastEstimate,
 			KVCapacityTokens: u.capacityTokens, Adapters: append([]string(nil), u.adapters...),
-			Idle: now.Sub(u.lastUsed), IndexResets: u.indexResets,
+			Idle: now.Sub(u.lastUsed), IndexResets: u.indexResets, Removed: u.forgotten,
 		}
 		if u.healthSeen {
 			healthy := u.healthy

@@ -87,6 +87,11 @@ function row(u) {
   const last = obs.length ? [est[est.length - 1], obs[obs.length - 1]] : [u.last_estimated_ttft_seconds, u.last_ttft_seconds];
   cell(tr, fmtSec(last[0]) + " / " + fmtSec(last[1]), "ttft");
   cell(tr, spark(u.recent_ttft_seconds, u.recent_estimated_ttft_seconds), "chart");
+  if (u.drain_cause === "removed") {
+    // No config names it any more: there is nothing to drain or undrain.
+    cell(tr, "", "actions");
+    return tr;
+  }
   const b = document.createElement("button");
   const draining = u.drain !== "active";
   b.textContent = draining ? "undrain" : "drain";
