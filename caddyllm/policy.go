@@ -1352,11 +1352,15 @@ func modelNotFound(model string) string { return fmt.Sprintf("The model `%s` doe
 // gone: deciding with one would bring its state back, as a dynamic
 // upstream's.
 func (p *Policy) stillNamed(pool reverseproxy.UpstreamPool) reverseproxy.UpstreamPool {
-	if p.parentDynamic || p.ctx.Context == nil || p.ctx.Err() == nil {
+	if p.parentDynamic || !p.replaced() {
 		return pool
 	}
 	return slices.DeleteFunc(slices.Clone(pool), func(u *reverseproxy.Upstream) bool { return !p.sh.fleet.Routable(u.Dial) })
 }
+
+// replaced says this policy's config was unloaded: a reload replaced it,
+// and only requests that arrived before still decide with it.
+func (p *Policy) replaced() bool { return p.ctx.Context != nil && p.ctx.Err() != nil }
 
 // servingModel is the upstreams of pool whose model lists (see
 // listedModels) name model, when one of them can take a request now;

@@ -205,6 +205,16 @@ func (sh *shared) addSite(drainDeadline time.Duration, dials []string, kvCapacit
 	return owner
 }
 
+// configuredKVOf is the largest KV capacity the running sites configure
+// for dial (kv_capacity; 0 for none) and whether any of them names it.
+func (sh *shared) configuredKVOf(dial string) (kv int, named bool) {
+	sh.startSites("") // the config that replaced another runs
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	kv, _, named = sh.configuredLocked(dial)
+	return kv, named
+}
+
 // configuredLocked is the largest KV capacity the running sites configure
 // for dial (kv_capacity; 0 for none), whether one of those naming it
 // scrapes it, and whether any names it. Caller holds sh.mu.

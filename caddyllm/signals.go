@@ -17,9 +17,16 @@ import (
 // scraped signals. Only engine signals fresher than ScrapeMaxAge count;
 // older ones leave the router to its own accounting, but for the list of
 // the models the engine serves, which keeps filtering.
+//
+// A request still deciding with a config that a reload replaced (it was
+// held at the gateway, or is retried) takes its upstreams' KV capacity
+// from the loaded configs, as new requests do: held under the replaced
+// figure, it waited out queue_timeout when a reload raised it, and was
+// let through too soon when one lowered it.
 func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool reverseproxy.UpstreamPool, tried, unreached []string, now time.Time) ([]router.Member, []scrape.Signals) {
 	// Room for every engine up front: members point into it.
 	dst, engines = dst[:0], slices.Grow(engines[:0], len(pool))
+	replaced := p.replaced()
 	for _, u := range pool {
 		healthy := u.Healthy()
 		m := router.Member{
@@ -31,6 +38,11 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 		}
 		if hw, ok := p.hardwareByDial[u.Dial]; ok {
 			m.Hardware = hw
+		}
+		if replaced {
+			if kv, named := p.sh.configuredKVOf(u.Dial); named {
+				m.Hardware.KVCapacityTokens = kv
+			}
 		}
 		for _, t := range tried {
 			m.Tried = m.Tried || t == u.Dial

@@ -11,6 +11,7 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -32,6 +33,15 @@ func sendUntil(ctx context.Context, tag string, prompt, maxTokens int) <-chan in
 		done <- resp.StatusCode
 	}()
 	return done
+}
+
+// heldAtGateway is the admin API's count of requests held at the
+// gateway.
+func heldAtGateway(t *testing.T) int {
+	t.Helper()
+	var v caddyllm.GatewayView
+	getJSON(t, adminURL+"/llm_affinity/gateway", &v)
+	return v.Held
 }
 
 // TestReloadShowsNewCapacityAtOnce: a reload that changes kv_capacity
@@ -114,4 +124,39 @@ func phaseGauge(mfs map[string]*dto.MetricFamily, upstream, phase string) float6
 		}
 	}
 	return 0
+}
+
+// TestReloadReleasesHeldRequest: a request held at the gateway because its
+// KV fits nowhere (the replica's is full of stalled requests, which would
+// free it only long after queue_timeout) is let through once a reload
+// raises kv_capacity enough, as a new request would be, rather than
+// waiting for queue_timeout under the replaced config's figure.
+func TestReloadReleasesHeldRequest(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	fleet[0].sim.SetFaults(kvsim.Faults{Stall: true})
+	dial := fleet[0].dial()
+	config := func(kv int) string {
+		return caddyfile(fleet, "", fmt.Sprintf("kv_capacity %d\n\t\t\tprefill_rate 1\n\t\t\tqueue_timeout 10m\n\t\t\toutput_estimate max_tokens", kv), "")
+	}
+	tester := startCaddy(t, config(20000))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Two 9k-token requests fill the 20k tokens; at 1 prefill token a
+	// second, they would free them in hours.
+	for i := range 2 {
+		sendUntil(ctx, fmt.Sprint("filler", i), 36_000, 100)
+	}
+	eventually(t, 10*time.Second, "two fillers in flight", func() bool { return upstream(t, dial).InFlight == 2 })
+	late := sendUntil(ctx, "late", 20_000, 100)
+	eventually(t, 10*time.Second, "the late request held", func() bool { return heldAtGateway(t) == 1 })
+
+	reload(t, tester, config(200_000))
+	eventually(t, 20*time.Second, "the held request routed", func() bool {
+		return heldAtGateway(t) == 0 && upstream(t, dial).InFlight == 3
+	})
+	select {
+	case status := <-late:
+		t.Fatalf("the late request was answered %d; it should be on the (stalled) replica", status)
+	default:
+	}
 }
