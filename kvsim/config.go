@@ -2,6 +2,7 @@ package kvsim
 
 import (
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -13,8 +14,15 @@ const DefaultModel = "meta-llama/Llama-3.1-8B-Instruct"
 // handler (package kvsim/caddykvsim) embeds Config, and its Caddyfile options and cmd/kvsim's
 // flags are built from [Config.Options], under the fields' JSON names.
 type Config struct {
-	// Model is the served base model name. Default: meta-llama/Llama-3.1-8B-Instruct.
+	// Model is the base model: its name, and its root in /v1/models (vLLM's --model, the
+	// model's path). Default: meta-llama/Llama-3.1-8B-Instruct.
 	Model string `json:"model,omitempty"`
+
+	// ServedModelName lists the names the base model is served under, as vLLM's
+	// --served-model-name: a request may name any of them (or none: the base model), all
+	// share one prefix cache, /v1/models lists each with Model as its root, and responses,
+	// metrics and adapters' parent give the first. Default: Model alone.
+	ServedModelName []string `json:"served_model_name,omitempty"`
 
 	// MaxModelLen is the longest context (prompt plus output tokens) accepted. Default 131072.
 	MaxModelLen int `json:"max_model_len,omitempty"`
@@ -125,7 +133,8 @@ type Option struct {
 // Options returns c's settings, with Field pointing into c.
 func (c *Config) Options() []Option {
 	return []Option{
-		{"model", "served base model name", &c.Model},
+		{"model", "base model name, its root in /v1/models", &c.Model},
+		{"served_model_name", "names the base model is served under (default: model)", &c.ServedModelName},
 		{"max_model_len", "longest context (prompt plus output tokens) accepted", &c.MaxModelLen},
 		{"block_size", "tokens per KV block", &c.BlockSize},
 		{"num_gpu_blocks", "number of KV blocks (KV capacity = blocks x block size tokens)", &c.NumGPUBlocks},
@@ -171,8 +180,24 @@ func (c Config) Validate() error {
 		return fmt.Errorf("step time coefficients must not be negative")
 	case c.LoRAHostLoad < 0 || c.LoRAStorageLoad < 0:
 		return fmt.Errorf("lora_host_load and lora_storage_load must not be negative")
+	case slices.Contains(c.ServedModelName, ""):
+		return fmt.Errorf("served_model_name must not be empty")
+	}
+	for _, a := range c.Adapters {
+		if slices.Contains(c.ServedNames(), a) {
+			return fmt.Errorf("adapter %q is a served name of the base model", a)
+		}
 	}
 	return nil
+}
+
+// ServedNames returns the names the base model is served under: ServedModelName, or Model
+// when none is given. The first is the one responses give.
+func (c Config) ServedNames() []string {
+	if len(c.ServedModelName) > 0 {
+		return c.ServedModelName
+	}
+	return []string{c.Model}
 }
 
 // MaxGPUBlocks bounds num_gpu_blocks: the simulator keeps a record per

@@ -26,7 +26,8 @@ package kvsim
 //	POST /v1/completions          prompt: string, token-id array, or a batch of either; n choices
 //	POST /v1/chat/completions     messages (string or content-part content), tools,
 //	                              add_generation_prompt (default true), continue_final_message
-//	GET  /v1/models               the base model and every known adapter (parent = base model)
+//	GET  /v1/models               the base model under each served name (root = model) and every
+//	                              known adapter (parent = the first served name)
 //	POST /v1/load_lora_adapter    {"lora_name":..., "lora_path":...}: registers the adapter in host memory
 //	POST /v1/unload_lora_adapter  {"lora_name":...}
 //	GET  /health                  200, or 503 with the unhealthy fault

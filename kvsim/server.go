@@ -86,8 +86,11 @@ type ServerConfig struct {
 // endpoints (/kvsim/state, /kvsim/faults) in front of one simulated engine. It is an
 // http.Handler; Close stops its engine driver.
 type Server struct {
-	name    string
+	name string
+	// model is the base model's first served name, the one its
+	// responses give; served are all of them.
 	model   string
+	served  []string
 	cfg     Config
 	tok     *Tokenizer
 	driver  *Driver
@@ -128,7 +131,8 @@ func NewServer(sc ServerConfig) (*Server, error) {
 		logger:  sc.Logger,
 		created: time.Now().Unix(),
 	}
-	s.model = s.cfg.Model
+	s.served = s.cfg.ServedNames()
+	s.model = s.served[0]
 	var m *metrics
 	s.driver = NewDriver(engine, sc.Speed, func(ev Event) { m.observe(ev) })
 	m = newMetrics(s.driver, s.model)
@@ -377,8 +381,11 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 				return
 			}
 		}
+		// As vLLM: a request naming none of the served names, or no
+		// model at all, is the base model's, answered under its first
+		// name; any other name is an adapter's.
 		model, adapter := p.Model, p.Model
-		if model == "" || model == s.model {
+		if model == "" || slices.Contains(s.served, model) {
 			model, adapter = s.model, ""
 		}
 		prefix := "cmpl-"
@@ -714,10 +721,15 @@ func (rs *responder) interleave(more []*responder) func() (int, []Event, bool) {
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	var adapters []AdapterInfo
 	s.driver.Do(func(e *Engine) { adapters = e.Adapters() })
-	data := []map[string]any{{
-		"id": s.model, "object": "model", "created": s.created, "owned_by": "vllm",
-		"root": s.model, "parent": nil, "max_model_len": s.cfg.MaxModelLen, "permission": []any{},
-	}}
+	// vLLM's cards: one per served name, each with the base model's
+	// path as its root; an adapter's parent is the first name.
+	var data []map[string]any
+	for _, name := range s.served {
+		data = append(data, map[string]any{
+			"id": name, "object": "model", "created": s.created, "owned_by": "vllm",
+			"root": s.cfg.Model, "parent": nil, "max_model_len": s.cfg.MaxModelLen, "permission": []any{},
+		})
+	}
 	for _, a := range adapters {
 		data = append(data, map[string]any{
 			"id": a.Name, "object": "model", "created": s.created, "owned_by": "vllm",
@@ -755,8 +767,8 @@ func readAdapterRequest(r *http.Request, load bool) (adapterRequest, error) {
 
 func (s *Server) handleLoadAdapter(w http.ResponseWriter, r *http.Request) {
 	ar, err := readAdapterRequest(r, true)
-	if err == nil && ar.LoraName == s.model {
-		// kvsim's own refusal: vLLM would load an adapter under the base model's name.
+	if err == nil && slices.Contains(s.served, ar.LoraName) {
+		// kvsim's own refusal: vLLM would load an adapter under a served name.
 		err = errAdapterLoaded(ar.LoraName)
 	}
 	if err == nil {

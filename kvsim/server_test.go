@@ -623,6 +623,88 @@ func TestLoadInplaceAsVLLM(t *testing.T) {
 		`{"error":{"message":"The lora adapter 'nope' cannot be found.","type":"NotFoundError","param":null,"code":404}}`)
 }
 
+// TestServedModelNames: as vLLM with --served-model-name, the base model
+// answers to each of its names and to none, all sharing its prefix cache
+// and answering under the first name; /v1/models lists one card per name,
+// each with the model's path as root, and an adapter's parent is the
+// first name. A name not served is an adapter's, unknown: 404.
+func TestServedModelNames(t *testing.T) {
+	cfg := Config{Model: "/models/llama", ServedModelName: []string{"llama", "llama-3.1-8b"}, Adapters: []string{"sql-lora"}}.WithDefaults()
+	_, srv := newTestServer(t, cfg)
+	resp, err := http.Get(srv.URL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var models struct {
+		Data []struct {
+			ID          string  `json:"id"`
+			Root        string  `json:"root"`
+			Parent      *string `json:"parent"`
+			MaxModelLen *int    `json:"max_model_len"`
+		}
+	}
+	_ = json.NewDecoder(resp.Body).Decode(&models)
+	resp.Body.Close()
+	if len(models.Data) != 3 {
+		t.Fatalf("models: %+v", models)
+	}
+	for i, name := range []string{"llama", "llama-3.1-8b"} {
+		if m := models.Data[i]; m.ID != name || m.Root != "/models/llama" || m.Parent != nil || m.MaxModelLen == nil || *m.MaxModelLen != cfg.MaxModelLen {
+			t.Errorf("card %d: %+v, want %s with root /models/llama", i, m, name)
+		}
+	}
+	if m := models.Data[2]; m.ID != "sql-lora" || m.Parent == nil || *m.Parent != "llama" {
+		t.Errorf("adapter card: %+v, want parent llama", m)
+	}
+
+	prompt := strings.Repeat("One system prompt under several names. ", 200)
+	complete := func(model any) (string, int) {
+		t.Helper()
+		fields := map[string]any{"prompt": prompt + fmt.Sprint(model), "max_tokens": 1}
+		if model != nil {
+			fields["model"] = model
+		}
+		body, _ := json.Marshal(fields)
+		resp, out := post(t, srv.URL+"/v1/completions", string(body))
+		if resp.StatusCode != 200 {
+			t.Fatalf("model %v: %d %s", model, resp.StatusCode, out)
+		}
+		var r struct {
+			Model string `json:"model"`
+			Usage usage  `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(out), &r); err != nil {
+			t.Fatal(err)
+		}
+		return r.Model, r.Usage.PromptTokensDetails.CachedTokens
+	}
+	shared := len(prompt) / cfg.BytesPerToken / cfg.BlockSize * cfg.BlockSize
+	for i, model := range []any{"llama-3.1-8b", "llama", nil, ""} {
+		answered, cached := complete(model)
+		if answered != "llama" {
+			t.Errorf("model %v: answered as %q, want the first name", model, answered)
+		}
+		if want := min(i, 1) * shared; cached < want || i == 0 && cached != 0 {
+			t.Errorf("model %v: %d cached tokens, want %d", model, cached, want)
+		}
+	}
+	if _, cached := complete("sql-lora"); cached != 0 {
+		t.Errorf("the adapter shares the base model's cache: %d cached tokens", cached)
+	}
+	if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"/models/llama","prompt":"x","max_tokens":1}`); resp.StatusCode != 404 {
+		t.Errorf("the model's path, not served: %d %s", resp.StatusCode, out)
+	}
+	if resp, _ := post(t, srv.URL+"/v1/load_lora_adapter", `{"lora_name":"llama-3.1-8b","lora_path":"/adapters/x"}`); resp.StatusCode != 400 {
+		t.Errorf("an adapter under a served name: %d, want 400", resp.StatusCode)
+	}
+	if err := (Config{ServedModelName: []string{"a", ""}}).WithDefaults().Validate(); err == nil {
+		t.Error("an empty served name validated")
+	}
+	if err := (Config{ServedModelName: []string{"a"}, Adapters: []string{"a"}}).WithDefaults().Validate(); err == nil {
+		t.Error("an adapter named as the base model validated")
+	}
+}
+
 func TestFaults(t *testing.T) {
 	sim, srv := newTestServer(t, Config{})
 	setFaults := func(body string) {

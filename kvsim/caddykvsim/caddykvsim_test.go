@@ -112,7 +112,7 @@ func TestJSONNames(t *testing.T) {
 	want := []string{"adapters", "block_size", "bytes_per_token", "default_output_tokens", "disable_prefix_caching",
 		"faults", "lora_host_load", "lora_storage_load", "max_cpu_loras", "max_loras", "max_model_len",
 		"max_num_batched_tokens", "max_num_seqs", "model", "name", "num_gpu_blocks", "per_context_token",
-		"per_decode_sequence", "per_prefill_token", "speed", "step_overhead"}
+		"per_decode_sequence", "per_prefill_token", "served_model_name", "speed", "step_overhead"}
 	if !slices.Equal(got, want) {
 		t.Errorf("JSON fields %q, want %q", got, want)
 	}
