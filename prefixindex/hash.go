@@ -222,10 +222,22 @@ func (b *Blocks) Len() int { return b.total }
 // Chain chains the block hashes from seed, in place, and returns them.
 // Call it once, after the last Write.
 func (b *Blocks) Chain(seed uint64) []uint64 {
-	prev := seed
-	for i, h := range b.hashes {
-		prev = chain(prev, h)
-		b.hashes[i] = prev
-	}
+	Chain(seed, b.hashes)
 	return b.hashes
+}
+
+// Hashes returns the blocks' own hashes, not chained, for a caller that
+// learns the seed after the last Write: Chain(seed, hashes) makes them
+// what b.Chain(seed) would have. They are the slice Reset was given,
+// extended, which the Blocks writes no more once Reset again.
+func (b *Blocks) Hashes() []uint64 { return b.hashes }
+
+// Chain chains hashes, the blocks' own hashes (Blocks.Hashes), from seed,
+// in place: they become what HashBytes (or HashTokens) gives with seed.
+func Chain(seed uint64, hashes []uint64) {
+	prev := seed
+	for i, h := range hashes {
+		prev = chain(prev, h)
+		hashes[i] = prev
+	}
 }

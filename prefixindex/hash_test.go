@@ -220,4 +220,12 @@ func TestBlocksEqualsHashBytes(t *testing.T) {
 	if got, want := b.Chain(seed), h.HashTokens(nil, seed, tokens); !slices.Equal(got, want) || b.Len() != 4*len(tokens) {
 		t.Fatalf("tokens: %x, want %x", got, want)
 	}
+	// The seed chained in later, from the blocks' own hashes.
+	b.Reset(h, nil)
+	b.Write(text)
+	got := b.Hashes()
+	Chain(seed, got)
+	if want := h.HashBytes(nil, seed, text); !slices.Equal(got, want) {
+		t.Fatalf("chained later: %x, want %x", got, want)
+	}
 }
