@@ -1,6 +1,11 @@
 package router
 
-import "math"
+import (
+	"cmp"
+	"math"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
+)
 
 // maxModels bounds the per-model table. Clients choose the model string,
 // and an upstream that answers 200 to any name (a catch-all proxy, an
@@ -130,4 +135,88 @@ func (f *Fleet) BytesPerToken(model string) (float64, bool) {
 		return 0, false
 	}
 	return m.bytesPerToken.value, true
+}
+
+// ModelNames maps the model a request names to the name its prompt's
+// prefix hashes are seeded with (prefixindex.Seed): one name for all the
+// names of one base model. An engine's prefix cache does not depend on
+// the name its base model is asked for by: vLLM's --served-model-name
+// gives it several, each listed in /v1/models with the model's path as
+// its root, and serves a request that names no model with it too. A LoRA
+// adapter has a cache of its own, and keeps its own name. The names are
+// read from the engines' model lists, so every router reading the same
+// lists seeds alike. A nil *ModelNames maps every name to itself.
+type ModelNames struct {
+	// canonical holds only the names seeded with another: a model served
+	// under one name hashes as it always did.
+	canonical map[string]string
+	// omitted is the name of a request that names no model: the base
+	// model's when the lists show exactly one, else "".
+	omitted string
+}
+
+// NewModelNames reads the names of lists, each an engine's /v1/models.
+// The names listed with one root (Root, or the ID when none is given)
+// and no parent are one base model, seeded with the smallest of them in
+// byte order, whatever the lists' order. A name the lists give two roots,
+// or list as an adapter too, stays itself: they disagree on what it is.
+func NewModelNames(lists ...[]scrape.ModelInfo) *ModelNames {
+	roots := make(map[string]string) // a base model's name: its root, "" when disputed
+	bases := make(map[string]bool)   // the roots
+	adapters := make(map[string]bool)
+	for _, list := range lists {
+		for _, m := range list {
+			if m.Parent != "" {
+				adapters[m.ID] = true
+				continue
+			}
+			root := cmp.Or(m.Root, m.ID)
+			bases[root] = true
+			if r, ok := roots[m.ID]; ok && r != root {
+				root = ""
+			}
+			roots[m.ID] = root
+		}
+	}
+	first := make(map[string]string) // a root: its smallest name
+	for name, root := range roots {
+		if root == "" || adapters[name] {
+			continue
+		}
+		if f, ok := first[root]; !ok || name < f {
+			first[root] = name
+		}
+	}
+	n := new(ModelNames)
+	for name, root := range roots {
+		if c, ok := first[root]; ok && c != name && !adapters[name] {
+			if n.canonical == nil {
+				n.canonical = make(map[string]string)
+			}
+			n.canonical[name] = c
+		}
+	}
+	if len(bases) == 1 {
+		for root := range bases {
+			n.omitted = first[root]
+		}
+	}
+	return n
+}
+
+// Seed returns the name model's prefix hashes are seeded with: model
+// itself unless the lists name it as one of several names of a base
+// model (then that model's smallest name), or it is empty and the lists
+// show one base model (then its name).
+func (n *ModelNames) Seed(model string) string {
+	if n == nil {
+		return model
+	}
+	if model == "" {
+		return n.omitted
+	}
+	if c, ok := n.canonical[model]; ok {
+		return c
+	}
+	return model
 }

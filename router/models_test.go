@@ -3,8 +3,11 @@ package router
 import (
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
 // The engines' usage reports teach a model's bytes per token: a text
@@ -131,5 +134,94 @@ func TestShortTurnsDoNotDecideTheRatio(t *testing.T) {
 	m.learnPrompt(18_000, 4000) // a document: 4.5 bytes a token
 	if v := m.bytesPerToken.value; !m.bytesPerToken.learned() || v < 4.2 || v > 4.5 {
 		t.Fatalf("after a 4,000-token prompt: %+v, want learned near 4.5", m.bytesPerToken)
+	}
+}
+
+// TestModelNames: the names of one base model (its root) seed alike, with
+// the smallest, whatever the lists' order; a request naming no model
+// seeds as the base model when the lists show one; adapters, names the
+// lists dispute and names they do not give stay themselves, as does
+// everything before any list came.
+func TestModelNames(t *testing.T) {
+	base := func(id, root string) scrape.ModelInfo { return scrape.ModelInfo{ID: id, Root: root} }
+	adapter := func(id, parent string) scrape.ModelInfo {
+		return scrape.ModelInfo{ID: id, Root: "/adapters/" + id, Parent: parent}
+	}
+	for _, tc := range []struct {
+		name  string
+		lists [][]scrape.ModelInfo
+		want  map[string]string // a request's model: its seed name
+	}{
+		{"no lists yet", nil, map[string]string{"llama": "llama", "": "", "x": "x"}},
+		{"empty lists", [][]scrape.ModelInfo{{}, {}}, map[string]string{"llama": "llama", "": ""}},
+		{"one name", [][]scrape.ModelInfo{{base("llama", "/models/llama")}, {base("llama", "/models/llama")}},
+			map[string]string{"llama": "llama", "": "llama", "llama-3.1-8b": "llama-3.1-8b"}},
+		{"vLLM without served names", [][]scrape.ModelInfo{{base("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct")}},
+			map[string]string{"meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct", "": "meta-llama/Llama-3.1-8B-Instruct"}},
+		{"no root given", [][]scrape.ModelInfo{{{ID: "llama"}}}, map[string]string{"llama": "llama", "": "llama"}},
+		{"aliases", [][]scrape.ModelInfo{
+			{base("llama-3.1-8b", "/models/llama"), base("llama", "/models/llama"), adapter("sql-lora", "llama-3.1-8b")},
+			{base("llama", "/models/llama")},
+		}, map[string]string{"llama-3.1-8b": "llama", "llama": "llama", "": "llama", "sql-lora": "sql-lora", "/models/llama": "/models/llama", "x": "x"}},
+		{"aliases on different engines", [][]scrape.ModelInfo{{base("b", "/m")}, {base("c", "/m")}, {base("a", "/m")}},
+			map[string]string{"a": "a", "b": "a", "c": "a", "": "a"}},
+		{"two base models", [][]scrape.ModelInfo{
+			{base("llama", "/models/llama"), base("llama-3.1-8b", "/models/llama")},
+			{base("qwen", "/models/qwen"), base("qwen-7b", "/models/qwen")},
+		}, map[string]string{"llama-3.1-8b": "llama", "qwen-7b": "qwen", "qwen": "qwen", "": ""}},
+		{"a name with two roots", [][]scrape.ModelInfo{{base("x", "/m1")}, {base("x", "/m2"), base("y", "/m2")}},
+			map[string]string{"x": "x", "y": "y", "": ""}},
+		{"a name an adapter elsewhere", [][]scrape.ModelInfo{
+			{base("a-name", "/m"), base("z-name", "/m")},
+			{base("z-name", "/m"), adapter("a-name", "z-name")},
+		}, map[string]string{"a-name": "a-name", "z-name": "z-name", "": "z-name"}},
+	} {
+		check := func(order string, n *ModelNames) {
+			for model, want := range tc.want {
+				if got := n.Seed(model); got != want {
+					t.Errorf("%s (%s): %q seeds as %q, want %q", tc.name, order, model, got, want)
+				}
+			}
+		}
+		check("as listed", NewModelNames(tc.lists...))
+		// Every router reads the engines' lists in its own order.
+		reversed := make([][]scrape.ModelInfo, len(tc.lists))
+		for i, l := range tc.lists {
+			r := slices.Clone(l)
+			slices.Reverse(r)
+			reversed[len(tc.lists)-1-i] = r
+		}
+		check("reversed", NewModelNames(reversed...))
+	}
+	var none *ModelNames
+	if none.Seed("llama") != "llama" || none.Seed("") != "" {
+		t.Error("a nil table renames")
+	}
+}
+
+// TestModelNamesOfOneNameAreEmpty: a model served under one name, with
+// adapters or not, is no entry of the table (its hashes stay as they
+// were, and the lookup finds nothing).
+func TestModelNamesOfOneNameAreEmpty(t *testing.T) {
+	n := NewModelNames([]scrape.ModelInfo{{ID: "llama", Root: "/m"}, {ID: "tenant", Root: "/a/tenant", Parent: "llama"}}, []scrape.ModelInfo{{ID: "llama", Root: "/m"}})
+	if len(n.canonical) != 0 || n.omitted != "llama" {
+		t.Fatalf("table %+v, want no entries and llama for no model", n)
+	}
+}
+
+// BenchmarkModelNamesSeed is the per-request cost of a model's seed
+// name: a lookup in the table read from the lists.
+func BenchmarkModelNamesSeed(b *testing.B) {
+	list := []scrape.ModelInfo{{ID: "llama-3.1-8b", Root: "/m"}, {ID: "llama", Root: "/m"}}
+	for i := range 32 {
+		list = append(list, scrape.ModelInfo{ID: fmt.Sprintf("tenant-%d", i), Root: "/a", Parent: "llama"})
+	}
+	n := NewModelNames(list, list)
+	for _, model := range []string{"llama", "llama-3.1-8b", "tenant-7", ""} {
+		b.Run("model="+model, func(b *testing.B) {
+			for b.Loop() {
+				_ = n.Seed(model)
+			}
+		})
 	}
 }

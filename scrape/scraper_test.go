@@ -917,6 +917,9 @@ func TestModelListsChanged(t *testing.T) {
 	if n := s.ModelListsChanged(); n != 2 {
 		t.Fatalf("another model listed: %d changes, want 2", n)
 	}
+	if lists := s.ModelLists(); len(lists) != 1 || len(lists[0]) != 1 || lists[0][0].ID != "m2" {
+		t.Fatalf("model lists %+v, want the engine's last", lists)
+	}
 }
 
 // TestListCountedOnceSeen: a changed list is counted in ModelListsChanged

@@ -177,6 +177,21 @@ func (s *Scraper) ModelsFetched() <-chan struct{} { return *s.modelsFetched.Load
 // same fetch.
 func (s *Scraper) ModelListsChanged() uint64 { return s.listsChanged.Load() }
 
+// ModelLists returns the list each target last gave, however old, in no
+// particular order; targets with none are left out. A list counted in
+// ModelListsChanged is among them, so a caller that reads the count first
+// and these after, and reads them again when the count moves, misses no
+// change. The lists are shared and must not be modified.
+func (s *Scraper) ModelLists() [][]ModelInfo {
+	var lists [][]ModelInfo
+	for _, t := range s.targetList() {
+		if p := t.latest.Load(); p != nil && p.Models != nil {
+			lists = append(lists, p.Models)
+		}
+	}
+	return lists
+}
+
 // scheduleModelsLocked starts a fetch of t's list, now or, to keep fetches
 // modelsRefetchSpacing apart, when the last one sent is that old, unless
 // one is under way or scheduled. Caller holds t.mu.
