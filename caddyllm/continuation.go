@@ -372,8 +372,8 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 		m["min_tokens"] = mustJSON(max(0, n-rec.tokens))
 	}
 	body := mustJSON(m)
-	req, err := h.parser.parse(endpoint, body)
-	if err != nil {
+	req := new(Request)
+	if err := h.parser.parseInto(req, endpoint, body); err != nil {
 		return nil, nil, err
 	}
 	req.BlockTokens = h.BlockTokens

@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -226,5 +228,74 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestModelNamesSeedAlike: with the engines' lists in hand, a request
+// naming any of the names a base model is served under, or none, hashes
+// as one naming the model's smallest name, and that one hashes as it
+// always did; an adapter keeps its own hashes. Without lists every name
+// hashes as sent.
+func TestModelNamesSeedAlike(t *testing.T) {
+	prom, err := os.ReadFile("../scrape/testdata/vllm.prom")
+	if err != nil {
+		t.Fatal(err)
+	}
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(prom)
+			return
+		}
+		fmt.Fprint(w, `{"object":"list","data":[`+
+			`{"id":"llama-3.1-8b","object":"model","root":"/models/llama","parent":null,"max_model_len":8192},`+
+			`{"id":"llama","object":"model","root":"/models/llama","parent":null,"max_model_len":8192},`+
+			`{"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"llama-3.1-8b"}]}`)
+	}))
+	t.Cleanup(engine.Close)
+	p, pool := scrapedPolicy(t, engine)
+	if lists := p.scraper.ModelLists(); len(lists) != 1 {
+		t.Fatalf("model lists %v: the engine's not fetched", lists)
+	}
+	body := func(model string) string {
+		return `{` + model + `"messages":[{"role":"user","content":"` + strings.Repeat("one long system prompt ", 40) + `"}]}`
+	}
+	// routed is a request's hashes once p routed it.
+	routed := func(p *Policy, model string) []uint64 {
+		t.Helper()
+		req := new(Request)
+		if err := testParser().parseInto(req, EndpointChatCompletions, []byte(body(model))); err != nil {
+			t.Fatal(err)
+		}
+		st := &requestState{req: req, body: []byte(body(model)), origBody: []byte(body(model)), arrived: time.Now()}
+		r := httptest.NewRequest("POST", "/v1/chat/completions", nil).WithContext(context.WithValue(context.Background(), stateKey{}, st))
+		if up := p.Select(pool, r, httptest.NewRecorder()); up == nil {
+			t.Fatalf("%s: not routed: %+v", model, st.shed)
+		}
+		st.current.release()
+		return req.Hashes
+	}
+	asSent := func(model string) []uint64 { return mustParse(t, body(model)).Hashes }
+
+	llama := routed(p, `"model":"llama",`)
+	if len(llama) < 10 || !slices.Equal(llama, asSent(`"model":"llama",`)) {
+		t.Fatal("the model's smallest name no longer hashes as sent")
+	}
+	for _, model := range []string{`"model":"llama-3.1-8b",`, ``, `"model":"",`, `"model":null,`} {
+		if !slices.Equal(routed(p, model), llama) {
+			t.Errorf("{%s...} hashes unlike llama", model)
+		}
+	}
+	if slices.Equal(asSent(`"model":"llama-3.1-8b",`), llama) {
+		t.Fatal("the names hash alike as sent: the test shows nothing")
+	}
+	adapter := routed(p, `"model":"sql-lora",`)
+	if slices.Equal(adapter, llama) || !slices.Equal(adapter, asSent(`"model":"sql-lora",`)) {
+		t.Error("the adapter does not keep its own hashes")
+	}
+
+	// Without model lists (no scraping), as sent.
+	plain := testPolicy(t, zap.NewNop())
+	if got := routed(plain, `"model":"llama-3.1-8b",`); !slices.Equal(got, asSent(`"model":"llama-3.1-8b",`)) {
+		t.Error("without lists, a name did not hash as sent")
 	}
 }

@@ -238,6 +238,9 @@ type Policy struct {
 	named []string
 
 	scraper *scrape.Scraper
+	// names holds the model names of the scraper's lists (see
+	// seedModel).
+	names *namesCache
 	// syncer is the policy's sync connection (syncKey its pool key), and
 	// load the config load that acquired it: the config running then.
 	syncer   *fleetsync.Syncer
@@ -455,7 +458,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		p.syncer, p.syncKey, p.load = syncer, key, running
 	}
-	p.rng, p.scratch = newLockedRand(), newScratchPool()
+	p.rng, p.scratch, p.names = newLockedRand(), newScratchPool(), new(namesCache)
 	p.sh.metrics.register(ctx)
 	return nil
 }
@@ -908,6 +911,9 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 			p.scraper.AddTargets(u.Dial) // cheap when known: dynamic upstreams
 		}
 	}
+	if !req.seeded {
+		req.seed(p.seedModel(req.Model))
+	}
 	scratch := p.scratch.Get().(*decisionScratch)
 	defer p.scratch.Put(scratch)
 	// Read before Caddy's view of the members: a release after it, which
@@ -945,6 +951,50 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
 	return pool[d.Chosen], d
+}
+
+// namesCache holds the model names of a scraper's lists, read again
+// when they change.
+type namesCache struct {
+	mu      sync.Mutex // orders the reads
+	current atomic.Pointer[modelNames]
+}
+
+// modelNames is a router.ModelNames and the scraper's ModelListsChanged
+// count read before its lists.
+type modelNames struct {
+	changed uint64
+	names   *router.ModelNames
+}
+
+// seedModel returns the name model's prefix hashes are seeded with (see
+// router.ModelNames): one name for all the names of a base model, as the
+// engines' lists give them. The names are read again only when a list
+// changed, so a request costs a lookup in a small map. Without lists
+// (scraping off, or none fetched yet), model itself.
+func (p *Policy) seedModel(model string) string {
+	if p.scraper == nil {
+		return model
+	}
+	changed := p.scraper.ModelListsChanged()
+	n := p.names.current.Load()
+	if n == nil || n.changed != changed {
+		n = p.names.read(p.scraper, changed)
+	}
+	return n.names.Seed(model)
+}
+
+// read reads the model names of s's lists, which changed count changes
+// made.
+func (c *namesCache) read(s *scrape.Scraper, changed uint64) *modelNames {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if n := c.current.Load(); n != nil && n.changed == changed {
+		return n // another request read them meanwhile
+	}
+	n := &modelNames{changed: changed, names: router.NewModelNames(s.ModelLists()...)}
+	c.current.Store(n)
+	return n
 }
 
 // modelsAPIKey is models_api_key with its placeholders ({env.X})

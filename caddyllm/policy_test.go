@@ -35,7 +35,7 @@ import (
 func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 	p := &Policy{QueueTimeout: caddy.Duration(0), ShedStatus: 503, ExplainHeader: true}
 	p.opts = router.Options{Scorer: scorer.Options{Strategy: scorer.TTFT}, OutputTokens: 100}.WithDefaults()
-	p.rng, p.scratch = newLockedRand(), newScratchPool()
+	p.rng, p.scratch, p.names = newLockedRand(), newScratchPool(), new(namesCache)
 	p.logger = logger
 	p.sh = newShared()
 	p.site = p.sh.addSite(defaultDrainDeadline, nil, nil, false, nil)

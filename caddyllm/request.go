@@ -65,8 +65,8 @@ type Request struct {
 	Endpoint Endpoint
 	// Model is the requested model name as sent; with an adapter this is
 	// the adapter's name (vLLM serves adapters as models), so it alone
-	// seeds the hash chain: an adapter's blocks never match its base
-	// model's. The policy works out whether it names an adapter.
+	// seeds the hash chain (see seed): an adapter's blocks never match
+	// its base model's. The policy works out whether it names an adapter.
 	Model string
 	// PromptTokens is the estimated prompt length in tokens (exact when
 	// the prompt was given as token ids).
@@ -96,8 +96,15 @@ type Request struct {
 	Sequences int
 	// Stream is the request's stream flag.
 	Stream bool
-	// Hashes are the chained block hashes of the canonical prompt.
+	// Hashes are the block hashes of the canonical prompt, chained from
+	// the model's seed once seed is called (before that, each block's
+	// own hash).
 	Hashes []uint64
+	// salt is what the chain's seed mixes in besides the model (the
+	// handler's salt and the request's cache_salt); seeded says Hashes
+	// are chained.
+	salt   string
+	seeded bool
 	// BlockTokens is the number of tokens one hash covers.
 	BlockTokens int
 	// PreviousResponseID is the Responses API's previous_response_id:
@@ -438,18 +445,11 @@ type reading struct {
 	prompts, longest int
 }
 
-// parse reads body for endpoint. It never panics; errors are
-// errBadRequest.
-func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
-	req := new(Request)
-	if err := p.parseInto(req, endpoint, body); err != nil {
-		return nil, err
-	}
-	return req, nil
-}
-
-// parseInto is parse into req, which the handler keeps in the request's
-// state, saving an allocation.
+// parseInto reads body for endpoint into req (the handler keeps it in
+// the request's state, saving an allocation). Its hashes wait for their
+// seed (see Request.seed): the model's name for the prefix cache is the
+// policy's to tell, from the engines' model lists. It never panics;
+// errors are errBadRequest.
 func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 	// A UTF-8 byte order mark before the JSON: vLLM reads the body with
 	// Python's json.loads, which skips it.
@@ -507,13 +507,14 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 		}
 		salt = saltWith(p.salt, string(cacheSalt))
 	}
+	req.salt = salt
 	switch endpoint {
 	case EndpointCompletions:
 		if r.promptErr != nil {
 			return r.promptErr
 		}
 		if r.promptSet {
-			req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
+			req.Hashes = sc.blocks.Hashes()
 			req.PromptTokens, req.PromptBytes = r.promptTokens, r.promptBytes
 			if r.prompts > 1 {
 				req.LongestPromptTokens = r.longest
@@ -535,7 +536,7 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 				r.hashMessage(&sc.msgs[i])
 			}
 		}
-		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
+		req.Hashes = sc.blocks.Hashes()
 		r.countText(req)
 	case EndpointResponses:
 		switch {
@@ -557,7 +558,7 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 		for i := range sc.msgs {
 			r.hashMessage(&sc.msgs[i])
 		}
-		req.Hashes = sc.blocks.Chain(prefixindex.Seed(req.Model, "", salt))
+		req.Hashes = sc.blocks.Hashes()
 		r.countText(req)
 		req.NoStore, req.Background = r.noStore, r.background
 		if r.previousSet && r.previous.end-r.previous.start <= maxResponseIDBytes {
@@ -565,6 +566,19 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 		}
 	}
 	return nil
+}
+
+// seed chains req's hashes from the seed of model, the name the engine's
+// prefix cache knows the request's model by (router.ModelNames: the
+// model as sent, or for a base model served under several names one of
+// them), once: a later call keeps the chain, which a charge made with it
+// holds.
+func (req *Request) seed(model string) {
+	if req.seeded {
+		return
+	}
+	req.seeded = true
+	prefixindex.Chain(prefixindex.Seed(model, "", req.salt), req.Hashes)
 }
 
 // utf8BOM is the UTF-8 encoding of U+FEFF, the byte order mark.

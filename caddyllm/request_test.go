@@ -24,6 +24,18 @@ func testParser() *parser {
 	return newParser(prefixindex.Hasher{BlockTokens: 4, BytesPerToken: 4}, 4, "")
 }
 
+// parse reads body for endpoint, its hashes seeded with the model as
+// sent: as a policy seeds them for a model served under one name, or
+// before the engines' lists came.
+func (p *parser) parse(endpoint Endpoint, body []byte) (*Request, error) {
+	req := new(Request)
+	if err := p.parseInto(req, endpoint, body); err != nil {
+		return nil, err
+	}
+	req.seed(req.Model)
+	return req, nil
+}
+
 func chatBody(t testing.TB, msgs ...[2]string) []byte {
 	var m []map[string]string
 	for _, x := range msgs {
