@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -65,6 +66,53 @@ func TestConversationStaysWarm(t *testing.T) {
 	third := post(t, "/v1/chat/completions", chat(convo, 16))
 	if third.replica != first.replica || third.cached < 2000 {
 		t.Fatalf("after reload turn 3 went to %s (turn 1 %s), %d cached", third.replica, first.replica, third.cached)
+	}
+}
+
+// TestModelNamesShareAffinity: engines serving their base model under
+// two names (vLLM's --served-model-name), where a request may also name
+// none, keep one prefix cache for all of them; the router seeds the
+// names alike from the engines' lists, so a conversation begun under one
+// name stays warm under the other and under none, and the router counts
+// the hit. An adapter has a cache of its own: the same prompt for it
+// matches nothing.
+func TestModelNamesShareAffinity(t *testing.T) {
+	cfg := kvsim.Config{Model: "/models/llama", ServedModelName: []string{"llama", "llama-3.1-8b"}, Adapters: []string{"sql-lora"}}
+	fleet := startFleet(t, 4, 20, cfg)
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	waitForModelLists(t, fleet)
+	turn := func(model string, messages []msg) completion {
+		t.Helper()
+		body := map[string]any{"messages": messages, "max_tokens": 8}
+		if model != "" {
+			body["model"] = model
+		}
+		c := post(t, "/v1/chat/completions", body)
+		if c.status != 200 || c.replica == "" {
+			t.Fatalf("model %q: %d %s", model, c.status, c.body)
+		}
+		return c
+	}
+	matched := func(explain string) int {
+		_, after, _ := strings.Cut(explain, "matched=")
+		n, _ := strconv.Atoi(strings.TrimSpace(strings.SplitN(after, ";", 2)[0]))
+		return n
+	}
+
+	convo := []msg{{"system", text("You are a meticulous assistant", 12_000)}, {"user", "Summarise the plan."}}
+	first := turn("llama-3.1-8b", convo)
+	for i := range 6 { // other conversations spread load meanwhile
+		turn("llama", []msg{{"system", text("other"+string(rune('a'+i)), 8_000)}, {"user", "hi"}})
+	}
+	for i, model := range []string{"llama", ""} {
+		convo = append(convo, msg{"assistant", "Here it is."}, msg{"user", fmt.Sprintf("And then %d?", i)})
+		next := turn(model, convo)
+		if next.replica != first.replica || !strings.Contains(next.explain, "reason=warm") || matched(next.explain) < 2000 || next.cached < 2000 {
+			t.Errorf("model %q after llama-3.1-8b: %s (first on %s), engine cached %d tokens", model, next.explain, first.replica, next.cached)
+		}
+	}
+	if c := turn("sql-lora", convo[:2]); matched(c.explain) != 0 || c.cached != 0 {
+		t.Errorf("the adapter matched the base model's prefix: %s, engine cached %d tokens", c.explain, c.cached)
 	}
 }
 
