@@ -234,8 +234,8 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // TestModelNamesSeedAlike: with the engines' lists in hand, a request
 // naming any of the names a base model is served under, or none, hashes
 // as one naming the model's smallest name, and that one hashes as it
-// always did; an adapter keeps its own hashes. Without lists every name
-// hashes as sent.
+// always did, as does a model served under one name; an adapter keeps
+// its own hashes. Without lists every name hashes as sent.
 func TestModelNamesSeedAlike(t *testing.T) {
 	prom, err := os.ReadFile("../scrape/testdata/vllm.prom")
 	if err != nil {
@@ -259,8 +259,8 @@ func TestModelNamesSeedAlike(t *testing.T) {
 	body := func(model string) string {
 		return `{` + model + `"messages":[{"role":"user","content":"` + strings.Repeat("one long system prompt ", 40) + `"}]}`
 	}
-	// routed is a request's hashes once p routed it.
-	routed := func(p *Policy, model string) []uint64 {
+	// routed is a request's hashes once p routed it among pool.
+	routed := func(p *Policy, pool reverseproxy.UpstreamPool, model string) []uint64 {
 		t.Helper()
 		req := new(Request)
 		if err := testParser().parseInto(req, EndpointChatCompletions, []byte(body(model))); err != nil {
@@ -276,26 +276,37 @@ func TestModelNamesSeedAlike(t *testing.T) {
 	}
 	asSent := func(model string) []uint64 { return mustParse(t, body(model)).Hashes }
 
-	llama := routed(p, `"model":"llama",`)
+	llama := routed(p, pool, `"model":"llama",`)
 	if len(llama) < 10 || !slices.Equal(llama, asSent(`"model":"llama",`)) {
 		t.Fatal("the model's smallest name no longer hashes as sent")
 	}
 	for _, model := range []string{`"model":"llama-3.1-8b",`, ``, `"model":"",`, `"model":null,`} {
-		if !slices.Equal(routed(p, model), llama) {
+		if !slices.Equal(routed(p, pool, model), llama) {
 			t.Errorf("{%s...} hashes unlike llama", model)
 		}
 	}
 	if slices.Equal(asSent(`"model":"llama-3.1-8b",`), llama) {
 		t.Fatal("the names hash alike as sent: the test shows nothing")
 	}
-	adapter := routed(p, `"model":"sql-lora",`)
+	adapter := routed(p, pool, `"model":"sql-lora",`)
 	if slices.Equal(adapter, llama) || !slices.Equal(adapter, asSent(`"model":"sql-lora",`)) {
 		t.Error("the adapter does not keep its own hashes")
 	}
 
+	// A model served under one name hashes as sent, as it always did; a
+	// request naming none, as one naming it.
+	var noDelay atomic.Int64
+	solo, soloPool := scrapedPolicy(t, listingEngine(t, func() string { return "solo" }, &noDelay))
+	if got := routed(solo, soloPool, `"model":"solo",`); !slices.Equal(got, asSent(`"model":"solo",`)) {
+		t.Error("a model served under one name no longer hashes as sent")
+	}
+	if got := routed(solo, soloPool, ``); !slices.Equal(got, asSent(`"model":"solo",`)) {
+		t.Error("no model hashes unlike the one model served")
+	}
+
 	// Without model lists (no scraping), as sent.
 	plain := testPolicy(t, zap.NewNop())
-	if got := routed(plain, `"model":"llama-3.1-8b",`); !slices.Equal(got, asSent(`"model":"llama-3.1-8b",`)) {
+	if got := routed(plain, pool, `"model":"llama-3.1-8b",`); !slices.Equal(got, asSent(`"model":"llama-3.1-8b",`)) {
 		t.Error("without lists, a name did not hash as sent")
 	}
 }
