@@ -65,8 +65,9 @@ type Request struct {
 	Endpoint Endpoint
 	// Model is the requested model name as sent; with an adapter this is
 	// the adapter's name (vLLM serves adapters as models), so it alone
-	// seeds the hash chain (see seed): an adapter's blocks never match
-	// its base model's. The policy works out whether it names an adapter.
+	// seeds the hash chain: an adapter's blocks never match its base
+	// model's. (A base model's names seed as one, see seed.) The policy
+	// works out whether it names an adapter.
 	Model string
 	// PromptTokens is the estimated prompt length in tokens (exact when
 	// the prompt was given as token ids).
