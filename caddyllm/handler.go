@@ -509,14 +509,19 @@ type passThrough struct {
 	modelsList bool
 }
 
-// enter registers the request's next attempt, on dial, ending the last.
+// enter registers the request's next attempt, on dial, ending the last;
+// with drains nil, it only ends the last (an attempt on a draining
+// upstream, which its drain does not wait for).
 func (pt *passThrough) enter(drains *drain.Registry, dial string) {
 	pt.mu.Lock()
 	pt.attempts++
 	n, last := pt.attempts, pt.flight
 	pt.mu.Unlock()
 	last.End()
-	f := drains.Enter(dial, drain.CutFunc(func() { pt.cutAttempt(n) }))
+	var f drain.Flight // none, with no registry: an attempt no drain waits for
+	if drains != nil {
+		f = drains.Enter(dial, drain.CutFunc(func() { pt.cutAttempt(n) }))
+	}
 	pt.mu.Lock()
 	pt.flight = f
 	pt.mu.Unlock()

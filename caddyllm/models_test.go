@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
 
@@ -309,4 +310,24 @@ func TestModelNamesSeedAlike(t *testing.T) {
 	if got := routed(plain, pool, `"model":"llama-3.1-8b",`); !slices.Equal(got, asSent(`"model":"llama-3.1-8b",`)) {
 		t.Error("without lists, a name did not hash as sent")
 	}
+}
+
+// TestPassThroughToADrainingHomeEndsTheAttemptBefore: a request passed
+// through whose retry goes to a draining upstream (a stored response's
+// home, which alone has the response) is no longer in flight where its
+// attempt before went: that upstream's drain does not wait for it (nor
+// would its deadline cut it, at the home).
+func TestPassThroughToADrainingHomeEndsTheAttemptBefore(t *testing.T) {
+	p := testPolicy(t, zap.NewNop())
+	pt := &passThrough{cancel: func(error) { t.Error("the request was cut") }}
+	r := httptest.NewRequest("GET", "/v1/responses/resp_1", nil)
+	op := drain.Hold{Cause: drain.ByAdmin}
+	p.enterPassThrough(r, pt, "a:1")
+	p.sh.drains.Drain("home:1", time.Hour, op)
+	p.enterPassThrough(r, pt, "home:1") // the retry, after a refused dial, say
+	p.sh.drains.Drain("a:1", time.Hour, op)
+	if phase := p.sh.drains.Phase("a:1"); phase != drain.Drained {
+		t.Fatalf("a:1 is %v after its drain, want drained: the request left it", phase)
+	}
+	pt.end()
 }

@@ -1279,6 +1279,11 @@ func (p *Policy) enterPassThrough(r *http.Request, pt *passThrough, dial string)
 		// A stored response's request goes to its home even so (only it
 		// has the response): entered, it would open a drained upstream's
 		// drain again, its deadline perhaps past, and be cut at once.
+		// The attempt before ends all the same: a drain of its upstream
+		// must neither wait for this one nor cut it.
+		if pt != nil {
+			pt.enter(nil, dial)
+		}
 		return
 	}
 	if pt != nil {
