@@ -406,6 +406,37 @@ func FuzzModelOfBody(f *testing.F) {
 	})
 }
 
+// FuzzAdapterCallOfBody: the adapter a load or unload names is the
+// lora_name encoding/json decodes from the body, and load_inplace is read
+// from the member encoding/json finds.
+func FuzzAdapterCallOfBody(f *testing.F) {
+	for _, b := range []string{`{"lora_name":"tenant","lora_path":"/a","load_inplace":true}`,
+		`{"load_inplace":"yes","lora_name":"t\u00e9"}`, `{"lora_name":"x","load_inplace":1,"extra":{"load_inplace":false}}`} {
+		f.Add([]byte(b))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		name, inplace := adapterCallOfBody(body)
+		if name == "" {
+			if inplace {
+				t.Fatalf("%q: in place without a name", body)
+			}
+			return
+		}
+		var members map[string]json.RawMessage
+		var want string
+		if err := json.Unmarshal(body, &members); err != nil || json.Unmarshal(members["lora_name"], &want) != nil || want != name {
+			t.Fatalf("%q: read %q, encoding/json %q %v", body, name, want, err)
+		}
+		wantInplace := false
+		if raw, ok := members["load_inplace"]; ok {
+			wantInplace, _ = rawLaxBool(raw)
+		}
+		if inplace != wantInplace {
+			t.Fatalf("%q: load_inplace read %v, want %v", body, inplace, wantInplace)
+		}
+	})
+}
+
 // FuzzIndexByRare: indexByRare finds what bytes.Index finds, for each key
 // generatesOtherwise looks for, in a chunk or anything else.
 func FuzzIndexByRare(f *testing.F) {
