@@ -58,18 +58,33 @@ func TestParseVLLMDataParallel(t *testing.T) {
 	if sig.Running != 14 || sig.Waiting != 4 {
 		t.Fatalf("running %d waiting %d, want the sums 14 and 4", sig.Running, sig.Waiting)
 	}
+	// Both engines' cache_config_info say num_gpu_blocks="4000", the API
+	// server's total: 4,000 blocks in all, not 8,000.
 	if sig.BlockSize != 16 || sig.NumGPUBlocks != 4000 {
-		t.Fatalf("block size %d blocks %d, want 16 and 1000+3000", sig.BlockSize, sig.NumGPUBlocks)
+		t.Fatalf("block size %d blocks %d, want 16 and 4000 (2000 an engine)", sig.BlockSize, sig.NumGPUBlocks)
 	}
-	// Usage weighted by each engine's capacity: (0.2·1000 + 0.6·3000)/4000.
-	if !near(sig.KVUsage, 0.5) {
-		t.Fatalf("kv usage %v, want 0.5", sig.KVUsage)
+	if !near(sig.KVUsage, 0.4) || sig.FreeKVTokens() != int(math.Floor(0.6*16*4000)) {
+		t.Fatalf("kv usage %v free %d, want the mean 0.4 of equal engines", sig.KVUsage, sig.FreeKVTokens())
 	}
 	if sig.PrefixQueries != 4000 || sig.PrefixHits != 2000 {
 		t.Fatalf("prefix queries %v hits %v", sig.PrefixQueries, sig.PrefixHits)
 	}
 	if sig.AdaptersKnown || sig.MaxLoRAs != 0 || sig.RunningAdapters != nil {
 		t.Fatalf("no lora_requests_info, yet adapters %v %d %v", sig.AdaptersKnown, sig.MaxLoRAs, sig.RunningAdapters)
+	}
+}
+
+// TestParseVLLMGroupAwareCapacity: from vLLM 0.24 cache_config_info's
+// kv_cache_size_tokens is each engine's capacity, read in preference to
+// num_gpu_blocks × block_size, which for a hybrid model is not the
+// capacity (and num_gpu_blocks is the engines' sum).
+func TestParseVLLMGroupAwareCapacity(t *testing.T) {
+	sig := parseFile(t, "vllm_hybrid_dp2.prom")
+	if got, want := sig.KVCapacityTokens(), 2*524288; got != want {
+		t.Fatalf("capacity %d tokens (%d×%d), want kv_cache_size_tokens × 2 engines = %d", got, sig.BlockSize, sig.NumGPUBlocks, want)
+	}
+	if sig.BlockSize != 4 || !near(sig.KVUsage, 0.375) || sig.FreeKVTokens() != 655360 {
+		t.Fatalf("block size %d usage %v free %d", sig.BlockSize, sig.KVUsage, sig.FreeKVTokens())
 	}
 }
 
@@ -201,7 +216,7 @@ func TestParseMalformed(t *testing.T) {
 }
 
 func FuzzParseEngineMetrics(f *testing.F) {
-	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom"} {
+	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_hybrid_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom"} {
 		f.Add(readTestdata(f, name))
 	}
 	f.Add([]byte("vllm:num_requests_running{engine=\"0\"} -5\nvllm:kv_cache_usage_perc 7\n"))

@@ -1,6 +1,7 @@
 package scrape
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"fmt"
@@ -312,7 +313,15 @@ func TestScrapeEngineSwapCarriesNothing(t *testing.T) {
 // weigh KV usage by capacity on the scrapes that skip cache_config_info
 // too, not only on the ones that read it.
 func TestScrapeKeepsRankWeights(t *testing.T) {
-	body := readTestdata(t, "vllm_dp2.prom") // ranks of 1,000 and 3,000 blocks at 20% and 60%
+	// Ranks of 1,000 and 3,000 blocks at 20% and 60%: vLLM's engines
+	// repeat one figure, so the capacities are given per engine, in
+	// kv_cache_size_tokens.
+	body := readTestdata(t, "vllm_dp2.prom")
+	for i, tokens := range []string{"16000", "48000"} {
+		engine := fmt.Sprintf(`engine="%d"}`, i)
+		body = bytes.Replace(body, []byte(`num_cpu_blocks="None",kv_sharing_fast_prefill="False",`+engine),
+			[]byte(`num_cpu_blocks="None",kv_cache_size_tokens="`+tokens+`",kv_sharing_fast_prefill="False",`+engine), 1)
+	}
 	s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }),
 		Config{Interval: 100 * time.Millisecond, SlowInterval: time.Hour, ModelsInterval: -1})
 	for seq := uint64(1); seq <= 3; seq++ {

@@ -2,6 +2,7 @@ package scrape
 
 import (
 	"math"
+	"slices"
 	"strings"
 
 	dto "github.com/prometheus/client_model/go"
@@ -52,15 +53,35 @@ var vllmEngine = engine{
 }
 
 // vllmBlocks reads the KV capacity from cache_config_info: one series
-// per engine, the figures in its labels. num_gpu_blocks is "None" before
-// the engine profiled.
+// per engine (data parallel rank), the figures in its labels, which are
+// the API server's CacheConfig (vllm/config/cache.py, metrics_info;
+// vllm/v1/metrics/loggers.py, PrometheusStatLogger.log_metrics_info).
+//
+// kv_cache_size_tokens, from vLLM 0.24 on (PR #42206), is one engine's
+// capacity in tokens, group-aware: for a hybrid model (sliding window,
+// Mamba, DeepSeek-V4's compressed groups) num_gpu_blocks × block_size is
+// not the capacity, and block_size is the smallest group's. It is read
+// first. Without it the capacity is num_gpu_blocks × block_size, where
+// num_gpu_blocks is the sum over the engines the API server started
+// (vllm/v1/engine/utils.py, wait_for_engine_startup: "Sum values from all
+// engines in DP case") and every engine's series repeats it: each of the n
+// series gets an n-th. num_gpu_blocks is "None" before the engine
+// profiled; kv_cache_size_tokens "None" before 0.24 has it.
 func vllmBlocks(x *extraction, series []*dto.Metric) bool {
+	var ranks []string
+	for _, m := range series {
+		if labelInt(m, "block_size") > 0 && labelInt(m, "num_gpu_blocks") > 0 {
+			if r := labelValue(m, vllmRankLabel); !slices.Contains(ranks, r) {
+				ranks = append(ranks, r)
+			}
+		}
+	}
 	found := false
 	for _, m := range series {
 		bs := labelInt(m, "block_size")
-		tokens := labelInt(m, "num_gpu_blocks") * bs
-		if tokens <= 0 {
-			tokens = labelInt(m, "kv_cache_size_tokens")
+		tokens := labelInt(m, "kv_cache_size_tokens")
+		if tokens <= 0 && len(ranks) > 0 {
+			tokens = labelInt(m, "num_gpu_blocks") * bs / len(ranks)
 		}
 		if bs <= 0 || tokens <= 0 {
 			continue
