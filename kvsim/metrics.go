@@ -1,6 +1,7 @@
 package kvsim
 
 import (
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -21,7 +22,7 @@ type metrics struct {
 
 	running, waiting, kvUsage  *prometheus.Desc
 	queries, hits, prompt, gen *prometheus.Desc
-	success                    *prometheus.Desc
+	success, preemptions       *prometheus.Desc
 	cacheConfig, loraInfo      *prometheus.Desc
 }
 
@@ -62,8 +63,12 @@ func newMetrics(driver *Driver, modelName string) *metrics {
 		prompt:  prometheus.NewDesc("vllm:prompt_tokens_total", "Number of prefill tokens processed.", engineLabels, nil),
 		gen:     prometheus.NewDesc("vllm:generation_tokens_total", "Number of generation tokens processed.", engineLabels, nil),
 		success: prometheus.NewDesc("vllm:request_success_total", "Count of successfully processed requests.", append(engineLabels[:2:2], "finished_reason"), nil),
+		// kvsim never preempts: always 0, as vLLM's when nothing was.
+		preemptions: prometheus.NewDesc("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", engineLabels, nil),
+		// vLLM's labels are every field of its CacheConfig (metrics_info);
+		// these are the ones that describe what kvsim models.
 		cacheConfig: prometheus.NewDesc("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-			[]string{"block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype", "enable_prefix_caching", "prefix_caching_hash_algo", "gpu_memory_utilization", "kv_cache_size_tokens", "engine"}, nil),
+			[]string{"block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype", "enable_prefix_caching", "prefix_caching_hash_algo", "gpu_memory_utilization", "kv_cache_size_tokens", "kv_cache_max_concurrency", "engine"}, nil),
 		loraInfo: prometheus.NewDesc("vllm:lora_requests_info", "Running stats on lora requests.",
 			[]string{"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, nil),
 	}
@@ -87,7 +92,7 @@ func (m *metrics) observe(ev Event) {
 
 // Describe implements prometheus.Collector.
 func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{m.running, m.waiting, m.kvUsage, m.queries, m.hits, m.prompt, m.gen, m.success, m.cacheConfig, m.loraInfo} {
+	for _, d := range []*prometheus.Desc{m.running, m.waiting, m.kvUsage, m.queries, m.hits, m.prompt, m.gen, m.success, m.preemptions, m.cacheConfig, m.loraInfo} {
 		ch <- d
 	}
 }
@@ -108,10 +113,15 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Finished-st.FinishedLength), m.modelName, "0", "stop")
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.FinishedLength), m.modelName, "0", "length")
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Aborted), m.modelName, "0", "abort")
+	ch <- prometheus.MustNewConstMetric(m.preemptions, prometheus.CounterValue, 0, lv...)
+	concurrency, tokens := kvCapacity(cfg)
+	// The API server's CacheConfig as vLLM renders it: num_cpu_blocks is
+	// set in the engine core only ("None" here), and the hash algorithm
+	// and memory share are vLLM's defaults.
 	ch <- prometheus.MustNewConstMetric(m.cacheConfig, prometheus.GaugeValue, 1,
-		strconv.Itoa(cfg.BlockSize), strconv.Itoa(cfg.NumGPUBlocks), "0", "auto",
-		pyBool(!cfg.DisablePrefixCaching), "xxhash", "0.9",
-		strconv.Itoa(cfg.NumGPUBlocks*cfg.BlockSize), "0")
+		strconv.Itoa(cfg.BlockSize), strconv.Itoa(cfg.NumGPUBlocks), "None", "auto",
+		pyBool(!cfg.DisablePrefixCaching), "sha256", "0.92",
+		strconv.Itoa(tokens), pyFloat(concurrency), "0")
 	ch <- prometheus.MustNewConstMetric(m.loraInfo, prometheus.GaugeValue, float64(time.Now().UnixNano())/1e9,
 		strconv.Itoa(cfg.MaxLoRAs), strings.Join(st.RunningAdapters, ","), strings.Join(st.WaitingAdapters, ","))
 }
@@ -122,4 +132,29 @@ func pyBool(b bool) string {
 		return "True"
 	}
 	return "False"
+}
+
+// kvCapacity returns vLLM's kv_cache_max_concurrency and
+// kv_cache_size_tokens for cfg (vllm/v1/core/kv_cache_utils.py,
+// get_max_concurrency_for_kv_cache_config): the requests of max_model_len
+// tokens the blocks hold, each taking whole blocks, and that many times
+// max_model_len, truncated.
+func kvCapacity(cfg Config) (concurrency float64, tokens int) {
+	perRequest := (cfg.MaxModelLen + cfg.BlockSize - 1) / cfg.BlockSize
+	concurrency = float64(cfg.NumGPUBlocks) / float64(perRequest)
+	return concurrency, int(concurrency * float64(cfg.MaxModelLen))
+}
+
+// pyFloat renders a float label as Python's str does: the shortest
+// representation, with ".0" on a whole number, in exponent form below
+// 1e-4 or from 1e16.
+func pyFloat(f float64) string {
+	if a := math.Abs(f); a != 0 && (a < 1e-4 || a >= 1e16) {
+		return strconv.FormatFloat(f, 'e', -1, 64)
+	}
+	s := strconv.FormatFloat(f, 'f', -1, 64)
+	if !strings.Contains(s, ".") {
+		s += ".0"
+	}
+	return s
 }

@@ -97,7 +97,6 @@ type Server struct {
 	metrics *metrics
 	logger  *zap.Logger
 	mux     *http.ServeMux
-	created int64
 
 	faultsMu sync.Mutex
 	faults   Faults
@@ -125,11 +124,10 @@ func NewServer(sc ServerConfig) (*Server, error) {
 		sc.Logger = zap.NewNop()
 	}
 	s := &Server{
-		name:    sc.Name,
-		cfg:     engine.Config(),
-		tok:     engine.Tokenizer(),
-		logger:  sc.Logger,
-		created: time.Now().Unix(),
+		name:   sc.Name,
+		cfg:    engine.Config(),
+		tok:    engine.Tokenizer(),
+		logger: sc.Logger,
 	}
 	s.served = s.cfg.ServedNames()
 	s.model = s.served[0]
@@ -147,6 +145,7 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
 	s.mux.HandleFunc("GET /health", s.handleHealth)
+	s.mux.HandleFunc("GET /version", s.handleVersion)
 	// As in vLLM, /metrics itself ignores a name[] query (vLLM answers it
 	// from a handler that renders everything) and the paths below it honour
 	// one (vLLM's mounted Prometheus app).
@@ -721,22 +720,47 @@ func (rs *responder) interleave(more []*responder) func() (int, []Event, bool) {
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	var adapters []AdapterInfo
 	s.driver.Do(func(e *Engine) { adapters = e.Adapters() })
-	// vLLM's cards: one per served name, each with the base model's
-	// path as its root; an adapter's parent is the first name.
+	// vLLM's cards (OpenAIServingModels.show_available_models): one per
+	// served name, each with the base model's path as its root; an
+	// adapter's parent is the first name. ModelCard and ModelPermission
+	// take their created time when built, for each request.
+	now := time.Now().Unix()
+	card := func(id, root string, parent, maxModelLen any) map[string]any {
+		return map[string]any{
+			"id": id, "object": "model", "created": now, "owned_by": "vllm",
+			"root": root, "parent": parent, "max_model_len": maxModelLen,
+			"permission": []any{modelPermission(now)},
+		}
+	}
 	var data []map[string]any
 	for _, name := range s.served {
-		data = append(data, map[string]any{
-			"id": name, "object": "model", "created": s.created, "owned_by": "vllm",
-			"root": s.cfg.Model, "parent": nil, "max_model_len": s.cfg.MaxModelLen, "permission": []any{},
-		})
+		data = append(data, card(name, s.cfg.Model, nil, s.cfg.MaxModelLen))
 	}
 	for _, a := range adapters {
-		data = append(data, map[string]any{
-			"id": a.Name, "object": "model", "created": s.created, "owned_by": "vllm",
-			"root": a.Path, "parent": s.model, "max_model_len": nil, "permission": []any{},
-		})
+		data = append(data, card(a.Name, a.Path, s.model, nil))
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// modelPermission is vLLM's ModelPermission with its defaults, the one
+// each card of /v1/models carries.
+func modelPermission(created int64) map[string]any {
+	return map[string]any{
+		"id": newID("modelperm-"), "object": "model_permission", "created": created,
+		"allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
+		"allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
+		"organization": "*", "group": nil, "is_blocking": false,
+	}
+}
+
+// Version is what GET /version reports as the server's version, where
+// vLLM reports its release: a version of no vLLM release (a PEP 440
+// local version), so that nothing mistakes kvsim for one.
+const Version = "0.0.0+kvsim"
+
+// handleVersion answers GET /version as vLLM does: {"version": ...}.
+func (s *Server) handleVersion(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]string{"version": Version})
 }
 
 // adapterRequest is the body of vLLM's LoadLoRAAdapterRequest and UnloadLoRAAdapterRequest.
