@@ -140,6 +140,20 @@ func TestParseSGLangPages(t *testing.T) {
 	}
 }
 
+// TestParseSGLangCurrent: current SGLang writes each queue count's total
+// under priority="" next to its per-priority breakdown; the counts are the
+// totals, not their sum with the breakdown, and the capacity is
+// max_total_num_tokens where cache_config_info is gone.
+func TestParseSGLangCurrent(t *testing.T) {
+	sig := parseFile(t, "sglang_current.prom")
+	if sig.Engine != engineSGLang || sig.Running != 5 || sig.Waiting != 4 {
+		t.Fatalf("engine %q running %d waiting %d, want sglang 5 and 4", sig.Engine, sig.Running, sig.Waiting)
+	}
+	if sig.KVCapacityTokens() != 409600 || !near(sig.KVUsage, 0.25) || !near(sig.PrefixHitRate, 0.6) {
+		t.Fatalf("capacity %d usage %v hit rate %v", sig.KVCapacityTokens(), sig.KVUsage, sig.PrefixHitRate)
+	}
+}
+
 func TestParseLoRANewestWins(t *testing.T) {
 	const head = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n" +
 		"# TYPE vllm:lora_requests_info gauge\n"
@@ -216,7 +230,7 @@ func TestParseMalformed(t *testing.T) {
 }
 
 func FuzzParseEngineMetrics(f *testing.F) {
-	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_hybrid_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom"} {
+	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_hybrid_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom", "sglang_current.prom"} {
 		f.Add(readTestdata(f, name))
 	}
 	f.Add([]byte("vllm:num_requests_running{engine=\"0\"} -5\nvllm:kv_cache_usage_perc 7\n"))

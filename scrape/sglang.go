@@ -7,18 +7,21 @@ import (
 // engineSGLang is Signals.Engine for SGLang.
 const engineSGLang = "sglang"
 
-// SGLang metric names (python/sglang/srt/metrics/collector.py). Series
-// carry {model_name, engine_type, tp_rank, pp_rank, moe_ep_rank} and, with
-// data parallel attention, dp_rank. Only attention-TP rank 0 reports
-// unless --enable-metrics-for-all-schedulers, in which case the other TP
-// ranks repeat the same figures; taking the maximum within a rank, never
-// the sum, keeps them from being counted more than once.
+// SGLang metric names (python/sglang/srt/metrics/collector.py, now
+// python/sglang/srt/observability/metrics_collector.py). Series carry
+// {model_name, engine_type, tp_rank, pp_rank, moe_ep_rank} and, with data
+// parallel attention, dp_rank. Only attention-TP rank 0 reports unless
+// --enable-metrics-for-all-schedulers, in which case the other TP ranks
+// repeat the same figures; with --enable-priority-scheduling the request
+// counts also carry priority, the total under "" and a breakdown under each
+// priority. Taking the maximum within a rank, never the sum, keeps figures
+// from being counted more than once and reads the totals.
 const (
 	sglangRunning     = "sglang:num_running_reqs"
 	sglangWaiting     = "sglang:num_queue_reqs"
 	sglangKVUsage     = "sglang:token_usage"
 	sglangMaxTokens   = "sglang:max_total_num_tokens"
-	sglangCacheConfig = "sglang:cache_config_info" // {page_size, num_pages}, as llm-d reads it
+	sglangCacheConfig = "sglang:cache_config_info" // {page_size, num_pages}; current SGLang has gauges sglang:page_size and sglang:num_pages instead, and max_total_num_tokens serves
 	sglangHitRate     = "sglang:cache_hit_rate"
 	sglangLoRASlots   = "sglang:lora_pool_slots_total"
 	sglangRankLabel   = "dp_rank"
