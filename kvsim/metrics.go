@@ -113,6 +113,11 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Finished-st.FinishedLength), m.modelName, "0", "stop")
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.FinishedLength), m.modelName, "0", "length")
 	ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, float64(st.Aborted), m.modelName, "0", "abort")
+	// vLLM writes a series for each FinishReason (vllm/v1/engine/__init__.py);
+	// kvsim finishes none for an internal error or a repetition detected.
+	for _, reason := range []string{"error", "repetition"} {
+		ch <- prometheus.MustNewConstMetric(m.success, prometheus.CounterValue, 0, m.modelName, "0", reason)
+	}
 	ch <- prometheus.MustNewConstMetric(m.preemptions, prometheus.CounterValue, 0, lv...)
 	concurrency, tokens := kvCapacity(cfg)
 	// The API server's CacheConfig as vLLM renders it: num_cpu_blocks is

@@ -3,6 +3,7 @@ package kvsim
 import (
 	"encoding/json"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,7 +16,8 @@ import (
 // get_max_concurrency_for_kv_cache_config: whole blocks for each request of
 // max_model_len, the token count truncated), Python's "None" for the CPU
 // blocks the API server never learns, and vLLM's default hash algorithm;
-// vllm:num_preemptions_total is exported, at 0, as vLLM's always is.
+// vllm:num_preemptions_total is exported, at 0, as vLLM's always is, and
+// request_success_total has a series for each of vLLM's finish reasons.
 func TestCacheConfigInfoAsVLLM(t *testing.T) {
 	// 100 blocks of 16 tokens; a 1,000-token request takes 63 of them.
 	_, srv := newTestServer(t, Config{NumGPUBlocks: 100, BlockSize: 16, MaxModelLen: 1000})
@@ -41,6 +43,17 @@ func TestCacheConfigInfoAsVLLM(t *testing.T) {
 	p := families["vllm:num_preemptions_total"]
 	if p == nil || p.GetType().String() != "COUNTER" || len(p.GetMetric()) != 1 || p.GetMetric()[0].GetCounter().GetValue() != 0 {
 		t.Errorf("vllm:num_preemptions_total: %v", p)
+	}
+	var reasons []string
+	for _, m := range families["vllm:request_success_total"].GetMetric() {
+		for _, lp := range m.GetLabel() {
+			if lp.GetName() == "finished_reason" {
+				reasons = append(reasons, lp.GetValue())
+			}
+		}
+	}
+	if slices.Sort(reasons); !slices.Equal(reasons, []string{"abort", "error", "length", "repetition", "stop"}) {
+		t.Errorf("request_success_total's finished_reason values %v, want vLLM's FinishReason strings", reasons)
 	}
 	for f, want := range map[float64]string{1: "1.0", 0.5: "0.5", 1234567: "1234567.0", 1e16: "1e+16", 1.5e-5: "1.5e-05", 0: "0.0"} {
 		if got := pyFloat(f); got != want {
