@@ -135,8 +135,30 @@ func TestParseSGLang(t *testing.T) {
 
 func TestParseSGLangPages(t *testing.T) {
 	sig := parseFile(t, "sglang_pages.prom")
-	if sig.BlockSize != 32 || sig.NumGPUBlocks != 2048 || !near(sig.KVUsage, 0.5) || sig.Running != 3 || sig.Waiting != 0 {
+	if sig.KVCapacityTokens() != 65536 || !near(sig.KVUsage, 0.5) || sig.Running != 3 || sig.Waiting != 0 {
 		t.Fatalf("%+v", sig)
+	}
+	// Without max_total_num_tokens, cache_config_info's pages give it.
+	var kept []string
+	for _, line := range strings.Split(string(readTestdata(t, "sglang_pages.prom")), "\n") {
+		if !strings.Contains(line, "sglang:max_total_num_tokens") {
+			kept = append(kept, line)
+		}
+	}
+	sig, err := parseEngineMetrics(strings.NewReader(strings.Join(kept, "\n")), time.Now())
+	if err != nil || sig.BlockSize != 32 || sig.NumGPUBlocks != 2048 || !near(sig.KVUsage, 0.5) {
+		t.Fatalf("pages alone: %+v, %v", sig, err)
+	}
+}
+
+// TestParseSGLangDataParallelPages: cache_config_info has no rank label,
+// so with data parallelism its pages are one rank's pool; the ranks'
+// max_total_num_tokens are summed instead.
+func TestParseSGLangDataParallelPages(t *testing.T) {
+	sig := parseFile(t, "sglang_dp2_pages.prom")
+	if sig.KVCapacityTokens() != 2*65536 || !near(sig.KVUsage, 0.375) || sig.Running != 6 || sig.Waiting != 1 {
+		t.Fatalf("capacity %d (%d×%d) usage %v running %d waiting %d, want 131072 tokens over the two ranks",
+			sig.KVCapacityTokens(), sig.BlockSize, sig.NumGPUBlocks, sig.KVUsage, sig.Running, sig.Waiting)
 	}
 }
 
@@ -230,7 +252,7 @@ func TestParseMalformed(t *testing.T) {
 }
 
 func FuzzParseEngineMetrics(f *testing.F) {
-	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_hybrid_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom", "sglang_current.prom"} {
+	for _, name := range []string{"vllm.prom", "vllm_dp2.prom", "vllm_hybrid_dp2.prom", "vllm_legacy.prom", "sglang.prom", "sglang_pages.prom", "sglang_current.prom", "sglang_dp2_pages.prom"} {
 		f.Add(readTestdata(f, name))
 	}
 	f.Add([]byte("vllm:num_requests_running{engine=\"0\"} -5\nvllm:kv_cache_usage_perc 7\n"))

@@ -27,9 +27,12 @@ const (
 	sglangRankLabel   = "dp_rank"
 )
 
-// sglangEngine maps SGLang's metrics. The KV capacity is in pages when
-// cache_config_info reports them, else the token pool's size (SGLang's
-// default page size is 1); it is cheap, so read on every scrape.
+// sglangEngine maps SGLang's metrics. The KV capacity is each rank's
+// token pool, max_total_num_tokens, which carries the rank; the pages of
+// cache_config_info are read only without it: that family has no rank
+// label, so with data parallelism its one series is one rank's pool (every
+// scheduler writes the same labels, SchedulerMetricsCollector.
+// emit_cache_config_info). It is cheap, so read on every scrape.
 var sglangEngine = engine{
 	name:      engineSGLang,
 	prefix:    "sglang:",
@@ -37,8 +40,8 @@ var sglangEngine = engine{
 	metrics: []metric{
 		{family: sglangRunning, into: running, by: bySum, identifies: true},
 		{family: sglangWaiting, into: waiting, by: bySum, identifies: true},
-		{family: sglangCacheConfig, into: kvCapacity, labels: sglangPages},
 		{family: sglangMaxTokens, into: kvCapacity, by: byRankTokens, identifies: true},
+		{family: sglangCacheConfig, into: kvCapacity, labels: sglangPages},
 		{family: sglangKVUsage, into: kvUsage, by: byCapacity, identifies: true},
 		{family: sglangHitRate, into: prefixHitRate, by: byMean, slow: true},
 		{family: sglangLoRASlots, into: maxLoRAs, by: byMax},
