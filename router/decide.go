@@ -598,9 +598,14 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		}
 		c.Models = now.ModelIDs()
 		// Foreign requests: what the engine had at the scrape beyond what
-		// the router had in flight there at that moment.
+		// the router had in flight there at that moment. The requests it
+		// routed there while the scrape was under way count as its own:
+		// an engine that renders its gauges as it answers (kvsim does)
+		// has them, and taken for foreign they would weigh twice, until
+		// the next scrape, on the upstream a burst was going to.
 		if raw.Running >= 0 && raw.Waiting >= 0 {
-			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight; foreign > 0 {
+			during, _ := raw.MarkAfter.Since(raw.Mark) // 0 without a second mark
+			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight - during; foreign > 0 {
 				c.ForeignInFlight = foreign // they share the engine's steps too
 				c.QueuedPrefillTokens += tokensOf(float64(min(foreign, raw.Waiting)) * f.meanPrompt.value)
 				c.QueuedDecodeTokens += tokensOf(float64(foreign) * f.meanOutputAnyModel(opts))

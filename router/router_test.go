@@ -325,6 +325,34 @@ func TestEngineSignals(t *testing.T) {
 	}
 }
 
+// TestRoutedDuringAScrapeIsNotForeign: requests the router sent to an
+// upstream while its metrics were being fetched, which an engine rendering
+// its gauges as it answers counts, are the router's own, not foreign load
+// (a burst's target would count them twice until the next scrape).
+func TestRoutedDuringAScrapeIsNotForeign(t *testing.T) {
+	f := New()
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 100}.WithDefaults()
+	ms := members("a")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstream("a", t0)
+	// One request in flight when the scrape was sent, five more routed
+	// before its answer was read, all six in the engine's gauges, and two
+	// that came another way.
+	before := scrape.Mark{Requests: 10, KVTokens: 1000, InFlight: 1}
+	after := scrape.Mark{Requests: 15, KVTokens: 1500, InFlight: 6}
+	u.charged = after
+	ms[0].Engine = &scrape.Signals{Running: 2, Waiting: 6, Mark: before, MarkAfter: after}
+	if c := f.candidate(t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 2 {
+		t.Errorf("foreign %d, want the 2 that came another way", c.ForeignInFlight)
+	}
+	// Without a second mark (a scraper without one), as before.
+	ms[0].Engine = &scrape.Signals{Running: 2, Waiting: 6, Mark: before}
+	if c := f.candidate(t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 7 {
+		t.Errorf("foreign %d without a second mark, want 7", c.ForeignInFlight)
+	}
+}
+
 // TestIndexSizedForTheSmallestBlock: two sites hashing with different
 // block sizes do not resize an upstream's index back and forth: it keeps
 // the capacity of the smallest block size seen.

@@ -17,7 +17,10 @@
 // each request, and the charges since the scrape are the current counters
 // minus Signals.Mark (Mark.Since). Either way the window in which a
 // request can be counted twice (routed after the request was sent, and
-// rendered into the exposition) is one scrape latency, milliseconds.
+// rendered into the exposition) is one scrape latency, milliseconds; a
+// second mark, once the answer is read (Signals.MarkAfter), tells how
+// many were routed in it, so that they are never taken for another
+// router's.
 //
 // Failures never block routing: Scraper.Latest reads an atomic pointer,
 // fetches run on the scraper's own goroutines with a timeout, and a

@@ -70,7 +70,8 @@ func newGet(url, accept string) (*http.Request, error) {
 // fetchMetrics GETs and parses t's metrics as query asks, on the
 // target's kept connection when it has one (see fetchKeptAlive), else
 // with metricsClient. The charge mark and the time the signals are
-// stamped with are taken just before the request is sent.
+// stamped with are taken just before the request is sent, and a second
+// mark once the answer is read.
 func (s *Scraper) fetchMetrics(ctx context.Context, t *scrapeTarget, query metricsQuery) (Signals, int, error) {
 	req := t.metricsRequests[query.index()]
 	if req == nil {
@@ -96,6 +97,9 @@ func (s *Scraper) fetchMetrics(ctx context.Context, t *scrapeTarget, query metri
 		cancel()
 	}
 	sig.Mark = mark
+	if s.cfg.Mark != nil {
+		sig.MarkAfter = s.cfg.Mark(t.dial)
+	}
 	return sig, dropped, err
 }
 

@@ -97,8 +97,8 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				mu.Lock()
 				requests = append(requests, request{r.URL.Path, r.URL.Query()["name[]"]})
-				if marks.Load() < uint64(len(requests)) {
-					unmarked.Add(1) // sent before its mark was taken
+				if marks.Load() < uint64(2*len(requests)-1) {
+					unmarked.Add(1) // sent before its mark was taken (two an attempt)
 				}
 				mu.Unlock()
 				tc.serve(w, r)
@@ -163,9 +163,10 @@ func TestScrapeAsksForEngineFamilies(t *testing.T) {
 				t.Fatalf("%d connections for %d scrapes", n, scrapes)
 			}
 			// Every attempt, the second of a scrape too, takes its own
-			// mark before it is sent (one more may have been taken by an
-			// attempt the stop cut off).
-			if n := marks.Load(); n < uint64(len(requests)) || n > uint64(len(requests))+1 || unmarked.Load() != 0 {
+			// mark before it is sent and another once it has its answer
+			// (two more may have been taken by an attempt the stop cut
+			// off).
+			if n := marks.Load(); n < uint64(2*len(requests)) || n > uint64(2*len(requests))+2 || unmarked.Load() != 0 {
 				t.Fatalf("%d marks for %d requests, %d sent before their mark", n, len(requests), unmarked.Load())
 			}
 			if tc.engine && sig.Mark.Requests == 0 {

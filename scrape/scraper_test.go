@@ -464,6 +464,36 @@ func TestModelsWhileMetricsFail(t *testing.T) {
 	})
 }
 
+// TestSecondMarkAfterTheAnswer: a scrape's MarkAfter is taken once the
+// answer is read, so a request routed while the engine rendered it falls
+// between the two marks.
+func TestSecondMarkAfterTheAnswer(t *testing.T) {
+	var routed atomic.Uint64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+			return
+		}
+		routed.Add(1) // a request routed while this scrape is under way
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer srv.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := New(Config{Interval: 100 * time.Millisecond, Mark: func(string) Mark { return Mark{Requests: routed.Load()} }})
+	s.SetTargets([]string{hostOf(srv)})
+	s.Start(ctx)
+	var sig Signals
+	waitFor(t, "signals", 10*time.Second, func() bool {
+		var ok bool
+		sig, ok = s.Latest(hostOf(srv), time.Now(), time.Hour)
+		return ok
+	})
+	if sig.MarkAfter.Requests != sig.Mark.Requests+1 {
+		t.Fatalf("marks %+v and %+v: want the request routed during the scrape between them", sig.Mark, sig.MarkAfter)
+	}
+}
+
 // TestFailedModelsFetchRetriedSoon: a model list whose fetch failed is
 // fetched again a scrape interval later, not a whole models interval
 // (an hour here), backing off while it keeps failing.

@@ -82,8 +82,11 @@ type Signals struct {
 	// includes the work routed before it and not the work routed after.
 	ScrapedAt time.Time
 	// Mark is what the scraper's Mark function returned for this dial
-	// just before the request was sent (zero without one).
-	Mark Mark
+	// just before the request was sent (zero without one), and MarkAfter
+	// what it returned once the answer was read: the requests routed in
+	// between may be in the snapshot or not, whichever moment the engine
+	// rendered it at.
+	Mark, MarkAfter Mark
 	// LastRestart is when this scraper last saw the engine restart (zero:
 	// never): its port refused connections and then answered again, or
 	// its cumulative counters went backwards. A restarted engine's prefix
