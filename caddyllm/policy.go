@@ -390,7 +390,8 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 	// Its capacities and new drains take effect once this config runs:
 	// Caddy may still reject it, and a rejected config must not drain,
 	// cut or resize anything.
-	p.site = p.sh.addSite(time.Duration(p.DrainDeadline), p.named, kv, p.ScrapeInterval > 0, running)
+	p.site = p.sh.addSite(&site{drainDeadline: time.Duration(p.DrainDeadline), dials: p.named, kvCapacity: kv,
+		scrapes: p.ScrapeInterval > 0, dynamic: p.parentDynamic, defaultKV: p.defaultHardware.KVCapacityTokens}, running)
 	// A config drain already in force (the running config has it too) is
 	// held by this site from now on, so a reload never lets it lapse.
 	var pending []string

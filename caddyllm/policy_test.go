@@ -38,7 +38,7 @@ func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 	p.rng, p.scratch, p.names = newLockedRand(), newScratchPool(), new(namesCache)
 	p.logger = logger
 	p.sh = newShared()
-	p.site = p.sh.addSite(defaultDrainDeadline, nil, nil, false, nil)
+	p.site = p.sh.addSite(&site{drainDeadline: defaultDrainDeadline}, nil)
 	tb.Cleanup(func() { p.sh.Destruct() })
 	return p
 }

@@ -98,6 +98,11 @@ type site struct {
 	// signals, whose own figure wins once known.
 	kvCapacity map[string]int
 	scrapes    bool
+	// dynamic says the site's proxy has dynamic upstreams, which no
+	// config names: defaultKV, its kv_capacity for any upstream it has
+	// no profile for, is theirs.
+	dynamic   bool
+	defaultKV int
 	// running says the site's config runs: only then do its drains and
 	// capacities take effect (a config Caddy rejects must not drain, cut
 	// or resize anything). It runs once the running config differs from
@@ -193,35 +198,45 @@ func (sh *shared) expireIdle(cutoff time.Time) {
 	}
 }
 
-// addSite registers a provisioned policy naming dials, provisioned while
+// addSite registers s, a provisioned policy's site, provisioned while
 // the config before ran, and returns its owner name.
-func (sh *shared) addSite(drainDeadline time.Duration, dials []string, kvCapacity map[string]int, scrapes bool, before context.Context) string {
+func (sh *shared) addSite(s *site, before context.Context) string {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	sh.nextSite++
 	owner := "site-" + strconv.FormatUint(sh.nextSite, 10)
-	sh.sites[owner] = &site{drainDeadline: drainDeadline, dials: dials, kvCapacity: kvCapacity, scrapes: scrapes, before: before}
+	s.running, s.before, s.pending = false, before, nil
+	sh.sites[owner] = s
 	sh.pendingSites.Add(1)
 	return owner
 }
 
 // configuredKVOf is the largest KV capacity the running sites configure
-// for dial (kv_capacity; 0 for none) and whether any of them names it.
+// for dial (kv_capacity; 0 for none) and whether any of them names it
+// (or, for an upstream none names, has dynamic upstreams).
 func (sh *shared) configuredKVOf(dial string) (kv int, named bool) {
 	sh.startSites("") // the config that replaced another runs
+	dynamic := sh.fleet.IsDynamic(dial)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	kv, _, named = sh.configuredLocked(dial)
+	kv, _, named = sh.configuredLocked(dial, dynamic)
 	return kv, named
 }
 
 // configuredLocked is the largest KV capacity the running sites configure
 // for dial (kv_capacity; 0 for none), whether one of those naming it
-// scrapes it, and whether any names it. Caller holds sh.mu.
-func (sh *shared) configuredLocked(dial string) (kv int, scraped, named bool) {
+// scrapes it, and whether any names it. A dynamic upstream (no loaded
+// config names it: router.Fleet.IsDynamic) takes the kv_capacity the
+// running sites with dynamic upstreams give any upstream. Caller holds
+// sh.mu.
+func (sh *shared) configuredLocked(dial string, dynamic bool) (kv int, scraped, named bool) {
 	for _, s := range sh.sites {
-		if s.running && slices.Contains(s.dials, dial) {
-			kv, scraped, named = max(kv, s.kvCapacity[dial]), scraped || s.scrapes, true
+		if s.running && (slices.Contains(s.dials, dial) || dynamic && s.dynamic) {
+			n := s.kvCapacity[dial]
+			if !slices.Contains(s.dials, dial) {
+				n = s.defaultKV
+			}
+			kv, scraped, named = max(kv, n), scraped || s.scrapes, true
 		}
 	}
 	return kv, scraped, named
@@ -245,15 +260,23 @@ func (sh *shared) configuredKV() map[string]int {
 	return out
 }
 
-// configureLocked gives each of dials the KV capacity the running sites
-// configure (see router.Fleet.Configure), so that a reload resizes the
-// index, and shows in the admin view, at once. Caller holds sh.mu.
-func (sh *shared) configureLocked(dials []string) {
+// configureLocked gives each of s's upstreams the KV capacity the
+// running sites configure (see router.Fleet.Configure), so that a reload
+// resizes the index, and shows in the admin view, at once: those s
+// names, and the dynamic ones when s has dynamic upstreams. Caller holds
+// sh.mu.
+func (sh *shared) configureLocked(s *site) {
 	now := time.Now()
-	for _, dial := range dials {
-		if kv, scraped, named := sh.configuredLocked(dial); named {
-			sh.fleet.Configure(dial, kv, scraped, now)
+	configure := func(dials []string, dynamic bool) {
+		for _, dial := range dials {
+			if kv, scraped, named := sh.configuredLocked(dial, dynamic); named {
+				sh.fleet.Configure(dial, kv, scraped, now)
+			}
 		}
+	}
+	configure(s.dials, false)
+	if s.dynamic {
+		configure(sh.fleet.Dynamic(), true)
 	}
 }
 
@@ -291,7 +314,7 @@ func (sh *shared) startSites(owner string) {
 		}
 		s.running, s.pending, s.before = true, nil, nil
 		sh.pendingSites.Add(-1)
-		sh.configureLocked(s.dials)
+		sh.configureLocked(s)
 	}
 }
 
@@ -302,7 +325,7 @@ func (sh *shared) removeSite(owner string) {
 	if s := sh.sites[owner]; s != nil {
 		delete(sh.sites, owner)
 		if s.running {
-			sh.configureLocked(s.dials) // a figure the reload lowered, say
+			sh.configureLocked(s) // a figure the reload lowered, say
 		} else {
 			sh.pendingSites.Add(-1)
 		}

@@ -160,3 +160,62 @@ func TestReloadReleasesHeldRequest(t *testing.T) {
 	default:
 	}
 }
+
+// dynamicCaddyfile is the test config with the replica's address as a
+// dynamic upstream (an A lookup of localhost at its port), the policy
+// options given.
+func dynamicCaddyfile(r *replica, policyOpts string) string {
+	_, port, _ := strings.Cut(r.dial(), ":")
+	return globalOptions + fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy {
+		dynamic a localhost %s {
+			versions ipv4
+		}
+		lb_policy llm_affinity {
+			explain_header
+			%s
+		}
+	}
+}
+`, routerHost, port, policyOpts)
+}
+
+// TestReloadReleasesHeldRequestOnDynamicUpstream is
+// TestReloadReleasesHeldRequest with the replica a dynamic upstream (one
+// no config names, which kv_capacity applies to as to every upstream): a
+// held request takes the loaded configs' figure there too, and the reload
+// shows in the admin view at once, as README says of kv_capacity.
+func TestReloadReleasesHeldRequestOnDynamicUpstream(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	fleet[0].sim.SetFaults(kvsim.Faults{Stall: true})
+	dial := fleet[0].dial()
+	config := func(kv int) string {
+		return dynamicCaddyfile(fleet[0], fmt.Sprintf("kv_capacity %d\n\t\t\tprefill_rate 1\n\t\t\tqueue_timeout 10m\n\t\t\toutput_estimate max_tokens", kv))
+	}
+	tester := startCaddy(t, config(20000))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for i := range 2 {
+		sendUntil(ctx, fmt.Sprint("filler", i), 36_000, 100)
+	}
+	eventually(t, 10*time.Second, "two fillers in flight", func() bool {
+		u, ok := upstreams(t)[dial]
+		return ok && u.InFlight == 2
+	})
+	late := sendUntil(ctx, "late", 20_000, 100)
+	eventually(t, 10*time.Second, "the late request held", func() bool { return heldAtGateway(t) == 1 })
+
+	reload(t, tester, config(200_000))
+	if u := upstream(t, dial); u.KVCapacityTokens != 200_000 {
+		t.Errorf("right after the reload: kv_capacity_tokens %d, want 200000", u.KVCapacityTokens)
+	}
+	eventually(t, 20*time.Second, "the held request routed", func() bool {
+		return heldAtGateway(t) == 0 && upstream(t, dial).InFlight == 3
+	})
+	select {
+	case status := <-late:
+		t.Fatalf("the late request was answered %d; it should be on the (stalled) replica", status)
+	default:
+	}
+}

@@ -246,6 +246,28 @@ func (f *Fleet) Routable(dial string) bool {
 	return u != nil && !u.forgotten
 }
 
+// Dynamic lists the upstreams the fleet holds state for that no loaded
+// configuration names (dynamic ones) and that take requests.
+func (f *Fleet) Dynamic() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for dial, u := range f.upstreams {
+		if !u.named && !u.forgotten {
+			out = append(out, dial)
+		}
+	}
+	return out
+}
+
+// IsDynamic reports whether dial is one of Dynamic's upstreams.
+func (f *Fleet) IsDynamic(dial string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	u := f.upstreams[dial]
+	return u != nil && !u.named && !u.forgotten
+}
+
 // Known reports whether the fleet holds state for dial.
 func (f *Fleet) Known(dial string) bool {
 	f.mu.Lock()
