@@ -195,6 +195,11 @@ func (s *Scraper) dropLocked(d string) bool {
 		t.conn.close()
 		delete(s.targets, d)
 		s.cancelScheduledModels(t)
+		if p := t.latest.Load(); p != nil && p.Models != nil {
+			// Its list leaves ModelLists: a change, for whoever reads
+			// them again when the count moves.
+			s.listsChanged.Add(1)
+		}
 	}
 	return ok
 }

@@ -961,6 +961,34 @@ func TestModelListsChanged(t *testing.T) {
 	}
 }
 
+// TestModelListsChangedWhenATargetGoes: a target dropped with its list
+// (a dynamic upstream forgotten) changes ModelLists, so it moves
+// ModelListsChanged: a caller reading the lists again only when the count
+// moves (the policy's model names) would keep the dropped list for good.
+func TestModelListsChangedWhenATargetGoes(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/models" {
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+			return
+		}
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+	}))
+	defer srv.Close()
+	s, dial := startAskedScraper(t, srv)
+	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 })
+	s.RemoveTargets(dial)
+	if lists := s.ModelLists(); len(lists) != 0 {
+		t.Fatalf("lists %+v after the target went", lists)
+	}
+	if n := s.ModelListsChanged(); n != 2 {
+		t.Fatalf("the target's list gone: %d changes, want 2", n)
+	}
+	s.RemoveTargets(dial) // gone already: no change
+	if n := s.ModelListsChanged(); n != 2 {
+		t.Fatalf("removed again: %d changes, want 2", n)
+	}
+}
+
 // TestListCountedOnceSeen: a changed list is counted in ModelListsChanged
 // only once decisions can read it. Counted before (while the fetch still
 // held the target), a request reading the count then and the list not
