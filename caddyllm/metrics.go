@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 )
 
@@ -375,12 +376,16 @@ func (m *metrics) observeDuration(dial, reason string, sinceArrival time.Duratio
 	m.latency(dial, reason).duration.Observe(sinceArrival.Seconds())
 }
 
-// observeCompletion records a finished response's figures.
+// observeCompletion records a finished response's figures. The engine's
+// usage is not taken on trust: a counter's Add panics on a negative
+// count (which left the request's charge behind, and the client without
+// its answer), a count no prompt can have would swamp the counter's rate
+// for good, and a cached count over the prompt's its hit rate.
 func (m *metrics) observeCompletion(rec *tokenRecorder) {
-	if rec.hasUsage {
-		m.promptTokens.Add(float64(rec.usage.promptTokens))
+	if p := rec.usage.promptTokens; rec.hasUsage && p > 0 && p <= router.MaxTokens {
+		m.promptTokens.Add(float64(p))
 		if n := rec.cachedTokens(); n > 0 {
-			m.cachedPromptTokens.Add(float64(n))
+			m.cachedPromptTokens.Add(float64(min(n, p)))
 		}
 	}
 }

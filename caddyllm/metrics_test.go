@@ -2,6 +2,9 @@ package caddyllm
 
 import (
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -247,6 +250,59 @@ func TestBucketsTellColdAndLongApart(t *testing.T) {
 	} {
 		if !strings.Contains(got, want) {
 			t.Errorf("no %s in:\n%s", want, got)
+		}
+	}
+}
+
+// TestAbsurdUsageKeepsTheAnswerAndItsRelease: an engine's usage report is
+// not trusted. A negative prompt count made the completion's counter
+// panic (a Prometheus counter cannot go down) after the answer was read:
+// the client got an empty reply, and the request's charge stayed on its
+// upstream for good, so that each such answer made it look busier. A
+// count no prompt can have would have swamped the counter's rate, and a
+// cached count over the prompt's its hit rate.
+func TestAbsurdUsageKeepsTheAnswerAndItsRelease(t *testing.T) {
+	for _, tc := range []struct {
+		usage          string
+		prompt, cached float64
+	}{
+		{`{"prompt_tokens":-5,"completion_tokens":3,"total_tokens":-2}`, 0, 0},
+		{`{"prompt_tokens":-5,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}`, 0, 0},
+		{`{"prompt_tokens":4611686018427387904,"completion_tokens":3}`, 0, 0},
+		{`{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":-4}}`, 10, 0},
+		{`{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4611686018427387904}}`, 10, 10},
+		{`{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}`, 10, 4},
+	} {
+		answer := `{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}],"usage":` + tc.usage + `}`
+		var rr *httptest.ResponseRecorder
+		var p *Policy
+		func() {
+			defer func() {
+				if v := recover(); v != nil {
+					t.Errorf("usage %s: the handler panicked: %v", tc.usage, v)
+				}
+			}()
+			rr, _, p, _ = movesBody(t, `{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`,
+				func(_ int, w http.ResponseWriter, _ *http.Request) error {
+					w.Header().Set("Content-Type", "application/json")
+					w.WriteHeader(http.StatusOK)
+					io.WriteString(w, answer)
+					return nil
+				})
+		}()
+		if p == nil {
+			continue
+		}
+		if rr.Code != http.StatusOK || rr.Body.String() != answer {
+			t.Errorf("usage %s: the client got %d %q, not the engine's answer", tc.usage, rr.Code, rr.Body.String())
+		}
+		for _, s := range p.sh.fleet.Snapshot(time.Now()) {
+			if s.InFlight != 0 || s.KVTokensInFlight != 0 || s.QueuedPrefillTokens != 0 || s.QueuedDecodeTokens != 0 {
+				t.Errorf("usage %s: %s still charged: %+v", tc.usage, s.Dial, s)
+			}
+		}
+		if prompt, cached := testutil.ToFloat64(p.sh.metrics.promptTokens), testutil.ToFloat64(p.sh.metrics.cachedPromptTokens); prompt != tc.prompt || cached != tc.cached {
+			t.Errorf("usage %s: counted %v prompt tokens, %v cached; want %v and %v", tc.usage, prompt, cached, tc.prompt, tc.cached)
 		}
 	}
 }
