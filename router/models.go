@@ -106,7 +106,10 @@ func (m *modelStats) learnPrompt(promptBytes, promptTokens int) {
 	if m.bytesPerToken.learned() {
 		ratio = min(max(ratio, m.bytesPerToken.value/2), m.bytesPerToken.value*2)
 	}
-	m.bytesPerToken.add(min(max(ratio, minBytesPerToken), maxBytesPerToken), float64(promptTokens))
+	// A sample weighs its tokens, but no more than its bytes (a token is
+	// at least minBytesPerToken of text): an engine's absurd count would
+	// otherwise outweigh every later report for hundreds of them.
+	m.bytesPerToken.add(min(max(ratio, minBytesPerToken), maxBytesPerToken), float64(min(promptTokens, promptBytes)))
 }
 
 // promptTokens is req's prompt length in tokens and the factor its

@@ -94,6 +94,27 @@ func TestLearnedBytesPerTokenIsRobust(t *testing.T) {
 	}
 }
 
+// An engine's report of more prompt tokens than the prompt has bytes (an
+// absurd usage, up to MaxTokens and beyond) weighs no more than the
+// prompt's bytes: weighed by its count, one such report outweighed
+// hundreds of later ones, and the model's prompts were estimated at
+// twice their tokens for as long.
+func TestAbsurdPromptCountWeighsLittle(t *testing.T) {
+	for _, absurd := range []int{MaxTokens, 1 << 62} {
+		var m modelStats
+		for range 30 {
+			m.learnPrompt(4000, 1000)
+		}
+		m.learnPrompt(4000, absurd)
+		for range 30 {
+			m.learnPrompt(4000, 1000)
+		}
+		if v := m.bytesPerToken.value; math.Abs(v-4) > 0.2 {
+			t.Errorf("a report of %d tokens for 4,000 bytes: 30 reports of 4 bytes a token later, the ratio is %v", absurd, v)
+		}
+	}
+}
+
 // The per-model table is bounded: a client sending a new model name with
 // every request, each answered, never grows it past maxModels, and the
 // models in use stay.
