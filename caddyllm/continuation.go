@@ -294,6 +294,9 @@ func (h *Handler) continuation(st *requestState, rec *tokenRecorder) ([]byte, *R
 	if rec.untold {
 		return nil, nil, errors.New("a stream with reasoning or tool call deltas cannot be continued from its text")
 	}
+	if rec.overlong {
+		return nil, nil, errors.New("a stream whose text is longer than max_body cannot be continued")
+	}
 	text := string(rec.generated)
 	echo, _ := rawLaxBool(m["echo"])
 	switch endpoint {

@@ -869,3 +869,46 @@ func TestOnlyARefusalIsUnreached(t *testing.T) {
 		}
 	}
 }
+
+// TestOverlongStreamIsNotKeptNorContinued: a stream's text is kept, to
+// continue it elsewhere, only up to max_body (the largest body the
+// continuation could be); beyond it the stream is passed on but not kept,
+// and, broken off, it ends with the error event instead of moving. An
+// engine streaming without end grew the router's memory with every event
+// (four such streams held 2.5 GB within seconds).
+func TestOverlongStreamIsNotKeptNorContinued(t *testing.T) {
+	const maxBody = 4 << 10
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	h.MaxBodyBytes = maxBody
+	t.Cleanup(func() {
+		if f, d := inFlightLeft(p); f != 0 || d != 0 {
+			t.Errorf("left in flight: fleet %d, drain registry %d", f, d)
+		}
+	})
+	text := strings.Repeat("x", 100)
+	event := "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"" + text + "\"}}]}\n\n"
+	const events = 2 * maxBody / 100
+	attempts := 0
+	var kept int
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		attempts++
+		p.Select(pool, r, w)
+		startStream(w)
+		for range events {
+			w.Write([]byte(event))
+		}
+		kept = len(requestStateOf(r).recorder.generated)
+		panic(http.ErrAbortHandler) // the engine died mid-stream
+	})
+	rr := httptest.NewRecorder()
+	if err := h.ServeHTTP(rr, moveRequest(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello there"}]}`), next); err != nil {
+		t.Fatal(err)
+	}
+	if kept > maxBody {
+		t.Errorf("%d bytes of the stream's text kept, more than max_body %d", kept, maxBody)
+	}
+	body := rr.Body.String()
+	if attempts != 1 || strings.Count(body, text) != events || !strings.Contains(body, "cannot be continued") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Errorf("%d attempts, %d of %d events passed on, body ending %q; want 1 attempt, every event, then the error event", attempts, strings.Count(body, text), events, body[max(0, len(body)-300):])
+	}
+}

@@ -278,6 +278,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// reaches the policy through each attempt's context (see serve).
 	rec := &st.recorder
 	rec.init(w, st)
+	rec.maxText = int(h.MaxBodyBytes)
 	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
 	// http.ErrAbortHandler inside next.ServeHTTP. The body's buffer goes

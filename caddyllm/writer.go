@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -66,6 +67,12 @@ type tokenRecorder struct {
 	// reasoning model's thoughts, a tool call's arguments): it cannot be
 	// continued from its text.
 	untold bool
+	// maxText bounds generated (0: defaultMaxBodyBytes); overlong says
+	// the stream's text went past it and is no longer kept, so it cannot
+	// be continued either. An engine streaming without end (or text far
+	// beyond any context) grew the router's memory with every event.
+	maxText  int
+	overlong bool
 	// unreported counts the tokens of the Write being scanned, reported
 	// to the fleet once per Write: the fleet lock is the one decisions
 	// take, and one acquisition per streamed token contended with them.
@@ -498,7 +505,7 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 	}
 	if text != "" {
 		t.countToken()
-		t.generated = append(t.generated, text...)
+		keepText(t, text)
 		// An event of several tokens can end a reasoning model's
 		// thoughts and begin its answer.
 		t.untold = t.untold || thinks(data)
@@ -528,10 +535,22 @@ func (t *tokenRecorder) addText(raw []byte, escaped bool) {
 	t.countToken()
 	if !escaped && isASCII(raw) {
 		// Most tokens: their text as it is.
-		t.generated = append(t.generated, raw...)
+		keepText(t, raw)
 		return
 	}
-	t.generated = append(t.generated, decodeInto(&t.scratch, raw, escaped)...)
+	keepText(t, decodeInto(&t.scratch, raw, escaped))
+}
+
+// keepText adds text to what t's stream generated, while that stays
+// within maxText; past it, nothing more is kept and the stream is
+// overlong. A continuation would send the text back as its prompt, in a
+// body larger than the handler's max_body, which no client may send.
+func keepText[S string | []byte](t *tokenRecorder, text S) {
+	if t.overlong || len(t.generated)+len(text) > cmp.Or(t.maxText, defaultMaxBodyBytes) {
+		t.overlong = true
+		return
+	}
+	t.generated = append(t.generated, text...)
 }
 
 // countToken counts a generated token, reported to the fleet at the end
