@@ -272,7 +272,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	// Match after registering, so every upstream has a slot in depths.
 	depths := f.index.Match(req.Hashes, f.scratchDepths)
 	f.scratchDepths = depths
-	adapter := opts.adapterOf(req.Model, members)
+	adapter := opts.adapterOf(req.Model, members, states)
 	// A learned bytes per token rescales the prompt and, alike, the
 	// prefix each upstream holds (its blocks are runs of the same text).
 	prompt, scale := f.promptTokens(&req)
@@ -291,7 +291,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
-		cands[i].ContextTokens = scrape.ContextTokens(m.modelList(), cmp.Or(adapter, req.Model))
+		cands[i].ContextTokens = u.models(m.modelList()).contextTokens(cmp.Or(adapter, req.Model))
 		if loaders != nil && loaders.mayLoad(cands[i].Models) {
 			cands[i].Models = nil
 		}
@@ -596,7 +596,7 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		if raw.MaxLoRAs > 0 && observe {
 			u.engineMaxLoras = min(raw.MaxLoRAs, maxEngineAdapterSlots)
 		}
-		c.Models = now.ModelIDs()
+		c.Models = u.models(now.Models).ids
 		// Foreign requests: what the engine had at the scrape beyond what
 		// the router had in flight there at that moment. The requests it
 		// routed there while the scrape was under way count as its own:
@@ -613,7 +613,7 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		}
 	}
 	if m.Engine == nil && m.Models != nil {
-		c.Models = scrape.ModelIDs(m.Models)
+		c.Models = u.models(m.Models).ids
 	}
 	// The engine's own figure, also while a scrape is stale: falling
 	// back to the configured one would shrink the index and evict what
@@ -708,17 +708,17 @@ func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int) {
 }
 
 // adapterOf returns model when it names a LoRA adapter: listed in
-// Adapters, or listed with a parent in some member's /v1/models.
-func (o *Options) adapterOf(model string, members []Member) string {
+// Adapters, or listed with a parent in some member's /v1/models (states
+// are the members' upstreams). Caller holds f.mu.
+func (o *Options) adapterOf(model string, members []Member, states []*upstream) string {
 	if model == "" {
 		return ""
 	}
 	if o.Adapters[model] {
 		return model
 	}
-	isAdapter := func(m scrape.ModelInfo) bool { return m.ID == model && m.Parent != "" }
 	for i := range members {
-		if slices.ContainsFunc(members[i].modelList(), isAdapter) {
+		if m := states[i].models(members[i].modelList()).find(model); m != nil && m.Parent != "" {
 			return model
 		}
 	}

@@ -148,6 +148,77 @@ type upstream struct {
 	// host memory.
 	adapters       []string
 	engineMaxLoras int
+
+	// lists are what decisions derived from the last two model lists
+	// they read for this upstream, the latest first (see models): two,
+	// as two sites' scrapers (or a reload's old and new one) may take
+	// turns.
+	lists [2]modelList
+}
+
+// modelList is what decisions read of one of an upstream's model lists:
+// its ids, in order, and where each id first comes.
+type modelList struct {
+	of  []scrape.ModelInfo
+	ids []string
+	at  map[string]int
+}
+
+// models returns list's ids and index, made once per list rather than
+// at every decision: an engine may list thousands of adapters, and
+// copying 20,000 ids for each candidate, then searching them, made a
+// decision (under the fleet's lock) take 2 ms. A list is never changed
+// in place (scrape.Signals.Models), so the same slice has the same ids.
+// Caller holds f.mu.
+func (u *upstream) models(list []scrape.ModelInfo) *modelList {
+	if list == nil {
+		return &noModels
+	}
+	same := func(l *modelList) bool {
+		return l.ids != nil && len(list) == len(l.of) && (len(list) == 0 || &list[0] == &l.of[0])
+	}
+	switch {
+	case same(&u.lists[0]):
+	case same(&u.lists[1]):
+		u.lists[0], u.lists[1] = u.lists[1], u.lists[0]
+	default:
+		l := modelList{of: list, ids: scrape.ModelIDs(list), at: make(map[string]int, len(list))}
+		for i, m := range list {
+			if _, seen := l.at[m.ID]; !seen {
+				l.at[m.ID] = i
+			}
+		}
+		u.lists[0], u.lists[1] = l, u.lists[0]
+	}
+	return &u.lists[0]
+}
+
+// noModels is an unknown list's (nil ids): never changed.
+var noModels modelList
+
+// find returns the first model of l named id, nil for none.
+func (l *modelList) find(id string) *scrape.ModelInfo {
+	if i, ok := l.at[id]; ok {
+		return &l.of[i]
+	}
+	return nil
+}
+
+// contextTokens is scrape.ContextTokens over l: the context length of
+// the model named id, or of its base model when it is an adapter listed
+// without one; 0 when unknown.
+func (l *modelList) contextTokens(id string) int {
+	m := l.find(id)
+	if m == nil {
+		return 0
+	}
+	if m.MaxModelLen > 0 || m.Parent == "" {
+		return m.MaxModelLen
+	}
+	if base := l.find(m.Parent); base != nil {
+		return base.MaxModelLen
+	}
+	return 0
 }
 
 // New returns an empty fleet.

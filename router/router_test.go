@@ -246,14 +246,14 @@ func TestAdapterResidency(t *testing.T) {
 	// An adapter known only from an engine's model list is an adapter too,
 	// also from a list whose scrape went stale.
 	ms[0].Engine = &scrape.Signals{Models: []scrape.ModelInfo{{ID: "l7", Parent: "base"}}}
-	if got := opts.adapterOf("l7", ms); got != "l7" {
+	if got := opts.adapterOf("l7", ms, []*upstream{u}); got != "l7" {
 		t.Errorf("adapter from /v1/models: %q", got)
 	}
 	ms[0].Engine, ms[0].Models = nil, []scrape.ModelInfo{{ID: "l8", Parent: "base"}}
-	if got := opts.adapterOf("l8", ms); got != "l8" {
+	if got := opts.adapterOf("l8", ms, []*upstream{u}); got != "l8" {
 		t.Errorf("adapter from a stale /v1/models: %q", got)
 	}
-	if got := opts.adapterOf("base", ms); got != "" {
+	if got := opts.adapterOf("base", ms, []*upstream{u}); got != "" {
 		t.Errorf("base model taken for an adapter: %q", got)
 	}
 }

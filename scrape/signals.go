@@ -75,7 +75,9 @@ type Signals struct {
 	// not fetched yet (then any model is assumed servable). ModelsAt is
 	// when they were fetched: the list is fetched on its own schedule, and
 	// also while the metrics fail (the signals are then the last good
-	// ones, stale, with the newer list).
+	// ones, stale, with the newer list). A list is never changed in
+	// place: a new one is a new slice (the router keeps what it derives
+	// from a list by its slice).
 	Models   []ModelInfo
 	ModelsAt time.Time
 	// ScrapedAt is when the metrics request was sent: the snapshot
