@@ -352,6 +352,11 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next 
 // upstream's drain deadline cut before the response began.
 func (pt *passThrough) serve(w http.ResponseWriter, r, inner *http.Request, next caddyhttp.Handler) error {
 	err, aborted := serveRecovering(&pt.writer, inner, next)
+	if aborted && pt.models != nil && pt.models.cutOff && r.Context().Err() == nil {
+		// The client has the pool's whole list: only the engine's own,
+		// dropped, was cut off. Its connection carries its next request.
+		return nil
+	}
 	if aborted {
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
@@ -506,8 +511,9 @@ type passThrough struct {
 	// proxy's goroutine's.
 	conns    connLog
 	lastDial string
-	// modelsList says the request is GET /v1/models (see serveModels).
-	modelsList bool
+	// models is the writer of a GET /v1/models (see serveModels), nil
+	// for any other request.
+	models *modelsWriter
 }
 
 // enter registers the request's next attempt, on dial, ending the last;
@@ -566,7 +572,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	// Passed through as any request the router does not parse: a drain
 	// waits for it and its deadline cuts it.
 	ctx, cancel := context.WithCancelCause(r.Context())
-	pt := &passThrough{cancel: cancel, modelsList: true}
+	pt := &passThrough{cancel: cancel, models: mw}
 	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
 	defer pt.end()
 	defer cancel(nil)
@@ -582,7 +588,22 @@ type modelsWriter struct {
 	caddyhttp.ResponseWriterWrapper
 	st                    *requestState
 	wroteHeader, replaced bool
+	// dropped counts the bytes of the engine's list dropped once
+	// replaced; cutOff says they outgrew maxDroppedModels.
+	dropped int
+	cutOff  bool
 }
+
+// maxDroppedModels bounds how much of an engine's own list is read, and
+// dropped, after the pool's list replaced it: the most the scraper reads
+// of one (scrape's 4 MiB). The proxy reads an answer to its end, and an
+// engine whose list never ended held the request for ever, and with it
+// the client's connection: its next request waited behind it.
+const maxDroppedModels = 4 << 20
+
+// errModelsCutOff ends the proxy's copy of an engine's list past
+// maxDroppedModels.
+var errModelsCutOff = errors.New("the engine's models list is longer than any the router reads; cut off after the pool's list was sent")
 
 // WriteHeader writes the list in place of a 200's body.
 func (m *modelsWriter) WriteHeader(status int) {
@@ -622,6 +643,10 @@ func (m *modelsWriter) Write(p []byte) (int, error) {
 		m.WriteHeader(http.StatusOK)
 	}
 	if m.replaced {
+		if m.dropped += len(p); m.dropped > maxDroppedModels {
+			m.cutOff = true
+			return 0, errModelsCutOff
+		}
 		return len(p), nil
 	}
 	return m.ResponseWriterWrapper.Write(p)

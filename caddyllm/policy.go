@@ -1371,7 +1371,7 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	}
 	if p.scraper != nil {
 		pool = preferring(pool, func(u *reverseproxy.Upstream) bool { return p.scraper.Down(u.Dial) })
-		if pt != nil && pt.modelsList {
+		if pt != nil && pt.models != nil {
 			pool = preferring(pool, p.modelsFailing)
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"compress/gzip"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -603,5 +605,60 @@ func TestModelsListAvoidsAFailingEngine(t *testing.T) {
 		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), kvsim.DefaultModel) {
 			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
 		}
+	}
+}
+
+// TestModelsListCutsAnEndlessEngineAnswer: the proxy reads an engine's
+// answer to GET /v1/models to its end, dropping it for the pool's list;
+// one that never ends is cut off once it outgrows any list the router
+// reads, and the client, which has the whole pool's list, keeps its
+// connection. Before, the request never ended: the client's next
+// request on that connection waited behind it for ever.
+func TestModelsListCutsAnEndlessEngineAnswer(t *testing.T) {
+	endless := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/models" || r.Header.Get(clientMark) == "" {
+				next.ServeHTTP(w, r)
+				return
+			}
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusOK)
+			io.WriteString(w, `{"object":"list","data":[],"padding":"`)
+			pad := bytes.Repeat([]byte("a"), 64<<10)
+			for r.Context().Err() == nil {
+				if _, err := w.Write(pad); err != nil {
+					return
+				}
+			}
+		})
+	}
+	fleet := wrappedFleet(t, endless)
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms", ""))
+	waitForModelLists(t, fleet)
+	// One connection for every request; the timeout only keeps a hung
+	// request from hanging the test.
+	var dials atomic.Int32
+	tr := &http.Transport{MaxConnsPerHost: 1, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr, Timeout: 20 * time.Second}
+	for i := range 3 {
+		req, _ := http.NewRequest("GET", routerURL+"/v1/models", nil)
+		req.Header.Set(clientMark, "1")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatalf("request %d on the connection: %v", i+1, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var list struct{ Data []struct{ ID string } }
+		if resp.StatusCode != http.StatusOK || json.Unmarshal(b, &list) != nil || len(list.Data) != 1 || list.Data[0].ID != kvsim.DefaultModel {
+			t.Fatalf("request %d: %d %.200q, want the pool's list", i+1, resp.StatusCode, b)
+		}
+	}
+	if n := dials.Load(); n != 1 {
+		t.Errorf("%d connections for three requests, want one", n)
 	}
 }
