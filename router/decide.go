@@ -291,7 +291,9 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	for i := range members {
 		m, u := &members[i], states[i]
 		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
-		cands[i].ContextTokens = u.models(m.modelList()).contextTokens(cmp.Or(adapter, req.Model))
+		if list := m.modelList(); list != nil { // none without scraping
+			cands[i].ContextTokens = u.models(list).contextTokens(cmp.Or(adapter, req.Model))
+		}
 		if loaders != nil && loaders.mayLoad(cands[i].Models) {
 			cands[i].Models = nil
 		}
@@ -718,7 +720,11 @@ func (o *Options) adapterOf(model string, members []Member, states []*upstream) 
 		return model
 	}
 	for i := range members {
-		if m := states[i].models(members[i].modelList()).find(model); m != nil && m.Parent != "" {
+		list := members[i].modelList()
+		if list == nil {
+			continue
+		}
+		if m := states[i].models(list).find(model); m != nil && m.Parent != "" {
 			return model
 		}
 	}

@@ -157,7 +157,7 @@ type upstream struct {
 }
 
 // modelList is what decisions read of one of an upstream's model lists:
-// its ids, in order, and where each id first comes.
+// its ids, in order, and for a long list where each id first comes.
 type modelList struct {
 	of  []scrape.ModelInfo
 	ids []string
@@ -182,10 +182,13 @@ func (u *upstream) models(list []scrape.ModelInfo) *modelList {
 	case same(&u.lists[1]):
 		u.lists[0], u.lists[1] = u.lists[1], u.lists[0]
 	default:
-		l := modelList{of: list, ids: scrape.ModelIDs(list), at: make(map[string]int, len(list))}
-		for i, m := range list {
-			if _, seen := l.at[m.ID]; !seen {
-				l.at[m.ID] = i
+		l := modelList{of: list, ids: scrape.ModelIDs(list)}
+		if len(list) > shortModelList {
+			l.at = make(map[string]int, len(list))
+			for i, m := range list {
+				if _, seen := l.at[m.ID]; !seen {
+					l.at[m.ID] = i
+				}
 			}
 		}
 		u.lists[0], u.lists[1] = l, u.lists[0]
@@ -196,8 +199,21 @@ func (u *upstream) models(list []scrape.ModelInfo) *modelList {
 // noModels is an unknown list's (nil ids): never changed.
 var noModels modelList
 
+// shortModelList is the longest list searched in order rather than
+// through an index: the usual list, a model and a few adapters, is
+// searched faster than its id is hashed.
+const shortModelList = 16
+
 // find returns the first model of l named id, nil for none.
 func (l *modelList) find(id string) *scrape.ModelInfo {
+	if l.at == nil {
+		for i := range l.of {
+			if l.of[i].ID == id {
+				return &l.of[i]
+			}
+		}
+		return nil
+	}
 	if i, ok := l.at[id]; ok {
 		return &l.of[i]
 	}

@@ -308,6 +308,12 @@ func TestModelListIndexAgrees(t *testing.T) {
 		{{ID: "other", MaxModelLen: 100}, {ID: "a", Parent: "other"}},
 		{},
 	}
+	// The first again, long enough to be searched through its index.
+	long := slices.Clone(lists[0])
+	for i := range shortModelList {
+		long = append(long, scrape.ModelInfo{ID: fmt.Sprintf("filler-%d", i), Parent: "base"})
+	}
+	lists = append(lists, long)
 	u := new(upstream)
 	for round := range 2 {
 		for _, list := range lists {
