@@ -293,9 +293,10 @@ func (s *Scraper) addLocked(d string) bool {
 }
 
 // scrapable says whether dial is a host:port the scraper can reach (not
-// empty, not a unix socket).
+// empty, not a unix socket, and no placeholder, such as
+// {http.request.header.X-Upstream}: its host is known only per request).
 func scrapable(dial string) bool {
-	return dial != "" && !strings.Contains(dial, "/")
+	return dial != "" && !strings.ContainsAny(dial, "/{")
 }
 
 // poke asks the run loop for a round now.

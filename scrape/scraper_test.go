@@ -464,6 +464,19 @@ func TestModelsWhileMetricsFail(t *testing.T) {
 	})
 }
 
+// TestPlaceholderDialIsNoTarget: an upstream address with a placeholder
+// ({http.request.header.X-Up}, replaced per request) is not scraped: its
+// host is known only per request, and asking the literal one failed at
+// every interval.
+func TestPlaceholderDialIsNoTarget(t *testing.T) {
+	s := New(Config{Interval: time.Hour})
+	s.SetTargets([]string{"{http.request.header.X-Up}", "engine:8000", "{http.request.host}:8000"})
+	s.AddTargets("{http.vars.upstream}")
+	if st := s.Statuses(); len(st) != 1 || st[0].Dial != "engine:8000" {
+		t.Fatalf("targets %+v, want engine:8000 alone", st)
+	}
+}
+
 // TestSecondMarkAfterTheAnswer: a scrape's MarkAfter is taken once the
 // answer is read, so a request routed while the engine rendered it falls
 // between the two marks.
