@@ -604,7 +604,10 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		// routed there while the scrape was under way count as its own:
 		// an engine that renders its gauges as it answers (kvsim does)
 		// has them, and taken for foreign they would weigh twice, until
-		// the next scrape, on the upstream a burst was going to.
+		// the next scrape, on the upstream a burst was going to. (One
+		// that renders them from its last step, as vLLM, may not: the
+		// foreign load is then under-counted by as many, for one scrape
+		// interval; the window is one scrape's latency.)
 		if raw.Running >= 0 && raw.Waiting >= 0 {
 			during, _ := raw.MarkAfter.Since(raw.Mark) // 0 without a second mark
 			if foreign := raw.Running + raw.Waiting - raw.Mark.InFlight - during; foreign > 0 {

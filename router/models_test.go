@@ -315,8 +315,15 @@ func TestModelListIndexAgrees(t *testing.T) {
 	}
 	lists = append(lists, long)
 	u := new(upstream)
+	// Each list read twice in a row, and the last two in turn, so that
+	// both cached entries are read back, not only made.
+	var reads [][]scrape.ModelInfo
+	for _, list := range lists {
+		reads = append(reads, list, list)
+	}
+	reads = append(reads, lists[0], lists[3], lists[0], lists[3])
 	for round := range 2 {
-		for _, list := range lists {
+		for _, list := range reads {
 			l := u.models(list)
 			for _, id := range []string{"base", "a", "b", "orphan", "plain", "other", "gone", ""} {
 				if got, want := l.contextTokens(id), scrape.ContextTokens(list, id); got != want {

@@ -538,8 +538,14 @@ func (s *Scraper) noteModels(t *scrapeTarget, st *Status, models []ModelInfo, er
 		// from one scrape interval to 64 (or the models interval, if
 		// shorter), keeps an engine that always refuses from being asked
 		// every scrape.
+		// Due half an interval early: scrapes start about an interval
+		// apart, not exactly, and one a hair early would put the retry
+		// off by a whole interval.
 		retry := s.cfg.Interval << min(t.modelsFailures-1, 6)
-		t.modelsDue = start.Add(min(retry, s.cfg.ModelsInterval))
+		if retry <= 0 || retry > s.cfg.ModelsInterval {
+			retry = s.cfg.ModelsInterval
+		}
+		t.modelsDue = start.Add(retry - s.cfg.Interval/2)
 		return
 	}
 	for model, at := range t.forgotModels {
