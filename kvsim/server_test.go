@@ -528,22 +528,10 @@ func TestLoRAAdaptersOverHTTP(t *testing.T) {
 	if resp, _ := post(t, srv.URL+"/v1/load_lora_adapter", `{"lora_name":"chat-lora","lora_path":"/adapters/chat"}`); resp.StatusCode != 400 {
 		t.Fatalf("second load: %d", resp.StatusCode)
 	}
-	resp, err := http.Get(srv.URL + "/v1/models")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var models struct {
-		Data []struct {
-			ID     string  `json:"id"`
-			Root   string  `json:"root"`
-			Parent *string `json:"parent"`
-		}
-	}
-	_ = json.NewDecoder(resp.Body).Decode(&models)
-	resp.Body.Close()
-	if len(models.Data) != 3 || models.Data[0].ID != DefaultModel || models.Data[0].Parent != nil ||
-		models.Data[1].ID != "chat-lora" || *models.Data[1].Parent != DefaultModel || models.Data[1].Root != "/adapters/chat" {
-		t.Fatalf("models: %+v", models)
+	_, cards := getModels(t, srv.URL)
+	if len(cards) != 3 || cards[0].ID != DefaultModel || cards[0].Parent != nil ||
+		cards[1].ID != "chat-lora" || *cards[1].Parent != DefaultModel || cards[1].Root != "/adapters/chat" {
+		t.Fatalf("models: %+v", cards)
 	}
 	if resp, out := post(t, srv.URL+"/v1/completions", `{"model":"sql-lora","prompt":"select","max_tokens":2}`); resp.StatusCode != 200 {
 		t.Fatalf("adapter request: %d %s", resp.StatusCode, out)
@@ -573,17 +561,9 @@ func TestLoadInplaceAsVLLM(t *testing.T) {
 	}
 	roots := func() map[string]string {
 		t.Helper()
-		resp, err := http.Get(srv.URL + "/v1/models")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		var models struct{ Data []struct{ ID, Root string } }
-		if err := json.NewDecoder(resp.Body).Decode(&models); err != nil {
-			t.Fatal(err)
-		}
+		_, cards := getModels(t, srv.URL)
 		out := map[string]string{}
-		for _, m := range models.Data {
+		for _, m := range cards {
 			out[m.ID] = m.Root
 		}
 		return out
@@ -631,29 +611,16 @@ func TestLoadInplaceAsVLLM(t *testing.T) {
 func TestServedModelNames(t *testing.T) {
 	cfg := Config{Model: "/models/llama", ServedModelName: []string{"llama", "llama-3.1-8b"}, Adapters: []string{"sql-lora"}}.WithDefaults()
 	_, srv := newTestServer(t, cfg)
-	resp, err := http.Get(srv.URL + "/v1/models")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var models struct {
-		Data []struct {
-			ID          string  `json:"id"`
-			Root        string  `json:"root"`
-			Parent      *string `json:"parent"`
-			MaxModelLen *int    `json:"max_model_len"`
-		}
-	}
-	_ = json.NewDecoder(resp.Body).Decode(&models)
-	resp.Body.Close()
-	if len(models.Data) != 3 {
-		t.Fatalf("models: %+v", models)
+	_, cards := getModels(t, srv.URL)
+	if len(cards) != 3 {
+		t.Fatalf("models: %+v", cards)
 	}
 	for i, name := range []string{"llama", "llama-3.1-8b"} {
-		if m := models.Data[i]; m.ID != name || m.Root != "/models/llama" || m.Parent != nil || m.MaxModelLen == nil || *m.MaxModelLen != cfg.MaxModelLen {
+		if m := cards[i]; m.ID != name || m.Root != "/models/llama" || m.Parent != nil || m.MaxModelLen == nil || *m.MaxModelLen != cfg.MaxModelLen {
 			t.Errorf("card %d: %+v, want %s with root /models/llama", i, m, name)
 		}
 	}
-	if m := models.Data[2]; m.ID != "sql-lora" || m.Parent == nil || *m.Parent != "llama" {
+	if m := cards[2]; m.ID != "sql-lora" || m.Parent == nil || *m.Parent != "llama" {
 		t.Errorf("adapter card: %+v, want parent llama", m)
 	}
 

@@ -70,27 +70,12 @@ func TestCacheConfigInfoAsVLLM(t *testing.T) {
 func TestModelsAndVersionAsVLLM(t *testing.T) {
 	_, srv := newTestServer(t, Config{Adapters: []string{"sql-lora"}})
 	before := time.Now().Unix()
-	resp, err := http.Get(srv.URL + "/v1/models")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var list struct {
-		Object string
-		Data   []struct {
-			ID         string
-			Object     string
-			Created    int64
-			OwnedBy    string `json:"owned_by"`
-			Permission []map[string]any
-		}
-	}
-	err = json.NewDecoder(resp.Body).Decode(&list)
-	resp.Body.Close()
+	object, cards := getModels(t, srv.URL)
 	after := time.Now().Unix()
-	if err != nil || list.Object != "list" || len(list.Data) != 2 {
-		t.Fatalf("models: %+v, %v", list, err)
+	if object != "list" || len(cards) != 2 {
+		t.Fatalf("models: %s %+v", object, cards)
 	}
-	for _, card := range list.Data {
+	for _, card := range cards {
 		if card.Object != "model" || card.OwnedBy != "vllm" || card.Created < before || card.Created > after {
 			t.Errorf("card %s: object %q owned_by %q created %d, want a model card of the request's time (%d..%d)",
 				card.ID, card.Object, card.OwnedBy, card.Created, before, after)
@@ -117,7 +102,7 @@ func TestModelsAndVersionAsVLLM(t *testing.T) {
 		}
 	}
 
-	resp, err = http.Get(srv.URL + "/version")
+	resp, err := http.Get(srv.URL + "/version")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,4 +113,33 @@ func TestModelsAndVersionAsVLLM(t *testing.T) {
 		resp.Header.Get("Content-Type") != "application/json" {
 		t.Fatalf("/version: %d %v %v", resp.StatusCode, version, err)
 	}
+}
+
+// modelCard is a card of /v1/models as the tests read it.
+type modelCard struct {
+	ID, Object, Root string
+	Parent           *string
+	Created          int64
+	OwnedBy          string `json:"owned_by"`
+	MaxModelLen      *int   `json:"max_model_len"`
+	Permission       []map[string]any
+}
+
+// getModels GETs /v1/models from the server at url: the list's object
+// and its cards.
+func getModels(t *testing.T, url string) (object string, cards []modelCard) {
+	t.Helper()
+	resp, err := http.Get(url + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list struct {
+		Object string
+		Data   []modelCard
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&list); err != nil {
+		t.Fatal(err)
+	}
+	return list.Object, list.Data
 }
