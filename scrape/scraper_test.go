@@ -940,15 +940,10 @@ func TestModelListsChanged(t *testing.T) {
 	var model atomic.Value
 	model.Store("m1")
 	var answers atomic.Int64
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/v1/models" {
-			_, _ = w.Write(readTestdata(t, "vllm.prom"))
-			return
-		}
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","created":%d,"max_model_len":4096}]}`,
 			model.Load(), answers.Add(1))
-	}))
-	defer srv.Close()
+	})
 	s, dial := startAskedScraper(t, srv)
 	fetched := func() { // one more fetch of the list, asked for and ended
 		t.Helper()
@@ -974,19 +969,28 @@ func TestModelListsChanged(t *testing.T) {
 	}
 }
 
-// TestModelListsChangedWhenATargetGoes: a target dropped with its list
-// (a dynamic upstream forgotten) changes ModelLists, so it moves
-// ModelListsChanged: a caller reading the lists again only when the count
-// moves (the policy's model names) would keep the dropped list for good.
-func TestModelListsChangedWhenATargetGoes(t *testing.T) {
+// listingEngine is an engine serving testdata/vllm.prom as its metrics
+// and, at /v1/models, what models writes; closed when the test ends.
+func listingEngine(t *testing.T, models http.HandlerFunc) *httptest.Server {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/v1/models" {
 			_, _ = w.Write(readTestdata(t, "vllm.prom"))
 			return
 		}
-		fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+		models(w, r)
 	}))
-	defer srv.Close()
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestModelListsChangedWhenATargetGoes: a target dropped with its list
+// (a dynamic upstream forgotten) changes ModelLists, so it moves
+// ModelListsChanged: a caller reading the lists again only when the count
+// moves (the policy's model names) would keep the dropped list for good.
+func TestModelListsChangedWhenATargetGoes(t *testing.T) {
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"m1","object":"model"}]}`)
+	})
 	s, dial := startAskedScraper(t, srv)
 	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 })
 	s.RemoveTargets(dial)
@@ -1008,14 +1012,9 @@ func TestModelListsChangedWhenATargetGoes(t *testing.T) {
 // yet would see no change afterwards, and answer 404 for the adapter the
 // engine lists. The fetch's steps are taken by hand, to stop between them.
 func TestListCountedOnceSeen(t *testing.T) {
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/v1/models" {
-			_, _ = w.Write(readTestdata(t, "vllm.prom"))
-			return
-		}
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"}]}`)
-	}))
-	defer srv.Close()
+	})
 	s, dial := startAskedScraper(t, srv)
 	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 && s.Seq(dial) > 0 })
 	lists := func() []string {
@@ -1061,11 +1060,7 @@ func TestForgottenModelStaysForgotten(t *testing.T) {
 	loaded.Store(true)
 	var gate atomic.Pointer[chan struct{}]
 	entered := make(chan struct{}, 1)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/v1/models" {
-			_, _ = w.Write(readTestdata(t, "vllm.prom"))
-			return
-		}
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
 		body := `{"object":"list","data":[{"id":"base","object":"model"}`
 		if loaded.Load() {
 			body += `,{"id":"lora","object":"model","parent":"base"}`
@@ -1076,8 +1071,7 @@ func TestForgottenModelStaysForgotten(t *testing.T) {
 			<-*g
 		}
 		fmt.Fprint(w, body)
-	}))
-	defer srv.Close()
+	})
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s := New(Config{Interval: time.Hour, ModelsInterval: time.Hour})
@@ -1123,11 +1117,7 @@ func TestForgottenModelStaysForgotten(t *testing.T) {
 // another failure came first (the engine still loading its model).
 func TestModelsAPIKey(t *testing.T) {
 	var lists atomic.Int64
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/v1/models" {
-			_, _ = w.Write(readTestdata(t, "vllm.prom"))
-			return
-		}
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
 		if lists.Add(1) == 1 { // still loading its model: another failure first
 			http.Error(w, "loading", http.StatusServiceUnavailable)
 			return
@@ -1137,8 +1127,7 @@ func TestModelsAPIKey(t *testing.T) {
 			return
 		}
 		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"}]}`)
-	}))
-	defer srv.Close()
+	})
 	dial := hostOf(srv)
 	for _, key := range []string{"k3y", ""} {
 		lists.Store(0)
