@@ -427,6 +427,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 			ModelsAPIKey:   p.modelsAPIKey(),
 			Mark:           p.sh.fleet.MarkOf,
 			Restarted:      p.sh.fleet.EngineRestarted,
+			Address:        globalAddress,
 			Logger:         p.logger.Named("scrape"),
 		}
 		// Engines behind TLS are scraped over https with the proxy's own
@@ -898,6 +899,18 @@ type decisionScratch struct {
 
 func newScratchPool() *sync.Pool {
 	return &sync.Pool{New: func() any { return new(decisionScratch) }}
+}
+
+// globalAddress returns dial with Caddy's global placeholders ({env.*},
+// {system.*}) replaced, "" when some are unknown or empty (those of a
+// request): the address Caddy's active health checks reach an upstream
+// at, and the scraper too.
+func globalAddress(dial string) string {
+	addr, err := caddy.NewReplacer().ReplaceOrErr(dial, true, true)
+	if err != nil {
+		return ""
+	}
+	return addr
 }
 
 // decide asks the decision engine where st goes among pool at now, to

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -333,5 +334,30 @@ func TestConfiguredCapacityShownAtOnce(t *testing.T) {
 		if u, ok := upstreams(t)[r.dial()]; !ok || u.KVCapacityTokens != 65536 || u.InFlight != 0 || u.Completed != 0 {
 			t.Fatalf("%s before any request: listed %v, %+v", r.dial(), ok, u)
 		}
+	}
+}
+
+// TestEnvPlaceholderUpstreamIsScraped: an upstream named with an
+// environment placeholder ("127.0.0.1:{env.…}", which Caddy replaces in
+// every request and its active health checks replace too) is one fixed
+// engine, and the router scrapes it: its model list and KV capacity show
+// in the admin view under the name the config gives it. It was skipped
+// as if its address were known only per request.
+func TestEnvPlaceholderUpstreamIsScraped(t *testing.T) {
+	fleet := startFleet(t, 1, 1, kvsim.Config{})
+	host, port, err := net.SplitHostPort(fleet[0].dial())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("LLM_AFFINITY_TEST_ENGINE_PORT", port)
+	dial := host + ":{env.LLM_AFFINITY_TEST_ENGINE_PORT}"
+	config := strings.Replace(caddyfile(fleet, "", "scrape_interval 100ms", ""), fleet[0].dial(), dial, 1)
+	startCaddy(t, config)
+	eventually(t, 10*time.Second, "the engine's scraped state under its configured name", func() bool {
+		v := listedEngine(t, dial)
+		return v != nil && v.KVCapacity > 0 && len(v.Models) > 0
+	})
+	if c := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": "hello", "max_tokens": 2}); c.status != http.StatusOK {
+		t.Fatalf("completion through %s: %d %s", dial, c.status, c.body)
 	}
 }

@@ -79,6 +79,12 @@ type Config struct {
 	// longer holds at once, not at the next decision that reads the
 	// signals.
 	Restarted func(dial string, at time.Time)
+	// Address, when set, gives the network address a target's dial is
+	// reached at, or "" when it is known only per request. The policy
+	// replaces Caddy's global placeholders ({env.*}) there, as Caddy's
+	// active health checks do: an upstream "localhost:{env.PORT}" is one
+	// fixed engine. Without it a dial with a placeholder is not scraped.
+	Address func(dial string) string
 	// Logger receives scrape failures and recoveries at debug level.
 	Logger *zap.Logger
 }

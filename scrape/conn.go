@@ -69,7 +69,7 @@ var errHeaderTooLarge = errors.New("response header too large")
 func (s *Scraper) fetchKeptAlive(ctx context.Context, t *scrapeTarget, query metricsQuery, now time.Time) (Signals, int, error) {
 	deadline := now.Add(s.cfg.Timeout)
 	for attempt := 0; ; attempt++ {
-		bc, reused, err := t.conn.take(ctx, t.dial, deadline)
+		bc, reused, err := t.conn.take(ctx, t.addr, deadline)
 		if err != nil {
 			return Signals{}, 0, t.getError(query, err)
 		}

@@ -17,7 +17,9 @@ import (
 
 // scrapeTarget is one upstream being scraped.
 type scrapeTarget struct {
-	dial string
+	// dial names the target, as the proxy names the upstream; addr is
+	// where it is reached (see Config.Address).
+	dial, addr string
 	// lastRestart is when the engine was last seen restarting (see
 	// Signals.LastRestart);
 	// unreachable says the last failures included a refused connection;
@@ -104,6 +106,10 @@ type Scraper struct {
 
 	mu      sync.RWMutex
 	targets map[string]*scrapeTarget
+	// noTarget holds dials found not scrapable (up to maxNoTargets): the
+	// policy offers every pool member with each request, and resolving
+	// a placeholder each time would cost it.
+	noTarget map[string]bool
 
 	kick    chan struct{} // asks for a round now
 	done    chan struct{} // closed when the run loop has stopped
@@ -232,7 +238,7 @@ func (s *Scraper) AddTargets(dials ...string) {
 	s.mu.RLock()
 	missing := false
 	for _, d := range dials {
-		if _, ok := s.targets[d]; !ok && scrapable(d) {
+		if _, ok := s.targets[d]; !ok && !s.noTarget[d] {
 			missing = true
 			break
 		}
@@ -266,11 +272,21 @@ func (s *Scraper) schemeOf(dial string) string {
 // addLocked adds dial as a target if it is new and scrapable, and says
 // whether it did. Caller holds s.mu for writing.
 func (s *Scraper) addLocked(d string) bool {
-	if _, ok := s.targets[d]; ok || !scrapable(d) {
+	if _, ok := s.targets[d]; ok || s.noTarget[d] {
 		return false
 	}
-	base := s.schemeOf(d) + "://" + d
-	t := &scrapeTarget{dial: d, status: Status{Dial: d}}
+	addr := s.addressOf(d)
+	if !scrapable(addr) {
+		if len(s.noTarget) < maxNoTargets {
+			if s.noTarget == nil {
+				s.noTarget = make(map[string]bool)
+			}
+			s.noTarget[d] = true
+		}
+		return false
+	}
+	base := s.schemeOf(addr) + "://" + addr
+	t := &scrapeTarget{dial: d, addr: addr, status: Status{Dial: d}}
 	t.modelsRequest, t.requestErr = newGet(base+s.cfg.ModelsPath, "application/json")
 	if t.modelsRequest != nil && s.cfg.ModelsAPIKey != "" {
 		t.modelsRequest.Header.Set("Authorization", "Bearer "+s.cfg.ModelsAPIKey)
@@ -292,11 +308,24 @@ func (s *Scraper) addLocked(d string) bool {
 	return true
 }
 
-// scrapable says whether dial is a host:port the scraper can reach (not
-// empty, not a unix socket, and no placeholder, such as
+// maxNoTargets bounds Scraper.noTarget: past it, a dial not scrapable
+// costs AddTargets the write lock each time, as dials are not invented
+// by clients (they come from the config and dynamic upstream sources).
+const maxNoTargets = 1024
+
+// addressOf returns the address dial is reached at (see Config.Address).
+func (s *Scraper) addressOf(dial string) string {
+	if s.cfg.Address == nil || !strings.Contains(dial, "{") {
+		return dial
+	}
+	return s.cfg.Address(dial)
+}
+
+// scrapable says whether addr is a host:port the scraper can reach (not
+// empty, not a unix socket, and no placeholder left, such as
 // {http.request.header.X-Upstream}: its host is known only per request).
-func scrapable(dial string) bool {
-	return dial != "" && !strings.ContainsAny(dial, "/{")
+func scrapable(addr string) bool {
+	return addr != "" && !strings.ContainsAny(addr, "/{")
 }
 
 // poke asks the run loop for a round now.

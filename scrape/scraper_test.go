@@ -1164,3 +1164,45 @@ func TestModelsAPIKey(t *testing.T) {
 		<-s.Stopped()
 	}
 }
+
+// TestGlobalPlaceholderDialIsScraped: a dial whose placeholders the
+// Address hook resolves ({env.*}, as Caddy's active health checks do) is
+// scraped at that address and known by its dial; one it cannot resolve
+// is no target, and is not asked about again with each request.
+func TestGlobalPlaceholderDialIsScraped(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+	}))
+	defer srv.Close()
+	const dial = "engine:{env.ENGINE_PORT}"
+	asked := map[string]int{}
+	var mu sync.Mutex
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: -1, Address: func(d string) string {
+		mu.Lock()
+		defer mu.Unlock()
+		asked[d]++
+		if d == dial {
+			return hostOf(srv)
+		}
+		return ""
+	}})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s.SetTargets([]string{dial, "{http.request.header.X-Up}"})
+	s.Start(ctx)
+	waitFor(t, "the resolved dial's signals", 10*time.Second, func() bool {
+		sig, ok := s.Latest(dial, time.Now(), time.Minute)
+		return ok && sig.KVKnown
+	})
+	for range 3 {
+		s.AddTargets(dial, "{http.request.header.X-Up}", "engine:8000")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if asked[dial] != 1 || asked["{http.request.header.X-Up}"] != 1 || asked["engine:8000"] != 0 {
+		t.Fatalf("addresses asked %v: want each dial with a placeholder once, none for a plain one", asked)
+	}
+	if st := s.Statuses(); len(st) != 2 || st[0].Dial != dial && st[1].Dial != dial {
+		t.Fatalf("targets %+v, want %s and engine:8000", st, dial)
+	}
+}
