@@ -1006,6 +1006,29 @@ func TestModelListsChangedWhenATargetGoes(t *testing.T) {
 	}
 }
 
+// TestModelListsChangedWhenAModelIsForgotten: ForgetModel (an adapter
+// its engine unloaded) changes a list that ModelLists returns, so it
+// counts in ModelListsChanged; a reader waiting for the count to move
+// kept the adapter. A model the list does not have changes nothing.
+func TestModelListsChangedWhenAModelIsForgotten(t *testing.T) {
+	srv := listingEngine(t, func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, `{"object":"list","data":[{"id":"base","object":"model"},{"id":"tenant","object":"model","parent":"base"}]}`)
+	})
+	s, dial := startAskedScraper(t, srv)
+	waitFor(t, "the first list", 10*time.Second, func() bool { return s.ModelListsChanged() == 1 && len(s.ModelLists()) == 1 })
+	s.ForgetModel(dial, "tenant")
+	if n := s.ModelListsChanged(); n != 2 {
+		t.Fatalf("an adapter forgotten: %d changes, want 2", n)
+	}
+	if lists := s.ModelLists(); len(lists) != 1 || len(lists[0]) != 1 || lists[0][0].ID != "base" {
+		t.Fatalf("lists %+v, want base alone", lists)
+	}
+	s.ForgetModel(dial, "unlisted")
+	if n := s.ModelListsChanged(); n != 2 {
+		t.Fatalf("a model not listed forgotten: %d changes, want 2", n)
+	}
+}
+
 // TestListCountedOnceSeen: a changed list is counted in ModelListsChanged
 // only once decisions can read it. Counted before (while the fetch still
 // held the target), a request reading the count then and the list not

@@ -110,6 +110,7 @@ func (s *Scraper) ForgetModel(dial, model string) {
 	// A new slice: readers hold the old one.
 	t.models = slices.Delete(slices.Clone(t.models), i, i+1)
 	t.publishModelsLocked()
+	s.listsChanged.Add(1) // once readable, as ModelLists promises
 }
 
 // maxForgotModels bounds the unloads a target remembers until a list
