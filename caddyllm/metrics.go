@@ -123,7 +123,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"blocked_by"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "refused_total",
-			Help: "Requests answered at once with an error no wait can cure, by its code: model_not_found (404), context_length_exceeded (400), 400 (no model named in a pool serving several).",
+			Help: "Requests answered at once with an error no wait can cure, by its code: model_not_found (404), context_length_exceeded (400), 400 (no model named in a pool serving several, or a body that is not valid UTF-8 naming a model no upstream lists).",
 		}, []string{"code"}),
 		queued: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "gateway_queued_total",

@@ -5,6 +5,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -303,6 +305,60 @@ func TestAbsurdUsageKeepsTheAnswerAndItsRelease(t *testing.T) {
 		}
 		if prompt, cached := testutil.ToFloat64(p.sh.metrics.promptTokens), testutil.ToFloat64(p.sh.metrics.cachedPromptTokens); prompt != tc.prompt || cached != tc.cached {
 			t.Errorf("usage %s: counted %v prompt tokens, %v cached; want %v and %v", tc.usage, prompt, cached, tc.prompt, tc.cached)
+		}
+	}
+}
+
+// TestRefusedCodesDocumented: every refusal the policy answers is told
+// apart where an operator reads refused_total: a refusal whose code is a
+// word (model_not_found) is named by it in README.md's metrics row and in
+// the metric's help; one whose code is its status (400), which several
+// refusals share, is named there by its blocked_by (model_required,
+// invalid_utf8), so a rise of code="400" can be traced in the access log.
+// (A body not valid UTF-8 naming an unlisted model counted under "400"
+// while both said that label meant only a missing model.)
+func TestRefusedCodesDocumented(t *testing.T) {
+	src, err := os.ReadFile("policy.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The policy's refusals: &shedding{... code: X, ... reason: "R", refused: true}.
+	refusal := regexp.MustCompile(`&shedding\{[^}]*?code: ([^,]+),[^}]*?reason: "([a-z0-9_]+)", refused: true\}`)
+	found := refusal.FindAllStringSubmatch(string(src), -1)
+	if len(found) < 4 {
+		t.Fatalf("found %d refusals in policy.go, want at least 4: the pattern is broken", len(found))
+	}
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	row := regexp.MustCompile("(?m)^\\| `caddy_llm_affinity_refused_total\\{code\\}` \\|.*$").Find(readme)
+	if row == nil {
+		t.Fatal("README.md has no row for caddy_llm_affinity_refused_total")
+	}
+	sh := newShared()
+	defer sh.Destruct()
+	descs := make(chan *prometheus.Desc, 1)
+	sh.metrics.refused.Describe(descs)
+	help := (<-descs).String()
+	for _, f := range found {
+		code, reason := f[1], f[2]
+		name := reason
+		if word, ok := strings.CutPrefix(code, `"`); ok {
+			name = strings.TrimSuffix(word, `"`)
+		}
+		if !strings.Contains(string(row), "`"+name+"`") {
+			t.Errorf("README.md's refused_total row does not name %s (code %s, blocked_by %s)", name, code, reason)
+		}
+		if name == reason && !strings.Contains(string(row), "`400`") {
+			t.Errorf("README.md's refused_total row has no code 400 for blocked_by %s", reason)
+		}
+	}
+	// The help cannot use the access log's words; it says what each
+	// refusal under 400 is.
+	for _, what := range []string{"model_not_found", "context_length_exceeded", "no model named", "not valid UTF-8"} {
+		if !strings.Contains(help, what) {
+			t.Errorf("refused_total's help does not say %q: %s", what, help)
 		}
 	}
 }
