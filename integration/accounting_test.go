@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
 )
 
@@ -26,44 +25,12 @@ import (
 func TestEveryEndingReleasesItsCharge(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
 	startCaddy(t, caddyfile(fleet, "", "kv_capacity 20000\n\t\t\tqueue_timeout 10m\n\t\t\tqueue_limit 1", ""))
-	held := func() int {
-		var v caddyllm.GatewayView
-		getJSON(t, adminURL+"/llm_affinity/gateway", &v)
-		return v.Held
-	}
+	upstreamDials := strings.Fields(dials(fleet))
 	inFlight := func() (n int) {
 		for _, r := range fleet {
 			n += upstream(t, r.dial()).InFlight
 		}
 		return n
-	}
-	// charged says what the admin view still counts, "" for nothing.
-	charged := func() string {
-		var left []string
-		for _, r := range fleet {
-			u := upstream(t, r.dial())
-			if u.InFlight != 0 || u.ThisRouterInFlight != 0 || u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 0 || u.KVTokensInFlight != 0 {
-				left = append(left, fmt.Sprintf("%s: in flight %d (this router's %d), queued prefill %d, decode %d, KV %d", u.Dial,
-					u.InFlight, u.ThisRouterInFlight, u.QueuedPrefillTokens, u.QueuedDecodeTokens, u.KVTokensInFlight))
-			}
-		}
-		if n := held(); n != 0 {
-			left = append(left, fmt.Sprintf("%d held at the gateway", n))
-		}
-		return strings.Join(left, "; ")
-	}
-	// released waits until nothing is charged: the router notices a
-	// client gone after the client does.
-	released := func(what string) {
-		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		left := charged()
-		for ; left != "" && time.Now().Before(deadline); left = charged() {
-			time.Sleep(20 * time.Millisecond)
-		}
-		if left != "" {
-			t.Fatalf("%s, still charged: %s", what, left)
-		}
 	}
 	completion := func(tag string, stream bool, extra map[string]any) map[string]any {
 		b := map[string]any{"model": kvsim.DefaultModel, "prompt": text(tag, 2000), "max_tokens": 40, "stream": stream}
@@ -100,7 +67,7 @@ func TestEveryEndingReleasesItsCharge(t *testing.T) {
 		adminDo(t, "POST", "/llm_affinity/upstreams/"+r.dial()+"/drain?deadline=1h")
 	}
 	leave, done := leaving(completion("held", false, nil))
-	eventually(t, 10*time.Second, "a request held", func() bool { return held() == 1 })
+	eventually(t, 10*time.Second, "a request held", func() bool { return heldAtGateway(t) == 1 })
 	if c := post(t, "/v1/completions", completion("shed", false, nil)); c.status != 503 {
 		t.Fatalf("a request past queue_limit: %d %s, want 503", c.status, c.body)
 	}
@@ -135,7 +102,7 @@ func TestEveryEndingReleasesItsCharge(t *testing.T) {
 	for _, r := range fleet {
 		r.sim.SetFaults(kvsim.Faults{})
 	}
-	released("after the gateway's and the stalled requests' clients left")
+	released(t, upstreamDials, "after the gateway's and the stalled requests' clients left")
 
 	// Its client leaves in the middle of its stream.
 	func() {
@@ -185,7 +152,7 @@ func TestEveryEndingReleasesItsCharge(t *testing.T) {
 		r.sim.SetFaults(kvsim.Faults{})
 	}
 
-	released("once idle")
+	released(t, upstreamDials, "once idle")
 	mfs := metricFamilies(t, adminURL+"/metrics")
 	for _, name := range []string{"caddy_llm_affinity_upstream_queued_tokens", "caddy_llm_affinity_upstream_in_flight", "caddy_llm_affinity_gateway_held"} {
 		for _, m := range mfs[name].GetMetric() {
@@ -204,5 +171,38 @@ func TestEveryEndingReleasesItsCharge(t *testing.T) {
 	}
 	if n := counterValue(mfs, moved, "outcome", "cut") - counterValue(before, moved, "outcome", "cut"); n == 0 {
 		t.Error("no stream was cut by its engines")
+	}
+}
+
+// charged says what the admin view still counts on the upstreams at dials
+// and at the gateway, "" for nothing.
+func charged(t *testing.T, dials []string) string {
+	t.Helper()
+	var left []string
+	for _, dial := range dials {
+		u := upstream(t, dial)
+		if u.InFlight != 0 || u.ThisRouterInFlight != 0 || u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 0 || u.KVTokensInFlight != 0 {
+			left = append(left, fmt.Sprintf("%s: in flight %d (this router's %d), queued prefill %d, decode %d, KV %d", u.Dial,
+				u.InFlight, u.ThisRouterInFlight, u.QueuedPrefillTokens, u.QueuedDecodeTokens, u.KVTokensInFlight))
+		}
+	}
+	if n := heldAtGateway(t); n != 0 {
+		left = append(left, fmt.Sprintf("%d held at the gateway", n))
+	}
+	return strings.Join(left, "; ")
+}
+
+// released waits until nothing is charged on the upstreams at dials nor
+// held at the gateway (see charged): the router notices a client gone
+// after the client does, and an upstream gone after its connection closes.
+func released(t *testing.T, dials []string, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	left := charged(t, dials)
+	for ; left != "" && time.Now().Before(deadline); left = charged(t, dials) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if left != "" {
+		t.Fatalf("%s, still charged: %s", what, left)
 	}
 }
