@@ -26,6 +26,13 @@ import (
 // upstreams for fail_duration. The handler moves the request itself.
 var errDrainCut = fmt.Errorf("llm_affinity: upstream drain deadline passed: %w", context.Canceled)
 
+// errSpliceRefused is the cause of cancelling a continuation (or a
+// request sent again) that its upstream answered otherwise than with an
+// event stream the client's stream can take: its body is not read. A
+// context.Canceled, as errDrainCut is, so that the proxy does not count
+// the abandoned body against the upstream.
+var errSpliceRefused = fmt.Errorf("llm_affinity: the upstream did not answer with an event stream to splice: %w", context.Canceled)
+
 // statusClientClosedRequest is the status Caddy's proxy logs for a
 // request whose client left (nginx's 499).
 const statusClientClosedRequest = 499
@@ -103,7 +110,12 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		cancel(nil)
 
 		finished := rec.wroteHeader && !aborted && (rec.done || !rec.sse)
-		broken := aborted && rec.sse && !rec.done
+		// refused: the attempt's upstream answered a continuation
+		// otherwise than with a stream, and its answer was cut as it came
+		// (see tokenRecorder.WriteHeader): the proxy's abort of it is no
+		// break of the client's stream, which ends here.
+		refused := rec.splice != nil && rec.splice.refused != 0 && clientCtx.Err() == nil
+		broken := aborted && rec.sse && !rec.done && !refused
 		// lost: the upstream went away before answering (an engine that
 		// crashed under its request, or a kept-alive connection it had
 		// closed; or nothing listens there). Caddy retries no POST after
@@ -120,24 +132,30 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 				lost = true
 			}
 		}
-		if clientCtx.Err() != nil || finished || (!cut && !broken && !lost) {
-			if aborted {
+		if clientCtx.Err() != nil || finished || refused || (!cut && !broken && !lost) {
+			if aborted && !refused {
 				panic(http.ErrAbortHandler)
 			}
 			rec.flushHeld()
 			if (err != nil || rec.splice != nil) && clientCtx.Err() == nil && rec.wroteHeader && rec.sse && !rec.done {
 				// The stream has begun and the attempt failed without
 				// ending it (a continuation found no upstream, or its
-				// upstream refused it): the headers are gone, so only an
-				// error event can tell the client.
+				// upstream refused it or answered with no stream): the
+				// headers are gone, so only an error event can tell the
+				// client.
 				msg := "the upstream failed"
 				switch shed := st.shedInfo(); {
 				case shed != nil:
 					msg = "no upstream could take its continuation: " + shed.message
-				case rec.splice != nil && rec.splice.refused != 0 && rec.splice.restart:
-					msg = fmt.Sprintf("the upstream it was sent again to answered %d", rec.splice.refused)
 				case rec.splice != nil && rec.splice.refused != 0:
-					msg = fmt.Sprintf("the continuation's upstream answered %d", rec.splice.refused)
+					who := "the continuation's upstream"
+					if rec.splice.restart {
+						who = "the upstream it was sent again to"
+					}
+					msg = fmt.Sprintf("%s answered %d", who, rec.splice.refused)
+					if rec.splice.refused == http.StatusOK {
+						msg += " with no event stream to splice" // JSON, say, or a compressed stream
+					}
 				}
 				h.logger.Debug("stream ended by a failed attempt", zap.Error(err), zap.String("why", msg))
 				return h.endStream(rec, msg)

@@ -258,6 +258,44 @@ func TestRefusedContinuationEndsTheStream(t *testing.T) {
 	}
 }
 
+// TestContinuationAnsweredWithoutAStreamIsCutAtOnce: a continuation
+// answered 200 with a body that is not an event stream (an engine that
+// ignores stream, here with JSON that never ends) is not read on: its
+// attempt is cancelled as its headers come, so the proxy's copy of the
+// body fails at once, and the stream ends with an error event and [DONE]
+// instead of staying open for as long as the body comes.
+func TestContinuationAnsweredWithoutAStreamIsCutAtOnce(t *testing.T) {
+	// What the proxy would copy of the endless body before the test gives
+	// up on the router cutting it: far more than nothing.
+	const copies = 1000
+	read := 0
+	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
+		if n == 1 {
+			startStream(w)
+			panic(http.ErrAbortHandler) // the upstream died mid-stream
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		// The proxy copies the body until its read fails, as it does once
+		// the attempt's context is cancelled.
+		for ; r.Context().Err() == nil; read++ {
+			if read == copies {
+				return nil // the body ended, so that the test does not hang
+			}
+			w.Write([]byte(`{"id":"c2","object":"chat.completion","choices":[{"index":0,"message":{"content":"endless `))
+		}
+		panic(http.ErrAbortHandler)
+	})
+	body := rr.Body.String()
+	if read != 0 {
+		t.Errorf("the proxy copied %d pieces of the continuation's answer; want it cut as its headers came", read)
+	}
+	if err != nil || attempts != 2 || !strings.HasPrefix(body, sseChunk) || strings.Contains(body, "endless") ||
+		!strings.Contains(body, "the continuation's upstream answered 200") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("attempts %d, error %v, body %q", attempts, err, body)
+	}
+}
+
 // TestToolStreamsAreNotContinued: a stream of a request that offers tools
 // (it may have been calling one) or asks for several choices is not
 // rebuilt from its text; it ends with an error event and [DONE].

@@ -910,6 +910,18 @@ func (st *requestState) setCancel(cancel context.CancelCauseFunc, since time.Tim
 	st.cancel, st.cut, st.waitSince = cancel, false, since
 }
 
+// cancelAttempt cancels the current attempt with cause, if one is under
+// way. Unlike a drain's cut, it moves nothing: the handler ends the
+// request with what the attempt left.
+func (st *requestState) cancelAttempt(cause error) {
+	st.mu.Lock()
+	cancel := st.cancel
+	st.mu.Unlock()
+	if cancel != nil {
+		cancel(cause)
+	}
+}
+
 // takeCut reports and clears whether a drain cut the last attempt.
 func (st *requestState) takeCut() bool {
 	st.mu.Lock()

@@ -230,10 +230,17 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		// (Add, not Set): its Content-Type is the last one.
 		// A compressed one cannot join a stream the client reads
 		// uncompressed either.
+		// Its body is of no use, and is not read: the attempt is cut at
+		// once. (The proxy read it to its end, and an engine that ignored
+		// stream and never ended its JSON held the client's stream open
+		// for as long as it wrote.)
 		types := t.Header().Values("Content-Type")
 		if status >= 200 && (status != http.StatusOK || len(types) == 0 || !strings.HasPrefix(types[len(types)-1], "text/event-stream") ||
 			encodedBody(t.Header())) {
 			t.splice.refused = status
+			if t.st != nil {
+				t.st.cancelAttempt(errSpliceRefused)
+			}
 		}
 		return
 	}
@@ -1078,7 +1085,8 @@ type spliceState struct {
 	// continuation counts them as prompt.
 	priorTokens int
 	// refused is the status of a continuation the upstream did not
-	// answer with an event stream (0: it did): its body is not spliced.
+	// answer with an event stream (0: it did): its body is not spliced,
+	// nor read (its attempt is cancelled), and the stream ends there.
 	refused int
 	// restart says the request was sent again from the start (a
 	// Responses stream cut before its output): its stream is not

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -807,6 +808,87 @@ func TestFailedContinuationCountsAsCut(t *testing.T) {
 		t.Errorf("moved: cut +%v, continued +%v; want +1 and +0", d, moved("continued")-continued)
 	}
 	adminDo(t, "DELETE", "/llm_affinity/upstreams/"+a.dial()+"/drain")
+}
+
+// TestContinuationAnsweredWithoutAStream: a broken stream's continuation
+// that its upstream answers with a body that is not an event stream (a
+// misbehaving engine ignoring stream, its JSON never ending) is a failed
+// continuation at once: the client's stream ends with an error event and
+// [DONE], the engine's answer is hung up on rather than read, and nothing
+// stays charged. The router read and dropped such a body for as long as
+// it came, and the client's stream never ended.
+func TestContinuationAnsweredWithoutAStream(t *testing.T) {
+	const event = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"}}]}` + "\n\n"
+	hungUp := make(chan struct{}, 1)
+	// Each engine breaks a stream off after its first event (it died),
+	// and answers a continuation (vLLM's continue_final_message) with
+	// JSON it never ends, a few bytes at a time, until the router hangs up.
+	engine := func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if !strings.Contains(string(body), `"continue_final_message":true`) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			io.WriteString(w, event)
+			w.(http.Flusher).Flush()
+			panic(http.ErrAbortHandler)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		io.WriteString(w, `{"id":"chatcmpl-2","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"`)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-r.Context().Done():
+				select {
+				case hungUp <- struct{}{}:
+				default:
+				}
+				return
+			case <-tick.C:
+				io.WriteString(w, "more ")
+				w.(http.Flusher).Flush()
+			}
+		}
+	}
+	var engines []string
+	for range 2 {
+		s := httptest.NewServer(http.HandlerFunc(engine))
+		t.Cleanup(s.Close)
+		engines = append(engines, strings.TrimPrefix(s.URL, "http://"))
+	}
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity
+	}
+}
+`, routerHost, strings.Join(engines, " ")))
+	before := metricFamilies(t, adminURL+"/metrics")
+
+	// Bounded, so that a stream that never ends fails the test rather
+	// than hanging it.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res, err := stream(ctx, "/v1/chat/completions", map[string]any{"model": "m", "messages": []msg{{"user", "hi"}}, "max_tokens": 50})
+	if err != nil || ctx.Err() != nil {
+		t.Fatalf("the client's stream did not end: %v %+v", err, res)
+	}
+	if res.status != 200 || res.text != "Hi" || !res.errEvent || !res.done || !strings.Contains(res.errText, "the continuation's upstream answered 200") {
+		t.Fatalf("the client got %+v; want the first event, an error event saying why and [DONE]", res)
+	}
+	select {
+	case <-hungUp:
+	case <-ctx.Done():
+		t.Fatal("the router never hung up on the continuation's endless answer")
+	}
+	released(t, engines, "after the failed continuation")
+	const moved = "caddy_llm_affinity_moved_requests_total"
+	mfs := metricFamilies(t, adminURL+"/metrics")
+	if cut, continued := counterValue(mfs, moved, "outcome", "cut")-counterValue(before, moved, "outcome", "cut"),
+		counterValue(mfs, moved, "outcome", "continued")-counterValue(before, moved, "outcome", "continued"); cut != 1 || continued != 0 {
+		t.Errorf("moved: cut +%v, continued +%v; want +1 and +0", cut, continued)
+	}
 }
 
 // TestStoredResponseAtItsDrainedHome: a stored response's retrieval goes
