@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -700,10 +701,6 @@ func TestSplicedUsageKeepsItsDetails(t *testing.T) {
 		chatEvent(`{"content":"c"}`)+
 			`data: {"id":"c2","object":"chat.completion.chunk","created":2,"model":"m","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":12},"completion_tokens_details":{"reasoning_tokens":0}}}`+"\n\n"+
 			"data: [DONE]\n\n")
-	i := strings.Index(got, `"usage":`)
-	if i < 0 {
-		t.Fatalf("no usage in %q", got)
-	}
 	var u struct {
 		PromptTokens        int `json:"prompt_tokens"`
 		CompletionTokens    int `json:"completion_tokens"`
@@ -715,12 +712,57 @@ func TestSplicedUsageKeepsItsDetails(t *testing.T) {
 			ReasoningTokens int `json:"reasoning_tokens"`
 		} `json:"completion_tokens_details"`
 	}
-	rest := got[i+len(`"usage":`):]
-	if err := json.NewDecoder(strings.NewReader(rest)).Decode(&u); err != nil {
-		t.Fatal(err)
-	}
+	clientUsage(t, got, &u)
 	if u.PromptTokens != 10 || u.CompletionTokens != 3 || u.TotalTokens != 13 || u.PromptTokensDetails.CachedTokens != 10 || u.CompletionTokensDetails == nil {
 		t.Errorf("usage %+v; want 10 prompt (2 of the 12 were generated), 3 completion, 10 cached, the completion details kept", u)
+	}
+}
+
+// clientUsage decodes into u the usage in got, a stream the client got.
+func clientUsage(t *testing.T, got string, u any) {
+	t.Helper()
+	i := strings.Index(got, `"usage":`)
+	if i < 0 {
+		t.Fatalf("no usage in %q", got)
+	}
+	if err := json.NewDecoder(strings.NewReader(got[i+len(`"usage":`):])).Decode(u); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSplicedUsageSaturates: a continued stream's usage adds the tokens
+// generated before the cut (here 2) to the continuation's completion and
+// takes them from its prompt. An engine's absurd count near the int's
+// range saturates there instead of wrapping round: the client got a
+// negative completion or total, and a prompt far below zero came out
+// huge. (The router learns nothing from such a count, over
+// router.MaxTokens, as from the same report on a stream not continued.)
+func TestSplicedUsageSaturates(t *testing.T) {
+	for _, tc := range []struct {
+		usage                     string
+		prompt, completion, total int64
+	}{
+		{`{"prompt_tokens":12,"completion_tokens":9223372036854775806,"total_tokens":9223372036854775807}`, 10, math.MaxInt64, math.MaxInt64},
+		{`{"prompt_tokens":9223372036854775807,"completion_tokens":1,"total_tokens":9223372036854775807}`, math.MaxInt64 - 2, 3, math.MaxInt64},
+		{`{"prompt_tokens":-9223372036854775808,"completion_tokens":1,"total_tokens":1}`, 0, 3, 3},
+		{`{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13}`, 10, 3, 13},
+	} {
+		got, _ := continuedBody(t, "/v1/chat/completions",
+			`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`,
+			chatEvent(`{"content":"a"}`)+chatEvent(`{"content":"b"}`),
+			chatEvent(`{"content":"c"}`)+
+				`data: {"id":"c2","object":"chat.completion.chunk","created":2,"model":"m","choices":[],"usage":`+tc.usage+`}`+"\n\n"+
+				"data: [DONE]\n\n")
+		var u struct {
+			PromptTokens     int64 `json:"prompt_tokens"`
+			CompletionTokens int64 `json:"completion_tokens"`
+			TotalTokens      int64 `json:"total_tokens"`
+		}
+		clientUsage(t, got, &u)
+		if u.PromptTokens != tc.prompt || u.CompletionTokens != tc.completion || u.TotalTokens != tc.total {
+			t.Errorf("the engine's usage %s: the client got %+v; want prompt %d, completion %d, total %d",
+				tc.usage, u, tc.prompt, tc.completion, tc.total)
+		}
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"io"
+	"math"
 	"net/http"
 	"slices"
 	"strconv"
@@ -1094,6 +1095,14 @@ type spliceState struct {
 	restart bool
 }
 
+// addTokens is a + b for b ≥ 0, saturating at math.MaxInt.
+func addTokens(a, b int) int {
+	if a > math.MaxInt-b {
+		return math.MaxInt
+	}
+	return a + b
+}
+
 // rewriteUsage sets the counts of u in raw, a usage object (u decoded
 // from it), keeping its other members (completion_tokens_details, and
 // the like).
@@ -1140,9 +1149,17 @@ func (s *spliceState) rewrite(data []byte, chunk *streamChunk, t *tokenRecorder)
 	set("created", t.streamCreated)
 	set("model", t.streamModel)
 	if u := chunk.Usage; u != nil {
-		u.PromptTokens = max(0, u.PromptTokens-s.priorTokens)
-		u.CompletionTokens += s.priorTokens
-		u.TotalTokens = u.PromptTokens + u.CompletionTokens
+		// The engine's counts are not trusted (see observeCompletion):
+		// a count near the int's range saturates there rather than
+		// wrapping round to a negative figure the client gets, and stays
+		// beyond router.MaxTokens, which the router does not learn from.
+		if u.PromptTokens > s.priorTokens {
+			u.PromptTokens -= s.priorTokens
+		} else {
+			u.PromptTokens = 0
+		}
+		u.CompletionTokens = addTokens(u.CompletionTokens, s.priorTokens)
+		u.TotalTokens = addTokens(u.CompletionTokens, u.PromptTokens)
 		if d := u.PromptTokensDetails; d != nil {
 			// The continuation's cache may hold some of the text it
 			// was given as prompt, which the client's prompt is not.
