@@ -28,9 +28,11 @@ var errDrainCut = fmt.Errorf("llm_affinity: upstream drain deadline passed: %w",
 
 // errSpliceRefused is the cause of cancelling a continuation (or a
 // request sent again) that its upstream answered otherwise than with an
-// event stream the client's stream can take: its body is not read. A
-// context.Canceled, as errDrainCut is, so that the proxy does not count
-// the abandoned body against the upstream.
+// event stream the client's stream can take: its body is not read. The
+// proxy's read of it fails with this cause, which its WARN log
+// ("aborting with incomplete response") then names; like errDrainCut it
+// is a context.Canceled, a cut of the router's own, not the upstream's
+// failure.
 var errSpliceRefused = fmt.Errorf("llm_affinity: the upstream did not answer with an event stream to splice: %w", context.Canceled)
 
 // statusClientClosedRequest is the status Caddy's proxy logs for a

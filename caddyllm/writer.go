@@ -230,11 +230,10 @@ func (t *tokenRecorder) WriteHeader(status int) {
 		// The proxy adds the new answer's headers to those of the first
 		// (Add, not Set): its Content-Type is the last one.
 		// A compressed one cannot join a stream the client reads
-		// uncompressed either.
-		// Its body is of no use, and is not read: the attempt is cut at
-		// once. (The proxy read it to its end, and an engine that ignored
-		// stream and never ended its JSON held the client's stream open
-		// for as long as it wrote.)
+		// uncompressed either. Its body is of no use and is not read:
+		// the attempt is cut at once. (The proxy read it to its end, and
+		// an engine that ignored stream and never ended its JSON held the
+		// client's stream open for as long as it wrote.)
 		types := t.Header().Values("Content-Type")
 		if status >= 200 && (status != http.StatusOK || len(types) == 0 || !strings.HasPrefix(types[len(types)-1], "text/event-stream") ||
 			encodedBody(t.Header())) {
