@@ -148,7 +148,7 @@ func TestAnswers(t *testing.T) {
 	fleet := startFleet(t, 1, 1, kvsim.Config{NumGPUBlocks: 1024})
 	r := fleet[0]
 	startCaddy(t, caddyfile(fleet, "max_body 1MiB", fmt.Sprintf(`scrape_interval 100ms
-			models_interval 100ms
+			models_interval 1s
 			output_estimate max_tokens
 			queue_timeout %s`, answersQueueTimeout),
 		// Caddy asks a policy that chose nothing again until this passes:
@@ -314,7 +314,7 @@ func TestAnswers(t *testing.T) {
 // at once all the same.
 func TestOwnAnswerUnderRetryInterval(t *testing.T) {
 	fleet := startFleet(t, 1, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "lb_retries 2\n\t\tlb_try_interval 1h"))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", "lb_retries 2\n\t\tlb_try_interval 1h"))
 	waitForModelLists(t, fleet)
 	row := answerRow{name: "a model no upstream serves", status: 404, typ: "invalid_request_error", code: `"model_not_found"`, param: `"model"`}.
 		post("/v1/chat/completions", `{"model":"gpt-4","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`)
@@ -334,7 +334,7 @@ func TestUnknownModelWithAnUpstreamDown(t *testing.T) {
 	reverse_proxy %s %s {
 		lb_policy llm_affinity {
 			scrape_interval 100ms
-			models_interval 100ms
+			models_interval 1s
 			queue_timeout %s
 		}
 		lb_retries 2

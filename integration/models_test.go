@@ -70,7 +70,7 @@ func TestModelsKeepTheEnginesAnswer(t *testing.T) {
 		})
 	}
 	fleet := wrappedFleet(t, keyed)
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "unhealthy_request_count 1"))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", "unhealthy_request_count 1"))
 	waitForModelLists(t, fleet)
 	if resp, b := getModels(t); resp.StatusCode != 401 {
 		t.Fatalf("free engine: %d %s, want its 401", resp.StatusCode, b)
@@ -102,7 +102,7 @@ func TestModelsKeepTheEnginesAnswer(t *testing.T) {
 			next.ServeHTTP(w, r)
 		})
 	})
-	startCaddy(t, caddyfile(broken, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(broken, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	waitForModelLists(t, broken)
 	if resp, b := getModels(t); resp.StatusCode != http.StatusBadGateway {
 		t.Errorf("engine broke the connection: %d %s, want the proxy's 502", resp.StatusCode, b)
@@ -126,7 +126,7 @@ func TestModelsListBehindACompressingEngine(t *testing.T) {
 		})
 	}
 	fleet := wrappedFleet(t, gzipped, gzipped)
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	loadTenantAdapters(t, fleet)
 	want := []string{kvsim.DefaultModel, "tenant-0", "tenant-1"}
 	for range 6 {
@@ -150,7 +150,7 @@ func TestModelsListBehindACompressingEngine(t *testing.T) {
 // the whole pool's list (RFC 9110: the same headers), not one engine's.
 func TestHeadModelsAsGet(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	loadTenantAdapters(t, fleet) // each engine's list differs from the pool's
 	resp, list := getModels(t)
 	if resp.StatusCode != 200 || !strings.Contains(string(list), "tenant-0") || !strings.Contains(string(list), "tenant-1") {
@@ -221,7 +221,7 @@ func TestContextLengthPerReplica(t *testing.T) {
 	short := startReplica(t, t.Name()+"-short", 20, kvsim.Config{MaxModelLen: 4096}, nil)
 	long := startReplica(t, t.Name()+"-long", 20, kvsim.Config{}, nil) // 131,072
 	fleet := []*replica{short, long}
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	modelsScraped(t, fleet)
 	for i := range 6 {
 		// About 5,000 tokens with max_tokens: over short's context.
@@ -257,7 +257,7 @@ func TestContextLengthPerReplica(t *testing.T) {
 func TestDownReplicaKeepsItsModels(t *testing.T) {
 	fleet := startFleet(t, 2, 20, kvsim.Config{})
 	config := func(deadline string) string {
-		return caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms\n\t\t\tdrain_deadline "+deadline, "")
+		return caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s\n\t\t\tdrain_deadline "+deadline, "")
 	}
 	tester := startCaddy(t, config("30s"))
 	down := fleet[1]
@@ -289,7 +289,7 @@ func TestModelRequiredInAMixedPool(t *testing.T) {
 	llama := startReplica(t, t.Name()+"-llama", 20, kvsim.Config{}, nil)
 	qwen := startReplica(t, t.Name()+"-qwen", 20, kvsim.Config{Model: "Qwen/Qwen2.5-7B-Instruct"}, nil)
 	fleet := []*replica{llama, qwen}
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	modelsScraped(t, fleet)
 	for _, body := range []string{`{"prompt":"hi","max_tokens":2}`, `{"model":"","prompt":"hi","max_tokens":2}`} {
 		c := postRaw(t, "/v1/completions", []byte(body))
@@ -443,7 +443,7 @@ func TestCORSForTheRoutersOwnAnswers(t *testing.T) {
 	reverse_proxy %s {
 		lb_policy llm_affinity {
 			scrape_interval 100ms
-			models_interval 100ms
+			models_interval 1s
 		}
 	}
 }
@@ -590,7 +590,7 @@ func TestModelsListAvoidsAFailingEngine(t *testing.T) {
 			sim.ServeHTTP(w, r)
 		})
 	})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	eventually(t, 10*time.Second, "the failing list fetch seen", func() bool {
 		v := listedEngine(t, fleet[0].dial())
 		return v != nil && v.ModelsError != ""

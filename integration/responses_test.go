@@ -248,7 +248,7 @@ func TestStoredResponseGetAfterItsHomeCrashed(t *testing.T) {
 // one in three paid a refused connection and a re-send).
 func TestDownEngineAvoided(t *testing.T) {
 	fleet := startFleet(t, 3, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tscrape_max_age 300ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tscrape_max_age 300ms\n\t\t\tmodels_interval 1s", ""))
 	waitForModelLists(t, fleet)
 	client, next, _, home := storeConversation(t)
 	crash(fleet, home)

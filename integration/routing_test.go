@@ -449,7 +449,7 @@ func TestOpenAIClientStreamsThroughRouter(t *testing.T) {
 func TestUnknownModelAnswersAtOnce(t *testing.T) {
 	fleet := startFleet(t, 2, 20, kvsim.Config{})
 	// A wait for capacity would last the client's whole timeout.
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms\n\t\t\tqueue_timeout 10m", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s\n\t\t\tqueue_timeout 10m", ""))
 	eventually(t, 10*time.Second, "both model lists scraped", func() bool {
 		for _, r := range fleet {
 			if v := engineView(t, r.dial()); v == nil || len(v.Models) == 0 {
@@ -492,7 +492,7 @@ func TestUnknownModelAnswersAtOnce(t *testing.T) {
 // routed as any.
 func TestBodyNotDeclaredJSONGetsTheEnginesAnswer(t *testing.T) {
 	fleet := startFleet(t, 2, 20, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", ""))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", ""))
 	modelsScraped(t, fleet)
 	send := func(contentType, body string) (int, string, http.Header) {
 		t.Helper()

@@ -280,7 +280,7 @@ func TestDirectlyLoadedAdapterFound(t *testing.T) {
 // list. Read with the official OpenAI client.
 func TestModelsListTheWholeFleet(t *testing.T) {
 	fleet := startFleet(t, 2, 1, kvsim.Config{})
-	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 100ms", "header_down X-Proxy-Header kept"))
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1s", "header_down X-Proxy-Header kept"))
 	loadTenantAdapters(t, fleet)
 	client := openai.NewClient(option.WithBaseURL(routerURL+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	list := func() []string {

@@ -54,6 +54,11 @@ func load(t *testing.T, tester *caddytest.Tester, contentType, config string) (i
 	t.Helper()
 	req, _ := http.NewRequest("POST", adminURL+"/load", strings.NewReader(config))
 	req.Header.Set("Content-Type", contentType)
+	// On a connection of its own: a load replaces Caddy's admin server and
+	// shuts the old one down meanwhile, which may close a kept-alive
+	// connection of the last load's under the next (a reset on a busy
+	// machine).
+	req.Close = true
 	resp, err := tester.Client.Do(req)
 	if err != nil {
 		t.Fatalf("load: %v", err)

@@ -214,7 +214,10 @@ func waitScraped(t *testing.T, dial string, capacity int) {
 		v := listedEngine(t, dial)
 		return v != nil && v.KVCapacity == capacity
 	})
-	if v := engineView(t, dial); v.LastError != "" {
+	// A later scrape that failed otherwise than by running out of time
+	// (a busy machine) says the scheme or the TLS settings are wrong for
+	// some of the requests.
+	if v := engineView(t, dial); v.LastError != "" && !strings.Contains(v.LastError, "deadline exceeded") && !strings.Contains(v.LastError, "timeout") {
 		t.Errorf("%s: last scrape error %q after a successful scrape", dial, v.LastError)
 	}
 }
