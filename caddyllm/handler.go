@@ -202,19 +202,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	endpoint := endpointOf(r.Method, r.URL.Path)
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if endpoint == EndpointOther {
-		unrouted(repl)
 		if (r.Method == http.MethodGet || r.Method == http.MethodHead) && strings.HasSuffix(r.URL.Path, "/v1/models") {
-			return serveModels(w, r, next)
+			return serveModels(w, r, repl, next)
 		}
-		return h.servePassThrough(w, r, next)
+		return h.servePassThrough(w, r, repl, next)
 	}
 	if !declaresJSON(r.Header) {
 		// vLLM refuses such a body, however good its JSON (400,
 		// "Unsupported Media Type"), before it reads the model: the
 		// engine answers, where the router's own 404 or 400 would point
 		// the client at another mistake first.
-		unrouted(repl)
-		return h.servePassThrough(w, r, next)
+		return h.servePassThrough(w, r, repl, next)
 	}
 	if encodedBody(r.Header) {
 		// Engines such as vLLM read request bodies uncompressed, and the
@@ -312,11 +310,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // routed one's (see Policy.enterPassThrough), so a drain waits for it;
 // the drain's deadline cancels it. It is not sent again from here: one
 // cut before its response began is answered 503 with Retry-After, which a
-// client may retry at once, on another upstream.
-func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+// client may retry at once, on another upstream. Its placeholders, in
+// repl, are pt's (see passThrough.placeholder).
+func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler) error {
 	ctx, cancel := context.WithCancelCause(r.Context())
 	pt := &passThrough{cancel: cancel}
 	pt.writer.ResponseWriter, pt.writer.pt = w, pt
+	pt.mapPlaceholders(repl)
 	defer pt.end()
 	defer cancel(nil)
 	if r.Method == http.MethodPost && r.Body != nil && r.Body != http.NoBody && r.ContentLength != 0 &&
@@ -487,8 +487,9 @@ type passThroughKey struct{}
 type passThrough struct {
 	writer passThroughWriter
 	cancel context.CancelCauseFunc
-	// model is the body's model, "" when not read; notFound says no
-	// upstream lists it (the policy chose none).
+	// model is the body's model, "" when not read, set before the
+	// request is served; notFound says no upstream lists it (the policy
+	// chose none), set under mu (the placeholders read it).
 	model    string
 	notFound bool
 	// loraName is the adapter a load or unload (vLLM's runtime adapter
@@ -506,9 +507,10 @@ type passThrough struct {
 	// one for an attempt the proxy has left does nothing.
 	attempts int
 	cut      bool
-	// conns is what the transport reported of the attempts, lastDial the
-	// last one's upstream (see Policy.selectFallback); both are the
-	// proxy's goroutine's.
+	// conns is what the transport reported of the attempts, the
+	// proxy's goroutine's; lastDial is the last one's upstream (see
+	// Policy.selectFallback), set under mu by enter, the placeholders
+	// reading it.
 	conns    connLog
 	lastDial string
 	// models is the writer of a GET /v1/models (see serveModels), nil
@@ -522,6 +524,7 @@ type passThrough struct {
 func (pt *passThrough) enter(drains *drain.Registry, dial string) {
 	pt.mu.Lock()
 	pt.attempts++
+	pt.lastDial = dial
 	n, last := pt.attempts, pt.flight
 	pt.mu.Unlock()
 	last.End()
@@ -562,7 +565,7 @@ func (pt *passThrough) end() {
 // serveModels serves GET /v1/models: the policy sends it to one engine,
 // as any request the router does not route, and makes the pool's list
 // (see Policy.listModels), which replaces the engine's (modelsWriter).
-func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+func serveModels(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler) error {
 	// The engine's body is replaced, so it must come uncompressed; Caddy's
 	// encode handler, before this one, compresses the list for a client
 	// that asked.
@@ -574,6 +577,7 @@ func serveModels(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler)
 	ctx, cancel := context.WithCancelCause(r.Context())
 	pt := &passThrough{cancel: cancel, models: mw}
 	pt.writer.ResponseWriter, pt.writer.pt = mw, pt
+	pt.mapPlaceholders(repl)
 	defer pt.end()
 	defer cancel(nil)
 	return pt.serve(w, r, r.WithContext(&attemptContext{Context: context.WithValue(pt.conns.traced(ctx), passThroughKey{}, pt), st: st}), next)

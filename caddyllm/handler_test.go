@@ -442,7 +442,7 @@ func TestPassThroughBodyOverALimitIs413(t *testing.T) {
 	r.ContentLength, r.TransferEncoding = -1, []string{"chunked"}
 	r.Body = http.MaxBytesReader(rec, r.Body, 64) // request_body max_size 64
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(200); return nil })
-	_ = h.servePassThrough(rec, r, next)
+	_ = h.servePassThrough(rec, r, nil, next)
 	if rec.Code != http.StatusRequestEntityTooLarge || !strings.Contains(rec.Body.String(), "limit of 64 bytes") {
 		t.Errorf("a body over request_body's limit: %d %s", rec.Code, rec.Body)
 	}

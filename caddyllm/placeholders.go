@@ -4,17 +4,20 @@ import (
 	"slices"
 	"strings"
 	"sync"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // The placeholders of each parsed request, for access logs (log_append)
-// and headers. Every value is a count, a duration, a dial address or a
-// fixed word: none carries prompt text.
+// and headers; a request passed through has some of them (see
+// passThrough.placeholder). Every value is a count, a duration, a dial
+// address, the model or a fixed word: none carries prompt text.
 //
 //	{http.llm_affinity.model}           the requested model
 //	{http.llm_affinity.prompt_tokens}   prompt tokens: the parse's estimate, then the decision's
 //	{http.llm_affinity.stream}          whether the response streams
 //	{http.llm_affinity.upstream}        the chosen upstream's dial address
-//	{http.llm_affinity.reason}          warm, cold, spill, adapter, shed or refused
+//	{http.llm_affinity.reason}          warm, cold, spill, adapter, fallback, shed or refused
 //	{http.llm_affinity.matched_tokens}  prompt tokens expected cached there
 //	{http.llm_affinity.estimated_ttft}  the decision's TTFT estimate, seconds
 //	{http.llm_affinity.attempt}         the routing attempt (2 and up: retries)
@@ -94,12 +97,70 @@ func (v *placeholderValues) placeholder(key string) (any, bool) {
 var placeholderNames = [...]string{"model", "prompt_tokens", "stream", "upstream", "reason",
 	"matched_tokens", "estimated_ttft", "attempt", "blocked_by", "ttft"}
 
-// noPlaceholders is the replacer provider for requests the handler does
-// not route (other endpoints, bodies it answers itself): every
-// {http.llm_affinity.*} is known and nil.
+// noPlaceholders is the replacer provider for requests the handler
+// answers itself without routing them (bodies it cannot read or parse):
+// every {http.llm_affinity.*} is known and nil.
 func noPlaceholders(key string) (any, bool) {
 	name, ok := strings.CutPrefix(key, placeholderPrefix)
 	return nil, ok && slices.Contains(placeholderNames[:], name)
+}
+
+// mapPlaceholders makes pt the request's provider of
+// {http.llm_affinity.*}, when it has a replacer.
+func (pt *passThrough) mapPlaceholders(repl *caddy.Replacer) {
+	if repl != nil {
+		repl.Map(pt.placeholder)
+	}
+}
+
+// placeholder is the replacer provider of a request passed through. It
+// reports what the router knows of it, which is no prompt: the body's
+// model, when the handler read one, and the policy's last choice (reason
+// fallback, as decisions_total counts it, with its upstream and attempt)
+// or its refusal (reason refused, blocked_by model, as a routed request's
+// 404 model_not_found), so that an access log counts what the metrics
+// count. The rest (prompt_tokens, stream, matched_tokens, estimated_ttft,
+// ttft) is the prompt's and nil, as is all of it before the policy chose.
+func (pt *passThrough) placeholder(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	if !ok {
+		return nil, false
+	}
+	pt.mu.Lock()
+	model, refused, chose := pt.model, pt.notFound, pt.attempts > 0
+	attempt, upstream := pt.attempts, pt.lastDial
+	pt.mu.Unlock()
+	switch name {
+	case "model":
+		if model != "" {
+			return model, true
+		}
+	case "reason":
+		if refused {
+			return refusedReason, true
+		}
+		if chose {
+			return fallbackReason, true
+		}
+	case "blocked_by":
+		if refused {
+			return "model", true // as the routed 404 model_not_found's
+		}
+	case "upstream":
+		if refused {
+			return "", true // an earlier attempt's, if any, did not answer
+		}
+		if chose {
+			return upstream, true
+		}
+	case "attempt":
+		if chose && !refused {
+			return attempt, true
+		}
+	default:
+		return noPlaceholders(key)
+	}
+	return nil, true
 }
 
 // setParsedPlaceholders records what the handler knows from the body.

@@ -1261,9 +1261,6 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	if up == nil {
 		return nil // no decision: Caddy may ask again
 	}
-	if pt != nil {
-		pt.lastDial = up.Dial
-	}
 	p.sh.metrics.decision(fallbackReason).Inc()
 	p.enterPassThrough(r, pt, up.Dial)
 	if pt != nil && pt.unload && pt.loraName != "" && p.scraper != nil {
@@ -1348,7 +1345,9 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	if pt != nil && pt.model != "" && p.scraper != nil {
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
-			pt.notFound = true
+			pt.mu.Lock()
+			pt.notFound = true // the placeholders' refused, blocked_by model
+			pt.mu.Unlock()
 			p.sh.metrics.decision(refusedReason).Inc()
 			p.sh.metrics.refused.WithLabelValues("model_not_found").Inc()
 			if c := p.logger.Check(zapcore.DebugLevel, refusedReason); c != nil {

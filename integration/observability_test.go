@@ -41,6 +41,7 @@ const placeholderLog = `
 	log_append llm_model {http.llm_affinity.model}
 	log_append llm_attempt {http.llm_affinity.attempt}
 	log_append llm_stream {http.llm_affinity.stream}
+	log_append llm_blocked_by {http.llm_affinity.blocked_by}
 	header >X-LLM-Reason {http.llm_affinity.reason}
 `
 
@@ -177,12 +178,13 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 	if status != 200 || h2.Get("X-LLM-Reason") != "warm" {
 		t.Fatalf("streamed turn: status %d reason %q: %.300s", status, h2.Get("X-LLM-Reason"), body)
 	}
-	// A request the handler does not route, and one it answers itself,
-	// have the placeholders without values: the header empty, not the
+	// A request the handler does not route by its prompt has the
+	// policy's reason, fallback; one it answers itself has the
+	// placeholders without values: the header empty, not the
 	// placeholder's own text.
-	for _, c := range []struct{ method, path, body string }{
-		{"GET", "/v1/models", ""},
-		{"POST", "/v1/completions", `{"model": `},
+	for _, c := range []struct{ method, path, body, reason string }{
+		{"GET", "/v1/models", "", "fallback"},
+		{"POST", "/v1/completions", `{"model": `, ""},
 	} {
 		req, _ := http.NewRequest(c.method, r.site+c.path, strings.NewReader(c.body))
 		resp, err := http.DefaultClient.Do(req)
@@ -190,8 +192,8 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 			t.Fatal(err)
 		}
 		resp.Body.Close()
-		if v, ok := resp.Header["X-Llm-Reason"]; ok && strings.Join(v, "") != "" {
-			t.Errorf("%s %s (%d): X-LLM-Reason %q", c.method, c.path, resp.StatusCode, v)
+		if v := strings.Join(resp.Header["X-Llm-Reason"], ""); v != c.reason {
+			t.Errorf("%s %s (%d): X-LLM-Reason %q, want %q", c.method, c.path, resp.StatusCode, v, c.reason)
 		}
 	}
 	if v := h1.Get("X-LLM-Vars"); v != "" {
@@ -244,6 +246,98 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 		if strings.Contains(l, promptMarker) {
 			t.Errorf("a log line carries the prompt's marker: %s", l)
 		}
+	}
+}
+
+// TestPassThroughRefusalsInTheAccessLog: embeddings for a model no
+// engine lists get the router's 404 model_not_found, and their access log
+// lines say so as a routed refusal's do (reason refused, blocked_by model,
+// the model, upstream empty): as many lines as refused_total rose by.
+// One the router sends on has reason fallback, its upstream, attempt and
+// model. No line carries the input. (They used to have every
+// llm_affinity field null: the access log counted no refusal.)
+func TestPassThroughRefusalsInTheAccessLog(t *testing.T) {
+	fleet := startFleetServing(t, 1, 20, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/embeddings" {
+				sim.ServeHTTP(w, r)
+				return
+			}
+			fmt.Fprint(w, `{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}]}`)
+		})
+	})
+	dir := t.TempDir()
+	r := startObserved(t, "passthrough", "", fmt.Sprintf(`%s
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+			models_interval 1s
+		}
+		lb_retries 2
+	}`, fmt.Sprintf(placeholderLog, filepath.Join(dir, "access.log")), dials(fleet)))
+	eventually(t, 10*time.Second, "the engine's model list scraped", func() bool {
+		var list []caddyllm.UpstreamSnapshot
+		getJSON(t, r.admin+"/llm_affinity/upstreams", &list)
+		return len(list) == 1 && list[0].Engine != nil && len(list[0].Engine.Models) > 0
+	})
+	refusedTotal := func() float64 {
+		return counterValue(metricFamilies(t, r.admin+"/metrics"), "caddy_llm_affinity_refused_total", "code", "model_not_found")
+	}
+	before := refusedTotal()
+	models := []string{"no-such-model", "nor-this-one", "nor-that-one", testModel, testModel}
+	for _, model := range models {
+		status, _, body := postTo(t, r.site+"/v1/embeddings", map[string]any{"model": model, "input": promptMarker})
+		if want := map[bool]int{true: 200, false: 404}[model == testModel]; status != want {
+			t.Fatalf("%s: %d, want %d: %s", model, status, want, body)
+		}
+	}
+	refused := refusedTotal() - before
+	if refused != 3 {
+		t.Errorf("refused_total{code=model_not_found} rose by %v, want 3", refused)
+	}
+
+	// The access log is written once the handlers return.
+	var lines []string
+	var entries []map[string]any
+	eventually(t, 10*time.Second, "every embedding in the access log", func() bool {
+		all, allEntries := readJSONLines(t, filepath.Join(dir, "access.log"))
+		lines, entries = nil, nil
+		for i, e := range allEntries {
+			if req, _ := e["request"].(map[string]any); req["uri"] == "/v1/embeddings" {
+				lines, entries = append(lines, all[i]), append(entries, e)
+			}
+		}
+		return len(entries) >= len(models)
+	})
+	var refusedLines int
+	for i, e := range entries {
+		switch e["llm_reason"] {
+		case "refused":
+			refusedLines++
+			if e["status"] != float64(404) || e["llm_blocked_by"] != "model" || e["llm_upstream"] != "" || e["llm_attempt"] != nil ||
+				!slices.Contains(models[:3], fmt.Sprint(e["llm_model"])) {
+				t.Errorf("access log %d: %s", i, lines[i])
+			}
+		case "fallback":
+			if e["status"] != float64(200) || e["llm_blocked_by"] != nil || e["llm_upstream"] != fleet[0].dial() || e["llm_attempt"] != float64(1) ||
+				e["llm_model"] != testModel {
+				t.Errorf("access log %d: %s", i, lines[i])
+			}
+		default:
+			t.Errorf("access log %d: reason %v: %s", i, e["llm_reason"], lines[i])
+		}
+		for _, f := range []string{"llm_prompt_tokens", "llm_matched_tokens", "llm_estimated_ttft", "llm_ttft", "llm_stream"} {
+			if e[f] != nil {
+				t.Errorf("access log %d: %s = %v, want null: the router does not read the input", i, f, e[f])
+			}
+		}
+		if strings.Contains(lines[i], promptMarker) {
+			t.Errorf("access log %d carries the input: %s", i, lines[i])
+		}
+	}
+	if float64(refusedLines) != refused {
+		t.Errorf("%d access log lines refused, refused_total rose by %v", refusedLines, refused)
 	}
 }
 
