@@ -293,6 +293,33 @@ func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
 	}
 }
 
+// benchChatParts is a chat body of about size bytes whose user turns are
+// arrays of content parts, as clients of vision models send every
+// message: the turn's text in two text parts, the assistant's reply a
+// string.
+func benchChatParts(tb testing.TB, size int) []byte {
+	turn := strings.Repeat("lorem ipsum dolor sit amet ", 19)
+	parts := []map[string]string{{"type": "text", "text": turn}, {"type": "text", "text": turn}}
+	var msgs []map[string]any
+	m := map[string]any{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 256, "stream": true}
+	for n := 1; ; n *= 2 {
+		for len(msgs) < n {
+			msgs = append(msgs, map[string]any{"role": "user", "content": parts}, map[string]any{"role": "assistant", "content": "ok"})
+		}
+		m["messages"] = msgs
+		b, err := json.Marshal(m)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		if len(b) < size {
+			continue
+		}
+		m["messages"] = msgs[:max(1, n*size/len(b))]
+		b, _ = json.Marshal(m)
+		return b
+	}
+}
+
 // BenchmarkHandlerParse is the handler's parse of a chat body: read,
 // validate, pick out the fields, hash the prompt. reference is the
 // encoding/json parser it replaced (request_ref_test.go); xxh3 is plain
@@ -306,6 +333,7 @@ func BenchmarkHandlerParse(b *testing.B) {
 		{"chat-64KiB", benchChat(b, 64<<10, false, false)},
 		{"chat-escapes-64KiB", benchChat(b, 64<<10, false, true)},
 		{"chat-tools-last-64KiB", benchChat(b, 64<<10, true, false)},
+		{"chat-parts-64KiB", benchChatParts(b, 64<<10)},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			b.SetBytes(int64(len(bc.body)))
