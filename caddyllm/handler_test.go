@@ -29,6 +29,7 @@ import (
 	"github.com/llmaffinity/caddy-llm-affinity/drain"
 	"github.com/llmaffinity/caddy-llm-affinity/internal/cputime"
 	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
+	"github.com/llmaffinity/caddy-llm-affinity/router"
 )
 
 // benchBody is a request body whose reader can be rewound, so the
@@ -744,5 +745,80 @@ func TestModelNotServedReadsTheEnginesAnswer(t *testing.T) {
 		if got := modelNotServed([]byte(body)); got != want {
 			t.Errorf("%s: %v, want %v", body, got, want)
 		}
+	}
+}
+
+// TestTextPartsCountTheirText: a message's content parts count as the
+// text in them, not as the JSON around it. A chat of 100,000 empty text
+// parts (2.6 MB of body, no text) was refused as context_length_exceeded
+// on upstreams of 100,000 tokens, its parts' objects counted as text; so
+// was a Responses API input of empty input_text parts. Parts whose text
+// is too long even at 16 bytes a token still are refused, and the
+// engines' usage for text parts teaches the text's bytes per token.
+func TestTextPartsCountTheirText(t *testing.T) {
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	p.hardwareByDial = map[string]router.Hardware{}
+	for _, u := range pool {
+		p.hardwareByDial[u.Dial] = router.Hardware{KVCapacityTokens: 100_000}
+	}
+	// serve sends body to path; an engine answers with usage counting
+	// promptTokens.
+	serve := func(path, body string, promptTokens int) *httptest.ResponseRecorder {
+		t.Helper()
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			if p.Select(pool, r, w) == nil {
+				return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
+			}
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusOK)
+			fmt.Fprintf(w, `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":2,"total_tokens":%d}}`, promptTokens, promptTokens+2)
+			return nil
+		})
+		rr := httptest.NewRecorder()
+		if err := h.ServeHTTP(rr, moveRequestTo(path, body), next); err != nil {
+			t.Fatal(err)
+		}
+		return rr
+	}
+	// parts is n text parts of type typ, each with text.
+	parts := func(typ string, n int, text string) string {
+		part := `{"type":"` + typ + `","text":"` + text + `"}`
+		return "[" + strings.Repeat(part+",", n-1) + part + "]"
+	}
+	chat := func(content string) string {
+		return `{"model":"m","max_tokens":7,"messages":[{"role":"user","content":` + content + `}]}`
+	}
+	responses := func(content string) string {
+		return `{"model":"m","max_output_tokens":7,"input":[{"role":"user","content":` + content + `}]}`
+	}
+
+	for _, c := range []struct {
+		name, path, body string
+		refused          bool
+	}{
+		{"100,000 empty text parts", "/v1/chat/completions", chat(parts("text", 100_000, "")), false},
+		{"100,000 empty input_text parts", "/v1/responses", responses(parts("input_text", 100_000, "")), false},
+		// 1.7 MB of text, 106,250 tokens at 16 bytes a token.
+		{"text parts of 1.7 MB of text", "/v1/chat/completions", chat(parts("text", 1_000, strings.Repeat("x", 1_700))), true},
+		{"input_text parts of 1.7 MB of text", "/v1/responses", responses(parts("input_text", 1_000, strings.Repeat("x", 1_700))), true},
+	} {
+		rr := serve(c.path, c.body, 10)
+		tooLong := rr.Code == http.StatusBadRequest && strings.Contains(rr.Body.String(), "context_length_exceeded")
+		if tooLong != c.refused || !c.refused && rr.Code != http.StatusOK {
+			t.Errorf("%s (%d bytes of body): %d %.200s", c.name, len(c.body), rr.Code, rr.Body)
+		}
+	}
+
+	// Three turns of 100 parts of 40 bytes of text each, which the engine
+	// counts at 4 bytes a token (2,600 bytes of parts' keys and
+	// punctuation besides, no tokens of their own).
+	for i := range 3 {
+		text := fmt.Sprintf("turn %d %s", i, strings.Repeat("x", 33))
+		if rr := serve("/v1/chat/completions", chat(parts("text", 100, text)), 100*len(text)/4); rr.Code != http.StatusOK {
+			t.Fatalf("teaching request: %d %s", rr.Code, rr.Body)
+		}
+	}
+	if bpt, learned := p.sh.fleet.BytesPerToken("m"); !learned || bpt < 3.9 || bpt > 4.2 {
+		t.Errorf("learned %.2f bytes a token (learned %v) from text parts of 4", bpt, learned)
 	}
 }

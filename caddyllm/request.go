@@ -73,9 +73,11 @@ type Request struct {
 	// the prompt was given as token ids).
 	PromptTokens int
 	// PromptBytes is the length of the text PromptTokens was estimated
-	// from (bytes_per_token), 0 when the prompt was token ids. Media
-	// parts of a message (images, audio, files) are hashed but not
-	// counted: their bytes say nothing of their tokens.
+	// from (bytes_per_token), 0 when the prompt was token ids. A
+	// message's content parts count their text only: the parts' keys and
+	// punctuation are not the engine's text, and media parts (images,
+	// audio, files) are hashed but not counted, their bytes saying
+	// nothing of their tokens.
 	PromptBytes int
 	// Media says the prompt has media parts: the engine's count of its
 	// tokens includes theirs, so its usage teaches no bytes per token.
@@ -268,10 +270,9 @@ type msgRange struct {
 // msgExtra is what few messages have: a chat message's name,
 // tool_call_id and tool_calls (a string's contents, or the value as
 // sent; unset when absent or null), which the engine's chat template
-// renders, and the bytes of the content's media parts.
+// renders.
 type msgExtra struct {
 	name, toolCallID, toolCalls span
-	media                       int
 }
 
 // Roles implied by the Responses API's input string and instructions.
@@ -288,12 +289,32 @@ var (
 	topFields  = [...]string{"model", "prompt", "messages", "tools", "max_tokens", "max_completion_tokens", "stream", "input", "instructions", "max_output_tokens", "previous_response_id", "store", "n", "cache_salt", "background"}
 	msgFields  = [...]string{"role", "content", "type", "name", "tool_call_id", "tool_calls"}
 	itemFields = [...]string{"role", "content", "type"}
-	partFields = [...]string{"type"}
+	partFields = [...]string{"type", "text", "refusal"}
 )
 
-// textParts are the content part types whose bytes are the prompt's text;
-// the others (images, audio, files) are media.
+// textParts are the content part types that hold the prompt's text (a
+// refusal in its "refusal", the others in their "text"); the others
+// (images, audio, files) are media.
 var textParts = [...]string{"text", "input_text", "output_text", "refusal", "reasoning_text", "summary_text"}
+
+// Kinds of content part, by type.
+const (
+	partOther   = iota // no type, or not a string: not text the engine reads
+	partText           // its "text" is text
+	partRefusal        // its "refusal" is text
+	partMedia          // an image, audio, a file: none of it is text
+)
+
+// partKind is the kind of a content part typed typ.
+func partKind(typ []byte) int {
+	switch {
+	case string(typ) == "refusal":
+		return partRefusal
+	case slices.Contains(textParts[:], string(typ)):
+		return partText
+	}
+	return partMedia
+}
 
 const (
 	fieldModel = iota
@@ -323,6 +344,12 @@ const (
 	fieldName
 	fieldToolCallID
 	fieldToolCalls
+)
+
+const (
+	fieldPartType = iota
+	fieldPartText
+	fieldPartRefusal
 )
 
 // fieldOf returns the index of key in names, or fieldOther.
@@ -408,11 +435,14 @@ type reading struct {
 	tools        span
 	toolsSet     bool
 	messagesSeen bool
-	// toolsExtra and msgsExtra are the bytes the escapes of the tools and
-	// of the messages kept (or the Responses input's items) take beyond
-	// their text (see scanner.escapeExtra): the prompt's size is its
-	// text's, as the engine reads it.
+	// toolsExtra and msgsExtra are the bytes of the tools and of the
+	// messages kept (or the Responses input's items) that are hashed but
+	// are not text as the engine reads it: the escapes' bytes beyond the
+	// text (see scanner.escapeExtra) and, of the messages' arrays of
+	// content parts, all but the parts' text. The prompt's size is its
+	// text's. msgsMedia says a message kept has media parts.
 	toolsExtra, msgsExtra int
+	msgsMedia             bool
 	messagesErr           error
 	hashedTools           span
 	hashedSet             bool
@@ -585,19 +615,18 @@ func (req *Request) seed(model string) {
 // utf8BOM is the UTF-8 encoding of U+FEFF, the byte order mark.
 var utf8BOM = []byte("\xef\xbb\xbf")
 
-// countText sets req's prompt size from the canonical text hashed, its
-// media parts left out.
+// countText sets req's prompt size from the canonical text hashed, less
+// what of it is not text: escapes, and the content parts' keys and media.
 func (r *reading) countText(req *Request) {
-	media := r.mediaBytes()
-	escapes := r.msgsExtra
+	notText := r.msgsExtra
 	if r.toolsSet {
-		escapes += r.toolsExtra
+		notText += r.toolsExtra
 	}
 	if r.endpoint == EndpointResponses && r.instructionsSet {
-		escapes += r.instructionsExtra
+		notText += r.instructionsExtra
 	}
-	req.PromptBytes = max(0, r.sc.blocks.Len()-media-escapes)
-	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), media > 0
+	req.PromptBytes = max(0, r.sc.blocks.Len()-notText)
+	req.PromptTokens, req.Media = r.p.tokens(req.PromptBytes), r.msgsMedia
 }
 
 // modelName returns name as a string, the last one's when equal.
@@ -905,7 +934,7 @@ func (r *reading) messages() {
 	case 'n':
 		if s.literal() {
 			r.messagesSeen, r.messagesErr = false, nil
-			r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
+			r.sc.msgs, r.msgsExtra, r.msgsMedia = r.sc.msgs[:0], 0, false
 		}
 		return
 	case '[':
@@ -915,7 +944,7 @@ func (r *reading) messages() {
 		return
 	}
 	r.messagesSeen, r.messagesErr = true, nil
-	r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
+	r.sc.msgs, r.msgsExtra, r.msgsMedia = r.sc.msgs[:0], 0, false
 	if r.endpoint == EndpointChatCompletions {
 		r.startChat()
 	}
@@ -935,7 +964,7 @@ func (r *reading) message(i int) {
 	switch s.ws() {
 	case 'n':
 		if s.literal() {
-			r.addMessage(i, m, 0)
+			r.addMessage(i, m, 0, false)
 		}
 		return
 	case '{':
@@ -949,15 +978,17 @@ func (r *reading) message(i int) {
 		return
 	}
 	var x msgExtra
-	// The escapes' extra bytes of what is hashed: the content, name,
-	// tool_call_id and tool_calls (the last value of each counts).
-	var escapes [4]int
+	// The bytes hashed that are not text, of the content, name,
+	// tool_call_id and tool_calls (the last value of each counts), and
+	// whether the content has media parts.
+	var notText [4]int
+	media := false
 	for first := true; ; first = false {
 		key, more := s.member(first, r.sc.key[:0])
 		if !more {
 			if s.err == nil {
 				r.keepExtra(&m, &x)
-				r.addMessage(i, m, escapes[0]+escapes[1]+escapes[2]+escapes[3])
+				r.addMessage(i, m, notText[0]+notText[1]+notText[2]+notText[3], media)
 			}
 			return
 		}
@@ -975,21 +1006,21 @@ func (r *reading) message(i int) {
 		case fieldContent:
 			if s.ws() == '"' { // the usual content, read here: no call
 				if start, end, _, ok := s.str(); ok {
-					m.content, x.media = span{start, end}, 0
+					m.content = span{start, end}
 				}
+				notText[0], media = s.escapeExtra-before, false
 			} else {
-				r.content(&m, &x)
+				notText[0], media = r.content(&m)
 			}
-			escapes[0] = s.escapeExtra - before
 		case fieldName, fieldToolCallID, fieldToolCalls:
 			v := r.value()
 			switch f {
 			case fieldName:
-				x.name, escapes[1] = v, s.escapeExtra-before
+				x.name, notText[1] = v, s.escapeExtra-before
 			case fieldToolCallID:
-				x.toolCallID, escapes[2] = v, s.escapeExtra-before
+				x.toolCallID, notText[2] = v, s.escapeExtra-before
 			default:
-				x.toolCalls, escapes[3] = v, s.escapeExtra-before
+				x.toolCalls, notText[3] = v, s.escapeExtra-before
 			}
 		default:
 			r.skip()
@@ -1017,70 +1048,106 @@ func (r *reading) value() span {
 }
 
 // content reads a message's (or input item's) content into m (a string's
-// contents, or the value as sent) and, for an array of parts, counts in x
-// the bytes of its media parts: parts typed other than text, whose bytes
-// are hashed but tell nothing of their tokens.
-func (r *reading) content(m *msgRange, x *msgExtra) {
+// contents, or the value as sent) and returns how many of its bytes as
+// sent are not text as the engine reads it, and whether it has media
+// parts. Those of a string are its escapes' beyond its text; those of an
+// array of parts are all but the parts' text: their keys, types and
+// punctuation, and the media parts (images, audio, files) whole, whose
+// bytes are hashed but tell nothing of their tokens. Another value counts
+// as it is hashed, less its escapes.
+func (r *reading) content(m *msgRange) (notText int, media bool) {
 	s := r.s
-	x.media = 0
+	before := s.escapeExtra
 	switch s.ws() {
 	case '"':
 		if start, end, _, ok := s.str(); ok {
 			m.content = span{start, end}
 		}
-		return
+		return s.escapeExtra - before, false
 	case '[':
 	default:
 		if start, end, ok := s.skip(); ok {
 			m.content = span{start, end}
 		}
-		return
+		return s.escapeExtra - before, false
 	}
 	start := s.pos
 	s.pos++
 	if !s.push(false) {
-		return
+		return 0, false
 	}
+	text := 0 // the parts' text, escapes decoded
 	for i := 0; s.element(i == 0); i++ {
-		if s.ws() != '{' {
+		switch s.ws() {
+		case '"':
+			// A string is a text part: vLLM reads it as one.
+			e := s.escapeExtra
+			if ts, te, _, ok := s.str(); ok {
+				text += te - ts - (s.escapeExtra - e)
+			}
+		case '{':
+			n, isMedia := r.part()
+			text, media = text+n, media || isMedia
+		default:
+			r.skip()
+		}
+	}
+	if s.err != nil {
+		return 0, false
+	}
+	m.content = span{start, s.pos}
+	return s.pos - start - text, media
+}
+
+// part reads a content part, the object at pos, and returns the bytes of
+// its text as the engine reads it (a text part's "text", a refusal's
+// "refusal"), and whether it is media: typed other than text. The last
+// value given of a key counts, as for every key.
+func (r *reading) part() (text int, media bool) {
+	s := r.s
+	s.pos++
+	if !s.push(true) {
+		return 0, false
+	}
+	kind := partOther
+	var texts [2]int // the last "text" and "refusal" given, if strings
+	for first := true; ; first = false {
+		key, more := s.member(first, r.sc.key[:0])
+		if !more {
+			break
+		}
+		f := fieldOf(key, partFields[:])
+		if f == fieldOther {
 			r.skip()
 			continue
 		}
-		partStart, partEscapes := s.pos, s.escapeExtra
-		s.pos++
-		if !s.push(true) {
-			return
+		if s.ws() != '"' {
+			if f == fieldPartType {
+				kind = partOther
+			} else {
+				texts[f-fieldPartText] = 0
+			}
+			r.skip()
+			continue
 		}
-		media := false
-		for first := true; ; first = false {
-			key, more := s.member(first, r.sc.key[:0])
-			if !more {
-				break
-			}
-			if fieldOf(key, partFields[:]) != 0 {
-				r.skip()
-				continue
-			}
-			// The last type given counts, as for every key.
-			media = false
-			if s.ws() != '"' {
-				r.skip()
-				continue
-			}
-			if ts, te, esc, ok := s.str(); ok {
-				media = !slices.Contains(textParts[:], string(r.unquoted(ts, te, esc)))
-			}
-		}
-		if s.err != nil {
-			return
-		}
-		if media {
-			x.media += s.pos - partStart - (s.escapeExtra - partEscapes)
+		e := s.escapeExtra
+		ts, te, esc, ok := s.str()
+		switch {
+		case !ok:
+			return 0, false
+		case f == fieldPartType:
+			kind = partKind(r.unquoted(ts, te, esc))
+		default:
+			texts[f-fieldPartText] = te - ts - (s.escapeExtra - e)
 		}
 	}
-	if s.err == nil {
-		m.content = span{start, s.pos}
+	switch kind {
+	case partText:
+		return texts[0], false
+	case partRefusal:
+		return texts[1], false
 	}
+	return 0, kind == partMedia
 }
 
 // keepExtra stores x for m, unless it is empty.
@@ -1092,20 +1159,10 @@ func (r *reading) keepExtra(m *msgRange, x *msgExtra) {
 	m.extra = uint32(len(r.sc.extras))
 }
 
-// mediaBytes is the media bytes of the messages read.
-func (r *reading) mediaBytes() int {
-	n := 0
-	for i := range r.sc.msgs {
-		if m := &r.sc.msgs[i]; m.extra != 0 {
-			n += r.sc.extras[m.extra-1].media
-		}
-	}
-	return n
-}
-
-// addMessage records and, for a chat, hashes messages[i], whose hashed
-// values' escapes take escapes bytes beyond their text.
-func (r *reading) addMessage(i int, m msgRange, escapes int) {
+// addMessage records and, for a chat, hashes messages[i], of whose
+// hashed values notText bytes are not text; media says its content has
+// media parts.
+func (r *reading) addMessage(i int, m msgRange, notText int, media bool) {
 	// Only a valid chat's messages are kept (to hash again if its tools
 	// come after them): a body of empty or null elements must not cost
 	// a record each.
@@ -1116,7 +1173,7 @@ func (r *reading) addMessage(i int, m msgRange, escapes int) {
 		r.messagesErr = badRequestf(fmt.Sprintf("messages[%d].role", i), "invalid request: messages[%d].role is required", i)
 		return
 	}
-	r.sc.msgs, r.msgsExtra = append(r.sc.msgs, m), r.msgsExtra+escapes
+	r.sc.msgs, r.msgsExtra, r.msgsMedia = append(r.sc.msgs, m), r.msgsExtra+notText, r.msgsMedia || media
 	r.hashMessage(&m)
 }
 
@@ -1195,7 +1252,7 @@ func (r *reading) readInstructions() {
 func (r *reading) input() {
 	s := r.s
 	r.inputSeen, r.inputErr = false, nil
-	r.sc.msgs, r.msgsExtra = r.sc.msgs[:0], 0
+	r.sc.msgs, r.msgsExtra, r.msgsMedia = r.sc.msgs[:0], 0, false
 	switch s.ws() {
 	case 'n':
 		s.literal()
@@ -1243,10 +1300,9 @@ func (r *reading) item(i int) {
 		return
 	}
 	var m msgRange
-	var x msgExtra
 	var typ span
 	var typEscaped bool
-	contentEscapes := 0
+	contentNotText, media := 0, false
 	for first := true; ; first = false {
 		key, more := s.member(first, r.sc.key[:0])
 		if !more {
@@ -1256,9 +1312,7 @@ func (r *reading) item(i int) {
 		case fieldRole:
 			r.itemString(i, &m.role, &m.roleEscaped)
 		case fieldContent:
-			before := s.escapeExtra
-			r.content(&m, &x)
-			contentEscapes = s.escapeExtra - before
+			contentNotText, media = r.content(&m)
 		case fieldType:
 			r.itemString(i, &typ, &typEscaped)
 		default:
@@ -1270,8 +1324,7 @@ func (r *reading) item(i int) {
 	}
 	switch {
 	case m.role.end > m.role.start:
-		r.keepExtra(&m, &x)
-		r.msgsExtra += contentEscapes
+		r.msgsExtra, r.msgsMedia = r.msgsExtra+contentNotText, r.msgsMedia || media
 	case typ.end > typ.start:
 		m = msgRange{role: typ, roleEscaped: typEscaped, content: span{start, s.pos}}
 		r.msgsExtra += s.escapeExtra - itemEscapes

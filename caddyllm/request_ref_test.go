@@ -78,28 +78,51 @@ type refMessage struct {
 	ToolCalls  json.RawMessage `json:"tool_calls"`
 }
 
-// refMedia is the bytes of content's media parts: content-part objects
-// whose type is a string other than a text part's.
-func refMedia(content json.RawMessage) int {
+// refParts reads content, a message's content as sent, for what of it is
+// not text as the engine reads it, escapes decoded: of an array of parts,
+// all but the parts' text (a string's, a text part's "text", a refusal's
+// "refusal"), and whether it has media parts (content-part objects whose
+// type is a string other than a text part's). Another value is all text.
+func refParts(content json.RawMessage) (notText int, media bool) {
+	content = bytes.TrimSpace(content)
 	var parts []json.RawMessage
-	if json.Unmarshal(content, &parts) != nil {
-		return 0
+	if len(content) == 0 || content[0] != '[' || json.Unmarshal(content, &parts) != nil {
+		return 0, false
 	}
-	media := 0
+	text := 0
 	for _, part := range parts {
-		var typed struct {
-			Type json.RawMessage `json:"type"`
+		if len(part) > 0 && part[0] == '"' {
+			text += refText(part)
+			continue
 		}
-		if len(part) == 0 || part[0] != '{' || json.Unmarshal(part, &typed) != nil {
+		// Keys match exactly, and the last value of one counts.
+		var fields map[string]json.RawMessage
+		if len(part) == 0 || part[0] != '{' || json.Unmarshal(part, &fields) != nil {
 			continue
 		}
 		var typ string
-		if len(typed.Type) > 0 && typed.Type[0] == '"' && json.Unmarshal(typed.Type, &typ) == nil &&
-			!slices.Contains(textParts[:], typ) {
-			media += len(part) - refEscapeExtra(part)
+		if t := fields["type"]; len(t) == 0 || t[0] != '"' || json.Unmarshal(t, &typ) != nil {
+			continue
+		}
+		switch {
+		case typ == "refusal":
+			text += refText(fields["refusal"])
+		case slices.Contains(textParts[:], typ):
+			text += refText(fields["text"])
+		default:
+			media = true
 		}
 	}
-	return media
+	return len(content) - refEscapeExtra(content) - text, media
+}
+
+// refText is the bytes of v's text, escapes decoded, when it is a string;
+// 0 otherwise.
+func refText(v json.RawMessage) int {
+	if len(v) < 2 || v[0] != '"' {
+		return 0
+	}
+	return len(v) - 2 - refEscapeExtra(v)
 }
 
 // refEscapeExtra is the bytes the escapes in raw (valid JSON, or a
@@ -399,7 +422,7 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		c.WriteString(sepMessage)
 		escapes += refEscapeExtra(content)
 	}
-	media := 0
+	parts, media := 0, false // the content parts' bytes that are not text
 	var instructions *string
 	if err := json.Unmarshal(raw.Instructions, &instructions); len(raw.Instructions) > 0 && err != nil {
 		return badRequestf("", "invalid request: instructions must be a string")
@@ -426,7 +449,8 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 			switch {
 			case it.Role != "":
 				message(it.Role, bytes.TrimSpace(it.Content))
-				media += refMedia(it.Content)
+				notText, hasMedia := refParts(it.Content)
+				parts, media = parts+notText, media || hasMedia
 			case it.Type != "":
 				message(it.Type, item)
 			default:
@@ -437,8 +461,8 @@ func (p *parser) refHashResponses(req *Request, seed uint64, raw *refResponsesRe
 		return badRequestf("", "invalid request: input must be a string or an array")
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptBytes = c.Len() - media - escapes
-	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
+	req.PromptBytes = c.Len() - escapes - parts
+	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media
 	var store refLaxBool = true
 	req.NoStore = len(raw.Store) > 0 && store.UnmarshalJSON(raw.Store) == nil && !bool(store)
 	var background refLaxBool
@@ -544,7 +568,7 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 		c.WriteString(sepMessage)
 		escapes += refEscapeExtra(tools)
 	}
-	media := 0
+	parts, media := 0, false // the content parts' bytes that are not text
 	for i, m := range raw.Messages {
 		if m.Role == "" {
 			return badRequestf("", "invalid request: messages[%d].role is required", i)
@@ -570,11 +594,12 @@ func (p *parser) refHashChat(req *Request, seed uint64, raw *refRequest) error {
 			}
 		}
 		c.WriteString(sepMessage)
-		media += refMedia(m.Content)
+		notText, hasMedia := refParts(m.Content)
+		parts, media = parts+notText, media || hasMedia
 	}
 	req.Hashes = c.Chain(seed)
-	req.PromptBytes = c.Len() - media - escapes
-	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media > 0
+	req.PromptBytes = c.Len() - escapes - parts
+	req.PromptTokens, req.Media = p.tokens(req.PromptBytes), media
 	return nil
 }
 
@@ -645,6 +670,16 @@ func referenceCorpus() []string {
 		`{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,` + strings.Repeat("QUJD", 300) + `"}},{"type":"text","text":"what is it?"}]}]}`,
 		`{"messages":[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}},{"type":"\u0074ext","text":"x"},{"TYPE":"file","file":{}},{"type":"image_url","type":"text"},{"type":"text","type":"image_url"},{"type":5},{"type":"image_url","type":null},"s",1,null,{}]}]}`,
 		`{"messages":[{"role":"user","content":[]}],"messages":[{"role":"user","content":[{"type":"refusal","refusal":"no"},{"type":"video_url"}]}]}`,
+		// Text parts: their text counts, not their keys nor the whitespace between them.
+		"{\"messages\":[{\"role\":\"user\",\"content\":[ {\"type\":\"text\",\"text\":\"\"} ,\n\t{\"text\":\"caf\\u00e9 \\\"q\\\"\",\"type\":\"text\"}, \"plain \\n\" ]}]}",
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"a","text":"bb"},{"type":"text","text":"a","text":5},{"type":"text","text":null},{"type":"text"}]}]}`,
+		`{"messages":[{"role":"assistant","content":[{"type":"refusal","text":"not this","refusal":"this"},{"type":"text","refusal":"not this"},{"type":"refusal","refusal":["x"]}]}]}`,
+		`{"messages":[{"role":"user","content":[{"text":"untyped"},{"type":null,"text":"x"},{"type":["text"],"text":"x"},{"type":"\u0074ext","\u0074ext":"esc\u0061ped key"},[{"type":"text","text":"nested"}],7,true,null,{}]}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"x","type":"image_url"},{"type":"image_url","text":"y","type":"input_text"}]}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"bad \ud800 surrogate \ud83d\ude00"},"\u4e2d\u6587"]},{"role":"user","content":{"type":"text","text":"an object"}},{"role":"user","content":5}]}`,
+		`{"messages":[{"role":"user","content":[{"type":"text","text":"first"}],"content":"then a string"},{"role":"user","content":"a string","content":[{"type":"text","text":"then parts"}]}]}`,
+		`{"input":[{"role":"assistant","content":[{"type":"output_text","text":"said","annotations":[]},{"type":"refusal","refusal":"no"},{"type":"reasoning_text","text":"r"},{"type":"summary_text","text":"s"}]},{"role":"user","content":[ {"type":"input_text","text":""} , {"type":"input_text","text":"\u00e9"} ]}],"instructions":"i"}`,
+		`{"input":[{"role":"user","content":[{"type":"input_text","text":"a"}],"content":[{"type":"input_image","image_url":"data:"}]},{"type":"message","content":[{"type":"input_text","text":"no role: hashed and counted as sent"}]}]}`,
 		`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"x"},{"type":"input_image","image_url":"data:image/jpeg;base64,` + strings.Repeat("QUJD", 100) + `"},{"type":"input_file","file_data":"AAAA"}]},{"type":"function_call_output","call_id":"c","output":"[{\"type\":\"image\"}]"}]}`,
 		`{"messages":[{"content":"first","role":"system"},{"role":"user"},{"role":"user","content":null}]}`,
 		`{"messages":[{"role":"a","role":null,"content":"x","content":null}]}`,

@@ -237,9 +237,17 @@ func FuzzParse(f *testing.F) {
 			}
 			return
 		}
-		// Media parts are hashed, but their bytes are not counted as text.
-		if req.PromptTokens < 0 || !req.Media && len(req.Hashes) > req.PromptTokens/4+1 {
-			t.Fatalf("%d tokens but %d blocks", req.PromptTokens, len(req.Hashes))
+		// What is counted is hashed: the count is the text's, escapes
+		// decoded. Content-part arrays are hashed as sent but count only
+		// their parts' text, so the blocks bound the count from above
+		// only where the body has none (at most the messages' bracket).
+		if req.PromptTokens < 0 || req.PromptBytes < 0 || len(req.Hashes) < min(req.PromptBytes/16, prefixindex.DefaultMaxBlocks) {
+			t.Fatalf("%d bytes counted but %d blocks", req.PromptBytes, len(req.Hashes))
+		}
+		if ep == EndpointCompletions || bytes.Count(body, []byte("[")) <= 1 {
+			if len(req.Hashes) > req.PromptTokens/4+1 {
+				t.Fatalf("%d tokens but %d blocks", req.PromptTokens, len(req.Hashes))
+			}
 		}
 		if req.Sequences < 1 || req.Sequences > maxSequences {
 			t.Fatalf("%d sequences", req.Sequences)
@@ -617,6 +625,38 @@ func TestMediaIsNotText(t *testing.T) {
 	text, _ := p.parse(EndpointChatCompletions, []byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"`+strings.Repeat("x", 400)+`"}]}]}`))
 	if text.Media || text.PromptBytes < 400 {
 		t.Fatalf("text parts: %+v", text)
+	}
+}
+
+// TestPartsCountTheirText: a content-part array counts as the text in
+// its parts, escapes decoded, as the same text sent as a string does: the
+// parts' keys, types and punctuation and the whitespace between them are
+// not the engine's text (100,000 empty parts were 2.6 MB of text).
+func TestPartsCountTheirText(t *testing.T) {
+	p := testParser()
+	for _, c := range []struct {
+		endpoint      Endpoint
+		parts, string string
+	}{
+		{EndpointChatCompletions, `[{"type":"text","text":"Hello, "} , "w\u00f6rld",` + "\n" + `{"type":"refusal","refusal":"!"}]`, `"Hello, w\u00f6rld!"`},
+		{EndpointChatCompletions, `[` + strings.Repeat(`{"type":"text","text":""},`, 99_999) + `{"type":"text","text":""}]`, `""`},
+		{EndpointResponses, `[{"type":"input_text","text":"Hello, "},{"type":"output_text","text":"world","annotations":[]}]`, `"Hello, world"`},
+	} {
+		body := map[Endpoint]string{
+			EndpointChatCompletions: `{"model":"m","messages":[{"role":"user","content":%s}]}`,
+			EndpointResponses:       `{"model":"m","input":[{"role":"user","content":%s}]}`,
+		}[c.endpoint]
+		parts, err := p.parse(c.endpoint, []byte(fmt.Sprintf(body, c.parts)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, err := p.parse(c.endpoint, []byte(fmt.Sprintf(body, c.string)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if parts.PromptBytes != text.PromptBytes || parts.PromptTokens != text.PromptTokens || parts.Media {
+			t.Errorf("%s %.80s: %d bytes, %d tokens (media %v); as a string %d, %d", c.endpoint, c.parts, parts.PromptBytes, parts.PromptTokens, parts.Media, text.PromptBytes, text.PromptTokens)
+		}
 	}
 }
 
