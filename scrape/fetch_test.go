@@ -197,7 +197,9 @@ func TestScrapeNetHTTP(t *testing.T) {
 	defer srv.Close()
 	dial := hostOf(srv)
 	ctx, cancel := context.WithCancel(context.Background())
-	s := New(Config{Interval: 100 * time.Millisecond, Scheme: "https", Client: srv.Client(), ModelsInterval: -1})
+	// A minute's timeout: the errors counted are the engine's, not a
+	// starved machine's slow handshakes.
+	s := New(Config{Interval: 100 * time.Millisecond, Timeout: time.Minute, Scheme: "https", Client: srv.Client(), ModelsInterval: -1})
 	s.SetTargets([]string{dial})
 	s.Start(ctx)
 	defer func() { cancel(); <-s.Stopped() }()

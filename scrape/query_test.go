@@ -270,7 +270,7 @@ func TestScrapeModeChanges(t *testing.T) {
 			phase.Store(0)
 			s, dial := scrapeServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				tc.serve(w, r, phase.Load())
-			}), Config{Interval: 100 * time.Millisecond, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
+			}), Config{Interval: 100 * time.Millisecond, Timeout: time.Minute, SlowInterval: 100 * time.Millisecond, ModelsInterval: -1})
 			w := modeWatch{t, s, dial}
 			tc.script(w)
 			w.check(tc.want)
