@@ -84,6 +84,7 @@ type Config struct {
 	// replaces Caddy's global placeholders ({env.*}) there, as Caddy's
 	// active health checks do: an upstream "localhost:{env.PORT}" is one
 	// fixed engine. Without it a dial with a placeholder is not scraped.
+	// The run loop asks again every 10 s (see Scraper.resolveAgain).
 	Address func(dial string) string
 	// Logger receives scrape failures and recoveries at debug level.
 	Logger *zap.Logger

@@ -128,8 +128,9 @@ type Scraper struct {
 	aloneMu  sync.Mutex
 	alone    sync.WaitGroup
 	stopping bool
-	// refetchSpacing is modelsRefetchSpacing (tests lengthen it).
-	refetchSpacing time.Duration
+	// refetchSpacing is modelsRefetchSpacing (tests lengthen it);
+	// resolveSpacing is resolveAgainSpacing (tests shorten it).
+	refetchSpacing, resolveSpacing time.Duration
 }
 
 // New returns a scraper with cfg (defaults filled in). It does
@@ -145,7 +146,7 @@ func New(cfg Config) *Scraper {
 	}
 	fetched := make(chan struct{})
 	s.modelsFetched.Store(&fetched)
-	s.refetchSpacing = modelsRefetchSpacing
+	s.refetchSpacing, s.resolveSpacing = modelsRefetchSpacing, resolveAgainSpacing
 	if s.client == nil {
 		s.transport = newTransport(cfg)
 		s.client = &http.Client{Transport: s.transport}
@@ -275,7 +276,13 @@ func (s *Scraper) addLocked(d string) bool {
 	if _, ok := s.targets[d]; ok || s.noTarget[d] {
 		return false
 	}
-	addr := s.addressOf(d)
+	return s.addAtLocked(d, s.addressOf(d))
+}
+
+// addAtLocked adds dial d, not a target, as one reached at addr, or
+// remembers it in noTarget when addr is not scrapable, and says whether
+// it added it. Caller holds s.mu for writing.
+func (s *Scraper) addAtLocked(d, addr string) bool {
 	if !scrapable(addr) {
 		if len(s.noTarget) < maxNoTargets {
 			if s.noTarget == nil {
@@ -319,6 +326,68 @@ func (s *Scraper) addressOf(dial string) string {
 		return dial
 	}
 	return s.cfg.Address(dial)
+}
+
+// resolveAgainSpacing is how often the run loop replaces the global
+// placeholders of the dials that have some again (see resolveAgain).
+const resolveAgainSpacing = 10 * time.Second
+
+// resolveAgain replaces the placeholders of the dials named with some
+// again, as Caddy's proxy does with each request and its active health
+// checks with each check: one not resolved before (an {env.*} empty, a
+// {file.*} not yet written when the config loaded) becomes a target once
+// it is, rather than staying unscraped until the next config load; a
+// target whose address changed (a {file.*} rewritten) is scraped at the
+// new one from then on, as a new target. A target whose placeholders do
+// not resolve now keeps its address. It runs on the run loop, never with
+// a request, and calls Config.Address without holding s.mu ({file.*}
+// reads the disk).
+func (s *Scraper) resolveAgain() {
+	if s.cfg.Address == nil {
+		return
+	}
+	type dialAddr struct{ dial, addr string }
+	var dials []dialAddr // the address each had, "" for no target
+	s.mu.RLock()
+	for d := range s.noTarget {
+		if strings.Contains(d, "{") {
+			dials = append(dials, dialAddr{d, ""})
+		}
+	}
+	for d, t := range s.targets {
+		if t.addr != d {
+			dials = append(dials, dialAddr{d, t.addr})
+		}
+	}
+	s.mu.RUnlock()
+	if len(dials) == 0 {
+		return
+	}
+	changed := dials[:0]
+	for _, da := range dials {
+		if addr := s.cfg.Address(da.dial); scrapable(addr) && addr != da.addr {
+			changed = append(changed, dialAddr{da.dial, addr})
+		}
+	}
+	if len(changed) == 0 {
+		return
+	}
+	s.mu.Lock()
+	added, dropped := false, false
+	for _, da := range changed {
+		if _, ok := s.targets[da.dial]; ok {
+			dropped = s.dropLocked(da.dial) || dropped
+		} else if !s.noTarget[da.dial] {
+			continue // gone meanwhile (SetTargets)
+		}
+		delete(s.noTarget, da.dial)
+		added = s.addAtLocked(da.dial, da.addr) || added
+	}
+	s.mu.Unlock()
+	s.dropped(dropped)
+	if added {
+		s.poke()
+	}
 }
 
 // scrapable says whether addr is a host:port the scraper can reach (not
@@ -394,7 +463,12 @@ func (s *Scraper) run(ctx context.Context) {
 
 	ticker := time.NewTicker(s.cfg.Interval)
 	defer ticker.Stop()
+	resolveDue := time.Now().Add(s.resolveSpacing)
 	for {
+		if now := time.Now(); !now.Before(resolveDue) {
+			s.resolveAgain()
+			resolveDue = now.Add(s.resolveSpacing)
+		}
 		s.round(ctx, jobs)
 		select {
 		case <-ctx.Done():

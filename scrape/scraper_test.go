@@ -1209,6 +1209,7 @@ func TestGlobalPlaceholderDialIsScraped(t *testing.T) {
 		}
 		return ""
 	}})
+	s.resolveSpacing = time.Hour // the run loop's asking again is TestPlaceholderDialResolvedAgain's
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	s.SetTargets([]string{dial, "{http.request.header.X-Up}"})
@@ -1227,5 +1228,50 @@ func TestGlobalPlaceholderDialIsScraped(t *testing.T) {
 	}
 	if st := s.Statuses(); len(st) != 2 || st[0].Dial != dial && st[1].Dial != dial {
 		t.Fatalf("targets %+v, want %s and engine:8000", st, dial)
+	}
+}
+
+// TestPlaceholderDialResolvedAgain: the global placeholders of a dial are
+// replaced again now and then, as Caddy's proxy replaces them with each
+// request: a dial whose placeholders gave no address when its config
+// loaded (an {env.*} empty, a {file.*} not yet written) is scraped once
+// they give one, and a target whose address changed (a {file.*}
+// rewritten) is scraped at the new one. It stayed no target, or kept its
+// first address, until the next config load.
+func TestPlaceholderDialResolvedAgain(t *testing.T) {
+	var hitsA, hitsB atomic.Int64
+	serve := func(hits *atomic.Int64) *httptest.Server {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			hits.Add(1)
+			_, _ = w.Write(readTestdata(t, "vllm.prom"))
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	a, b := serve(&hitsA), serve(&hitsB)
+	const dial = "127.0.0.1:{file./run/engine.port}"
+	var addr atomic.Pointer[string] // what the placeholder gives now
+	none := ""
+	addr.Store(&none)
+	s := New(Config{Interval: 100 * time.Millisecond, ModelsInterval: -1, Address: func(string) string { return *addr.Load() }})
+	s.resolveSpacing = 50 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); <-s.Stopped() }()
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	if st := s.Statuses(); len(st) != 0 {
+		t.Fatalf("targets %+v before the placeholder gives an address", st)
+	}
+	first := hostOf(a)
+	addr.Store(&first)
+	waitFor(t, "the dial scraped once its placeholder gives an address", 10*time.Second, func() bool {
+		sig, ok := s.Latest(dial, time.Now(), time.Minute)
+		return ok && sig.KVKnown && hitsA.Load() > 0
+	})
+	second := hostOf(b)
+	addr.Store(&second)
+	waitFor(t, "the dial scraped at its new address", 10*time.Second, func() bool { return hitsB.Load() > 0 })
+	if st := s.Statuses(); len(st) != 1 || st[0].Dial != dial {
+		t.Fatalf("targets %+v, want %s alone", st, dial)
 	}
 }
