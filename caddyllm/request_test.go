@@ -266,7 +266,6 @@ func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
 	if escapes {
 		reply = strings.Repeat("if x == \"y\" {\n\treturn \"z\"\n}\n", 32)
 	}
-	var msgs []map[string]string
 	m := map[string]any{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 256, "stream": true}
 	if tools {
 		m["tools"] = []map[string]any{{"type": "function", "function": map[string]any{
@@ -274,10 +273,37 @@ func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
 			"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
 		}}}
 	}
-	// Grow by doubling, then trim: marshalling once per turn is quadratic.
+	b, msgs := growMessages(tb, m, size, turn, reply)
+	if tools { // messages first, tools last
+		mb, _ := json.Marshal(msgs)
+		delete(m, "messages")
+		rest, _ := json.Marshal(m)
+		b = append(append(append([]byte(`{"messages":`), mb...), ','), rest[1:]...)
+	}
+	return b
+}
+
+// benchChatParts is a chat body of about size bytes whose user turns are
+// arrays of content parts, as clients of vision models send every
+// message: the turn's text in two text parts, the assistant's reply a
+// string.
+func benchChatParts(tb testing.TB, size int) []byte {
+	turn := strings.Repeat("lorem ipsum dolor sit amet ", 19)
+	parts := []map[string]string{{"type": "text", "text": turn}, {"type": "text", "text": turn}}
+	m := map[string]any{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 256, "stream": true}
+	b, _ := growMessages(tb, m, size, parts, "ok")
+	return b
+}
+
+// growMessages sets m's messages to as many user and assistant turns
+// (user's content, then assistant's) as keep m's JSON within about size
+// bytes, and returns that JSON and the messages. It grows by doubling,
+// then trims: marshalling once per turn is quadratic.
+func growMessages(tb testing.TB, m map[string]any, size int, user, assistant any) ([]byte, []map[string]any) {
+	var msgs []map[string]any
 	for n := 1; ; n *= 2 {
 		for len(msgs) < n {
-			msgs = append(msgs, map[string]string{"role": "user", "content": turn}, map[string]string{"role": "assistant", "content": reply})
+			msgs = append(msgs, map[string]any{"role": "user", "content": user}, map[string]any{"role": "assistant", "content": assistant})
 		}
 		m["messages"] = msgs
 		b, err := json.Marshal(m)
@@ -291,40 +317,7 @@ func benchChat(tb testing.TB, size int, tools, escapes bool) []byte {
 		msgs = msgs[:max(1, n*size/len(b))]
 		m["messages"] = msgs
 		b, _ = json.Marshal(m)
-		if tools { // messages first, tools last
-			mb, _ := json.Marshal(msgs)
-			delete(m, "messages")
-			rest, _ := json.Marshal(m)
-			b = append(append(append([]byte(`{"messages":`), mb...), ','), rest[1:]...)
-		}
-		return b
-	}
-}
-
-// benchChatParts is a chat body of about size bytes whose user turns are
-// arrays of content parts, as clients of vision models send every
-// message: the turn's text in two text parts, the assistant's reply a
-// string.
-func benchChatParts(tb testing.TB, size int) []byte {
-	turn := strings.Repeat("lorem ipsum dolor sit amet ", 19)
-	parts := []map[string]string{{"type": "text", "text": turn}, {"type": "text", "text": turn}}
-	var msgs []map[string]any
-	m := map[string]any{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 256, "stream": true}
-	for n := 1; ; n *= 2 {
-		for len(msgs) < n {
-			msgs = append(msgs, map[string]any{"role": "user", "content": parts}, map[string]any{"role": "assistant", "content": "ok"})
-		}
-		m["messages"] = msgs
-		b, err := json.Marshal(m)
-		if err != nil {
-			tb.Fatal(err)
-		}
-		if len(b) < size {
-			continue
-		}
-		m["messages"] = msgs[:max(1, n*size/len(b))]
-		b, _ = json.Marshal(m)
-		return b
+		return b, msgs
 	}
 }
 
