@@ -90,3 +90,15 @@ func (b *laxBool) UnmarshalJSON(raw []byte) error {
 	}
 	return errors.New("input should be a valid boolean")
 }
+
+// strictBool is a laxBool that refuses null, as pydantic does a field
+// typed bool (not Optional[bool]) with a default, such as vLLM's
+// LoadLoRAAdapterRequest.load_inplace.
+type strictBool bool
+
+func (b *strictBool) UnmarshalJSON(raw []byte) error {
+	if bytes.Equal(raw, []byte("null")) {
+		return errors.New("input should be a valid boolean")
+	}
+	return (*laxBool)(b).UnmarshalJSON(raw)
+}

@@ -767,8 +767,9 @@ func (s *Server) handleVersion(w http.ResponseWriter, r *http.Request) {
 type adapterRequest struct {
 	LoraName string `json:"lora_name"`
 	LoraPath string `json:"lora_path"`
-	// LoadInplace replaces the weights of an adapter already loaded (a load only).
-	LoadInplace laxBool `json:"load_inplace"`
+	// LoadInplace replaces the weights of an adapter already loaded (a load only). A bool
+	// with a default in vLLM's pydantic model, not Optional: null is refused.
+	LoadInplace strictBool `json:"load_inplace"`
 }
 
 func readAdapterRequest(r *http.Request, load bool) (adapterRequest, error) {

@@ -592,6 +592,13 @@ func TestLoadInplaceAsVLLM(t *testing.T) {
 	if got, ok := roots()["new-lora"]; !ok || got != "/adapters/new" {
 		t.Errorf("load_inplace of a new adapter: listed %v, root %q", ok, got)
 	}
+	resp, out = post(t, load, `{"lora_name":"chat-lora","lora_path":"/adapters/v4","load_inplace":null}`)
+	if resp.StatusCode != 400 || !strings.Contains(out, "valid boolean") {
+		t.Errorf("load_inplace null: %d %s, want 400 as pydantic refuses null for a bool", resp.StatusCode, out)
+	}
+	if got := roots()["chat-lora"]; got != "/adapters/v3" {
+		t.Errorf("a refused load_inplace null changed the adapter's root to %q", got)
+	}
 	resp, out = post(t, load, `{"lora_name":"x","lora_path":""}`)
 	expect("empty path", resp.StatusCode, out, 400,
 		`{"error":{"message":"Both 'lora_name' and 'lora_path' must be provided.","type":"InvalidUserInput","param":null,"code":400}}`)
