@@ -18,9 +18,9 @@
 // multiplied by TimeScale, so results read in the same simulated seconds as sim mode.
 //
 // Caddy runs one config per process, so passes of every Runner are serialised. The plugin's
-// routing state lives at package level in caddyllm: it is keyed by dial address, and every
-// pass uses replica ports no earlier pass of this process used, so no prefix index or charge
-// carries over; model and adapter names get a per-pass suffix, so the learned output
+// routing state lives in caddyllm's usage pool, shared by the configs of the process while any
+// holds it, and keyed by dial address: every pass uses replica ports no earlier pass of this
+// process used, so no prefix index or charge carries over even where it outlives a pass; model and adapter names get a per-pass suffix, so the learned output
 // estimates (kept per model name) do not carry over either.
 package httprun
 
