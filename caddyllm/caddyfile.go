@@ -114,6 +114,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		scrape_max_age      <duration>
 //		models_interval     <duration>
 //		metrics_path        <path>
+//		models_api_key      <key>
 //		queue_timeout       <duration>
 //		shed_status         <code>
 //		queue_limit         <n>
