@@ -144,3 +144,60 @@ func lineDiff(want, got string) string {
 	}
 	return b.String()
 }
+
+// TestProductionChecksTheKeyFirst: in production.Caddyfile a client without the API key gets
+// the 401 before llm_affinity reads its body (the handler's directive order comes before
+// respond's, so outside a route its 400, 413 or 415 answered first, and its 404 named models).
+func TestProductionChecksTheKeyFirst(t *testing.T) {
+	body, err := os.ReadFile("production.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt(body, map[string]any{"filename": "production.Caddyfile"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var config any
+	if err := json.Unmarshal(out, &config); err != nil {
+		t.Fatal(err)
+	}
+	// The handlers in the order a request meets them: depth first, arrays in order.
+	var order []string
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if h, ok := v["handler"].(string); ok {
+				if code, ok := v["status_code"]; ok {
+					h = fmt.Sprintf("%s %v", h, code)
+				}
+				order = append(order, h)
+			}
+			for _, k := range []string{"routes", "handle"} { // a route's handlers, a subroute's routes
+				walk(v[k])
+			}
+			for k, e := range v {
+				if k != "routes" && k != "handle" {
+					walk(e)
+				}
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	walk(config)
+	key, router := -1, -1
+	for i, h := range order {
+		if h == "static_response 401" && key < 0 {
+			key = i
+		}
+		if h == "llm_affinity" && router < 0 {
+			router = i
+		}
+	}
+	if key < 0 || router < 0 || key > router {
+		t.Fatalf("handlers in order %v: want the 401 before llm_affinity", order)
+	}
+}
