@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -851,19 +850,7 @@ func TestContinuationAnsweredWithoutAStream(t *testing.T) {
 			}
 		}
 	}
-	var engines []string
-	for range 2 {
-		s := httptest.NewServer(http.HandlerFunc(engine))
-		t.Cleanup(s.Close)
-		engines = append(engines, strings.TrimPrefix(s.URL, "http://"))
-	}
-	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
-	llm_affinity
-	reverse_proxy %s {
-		lb_policy llm_affinity
-	}
-}
-`, routerHost, strings.Join(engines, " ")))
+	engines := startScriptedCaddy(t, 2, engine)
 	before := metricFamilies(t, adminURL+"/metrics")
 
 	// Bounded, so that a stream that never ends fails the test rather

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"net/http/httptrace"
 	"slices"
 	"strings"
@@ -131,19 +130,7 @@ func TestCompressedStreamPassesUnread(t *testing.T) {
 		}
 		panic(http.ErrAbortHandler) // the engine's connection breaks
 	}
-	var dials []string
-	for range 2 {
-		s := httptest.NewServer(http.HandlerFunc(engine))
-		t.Cleanup(s.Close)
-		dials = append(dials, strings.TrimPrefix(s.URL, "http://"))
-	}
-	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
-	llm_affinity
-	reverse_proxy %s {
-		lb_policy llm_affinity
-	}
-}
-`, routerHost, strings.Join(dials, " ")))
+	dials := startScriptedCaddy(t, 2, engine)
 
 	req, _ := http.NewRequest("POST", routerURL+"/v1/chat/completions",
 		strings.NewReader(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}`))
@@ -245,7 +232,7 @@ func TestStreamedTextArrivesAsSent(t *testing.T) {
 	}
 	events = append(events, "data: [DONE]\n\n")
 	want := strings.Join(events, "")
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	startScriptedCaddy(t, 1, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.WriteHeader(http.StatusOK)
@@ -255,15 +242,7 @@ func TestStreamedTextArrivesAsSent(t *testing.T) {
 				w.(http.Flusher).Flush()
 			}
 		}
-	}))
-	t.Cleanup(engine.Close)
-	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
-	llm_affinity
-	reverse_proxy %s {
-		lb_policy llm_affinity
-	}
-}
-`, routerHost, strings.TrimPrefix(engine.URL, "http://")))
+	})
 	for range 3 {
 		c := postRaw(t, "/v1/chat/completions", []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}`))
 		if c.status != 200 || c.body != want {

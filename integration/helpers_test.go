@@ -137,6 +137,27 @@ func caddyfile(fleet []*replica, handlerOpts, policyOpts, proxyOpts string) stri
 `, routerHost, handlerOpts, dials(fleet), policyOpts, proxyOpts)
 }
 
+// startScriptedCaddy starts n engines that answer with engine (scripted
+// for the test; they stop with it) and Caddy with the llm_affinity handler
+// and policy, at their defaults, in front of them; it returns their dials.
+func startScriptedCaddy(t *testing.T, n int, engine http.HandlerFunc) []string {
+	t.Helper()
+	var dials []string
+	for range n {
+		s := httptest.NewServer(engine)
+		t.Cleanup(s.Close)
+		dials = append(dials, strings.TrimPrefix(s.URL, "http://"))
+	}
+	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity
+	}
+}
+`, routerHost, strings.Join(dials, " ")))
+	return dials
+}
+
 func startCaddy(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: adminPort})

@@ -32,20 +32,11 @@ func TestOneWritePerProxiedRequest(t *testing.T) {
 		t.Skip("needs /proc/self/io (Linux)")
 	}
 	answer := []byte(`{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":140,"completion_tokens":16,"total_tokens":156}}`)
-	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	startScriptedCaddy(t, 1, func(w http.ResponseWriter, r *http.Request) {
 		io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
 		w.Write(answer)
-	}))
-	defer upstream.Close()
-	dial := strings.TrimPrefix(upstream.URL, "http://")
-	startCaddy(t, globalOptions+fmt.Sprintf(`http://%s {
-	llm_affinity
-	reverse_proxy %s {
-		lb_policy llm_affinity
-	}
-}
-`, routerHost, dial))
+	})
 
 	body := []byte(`{"model":"m","prompt":"` + strings.Repeat("lorem a ", 64) + `","max_tokens":16}`)
 	client := &http.Client{Transport: &http.Transport{}}
