@@ -99,15 +99,24 @@ func startStream(w http.ResponseWriter) {
 	w.Write([]byte(sseChunk))
 }
 
-// TestFailedContinuationEndsTheStream: a stream broken off mid-generation
-// whose continuation attempt fails before writing anything (no upstream
-// left) ends with an error event and [DONE], not silently.
-func TestFailedContinuationEndsTheStream(t *testing.T) {
-	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
+// continued is moves for a stream whose first upstream dies after its
+// first chunk; continuation answers the attempts after it.
+func continued(t *testing.T, continuation func(w http.ResponseWriter, r *http.Request) error) (*httptest.ResponseRecorder, int, error) {
+	t.Helper()
+	return moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
 		if n == 1 {
 			startStream(w)
 			panic(http.ErrAbortHandler) // the upstream died mid-stream
 		}
+		return continuation(w, r)
+	})
+}
+
+// TestFailedContinuationEndsTheStream: a stream broken off mid-generation
+// whose continuation attempt fails before writing anything (no upstream
+// left) ends with an error event and [DONE], not silently.
+func TestFailedContinuationEndsTheStream(t *testing.T) {
+	rr, attempts, err := continued(t, func(w http.ResponseWriter, r *http.Request) error {
 		return caddyhttp.Error(http.StatusBadGateway, errors.New("no upstreams available"))
 	})
 	body := rr.Body.String()
@@ -242,11 +251,7 @@ func inFlightLeft(p *Policy) (fleet, flights int) {
 // refuses (a 400: the prompt with the text so far is too long) is not
 // spliced in; the stream ends with an error event and [DONE].
 func TestRefusedContinuationEndsTheStream(t *testing.T) {
-	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
-		if n == 1 {
-			startStream(w)
-			panic(http.ErrAbortHandler) // the upstream died mid-stream
-		}
+	rr, attempts, err := continued(t, func(w http.ResponseWriter, r *http.Request) error {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusBadRequest)
 		_, err := w.Write([]byte(`{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}`))
@@ -270,11 +275,7 @@ func TestContinuationAnsweredWithoutAStreamIsCutAtOnce(t *testing.T) {
 	// up on the router cutting it: far more than nothing.
 	const copies = 1000
 	read := 0
-	rr, attempts, err := moves(t, `"stream":true,`, func(n int, w http.ResponseWriter, r *http.Request) error {
-		if n == 1 {
-			startStream(w)
-			panic(http.ErrAbortHandler) // the upstream died mid-stream
-		}
+	rr, attempts, err := continued(t, func(w http.ResponseWriter, r *http.Request) error {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)
 		// The proxy copies the body until its read fails, as it does once
