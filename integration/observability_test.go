@@ -137,6 +137,24 @@ func postTo(t *testing.T, url string, body any) (int, http.Header, string) {
 	return resp.StatusCode, resp.Header, string(b)
 }
 
+// accessLogOf waits until the JSON access log file has at least n lines
+// for requests to uri (it is written once the handlers return), and
+// returns those lines and their entries.
+func accessLogOf(t *testing.T, file, uri string, n int) (lines []string, entries []map[string]any) {
+	t.Helper()
+	eventually(t, 10*time.Second, fmt.Sprintf("%d requests to %s in the access log", n, uri), func() bool {
+		all, allEntries := readJSONLines(t, file)
+		lines, entries = nil, nil
+		for i, e := range allEntries {
+			if req, _ := e["request"].(map[string]any); req["uri"] == uri {
+				lines, entries = append(lines, all[i]), append(entries, e)
+			}
+		}
+		return len(entries) >= n
+	})
+	return lines, entries
+}
+
 // readJSONLines reads a JSON log file.
 func readJSONLines(t *testing.T, file string) (lines []string, entries []map[string]any) {
 	t.Helper()
@@ -207,19 +225,7 @@ func TestPlaceholdersCarryNoPrompt(t *testing.T) {
 		}
 	}
 
-	// The access log is written once the handlers return.
-	var lines []string
-	var entries []map[string]any
-	eventually(t, 10*time.Second, "two completions in the access log", func() bool {
-		all, allEntries := readJSONLines(t, filepath.Join(dir, "access.log"))
-		lines, entries = nil, nil
-		for i, e := range allEntries {
-			if req, _ := e["request"].(map[string]any); req["uri"] == "/v1/chat/completions" {
-				lines, entries = append(lines, all[i]), append(entries, e)
-			}
-		}
-		return len(entries) >= 2
-	})
+	lines, entries := accessLogOf(t, filepath.Join(dir, "access.log"), "/v1/chat/completions", 2)
 	for i, e := range entries[:2] {
 		if !slices.Contains([]string{fleet[0].dial(), fleet[1].dial()}, fmt.Sprint(e["llm_upstream"])) ||
 			e["llm_reason"] != []string{"cold", "warm"}[i] || e["llm_model"] != testModel || e["llm_attempt"] != float64(1) ||
@@ -297,19 +303,7 @@ func TestPassThroughRefusalsInTheAccessLog(t *testing.T) {
 		t.Errorf("refused_total{code=model_not_found} rose by %v, want 3", refused)
 	}
 
-	// The access log is written once the handlers return.
-	var lines []string
-	var entries []map[string]any
-	eventually(t, 10*time.Second, "every embedding in the access log", func() bool {
-		all, allEntries := readJSONLines(t, filepath.Join(dir, "access.log"))
-		lines, entries = nil, nil
-		for i, e := range allEntries {
-			if req, _ := e["request"].(map[string]any); req["uri"] == "/v1/embeddings" {
-				lines, entries = append(lines, all[i]), append(entries, e)
-			}
-		}
-		return len(entries) >= len(models)
-	})
+	lines, entries := accessLogOf(t, filepath.Join(dir, "access.log"), "/v1/embeddings", len(models))
 	var refusedLines int
 	for i, e := range entries {
 		switch e["llm_reason"] {
