@@ -13,6 +13,7 @@ import (
 
 	"github.com/llmaffinity/caddy-llm-affinity/caddyllm"
 	"github.com/llmaffinity/caddy-llm-affinity/kvsim"
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 )
 
 // sendUntil posts a completion of prompt bytes of text seeded by tag,
@@ -47,7 +48,8 @@ func heldAtGateway(t *testing.T) int {
 // TestReloadShowsNewCapacityAtOnce: a reload that changes kv_capacity
 // shows in the admin view, the capacity and the index's size, as soon as
 // the reload returns (it showed the old ones until the next decision, or,
-// lowered, for a minute), up and down.
+// lowered, for a minute), up and down; a reload that removes it shows the
+// capacity unknown and the index at its default size.
 func TestReloadShowsNewCapacityAtOnce(t *testing.T) {
 	fleet := startFleet(t, 1, 20, kvsim.Config{})
 	dial := fleet[0].dial()
@@ -68,6 +70,12 @@ func TestReloadShowsNewCapacityAtOnce(t *testing.T) {
 			t.Errorf("right after the reload to kv_capacity %d: kv_capacity_tokens %d, index_capacity_blocks %d (want %d)",
 				kv, u.KVCapacityTokens, u.IndexCapacity, kv/blockTokens)
 		}
+	}
+	// A reload without the figure: unknown again (it showed the last one).
+	reload(t, tester, caddyfile(fleet, "", "", ""))
+	if u := upstream(t, dial); u.KVCapacityTokens != 0 || u.IndexCapacity != prefixindex.DefaultCapacity {
+		t.Errorf("right after the reload without kv_capacity: kv_capacity_tokens %d, index_capacity_blocks %d (want 0, %d)",
+			u.KVCapacityTokens, u.IndexCapacity, prefixindex.DefaultCapacity)
 	}
 }
 

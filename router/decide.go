@@ -647,6 +647,9 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 			}
 		}
 		if observe {
+			if index == c.KVCapacityTokens {
+				u.capacityFromPeer = false
+			}
 			f.sizeIndex(u, index, blockTokens)
 		}
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
@@ -687,9 +690,18 @@ func (f *Fleet) Configure(dial string, capacityTokens int, scraped bool, now tim
 		capacityTokens = u.engineCapacityTokens
 	}
 	if capacityTokens <= 0 {
+		if u.capacityTokens > 0 && !u.capacityFromPeer {
+			// The figure the index was sized by is gone (a reload removed
+			// kv_capacity, or the scraping that read the engine's): the
+			// capacity is unknown again, to decisions and in the admin
+			// view, and the index takes its default size, as at a fresh
+			// start with this config.
+			u.capacityTokens, u.capacitySeen = 0, time.Time{}
+			f.index.SetCapacity(u.id, 0)
+		}
 		return // unknown: decisions size nothing either
 	}
-	u.capacitySeen = now
+	u.capacitySeen, u.capacityFromPeer = now, false
 	if u.indexBlockTokens == 0 {
 		// No request hashed for it yet: the first decision sizes the
 		// index, in its blocks.

@@ -121,6 +121,10 @@ type upstream struct {
 	// capacitySeen is when a decision last used a configured capacity of
 	// capacityTokens (see capacityMemory).
 	capacitySeen time.Time
+	// capacityFromPeer says capacityTokens is a peer's figure (see
+	// applyCached): a loaded config that gives none leaves it in place,
+	// where it takes back a figure of this router's own.
+	capacityFromPeer bool
 
 	// engineRestart is the latest engine restart a scraper reported;
 	// indexResets counts the times its prefixes were forgotten because

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmaffinity/caddy-llm-affinity/prefixindex"
 	"github.com/llmaffinity/caddy-llm-affinity/scorer"
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
@@ -212,7 +213,8 @@ func TestLoweredCapacityShrinksTheIndex(t *testing.T) {
 // up: decisions alone kept a lowered figure's index for capacityMemory,
 // and showed a raised one only once they routed. When the caller scrapes,
 // the engine's own figure stays. An upstream nothing hashed for yet takes
-// the figure, and its first decision the block size.
+// the figure, and its first decision the block size. A figure that
+// lapses (no loaded config gives one) leaves the capacity unknown.
 func TestConfigureResizesAtOnce(t *testing.T) {
 	f := New()
 	opts := Options{}.WithDefaults()
@@ -243,8 +245,20 @@ func TestConfigureResizesAtOnce(t *testing.T) {
 	check("the engine's figure", 32_768, 512)
 	f.Configure("a", 262_144, true, soon)
 	check("configured while scraped", 32_768, 512)
+	// No figure any more (a reload removed kv_capacity and the scraping):
+	// the capacity is unknown, as at a fresh start, and the index takes
+	// its default size; it kept the lapsed figure, which the admin view
+	// showed as the capacity the filter used.
 	f.Configure("a", 0, false, soon)
-	check("no figure given", 32_768, 512)
+	check("no figure given", 0, prefixindex.DefaultCapacity)
+	if d := f.Decide(soon, req, members("a"), &opts, rng(), nil); d.Charge == nil {
+		t.Fatalf("routed with the capacity unknown: %+v", d)
+	} else {
+		served(f, d.Charge, soon)
+	}
+	check("no figure given, then routed", 0, prefixindex.DefaultCapacity)
+	f.Configure("a", 4096, false, soon)
+	check("given again", 4096, 64)
 
 	// Not routed to yet: the figure at once, the blocks with the first
 	// decision.

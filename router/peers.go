@@ -347,6 +347,7 @@ func (f *Fleet) applyCached(u *upstream, ev Event) {
 		capacity := u.capacityTokens
 		if capacity == 0 {
 			capacity = min(max(0, ev.KV), maxCachedCapacity)
+			u.capacityFromPeer = capacity > 0
 		}
 		if capacity > 0 {
 			f.sizeIndex(u, capacity, ev.BlockTokens)

@@ -293,6 +293,11 @@ func TestSnapshotRestoresTheView(t *testing.T) {
 		if !slices.Equal(a.index.Entries(dial, nil), b.index.Entries(dial, nil)) {
 			t.Fatalf("%s: b's index holds a's blocks in another order", dial)
 		}
+		// b's config gives no figure of its own: the peer's stays.
+		b.Configure(dial, 0, false, t0)
+		if ub := state(t, b, dial); ub.IndexCapacityBlocks != ua.IndexCapacityBlocks || ub.IndexBlocks != ua.IndexBlocks {
+			t.Fatalf("%s: b's config, giving no capacity, cut the peer's index to %d of %d blocks", dial, ub.IndexBlocks, ub.IndexCapacityBlocks)
+		}
 	}
 	for _, req := range reqs {
 		da, db := b.index.Match(req.Hashes, nil), a.index.Match(req.Hashes, nil)
