@@ -485,7 +485,11 @@ func isHome(req *Request, m *Member) bool {
 // tokenizer extends, measured: about 3 for CJK text, 3.6–4.8 for prose
 // and code, 5.6 for JSON indented by four spaces, 7.6 by eight). Anything
 // nearer its limit goes to the engine, which counts exactly and answers
-// 400 at once if it is too long.
+// 400 at once if it is too long. It is at least 1, the first output
+// token's: 0 would say the request does not tell (scorer.Request), and a
+// short prompt without max_tokens whose expected output exceeds every
+// replica's KV would wait for KV that never frees, where a longer one
+// runs cut at its context.
 func leastKVTokens(req *Request, prompt int) int {
 	least := prompt
 	if req.PromptBytes > 0 {
@@ -496,9 +500,9 @@ func leastKVTokens(req *Request, prompt int) int {
 		least = int(float64(least) * min(1, float64(req.LongestPromptTokens)/float64(req.PromptTokens)))
 	}
 	if req.MaxTokensCapped {
-		return least
+		return max(1, least)
 	}
-	return least + min(max(0, req.MaxTokens), MaxTokens)
+	return max(1, least+min(max(0, req.MaxTokens), MaxTokens))
 }
 
 // expectedContextTokens is the context req is expected to take

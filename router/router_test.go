@@ -943,6 +943,31 @@ func TestWholeFitFirst(t *testing.T) {
 	}
 }
 
+// TestShortPromptCutAtContext: a request whose prompt is text shorter
+// than the bytes a token surely holds, and that sets no max_tokens, still
+// surely takes a token of KV (its first output token), so when its
+// expected output (here n choices of it) exceeds every replica's KV it
+// runs cut at its context, as a longer prompt does, instead of waiting
+// for KV that never frees and being shed: "hi" with n=1000 was held for
+// queue_timeout and got 503, where "hello there, how are you" was routed.
+func TestShortPromptCutAtContext(t *testing.T) {
+	opts := Options{OutputEstimate: OutputFixed, OutputTokens: 500}.WithDefaults()
+	ms := members("a", "b")
+	for i := range ms {
+		ms[i].Hardware.KVCapacityTokens = 131_072
+	}
+	for _, req := range []Request{
+		{PromptTokens: 1, PromptBytes: 2, Sequences: 1000},
+		{PromptTokens: 6, PromptBytes: 24, Sequences: 1000},
+		{PromptTokens: 0, Sequences: 1000}, // an empty prompt: the engine answers for it
+	} {
+		d := New().Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Charge == nil || !d.CutAtContext {
+			t.Errorf("%+v: %+v, want it routed cut at its context", req, d.Decision)
+		}
+	}
+}
+
 // TestConfiguredCapacityAfterScraping: the KV capacity an engine reported
 // outlives a stale scrape, but not a config that does not scrape: its
 // configured capacity counts again.
