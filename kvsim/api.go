@@ -39,6 +39,9 @@ type ParsedRequest struct {
 	LengthLimited bool
 	Stream        bool
 	IncludeUsage  bool
+	// ContinuousUsage is stream_options.continuous_usage_stats (with
+	// include_usage): every chunk carries the usage so far.
+	ContinuousUsage bool
 	// N is the number of choices to generate (1 when absent): n
 	// sequences of the same prompt, each with its own output, as vLLM's
 	// parallel sampling.
@@ -220,11 +223,20 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		}
 		p.IncludeUsage = true // vLLM's StreamOptions default
 		if raw, ok := rb.StreamOptions["include_usage"]; ok {
-			var include *bool
+			// null is None there, which includes none.
+			var include laxBool
 			if err := json.Unmarshal(raw, &include); err != nil {
 				return nil, errBadRequestf("stream_options.include_usage must be a boolean: %v", err)
 			}
-			p.IncludeUsage = include == nil || *include
+			p.IncludeUsage = bool(include)
+		}
+		if raw, ok := rb.StreamOptions["continuous_usage_stats"]; ok {
+			var continuous laxBool
+			if err := json.Unmarshal(raw, &continuous); err != nil {
+				return nil, errBadRequestf("stream_options.continuous_usage_stats must be a boolean: %v", err)
+			}
+			// Only with include_usage, as vLLM's should_include_usage.
+			p.ContinuousUsage = p.IncludeUsage && bool(continuous)
 		}
 	} else if rb.StreamOptions != nil && rb.Stream {
 		p.IncludeUsage = true // {}: every option at its default

@@ -38,7 +38,8 @@ package kvsim
 //	GET  /kvsim/faults            the injected faults ([Faults])
 //	POST /kvsim/faults            fields present in the JSON body replace the current faults
 //
-// Both generation endpoints honour stream, stream_options.include_usage, max_completion_tokens
+// Both generation endpoints honour stream, stream_options.include_usage and
+// continuous_usage_stats, max_completion_tokens
 // (or max_tokens) and kvsim's own field kvsim_output_tokens: the number of tokens the
 // simulated model generates before it stops on its own (finish reason "stop"), so that trace
 // replays reproduce recorded output lengths. The generated length is the smaller of

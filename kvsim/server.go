@@ -628,6 +628,17 @@ func (rs *responder) streamSSE(more ...*responder) {
 		}
 		return map[string]any{"id": rs.req.ID, "object": object, "created": rs.created, "model": rs.model, "choices": []any{choice}}
 	}
+	// counted gives a chunk of choice index, at ev, the usage so far when
+	// the client asked for it in every chunk (continuous_usage_stats):
+	// the prompt's tokens and the choice's generated (none on a chat's
+	// role chunk), as vLLM counts them.
+	counted := func(c map[string]any, ev Event, generated int) map[string]any {
+		if rs.p.ContinuousUsage {
+			c["usage"] = map[string]int{"prompt_tokens": ev.PromptTokens, "completion_tokens": generated,
+				"total_tokens": ev.PromptTokens + generated}
+		}
+		return c
+	}
 	next := func() (int, []Event, bool) { evs, ok := rs.next(); return 0, evs, ok }
 	if len(more) > 0 {
 		next = rs.interleave(more)
@@ -644,7 +655,7 @@ func (rs *responder) streamSSE(more ...*responder) {
 		for i, ev := range evs {
 			switch ev.Kind {
 			case EventFirstToken, EventToken:
-				if ev.Kind == EventFirstToken && chat && !send(chunk(index, "", true, nil)) {
+				if ev.Kind == EventFirstToken && chat && !send(counted(chunk(index, "", true, nil), ev, 0)) {
 					return
 				}
 				var finish any
@@ -652,7 +663,7 @@ func (rs *responder) streamSSE(more ...*responder) {
 					finish = evs[i+1].FinishReason
 					finishSent[index] = true
 				}
-				if !send(chunk(index, string(ev.Text), false, finish)) {
+				if !send(counted(chunk(index, string(ev.Text), false, finish), ev, ev.GeneratedTokens)) {
 					return
 				}
 				if rs.cutHere() {
@@ -661,7 +672,7 @@ func (rs *responder) streamSSE(more ...*responder) {
 			case EventFinished:
 				// The last token came in an earlier batch: the finish
 				// reason goes in a chunk of its own, as vLLM sends it.
-				if !finishSent[index] && !send(chunk(index, "", false, ev.FinishReason)) {
+				if !finishSent[index] && !send(counted(chunk(index, "", false, ev.FinishReason), ev, ev.GeneratedTokens)) {
 					return
 				}
 				u = all[index].addUsage(u, ev)

@@ -1251,3 +1251,79 @@ func TestCutAnswerNotStreamedSendsNothing(t *testing.T) {
 		t.Fatalf("got %d, want the connection closed with nothing written", resp.StatusCode)
 	}
 }
+
+// TestContinuousUsageStats: with stream_options.continuous_usage_stats
+// (and include_usage, on by default there), vLLM puts a usage object in
+// every chunk of a stream: its prompt tokens and the choice's tokens so
+// far, 0 on a chat's role chunk; the last chunk is the whole usage, as
+// without it. include_usage null is None in vLLM's request model, so no
+// usage at all; the booleans are read as pydantic reads them ("true").
+func TestContinuousUsageStats(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	type chunk struct {
+		Choices []struct {
+			Text  string
+			Delta struct{ Content *string }
+		}
+		Usage *struct {
+			PromptTokens     int `json:"prompt_tokens"`
+			CompletionTokens int `json:"completion_tokens"`
+			TotalTokens      int `json:"total_tokens"`
+		}
+	}
+	chunks := func(path, body string) []chunk {
+		t.Helper()
+		resp, out := post(t, srv.URL+path, body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %d %s", body, resp.StatusCode, out)
+		}
+		var cs []chunk
+		for _, line := range strings.Split(out, "\n") {
+			data, ok := strings.CutPrefix(line, "data: ")
+			if !ok || data == "[DONE]" {
+				continue
+			}
+			var c chunk
+			if err := json.Unmarshal([]byte(data), &c); err != nil {
+				t.Fatalf("%v: %s", err, data)
+			}
+			cs = append(cs, c)
+		}
+		return cs
+	}
+	for _, tc := range []struct{ path, body string }{
+		{"/v1/completions", `{"prompt":"hello there","max_tokens":4,"stream":true,"stream_options":{"continuous_usage_stats":true}}`},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"stream":true,"stream_options":{"include_usage":"true","continuous_usage_stats":"true"}}`},
+	} {
+		cs := chunks(tc.path, tc.body)
+		last := cs[len(cs)-1]
+		if len(last.Choices) != 0 || last.Usage == nil || last.Usage.CompletionTokens != 4 {
+			t.Fatalf("%s: the last chunk is not the whole usage: %+v", tc.body, last)
+		}
+		prompt, tokens := last.Usage.PromptTokens, 0
+		for _, c := range cs[:len(cs)-1] {
+			if c.Usage == nil {
+				t.Fatalf("%s: a chunk without usage: %+v", tc.body, c)
+			}
+			if c.Choices[0].Text != "" || c.Choices[0].Delta.Content != nil && *c.Choices[0].Delta.Content != "" {
+				tokens++
+			}
+			if u := *c.Usage; u.PromptTokens != prompt || u.CompletionTokens != tokens || u.TotalTokens != prompt+tokens {
+				t.Errorf("%s: chunk usage %+v after %d tokens of a %d-token prompt", tc.body, u, tokens, prompt)
+			}
+		}
+		if tokens != 4 {
+			t.Errorf("%s: %d tokens streamed", tc.body, tokens)
+		}
+	}
+	for _, body := range []string{
+		`{"prompt":"hello","max_tokens":2,"stream":true,"stream_options":{"include_usage":null,"continuous_usage_stats":true}}`,
+		`{"prompt":"hello","max_tokens":2,"stream":true,"stream_options":{"include_usage":false,"continuous_usage_stats":true}}`,
+	} {
+		for _, c := range chunks("/v1/completions", body) {
+			if c.Usage != nil {
+				t.Errorf("%s: a chunk with usage: %+v", body, c)
+			}
+		}
+	}
+}
