@@ -105,6 +105,8 @@ type requestBody struct {
 	PreviousResponseID json.RawMessage `json:"previous_response_id"`
 	Store              json.RawMessage `json:"store"`
 	Background         json.RawMessage `json:"background"`
+	// Suffix is the completions API's; vLLM refuses any.
+	Suffix json.RawMessage `json:"suffix"`
 }
 
 // foreignFields are, for each API, the fields of the others that kvsim
@@ -295,6 +297,13 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 
 	switch endpoint {
 	case EndpointCompletions:
+		if suffix := bytes.TrimSpace(rb.Suffix); len(suffix) > 0 && string(suffix) != "null" {
+			// vLLM's serving code refuses it (request.suffix is not None).
+			if suffix[0] != '"' {
+				return nil, errBadRequest("suffix: Input should be a valid string")
+			}
+			return nil, errBadRequest("suffix is not currently supported")
+		}
 		var prompts [][]byte
 		if prompts, err = parsePrompt(rb.Prompt, tok); err == nil {
 			p.Context, p.MorePrompts = prompts[0], prompts[1:]

@@ -1327,3 +1327,30 @@ func TestContinuousUsageStats(t *testing.T) {
 		}
 	}
 }
+
+// TestSuffixRefused: vLLM refuses a completion's suffix, any but null,
+// with 400 "suffix is not currently supported" (its serving code checks
+// request.suffix is not None), which fill-in-the-middle clients detect to
+// fall back to the prefix alone; the chat API has no suffix and ignores
+// one, as any field not its own.
+func TestSuffixRefused(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	for _, suffix := range []string{`"x"`, `""`, `5`} {
+		resp, out := post(t, srv.URL+"/v1/completions", `{"prompt":"def f(","max_tokens":2,"suffix":`+suffix+`}`)
+		want := `{"error":{"message":"suffix is not currently supported","type":"BadRequestError","param":null,"code":400}}`
+		if suffix == `5` {
+			want = `{"error":{"message":"suffix: Input should be a valid string","type":"BadRequestError","param":null,"code":400}}`
+		}
+		if resp.StatusCode != 400 || strings.TrimSpace(out) != want {
+			t.Errorf("suffix %s: %d %s", suffix, resp.StatusCode, out)
+		}
+	}
+	for _, tc := range []struct{ path, body string }{
+		{"/v1/completions", `{"prompt":"def f(","max_tokens":2,"suffix":null}`},
+		{"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"suffix":"x"}`},
+	} {
+		if resp, out := post(t, srv.URL+tc.path, tc.body); resp.StatusCode != 200 {
+			t.Errorf("%s: %d %s", tc.body, resp.StatusCode, out)
+		}
+	}
+}
