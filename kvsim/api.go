@@ -341,6 +341,11 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 			p.PreviousResponseID = *rf.PreviousResponseID
 		}
 		p.Messages, err = responsesMessages(rb.Input)
+		if err == nil && rf.PreviousResponseID != nil && p.PreviousResponseID == "" {
+			// vLLM looks up any id that is not None, once the request
+			// is valid: "" is none it holds.
+			return nil, errResponseNotFound("")
+		}
 		if err == nil && p.PreviousResponseID == "" {
 			p.Context, err = p.RenderResponses(nil)
 		}

@@ -71,6 +71,13 @@ func errModelNotFound(model string) *APIError {
 	return e
 }
 
+// errResponseNotFound is vLLM's answer for a stored response it does not
+// hold (OpenAIServingResponses._make_not_found_error).
+func errResponseNotFound(id string) *APIError {
+	return &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
+		Message: fmt.Sprintf("Response with id '%s' not found.", id)}
+}
+
 // errInvalidUserInput is the 400 vLLM's adapter API (OpenAIServingModels, its
 // load_lora_adapter and unload_lora_adapter checks) answers a request it refuses: its type
 // is "InvalidUserInput", not "BadRequestError".

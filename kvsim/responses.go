@@ -341,8 +341,7 @@ func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) {
 		}
 		object = sr.object
 	}) {
-		writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
-			Message: fmt.Sprintf("Response with id '%s' not found.", id)})
+		writeError(w, errResponseNotFound(id))
 		return
 	}
 	if cancel == nil {
@@ -363,8 +362,7 @@ func (s *Server) handleRetrieve(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	stored, ok := s.responses.get(id)
 	if !ok {
-		writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
-			Message: fmt.Sprintf("Response with id '%s' not found.", id)})
+		writeError(w, errResponseNotFound(id))
 		return
 	}
 	q := r.URL.Query()

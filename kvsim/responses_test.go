@@ -478,3 +478,18 @@ func TestCancelledBackgroundStreamDoesNotComplete(t *testing.T) {
 		t.Errorf("%d of %d cancelled streams logged response.completed", completed, runs)
 	}
 }
+
+// TestEmptyPreviousResponseID: vLLM looks previous_response_id up
+// whenever it is not None, "" too, and holds no response of that id: 404,
+// where kvsim took "" for none and answered 200.
+func TestEmptyPreviousResponseID(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	resp, out := post(t, srv.URL+"/v1/responses", `{"input":"hi","max_output_tokens":2,"previous_response_id":""}`)
+	want := `{"error":{"message":"Response with id '' not found.","type":"invalid_request_error","param":null,"code":404}}`
+	if resp.StatusCode != 404 || strings.TrimSpace(out) != want {
+		t.Errorf("%d %s\nwant 404 %s", resp.StatusCode, out, want)
+	}
+	if resp, out := post(t, srv.URL+"/v1/responses", `{"input":"hi","max_output_tokens":2,"previous_response_id":null}`); resp.StatusCode != 200 {
+		t.Errorf("null: %d %s", resp.StatusCode, out)
+	}
+}

@@ -370,8 +370,7 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			// replica does not know it.
 			stored, ok := s.responses.get(p.PreviousResponseID)
 			if !ok {
-				writeError(w, &APIError{Code: http.StatusNotFound, Type: "invalid_request_error",
-					Message: fmt.Sprintf("Response with id '%s' not found.", p.PreviousResponseID)})
+				writeError(w, errResponseNotFound(p.PreviousResponseID))
 				return
 			}
 			previous = stored.msgs
