@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -200,6 +201,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if corsPreflight(w, r) {
 		return
 	}
+	if !cleanPath(r.URL.Path) {
+		s.noRoute(w, r, http.NotFoundHandler())
+		return
+	}
 	if h, pattern := s.mux.Handler(r); pattern == "" {
 		s.noRoute(w, r, h)
 		return
@@ -287,8 +292,22 @@ func (s *Server) noRoute(w http.ResponseWriter, r *http.Request, h http.Handler)
 	writeJSON(w, rec.Code, map[string]string{"detail": http.StatusText(rec.Code)})
 }
 
+// cleanPath says p is in its clean form (no empty, . or .. segment),
+// which alone Starlette's routes match: Go's mux would redirect any other
+// form to it.
+func cleanPath(p string) bool {
+	clean := path.Clean(p)
+	if strings.HasSuffix(p, "/") && clean != "/" {
+		clean += "/"
+	}
+	return clean == p
+}
+
 // routes says a route takes r's path, with r's method or another.
 func (s *Server) routes(r *http.Request) bool {
+	if !cleanPath(r.URL.Path) {
+		return false
+	}
 	h, pattern := s.mux.Handler(r)
 	if pattern != "" {
 		return true

@@ -316,9 +316,10 @@ func TestChatWithoutMaxTokensRunsToTheContext(t *testing.T) {
 	}
 }
 
-// TestNoRouteAnswersAsFastAPI: a path no route takes gets vLLM's 404, and
-// a route's path with another method its 405 with Allow, both as JSON
-// {"detail": ...} (FastAPI's), not Go's plain text.
+// TestNoRouteAnswersAsFastAPI: a path no route takes gets vLLM's 404 (a
+// route's path in another form too: an empty or dot segment), and a
+// route's path with another method its 405 with Allow, both as JSON
+// {"detail": ...} (FastAPI's), not Go's plain text or redirect.
 func TestNoRouteAnswersAsFastAPI(t *testing.T) {
 	_, srv := newTestServer(t, Config{})
 	for _, tc := range []struct {
@@ -327,6 +328,11 @@ func TestNoRouteAnswersAsFastAPI(t *testing.T) {
 	}{
 		{"GET", "/v1/nope", "Not Found", 404},
 		{"GET", "/v1/chat/completions", "Method Not Allowed", 405},
+		// Starlette matches the path as sent, where Go's mux redirects
+		// one not in its clean form to that.
+		{"POST", "/v1//chat/completions", "Not Found", 404},
+		{"GET", "/v1/./models", "Not Found", 404},
+		{"GET", "//v1/models/", "Not Found", 404},
 	} {
 		req, _ := http.NewRequest(tc.method, srv.URL+tc.path, nil)
 		resp, err := http.DefaultClient.Do(req)
