@@ -336,7 +336,7 @@ func (h *Handler) servePassThrough(w http.ResponseWriter, r *http.Request, repl 
 		case declaresJSON(r.Header):
 			// Only then: vLLM refuses any other body (400) before it
 			// reads the model, which the router's 404 would hide.
-			pt.model = modelOfBody(body)
+			pt.model, pt.body = modelOfBody(body), body
 		}
 	}
 	// Caddy's retry of an attempt that found nothing listening (health
@@ -360,7 +360,12 @@ func (pt *passThrough) serve(w http.ResponseWriter, r, inner *http.Request, next
 	if aborted {
 		panic(http.ErrAbortHandler) // the proxy's, passed on
 	}
-	if pt.notFound && !pt.writer.started {
+	switch {
+	case pt.writer.started:
+	case pt.refusedBy == blockedByUTF8:
+		writeAPIErrorCode(w, http.StatusBadRequest, "invalid_request_error", http.StatusBadRequest, "", invalidUTF8Message)
+		return nil
+	case pt.refusedBy != "":
 		writeAPIErrorCode(w, http.StatusNotFound, "invalid_request_error", "model_not_found", "model", modelNotFound(pt.model))
 		return nil
 	}
@@ -487,11 +492,15 @@ type passThroughKey struct{}
 type passThrough struct {
 	writer passThroughWriter
 	cancel context.CancelCauseFunc
-	// model is the body's model, "" when not read, set before the
-	// request is served; notFound says no upstream lists it (the policy
-	// chose none), set under mu (the placeholders read it).
-	model    string
-	notFound bool
+	// model is the body's model, "" when not read, and body the body it
+	// was read from, set before the request is served. refusedBy says why
+	// the policy chose no upstream for it, "" while it has not refused:
+	// blockedByModel (no upstream lists the model: 404) or blockedByUTF8
+	// (a body that is not UTF-8, which vLLM refuses with 400 before it
+	// reads the model), set under mu (the placeholders read it).
+	model     string
+	body      []byte
+	refusedBy string
 	// loraName is the adapter a load or unload (vLLM's runtime adapter
 	// API) names, "" when not read; unload says it is an unload, inplace
 	// that it is a load with load_inplace (new weights for an adapter
@@ -1004,6 +1013,16 @@ const (
 // refusedReason is the decision's reason, in metrics and placeholders, for
 // a request answered at once with a client error.
 const refusedReason = "refused"
+
+// What blocked a request passed through and refused (the blocked_by
+// placeholder), as the routed path's refusals say it (see Policy.Select):
+// no upstream lists its model, or its body is not UTF-8 (and names no
+// listed model).
+const (
+	blockedByModel     = "model"
+	blockedByUTF8      = "invalid_utf8"
+	invalidUTF8Message = "the request body is not valid UTF-8"
+)
 
 // giveUp records the answer the handler writes for a request it stops
 // trying to route, and counts it as a shed (as the policy counts its own).

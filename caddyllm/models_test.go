@@ -184,7 +184,7 @@ func TestPassThroughDownListerIsNoNotFound(t *testing.T) {
 	pt := &passThrough{model: "emb"}
 	r := httptest.NewRequest("POST", "/v1/embeddings", nil)
 	up := p.chooseFallback(pool, r, httptest.NewRecorder(), pt)
-	if pt.notFound {
+	if pt.refusedBy != "" {
 		t.Fatalf("model listed by a down engine: router answered 404 model_not_found (up=%v)", up)
 	}
 }

@@ -127,7 +127,8 @@ func (pt *passThrough) placeholder(key string) (any, bool) {
 		return nil, false
 	}
 	pt.mu.Lock()
-	model, refused, chose := pt.model, pt.notFound, pt.attempts > 0
+	model, refusedBy, chose := pt.model, pt.refusedBy, pt.attempts > 0
+	refused := refusedBy != ""
 	attempt, upstream := pt.attempts, pt.lastDial
 	pt.mu.Unlock()
 	switch name {
@@ -144,7 +145,7 @@ func (pt *passThrough) placeholder(key string) (any, bool) {
 		}
 	case "blocked_by":
 		if refused {
-			return "model", true // as the routed 404 model_not_found's
+			return refusedBy, true // as the routed refusal's
 		}
 	case "upstream":
 		if refused {

@@ -42,6 +42,10 @@ func TestPassThroughPlaceholders(t *testing.T) {
 	}{
 		{"refused", "POST", "/v1/embeddings", "application/json", `{"model":"nope","input":"` + secret + `"}`, http.StatusNotFound,
 			map[string]any{"model": "nope", "reason": "refused", "blocked_by": "model", "upstream": ""}},
+		// vLLM refuses a body that is not UTF-8 (400) before it reads the
+		// model, as the routed path answers; it got the router's 404.
+		{"not UTF-8", "POST", "/v1/embeddings", "application/json", `{"model":"nope","input":"` + secret + "\xff\xfe" + `"}`, http.StatusBadRequest,
+			map[string]any{"model": "nope", "reason": "refused", "blocked_by": "invalid_utf8", "upstream": ""}},
 		{"listed", "POST", "/v1/embeddings", "application/json", `{"input":"` + secret + `","model":"emb"}`, http.StatusOK,
 			map[string]any{"model": "emb", "reason": "fallback", "upstream": pool[0].Dial, "attempt": 1}},
 		{"body not read", "POST", "/v1/embeddings", "text/plain", `{"model":"nope","input":"` + secret + `"}`, http.StatusOK,
@@ -49,7 +53,11 @@ func TestPassThroughPlaceholders(t *testing.T) {
 		{"models list", "GET", "/v1/models", "", "", http.StatusOK,
 			map[string]any{"reason": "fallback", "upstream": pool[0].Dial, "attempt": 1}},
 	} {
-		refusedBefore := testutil.ToFloat64(p.sh.metrics.refused.WithLabelValues("model_not_found"))
+		code := "model_not_found"
+		if c.status == http.StatusBadRequest {
+			code = "400"
+		}
+		refusedBefore := testutil.ToFloat64(p.sh.metrics.refused.WithLabelValues(code))
 		repl := caddy.NewEmptyReplacer()
 		r := httptest.NewRequest(c.method, c.path, strings.NewReader(c.body))
 		if c.contentType != "" {
@@ -70,9 +78,12 @@ func TestPassThroughPlaceholders(t *testing.T) {
 				t.Errorf("%s: {%s%s} carries the input", c.name, placeholderPrefix, name)
 			}
 		}
-		refused := testutil.ToFloat64(p.sh.metrics.refused.WithLabelValues("model_not_found")) - refusedBefore
+		refused := testutil.ToFloat64(p.sh.metrics.refused.WithLabelValues(code)) - refusedBefore
 		if (refused == 1) != (c.want["reason"] == "refused") || refused > 1 {
-			t.Errorf("%s: refused_total{code=model_not_found} rose by %v; reason %v", c.name, refused, c.want["reason"])
+			t.Errorf("%s: refused_total{code=%s} rose by %v; reason %v", c.name, code, refused, c.want["reason"])
+		}
+		if c.status == http.StatusBadRequest && !strings.Contains(rr.Body.String(), `"code":400`) {
+			t.Errorf("%s: %s, want vLLM's error with code 400", c.name, rr.Body)
 		}
 	}
 }

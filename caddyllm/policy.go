@@ -650,7 +650,7 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 			// model: its 400, not the router's 404, and at once (no model
 			// lists fetched again for it).
 			return p.refuse(st, d, &shedding{status: http.StatusBadRequest, code: http.StatusBadRequest,
-				message: "the request body is not valid UTF-8", reason: "invalid_utf8", refused: true})
+				message: invalidUTF8Message, reason: "invalid_utf8", refused: true})
 		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed, lists):
 			if r.Context().Err() != nil {
 				return p.answered()
@@ -1248,7 +1248,7 @@ func (e excludedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 // upstream chosen.
 func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	pt, _ := r.Context().Value(passThroughKey{}).(*passThrough) // the handler's, when it is in the route
-	if pt != nil && pt.notFound {
+	if pt != nil && pt.refusedBy != "" {
 		// Refused at an earlier attempt: Caddy asks again after a nil
 		// (lb_retries), and the answer stands, counted once.
 		return p.answered()
@@ -1345,13 +1345,19 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 	if pt != nil && pt.model != "" && p.scraper != nil {
 		serving, known := p.servingModel(pool, pt.model)
 		if len(serving) == 0 && known {
+			// As on the routed path: vLLM refuses a body that is not
+			// UTF-8 (400) before it reads the model.
+			by, code, status := blockedByModel, "model_not_found", http.StatusNotFound
+			if !utf8.Valid(pt.body) {
+				by, code, status = blockedByUTF8, "400", http.StatusBadRequest
+			}
 			pt.mu.Lock()
-			pt.notFound = true // the placeholders' refused, blocked_by model
+			pt.refusedBy = by // the placeholders' refused and blocked_by
 			pt.mu.Unlock()
 			p.sh.metrics.decision(refusedReason).Inc()
-			p.sh.metrics.refused.WithLabelValues("model_not_found").Inc()
+			p.sh.metrics.refused.WithLabelValues(code).Inc()
 			if c := p.logger.Check(zapcore.DebugLevel, refusedReason); c != nil {
-				c.Write(zap.String("blocked_by", "model"), zap.Int("status", http.StatusNotFound), zap.Bool("passed_through", true))
+				c.Write(zap.String("blocked_by", by), zap.Int("status", status), zap.Bool("passed_through", true))
 			}
 			return p.answered()
 		}
