@@ -5,11 +5,16 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/url"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/llmaffinity/caddy-llm-affinity/internal/natstest"
 	"github.com/llmaffinity/caddy-llm-affinity/router"
@@ -308,5 +313,39 @@ func TestStaleDrainDoesNotUndoLaterUndrain(t *testing.T) {
 	})
 	if _, ok := b.drained.Load("x:1"); ok {
 		t.Fatalf("b drained again by a's earlier drain: a %+v\nb %+v", a.syncer.Stats(), b.syncer.Stats())
+	}
+}
+
+// TestMissedBatchesWarnOncePerRenewal: a router that keeps losing its
+// peers' batches (a peer that publishes faster than this router applies,
+// so the NATS client drops some at every turn) renews at most every
+// renewInterval, and warns once for each renewal it makes, not for each
+// batch missed: a warning a batch came hundreds a second, written by the
+// very goroutine that reads too slowly.
+func TestMissedBatchesWarnOncePerRenewal(t *testing.T) {
+	ns := startNATS(t, -1)
+	core, logs := observer.New(zapcore.InfoLevel)
+	b := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.gaps", Logger: zap.New(core)})
+	waitFor(t, "b connected", func() bool { return b.Stats().Connected })
+	nc, err := nats.Connect(ns.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	// A peer whose batches come with every other number missing, as a
+	// client that drops every other one would deliver them.
+	const batches = 50
+	for i := range batches {
+		msg := nats.NewMsg("test.gaps")
+		msg.Header.Set(seqHeader, strconv.Itoa(2*i+1))
+		msg.Data = AppendBatch(nil, &Batch{Sender: "a", Epoch: 1, Instance: 5})
+		if err := nc.PublishMsg(msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, "b seeing every gap", func() bool { return b.Stats().Missed == batches-1 })
+	warned := logs.FilterMessageSnippet("were lost on the way").Len()
+	if renewals := b.Stats().Renewals; warned == 0 || uint64(warned) > renewals+1 {
+		t.Fatalf("%d batches missed, %d renewals, %d warnings", batches-1, renewals, warned)
 	}
 }

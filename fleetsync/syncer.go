@@ -292,6 +292,11 @@ type Syncer struct {
 	sendersSeen time.Time
 	// cut says the connection was lost since the last renewal.
 	cut atomic.Bool
+	// missedWarned says missedBatches warned since the last renewal: a
+	// router that reads too slowly misses batches at every turn, and
+	// the renewal that makes them good comes at most every
+	// renewInterval.
+	missedWarned atomic.Bool
 	// liveOps, while a snapshot is being applied (non-nil), holds the
 	// upstreams whose drains or undrains arrived live meanwhile, and
 	// liveForgot the blocks failed requests made the routers forget
@@ -1472,6 +1477,7 @@ func (s *Syncer) run() {
 		restate := s.restate.Swap(false)
 		if s.lost.Load() && time.Since(lastRenewal) >= renewInterval {
 			s.lost.Store(false)
+			s.missedWarned.Store(false)
 			lastRenewal = time.Now()
 			epoch := max(uint64(lastRenewal.UnixNano()), s.epoch.Load()+1)
 			s.epoch.Store(epoch)
@@ -1552,6 +1558,9 @@ func (s *Syncer) missedBatches(why string) {
 	s.missed.Add(1)
 	s.lost.Store(true)
 	s.cut.Store(true)
+	if s.missedWarned.Swap(true) {
+		return // the renewal to come makes this one good too
+	}
 	s.cfg.Logger.Warn("peers' routing events were lost on the way; renewing to have them restated", zap.String("why", why))
 }
 
