@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -347,5 +348,26 @@ func TestMissedBatchesWarnOncePerRenewal(t *testing.T) {
 	warned := logs.FilterMessageSnippet("were lost on the way").Len()
 	if renewals := b.Stats().Renewals; warned == 0 || uint64(warned) > renewals+1 {
 		t.Fatalf("%d batches missed, %d renewals, %d warnings", batches-1, renewals, warned)
+	}
+}
+
+// TestRefusedPublicationSaysWhy: a NATS server whose max_payload is below
+// the batches' bound refuses the larger ones. The router counts their
+// events as dropped and renews, as for any loss; it also says why, once,
+// where before nothing told the operator why peers kept losing its events.
+func TestRefusedPublicationSaysWhy(t *testing.T) {
+	ns := natstest.StartWith(t, &server.Options{Port: -1, MaxPayload: 4096})
+	core, logs := observer.New(zapcore.InfoLevel)
+	a := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.payload", Logger: zap.New(core)})
+	waitFor(t, "a connected", func() bool { return a.Stats().Connected })
+	hashes := make([]uint64, 1024) // 8 KB: over the server's 4 KB
+	for i := range 3 {
+		dropped := a.Stats().Dropped
+		a.Publish(Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i + 1), Dial: "x:1", Hashes: hashes, BlockTokens: 16, Prefill: 1, KV: 1}})
+		waitFor(t, "the publication refused", func() bool { return a.Stats().Dropped > dropped })
+	}
+	refused := logs.FilterMessageSnippet("NATS refused a publication")
+	if refused.Len() != 1 || !strings.Contains(refused.All()[0].ContextMap()["error"].(string), "maximum payload") {
+		t.Fatalf("3 publications refused, logged: %v", logs.All())
 	}
 }

@@ -1343,6 +1343,7 @@ func (s *Syncer) run() {
 	// One message, its header reused: the client encodes it at once.
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
+	var pubErrsLogged []string
 	send := func(b *Batch, numbered bool) {
 		if s.retired.Load() {
 			b.Messages = b.Messages[:0] // not even a heartbeat: its successor speaks
@@ -1380,6 +1381,7 @@ func (s *Syncer) run() {
 				for _, m := range b.Messages {
 					s.unsent(m)
 				}
+				s.notePublishError(err, &pubErrsLogged)
 				if errors.Is(err, os.ErrDeadlineExceeded) {
 					// The path to the server stalled without closing:
 					// the client would notice only at its next ping,
@@ -1547,6 +1549,28 @@ func (s *Syncer) run() {
 			return
 		}
 	}
+}
+
+// notePublishError logs why the client refused a publication, once for
+// each reason (logged holds those logged, at most maxConnErrsLogged).
+// Losing the connection is logged by its handler; anything else, such as
+// a server whose max_payload is below the batches' bound, would otherwise
+// show only as events dropped and renewals every renewInterval.
+func (s *Syncer) notePublishError(err error, logged *[]string) {
+	if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, nats.ErrConnectionClosed) ||
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrConnectionDraining) {
+		return
+	}
+	reason := err.Error()
+	if slices.Contains(*logged, reason) || len(*logged) >= maxConnErrsLogged {
+		return
+	}
+	*logged = append(*logged, reason)
+	fields := []zap.Field{zap.Error(err)}
+	if errors.Is(err, nats.ErrMaxPayload) {
+		fields = append(fields, zap.String("hint", fmt.Sprintf("a batch takes up to %d KB: give the NATS server a max_payload of at least that (its default is 1 MB)", maxBatchBytes>>10)))
+	}
+	s.cfg.Logger.Warn("NATS refused a publication; its events are dropped", fields...)
 }
 
 // missedBatches notes that peers' batches were lost on their way here:
