@@ -1,6 +1,7 @@
 package fleetsync
 
 import (
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -369,5 +370,53 @@ func TestRefusedPublicationSaysWhy(t *testing.T) {
 	refused := logs.FilterMessageSnippet("NATS refused a publication")
 	if refused.Len() != 1 || !strings.Contains(refused.All()[0].ContextMap()["error"].(string), "maximum payload") {
 		t.Fatalf("3 publications refused, logged: %v", logs.All())
+	}
+}
+
+// TestBadHeadersWarnOnce: a message on the subject whose NATS headers do
+// not decode reaches the router anyway (the client passes it through, and
+// a batch that does not decode is counted as malformed, not logged); the
+// client also reports each to the error handler. Whoever may publish on
+// the subject could send any number: the router warns of the first only,
+// where it warned of each (a line a message, 5,000 lines for 5,000).
+func TestBadHeadersWarnOnce(t *testing.T) {
+	ns := startNATS(t, -1)
+	core, logs := observer.New(zapcore.InfoLevel)
+	b := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.headers", Logger: zap.New(core)})
+	waitFor(t, "b connected", func() bool { return b.Stats().Connected })
+	c, err := net.Dial("tcp", ns.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// The protocol by hand: nats.go never sends a header block it cannot
+	// decode.
+	const messages = 20
+	hdr, payload := "XXXXXXXX\r\n\r\n", "\x07"
+	proto := "CONNECT {\"verbose\":false,\"headers\":true,\"protocol\":1}\r\n"
+	for range messages {
+		proto += fmt.Sprintf("HPUB test.headers %d %d\r\n%s%s\r\n", len(hdr), len(hdr)+len(payload), hdr, payload)
+	}
+	if _, err := io.WriteString(c, proto+"PING\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "b counting them malformed", func() bool { return b.Stats().Malformed == messages })
+	// The client reports errors and a lost connection in order: once b
+	// has noticed the server dropping it, every report of the messages
+	// before was handled.
+	connz, err := ns.Connz(&server.ConnzOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ci := range connz.Conns {
+		if ci.Name == "caddy-llm-affinity b" {
+			if err := ns.DisconnectClientByID(ci.Cid); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, "b noticing the disconnection", func() bool { return b.Stats().Disconnects > 0 })
+	if n := logs.FilterMessageSnippet("NATS error").Len() + logs.FilterMessageSnippet("headers").Len(); n == 0 || n > 1 {
+		t.Fatalf("%d messages with bad headers, logged: %v", messages, logs.All())
 	}
 }

@@ -297,6 +297,9 @@ type Syncer struct {
 	// the renewal that makes them good comes at most every
 	// renewInterval.
 	missedWarned atomic.Bool
+	// badHeaderWarned says a message whose headers did not decode was
+	// logged: the first only.
+	badHeaderWarned atomic.Bool
 	// liveOps, while a snapshot is being applied (non-nil), holds the
 	// upstreams whose drains or undrains arrived live meanwhile, and
 	// liveForgot the blocks failed requests made the routers forget
@@ -481,6 +484,16 @@ func (s *Syncer) options() ([]nats.Option, error) {
 				// The client dropped peers' batches this router did not
 				// read in time: their charges and releases are lost here.
 				s.missedBatches("this router read the peers' batches too slowly; the NATS client dropped some")
+				return
+			}
+			if errors.Is(err, nats.ErrBadHeaderMsg) {
+				// The client passed the message on all the same, and
+				// receive counts it malformed unless its batch decodes;
+				// a line for each would let whoever may publish on the
+				// subject fill the log.
+				if !s.badHeaderWarned.Swap(true) {
+					log.Warn("a message on the sync subject had NATS headers that do not decode (further ones are not logged)", zap.Error(err))
+				}
 				return
 			}
 			if isAuthError(err) {
