@@ -420,3 +420,43 @@ func TestBadHeadersWarnOnce(t *testing.T) {
 		t.Fatalf("%d messages with bad headers, logged: %v", messages, logs.All())
 	}
 }
+
+// TestRefusedPermissionWarnsOnce: a NATS user not allowed to publish on
+// the sync subject (a permissions typo) has every batch refused, each
+// reported to the error handler while the connection stays up. The router
+// warns once, where it warned of each batch (4,390 lines in 4 s at 940
+// requests/s).
+func TestRefusedPermissionWarnsOnce(t *testing.T) {
+	ns := natstest.StartWith(t, &server.Options{Port: -1, Users: []*server.User{{Username: "u", Password: "p",
+		Permissions: &server.Permissions{Publish: &server.SubjectPermission{Allow: []string{"test.perm.snapshot"}}}}}})
+	core, logs := observer.New(zapcore.InfoLevel)
+	a := startSyncer(t, Config{URLs: []string{"nats://u:p@" + ns.Addr().String()}, Name: "a", Subject: "test.perm", Logger: zap.New(core)})
+	waitFor(t, "a connected", func() bool { return a.Stats().Connected })
+	const batches = 20
+	for i := range batches {
+		sent := a.Stats().Sent
+		a.Publish(Message{Event: &router.Event{Kind: router.EventReleased, ID: uint64(i + 1)}})
+		waitFor(t, "a publishing", func() bool { return a.Stats().Sent > sent })
+	}
+	// A ping answered means the server has sent every refusal before it.
+	// The client reports errors and a lost connection in order: once a
+	// has noticed the server dropping it, the refusals were all handled.
+	if err := a.conn().Flush(); err != nil {
+		t.Fatal(err)
+	}
+	connz, err := ns.Connz(&server.ConnzOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ci := range connz.Conns {
+		if ci.Name == "caddy-llm-affinity a" {
+			if err := ns.DisconnectClientByID(ci.Cid); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, "a noticing the disconnection", func() bool { return a.Stats().Disconnects > 0 })
+	if n := logs.FilterMessageSnippet("NATS error").Len(); n != 1 {
+		t.Fatalf("%d batches refused, %d warnings: %v", batches, n, logs.FilterMessageSnippet("NATS").All())
+	}
+}

@@ -297,6 +297,10 @@ type Syncer struct {
 	// the renewal that makes them good comes at most every
 	// renewInterval.
 	missedWarned atomic.Bool
+	// asyncErrsLogged are the errors the client reported to the error
+	// handler that were logged on this connection (see warnAsyncError).
+	asyncErrMu      sync.Mutex
+	asyncErrsLogged []string
 	// badHeaderWarned says a message whose headers did not decode was
 	// logged: the first only.
 	badHeaderWarned atomic.Bool
@@ -474,6 +478,9 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
 			s.forgetSeqs() // also what a batch read as the connection dropped left
+			s.asyncErrMu.Lock()
+			s.asyncErrsLogged = nil // a new connection's errors are news
+			s.asyncErrMu.Unlock()
 			s.connected.Store(true)
 			s.noteConnError(nil)
 			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
@@ -506,10 +513,10 @@ func (s *Syncer) options() ([]nats.Option, error) {
 			if errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), "_INBOX.") {
 				// A reply refused: most often a snapshot's part beyond
 				// the one reply `allow_responses: true` allows.
-				log.Warn("NATS error", zap.Error(err), zap.String("hint", snapshotPermissionHint))
+				s.warnAsyncError(err, zap.String("hint", snapshotPermissionHint))
 				return
 			}
-			log.Warn("NATS error", zap.Error(err))
+			s.warnAsyncError(err)
 		}),
 	}
 	if s.cfg.ConnectTimeout > 0 {
@@ -578,6 +585,23 @@ func (s *Syncer) noteConnError(err error) {
 	}
 	s.connErrsLogged = append(s.connErrsLogged, reason)
 	s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
+}
+
+// warnAsyncError logs an error the client reports to no caller, once for
+// each reason a connection: the server refuses each publication a
+// permission denies (a NATS user's typo refused every batch, a line each,
+// over a thousand a second), while the connection stays up.
+func (s *Syncer) warnAsyncError(err error, fields ...zap.Field) {
+	s.asyncErrMu.Lock()
+	reason := err.Error()
+	first := !slices.Contains(s.asyncErrsLogged, reason) && len(s.asyncErrsLogged) < maxConnErrsLogged
+	if first {
+		s.asyncErrsLogged = append(s.asyncErrsLogged, reason)
+	}
+	s.asyncErrMu.Unlock()
+	if first {
+		s.cfg.Logger.Warn("NATS error", append([]zap.Field{zap.Error(err)}, fields...)...)
+	}
 }
 
 // isAuthError says err is the server refusing this router's credentials.
