@@ -654,7 +654,7 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 			if index == c.KVCapacityTokens {
 				u.capacityFromPeer = false
 			}
-			f.sizeIndex(u, index, blockTokens)
+			f.sizeIndex(u, index, blockTokens, at)
 		}
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
 		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
@@ -712,14 +712,30 @@ func (f *Fleet) Configure(dial string, capacityTokens int, scraped bool, now tim
 		u.capacityTokens = capacityTokens
 		return
 	}
-	f.sizeIndex(u, capacityTokens, u.indexBlockTokens)
+	f.sizeIndex(u, capacityTokens, u.indexBlockTokens, time.Time{})
 }
 
 // sizeIndex gives u's prefix index the capacity of its KV cache, when that
-// changed or a smaller block size appeared. Caller holds f.mu.
-func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int) {
-	if u.indexBlockTokens > 0 && blockTokens > u.indexBlockTokens {
+// changed or a smaller block size appeared: requests hashed with blocks of
+// blockTokens used it at (zero when none did: a reload's figure). A
+// smaller block size stays while a request used it within capacityMemory,
+// so that sites (or routers) hashing with different sizes never shrink
+// each other's share; one unused for longer gives way, so that a
+// router's brief reload to smaller blocks does not leave every router
+// modelling the engine's cache as twice its size until it restarts.
+// Caller holds f.mu.
+func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int, at time.Time) {
+	switch {
+	case u.indexBlockTokens == 0 || blockTokens < u.indexBlockTokens:
+		u.blockSeen = at
+	case blockTokens == u.indexBlockTokens:
+		if !at.IsZero() {
+			u.blockSeen = at
+		}
+	case at.IsZero() || at.Sub(u.blockSeen) <= capacityMemory:
 		blockTokens = u.indexBlockTokens
+	default:
+		u.blockSeen = at
 	}
 	if u.capacityTokens == capacityTokens && u.indexBlockTokens == blockTokens {
 		return

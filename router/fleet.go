@@ -121,6 +121,9 @@ type upstream struct {
 	// capacitySeen is when a decision last used a configured capacity of
 	// capacityTokens (see capacityMemory).
 	capacitySeen time.Time
+	// blockSeen is when a request last used blocks of indexBlockTokens
+	// (see sizeIndex).
+	blockSeen time.Time
 	// capacityFromPeer says capacityTokens is a peer's figure (see
 	// applyCached): a loaded config that gives none leaves it in place,
 	// where it takes back a figure of this router's own.

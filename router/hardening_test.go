@@ -274,3 +274,49 @@ func TestConfigureResizesAtOnce(t *testing.T) {
 		t.Fatalf("first routed: %d tokens, %d blocks; want 8192, 128", s.KVCapacityTokens, s.IndexCapacityBlocks)
 	}
 }
+
+// TestSmallerBlocksGiveWay: an index sized for a smaller block size (a
+// site, or a peer router, hashing with smaller blocks) keeps it while
+// requests use it within capacityMemory, and takes the larger one back
+// once they have not for longer: a router's brief reload to smaller blocks
+// left every router's index at twice the engine's cache until restart.
+func TestSmallerBlocksGiveWay(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	ms[0].Hardware.KVCapacityTokens = 131_072
+	route := func(at time.Time, blockTokens int) {
+		t.Helper()
+		req := Request{Hashes: hashes(uint64(at.UnixNano()), 8), BlockTokens: blockTokens, PromptTokens: 8 * blockTokens, MaxTokens: 1}
+		d := f.Decide(at, req, ms, &opts, rng(), nil)
+		if d.Charge == nil {
+			t.Fatalf("not routed: %+v", d)
+		}
+		served(f, d.Charge, at)
+	}
+	blocks := func(when string, want int) {
+		t.Helper()
+		if got := state(t, f, "a").IndexCapacityBlocks; got != want {
+			t.Fatalf("%s: index of %d blocks, want %d", when, got, want)
+		}
+	}
+	route(t0, 64)
+	blocks("64-token blocks", 2048)
+	route(t0.Add(time.Second), 32)
+	blocks("32-token blocks", 4096)
+	at := t0.Add(time.Second + capacityMemory/2)
+	route(at, 64)
+	blocks("64 while 32 was used within capacityMemory", 4096)
+	at = at.Add(capacityMemory)
+	route(at, 64)
+	blocks("32 unused for longer than capacityMemory", 2048)
+
+	// A peer's events count as uses.
+	at = at.Add(time.Second)
+	f.Apply("peer", Event{Kind: EventRouted, ID: 1, Dial: "a", Hashes: hashes(7, 4), BlockTokens: 32, Prefill: 128, Decode: 1, KV: 129}, at)
+	blocks("a peer's 32-token blocks", 4096)
+	route(at.Add(capacityMemory/2), 64)
+	blocks("64 soon after the peer's 32", 4096)
+	route(at.Add(2*capacityMemory), 64)
+	blocks("the peer's 32 unused for longer than capacityMemory", 2048)
+}

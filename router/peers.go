@@ -209,18 +209,18 @@ func (f *Fleet) Restore(ev Event, now time.Time) bool {
 	case u.forgotten:
 		return false
 	}
-	return f.restore(u, ev)
+	return f.restore(u, ev, now)
 }
 
 // restore applies a snapshot's event to u. Caller holds f.mu.
-func (f *Fleet) restore(u *upstream, ev Event) bool {
+func (f *Fleet) restore(u *upstream, ev Event, now time.Time) bool {
 	switch ev.Kind {
 	case EventCached:
 		if ev.Adapter != "" {
 			u.restoreAdapter(ev.Adapter)
 			return true
 		}
-		f.applyCached(u, ev)
+		f.applyCached(u, ev, now)
 		return true
 	case EventStored:
 		return f.homes.restore(ev.Response, u.dial)
@@ -308,7 +308,7 @@ func (f *Fleet) restorePending(u *upstream, now time.Time) {
 		if ev.Kind == EventCached && len(p.forgot) > 0 {
 			ev.Hashes = slices.DeleteFunc(slices.Clone(ev.Hashes), func(h uint64) bool { _, ok := p.forgot[h]; return ok })
 		}
-		f.restore(u, ev)
+		f.restore(u, ev, now)
 	}
 }
 
@@ -342,7 +342,7 @@ const maxCachedCapacity = 1 << 23
 // behind what this router learned itself, which is more recent. An index
 // this router never sized takes the peer's capacity, so that it is not
 // cut to the default. Caller holds f.mu.
-func (f *Fleet) applyCached(u *upstream, ev Event) {
+func (f *Fleet) applyCached(u *upstream, ev Event, now time.Time) {
 	if ev.BlockTokens >= minPeerBlockTokens {
 		capacity := u.capacityTokens
 		if capacity == 0 {
@@ -350,7 +350,7 @@ func (f *Fleet) applyCached(u *upstream, ev Event) {
 			u.capacityFromPeer = capacity > 0
 		}
 		if capacity > 0 {
-			f.sizeIndex(u, capacity, ev.BlockTokens)
+			f.sizeIndex(u, capacity, ev.BlockTokens, now)
 		}
 	}
 	f.index.Restore(u.id, ev.Hashes)
@@ -465,7 +465,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		// Blocks smaller than an engine's would size the index beyond
 		// any cache.
 		if ev.BlockTokens >= minPeerBlockTokens && u.capacityTokens > 0 {
-			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens)
+			f.sizeIndex(u, u.capacityTokens, ev.BlockTokens, now)
 		}
 		// What it adds here is what its failure takes back here.
 		c.held = -1
