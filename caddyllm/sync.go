@@ -220,6 +220,13 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 		// affair again, and no undrain of them could reach it.
 		sh.fleetDrains = nil
 		sh.fleet.SetPublisher(nil)
+		// Nor can a peer's release reach it: their charges go now,
+		// where they stayed, counted as queued work, until the peers
+		// went silent (peerSilence).
+		now := time.Now()
+		for _, p := range sh.fleet.Peers() {
+			sh.fleet.DropPeer(p.Name, now)
+		}
 	}
 }
 

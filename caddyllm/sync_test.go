@@ -296,3 +296,37 @@ func TestPeerWithOtherBlockSizeWarned(t *testing.T) {
 		t.Fatalf("warnings: %v, want one for other#1's blocks of 32 tokens", logs.All())
 	}
 }
+
+// TestPeersGoWithTheLastConnection: when the last sync connection closes
+// (a reload that removes sync), the peers' charges go with it, since no
+// release of theirs can arrive any more; they stayed, counted as queued
+// work, until the peers were silent for peerSilence.
+func TestPeersGoWithTheLastConnection(t *testing.T) {
+	ns := natstest.Start(t, -1)
+	sh := newShared()
+	defer sh.Destruct()
+	_, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "peers-go-test", Name: "leaving"}, zap.NewNop(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	sh.fleet.Name("engine:1", now)
+	if !sh.fleet.Apply("peer", router.Event{Kind: router.EventRouted, ID: 1, Dial: "engine:1", Prefill: 1000, Decode: 10, KV: 1010}, now) {
+		t.Fatal("the peer's charge was not applied")
+	}
+	inFlight := func() int {
+		for _, u := range sh.fleet.Snapshot(time.Now()) {
+			if u.Dial == "engine:1" {
+				return u.InFlight
+			}
+		}
+		return -1
+	}
+	if n := inFlight(); n != 1 {
+		t.Fatalf("in flight with the peer's charge: %d", n)
+	}
+	sh.releaseSync(key) // the last reference: the connection closes
+	if peers, n := sh.fleet.Peers(), inFlight(); len(peers) != 0 || n != 0 {
+		t.Fatalf("after the last connection closed: peers %+v, in flight %d", peers, n)
+	}
+}
