@@ -153,6 +153,7 @@ func drainBodyDeadline(body io.Reader, chunked bool) (deadline string, given boo
 		return "", false, fmt.Errorf("reading drain request body: "+format, args...)
 	}
 	dec := json.NewDecoder(body)
+	dec.UseNumber() // a number out of float64's range is no error of Go's types
 	tok, err := dec.Token()
 	switch {
 	case err == io.EOF && chunked:

@@ -197,7 +197,7 @@ func TestDrainRequestsAsked(t *testing.T) {
 // refuses gets an error that names no Go type.
 func FuzzDrainBodyDeadline(f *testing.F) {
 	for _, b := range []string{`{"deadline":"5s"}`, `{}`, `{"deadline":"5s","deadline":"9s"}`, `{"Deadline":"1s"}`,
-		`{"deadline":null}`, `{"deadline":5}`, ` { "deadline" : "1m" } `, `{"deadline":"\u0035s"}`, `[]`, `{"deadline":"5s"}{}`} {
+		`{"deadline":null}`, `{"deadline":5}`, ` { "deadline" : "1m" } `, `{"deadline":"\u0035s"}`, `[]`, `{"deadline":"5s"}{}`, `1E1000`, `{"deadline":1e1000}`} {
 		f.Add([]byte(b))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
