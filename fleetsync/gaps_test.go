@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/url"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -458,5 +459,32 @@ func TestRefusedPermissionWarnsOnce(t *testing.T) {
 	waitFor(t, "a noticing the disconnection", func() bool { return a.Stats().Disconnects > 0 })
 	if n := logs.FilterMessageSnippet("NATS error").Len(); n != 1 {
 		t.Fatalf("%d batches refused, %d warnings: %v", batches, n, logs.FilterMessageSnippet("NATS").All())
+	}
+}
+
+// TestLostConnectionIsNoRefusedPublication: a publication the client
+// refuses because the connection was just lost (with no reconnect buffer
+// it answers ErrReconnectBufExceeded until the disconnection handler has
+// run) is the connection's loss, which its handler logs: not a refusal
+// to explain. A server shut down under a publishing router logged "NATS
+// refused a publication" with "outbound buffer limit exceeded", an
+// option this router sets on purpose, in two of five runs.
+func TestLostConnectionIsNoRefusedPublication(t *testing.T) {
+	core, logs := observer.New(zapcore.InfoLevel)
+	s, err := New(Config{URLs: []string{"nats://127.0.0.1:1"}, Name: "a", Logger: zap.New(core)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logged []string
+	for _, err := range []error{nats.ErrReconnectBufExceeded, nats.ErrConnectionClosed, nats.ErrConnectionReconnecting,
+		nats.ErrConnectionDraining, fmt.Errorf("write: %w", os.ErrDeadlineExceeded)} {
+		s.notePublishError(err, &logged)
+	}
+	if logs.Len() != 0 {
+		t.Fatalf("the connection's loss logged as a refusal: %v", logs.All())
+	}
+	s.notePublishError(nats.ErrMaxPayload, &logged)
+	if logs.FilterMessageSnippet("NATS refused a publication").Len() != 1 {
+		t.Fatalf("a refusal not logged: %v", logs.All())
 	}
 }

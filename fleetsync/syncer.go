@@ -1590,12 +1590,16 @@ func (s *Syncer) run() {
 
 // notePublishError logs why the client refused a publication, once for
 // each reason (logged holds those logged, at most maxConnErrsLogged).
-// Losing the connection is logged by its handler; anything else, such as
-// a server whose max_payload is below the batches' bound, would otherwise
-// show only as events dropped and renewals every renewInterval.
+// Losing the connection is logged by its handler (the client, buffering
+// nothing while it reconnects, nats.ReconnectBufSize(-1), refuses a
+// publication made before that handler ran with ErrReconnectBufExceeded);
+// anything else, such as a server whose max_payload is below the batches'
+// bound, would otherwise show only as events dropped and renewals every
+// renewInterval.
 func (s *Syncer) notePublishError(err error, logged *[]string) {
 	if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, nats.ErrConnectionClosed) ||
-		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrConnectionDraining) {
+		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrConnectionDraining) ||
+		errors.Is(err, nats.ErrReconnectBufExceeded) {
 		return
 	}
 	reason := err.Error()
