@@ -220,13 +220,18 @@ func (sh *shared) removeSyncer(s *fleetsync.Syncer) {
 		// affair again, and no undrain of them could reach it.
 		sh.fleetDrains = nil
 		sh.fleet.SetPublisher(nil)
-		// Nor can a peer's release reach it: their charges go now,
-		// where they stayed, counted as queued work, until the peers
-		// went silent (peerSilence).
-		now := time.Now()
-		for _, p := range sh.fleet.Peers() {
-			sh.fleet.DropPeer(p.Name, now)
-		}
+		sh.dropPeersLocked()
+	}
+}
+
+// dropPeersLocked releases every peer's charges, when no connection is
+// left: no release of theirs can reach this router any more, and they
+// stayed, counted as queued work, until the peers went silent
+// (peerSilence). Caller holds sh.mu.
+func (sh *shared) dropPeersLocked() {
+	now := time.Now()
+	for _, p := range sh.fleet.Peers() {
+		sh.fleet.DropPeer(p.Name, now)
 	}
 }
 
@@ -235,6 +240,12 @@ func (sh *shared) closedSyncer(s *fleetsync.Syncer) {
 	defer sh.mu.Unlock()
 	sh.closedSync.add(s.Stats())
 	sh.closingSyncers = slices.DeleteFunc(sh.closingSyncers, func(x *fleetsync.Syncer) bool { return x == s })
+	if len(sh.loadSyncers()) == 0 {
+		// Again, now that s is closed: a batch it was applying while
+		// removeSyncer dropped the peers (the connection reads until
+		// Close) charged a peer again, and named it heard.
+		sh.dropPeersLocked()
+	}
 }
 
 // syncTotals are the sync connections' counters, summed.

@@ -330,3 +330,34 @@ func TestPeersGoWithTheLastConnection(t *testing.T) {
 		t.Fatalf("after the last connection closed: peers %+v, in flight %d", peers, n)
 	}
 }
+
+// TestPeersGoWithTheLastConnectionClosed: a batch the connection applies
+// after removeSyncer dropped the peers (it reads until Close) leaves no
+// peer charge once the connection has closed: the peer it named stayed,
+// its charge counted as queued work, until it went silent.
+func TestPeersGoWithTheLastConnectionClosed(t *testing.T) {
+	ns := natstest.Start(t, -1)
+	sh := newShared()
+	defer sh.Destruct()
+	s, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "peers-closed-test", Name: "leaving"}, zap.NewNop(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sh.releaseSync(key)
+	now := time.Now()
+	sh.fleet.Name("engine:1", now)
+	// The order of syncEntry.Destruct, with a peer's batch applied between
+	// removeSyncer and Close.
+	sh.removeSyncer(s)
+	sh.applyPeer("peer", fleetsync.Message{Event: &router.Event{Kind: router.EventRouted, ID: 1, Dial: "engine:1", Prefill: 1000, Decode: 10, KV: 1010}})
+	s.Close()
+	sh.closedSyncer(s)
+	if peers := sh.fleet.Peers(); len(peers) != 0 {
+		t.Fatalf("after the last connection closed: peers %+v", peers)
+	}
+	for _, u := range sh.fleet.Snapshot(time.Now()) {
+		if u.Dial == "engine:1" && u.InFlight != 0 {
+			t.Fatalf("after the last connection closed: %d in flight at engine:1", u.InFlight)
+		}
+	}
+}
