@@ -503,6 +503,28 @@ func TestBrokenStreamContinues(t *testing.T) {
 	}
 }
 
+// TestEchoedStreamContinues: a completion stream that echoes its prompt
+// (vLLM sends the prompt before the first token's text) and breaks off in
+// the middle is continued without the echo: the client gets the prompt
+// once, then the whole generation, byte for byte as uninterrupted.
+func TestEchoedStreamContinues(t *testing.T) {
+	fleet := startFleet(t, 2, 20, kvsim.Config{})
+	a, b := fleet[0], fleet[1]
+	startCaddy(t, caddyfile(fleet, "", fmt.Sprintf("upstream %s {\n\t\t\t\tprefill_rate 100000\n\t\t\t}", a.dial()), ""))
+	a.sim.SetFaults(kvsim.Faults{CutAfterTokens: 7})
+	prompt := text("echoed completion", 3000)
+	body := map[string]any{"model": kvsim.DefaultModel, "prompt": prompt, "max_tokens": 120, "echo": true}
+	want, _ := reference(t, b, "/v1/completions", body)
+	if !strings.HasPrefix(want, prompt) || len(want) == len(prompt) {
+		t.Fatalf("the engine's answer with echo is %d bytes, not the prompt's %d then text", len(want), len(prompt))
+	}
+	res, err := stream(context.Background(), "/v1/completions", body)
+	if err != nil || res.status != 200 || !res.done || res.errEvent || res.text != want || res.completion != 120 || res.replica != a.name {
+		t.Fatalf("%v status %d done %v error event %v completion %d replica %q; text %d bytes, want %d",
+			err, res.status, res.done, res.errEvent, res.completion, res.replica, len(res.text), len(want))
+	}
+}
+
 // TestLostUpstreamSendsAgain: an engine that goes away under a request
 // before answering it (its connection closed with nothing written, as a
 // crashed engine's, or a kept-alive connection that was dead) does not

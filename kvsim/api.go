@@ -62,6 +62,9 @@ type ParsedRequest struct {
 	Background bool
 	// CacheSalt is vLLM's cache_salt (see Request.CacheSalt).
 	CacheSalt string
+	// Echo is a completion's echo: each choice's text begins with its
+	// prompt (streamed, in the choice's first chunk), as vLLM sends it.
+	Echo bool
 	// CapsMaxTokens says the output is cut to what the context leaves
 	// after the prompt rather than refused beyond it: vLLM's Responses
 	// API's max_output_tokens, and a chat request without max_tokens
@@ -107,6 +110,9 @@ type requestBody struct {
 	Background         json.RawMessage `json:"background"`
 	// Suffix is the completions API's; vLLM refuses any.
 	Suffix json.RawMessage `json:"suffix"`
+	// Echo is read for completions only (a chat's echo repeats its final
+	// message, which kvsim does not model).
+	Echo laxBool `json:"echo"`
 }
 
 // foreignFields are, for each API, the fields of the others that kvsim
@@ -304,6 +310,7 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 			}
 			return nil, errBadRequest("suffix is not currently supported")
 		}
+		p.Echo = bool(rb.Echo)
 		var prompts [][]byte
 		if prompts, err = parsePrompt(rb.Prompt, tok); err == nil {
 			p.Context, p.MorePrompts = prompts[0], prompts[1:]

@@ -601,7 +601,7 @@ func (rs *responder) collect(more ...*responder) {
 		if rs.p.Endpoint == EndpointChatCompletions {
 			choice["message"] = map[string]any{"role": "assistant", "content": string(text), "tool_calls": []any{}}
 		} else {
-			choice["text"] = string(text)
+			choice["text"] = c.echoed() + string(text)
 		}
 		choices = append(choices, choice)
 		u = c.addUsage(u, ev)
@@ -681,7 +681,11 @@ func (rs *responder) streamSSE(more ...*responder) {
 					finish = evs[i+1].FinishReason
 					finishSent[index] = true
 				}
-				if !send(counted(chunk(index, string(ev.Text), false, finish), ev, ev.GeneratedTokens)) {
+				text := string(ev.Text)
+				if ev.Kind == EventFirstToken && !chat {
+					text = all[index].echoed() + text
+				}
+				if !send(counted(chunk(index, text, false, finish), ev, ev.GeneratedTokens)) {
 					return
 				}
 				if rs.cutHere() {
@@ -707,6 +711,16 @@ func (rs *responder) streamSSE(more ...*responder) {
 			}
 		}
 	}
+}
+
+// echoed is what a completion's choice text begins with: its prompt when
+// the request asked for an echo (vLLM's serving_completion puts it before
+// the first token's text, streamed or not), else nothing.
+func (rs *responder) echoed() string {
+	if !rs.p.Echo || rs.p.Endpoint != EndpointCompletions {
+		return ""
+	}
+	return string(rs.req.Context)
 }
 
 // interleave returns the events of rs's stream and of more's (the further

@@ -1360,3 +1360,59 @@ func TestSuffixRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestEchoAsVLLM: a completion with echo begins each choice's text with
+// its prompt, as vLLM's serving_completion does: the whole answer's text,
+// and a stream's first chunk of each choice (the prompt, then the first
+// token's text); the usage is that of the same request without echo.
+func TestEchoAsVLLM(t *testing.T) {
+	_, srv := newTestServer(t, Config{})
+	type answer struct {
+		Choices []struct {
+			Index int
+			Text  string
+		}
+		Usage *struct {
+			CompletionTokens int `json:"completion_tokens"`
+		}
+	}
+	plain, echoed := mustPost(t, srv.URL+"/v1/completions", `{"prompt":"Once upon","max_tokens":5}`),
+		mustPost(t, srv.URL+"/v1/completions", `{"prompt":"Once upon","max_tokens":5,"echo":true}`)
+	var a, b answer
+	if json.Unmarshal([]byte(plain), &a) != nil || json.Unmarshal([]byte(echoed), &b) != nil || len(a.Choices) != 1 || len(b.Choices) != 1 {
+		t.Fatalf("answers: %s / %s", plain, echoed)
+	}
+	if b.Choices[0].Text != "Once upon"+a.Choices[0].Text {
+		t.Errorf("echoed text %q, want the prompt then %q", b.Choices[0].Text, a.Choices[0].Text)
+	}
+	// Streamed, a batch of two prompts with two choices each: every
+	// choice's first chunk begins with its own prompt, and no other does.
+	resp, out := post(t, srv.URL+"/v1/completions", `{"prompt":["Alpha","Beta"],"n":2,"max_tokens":3,"stream":true,"echo":"true"}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("stream: %d %s", resp.StatusCode, out)
+	}
+	texts := map[int]string{}
+	for _, line := range strings.Split(out, "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var c answer
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			t.Fatal(err)
+		}
+		for _, ch := range c.Choices {
+			texts[ch.Index] += ch.Text
+		}
+	}
+	for i, prompt := range []string{"Alpha", "Alpha", "Beta", "Beta"} {
+		rest, ok := strings.CutPrefix(texts[i], prompt)
+		if !ok || strings.Contains(rest, prompt) || len(rest) != 3*4 {
+			t.Errorf("choice %d streamed %q, want %q then 3 tokens", i, texts[i], prompt)
+		}
+	}
+	// A chat's echo (its final message again) is not modelled: ignored.
+	if out := mustPost(t, srv.URL+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"echo":true}`); strings.Contains(out, `"content":"hi`) {
+		t.Errorf("chat with echo: %s", out)
+	}
+}
