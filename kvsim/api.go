@@ -332,6 +332,17 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		if err = checkToolUse(rb.Tools, rb.ToolChoice); err != nil {
 			return nil, err
 		}
+		if rb.ContinueFinalMessage && maxTokens == nil && rb.KvsimOutputTokens == nil {
+			// The simulated model's own length is its answer's: a final
+			// message it continues has that much of it already, so an
+			// answer cut and continued elsewhere stops where the whole
+			// one would (a real model stops on what it has written).
+			var final bytes.Buffer
+			if err := renderContent(&final, rb.Messages[len(rb.Messages)-1].Content); err != nil {
+				return nil, errBadRequestf("messages: %v", err)
+			}
+			p.OutputTokens = max(1, p.OutputTokens-tok.CountTokens(final.Len()))
+		}
 		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
 		p.Tools = rb.Tools

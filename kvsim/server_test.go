@@ -1416,3 +1416,35 @@ func TestEchoAsVLLM(t *testing.T) {
 		t.Errorf("chat with echo: %s", out)
 	}
 }
+
+// TestContinuedChatStopsWhereTheWholeOneDoes: a chat without max_tokens
+// generates the simulated model's own length (default_output_tokens); an
+// answer cut and continued with continue_final_message (as the router
+// continues a broken stream) stops where the whole answer stops, not that
+// length again after the part already written.
+func TestContinuedChatStopsWhereTheWholeOneDoes(t *testing.T) {
+	_, srv := newTestServer(t, Config{DefaultOutputTokens: 30})
+	answer := func(body string) (string, string) {
+		var r struct {
+			Choices []struct {
+				FinishReason string `json:"finish_reason"`
+				Message      struct{ Content string }
+			}
+		}
+		if out := mustPost(t, srv.URL+"/v1/chat/completions", body); json.Unmarshal([]byte(out), &r) != nil || len(r.Choices) != 1 {
+			t.Fatalf("answer: %s", out)
+		}
+		return r.Choices[0].Message.Content, r.Choices[0].FinishReason
+	}
+	full, finish := answer(`{"messages":[{"role":"user","content":"Tell me about caches."}]}`)
+	if len(full) != 30*4 || finish != "stop" {
+		t.Fatalf("whole answer %d bytes, %s", len(full), finish)
+	}
+	partial := full[:10*4]
+	partialJSON, _ := json.Marshal(partial)
+	rest, finish := answer(`{"messages":[{"role":"user","content":"Tell me about caches."},{"role":"assistant","content":` +
+		string(partialJSON) + `}],"continue_final_message":true,"add_generation_prompt":false}`)
+	if partial+rest != full || finish != "stop" {
+		t.Fatalf("continued %q + %q (%s), want %q", partial, rest, finish, full)
+	}
+}
