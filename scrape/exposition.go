@@ -33,13 +33,14 @@ var errMalformedExposition = errors.New("parsing metrics exposition")
 // every scrape.
 var engineFamilies = familySet()
 
-// enginePrefixes start the names of the families read, one per engine.
+// enginePrefixes start the names of the families read: one per engine,
+// and the process start time every engine's table reads.
 var enginePrefixes = func() [][]byte {
 	var ps [][]byte
 	for _, e := range engines {
 		ps = append(ps, []byte(e.prefix))
 	}
-	return ps
+	return append(ps, []byte(processStartTime))
 }()
 
 // textParsers recycles Prometheus text parsers: TextToMetricFamilies
@@ -184,6 +185,11 @@ func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (
 			ScrapedAt: now,
 		}
 		e.extract(families, &sig)
+		for _, s := range metricsOf(families[processStartTime]) {
+			if v, ok := sampleValue(s); ok && v > 0 {
+				sig.ProcessStart = v
+			}
+		}
 		return sig, nil
 	}
 	return Signals{}, errNoEngineMetrics

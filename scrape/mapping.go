@@ -74,6 +74,14 @@ const (
 	byRankTokens                // KV capacity in tokens per rank, in blocks of one token
 )
 
+// processStartTime is the Prometheus clients' process collector's gauge of
+// the process's start time, in Unix seconds: Python's prometheus_client
+// exports it from the default registry (vLLM's with one API server;
+// multiprocess mode has none), Go's from its process collector. Not an
+// engine's own family (no engine's prefix starts it), it is read beside
+// the tables, from whichever engine's exposition (signalsFromFamilies).
+const processStartTime = "process_start_time_seconds"
+
 // engines are the engines understood, in the order an exposition is
 // tested against them.
 var engines = []*engine{&vllmEngine, &sglangEngine}
@@ -224,7 +232,7 @@ func (e *engine) carrySlow(s *Signals, slow Signals) {
 
 // familySet maps the name of every family read to whether it is slow.
 func familySet() map[string]bool {
-	set := map[string]bool{}
+	set := map[string]bool{processStartTime: false}
 	for _, e := range engines {
 		for _, m := range e.metrics {
 			set[m.family] = m.slow

@@ -607,7 +607,7 @@ func (s *Scraper) scrape(ctx context.Context, t *scrapeTarget) {
 		t.slow = sig
 		t.slowDue = start.Add(s.cfg.SlowInterval)
 	}
-	if t.unreachable || (!skipSlow && countersReset(t.prevSlow, sig)) {
+	if t.unreachable || (!skipSlow && countersReset(t.prevSlow, sig)) || processRestarted(t.latest.Load(), sig) {
 		t.lastRestart = time.Now()
 		t.unreachable = false
 		restartedAt = t.lastRestart
@@ -697,6 +697,15 @@ func refused(err error) bool {
 	// engines behind TLS are scraped with, makes a DialError of it): its
 	// text still says so.
 	return errors.Is(err, syscall.ECONNREFUSED) || strings.Contains(err.Error(), syscall.ECONNREFUSED.Error())
+}
+
+// processRestarted reports whether the engine's process start time moved
+// since prev, its last scrape: a restart too quick for a refused
+// connection to show (a supervisor's, or a port a proxy keeps open), which
+// the counters would tell only at the next full read.
+func processRestarted(prev *Signals, cur Signals) bool {
+	return prev != nil && prev.Engine == cur.Engine && prev.ProcessStart > 0 && cur.ProcessStart > 0 &&
+		cur.ProcessStart != prev.ProcessStart
 }
 
 // countersReset reports whether the engine's cumulative prefix counters

@@ -1275,3 +1275,62 @@ func TestPlaceholderDialResolvedAgain(t *testing.T) {
 		t.Fatalf("targets %+v, want %s alone", st, dial)
 	}
 }
+
+// TestProcessStartTellsARestart: an engine whose process start time
+// (process_start_time_seconds) moves restarted, though no connection was
+// refused and its counters were not read again: a restart quicker than a
+// scrape interval (a supervisor's, or behind a proxy that keeps the port
+// open) was seen only at the next full read, or, for the time it takes,
+// not at all, and the router sent prompts as warm to an empty cache.
+func TestProcessStartTellsARestart(t *testing.T) {
+	var start atomic.Int64
+	start.Store(1_700_000_000)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write(readTestdata(t, "vllm.prom"))
+		fmt.Fprintf(w, "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %d.25\n", start.Load())
+	}))
+	defer srv.Close()
+	dial := hostOf(srv)
+	told := make(chan time.Time, 4)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// The counters are read once, at the first scrape, and not again.
+	s := New(Config{Interval: 20 * time.Millisecond, SlowInterval: time.Hour,
+		Restarted: func(d string, at time.Time) {
+			if d == dial {
+				told <- at
+			}
+		}})
+	s.SetTargets([]string{dial})
+	s.Start(ctx)
+	latest := func() Signals {
+		sig, _ := s.Latest(dial, time.Now(), time.Hour)
+		return sig
+	}
+	for deadline := time.Now().Add(10 * time.Second); latest().Seq < 3; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("not scraped three times")
+		}
+	}
+	if sig := latest(); sig.ProcessStart != 1_700_000_000.25 || !sig.LastRestart.IsZero() {
+		t.Fatalf("before the restart: process start %v, last restart %v", sig.ProcessStart, sig.LastRestart)
+	}
+	start.Store(1_700_000_100)
+	select {
+	case at := <-told:
+		if sig := latest(); !sig.LastRestart.Equal(at) || sig.ProcessStart != 1_700_000_100.25 {
+			t.Fatalf("after the restart: told %v, signals' last restart %v, process start %v", at, sig.LastRestart, sig.ProcessStart)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the restart was never told")
+	}
+	seq := latest().Seq
+	for deadline := time.Now().Add(10 * time.Second); latest().Seq < seq+3; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("not scraped again")
+		}
+	}
+	if len(told) > 0 {
+		t.Fatalf("a restart told again without the start time moving: %v", <-told)
+	}
+}

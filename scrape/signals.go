@@ -95,6 +95,10 @@ type Signals struct {
 	// cache is empty. A time rather than a count, so that scrapers of the
 	// same dial (two sites, or a reload's old and new config) agree.
 	LastRestart time.Time
+	// ProcessStart is the engine process's start time in Unix seconds
+	// (process_start_time_seconds), 0 when it does not export it: one
+	// that changes says the engine restarted, however quickly.
+	ProcessStart float64
 	// Seq counts successful scrapes of this dial, from 1.
 	Seq uint64
 
