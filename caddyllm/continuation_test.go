@@ -993,3 +993,38 @@ func TestOverlongStreamIsNotKeptNorContinued(t *testing.T) {
 		t.Errorf("%d attempts, %d of %d events passed on, body ending %q; want 1 attempt, every event, then the error event", attempts, strings.Count(body, text), events, body[max(0, len(body)-300):])
 	}
 }
+
+// TestContinuationCountsReportedTokens: a stream whose chunks carry
+// several tokens each and report the usage so far (vLLM with
+// stream_options.continuous_usage_stats) is continued with what is left
+// of max_tokens by the engine's count, not by the chunks: one chunk of
+// three tokens left the continuation asking for 6 of the 7, and the
+// whole stream exceeded max_tokens by two.
+func TestContinuationCountsReportedTokens(t *testing.T) {
+	const chunk = `data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m",` +
+		`"choices":[{"index":0,"delta":{"content":"abcdef"},"finish_reason":null}],` +
+		`"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}` + "\n\n"
+	var maxTokens any
+	_, attempts, err := moves(t, `"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},`,
+		func(n int, w http.ResponseWriter, r *http.Request) error {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.WriteHeader(http.StatusOK)
+			if n == 1 {
+				w.Write([]byte(chunk))
+				panic(http.ErrAbortHandler) // the upstream died mid-stream
+			}
+			var body map[string]any
+			if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+				return err
+			}
+			maxTokens = body["max_tokens"]
+			_, err := w.Write([]byte("data: [DONE]\n\n"))
+			return err
+		})
+	if err != nil || attempts != 2 {
+		t.Fatalf("attempts %d, error %v", attempts, err)
+	}
+	if maxTokens != float64(4) {
+		t.Fatalf("the continuation asked for max_tokens %v, want 4 (7 less the 3 reported)", maxTokens)
+	}
+}

@@ -520,6 +520,9 @@ func (t *tokenRecorder) event(line []byte, rewrite bool) []byte {
 		t.countToken()
 		t.untold = true
 	}
+	if chunk.Usage != nil {
+		t.countReported()
+	}
 	return line
 }
 
@@ -565,6 +568,22 @@ func keepText[S string | []byte](t *tokenRecorder, text S) {
 func (t *tokenRecorder) countToken() {
 	t.tokens++
 	t.unreported++
+}
+
+// countReported raises the count of tokens generated to what the stream's
+// usage says (a continuation's, rewritten to cover the whole generation):
+// an engine that puts several tokens in a chunk (vLLM's stream_interval,
+// speculative decoding, or its output collector merging deltas when the
+// API server falls behind) makes the count of chunks short, and one that
+// reports its usage in every chunk (stream_options.continuous_usage_stats)
+// gives the exact figure, so that a continuation asks for what is left of
+// max_tokens. The engine's figure is not trusted beyond the bytes of text
+// generated (a token has at least one).
+func (t *tokenRecorder) countReported() {
+	if n := min(t.usage.completionTokens, len(t.generated)); n > t.tokens {
+		t.unreported += n - t.tokens
+		t.tokens = n
+	}
 }
 
 // sameShape records data, a chunk, and reports true when it is the last
@@ -734,6 +753,9 @@ func (t *tokenRecorder) recordChunk(data []byte, f *chunkFields) {
 		// generated tokens too: the first one ends the prefill.
 		t.countToken()
 		t.untold = true
+	}
+	if f.hasUsage {
+		t.countReported()
 	}
 }
 
