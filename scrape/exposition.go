@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -33,15 +35,18 @@ var errMalformedExposition = errors.New("parsing metrics exposition")
 // every scrape.
 var engineFamilies = familySet()
 
-// enginePrefixes start the names of the families read: one per engine,
-// and the process start time every engine's table reads.
+// enginePrefixes start the names of the engines' families, one per
+// engine.
 var enginePrefixes = func() [][]byte {
 	var ps [][]byte
 	for _, e := range engines {
 		ps = append(ps, []byte(e.prefix))
 	}
-	return append(ps, []byte(processStartTime))
+	return ps
 }()
+
+// processStartLine starts the process start time's sample line.
+var processStartLine = []byte(processStartTime)
 
 // textParsers recycles Prometheus text parsers: TextToMetricFamilies
 // resets one for each input and keeps its read buffer.
@@ -86,7 +91,7 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig 
 	if _, err := buf.ReadFrom(r); err != nil {
 		return Signals{}, 0, fmt.Errorf("reading metrics exposition: %w", err)
 	}
-	kept, dropped := keepEngineLines(buf.Bytes(), skipSlow)
+	kept, dropped, started := keepEngineLines(buf.Bytes(), skipSlow)
 	parser := textParsers.Get().(*expfmt.TextParser)
 	defer textParsers.Put(parser)
 	families, err := parser.TextToMetricFamilies(bytes.NewReader(kept))
@@ -94,13 +99,15 @@ func parseEngineMetricsSkipping(r io.Reader, now time.Time, skipSlow bool) (sig 
 		return Signals{}, dropped, fmt.Errorf("%w: %w", errMalformedExposition, err)
 	}
 	sig, err = signalsFromFamilies(families, now)
+	sig.ProcessStart = started
 	return sig, dropped, err
 }
 
 // keepEngineLines compacts text in place to the sample lines of the
-// families in engineFamilies, and returns them and how many other sample
-// lines it dropped.
-func keepEngineLines(text []byte, skipSlow bool) (kept []byte, dropped int) {
+// families in engineFamilies, and returns them, how many other sample
+// lines it dropped, and the process start time's value (0 for none),
+// which it reads itself: one line is not worth the text parser's families.
+func keepEngineLines(text []byte, skipSlow bool) (kept []byte, dropped int, started float64) {
 	out := text[:0]
 	for len(text) > 0 {
 		line := text
@@ -113,19 +120,38 @@ func keepEngineLines(text []byte, skipSlow bool) (kept []byte, dropped int) {
 			out = append(out, line...) // never overtakes the reading position
 		case lineDropped:
 			dropped++
+		case lineProcessStart:
+			started = processStartOf(line)
 		}
 		text = text[next:]
 	}
-	return out, dropped
+	return out, dropped, started
+}
+
+// processStartOf reads the value of a process_start_time_seconds sample
+// line without labels (the clients write none), 0 when it is not a
+// positive finite number.
+func processStartOf(line []byte) float64 {
+	rest := skipBlanks(skipBlanks(line)[len(processStartLine):])
+	end := 0
+	for end < len(rest) && rest[end] != ' ' && rest[end] != '\t' && rest[end] != '\n' && rest[end] != '\r' {
+		end++
+	}
+	v, err := strconv.ParseFloat(string(rest[:end]), 64)
+	if err != nil || !(v > 0) || math.IsInf(v, 0) {
+		return 0
+	}
+	return v
 }
 
 // lineKind is what keepEngineLines does with a line.
 type lineKind uint8
 
 const (
-	lineKept    lineKind = iota // a sample of a family read
-	lineDropped                 // a sample of another family
-	lineComment                 // a comment or a blank line
+	lineKept         lineKind = iota // a sample of a family read
+	lineDropped                      // a sample of another family
+	lineComment                      // a comment or a blank line
+	lineProcessStart                 // the process start time's sample
 )
 
 // engineLine says whether an exposition line is a sample of a family in
@@ -147,6 +173,16 @@ func engineLine(line []byte, skipSlow bool) lineKind {
 	// Every name read starts with an engine's prefix ("vllm:"): reject
 	// the rest (runtime, process, router metrics) before the map lookup.
 	if !slices.ContainsFunc(enginePrefixes, func(p []byte) bool { return bytes.HasPrefix(line, p) }) {
+		// The one family read that is not an engine's, asked for by name
+		// (see metricsQuery): read without labels, as the clients write
+		// it; with labels (or a longer name), left out but not counted as
+		// a line the engine should not have sent.
+		if line[0] == 'p' && bytes.HasPrefix(line, processStartLine) {
+			if rest := line[len(processStartLine):]; len(rest) > 0 && (rest[0] == ' ' || rest[0] == '\t') {
+				return lineProcessStart
+			}
+			return lineComment
+		}
 		return lineDropped
 	}
 	end := 0
@@ -185,11 +221,6 @@ func signalsFromFamilies(families map[string]*dto.MetricFamily, now time.Time) (
 			ScrapedAt: now,
 		}
 		e.extract(families, &sig)
-		for _, s := range metricsOf(families[processStartTime]) {
-			if v, ok := sampleValue(s); ok && v > 0 {
-				sig.ProcessStart = v
-			}
-		}
 		return sig, nil
 	}
 	return Signals{}, errNoEngineMetrics

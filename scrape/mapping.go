@@ -79,7 +79,7 @@ const (
 // exports it from the default registry (vLLM's with one API server;
 // multiprocess mode has none), Go's from its process collector. Not an
 // engine's own family (no engine's prefix starts it), it is read beside
-// the tables, from whichever engine's exposition (signalsFromFamilies).
+// the tables, from whichever engine's exposition (keepEngineLines).
 const processStartTime = "process_start_time_seconds"
 
 // engines are the engines understood, in the order an exposition is

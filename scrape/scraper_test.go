@@ -101,9 +101,10 @@ func TestScrapeKvsim(t *testing.T) {
 	if sig.BlockSize != 16 || sig.NumGPUBlocks != 8192 || sig.PrefixQueries <= 0 {
 		t.Fatalf("slow figures not carried over: block size %d, blocks %d, prefix queries %v", sig.BlockSize, sig.NumGPUBlocks, sig.PrefixQueries)
 	}
-	kept, dropped := keepEngineLines([]byte("# TYPE up gauge\nup 1\nvllm:cache_config_info{block_size=\"16\"} 1\nvllm:num_requests_running 3\n"), true)
-	if string(kept) != "vllm:num_requests_running 3\n" || dropped != 2 {
-		t.Fatalf("kept %q, dropped %d lines when skipping slow families", kept, dropped)
+	kept, dropped, started := keepEngineLines([]byte("# TYPE up gauge\nup 1\nvllm:cache_config_info{block_size=\"16\"} 1\n"+
+		"process_start_time_seconds 1.7e+09\nprocess_start_time_seconds_other 5\nvllm:num_requests_running 3\n"), true)
+	if string(kept) != "vllm:num_requests_running 3\n" || dropped != 2 || started != 1.7e9 {
+		t.Fatalf("kept %q, dropped %d lines when skipping slow families, process start %v", kept, dropped, started)
 	}
 
 	// The server goes away: the signals age and become stale, promptly.
