@@ -256,6 +256,7 @@ func FuzzParseEngineMetrics(f *testing.F) {
 		f.Add(readTestdata(f, name))
 	}
 	f.Add([]byte("vllm:num_requests_running{engine=\"0\"} -5\nvllm:kv_cache_usage_perc 7\n"))
+	f.Add([]byte("vllm:num_requests_running 1\nprocess_start_time_seconds 1.7e+09 1700000000000\nprocess_start_time_seconds{a=\"b\"} -1\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		sig, err := parseEngineMetrics(bytes.NewReader(data), time.Now())
 		if err != nil {
@@ -266,6 +267,9 @@ func FuzzParseEngineMetrics(f *testing.F) {
 		}
 		if sig.KVUsage < 0 || sig.KVUsage > 1 || sig.FreeKVTokens() < -1 {
 			t.Fatalf("kv usage %v free %d", sig.KVUsage, sig.FreeKVTokens())
+		}
+		if !(sig.ProcessStart >= 0) || math.IsInf(sig.ProcessStart, 0) {
+			t.Fatalf("process start %v", sig.ProcessStart)
 		}
 	})
 }
