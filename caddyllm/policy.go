@@ -339,6 +339,15 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		p.ShedStatus = http.StatusServiceUnavailable
 	}
 	if p.FallbackRaw != nil {
+		// Caddy's own answer to a fallback that names no policy shows
+		// the object as a Go map.
+		var named map[string]any
+		if json.Unmarshal(p.FallbackRaw, &named) != nil || named == nil {
+			return fmt.Errorf(`fallback: want an object naming a selection policy, such as {"policy": "least_conn"}`)
+		}
+		if _, ok := named["policy"].(string); !ok {
+			return fmt.Errorf(`fallback: no selection policy named: want its name in "policy", such as {"policy": "least_conn"}`)
+		}
 		mod, err := ctx.LoadModule(p, "FallbackRaw")
 		if err != nil {
 			return fmt.Errorf("loading fallback selection policy: %w", err)
