@@ -329,7 +329,7 @@ func FuzzPolicyJSON(f *testing.F) {
 	for _, s := range []string{`{}`, `null`, `[]`, `{"shed_status":"x"}`, `{"shed_status":1e400}`, `{"queue_timeout":"soon"}`,
 		`{"queue_timeout":true}`, `{"queue_timeout":1.5}`, `{"hardware":null}`, `{"hardware":{"kv_capacity_tokens":-1}}`,
 		`{"upstreams":{"a:1":null}}`, `{"upstreams":{"a:1":{}},"drain":["a:1"]}`, `{"llmd_weights":[1,2]}`, `{"llmd_weights":[]}`,
-		`{"fallback":{"policy":"llm_affinity","fallback":{"policy":"first"}}}`, `{"fallback":{}}`, `{"fallback":null}`, `{"fallback":[]}`, `{"fallback":{"policy":1}}`, `{"fallback":{"Policy":"first"}}`,
+		`{"fallback":{"policy":"llm_affinity","fallback":{"policy":"first"}}}`, `{"fallback":{}}`, `{"fallback":null}`, `{"fallback":[]}`, `{"fallback":{"policy":1}}`, `{"fallback":{"Policy":"first"}}`, `{"fAllBACk":{"policy":""}}`,
 		`{"fallback":{"policy":"nonesuch"}}`, `{"fallback":{"policy":"llm_affinity","sync":{"urls":["a:1"]}}}`,
 		`{"sync":{"urls":[]}}`, `{"sync":null}`, `{"SYNC":{"urls":["nats://a:1"]}}`, `{"strategy":"nonesuch"}`,
 		`{"scrape_interval":"1ms"}`, `{"scrape_interval":"100ms","scrape_max_age":"1ms","models_interval":"-1s"}`,

@@ -345,7 +345,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		if json.Unmarshal(p.FallbackRaw, &named) != nil || named == nil {
 			return fmt.Errorf(`fallback: want an object naming a selection policy, such as {"policy": "least_conn"}`)
 		}
-		if _, ok := named["policy"].(string); !ok {
+		if name, _ := named["policy"].(string); name == "" {
 			return fmt.Errorf(`fallback: no selection policy named: want its name in "policy", such as {"policy": "least_conn"}`)
 		}
 		mod, err := ctx.LoadModule(p, "FallbackRaw")
