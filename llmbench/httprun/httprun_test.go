@@ -143,6 +143,19 @@ func TestEveryScorerSettingReachesThePlugin(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Caddy takes the module's name ("policy") out before it decodes the
+	// rest, strictly, into the module.
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &fields); err != nil {
+		t.Fatal(err)
+	}
+	if string(fields["policy"]) != `"llm_affinity"` {
+		t.Fatalf("the selection policy names %s", fields["policy"])
+	}
+	delete(fields, "policy")
+	if raw, err = json.Marshal(fields); err != nil {
+		t.Fatal(err)
+	}
 	var got caddyllm.Policy
 	if err := json.Unmarshal(raw, &got); err != nil {
 		t.Fatal(err)
