@@ -726,14 +726,9 @@ func (f *Fleet) Configure(dial string, capacityTokens int, scraped bool, now tim
 // Caller holds f.mu.
 func (f *Fleet) sizeIndex(u *upstream, capacityTokens, blockTokens int, at time.Time) {
 	switch {
-	case u.indexBlockTokens == 0 || blockTokens < u.indexBlockTokens:
-		u.blockSeen = at
-	case blockTokens == u.indexBlockTokens:
-		if !at.IsZero() {
-			u.blockSeen = at
-		}
-	case at.IsZero() || at.Sub(u.blockSeen) <= capacityMemory:
-		blockTokens = u.indexBlockTokens
+	case at.IsZero(): // a reload's figure, in the blocks in use
+	case u.indexBlockTokens > 0 && blockTokens > u.indexBlockTokens && at.Sub(u.blockSeen) <= capacityMemory:
+		blockTokens = u.indexBlockTokens // the smaller, used lately, stays
 	default:
 		u.blockSeen = at
 	}
