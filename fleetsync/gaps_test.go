@@ -475,7 +475,7 @@ func TestLostConnectionIsNoRefusedPublication(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logged []string
+	var logged loggedReasons
 	for _, err := range []error{nats.ErrReconnectBufExceeded, nats.ErrConnectionClosed, nats.ErrConnectionReconnecting,
 		nats.ErrConnectionDraining, fmt.Errorf("write: %w", os.ErrDeadlineExceeded)} {
 		s.notePublishError(err, &logged)

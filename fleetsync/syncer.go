@@ -230,7 +230,7 @@ type Syncer struct {
 	// connected (see noteConnError).
 	connErrMu      sync.Mutex
 	connErr        string
-	connErrsLogged []string // the reasons logged since the last connection
+	connErrsLogged loggedReasons // since the last connection
 	// mu orders Close with connect's hand-over of the connection: nc is
 	// set under it, once, unless Close came first.
 	mu    sync.Mutex
@@ -300,7 +300,7 @@ type Syncer struct {
 	// asyncErrsLogged are the errors the client reported to the error
 	// handler that were logged on this connection (see warnAsyncError).
 	asyncErrMu      sync.Mutex
-	asyncErrsLogged []string
+	asyncErrsLogged loggedReasons
 	// badHeaderWarned says a message whose headers did not decode was
 	// logged: the first only.
 	badHeaderWarned atomic.Bool
@@ -580,10 +580,9 @@ func (s *Syncer) noteConnError(err error) {
 		reason = op.Op + ": " + op.Err.Error()
 	}
 	reason = strings.ToLower(reason) // the client spells one refusal two ways
-	if slices.Contains(s.connErrsLogged, reason) || len(s.connErrsLogged) >= maxConnErrsLogged {
+	if !s.connErrsLogged.first(reason) {
 		return
 	}
-	s.connErrsLogged = append(s.connErrsLogged, reason)
 	s.cfg.Logger.Warn("cannot connect to NATS; routing on this router's own view while the client keeps trying", zap.Error(err))
 }
 
@@ -593,11 +592,7 @@ func (s *Syncer) noteConnError(err error) {
 // over a thousand a second), while the connection stays up.
 func (s *Syncer) warnAsyncError(err error, fields ...zap.Field) {
 	s.asyncErrMu.Lock()
-	reason := err.Error()
-	first := !slices.Contains(s.asyncErrsLogged, reason) && len(s.asyncErrsLogged) < maxConnErrsLogged
-	if first {
-		s.asyncErrsLogged = append(s.asyncErrsLogged, reason)
-	}
+	first := s.asyncErrsLogged.first(err.Error())
 	s.asyncErrMu.Unlock()
 	if first {
 		s.cfg.Logger.Warn("NATS error", append([]zap.Field{zap.Error(err)}, fields...)...)
@@ -612,6 +607,20 @@ func isAuthError(err error) bool {
 
 // maxConnErrsLogged bounds the reasons logged in one outage.
 const maxConnErrsLogged = 8
+
+// loggedReasons are the reasons of errors logged, each once, at most
+// maxConnErrsLogged of them (nil: none yet).
+type loggedReasons []string
+
+// first notes reason and says it is to be logged: not logged before, and
+// within the bound.
+func (l *loggedReasons) first(reason string) bool {
+	if slices.Contains(*l, reason) || len(*l) >= maxConnErrsLogged {
+		return false
+	}
+	*l = append(*l, reason)
+	return true
+}
 
 // watchConnErrors reads why nc cannot connect while it is not connected,
 // every connErrorPoll, for what the client reports to no handler: a TLS
@@ -1380,7 +1389,7 @@ func (s *Syncer) run() {
 	// One message, its header reused: the client encodes it at once.
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
-	var pubErrsLogged []string
+	var pubErrsLogged loggedReasons
 	send := func(b *Batch, numbered bool) {
 		if s.retired.Load() {
 			b.Messages = b.Messages[:0] // not even a heartbeat: its successor speaks
@@ -1589,24 +1598,22 @@ func (s *Syncer) run() {
 }
 
 // notePublishError logs why the client refused a publication, once for
-// each reason (logged holds those logged, at most maxConnErrsLogged).
+// each reason (logged holds those logged).
 // Losing the connection is logged by its handler (the client, buffering
 // nothing while it reconnects, nats.ReconnectBufSize(-1), refuses a
 // publication made before that handler ran with ErrReconnectBufExceeded);
 // anything else, such as a server whose max_payload is below the batches'
 // bound, would otherwise show only as events dropped and renewals every
 // renewInterval.
-func (s *Syncer) notePublishError(err error, logged *[]string) {
+func (s *Syncer) notePublishError(err error, logged *loggedReasons) {
 	if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, nats.ErrConnectionClosed) ||
 		errors.Is(err, nats.ErrConnectionReconnecting) || errors.Is(err, nats.ErrConnectionDraining) ||
 		errors.Is(err, nats.ErrReconnectBufExceeded) {
 		return
 	}
-	reason := err.Error()
-	if slices.Contains(*logged, reason) || len(*logged) >= maxConnErrsLogged {
+	if !logged.first(err.Error()) {
 		return
 	}
-	*logged = append(*logged, reason)
 	fields := []zap.Field{zap.Error(err)}
 	if errors.Is(err, nats.ErrMaxPayload) {
 		fields = append(fields, zap.String("hint", fmt.Sprintf("a batch takes up to %d KB: give the NATS server a max_payload of at least that (its default is 1 MB)", maxBatchBytes>>10)))
