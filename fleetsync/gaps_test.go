@@ -405,18 +405,7 @@ func TestBadHeadersWarnOnce(t *testing.T) {
 	// The client reports errors and a lost connection in order: once b
 	// has noticed the server dropping it, every report of the messages
 	// before was handled.
-	connz, err := ns.Connz(&server.ConnzOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ci := range connz.Conns {
-		if ci.Name == "caddy-llm-affinity b" {
-			if err := ns.DisconnectClientByID(ci.Cid); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	waitFor(t, "b noticing the disconnection", func() bool { return b.Stats().Disconnects > 0 })
+	dropFromServer(t, ns, b, "b")
 	if n := logs.FilterMessageSnippet("NATS error").Len() + logs.FilterMessageSnippet("headers").Len(); n == 0 || n > 1 {
 		t.Fatalf("%d messages with bad headers, logged: %v", messages, logs.All())
 	}
@@ -445,18 +434,7 @@ func TestRefusedPermissionWarnsOnce(t *testing.T) {
 	if err := a.conn().Flush(); err != nil {
 		t.Fatal(err)
 	}
-	connz, err := ns.Connz(&server.ConnzOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ci := range connz.Conns {
-		if ci.Name == "caddy-llm-affinity a" {
-			if err := ns.DisconnectClientByID(ci.Cid); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	waitFor(t, "a noticing the disconnection", func() bool { return a.Stats().Disconnects > 0 })
+	dropFromServer(t, ns, a, "a")
 	if n := logs.FilterMessageSnippet("NATS error").Len(); n != 1 {
 		t.Fatalf("%d batches refused, %d warnings: %v", batches, n, logs.FilterMessageSnippet("NATS").All())
 	}
@@ -487,4 +465,23 @@ func TestLostConnectionIsNoRefusedPublication(t *testing.T) {
 	if logs.FilterMessageSnippet("NATS refused a publication").Len() != 1 {
 		t.Fatalf("a refusal not logged: %v", logs.All())
 	}
+}
+
+// dropFromServer has the server drop the connection of s, the syncer
+// named name, and waits until s has noticed: the client reports errors and
+// a lost connection in order, so every report before was handled by then.
+func dropFromServer(t *testing.T, ns *server.Server, s *Syncer, name string) {
+	t.Helper()
+	connz, err := ns.Connz(&server.ConnzOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ci := range connz.Conns {
+		if ci.Name == "caddy-llm-affinity "+name {
+			if err := ns.DisconnectClientByID(ci.Cid); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, name+" noticing the disconnection", func() bool { return s.Stats().Disconnects > 0 })
 }
