@@ -179,14 +179,7 @@ func TestPeerChargesExpireWithoutSync(t *testing.T) {
 	dial := "peer-expiry:1"
 	sh.fleet.Name(dial, time.Now())
 	sh.applyPeer("peer#1", fleetsync.Message{Event: &router.Event{Kind: router.EventRouted, ID: 1, Dial: dial, Prefill: 1000, Decode: 100, KV: 1100}})
-	inFlight := func() int {
-		for _, u := range sh.fleet.Snapshot(time.Now()) {
-			if u.Dial == dial {
-				return u.InFlight
-			}
-		}
-		return -1
-	}
+	inFlight := func() int { return inFlightOn(sh.fleet, dial) }
 	if inFlight() != 1 {
 		t.Fatalf("the peer's charge was not applied: %d in flight", inFlight())
 	}

@@ -25,13 +25,7 @@ import (
 // counted after it closes (a reload that changes the sync options): a
 // Prometheus counter that goes down reads as a reset.
 func TestSyncCountersSurviveClosing(t *testing.T) {
-	ns := natstest.Start(t, -1)
-	sh := newShared()
-	defer sh.Destruct()
-	_, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "counters-test", Name: "counting"}, zap.NewNop(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sh, _, key := syncedShared(t, "counters-test", "counting")
 	sent := func() float64 {
 		for _, s := range sh.loadSyncers() {
 			return float64(s.Stats().Sent)
@@ -302,31 +296,17 @@ func TestPeerWithOtherBlockSizeWarned(t *testing.T) {
 // release of theirs can arrive any more; they stayed, counted as queued
 // work, until the peers were silent for peerSilence.
 func TestPeersGoWithTheLastConnection(t *testing.T) {
-	ns := natstest.Start(t, -1)
-	sh := newShared()
-	defer sh.Destruct()
-	_, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "peers-go-test", Name: "leaving"}, zap.NewNop(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sh, _, key := syncedShared(t, "peers-go-test", "leaving")
 	now := time.Now()
 	sh.fleet.Name("engine:1", now)
 	if !sh.fleet.Apply("peer", router.Event{Kind: router.EventRouted, ID: 1, Dial: "engine:1", Prefill: 1000, Decode: 10, KV: 1010}, now) {
 		t.Fatal("the peer's charge was not applied")
 	}
-	inFlight := func() int {
-		for _, u := range sh.fleet.Snapshot(time.Now()) {
-			if u.Dial == "engine:1" {
-				return u.InFlight
-			}
-		}
-		return -1
-	}
-	if n := inFlight(); n != 1 {
+	if n := inFlightOn(sh.fleet, "engine:1"); n != 1 {
 		t.Fatalf("in flight with the peer's charge: %d", n)
 	}
 	sh.releaseSync(key) // the last reference: the connection closes
-	if peers, n := sh.fleet.Peers(), inFlight(); len(peers) != 0 || n != 0 {
+	if peers, n := sh.fleet.Peers(), inFlightOn(sh.fleet, "engine:1"); len(peers) != 0 || n != 0 {
 		t.Fatalf("after the last connection closed: peers %+v, in flight %d", peers, n)
 	}
 }
@@ -336,13 +316,7 @@ func TestPeersGoWithTheLastConnection(t *testing.T) {
 // peer charge once the connection has closed: the peer it named stayed,
 // its charge counted as queued work, until it went silent.
 func TestPeersGoWithTheLastConnectionClosed(t *testing.T) {
-	ns := natstest.Start(t, -1)
-	sh := newShared()
-	defer sh.Destruct()
-	s, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: "peers-closed-test", Name: "leaving"}, zap.NewNop(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	sh, s, key := syncedShared(t, "peers-closed-test", "leaving")
 	defer sh.releaseSync(key)
 	now := time.Now()
 	sh.fleet.Name("engine:1", now)
@@ -355,9 +329,33 @@ func TestPeersGoWithTheLastConnectionClosed(t *testing.T) {
 	if peers := sh.fleet.Peers(); len(peers) != 0 {
 		t.Fatalf("after the last connection closed: peers %+v", peers)
 	}
-	for _, u := range sh.fleet.Snapshot(time.Now()) {
-		if u.Dial == "engine:1" && u.InFlight != 0 {
-			t.Fatalf("after the last connection closed: %d in flight at engine:1", u.InFlight)
+	if n := inFlightOn(sh.fleet, "engine:1"); n != 0 {
+		t.Fatalf("after the last connection closed: %d in flight at engine:1", n)
+	}
+}
+
+// syncedShared returns a shared host (destroyed when t ends) with one sync
+// connection, to a NATS server of its own, on subject under name, and the
+// connection's pool key for releaseSync.
+func syncedShared(t *testing.T, subject, name string) (*shared, *fleetsync.Syncer, string) {
+	t.Helper()
+	ns := natstest.Start(t, -1)
+	sh := newShared()
+	t.Cleanup(func() { sh.Destruct() })
+	s, key, err := sh.acquireSync(SyncConfig{URLs: []string{ns.ClientURL()}, Subject: subject, Name: name}, zap.NewNop(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sh, s, key
+}
+
+// inFlightOn is the requests f counts in flight on dial, -1 when it does
+// not know dial.
+func inFlightOn(f *router.Fleet, dial string) int {
+	for _, u := range f.Snapshot(time.Now()) {
+		if u.Dial == dial {
+			return u.InFlight
 		}
 	}
+	return -1
 }
