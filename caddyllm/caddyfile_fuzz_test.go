@@ -301,21 +301,9 @@ func jsonSeeds(tb testing.TB, policy bool) [][]byte {
 // it; what it refuses gets an error that names no Go type, and what
 // decodes comes back from its own JSON as it was.
 func FuzzHandlerJSON(f *testing.F) {
-	for _, s := range jsonSeeds(f, false) {
-		f.Add(s)
-	}
-	for _, s := range []string{`{}`, `null`, `[]`, `{"block_tokens":"x"}`, `{"block_tokens":1.5}`, `{"max_body_bytes":1e400}`,
+	fuzzModuleJSON[Handler](f, handlerModuleID, false, `{}`, `null`, `[]`, `{"block_tokens":"x"}`, `{"block_tokens":1.5}`, `{"max_body_bytes":1e400}`,
 		`{"max_body_bytes":-1}`, `{"max_body_bytes":1073741825}`, `{"bytes_per_token":17}`, `{"salt":null}`, `{"salt":1}`,
-		`{"Salt":"a","salt":"b"}`, `{"colour":"blue"}`, `{"block_tokens":65537}`, `{"block_tokens":1}{}`} {
-		f.Add([]byte(s))
-	}
-	f.Fuzz(func(t *testing.T, in []byte) {
-		var h Handler
-		if caddy.StrictUnmarshalJSON(in, &h) == nil {
-			roundTrip(t, in, &h, false)
-		}
-		loadModule(t, in, handlerModuleID, in)
-	})
+		`{"Salt":"a","salt":"b"}`, `{"colour":"blue"}`, `{"block_tokens":65537}`, `{"block_tokens":1}{}`)
 }
 
 // FuzzPolicyJSON: the policy's JSON config never panics as Caddy loads
@@ -323,10 +311,7 @@ func FuzzHandlerJSON(f *testing.F) {
 // names no Go type, and what decodes comes back from its own JSON as it
 // was.
 func FuzzPolicyJSON(f *testing.F) {
-	for _, s := range jsonSeeds(f, true) {
-		f.Add(s)
-	}
-	for _, s := range []string{`{}`, `null`, `[]`, `{"shed_status":"x"}`, `{"shed_status":1e400}`, `{"queue_timeout":"soon"}`,
+	fuzzModuleJSON[Policy](f, policyModuleID, true, `{}`, `null`, `[]`, `{"shed_status":"x"}`, `{"shed_status":1e400}`, `{"queue_timeout":"soon"}`,
 		`{"queue_timeout":true}`, `{"queue_timeout":1.5}`, `{"hardware":null}`, `{"hardware":{"kv_capacity_tokens":-1}}`,
 		`{"upstreams":{"a:1":null}}`, `{"upstreams":{"a:1":{}},"drain":["a:1"]}`, `{"llmd_weights":[1,2]}`, `{"llmd_weights":[]}`,
 		`{"fallback":{"policy":"llm_affinity","fallback":{"policy":"first"}}}`, `{"fallback":{}}`, `{"fallback":null}`, `{"fallback":[]}`, `{"fallback":{"policy":1}}`, `{"fallback":{"Policy":"first"}}`, `{"fAllBACk":{"policy":""}}`,
@@ -334,14 +319,25 @@ func FuzzPolicyJSON(f *testing.F) {
 		`{"sync":{"urls":[]}}`, `{"sync":null}`, `{"SYNC":{"urls":["nats://a:1"]}}`, `{"strategy":"nonesuch"}`,
 		`{"scrape_interval":"1ms"}`, `{"scrape_interval":"100ms","scrape_max_age":"1ms","models_interval":"-1s"}`,
 		`{"metrics_path":"m"}`, `{"tie_seconds":-1}`, `{"imposed_delay_weight":101}`, `{"kv_margin_tokens":-1}`,
-		`{"adapters":["a",null]}`, `{"adapters":"a"}`, `{"output_estimate":"guess"}`, `{"max_loras":-1,"queue_limit":-1}`} {
+		`{"adapters":["a",null]}`, `{"adapters":"a"}`, `{"output_estimate":"guess"}`, `{"max_loras":-1,"queue_limit":-1}`)
+}
+
+// fuzzModuleJSON fuzzes the JSON config of the module id, of type T (the
+// policy's when policy), seeded with jsonSeeds and extra: what decodes
+// comes back from its own JSON as it was, and whatever the input, Caddy's
+// loading never panics and refuses it with an error that names no Go type.
+func fuzzModuleJSON[T any](f *testing.F, id string, policy bool, extra ...string) {
+	for _, s := range jsonSeeds(f, policy) {
+		f.Add(s)
+	}
+	for _, s := range extra {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
-		var p Policy
-		if caddy.StrictUnmarshalJSON(in, &p) == nil {
-			roundTrip(t, in, &p, false)
+		var v T
+		if caddy.StrictUnmarshalJSON(in, &v) == nil {
+			roundTrip(t, in, &v, false)
 		}
-		loadModule(t, in, policyModuleID, in)
+		loadModule(t, in, id, in)
 	})
 }
