@@ -1283,19 +1283,7 @@ func TestContinuousUsageStats(t *testing.T) {
 		if resp.StatusCode != 200 {
 			t.Fatalf("%s: %d %s", body, resp.StatusCode, out)
 		}
-		var cs []chunk
-		for _, line := range strings.Split(out, "\n") {
-			data, ok := strings.CutPrefix(line, "data: ")
-			if !ok || data == "[DONE]" {
-				continue
-			}
-			var c chunk
-			if err := json.Unmarshal([]byte(data), &c); err != nil {
-				t.Fatalf("%v: %s", err, data)
-			}
-			cs = append(cs, c)
-		}
-		return cs
+		return streamedChunks[chunk](t, out)
 	}
 	for _, tc := range []struct{ path, body string }{
 		{"/v1/completions", `{"prompt":"hello there","max_tokens":4,"stream":true,"stream_options":{"continuous_usage_stats":true}}`},
@@ -1392,15 +1380,7 @@ func TestEchoAsVLLM(t *testing.T) {
 		t.Fatalf("stream: %d %s", resp.StatusCode, out)
 	}
 	texts := map[int]string{}
-	for _, line := range strings.Split(out, "\n") {
-		data, ok := strings.CutPrefix(line, "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var c answer
-		if err := json.Unmarshal([]byte(data), &c); err != nil {
-			t.Fatal(err)
-		}
+	for _, c := range streamedChunks[answer](t, out) {
 		for _, ch := range c.Choices {
 			texts[ch.Index] += ch.Text
 		}
@@ -1447,4 +1427,23 @@ func TestContinuedChatStopsWhereTheWholeOneDoes(t *testing.T) {
 	if partial+rest != full || finish != "stop" {
 		t.Fatalf("continued %q + %q (%s), want %q", partial, rest, finish, full)
 	}
+}
+
+// streamedChunks decodes the chunks of an SSE stream's body into T, the
+// data of each event but [DONE].
+func streamedChunks[T any](t *testing.T, body string) []T {
+	t.Helper()
+	var chunks []T
+	for _, line := range strings.Split(body, "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var c T
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			t.Fatalf("%v: %s", err, data)
+		}
+		chunks = append(chunks, c)
+	}
+	return chunks
 }
