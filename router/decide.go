@@ -290,7 +290,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	}
 	for i := range members {
 		m, u := &members[i], states[i]
-		cands[i] = f.candidate(now, m, u, opts, adapter, bt, observe)
+		f.candidate(&cands[i], now, m, u, opts, adapter, bt, observe)
 		if list := m.modelList(); list != nil { // none without scraping
 			cands[i].ContextTokens = u.models(list).contextTokens(cmp.Or(adapter, req.Model))
 		}
@@ -562,7 +562,9 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	}
 }
 
-// candidate describes member m to the scorer at the decision's time at.
+// candidate describes member m to the scorer in c (filled in place: a
+// Candidate is large, and a decision makes one per member) at the
+// decision's time at.
 // Caller holds f.mu.
 //
 // Without engine signals it uses what the router itself knows: the work
@@ -575,9 +577,9 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 //     output lengths the router has seen;
 //   - the model list filters models, and the engine's running adapters say
 //     which adapters are resident.
-func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, adapter string, blockTokens int, observe bool) scorer.Candidate {
+func (f *Fleet) candidate(c *scorer.Candidate, at time.Time, m *Member, u *upstream, opts *Options, adapter string, blockTokens int, observe bool) {
 	hw := m.Hardware.WithDefaults()
-	c := scorer.Candidate{
+	*c = scorer.Candidate{
 		Name:                   m.Dial,
 		Draining:               m.Draining,
 		QueuedPrefillTokens:    max(0, u.queuedPrefill),
@@ -591,10 +593,11 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		KVCapacityTokens:       hw.KVCapacityTokens,
 		Adapter:                scorer.AdapterResident,
 	}
-	var now scrape.Signals
+	engineFree := -1 // the engine's free KV, with what was routed since its scrape
 	if raw := m.Engine; raw != nil {
 		requests, kv := u.charged.Since(raw.Mark)
-		now = raw.PlusRouted(requests, kv)
+		now := raw.PlusRouted(requests, kv)
+		engineFree = now.FreeKVTokens()
 		if capacity := now.KVCapacityTokens(); capacity > 0 && observe {
 			u.engineCapacityTokens = capacity
 		}
@@ -659,16 +662,13 @@ func (f *Fleet) candidate(at time.Time, m *Member, u *upstream, opts *Options, a
 		c.FreeKVTokens = max(0, c.KVCapacityTokens-u.kvTokens)
 		c.UncachedRoomTokens = max(0, f.index.Capacity(u.id)-f.index.Blocks(u.id)) * u.indexBlockTokens
 		c.KVOvercommitTokens = max(0, u.kvTokens-c.KVCapacityTokens)
-		if m.Engine != nil {
-			if engineFree := now.FreeKVTokens(); engineFree >= 0 {
-				c.FreeKVTokens = min(c.FreeKVTokens, engineFree)
-			}
+		if engineFree >= 0 {
+			c.FreeKVTokens = min(c.FreeKVTokens, engineFree)
 		}
 	}
 	if adapter != "" {
 		c.Adapter, c.AdapterLoadSeconds = opts.adapterCost(adapter, u, m)
 	}
-	return c
 }
 
 // capacityMemory is how long an upstream's index keeps the largest

@@ -319,7 +319,8 @@ func TestEngineSignals(t *testing.T) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	u := f.upstream("a", t0)
-	c := f.candidate(t0, &ms[0], u, &opts, "", 64, true)
+	var c scorer.Candidate
+	f.candidate(&c, t0, &ms[0], u, &opts, "", 64, true)
 	if c.KVCapacityTokens != 16000 || c.FreeKVTokens != 8000 || c.ForeignInFlight != 5 || c.Waiting != 2 || c.QueuedDecodeTokens != 500 {
 		t.Fatalf("candidate %+v", c)
 	}
@@ -343,12 +344,13 @@ func TestRoutedDuringAScrapeIsNotForeign(t *testing.T) {
 	after := scrape.Mark{Requests: 15, KVTokens: 1500, InFlight: 6}
 	u.charged = after
 	ms[0].Engine = &scrape.Signals{Running: 2, Waiting: 6, Mark: before, MarkAfter: after}
-	if c := f.candidate(t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 2 {
+	var c scorer.Candidate
+	if f.candidate(&c, t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 2 {
 		t.Errorf("foreign %d, want the 2 that came another way", c.ForeignInFlight)
 	}
 	// Without a second mark (a scraper without one), as before.
 	ms[0].Engine = &scrape.Signals{Running: 2, Waiting: 6, Mark: before}
-	if c := f.candidate(t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 7 {
+	if f.candidate(&c, t0, &ms[0], u, &opts, "", 64, true); c.ForeignInFlight != 7 {
 		t.Errorf("foreign %d without a second mark, want 7", c.ForeignInFlight)
 	}
 }
