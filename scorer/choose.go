@@ -124,8 +124,12 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 	d := Decision{Chosen: -1, Reason: Shed}
 	var blocked [FilteredContext + 1]int
 	bestMatch := 0
+	var passed uint64 // the first 64 candidates that passed, for the coster
 	for i := range cands {
 		f := filter(req, &cands[i], opts.KVMarginTokens)
+		if f == NotFiltered && i < 64 {
+			passed |= 1 << i
+		}
 		if f != NotFiltered {
 			blocked[f]++
 			if explain != nil {
@@ -150,7 +154,7 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 	if opts.Strategy == SGLang {
 		d.Chosen = chooseSGLang(req, cands, opts, rng)
 	} else {
-		k = newCoster(req, cands, opts)
+		k = newCoster(req, cands, opts, passed)
 		d.Chosen = pickLowest(&k, rng)
 	}
 
@@ -168,7 +172,7 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 	}
 	if explain != nil {
 		if opts.Strategy == SGLang { // no per-candidate cost; rank by ttft
-			k = coster{req: req, cands: cands, opts: opts, strategy: TTFT}
+			k = coster{req: req, cands: cands, opts: opts, strategy: TTFT, passed: passed}
 		}
 		explain.Top = explainBest(&k)
 	}
@@ -438,6 +442,9 @@ type coster struct {
 	// imposedWeight and decodeWeight weigh ImposedDelaySeconds and
 	// GenerationSeconds in the ttft cost.
 	imposedWeight, decodeWeight, evictionWeight float64
+	// passed marks the first 64 candidates that pass the filters, as
+	// choose found them (filtering again costs as much as the cost).
+	passed uint64
 }
 
 // weight resolves a configured weight: 0 means the default, a negative
@@ -452,8 +459,8 @@ func weight(configured, fallback float64) float64 {
 	return 0
 }
 
-func newCoster(req *Request, cands []Candidate, opts Options) coster {
-	k := coster{req: req, cands: cands, opts: opts, strategy: opts.Strategy}
+func newCoster(req *Request, cands []Candidate, opts Options, passed uint64) coster {
+	k := coster{req: req, cands: cands, opts: opts, strategy: opts.Strategy, passed: passed}
 	if k.strategy == "" {
 		k.strategy = TTFT
 	}
@@ -467,6 +474,9 @@ func newCoster(req *Request, cands []Candidate, opts Options) coster {
 }
 
 func (k *coster) eligible(i int) bool {
+	if i < 64 {
+		return k.passed&(1<<i) != 0
+	}
 	return filter(k.req, &k.cands[i], k.opts.KVMarginTokens) == NotFiltered
 }
 

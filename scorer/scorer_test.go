@@ -170,6 +170,9 @@ func TestFilteredNeverChosen(t *testing.T) {
 	for _, s := range Strategies {
 		for trial := 0; trial < 2000; trial++ {
 			n := 1 + r.IntN(8)
+			if trial%10 == 0 { // beyond the 64 whose filtering choose remembers
+				n = 60 + r.IntN(40)
+			}
 			cands := make([]Candidate, n)
 			for i := range cands {
 				c := cand(fmt.Sprint(i), r.IntN(4000), r.IntN(10_000))
