@@ -75,9 +75,13 @@ const (
 
 // encodedSize bounds m's encoding, for keeping batches under the NATS
 // payload limit: 64 bytes hold a message's kind, id, counts (5 bytes each
-// at most) and string lengths.
+// at most) and string lengths; an operator's drain or undrain also takes
+// its time in the batch's header (see setOpTimes), 21 bytes at most.
 func encodedSize(m *Message) int {
 	n := 64 + len(m.Drain) + len(m.Undrain)
+	if m.opDial() != "" {
+		n += 21
+	}
 	if ev := m.Event; ev != nil {
 		n += len(ev.Dial) + len(ev.Adapter) + len(ev.Model) + len(ev.Response) + 8*len(ev.Hashes)
 	}

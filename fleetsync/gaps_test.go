@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -484,4 +485,44 @@ func dropFromServer(t *testing.T, ns *server.Server, s *Syncer, name string) {
 		}
 	}
 	waitFor(t, name+" noticing the disconnection", func() bool { return s.Stats().Disconnects > 0 })
+}
+
+// TestBatchesFitTheServersPayload: a NATS server whose max_payload is
+// below the batches' bound (256 KB) gets publications within its own
+// limit: a router's restatement of what it has in flight, and its answer
+// to a starting router's snapshot, are each forty 2 KB events, which in
+// one publication the server refused (every event of it lost, and lost
+// again at each renewal).
+func TestBatchesFitTheServersPayload(t *testing.T) {
+	ns := natstest.StartWith(t, &server.Options{Port: -1, MaxPayload: 16 << 10})
+	const events = 40
+	live := make([]Message, events)
+	for i := range live {
+		hashes := make([]uint64, 256) // 2 KB
+		for j := range hashes {
+			hashes[j] = uint64(i)<<32 | uint64(j+1)
+		}
+		live[i] = Message{Event: &router.Event{Kind: router.EventRouted, ID: uint64(i + 1), Dial: "x:1", Hashes: hashes, BlockTokens: 16, Prefill: 1, KV: 1}}
+	}
+	var rb received
+	b := startSyncer(t, rb.config(Config{URLs: []string{ns.ClientURL()}, Name: "b", Subject: "test.fit"}))
+	waitFor(t, "b connected", func() bool { return b.Stats().Connected })
+	core, logs := observer.New(zapcore.InfoLevel)
+	a := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "a", Subject: "test.fit", Logger: zap.New(core),
+		Resync:   func() []Message { return live },
+		Snapshot: func() []Message { return live }})
+	waitFor(t, "b receiving a's restatement", func() bool { return rb.count() >= events })
+	if st := a.Stats(); st.Dropped != 0 || logs.FilterMessageSnippet("NATS refused").Len() != 0 {
+		t.Fatalf("a's stats %+v, logged %v", st, logs.All())
+	}
+	var snapshot []Message
+	var mu sync.Mutex
+	c := startSyncer(t, Config{URLs: []string{ns.ClientURL()}, Name: "c", Subject: "test.fit",
+		OnSnapshot: func(_ string, m Message) { mu.Lock(); snapshot = append(snapshot, m); mu.Unlock() }})
+	waitFor(t, "c's snapshot", func() bool { return c.Stats().SnapshotFrom != "" })
+	mu.Lock()
+	defer mu.Unlock()
+	if len(snapshot) != events || !reflect.DeepEqual(snapshot[events-1].Event.Hashes, live[events-1].Event.Hashes) {
+		t.Fatalf("c's snapshot from %q: %d messages, want %d", c.Stats().SnapshotFrom, len(snapshot), events)
+	}
 }

@@ -75,16 +75,42 @@ const (
 	// maxBatch is how many messages one publication carries at most, and
 	// maxBatchBytes how many bytes: well under NATS's default payload
 	// limit (1 MB), so a burst of long prompts never makes a publication
-	// fail and take unrelated releases with it.
+	// fail and take unrelated releases with it. A server whose limit is
+	// lower gets batches within its own (see batchBytes).
 	maxBatch      = 256
 	maxBatchBytes = 256 << 10
+	// batchHeadroom is what a publication carries besides its messages'
+	// encodedSize, less the sender's name: the batch's epoch and instance
+	// and the NATS headers (batch number, protocol framing).
+	batchHeadroom = 256
 )
+
+// batchBytes bounds the encoded messages of one publication: maxBatchBytes,
+// or less to stay within the payload limit of the server connected to
+// (nats.go refuses a larger publication outright, and its events would be
+// lost). A message larger than that still goes alone, and is refused.
+func (s *Syncer) batchBytes() int {
+	limit := maxBatchBytes
+	if payload := s.maxPayload.Load(); payload > 0 {
+		limit = min(limit, int(payload)-batchHeadroom-len(s.cfg.Name))
+	}
+	return max(limit, 1)
+}
+
+// notePayloadLimit notes the payload limit of the server nc has just
+// connected to, for batchBytes; asked of the client at each connection,
+// since it takes the client's lock, which a reconnection holds.
+func (s *Syncer) notePayloadLimit(nc *nats.Conn) { s.maxPayload.Store(nc.MaxPayload()) }
 
 // MaxEventHashes caps the block hashes one event carries (64 KB; 512k
 // tokens at 64-token blocks): a routed event's peers learn the prefix,
 // the part that matters, and a snapshot sends an index in events of this
 // many.
 const MaxEventHashes = 8192
+
+// maxEventBytes is about the largest one message takes in a batch: a
+// routed event with MaxEventHashes hashes and its strings.
+const maxEventBytes = 8*MaxEventHashes + 4*maxString + 64 + batchHeadroom
 
 // Config configures a Syncer. Zero values take the defaults.
 type Config struct {
@@ -290,6 +316,9 @@ type Syncer struct {
 	sendersMu   sync.Mutex
 	senders     map[senderKey]senderName
 	sendersSeen time.Time
+	// maxPayload is the payload limit of the server last connected to,
+	// 0 before the first connection (see batchBytes).
+	maxPayload atomic.Int64
 	// cut says the connection was lost since the last renewal.
 	cut atomic.Bool
 	// missedWarned says missedBatches warned since the last renewal: a
@@ -456,7 +485,12 @@ func (s *Syncer) options() ([]nats.Option, error) {
 		nats.FlusherTimeout(writeTimeout),
 		nats.PingInterval(pingInterval),
 		nats.MaxPingsOutstanding(maxPingsOutstanding),
-		nats.ConnectHandler(func(*nats.Conn) { s.connected.Store(true); s.noteConnError(nil); s.markUp() }), // a first connection made late
+		nats.ConnectHandler(func(nc *nats.Conn) { // a first connection made late
+			s.notePayloadLimit(nc)
+			s.connected.Store(true)
+			s.noteConnError(nil)
+			s.markUp()
+		}),
 		nats.ReconnectErrHandler(func(_ *nats.Conn, err error) { s.noteConnError(err) }),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			s.connected.Store(false)
@@ -481,6 +515,7 @@ func (s *Syncer) options() ([]nats.Option, error) {
 			s.asyncErrMu.Lock()
 			s.asyncErrsLogged = nil // a new connection's errors are news
 			s.asyncErrMu.Unlock()
+			s.notePayloadLimit(nc) // the server may be another
 			s.connected.Store(true)
 			s.noteConnError(nil)
 			log.Info("NATS connection back; sharing routing events again", zap.String("server", nc.ConnectedUrlRedacted()))
@@ -745,6 +780,7 @@ func (s *Syncer) connect(opts []nats.Option) {
 	}
 	s.mu.Unlock()
 	if nc.IsConnected() {
+		s.notePayloadLimit(nc)
 		s.markUp()
 	}
 	go s.snapshots(nc)
@@ -1015,7 +1051,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	// sync options) asks, while this one is still in the queue group: it
 	// has this view already, and the end alone tells it so at once.
 	b := Batch{Sender: s.cfg.Name, Epoch: s.epoch.Load(), Instance: s.cfg.Instance}
-	size, parts := 0, 0
+	size, parts, limit := 0, 0, s.batchBytes()
 	send := func() error {
 		parts++
 		reply := nats.NewMsg(msg.Reply)
@@ -1027,7 +1063,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	}
 	for i := range msgs {
 		n := encodedSize(&msgs[i])
-		if len(b.Messages) > 0 && (size+n > maxBatchBytes || len(b.Messages) >= maxBatch) {
+		if len(b.Messages) > 0 && (size+n > limit || len(b.Messages) >= maxBatch) {
 			if err := send(); err != nil {
 				s.cfg.Logger.Warn("cannot send a starting router its snapshot", zap.Error(err))
 				return
@@ -1386,6 +1422,9 @@ func (s *Syncer) run() {
 	// one replaces an earlier (they carry running totals).
 	progressAt := map[uint64]int{}
 	size, storedSize, indexSize := 0, 0, 0
+	// limit bounds a batch's bytes for the server connected to now (a
+	// reconnection may reach one with another payload limit).
+	limit := s.batchBytes()
 	// One message, its header reused: the client encodes it at once.
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
@@ -1482,7 +1521,7 @@ func (s *Syncer) run() {
 			if len(batch.Messages) > 0 {
 				sendCharges()
 			}
-			if (indexSize+n > maxBatchBytes || len(index.Messages) >= maxBatch) && len(index.Messages) > 0 {
+			if (indexSize+n > limit || len(index.Messages) >= maxBatch) && len(index.Messages) > 0 {
 				sendIndex()
 			}
 			index.Messages = append(index.Messages, m)
@@ -1490,7 +1529,7 @@ func (s *Syncer) run() {
 			return
 		}
 		if versionOf(&m) > chargeWireVersion {
-			if (storedSize+n > maxBatchBytes || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
+			if (storedSize+n > limit || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
 				publish()
 			}
 			stored.Messages = append(stored.Messages, m)
@@ -1508,7 +1547,7 @@ func (s *Syncer) run() {
 			}
 			progressAt[ev.ID] = len(batch.Messages)
 		}
-		if (size+n > maxBatchBytes || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
+		if (size+n > limit || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
 			publish()
 		}
 		batch.Messages = append(batch.Messages, m)
@@ -1573,6 +1612,7 @@ func (s *Syncer) run() {
 		}
 		select {
 		case m := <-s.queue:
+			limit = s.batchBytes()
 			renew()
 			add(m)
 		more:
@@ -1586,6 +1626,7 @@ func (s *Syncer) run() {
 			}
 			publish()
 		case <-heartbeat.C:
+			limit = s.batchBytes()
 			renew()
 			if !sentSinceBeat || len(batch.Messages)+len(stored.Messages)+len(index.Messages) > 0 {
 				publish() // what renew restated, or an empty batch: alive
@@ -1602,8 +1643,8 @@ func (s *Syncer) run() {
 // Losing the connection is logged by its handler (the client, buffering
 // nothing while it reconnects, nats.ReconnectBufSize(-1), refuses a
 // publication made before that handler ran with ErrReconnectBufExceeded);
-// anything else, such as a server whose max_payload is below the batches'
-// bound, would otherwise show only as events dropped and renewals every
+// anything else, such as a server whose max_payload is below one event's
+// size, would otherwise show only as events dropped and renewals every
 // renewInterval.
 func (s *Syncer) notePublishError(err error, logged *loggedReasons) {
 	if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, nats.ErrConnectionClosed) ||
@@ -1616,7 +1657,7 @@ func (s *Syncer) notePublishError(err error, logged *loggedReasons) {
 	}
 	fields := []zap.Field{zap.Error(err)}
 	if errors.Is(err, nats.ErrMaxPayload) {
-		fields = append(fields, zap.String("hint", fmt.Sprintf("a batch takes up to %d KB: give the NATS server a max_payload of at least that (its default is 1 MB)", maxBatchBytes>>10)))
+		fields = append(fields, zap.String("hint", fmt.Sprintf("batches are kept within the server's max_payload, but one event may take up to %d KB (a long prompt's block hashes): give the NATS server a max_payload of at least that (its default is 1 MB)", maxEventBytes>>10)))
 	}
 	s.cfg.Logger.Warn("NATS refused a publication; its events are dropped", fields...)
 }
