@@ -963,6 +963,9 @@ type decisionRecord struct {
 	// prompt is the prompt length the decision used: the parse's
 	// estimate, or the engine-learned one (router.Decision.PromptTokens).
 	prompt int
+	// series is the upstream's and reason's latency series, resolved
+	// as the decision is observed (see metrics.latencyOf).
+	series seriesRef
 }
 
 // shedding is the policy's answer to a request it gave up on: for now (a
@@ -1067,12 +1070,12 @@ func (st *requestState) progress(n int) {
 	// its prompt (and will prefill it), but the time says nothing of a
 	// first token. (Streamed, its first text is one.)
 	if first && !(background && !stream) {
-		a.sh.metrics.observeFirstToken(dec.upstream, dec.reason, now.Sub(st.arrived))
+		a.sh.metrics.observeFirstToken(&dec, now.Sub(st.arrived))
 		if stream {
 			// A non-streaming response's headers come after the whole
 			// generation: no measure of the estimate.
 			sinceDecision := now.Sub(a.charge.Started).Seconds()
-			a.sh.metrics.observeEstimateError(dec.upstream, dec.reason, sinceDecision-a.charge.Estimate)
+			a.sh.metrics.observeEstimateError(&dec, sinceDecision-a.charge.Estimate)
 			a.sh.metrics.recordTTFT(dec.upstream, sinceDecision, a.charge.Estimate)
 		}
 		st.setTTFTPlaceholder(now.Sub(st.arrived).Seconds())
@@ -1185,7 +1188,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	st.mu.Unlock()
 	now := time.Now()
 	if sh != nil && dec.upstream != "" {
-		sh.metrics.observeDuration(dec.upstream, dec.reason, now.Sub(st.arrived))
+		sh.metrics.observeDuration(&dec, now.Sub(st.arrived))
 	}
 	if a == nil {
 		return

@@ -59,8 +59,10 @@ type metrics struct {
 
 	mu sync.RWMutex
 	// named holds the upstreams a loaded config names: the only dials
-	// used as label values.
-	named map[string]bool
+	// used as label values. namings counts its changes, which change
+	// what latency returns (see seriesRef).
+	named   map[string]bool
+	namings atomic.Uint64
 	// recent are the named upstreams' recent first tokens.
 	recent map[string]*ttftRing
 }
@@ -239,7 +241,10 @@ func registerRunningMetrics(ctx caddy.Context) {
 func (m *metrics) name(dial string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.named[dial] = true
+	if !m.named[dial] {
+		m.named[dial] = true
+		m.namings.Add(1)
+	}
 }
 
 // forget deletes dial's series: no loaded config names it any more. All
@@ -249,6 +254,7 @@ func (m *metrics) forget(dial string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.named, dial)
+	m.namings.Add(1)
 	delete(m.recent, dial)
 	if old := m.series.Load(); old != nil {
 		for k := range *old {
@@ -349,31 +355,57 @@ func (m *metrics) latency(dial, reason string) *latencySeries {
 	return s
 }
 
-// observeDecision records a decision's prefix match.
-func (m *metrics) observeDecision(dial, reason string, matched, prompt int) {
-	m.decision(reason).Inc()
-	m.matchedTokens.Observe(float64(matched))
-	if prompt > 0 {
-		m.latency(dial, reason).prefixMatch.Observe(min(1, float64(matched)/float64(prompt)))
+// seriesRef keeps the latency series a request's decision resolved (see
+// metrics.latency) for the observations that follow it, its first token
+// and its end, which would otherwise look it up again, each. It holds
+// while the metrics' named upstreams are as they were (namings): naming
+// or forgetting an upstream changes the series latency returns.
+type seriesRef struct {
+	m       *metrics
+	namings uint64
+	series  *latencySeries
+}
+
+// latencyOf returns the latency series of dec's upstream and reason,
+// from dec's seriesRef while it holds, resolving and keeping it
+// otherwise.
+func (m *metrics) latencyOf(dec *decisionRecord) *latencySeries {
+	ref := &dec.series
+	// Read before latency: a change after the read makes the next use
+	// resolve again.
+	namings := m.namings.Load()
+	if ref.series == nil || ref.m != m || ref.namings != namings {
+		*ref = seriesRef{m: m, namings: namings, series: m.latency(dec.upstream, dec.reason)}
+	}
+	return ref.series
+}
+
+// observeDecision records a decision's prefix match, resolving its
+// latency series for the observations after it.
+func (m *metrics) observeDecision(dec *decisionRecord) {
+	m.decision(dec.reason).Inc()
+	m.matchedTokens.Observe(float64(dec.matched))
+	if dec.prompt > 0 {
+		m.latencyOf(dec).prefixMatch.Observe(min(1, float64(dec.matched)/float64(dec.prompt)))
 	}
 }
 
 // observeFirstToken records a request's time to first token since its
 // arrival.
-func (m *metrics) observeFirstToken(dial, reason string, sinceArrival time.Duration) {
-	m.latency(dial, reason).ttft.Observe(sinceArrival.Seconds())
+func (m *metrics) observeFirstToken(dec *decisionRecord, sinceArrival time.Duration) {
+	m.latencyOf(dec).ttft.Observe(sinceArrival.Seconds())
 }
 
 // observeEstimateError records a streamed request's observed minus
 // estimated TTFT, both from the decision, in seconds.
-func (m *metrics) observeEstimateError(dial, reason string, seconds float64) {
-	m.latency(dial, reason).estimateError.Observe(seconds)
+func (m *metrics) observeEstimateError(dec *decisionRecord, seconds float64) {
+	m.latencyOf(dec).estimateError.Observe(seconds)
 }
 
 // observeDuration records a routed request's time from arrival to its
 // response's last byte.
-func (m *metrics) observeDuration(dial, reason string, sinceArrival time.Duration) {
-	m.latency(dial, reason).duration.Observe(sinceArrival.Seconds())
+func (m *metrics) observeDuration(dec *decisionRecord, sinceArrival time.Duration) {
+	m.latencyOf(dec).duration.Observe(sinceArrival.Seconds())
 }
 
 // observeCompletion records a finished response's figures. The engine's

@@ -26,10 +26,10 @@ func TestLatencyLabelsBounded(t *testing.T) {
 	defer sh.Destruct()
 	m := sh.metrics
 	m.name("a:1")
-	m.observeDecision("a:1", "warm", 50, 100)
-	m.observeDecision("dyn:9", "cold", 0, 100)
-	m.observeFirstToken("a:1", "warm", 300*time.Millisecond)
-	m.observeEstimateError("a:1", "warm", 0.2-0.5)
+	m.observeDecision(&decisionRecord{upstream: "a:1", reason: "warm", matched: 50, prompt: 100})
+	m.observeDecision(&decisionRecord{upstream: "dyn:9", reason: "cold", matched: 0, prompt: 100})
+	m.observeFirstToken(&decisionRecord{upstream: "a:1", reason: "warm"}, 300*time.Millisecond)
+	m.observeEstimateError(&decisionRecord{upstream: "a:1", reason: "warm"}, 0.2-0.5)
 	m.recordTTFT("a:1", 0.2, 0.5)
 	m.recordTTFT("dyn:9", 0.2, 0.5)
 
@@ -60,13 +60,13 @@ func TestLatencyLabelsBounded(t *testing.T) {
 	}
 	// The series resolved for a:1 while it was named are not used after
 	// it is forgotten, and are resolved again once it is named again.
-	m.observeFirstToken("a:1", "warm", time.Second)
+	m.observeFirstToken(&decisionRecord{upstream: "a:1", reason: "warm"}, time.Second)
 	if out := exposition(t, reg); strings.Contains(out, `"a:1"`) ||
 		!strings.Contains(out, `caddy_llm_affinity_time_to_first_token_seconds_count{reason="warm",upstream="other"} 1`) {
 		t.Fatalf("a forgotten upstream's first token is not counted as other's:\n%s", out)
 	}
 	m.name("a:1")
-	m.observeFirstToken("a:1", "warm", time.Second)
+	m.observeFirstToken(&decisionRecord{upstream: "a:1", reason: "warm"}, time.Second)
 	if out := exposition(t, reg); !strings.Contains(out, `caddy_llm_affinity_time_to_first_token_seconds_count{reason="warm",upstream="a:1"} 1`) {
 		t.Fatalf("the named again upstream has no series:\n%s", out)
 	}
@@ -126,7 +126,7 @@ func TestLatencySeriesConcurrentRename(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for range each {
-				m.observeFirstToken("r:1", "warm", time.Millisecond)
+				m.observeFirstToken(&decisionRecord{upstream: "r:1", reason: "warm"}, time.Millisecond)
 			}
 		}()
 	}
@@ -138,13 +138,13 @@ func TestLatencySeriesConcurrentRename(t *testing.T) {
 	if out := exposition(t, reg); strings.Contains(out, `"r:1"`) {
 		t.Fatalf("the forgotten upstream's series are kept:\n%s", out)
 	}
-	m.observeFirstToken("r:1", "warm", time.Millisecond)
+	m.observeFirstToken(&decisionRecord{upstream: "r:1", reason: "warm"}, time.Millisecond)
 	if out := exposition(t, reg); !strings.Contains(out, `time_to_first_token_seconds_count{reason="warm",upstream="other"}`) {
 		t.Fatalf("no series for the forgotten upstream's first token:\n%s", out)
 	}
 	m.name("r:1")
-	m.observeFirstToken("r:1", "warm", time.Millisecond)
-	m.observeFirstToken("r:1", "warm", time.Millisecond)
+	m.observeFirstToken(&decisionRecord{upstream: "r:1", reason: "warm"}, time.Millisecond)
+	m.observeFirstToken(&decisionRecord{upstream: "r:1", reason: "warm"}, time.Millisecond)
 	if out := exposition(t, reg); !strings.Contains(out, `time_to_first_token_seconds_count{reason="warm",upstream="r:1"} 2`) {
 		t.Fatalf("the upstream named again does not export its first tokens:\n%s", out)
 	}
@@ -158,15 +158,40 @@ func TestLatencyCacheBoundedByNamedUpstreams(t *testing.T) {
 	defer sh.Destruct()
 	m := sh.metrics
 	for i := range 1000 {
-		m.observeFirstToken(fmt.Sprintf("dyn-%d:1", i), "cold", time.Millisecond)
+		m.observeFirstToken(&decisionRecord{upstream: fmt.Sprintf("dyn-%d:1", i), reason: "cold"}, time.Millisecond)
 	}
 	if n := len(*m.series.Load()); n != 1 {
 		t.Fatalf("%d cached series after 1000 dynamic upstreams, want 1 (other's, cold)", n)
 	}
 	m.name("named:1")
-	m.observeFirstToken("named:1", "warm", time.Millisecond)
+	m.observeFirstToken(&decisionRecord{upstream: "named:1", reason: "warm"}, time.Millisecond)
 	if _, ok := (*m.series.Load())[seriesKey{"named:1", "warm"}]; !ok {
 		t.Fatal("the named upstream's series are not cached")
+	}
+}
+
+// TestDecisionSeriesFollowNames: a request's latency series, kept from
+// its decision, are those latency would resolve when it observes: an
+// upstream named or forgotten in between moves its later observations
+// to the series of its new label.
+func TestDecisionSeriesFollowNames(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m.timeToFirstToken, m.requestDuration)
+	dec := &decisionRecord{upstream: "late:1", reason: "warm", matched: 1, prompt: 2}
+	m.observeDecision(dec) // not named yet: other's series
+	m.name("late:1")
+	m.observeFirstToken(dec, time.Millisecond)
+	if out := exposition(t, reg); !strings.Contains(out, `caddy_llm_affinity_time_to_first_token_seconds_count{reason="warm",upstream="late:1"} 1`) {
+		t.Fatalf("a first token after its upstream was named is not counted as its own:\n%s", out)
+	}
+	m.forget("late:1")
+	m.observeDuration(dec, time.Second)
+	if out := exposition(t, reg); strings.Contains(out, `"late:1"`) ||
+		!strings.Contains(out, `caddy_llm_affinity_request_duration_seconds_count{reason="warm",upstream="other"} 1`) {
+		t.Fatalf("an end after its upstream was forgotten is not counted as other's:\n%s", out)
 	}
 }
 
@@ -239,9 +264,9 @@ func TestBucketsTellColdAndLongApart(t *testing.T) {
 	defer sh.Destruct()
 	m := sh.metrics
 	m.name("a:1")
-	m.observeDecision("a:1", "cold", 0, 100)
-	m.observeDecision("a:1", "warm", 50, 100)
-	m.observeDuration("a:1", "cold", 5*time.Minute)
+	m.observeDecision(&decisionRecord{upstream: "a:1", reason: "cold", matched: 0, prompt: 100})
+	m.observeDecision(&decisionRecord{upstream: "a:1", reason: "warm", matched: 50, prompt: 100})
+	m.observeDuration(&decisionRecord{upstream: "a:1", reason: "cold"}, 5*time.Minute)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(m.matchedTokens, m.requestDuration)
 	got := exposition(t, reg)

@@ -972,7 +972,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
-	p.sh.metrics.observeDecision(dial, string(d.Reason), d.MatchedTokens, d.PromptTokens)
+	p.sh.metrics.observeDecision(&st.decision)
 	return pool[d.Chosen], d
 }
 
