@@ -422,8 +422,9 @@ func (w *passThroughWriter) ReadFrom(r io.Reader) (int64, error) {
 // noContinueFromEngine drops r's Expect header as the handler reads its
 // body: reading sends the client its 100 Continue, if it waits for one,
 // and asking the engine again would only forward the engine's as a
-// second.
-func noContinueFromEngine(r *http.Request) { r.Header.Del("Expect") }
+// second. (Indexed by its canonical key: Del would canonicalize it on
+// every request.)
+func noContinueFromEngine(r *http.Request) { delete(r.Header, "Expect") }
 
 // peekBody reads r's body, of a declared length up to max_body or
 // chunked, and puts back a body that sends the same bytes: the whole body,
@@ -477,6 +478,9 @@ func declaresJSON(h http.Header) bool {
 	values := h["Content-Type"] // canonical: no Get's canonicalization
 	if len(values) == 0 {
 		return true
+	}
+	if values[0] == mediaType {
+		return true // as clients send it, compared at once
 	}
 	v, _, _ := strings.Cut(values[0], ";")
 	return strings.EqualFold(v, mediaType)
