@@ -627,7 +627,15 @@ func (p *Policy) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.
 	// handler kept, so a retry resends the full body.
 	r.Body = st.attemptBody()
 	r.ContentLength = int64(len(st.body))
+	return p.dispatch(pool, r, w, st)
+}
 
+// dispatch chooses the upstream of st's attempt (see Select), holding it
+// at the gateway while none can take it. Caller holds st.mu. (Apart
+// from Select, its deferred calls and Select's are few enough times
+// their returns for the compiler to run them inline, not through the
+// runtime's list of defers.)
+func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, st *requestState) *reverseproxy.Upstream {
 	// The request may start within QueueTimeout of its arrival (or of its
 	// move off a drained upstream; Caddy's retries share it): queued at
 	// an engine until KV frees there, or held here until some upstream
