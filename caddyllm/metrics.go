@@ -81,9 +81,12 @@ const fallbackReason = "fallback"
 type seriesKey struct{ dial, reason string }
 
 // latencySeries are the latency histograms' series of one upstream label
-// and reason.
+// and reason, and the reason's decision counter and queue wait, which a
+// decision observes with them.
 type latencySeries struct {
 	ttft, duration, estimateError, prefixMatch prometheus.Observer
+	decisions                                  prometheus.Counter
+	queueWait                                  prometheus.Observer
 }
 
 // otherUpstream is the upstream label of upstreams no loaded config names
@@ -332,6 +335,8 @@ func (m *metrics) latency(dial, reason string) *latencySeries {
 			return s
 		}
 	}
+	// Resolved before the lock, which resolving them may take.
+	decisions, queueWait := m.decision(reason), m.queueWaitOf(reason)
 	// Under the lock, so that forget cannot run between the check of
 	// the name and the store.
 	m.mu.Lock()
@@ -348,6 +353,8 @@ func (m *metrics) latency(dial, reason string) *latencySeries {
 		duration:      m.requestDuration.WithLabelValues(label, reason),
 		estimateError: m.estimateError.WithLabelValues(label, reason),
 		prefixMatch:   m.prefixMatch.WithLabelValues(label, reason),
+		decisions:     decisions,
+		queueWait:     queueWait,
 	}
 	if slices.Contains(reasons, reason) {
 		cacheLocked(&m.series, key, s)
@@ -380,13 +387,14 @@ func (m *metrics) latencyOf(dec *decisionRecord) *latencySeries {
 	return ref.series
 }
 
-// observeDecision records a decision's prefix match, resolving its
-// latency series for the observations after it.
+// observeDecision counts a decision and records its prefix match,
+// resolving its latency series for the observations after it.
 func (m *metrics) observeDecision(dec *decisionRecord) {
-	m.decision(dec.reason).Inc()
+	series := m.latencyOf(dec)
+	series.decisions.Inc()
 	m.matchedTokens.Observe(float64(dec.matched))
 	if dec.prompt > 0 {
-		m.latencyOf(dec).prefixMatch.Observe(min(1, float64(dec.matched)/float64(dec.prompt)))
+		series.prefixMatch.Observe(min(1, float64(dec.matched)/float64(dec.prompt)))
 	}
 }
 

@@ -653,7 +653,7 @@ func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w htt
 		up, d := p.decide(p.stillNamed(pool), st, now, deadline)
 		if up != nil {
 			st.heldSince = time.Time{}
-			p.sh.metrics.queueWaitOf(string(d.Reason)).Observe(now.Sub(held).Seconds())
+			p.sh.metrics.latencyOf(&st.decision).queueWait.Observe(now.Sub(held).Seconds()) // d's reason
 			st.setDecisionPlaceholders(len(st.tried) + 1)
 			p.explain(w, st, d.Decision)
 			return up

@@ -411,6 +411,26 @@ func nothingFits(t *testing.T) (*Policy, reverseproxy.UpstreamPool) {
 	return p, pool
 }
 
+// TestRoutedDecisionCountedByReason: a routed request counts once in
+// the decisions and the queue wait of its decision's reason, which its
+// latency series carry.
+func TestRoutedDecisionCountedByReason(t *testing.T) {
+	p, pool := testPolicy(t, zap.NewNop()), movePool()
+	st, r := heldRequest(t, context.Background())
+	up := p.Select(pool, r, httptest.NewRecorder())
+	if up == nil {
+		t.Fatal("no upstream")
+	}
+	defer st.current.release()
+	reason := st.decision.reason
+	if got := testutil.ToFloat64(p.sh.metrics.decision(reason)); got != 1 {
+		t.Errorf("decisions_total{reason=%s} = %v, want 1", reason, got)
+	}
+	if got := histogramCount(t, p.sh.metrics.queueWaitOf(reason)); got != 1 {
+		t.Errorf("queue_wait_seconds{reason=%s} count = %d, want 1", reason, got)
+	}
+}
+
 // heldRequest is a parsed chat request with its state in ctx, as the
 // handler passes it to the policy.
 func heldRequest(t *testing.T, ctx context.Context) (*requestState, *http.Request) {
