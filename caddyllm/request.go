@@ -900,7 +900,7 @@ func laxInt(p []byte, quoted bool) (int, bool) {
 	if quoted {
 		p = bytes.TrimSpace(p)
 	}
-	if v, ok := parseInt(p, 64); ok {
+	if v, ok := parseInt(p); ok {
 		return int(v), true
 	}
 	f, err := strconv.ParseFloat(string(p), 64)

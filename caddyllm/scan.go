@@ -578,10 +578,16 @@ func (s *scanner) key(dst []byte) ([]byte, bool) {
 	if s.pos >= len(s.buf) || s.buf[s.pos] != '"' {
 		return nil, s.unexpected("looking for beginning of object key string")
 	}
-	// Most keys are plain, shorter than eight bytes and followed at once
-	// by the colon.
-	if p := s.pos + 1; p+8 < len(s.buf) {
-		if end := plainEnd(s.buf, p); end >= 0 && s.buf[end+1] == ':' {
+	// Most keys are plain, shorter than sixteen bytes and followed at
+	// once by the colon: their end is the first quote, backslash or
+	// control byte in their first two words.
+	if p := s.pos + 1; p+16 < len(s.buf) {
+		w := s.buf[p : p+16 : p+16]
+		off, m := 0, special(binary.LittleEndian.Uint64(w[:8]))
+		if m == 0 {
+			off, m = 8, special(binary.LittleEndian.Uint64(w[8:]))
+		}
+		if end := p + off + bits.TrailingZeros64(m)>>3; m != 0 && s.buf[end] == '"' && s.buf[end+1] == ':' {
 			s.pos = end + 2
 			return s.buf[p:end], true
 		}
@@ -708,10 +714,10 @@ func hex4(p []byte) rune {
 	return r
 }
 
-// parseInt reads an integer literal that fits in bitSize bits; numbers
-// with a fraction or exponent, or out of range, are not integers (as
+// parseInt reads an integer literal that fits in an int64; numbers with
+// a fraction or exponent, or out of range, are not integers (as
 // encoding/json decodes into an int).
-func parseInt(p []byte, bitSize uint) (int64, bool) {
+func parseInt(p []byte) (int64, bool) {
 	neg := len(p) > 0 && p[0] == '-'
 	if neg {
 		p = p[1:]
@@ -719,16 +725,14 @@ func parseInt(p []byte, bitSize uint) (int64, bool) {
 	if len(p) == 0 {
 		return 0, false
 	}
-	limit := uint64(1) << (bitSize - 1) // |min|; max is limit-1
+	const limit = uint64(1) << 63 // |min|; max is limit-1
 	var n uint64
 	for _, c := range p {
-		if c < '0' || c > '9' {
+		d := uint64(c - '0')
+		if d > 9 || n > (limit+9)/10 {
 			return 0, false
 		}
-		if n > (limit+9)/10 {
-			return 0, false
-		}
-		n = n*10 + uint64(c-'0')
+		n = n*10 + d
 		if n > limit {
 			return 0, false
 		}

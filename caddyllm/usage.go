@@ -109,7 +109,7 @@ func (s *scanner) optInt(dst *int64) bool {
 		if !ok {
 			return false
 		}
-		v, ok := parseInt(s.buf[start:end], 64)
+		v, ok := parseInt(s.buf[start:end])
 		*dst = v
 		return ok
 	}
