@@ -362,6 +362,46 @@ func fieldOf(key []byte, names []string) int {
 	return fieldOther
 }
 
+// topField is fieldOf(key, topFields[:]) for a request body's keys,
+// every one of which is looked up: the compiler makes the switch a search
+// by length and compares with constants, where fieldOf calls memequal for
+// each name of the key's length in turn.
+func topField(key []byte) int {
+	switch string(key) {
+	case "model":
+		return fieldModel
+	case "prompt":
+		return fieldPrompt
+	case "messages":
+		return fieldMessages
+	case "tools":
+		return fieldTools
+	case "max_tokens":
+		return fieldMaxTokens
+	case "max_completion_tokens":
+		return fieldMaxCompletionTokens
+	case "stream":
+		return fieldStream
+	case "input":
+		return fieldInput
+	case "instructions":
+		return fieldInstructions
+	case "max_output_tokens":
+		return fieldMaxOutputTokens
+	case "previous_response_id":
+		return fieldPreviousResponseID
+	case "store":
+		return fieldStore
+	case "n":
+		return fieldN
+	case "cache_salt":
+		return fieldCacheSalt
+	case "background":
+		return fieldBackground
+	}
+	return fieldOther
+}
+
 // equalFold is bytes.EqualFold against a lower-case ASCII name, without
 // converting it.
 func equalFold(key []byte, name string) bool {
@@ -697,7 +737,7 @@ func (r *reading) object() {
 		if !more {
 			return
 		}
-		field := fieldOf(key, topFields[:])
+		field := topField(key)
 		if !r.reads(field) {
 			// Another API's field: the engine ignores it, and so do we.
 			r.skip()

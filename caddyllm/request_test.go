@@ -949,3 +949,18 @@ func TestPromptCountsTextNotEscapes(t *testing.T) {
 		t.Fatalf("with an escaped image URL: %d bytes, unescaped %d", a.PromptBytes, b.PromptBytes)
 	}
 }
+
+// TestTopFieldIsFieldOf: the switch that looks up a body's keys finds
+// the fields of topFields by their names, exactly, and no other key.
+func TestTopFieldIsFieldOf(t *testing.T) {
+	for i, name := range topFields {
+		if got := topField([]byte(name)); got != i {
+			t.Errorf("topField(%q) = %d, want %d", name, got, i)
+		}
+	}
+	for _, key := range []string{"", "Model", "modell", "mode", "N", "nn", "max_token", "max_tokens ", "user", "tool", "background\x00"} {
+		if got := topField([]byte(key)); got != fieldOther {
+			t.Errorf("topField(%q) = %d, want fieldOther", key, got)
+		}
+	}
+}
