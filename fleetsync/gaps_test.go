@@ -355,9 +355,10 @@ func TestMissedBatchesWarnOncePerRenewal(t *testing.T) {
 }
 
 // TestRefusedPublicationSaysWhy: a NATS server whose max_payload is below
-// the batches' bound refuses the larger ones. The router counts their
-// events as dropped and renews, as for any loss; it also says why, once,
-// where before nothing told the operator why peers kept losing its events.
+// one event's size refuses it (batches are cut to the server's limit, but
+// an event goes whole). The router counts its events as dropped and
+// renews, as for any loss; it also says why, once, where before nothing
+// told the operator why peers kept losing its events.
 func TestRefusedPublicationSaysWhy(t *testing.T) {
 	ns := natstest.StartWith(t, &server.Options{Port: -1, MaxPayload: 4096})
 	core, logs := observer.New(zapcore.InfoLevel)
