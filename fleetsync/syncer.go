@@ -88,7 +88,8 @@ const (
 // batchBytes bounds the encoded messages of one publication: maxBatchBytes,
 // or less to stay within the payload limit of the server connected to
 // (nats.go refuses a larger publication outright, and its events would be
-// lost). A message larger than that still goes alone, and is refused.
+// lost). A message larger than that still goes alone, and the server
+// refuses it only if it exceeds the server's limit itself.
 func (s *Syncer) batchBytes() int {
 	limit := maxBatchBytes
 	if payload := s.maxPayload.Load(); payload > 0 {
@@ -1422,9 +1423,6 @@ func (s *Syncer) run() {
 	// one replaces an earlier (they carry running totals).
 	progressAt := map[uint64]int{}
 	size, storedSize, indexSize := 0, 0, 0
-	// limit bounds a batch's bytes for the server connected to now (a
-	// reconnection may reach one with another payload limit).
-	limit := s.batchBytes()
 	// One message, its header reused: the client encodes it at once.
 	msg := &nats.Msg{Subject: s.cfg.Subject, Header: nats.Header{}}
 	var seq uint64 // the last batch number sent (see seqHeader)
@@ -1517,6 +1515,9 @@ func (s *Syncer) run() {
 			return
 		}
 		n := encodedSize(&m)
+		// Read at each message: a reconnection may reach a server with
+		// another payload limit at any time.
+		limit := s.batchBytes()
 		if ev := m.Event; ev != nil && isIndexEvent(ev.Kind) {
 			if len(batch.Messages) > 0 {
 				sendCharges()
@@ -1612,7 +1613,6 @@ func (s *Syncer) run() {
 		}
 		select {
 		case m := <-s.queue:
-			limit = s.batchBytes()
 			renew()
 			add(m)
 		more:
@@ -1626,7 +1626,6 @@ func (s *Syncer) run() {
 			}
 			publish()
 		case <-heartbeat.C:
-			limit = s.batchBytes()
 			renew()
 			if !sentSinceBeat || len(batch.Messages)+len(stored.Messages)+len(index.Messages) > 0 {
 				publish() // what renew restated, or an empty batch: alive
