@@ -124,12 +124,9 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 	d := Decision{Chosen: -1, Reason: Shed}
 	var blocked [FilteredContext + 1]int
 	bestMatch := 0
-	var passed uint64 // the first 64 candidates that passed, for the coster
+	var passed uint64 // the first passedBits candidates that passed, for the coster
 	for i := range cands {
 		f := filter(req, &cands[i], opts.KVMarginTokens)
-		if f == NotFiltered && i < 64 {
-			passed |= 1 << i
-		}
 		if f != NotFiltered {
 			blocked[f]++
 			if explain != nil {
@@ -139,6 +136,9 @@ func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Ex
 		}
 		d.Eligible++
 		bestMatch = max(bestMatch, cands[i].MatchedTokens)
+		if i < passedBits {
+			passed |= 1 << i
+		}
 	}
 	if d.Eligible == 0 {
 		d.Blocked = FilteredUnavailable
@@ -442,10 +442,15 @@ type coster struct {
 	// imposedWeight and decodeWeight weigh ImposedDelaySeconds and
 	// GenerationSeconds in the ttft cost.
 	imposedWeight, decodeWeight, evictionWeight float64
-	// passed marks the first 64 candidates that pass the filters, as
-	// choose found them (filtering again costs as much as the cost).
+	// passed marks the first passedBits candidates that pass the
+	// filters, as choose found them (filtering again costs as much as
+	// the cost).
 	passed uint64
 }
+
+// passedBits is how many candidates coster.passed covers; eligible
+// filters those beyond again.
+const passedBits = 64
 
 // weight resolves a configured weight: 0 means the default, a negative
 // value (or NaN) turns the term off.
@@ -474,7 +479,7 @@ func newCoster(req *Request, cands []Candidate, opts Options, passed uint64) cos
 }
 
 func (k *coster) eligible(i int) bool {
-	if i < 64 {
+	if i < passedBits {
 		return k.passed&(1<<i) != 0
 	}
 	return filter(k.req, &k.cands[i], k.opts.KVMarginTokens) == NotFiltered
