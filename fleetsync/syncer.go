@@ -98,6 +98,13 @@ func (s *Syncer) batchBytes() int {
 	return max(limit, 1)
 }
 
+// batchFull says a batch of count messages in size bytes must be sent
+// before a message of n bytes joins it: it has maxBatch, or would go
+// past limit (see batchBytes). An empty batch takes any message.
+func batchFull(count, size, n, limit int) bool {
+	return count > 0 && (size+n > limit || count >= maxBatch)
+}
+
 // notePayloadLimit notes the payload limit of the server nc has just
 // connected to, for batchBytes; asked of the client at each connection,
 // since it takes the client's lock, which a reconnection holds.
@@ -1064,7 +1071,7 @@ func (s *Syncer) answerSnapshot(msg *nats.Msg) {
 	}
 	for i := range msgs {
 		n := encodedSize(&msgs[i])
-		if len(b.Messages) > 0 && (size+n > limit || len(b.Messages) >= maxBatch) {
+		if batchFull(len(b.Messages), size, n, limit) {
 			if err := send(); err != nil {
 				s.cfg.Logger.Warn("cannot send a starting router its snapshot", zap.Error(err))
 				return
@@ -1522,7 +1529,7 @@ func (s *Syncer) run() {
 			if len(batch.Messages) > 0 {
 				sendCharges()
 			}
-			if (indexSize+n > limit || len(index.Messages) >= maxBatch) && len(index.Messages) > 0 {
+			if batchFull(len(index.Messages), indexSize, n, limit) {
 				sendIndex()
 			}
 			index.Messages = append(index.Messages, m)
@@ -1530,7 +1537,7 @@ func (s *Syncer) run() {
 			return
 		}
 		if versionOf(&m) > chargeWireVersion {
-			if (storedSize+n > limit || len(stored.Messages) >= maxBatch) && len(stored.Messages) > 0 {
+			if batchFull(len(stored.Messages), storedSize, n, limit) {
 				publish()
 			}
 			stored.Messages = append(stored.Messages, m)
@@ -1548,7 +1555,7 @@ func (s *Syncer) run() {
 			}
 			progressAt[ev.ID] = len(batch.Messages)
 		}
-		if (size+n > limit || len(batch.Messages) >= maxBatch) && len(batch.Messages) > 0 {
+		if batchFull(len(batch.Messages), size, n, limit) {
 			publish()
 		}
 		batch.Messages = append(batch.Messages, m)
