@@ -168,7 +168,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 			f.noteBlockTokens(own, bt)
 		}
 	}
-	sreq, cands, states := f.candidates(now, req, members, opts, true)
+	sreq, cands, states := f.candidates(now, &req, members, opts, true)
 	sd := chooseListedFirst(sreq, cands, members, opts, rng, explain)
 	d := Decision{Decision: sd, PromptTokens: sreq.PromptTokens}
 	if sd.Chosen < 0 {
@@ -219,10 +219,12 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	if f.local != nil {
 		f.local[c.id] = c
 	}
-	f.publish(Event{
-		Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(req),
-		Prefill: c.prefill, Decode: c.decode, KV: c.kv, Adapter: sreq.Adapter,
-	})
+	if f.publisher != nil {
+		f.publish(Event{
+			Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(&req),
+			Prefill: c.prefill, Decode: c.decode, KV: c.kv, Adapter: sreq.Adapter,
+		})
+	}
 	d.Charge = c
 	return d
 }
@@ -237,19 +239,21 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 }
 
 // sequencesOf is how many sequences req generates, at least 1.
-func sequencesOf(req Request) int { return min(max(1, req.Sequences), scorer.MaxSequences) }
+func sequencesOf(req *Request) int { return min(max(1, req.Sequences), scorer.MaxSequences) }
 
 // blockTokensOf is req's block size, at least 1.
-func blockTokensOf(req Request) int { return max(1, req.BlockTokens) }
+func blockTokensOf(req *Request) int { return max(1, req.BlockTokens) }
 
 // candidates builds the scorer's view of req and of every member, in
 // scratch space reused across decisions. observe says members are the
 // caller's current view: their health, engine restarts and KV capacity
 // are noted (and the index sized by it).
 // Caller holds f.mu.
-func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *Options, observe bool) (scorer.Request, []scorer.Candidate, []*upstream) {
+func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *Options, observe bool) (scorer.Request, []scorer.Candidate, []*upstream) {
 	bt := blockTokensOf(req)
 	cands := slices.Grow(f.scratchCands[:0], len(members))[:len(members)]
+	// states keeps the previous decision's upstreams until overwritten:
+	// each is the hint for the member at its place.
 	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
 	f.scratchCands, f.scratchStates = cands, states
 	// A member tried already is avoided while an untried one is
@@ -259,7 +263,7 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	avoidTried, avoidDown := false, false
 	for i := range members {
 		m := &members[i]
-		states[i] = f.upstream(m.Dial, now)
+		states[i] = f.upstreamHinted(states[i], m.Dial, now)
 		if observe {
 			states[i].healthSeen, states[i].healthy = true, m.Healthy
 			if m.Engine != nil {
@@ -275,13 +279,13 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 	adapter := opts.adapterOf(req.Model, members, states)
 	// A learned bytes per token rescales the prompt and, alike, the
 	// prefix each upstream holds (its blocks are runs of the same text).
-	prompt, scale := f.promptTokens(&req)
+	prompt, scale := f.promptTokens(req)
 	sreq := scorer.Request{
 		PromptTokens: prompt, Blocks: len(req.Hashes), BlockTokens: bt,
 		OutputTokens: f.expectedOutput(req, opts), Sequences: sequencesOf(req), Model: req.Model, Adapter: adapter,
 		MaxKVWaitSeconds: max(0, req.MaxWait.Seconds()),
-		LeastKVTokens:    leastKVTokens(&req, prompt),
-		ContextTokens:    expectedContextTokens(&req, prompt),
+		LeastKVTokens:    leastKVTokens(req, prompt),
+		ContextTokens:    expectedContextTokens(req, prompt),
 	}
 	home := -1
 	var loaders *adapterLoaders
@@ -297,13 +301,17 @@ func (f *Fleet) candidates(now time.Time, req Request, members []Member, opts *O
 		if loaders != nil && loaders.mayLoad(cands[i].Models) {
 			cands[i].Models = nil
 		}
-		cands[i].MatchedTokens = min(int(math.Round(float64(depths[u.id]*bt)*scale)), prompt)
+		matched := depths[u.id] * bt
+		if scale != 1 {
+			matched = int(math.Round(float64(matched) * scale))
+		}
+		cands[i].MatchedTokens = min(matched, prompt)
 		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
 		// A home that does not serve the model asked for cannot continue
 		// the response either: routed as any other request, the request
 		// gets the engine's 404 at once, where waiting for the home would
 		// end in a shed 503 the client retries.
-		if home < 0 && isHome(&req, m) && scorer.ServesModel(&sreq, &cands[i]) {
+		if home < 0 && isHome(req, m) && scorer.ServesModel(&sreq, &cands[i]) {
 			home = i
 		}
 	}
@@ -818,7 +826,7 @@ func (u *upstream) restoreAdapter(adapter string) {
 }
 
 // expectedOutput estimates req's output length. Caller holds f.mu.
-func (f *Fleet) expectedOutput(req Request, opts *Options) int {
+func (f *Fleet) expectedOutput(req *Request, opts *Options) int {
 	est := opts.OutputTokens
 	switch opts.OutputEstimate {
 	case OutputFixed:

@@ -267,6 +267,6 @@ func (f *Fleet) readyNext(u *upstream, now time.Time, skip *Hold, mayHaveRoom bo
 // view, which the fleet takes note of (see candidates).
 func (f *Fleet) fits(now time.Time, req Request, m Member, opts *Options, observe bool) bool {
 	f.scratchMember[0] = m
-	sreq, cands, _ := f.candidates(now, req, f.scratchMember[:], opts, observe)
+	sreq, cands, _ := f.candidates(now, &req, f.scratchMember[:], opts, observe)
 	return scorer.Filter(sreq, &cands[0], opts.Scorer) == scorer.NotFiltered
 }

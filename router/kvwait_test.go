@@ -49,7 +49,7 @@ func TestKVWaitProperties(t *testing.T) {
 
 		// The scorer's view of every member, before deciding.
 		f.mu.Lock()
-		sreq, view, _ := f.candidates(t0, req, ms, &opts, true)
+		sreq, view, _ := f.candidates(t0, &req, ms, &opts, true)
 		cands := append([]scorer.Candidate(nil), view...)
 		f.mu.Unlock()
 		waits := make([]float64, n)

@@ -61,7 +61,7 @@ func TestPeersShareTheView(t *testing.T) {
 	if u := state(t, b, dial); u.QueuedPrefillTokens != 0 || u.QueuedDecodeTokens != 0 || u.InFlight != 0 || u.Completed != 1 {
 		t.Fatalf("b after a's completion: %+v", u)
 	}
-	if got := b.expectedOutput(Request{Model: "m"}, &opts); got != 20 {
+	if got := b.expectedOutput(&Request{Model: "m"}, &opts); got != 20 {
 		t.Fatalf("b learned output %d from a's completion, want 20", got)
 	}
 	if b.Apply("a", Event{Kind: EventReleased, ID: d.Charge.id}, t0) {

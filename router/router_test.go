@@ -120,12 +120,12 @@ func TestExpectedOutput(t *testing.T) {
 		{OutputFixed, 10, 256},
 	} {
 		opts := Options{OutputEstimate: tc.estimate}.WithDefaults()
-		if got := f.expectedOutput(Request{Model: "m", MaxTokens: tc.maxTokens}, &opts); got != tc.want {
+		if got := f.expectedOutput(&Request{Model: "m", MaxTokens: tc.maxTokens}, &opts); got != tc.want {
 			t.Errorf("%s with max_tokens %d: %d, want %d", tc.estimate, tc.maxTokens, got, tc.want)
 		}
 	}
 	opts := Options{}.WithDefaults()
-	if got := f.expectedOutput(Request{Model: "new"}, &opts); got != DefaultOutputTokens {
+	if got := f.expectedOutput(&Request{Model: "new"}, &opts); got != DefaultOutputTokens {
 		t.Errorf("unseen model: %d", got)
 	}
 }
@@ -414,20 +414,59 @@ func TestNamedUpstreamsLifecycle(t *testing.T) {
 	}
 }
 
-// BenchmarkDecide is one decision and its release across 64 upstreams.
-func BenchmarkDecide(b *testing.B) {
+// TestRemovedUpstreamNotReused: a decision takes each member's state from
+// the previous decision's at its place, when it is that member's; one
+// removed since (forgotten with nothing in flight) and named again is new
+// state, and the next decision charges that, not what was removed.
+func TestRemovedUpstreamNotReused(t *testing.T) {
 	f := New()
 	opts := Options{}.WithDefaults()
-	var ms []Member
-	for i := range 64 {
-		ms = append(ms, Member{Dial: "u" + string(rune('A'+i)), Available: true})
+	req := Request{Hashes: hashes(1, 256), BlockTokens: 64, PromptTokens: 256}
+	f.Name("a", t0)
+	served(f, f.Decide(t0, req, members("b", "a"), &opts, rng(), nil).Charge, t0)
+	f.Forget("a")
+	if f.Known("a") {
+		t.Fatal("a forgotten upstream with nothing in flight stayed")
 	}
-	req := Request{Hashes: hashes(1, 2048), BlockTokens: 64, PromptTokens: 2048, MaxTokens: 100}
-	r := rng()
-	b.ReportAllocs()
-	for b.Loop() {
-		d := f.Decide(t0, req, ms, &opts, r, nil)
-		served(f, d.Charge, t0)
+	f.Name("a", t0)
+	ms := members("b", "a")
+	ms[0].Available = false
+	d := f.Decide(t0, req, ms, &opts, rng(), nil)
+	if d.Charge == nil || d.Chosen != 1 {
+		t.Fatalf("not routed to a: %+v", d)
+	}
+	if st := state(t, f, "a"); st.InFlight != 1 || st.IndexBlocks != 4 {
+		t.Fatalf("a named again has %d in flight and %d blocks, want the decision's 1 and 4", st.InFlight, st.IndexBlocks)
+	}
+}
+
+// BenchmarkDecide is one decision and its release: across 64 upstreams
+// for a 2,048-token prompt, and across 4 for a 140-token one with 16
+// tokens of output (the shape of scripts/overhead.sh's requests).
+func BenchmarkDecide(b *testing.B) {
+	for _, bc := range []struct {
+		name              string
+		upstreams, prompt int
+		maxTokens         int
+	}{
+		{"upstreams=64", 64, 2048, 100},
+		{"upstreams=4", 4, 140, 16},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			f := New()
+			opts := Options{}.WithDefaults()
+			var ms []Member
+			for i := range bc.upstreams {
+				ms = append(ms, Member{Dial: "u" + string(rune('A'+i)), Available: true, Healthy: true})
+			}
+			req := Request{Hashes: hashes(1, bc.prompt), BlockTokens: 64, PromptTokens: bc.prompt, MaxTokens: bc.maxTokens}
+			r := rng()
+			b.ReportAllocs()
+			for b.Loop() {
+				d := f.Decide(t0, req, ms, &opts, r, nil)
+				served(f, d.Charge, t0)
+			}
+		})
 	}
 }
 
