@@ -103,7 +103,7 @@ const explainTop = 3
 // When explain is non-nil it is filled in; otherwise explaining costs
 // nothing. Choose does not allocate unless explain is non-nil.
 func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) Decision {
-	d, estimateFiltered := choose(&req, cands, opts, rng, explain)
+	d, estimateFiltered := choose(&req, cands, &opts, rng, explain)
 	if d.Chosen < 0 && estimateFiltered > 0 && req.LeastKVTokens > 0 {
 		// No candidate holds the request's whole estimate: one whose KV
 		// holds what it surely needs may run it, cut at its context, and
@@ -112,7 +112,7 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 		if explain != nil {
 			explain.Filtered = explain.Filtered[:0]
 		}
-		d, _ = choose(&req, cands, opts, rng, explain)
+		d, _ = choose(&req, cands, &opts, rng, explain)
 		d.CutAtContext = d.Chosen >= 0
 	}
 	return d
@@ -120,7 +120,7 @@ func Choose(req Request, cands []Candidate, opts Options, rng Rand, explain *Exp
 
 // choose is Choose with req as it is; it also returns how many candidates
 // the KV and context filters excluded.
-func choose(req *Request, cands []Candidate, opts Options, rng Rand, explain *Explanation) (Decision, int) {
+func choose(req *Request, cands []Candidate, opts *Options, rng Rand, explain *Explanation) (Decision, int) {
 	d := Decision{Chosen: -1, Reason: Shed}
 	var blocked [FilteredContext + 1]int
 	bestMatch := 0
@@ -436,7 +436,7 @@ func queuedTokens(c *Candidate) int { return c.QueuedPrefillTokens + c.QueuedDec
 type coster struct {
 	req      *Request
 	cands    []Candidate
-	opts     Options
+	opts     *Options
 	strategy Strategy
 	llmd     llmdScale
 	// imposedWeight and decodeWeight weigh ImposedDelaySeconds and
@@ -464,7 +464,7 @@ func weight(configured, fallback float64) float64 {
 	return 0
 }
 
-func newCoster(req *Request, cands []Candidate, opts Options, passed uint64) coster {
+func newCoster(req *Request, cands []Candidate, opts *Options, passed uint64) coster {
 	k := coster{req: req, cands: cands, opts: opts, strategy: opts.Strategy, passed: passed}
 	if k.strategy == "" {
 		k.strategy = TTFT

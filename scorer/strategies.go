@@ -32,7 +32,7 @@ type SGLangOptions struct {
 // first minimum, the lowest index, which is what piled work onto
 // low-numbered replicas at low load when this port copied it. Without
 // rng, the first wins.
-func chooseSGLang(req *Request, cands []Candidate, opts Options, rng Rand) int {
+func chooseSGLang(req *Request, cands []Candidate, opts *Options, rng Rand) int {
 	o := opts.SGLang
 	threshold := orDefault(o.CacheThreshold, 0.5)
 	abs := orDefault(o.BalanceAbsThreshold, 32)
@@ -100,7 +100,7 @@ func llmdQueue(c *Candidate) int {
 	return c.InFlight
 }
 
-func newLLMDScale(req *Request, cands []Candidate, opts Options) llmdScale {
+func newLLMDScale(req *Request, cands []Candidate, opts *Options) llmdScale {
 	s := llmdScale{
 		wp: orDefault(opts.LLMD.PrefixWeight, 3), wq: orDefault(opts.LLMD.QueueWeight, 2),
 		wk: orDefault(opts.LLMD.KVWeight, 2), minQ: -1, maxQ: -1, blockTokens: max(req.BlockTokens, 1),
@@ -152,7 +152,7 @@ type DynamoOptions struct {
 // overlap_weight · prefill_blocks + decode_blocks, where prefill_blocks
 // are the request's uncached blocks plus the worker's queued prefill, and
 // decode_blocks the worker's active blocks plus the request's.
-func dynamoCost(req *Request, c *Candidate, opts Options) float64 {
+func dynamoCost(req *Request, c *Candidate, opts *Options) float64 {
 	w := orDefault(opts.Dynamo.OverlapWeight, 1)
 	bt := float64(max(req.BlockTokens, 1))
 	prefill := float64(max(0, req.PromptTokens-c.MatchedTokens)+c.QueuedPrefillTokens) / bt
