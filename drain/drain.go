@@ -110,8 +110,7 @@ type Registry struct {
 	delivering sync.Mutex
 	pending    []func()
 
-	// spare holds forgotten upstreams for reuse: at low load an upstream
-	// is forgotten after each request, and remade by the next.
+	// spare holds forgotten upstreams for reuse.
 	spare []*upstream
 }
 
@@ -120,7 +119,12 @@ type upstream struct {
 	holds    []Hold
 	deadline time.Time
 	timer    *time.Timer
-	flights  map[uint64]flight
+	// flights are the requests in flight, in slots reused through free:
+	// a slot's id is 0 while free. Entering and ending a request took two
+	// map operations here, on every request.
+	flights  []flight
+	free     []int32
+	inFlight int
 	cut      int
 	// expired says the deadline has cut what was in flight: a request
 	// entering while those end is past it already.
@@ -130,12 +134,20 @@ type upstream struct {
 // flight is a request in flight and whether a deadline took it to cut:
 // its Cut may then run after it ended (see Flight.EndPending).
 type flight struct {
+	id      uint64
 	cut     Cutter
 	cutting bool
 }
 
 // maxSpare bounds the forgotten upstreams kept for reuse.
 const maxSpare = 64
+
+// maxIdle is how many upstreams the registry keeps while they are active
+// with nothing in flight: the usual pool stays, where forgetting each
+// after its request and remaking it for the next cost two map operations
+// a request at low load. Beyond it (upstreams that come and go, from
+// dynamic upstreams) each is forgotten when its last request ends.
+const maxIdle = 256
 
 // New returns an empty registry.
 func New(events Events) *Registry {
@@ -170,7 +182,7 @@ func (r *Registry) get(key string) *upstream {
 		if n := len(r.spare); n > 0 {
 			u, r.spare = r.spare[n-1], r.spare[:n-1]
 		} else {
-			u = &upstream{flights: make(map[uint64]flight)}
+			u = new(upstream)
 		}
 		r.upstreams[key] = u
 	}
@@ -365,10 +377,11 @@ func (f CutFunc) Cut() { f() }
 // request finishes there (also after it was cut). The zero Flight ends
 // nothing.
 type Flight struct {
-	r   *Registry
-	u   *upstream
-	key string
-	id  uint64
+	r    *Registry
+	u    *upstream
+	key  string
+	id   uint64
+	slot int32
 }
 
 // Enter registers a request in flight on key, with what cuts it. It does
@@ -378,7 +391,7 @@ func (r *Registry) Enter(key string, cut Cutter) Flight {
 	u := r.get(key)
 	r.nextID++
 	id := r.nextID
-	f := flight{cut: cut}
+	f := flight{id: id, cut: cut}
 	// A request routed just as the upstream drained is in flight there
 	// after all, and the deadline applies to it.
 	switch {
@@ -401,9 +414,16 @@ func (r *Registry) Enter(key string, cut Cutter) Flight {
 		f.cutting = true
 		go cut.Cut()
 	}
-	u.flights[id] = f
+	slot := int32(len(u.flights))
+	if n := len(u.free); n > 0 {
+		slot, u.free = u.free[n-1], u.free[:n-1]
+		u.flights[slot] = f
+	} else {
+		u.flights = append(u.flights, f)
+	}
+	u.inFlight++
 	r.unlock()
-	return Flight{r: r, u: u, key: key, id: id}
+	return Flight{r: r, u: u, key: key, id: id, slot: slot}
 }
 
 // End unregisters the request. Calls after the first do nothing.
@@ -420,12 +440,15 @@ func (f Flight) EndPending() (cutPending bool) {
 	f.r.lock()
 	defer f.r.unlock()
 	// Ids are never reused, so a flight already ended is not found, also
-	// when its upstream was forgotten and its record reused.
-	fl, ok := f.u.flights[f.id]
-	if !ok {
+	// when its slot or its upstream's record was reused.
+	u := f.u
+	if int(f.slot) >= len(u.flights) || u.flights[f.slot].id != f.id {
 		return false
 	}
-	delete(f.u.flights, f.id)
+	fl := u.flights[f.slot]
+	u.flights[f.slot] = flight{} // lets the Cutter go
+	u.free = append(u.free, f.slot)
+	u.inFlight--
 	f.r.settle(f.key, f.u)
 	f.r.prune(f.key, f.u)
 	return fl.cutting
@@ -444,11 +467,12 @@ func (r *Registry) expire(key string, at time.Time) {
 		r.unlock()
 		return
 	}
-	cuts := make([]Cutter, 0, len(u.flights))
-	for id, f := range u.flights {
-		cuts = append(cuts, f.cut)
-		f.cutting = true
-		u.flights[id] = f
+	cuts := make([]Cutter, 0, u.inFlight)
+	for i := range u.flights {
+		if f := &u.flights[i]; f.id != 0 {
+			cuts = append(cuts, f.cut)
+			f.cutting = true
+		}
 	}
 	u.cut += len(cuts)
 	u.expired = true
@@ -464,7 +488,7 @@ func (r *Registry) expire(key string, at time.Time) {
 // settle moves a draining upstream with nothing in flight to drained.
 // Caller holds r.mu.
 func (r *Registry) settle(key string, u *upstream) {
-	if u.phase == Draining && len(u.flights) == 0 {
+	if u.phase == Draining && u.inFlight == 0 {
 		u.phase = Drained
 		if e := r.events.Drained; e != nil {
 			r.emit(func() { e(key) })
@@ -472,15 +496,19 @@ func (r *Registry) settle(key string, u *upstream) {
 	}
 }
 
-// prune forgets an active upstream with nothing in flight. Caller holds
-// r.mu.
+// prune clears an active upstream with nothing in flight, as new, and
+// forgets it beyond maxIdle such. Caller holds r.mu.
 func (r *Registry) prune(key string, u *upstream) {
-	if u.phase == Active && len(u.flights) == 0 {
-		delete(r.upstreams, key)
-		if len(r.spare) < maxSpare {
-			*u = upstream{holds: u.holds[:0], flights: u.flights}
-			r.spare = append(r.spare, u)
-		}
+	if u.phase != Active || u.inFlight != 0 {
+		return
+	}
+	*u = upstream{holds: u.holds[:0], flights: u.flights[:0], free: u.free[:0]}
+	if len(r.upstreams) <= maxIdle {
+		return
+	}
+	delete(r.upstreams, key)
+	if len(r.spare) < maxSpare {
+		r.spare = append(r.spare, u)
 	}
 }
 
@@ -491,7 +519,10 @@ func (r *Registry) Snapshot() []Status {
 	defer r.unlock()
 	out := make([]Status, 0, len(r.upstreams))
 	for k, u := range r.upstreams {
-		s := Status{Key: k, Phase: u.phase.String(), Cause: u.cause(), InFlight: len(u.flights), CutAtDeadline: u.cut}
+		if u.phase == Active && u.inFlight == 0 {
+			continue // kept for reuse (see maxIdle)
+		}
+		s := Status{Key: k, Phase: u.phase.String(), Cause: u.cause(), InFlight: u.inFlight, CutAtDeadline: u.cut}
 		if u.phase != Active {
 			s.Deadline = u.deadline
 		}

@@ -351,3 +351,66 @@ func TestEndReportsACutStillPending(t *testing.T) {
 		t.Fatal("a request on an upstream that never drained reports a cut")
 	}
 }
+
+// TestFlightsAcrossReuse: a flight ended twice, or ended after its slot
+// and its upstream's record were reused, ends nothing else; the deadline
+// cuts exactly the flights still in; the registry keeps at most maxIdle
+// idle upstreams and lists none of them.
+func TestFlightsAcrossReuse(t *testing.T) {
+	counted := make(chan int, 1)
+	r := New(Events{DeadlineCut: func(_ string, n int) { counted <- n }})
+	cuts := make(chan int, 8)
+	enter := func(i int) Flight {
+		return r.Enter("a", CutFunc(func() { cuts <- i }))
+	}
+	f0 := enter(0)
+	f0.End()
+	f1 := enter(1) // takes f0's slot, in a record cleared as new
+	f0.End()
+	f2, f3 := enter(2), enter(3)
+	f2.End()
+	f2.End()
+	if st := r.Snapshot(); len(st) != 1 || st[0].InFlight != 2 {
+		t.Fatalf("want a with 2 in flight (f1, f3): %+v", st)
+	}
+	r.Drain("a", 0, Admin)
+	// The deadline cuts on the timer's goroutine, counting them first.
+	if n := <-counted; n != 2 {
+		t.Fatalf("the deadline cut %d flights, want f1 and f3", n)
+	}
+	if got := []int{<-cuts, <-cuts}; !slices.Equal(got, []int{1, 3}) && !slices.Equal(got, []int{3, 1}) {
+		t.Fatalf("cut flights %v, want f1 and f3", got)
+	}
+	if !f1.EndPending() || !f3.EndPending() || f1.EndPending() {
+		t.Fatal("the cut flights' ends did not report their cuts once")
+	}
+	if r.Phase("a") != Drained {
+		t.Fatalf("a is %s with nothing in flight", r.Phase("a"))
+	}
+	r.Undrain("a", Admin)
+
+	for i := range 2 * maxIdle {
+		r.Begin(string(rune('A'+i)), func() {})()
+	}
+	r.mu.Lock()
+	n := len(r.upstreams)
+	r.mu.Unlock()
+	if n > maxIdle+1 {
+		t.Fatalf("%d upstreams kept with nothing in flight, want at most %d", n, maxIdle+1)
+	}
+	if st := r.Snapshot(); len(st) != 0 {
+		t.Fatalf("idle upstreams listed: %+v", st)
+	}
+}
+
+// BenchmarkEnterEnd is one request's registration on an upstream with
+// another in flight, as every routed request makes.
+func BenchmarkEnterEnd(b *testing.B) {
+	r := New(Events{})
+	cut := CutFunc(func() {})
+	r.Enter("b", cut)
+	b.ReportAllocs()
+	for b.Loop() {
+		r.Enter("a", cut).End()
+	}
+}
