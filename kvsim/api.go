@@ -131,13 +131,9 @@ var foreignFields = map[Endpoint]map[string]bool{
 // that does not decode is decoded again without them (the other APIs'
 // fields it holds are otherwise not read for this endpoint).
 func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
-	// vLLM reads the body with Python's json.loads, which skips a UTF-8
-	// byte order mark.
-	body = bytes.TrimPrefix(body, []byte("\xef\xbb\xbf"))
-	if !utf8.Valid(body) {
-		// Python decodes the body before parsing it; FastAPI answers a
-		// body that is not UTF-8 so (Go's parser would put U+FFFD in).
-		return nil, errBadRequest("There was an error parsing the body")
+	body, err := jsonText(body)
+	if err != nil {
+		return nil, err
 	}
 	var rb requestBody
 	if json.Unmarshal(body, &rb) == nil {
@@ -158,6 +154,18 @@ func decodeRequestBody(endpoint Endpoint, body []byte) (*requestBody, error) {
 		return nil, errBadRequestf("Invalid JSON body: %v", err)
 	}
 	return &rb, nil
+}
+
+// jsonText is a request body as vLLM's server reads it before parsing
+// its JSON: a UTF-8 byte order mark skipped (Python's json.loads skips
+// one), and a body that is not UTF-8 refused with FastAPI's 400 (Python
+// decodes the body first, where Go's parser would put U+FFFD in).
+func jsonText(body []byte) ([]byte, error) {
+	body = bytes.TrimPrefix(body, []byte("\xef\xbb\xbf"))
+	if !utf8.Valid(body) {
+		return nil, errBadRequest("There was an error parsing the body")
+	}
+	return body, nil
 }
 
 // responsesFields are the Responses API's own fields of a request.
@@ -322,14 +330,7 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		if len(rb.Messages) == 0 {
 			return nil, errBadRequest("messages must be a non-empty list")
 		}
-		addGen := rb.AddGenerationPrompt == nil || *rb.AddGenerationPrompt
-		if addGen && rb.ContinueFinalMessage {
-			return nil, errBadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-		}
-		if rb.ContinueFinalMessage && rb.Messages[len(rb.Messages)-1].Role != "assistant" {
-			return nil, errBadRequest("continue_final_message requires the last message to be an assistant message")
-		}
-		if err = checkToolUse(rb.Tools, rb.ToolChoice); err != nil {
+		if p.Context, err = chatPrompt(rb.Messages, rb.Tools, rb.ToolChoice, rb.AddGenerationPrompt, rb.ContinueFinalMessage); err != nil {
 			return nil, err
 		}
 		if rb.ContinueFinalMessage && maxTokens == nil && rb.KvsimOutputTokens == nil {
@@ -343,7 +344,6 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 			}
 			p.OutputTokens = max(1, p.OutputTokens-tok.CountTokens(final.Len()))
 		}
-		p.Context, err = RenderChat(rb.Messages, rb.Tools, addGen, rb.ContinueFinalMessage)
 	case EndpointResponses:
 		p.Tools = rb.Tools
 		if rf.StoreSet { // null is None in vLLM's request: not stored
@@ -380,6 +380,25 @@ func ParseRequest(endpoint Endpoint, body []byte, tok *Tokenizer, defaultOutput 
 		return nil, errBadRequest("The prompt must not be empty.")
 	}
 	return p, nil
+}
+
+// chatPrompt checks a chat's messages, tools and template options and
+// renders the prompt: what a chat completion generates from and what
+// /tokenize counts for the same fields, one code for both so that a
+// tokenization's count is the usage.prompt_tokens of the generation.
+// addGenerationPrompt nil is its default, true.
+func chatPrompt(messages []ChatMessage, tools, toolChoice json.RawMessage, addGenerationPrompt *bool, continueFinalMessage bool) ([]byte, error) {
+	addGen := addGenerationPrompt == nil || *addGenerationPrompt
+	if addGen && continueFinalMessage {
+		return nil, errBadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+	}
+	if continueFinalMessage && (len(messages) == 0 || messages[len(messages)-1].Role != "assistant") {
+		return nil, errBadRequest("continue_final_message requires the last message to be an assistant message")
+	}
+	if err := checkToolUse(tools, toolChoice); err != nil {
+		return nil, err
+	}
+	return RenderChat(messages, tools, addGen, continueFinalMessage)
 }
 
 // checkToolUse refuses, with vLLM's 400s, chat tools that are not a list,
