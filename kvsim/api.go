@@ -3,7 +3,9 @@ package kvsim
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"math"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 )
@@ -494,10 +496,34 @@ func parsePrompt(raw json.RawMessage, tok *Tokenizer) ([][]byte, error) {
 	return [][]byte{text}, nil
 }
 
-// VocabSize is the number of token ids the simulated model knows: Llama
-// 3.1's vocabulary. A prompt of token ids outside it is refused, as vLLM
-// refuses one.
+// VocabSize is the number of token ids of the simulated model's
+// embeddings: Llama 3.1's vocabulary. A prompt's token id above both it
+// and its tokenizer's largest ([Tokenizer.MaxTokenID]) is refused, as
+// vLLM refuses one.
 const VocabSize = 128_256
+
+// promptTokenID reads one token id of a prompt: a JSON number without a
+// fractional part, within the vocabulary.
+func promptTokenID(num json.RawMessage, tok *Tokenizer) (int64, error) {
+	if len(num) == 0 || num[0] != '-' && (num[0] < '0' || num[0] > '9') {
+		return 0, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
+	}
+	id, err := strconv.ParseInt(string(num), 10, 64)
+	if err != nil {
+		f, err := strconv.ParseFloat(string(num), 64)
+		if err != nil && !errors.Is(err, strconv.ErrRange) || f != math.Trunc(f) {
+			return 0, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
+		}
+		if f < 0 || f > float64(tok.MaxTokenID()) {
+			return 0, errBadRequestf("Token id %.0f is out of vocabulary", f)
+		}
+		id = int64(f)
+	}
+	if id < 0 || id > tok.MaxTokenID() {
+		return 0, errBadRequestf("Token id %d is out of vocabulary", id)
+	}
+	return id, nil
+}
 
 // parseOnePrompt reads one prompt: a string or an array of token ids.
 func parseOnePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
@@ -511,20 +537,18 @@ func parseOnePrompt(raw json.RawMessage, tok *Tokenizer) ([]byte, error) {
 	case '[':
 		// vLLM's request model reads token ids in pydantic's lax mode, so
 		// 2.0 is token 2; its engine then refuses an id outside the
-		// model's vocabulary.
-		var nums []float64
+		// model's vocabulary. Read as integers: ids reach 2^56.
+		var nums []json.RawMessage
 		if err := json.Unmarshal(raw, &nums); err != nil {
 			return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
 		}
 		ids := make([]int64, len(nums))
-		for i, f := range nums {
-			if f != math.Trunc(f) {
-				return nil, errBadRequest("prompt must be a string, an array of token ids, or a batch of either")
+		for i, num := range nums {
+			id, err := promptTokenID(num, tok)
+			if err != nil {
+				return nil, err
 			}
-			if f < 0 || f >= VocabSize {
-				return nil, errBadRequestf("token id %.0f is out of vocabulary", f)
-			}
-			ids[i] = int64(f)
+			ids[i] = id
 		}
 		return tok.TokenIDsToText(ids), nil
 	}

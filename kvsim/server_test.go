@@ -1224,20 +1224,34 @@ func TestCacheSaltKeepsPrefixesApart(t *testing.T) {
 
 // TestTokenIDsAsVLLMReadsThem: a prompt of token ids takes integral
 // numbers written as floats (pydantic's lax mode) and refuses an id
-// outside the model's vocabulary with 400, as vLLM does.
+// outside the model's vocabulary with 400, as vLLM does: above both its
+// pseudo-tokenizer's ids (4 bytes a token: 256 + … + 256⁴ of them) and
+// Llama 3.1's 128,256, the larger with 1 byte a token.
 func TestTokenIDsAsVLLMReadsThem(t *testing.T) {
-	_, srv := newTestServer(t, Config{})
-	for prompt, want := range map[string]int{
-		`[1, 2.0, 128255]`: http.StatusOK,
-		`[[1.0], [7]]`:     http.StatusOK,
-		`[128256]`:         http.StatusBadRequest,
-		`[4294967296]`:     http.StatusBadRequest,
-		`[-1]`:             http.StatusBadRequest,
-		`[1.5]`:            http.StatusBadRequest,
+	for _, tc := range []struct {
+		bytesPerToken int
+		prompts       map[string]int
+	}{
+		{4, map[string]int{
+			`[1, 2.0, 128255]`:       http.StatusOK,
+			`[[1.0], [7]]`:           http.StatusOK,
+			`[128256, 4294967296]`:   http.StatusOK,
+			`[4311810303]`:           http.StatusOK,
+			`[4311810304]`:           http.StatusBadRequest,
+			`[9223372036854775807]`:  http.StatusBadRequest,
+			`[99999999999999999999]`: http.StatusBadRequest,
+			`[1e20]`:                 http.StatusBadRequest,
+			`[-1]`:                   http.StatusBadRequest,
+			`[1.5]`:                  http.StatusBadRequest,
+		}},
+		{1, map[string]int{`[128255]`: http.StatusOK, `[128256]`: http.StatusBadRequest}},
 	} {
-		resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","max_tokens":1,"prompt":`+prompt+`}`)
-		if resp.StatusCode != want {
-			t.Errorf("prompt %s: status %d, want %d: %s", prompt, resp.StatusCode, want, out)
+		_, srv := newTestServer(t, Config{BytesPerToken: tc.bytesPerToken})
+		for prompt, want := range tc.prompts {
+			resp, out := post(t, srv.URL+"/v1/completions", `{"model":"`+DefaultModel+`","max_tokens":1,"prompt":`+prompt+`}`)
+			if resp.StatusCode != want || want == 400 && prompt != `[1.5]` && !strings.Contains(out, "is out of vocabulary") {
+				t.Errorf("%d bytes a token, prompt %s: status %d, want %d: %s", tc.bytesPerToken, prompt, resp.StatusCode, want, out)
+			}
 		}
 	}
 }

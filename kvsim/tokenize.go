@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"math"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/zeebo/xxh3"
 )
@@ -135,17 +138,220 @@ func (t *Tokenizer) Generate(context []byte, n int) []byte {
 	return context
 }
 
-// TokenIDsToText renders a token-id prompt as text, each id as BytesPerToken bytes
-// (little-endian, zero padded), so that it tokenizes back to exactly len(ids) tokens.
+// Token ids. kvsim's ids encode their token's bytes, so that /detokenize
+// inverts /tokenize exactly on any replica of the same bytes_per_token B,
+// with no vocabulary to share or keep (a per-server vocabulary, built as
+// texts are tokenized, would give another replica's ids another meaning,
+// and a router sends a tokenize to one replica and its detokenize to
+// another):
+//
+//   - a whole token, B bytes, is the little-endian integer of its bytes:
+//     id < 256^B. This is how kvsim always read a prompt of token ids, so
+//     a tokenized text sent back as token ids is the same context, the
+//     same count and the same prefix-cache blocks;
+//   - a text's last token, L < B bytes, is 256^B + (256 + … + 256^(L-1))
+//     + the little-endian integer of its L bytes: each length its own
+//     range, after the whole tokens, with no gap between them.
+//
+// The vocabulary is then every id below 256 + 256² + … + 256^B (B = 4:
+// 4,311,810,304), or Llama 3.1's 128,256 ids when that is more (B of 1
+// or 2; an id between the two is its low B bytes). With B of 8 or more a
+// token's id would not fit in the 63 bits vLLM allows an id, so such a
+// tokenizer has none (see [Tokenizer.HasTokenIDs]) and renders a prompt's
+// id as its 8 little-endian bytes and zeros.
+
+// maxExactBytesPerToken is the longest token whose id fits in 63 bits.
+const maxExactBytesPerToken = 7
+
+// HasTokenIDs reports whether texts have token ids: bytes_per_token at
+// most 7.
+func (t *Tokenizer) HasTokenIDs() bool { return t.BytesPerToken <= maxExactBytesPerToken }
+
+// wholeTokenIDs is 256^B, the first id of a partial token.
+func (t *Tokenizer) wholeTokenIDs() int64 { return 1 << (8 * t.BytesPerToken) }
+
+// vocabulary is the number of ids of the tokenizer's own tokens (with
+// HasTokenIDs): 256 + 256² + … + 256^B.
+func (t *Tokenizer) vocabulary() int64 {
+	var n, p int64 = 0, 1
+	for range t.BytesPerToken {
+		p <<= 8
+		n += p
+	}
+	return n
+}
+
+// MaxTokenID is the largest token id a prompt may hold: its tokenizer's
+// own ids, or Llama 3.1's (VocabSize) when they are more, as vLLM
+// refuses an id above both its tokenizer's largest and the model's
+// vocabulary.
+func (t *Tokenizer) MaxTokenID() int64 {
+	if !t.HasTokenIDs() {
+		return math.MaxInt64
+	}
+	return max(t.vocabulary(), VocabSize) - 1
+}
+
+// TokenIDs returns the ids of text's tokens; HasTokenIDs must hold.
+func (t *Tokenizer) TokenIDs(text []byte) []int64 {
+	ids := make([]int64, 0, t.CountTokens(len(text)))
+	for len(text) > 0 {
+		n := min(len(text), t.BytesPerToken)
+		ids = append(ids, t.tokenID(text[:n]))
+		text = text[n:]
+	}
+	return ids
+}
+
+// tokenID is the id of one token of 1..BytesPerToken bytes.
+func (t *Tokenizer) tokenID(token []byte) int64 {
+	var v int64
+	for i := len(token) - 1; i >= 0; i-- {
+		v = v<<8 | int64(token[i])
+	}
+	if len(token) == t.BytesPerToken {
+		return v
+	}
+	first := t.wholeTokenIDs()
+	for l := 1; l < len(token); l++ {
+		first += 1 << (8 * l)
+	}
+	return first + v
+}
+
+// appendToken appends the text of token id to out: its bytes, padded
+// with zeros to a whole token unless last (a partial token is a text's
+// last, and elsewhere must still count one token). ok is false for an id
+// outside the vocabulary (see MaxTokenID).
+func (t *Tokenizer) appendToken(out []byte, id int64, last bool) ([]byte, bool) {
+	b := t.BytesPerToken
+	if id < 0 || id > t.MaxTokenID() {
+		return out, false
+	}
+	var le [16]byte
+	if !t.HasTokenIDs() || id < t.wholeTokenIDs() || id >= t.vocabulary() {
+		// A whole token; past the vocabulary, below Llama's, the id's
+		// low bytes.
+		binary.LittleEndian.PutUint64(le[:8], uint64(id))
+		return append(out, le[:b]...), true
+	}
+	rest := id - t.wholeTokenIDs()
+	l := 1
+	for ; rest >= 1<<(8*l); l++ {
+		rest -= 1 << (8 * l)
+	}
+	binary.LittleEndian.PutUint64(le[:8], uint64(rest))
+	if last {
+		return append(out, le[:l]...), true
+	}
+	return append(out, le[:b]...), true
+}
+
+// TokenIDsToText renders token ids as text, each id one token (see
+// appendToken), so that it tokenizes back to exactly len(ids) tokens and,
+// for ids TokenIDs gave, is the text they came from. An id outside the
+// vocabulary renders as nothing, as Hugging Face tokenizers decode an id
+// they do not know; a prompt is checked against MaxTokenID first.
 func (t *Tokenizer) TokenIDsToText(ids []int64) []byte {
+	last := len(ids) - 1 // the last id in the vocabulary
+	for last >= 0 && (ids[last] < 0 || ids[last] > t.MaxTokenID()) {
+		last--
+	}
 	out := make([]byte, 0, len(ids)*t.BytesPerToken)
-	var buf [16]byte
-	for _, id := range ids {
-		clear(buf[:])
-		binary.LittleEndian.PutUint64(buf[:8], uint64(id))
-		out = append(out, buf[:t.BytesPerToken]...)
+	for i, id := range ids {
+		out, _ = t.appendToken(out, id, i == last)
 	}
 	return out
+}
+
+// TokenStrings returns each token of text as a byte-level BPE
+// tokenizer's token string (Llama 3's, GPT-2's): a byte as a printable
+// character, a space as "Ġ" and a line break as "Ċ", so that a token
+// splitting a character is still a string, and each is exact.
+func (t *Tokenizer) TokenStrings(text []byte) []string {
+	strs := make([]string, 0, t.CountTokens(len(text)))
+	for len(text) > 0 {
+		n := min(len(text), t.BytesPerToken)
+		var sb strings.Builder
+		for _, c := range text[:n] {
+			sb.WriteRune(byteRunes[c])
+		}
+		strs = append(strs, sb.String())
+		text = text[n:]
+	}
+	return strs
+}
+
+// byteRunes is GPT-2's bytes_to_unicode: the printable bytes of Latin-1
+// stand for themselves, the others for U+0100 on, in order.
+var byteRunes = func() (r [256]rune) {
+	next := rune(256)
+	for b := range 256 {
+		if '!' <= b && b <= '~' || '¡' <= b && b <= '¬' || '®' <= b && b <= 'ÿ' {
+			r[b] = rune(b)
+			continue
+		}
+		r[b] = next
+		next++
+	}
+	return r
+}()
+
+// pyDecodeUTF8 is Python's bytes.decode("utf-8", errors="replace"), how
+// a byte-level tokenizer turns decoded bytes into text: each maximal
+// subpart of an invalid sequence (Unicode's recommended practice) is one
+// U+FFFD, where Go's conversion would give one a byte.
+func pyDecodeUTF8(b []byte) string {
+	if utf8.Valid(b) {
+		return string(b)
+	}
+	var sb strings.Builder
+	for len(b) > 0 {
+		r, n := utf8.DecodeRune(b)
+		if r != utf8.RuneError || n > 1 {
+			sb.Write(b[:n])
+			b = b[n:]
+			continue
+		}
+		sb.WriteRune(utf8.RuneError)
+		b = b[invalidPrefix(b):]
+	}
+	return sb.String()
+}
+
+// invalidPrefix is the length of the maximal subpart at the start of b,
+// which does not begin a valid UTF-8 sequence: a lead byte and the
+// continuation bytes that may follow it, however many there are before
+// one that may not.
+func invalidPrefix(b []byte) int {
+	var need int
+	lo, hi := byte(0x80), byte(0xBF) // the second byte's range
+	switch c := b[0]; {
+	case 0xC2 <= c && c <= 0xDF:
+		need = 1
+	case c == 0xE0:
+		need, lo = 2, 0xA0
+	case c == 0xED:
+		need, hi = 2, 0x9F
+	case 0xE1 <= c && c <= 0xEF:
+		need = 2
+	case c == 0xF0:
+		need, lo = 3, 0x90
+	case c == 0xF4:
+		need, hi = 3, 0x8F
+	case 0xF1 <= c && c <= 0xF3:
+		need = 3
+	default:
+		return 1
+	}
+	n := 1
+	for ; n <= need && n < len(b); n++ {
+		if b[n] < lo || b[n] > hi {
+			break
+		}
+		lo, hi = 0x80, 0xBF
+	}
+	return n
 }
 
 // ChatMessage is one message of a chat request.
