@@ -49,6 +49,9 @@ func newAPIError(code int, message string) *APIError {
 		typ = "InternalServerError"
 	case http.StatusServiceUnavailable:
 		typ = "ServiceUnavailableError"
+	case http.StatusNotImplemented:
+		// vLLM's answer to a NotImplementedError, named after it.
+		typ = "NotImplementedError"
 	}
 	return &APIError{Message: message, Type: typ, Code: code}
 }

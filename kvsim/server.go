@@ -104,6 +104,9 @@ type Server struct {
 
 	// responses are the Responses API's stored responses.
 	responses responseStore
+
+	// maxBody is maxBodyBytes, lowered by tests of the cap.
+	maxBody int64
 }
 
 // NewServer builds a server and starts its engine driver.
@@ -125,10 +128,11 @@ func NewServer(sc ServerConfig) (*Server, error) {
 		sc.Logger = zap.NewNop()
 	}
 	s := &Server{
-		name:   sc.Name,
-		cfg:    engine.Config(),
-		tok:    engine.Tokenizer(),
-		logger: sc.Logger,
+		name:    sc.Name,
+		cfg:     engine.Config(),
+		tok:     engine.Tokenizer(),
+		logger:  sc.Logger,
+		maxBody: maxBodyBytes,
 	}
 	s.served = s.cfg.ServedNames()
 	s.model = s.served[0]
@@ -146,6 +150,11 @@ func NewServer(sc ServerConfig) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/load_lora_adapter", s.handleLoadAdapter)
 	s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.handleUnloadAdapter)
 	s.mux.HandleFunc("GET /health", s.handleHealth)
+	// vLLM's /ping (SageMaker's) answers as /health, to GET and POST.
+	s.mux.HandleFunc("GET /ping", s.handleHealth)
+	s.mux.HandleFunc("POST /ping", s.handleHealth)
+	s.mux.HandleFunc("POST /tokenize", s.handleTokenize)
+	s.mux.HandleFunc("POST /detokenize", s.handleDetokenize)
 	s.mux.HandleFunc("GET /version", s.handleVersion)
 	// As in vLLM, /metrics itself ignores a name[] query (vLLM answers it
 	// from a handler that renders everything) and the paths below it honour
@@ -327,6 +336,21 @@ func jsonContentType(contentType string) bool {
 	return mediaType == "application/json"
 }
 
+// readJSON reads the JSON body of a route vLLM guards with
+// validate_json_request (generation, /tokenize, /detokenize): its media
+// type checked (see jsonContentType) and its size capped at maxBodyBytes,
+// both answered with 400.
+func (s *Server) readJSON(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	if !jsonContentType(r.Header.Get("Content-Type")) {
+		return nil, errBadRequest("Unsupported Media Type: Only 'application/json' is allowed")
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.maxBody))
+	if err != nil {
+		return nil, errBadRequestf("could not read request body: %v", err)
+	}
+	return body, nil
+}
+
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
@@ -369,13 +393,9 @@ func (s *Server) handleGenerate(endpoint Endpoint) http.HandlerFunc {
 			writeError(w, newAPIError(http.StatusInternalServerError, "kvsim injected fault"))
 			return
 		}
-		if !jsonContentType(r.Header.Get("Content-Type")) {
-			writeError(w, errBadRequest("Unsupported Media Type: Only 'application/json' is allowed"))
-			return
-		}
-		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+		body, err := s.readJSON(w, r)
 		if err != nil {
-			writeError(w, errBadRequestf("could not read request body: %v", err))
+			writeError(w, err)
 			return
 		}
 		p, err := ParseRequest(endpoint, body, s.tok, s.cfg.DefaultOutputTokens)
