@@ -31,6 +31,9 @@ package kvsim
 //	POST /v1/load_lora_adapter    {"lora_name":..., "lora_path":...}: registers the adapter in host memory
 //	POST /v1/unload_lora_adapter  {"lora_name":...}
 //	GET  /health                  200, or 503 with the unhealthy fault
+//	GET, POST /ping               the same, as vLLM's
+//	POST /tokenize                a prompt's or a chat's pseudo-token ids, their count and max_model_len
+//	POST /detokenize              token ids' text: the inverse of /tokenize, on any replica
 //	GET  /metrics                 vLLM metric names, labels model_name and engine="0"
 //	GET  /metrics/                the same; a name[]=... query keeps only the families named
 //	                              (as in vLLM, /metrics itself ignores the query)

@@ -83,9 +83,9 @@ type ServerConfig struct {
 	Logger *zap.Logger
 }
 
-// Server serves vLLM's OpenAI-compatible HTTP API, /health, /metrics and kvsim's control
-// endpoints (/kvsim/state, /kvsim/faults) in front of one simulated engine. It is an
-// http.Handler; Close stops its engine driver.
+// Server serves vLLM's OpenAI-compatible HTTP API, /health and /ping, /tokenize and
+// /detokenize, /metrics and kvsim's control endpoints (/kvsim/state, /kvsim/faults) in front
+// of one simulated engine. It is an http.Handler; Close stops its engine driver.
 type Server struct {
 	name string
 	// model is the base model's first served name, the one its
