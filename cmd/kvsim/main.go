@@ -53,8 +53,8 @@ func newFlags(output io.Writer) (*flag.FlagSet, *settings) {
 	fs.SetOutput(output)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: kvsim [flags]\n\n"+
-			"Runs simulated vLLM-compatible inference engines (OpenAI API, /health, /metrics,\n"+
-			"/kvsim/state, /kvsim/faults). With --replicas N, replica i listens on the port of\n"+
+			"Runs simulated vLLM-compatible inference engines (OpenAI API, /tokenize, /detokenize,\n"+
+			"/health, /ping, /metrics, /kvsim/state, /kvsim/faults). With --replicas N, replica i listens on the port of\n"+
 			"--listen plus i and is named <--name-prefix>i.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}

@@ -30,9 +30,10 @@ var engines = caddy.NewUsagePool()
 
 // Handler serves a simulated vLLM-compatible inference engine: the OpenAI API
 // (/v1/completions, /v1/chat/completions, /v1/models, /v1/load_lora_adapter,
-// /v1/unload_lora_adapter), /health, /metrics with vLLM's metric names, and kvsim's control
-// endpoints /kvsim/state and /kvsim/faults. It answers every request itself (it never calls
-// the next handler) and sets the X-Kvsim-Replica response header to its name.
+// /v1/unload_lora_adapter), /tokenize and /detokenize, /health and /ping, /metrics with vLLM's
+// metric names, and kvsim's control endpoints /kvsim/state and /kvsim/faults. It answers every
+// request itself (it never calls the next handler) and sets the X-Kvsim-Replica response
+// header to its name.
 //
 // EXPERIMENTAL: for tests, benchmarks and demonstrations; it computes nothing real.
 type Handler struct {
