@@ -950,6 +950,17 @@ func laxInt(p []byte, quoted bool) (int, bool) {
 	return int(f), true
 }
 
+// foldTokenID is the int32 a token id is hashed as: itself within int32's
+// range, as prefix hashes always took it; beyond, its two halves xored.
+// No real tokenizer's ids go beyond, and a folded id that meets another
+// id only makes two prompts' blocks look alike to the router.
+func foldTokenID(v int) int32 {
+	if v >= math.MinInt32 && v <= math.MaxInt32 {
+		return int32(v)
+	}
+	return int32(uint32(v) ^ uint32(uint64(v)>>32))
+}
+
 // laxBool reads p, a string's contents or a number, as pydantic's lax mode
 // reads a boolean: "true", "yes", "on", "1" and the like, 0 and 1.
 func laxBool(p []byte, quoted bool) (v, ok bool) {
@@ -1517,7 +1528,11 @@ func (r *reading) prompt() {
 
 // token reads prompt[i], a token id (null counts as 0, as encoding/json
 // decodes it; a number with no fractional part, such as 1.0, is one, as
-// pydantic's lax mode, and so vLLM, reads it).
+// pydantic's lax mode, and so vLLM, reads it). Any integer is taken, as
+// vLLM's request model takes it: the engine, not the router, knows its
+// vocabulary (kvsim's ids go past 2^31), and answers 400 for an id
+// outside it. One outside int32's range is hashed folded into it (see
+// foldTokenID).
 func (r *reading) token(i int) {
 	s := r.s
 	switch c := s.ws(); {
@@ -1531,8 +1546,8 @@ func (r *reading) token(i int) {
 		if !ok {
 			return
 		}
-		if v, ok := laxInt(r.body[start:end], false); ok && v >= math.MinInt32 && v <= math.MaxInt32 {
-			r.sc.blocks.WriteToken(int32(v))
+		if v, ok := laxInt(r.body[start:end], false); ok {
+			r.sc.blocks.WriteToken(foldTokenID(v))
 			r.promptTokens++
 			return
 		}

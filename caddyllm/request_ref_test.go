@@ -645,7 +645,8 @@ func referenceCorpus() []string {
 		`{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
 		`{"model":"m","prompt":[[1,2,3],[4,5,6,7,8],null,[],[9,10,11,12,13,14,15,16,17]]}`,
 		`{"model":"m","prompt":[null,5,-0,-2147483648,2147483647]}`,
-		`{"prompt":[2147483648]}`, `{"prompt":[1.5]}`, `{"prompt":[1e2]}`, `{"prompt":[[1],[2.0]]}`,
+		`{"prompt":[2147483648]}`, `{"model":"m","prompt":[4311810303,2147483648,-2147483649,9223372036854775807,-9223372036854775808,1e15,9007199254740993.0,1,2,3,4,5,6,7,8,9,10]}`,
+		`{"prompt":[[4294967296],[5]]}`, `{"prompt":[1e17]}`, `{"prompt":[9223372036854775808]}`, `{"prompt":[1.5]}`, `{"prompt":[1e2]}`, `{"prompt":[[1],[2.0]]}`,
 		`{"prompt":[1,"a"]}`, `{"prompt":["a",1]}`, `{"prompt":[[1],"a"]}`, `{"prompt":[null,[1]]}`, `{"prompt":[["a"]]}`,
 		`{"prompt":[]}`, `{"prompt":[[]]}`, `{"prompt":[""]}`, `{"prompt":""}`, `{"prompt":null}`, `{"prompt":{}}`, `{"prompt":true}`,
 		`{"prompt":[{}]}`, `{"prompt":[true]}`, `{"prompt":3,"prompt":"x"}`, `{"prompt":"x","prompt":3}`,
@@ -823,8 +824,9 @@ func FuzzParseMatchesReference(f *testing.F) {
 }
 
 // refTokens decodes an array of token ids as vLLM's request model reads
-// it: integers in int32's range, numbers with no fractional part (1.0),
-// null as 0 (as encoding/json decodes it into an int32).
+// it: integers (int64's), numbers with no fractional part (1.0) up to
+// 2^53, null as 0 (as encoding/json decodes it into an int64); each as
+// the int32 it is hashed as, its halves xored beyond int32's range.
 func refTokens(raw []byte) ([]int32, bool) {
 	var items []json.RawMessage
 	if json.Unmarshal(raw, &items) != nil {
@@ -832,14 +834,18 @@ func refTokens(raw []byte) ([]int32, bool) {
 	}
 	tokens := make([]int32, len(items))
 	for i, item := range items {
-		if json.Unmarshal(item, &tokens[i]) == nil {
-			continue
+		var v int64
+		if json.Unmarshal(item, &v) != nil {
+			var f float64
+			if json.Unmarshal(item, &f) != nil || f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+				return nil, false
+			}
+			v = int64(f)
 		}
-		var f float64
-		if json.Unmarshal(item, &f) != nil || f != math.Trunc(f) || f < math.MinInt32 || f > math.MaxInt32 {
-			return nil, false
+		tokens[i] = int32(v)
+		if v < math.MinInt32 || v > math.MaxInt32 {
+			tokens[i] = int32(uint32(v) ^ uint32(uint64(v)>>32))
 		}
-		tokens[i] = int32(f)
 	}
 	return tokens, true
 }

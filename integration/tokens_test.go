@@ -3,6 +3,7 @@ package integration
 import (
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
@@ -154,4 +155,61 @@ func estimateError(t *testing.T, c completion) (estimate, counted int, relative 
 	estimate, _ = strconv.Atoi(m[1])
 	counted = usage.Usage.PromptTokens
 	return estimate, counted, float64(estimate-counted) / float64(counted)
+}
+
+// TestTokenizeThroughTheRouter: vLLM's tokenizer endpoints go through
+// the router to an engine serving the model, and the ids /tokenize gives
+// are a prompt the router takes: sent back as a completion's prompt they
+// count as many tokens as the text, and /detokenize on whichever replica
+// gives the text back. kvsim's ids go past 2^31 (a text's last, shorter
+// token, a token ending in a byte of a multi-byte character), which a
+// router that judged ids by a vocabulary of its own refused with 400.
+func TestTokenizeThroughTheRouter(t *testing.T) {
+	fleet := startFleet(t, 2, 50, kvsim.Config{})
+	startCaddy(t, caddyfile(fleet, "", "", ""))
+	for _, text := range []string{"Hello, tokenizer", "Hello, tokenizer!", "naïve café — 東京"} {
+		tok := post(t, "/tokenize", map[string]any{"model": kvsim.DefaultModel, "prompt": text})
+		if tok.status != 200 {
+			t.Fatalf("tokenize %q: %d %s", text, tok.status, tok.body)
+		}
+		var ids struct {
+			Count  int     `json:"count"`
+			Tokens []int64 `json:"tokens"`
+		}
+		if err := json.Unmarshal([]byte(tok.body), &ids); err != nil || ids.Count != len(ids.Tokens) || ids.Count == 0 {
+			t.Fatalf("tokenize %q: %s (%v)", text, tok.body, err)
+		}
+		gen := post(t, "/v1/completions", map[string]any{"model": kvsim.DefaultModel, "prompt": ids.Tokens, "max_tokens": 1})
+		if gen.status != 200 {
+			t.Fatalf("the ids of %q as a prompt: %d %s", text, gen.status, gen.body)
+		}
+		var usage struct {
+			Usage struct {
+				Prompt int `json:"prompt_tokens"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(gen.body), &usage); err != nil || usage.Usage.Prompt != ids.Count {
+			t.Fatalf("the ids of %q counted %d prompt tokens, tokenize %d (%v)", text, usage.Usage.Prompt, ids.Count, err)
+		}
+		for range 2 { // either replica
+			detok := post(t, "/detokenize", map[string]any{"model": kvsim.DefaultModel, "tokens": ids.Tokens})
+			var back struct {
+				Prompt string `json:"prompt"`
+			}
+			if detok.status != 200 || json.Unmarshal([]byte(detok.body), &back) != nil || back.Prompt != text {
+				t.Fatalf("detokenize %q's ids: %d %s", text, detok.status, detok.body)
+			}
+		}
+	}
+	for _, method := range []string{"GET", "POST"} {
+		req, _ := http.NewRequest(method, routerURL+"/ping", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s /ping: %d", method, resp.StatusCode)
+		}
+	}
 }
