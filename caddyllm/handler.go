@@ -1222,9 +1222,7 @@ func (st *requestState) finish(rec *tokenRecorder) {
 		return
 	}
 	a.endFlight()
-	if a.sh.drains.IsDraining(a.charge.Dial()) {
-		a.sh.metrics.drainCompleted.Inc()
-	}
+	draining := a.sh.drains.IsDraining(a.charge.Dial())
 	a.sh.metrics.observeCompletion(rec)
 	usage := router.Usage{OutputTokens: rec.completionTokens()}
 	// A continuation's prompt is the original one plus the text so far,
@@ -1236,7 +1234,11 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	if rec.hasUsage && (rec.splice == nil || rec.splice.restart) && st.req.PreviousResponseID == "" && !st.req.Media {
 		usage.PromptTokens = rec.usage.promptTokens
 	}
-	a.sh.fleet.Complete(a.charge, st.req.Model, usage, now)
+	// An upstream no config names any more is draining too, its cause
+	// "removed" (see UpstreamSnapshot.Drain).
+	if removed := a.sh.fleet.Complete(a.charge, st.req.Model, usage, now); draining || removed {
+		a.sh.metrics.drainCompleted.Inc()
+	}
 }
 
 // releaseBody returns the body's buffer to bodyPool when no transport can

@@ -170,7 +170,7 @@ func newMetrics(sh *shared) *metrics {
 		}, []string{"kind"}),
 		drainCompleted: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "drain_completed_total",
-			Help: "Requests that completed on an upstream while it was draining.",
+			Help: "Requests that completed on an upstream while it was draining (a drain, or no loaded config naming it any more).",
 		}),
 		movedRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "caddy", Subsystem: "llm_affinity", Name: "moved_requests_total",

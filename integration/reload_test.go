@@ -119,6 +119,36 @@ func TestRemovedUpstreamLeavesDraining(t *testing.T) {
 	})
 }
 
+// TestRemovedUpstreamCountsItsCompletions: a request that completes on an
+// upstream a reload dropped while it ran there completed while that
+// upstream was draining (cause removed, as the admin API lists it), and
+// caddy_llm_affinity_drain_completed_total counts it as it counts one on
+// an upstream an operator drains.
+func TestRemovedUpstreamCountsItsCompletions(t *testing.T) {
+	fleet := startFleet(t, 2, 50, kvsim.Config{})
+	a, b := fleet[0], fleet[1]
+	a.sim.SetFaults(kvsim.Faults{Stall: true})
+	tester := startCaddy(t, caddyfile(fleet, "", "drain "+b.dial(), ""))
+	completed := func() float64 {
+		for _, m := range metricFamilies(t, adminURL+"/metrics")["caddy_llm_affinity_drain_completed_total"].GetMetric() {
+			return m.GetCounter().GetValue()
+		}
+		return 0
+	}
+	before := completed()
+	done := sendUntil(context.Background(), "removed-completes", 400, 4)
+	eventually(t, 10*time.Second, "the request in flight on A", func() bool { return upstream(t, a.dial()).InFlight == 1 })
+	reload(t, tester, caddyfile(fleet[1:], "", "", ""))
+	if u := upstreams(t)[a.dial()]; u.DrainCause != "removed" {
+		t.Fatalf("A, dropped with a request in flight: drain %q (%q)", u.Drain, u.DrainCause)
+	}
+	a.sim.SetFaults(kvsim.Faults{})
+	if status := <-done; status != 200 {
+		t.Fatalf("the request on A: %d", status)
+	}
+	eventually(t, 10*time.Second, "the completion counted", func() bool { return completed() == before+1 })
+}
+
 // phaseGauge is caddy_llm_affinity_upstream_drain_phase's value for
 // upstream and phase, 0 when absent.
 func phaseGauge(mfs map[string]*dto.MetricFamily, upstream, phase string) float64 {

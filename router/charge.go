@@ -177,13 +177,16 @@ func (f *Fleet) Progress(c *Charge, n int, now time.Time) {
 
 // Complete ends c after a response of model with usage u, which the
 // output and prompt-length estimates learn, and releases what c still
-// holds.
-func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
+// holds. It reports whether c's upstream was forgotten (Forget) while c
+// ran there: no loaded configuration names it, and its requests run out
+// as a drain's do.
+func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) (forgotten bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if c.up == nil {
-		return // completed or released already: learned once
+		return false // completed or released already: learned once
 	}
+	forgotten = c.up.forgotten
 	if n := int(c.sequences); n > 1 && u.OutputTokens > 0 {
 		// Usage counts every sequence's output: each one's is the mean,
 		// rounded, computed so that an absurd count cannot wrap and pass
@@ -199,6 +202,7 @@ func (f *Fleet) Complete(c *Charge, model string, u Usage, now time.Time) {
 	// Peers learn the mean as well (an older router would not divide).
 	f.publish(Event{Kind: EventCompleted, ID: c.id, Model: model, Tokens: u.OutputTokens, PromptBytes: int(c.promptBytes), PromptTokens: u.PromptTokens})
 	f.release(c, now)
+	return forgotten
 }
 
 // Release returns what c still holds, for a response that failed or was
