@@ -69,7 +69,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			size, err := humanize.ParseBytes(d.Val())
 			if err != nil {
-				return d.Errf("parsing max_body %q: want a size such as 32MiB or 1MB: %v", d.Val(), err)
+				// humanize's own error names a part of the value.
+				return d.Errf("parsing max_body %q: want a size such as 32MiB or 1MB", d.Val())
 			}
 			if size > maxMaxBodyBytes {
 				// Beyond int64 it would wrap negative, which means the

@@ -107,7 +107,9 @@ func TestCaddyfileErrors(t *testing.T) {
 	}
 	for _, tc := range []struct{ in, want string }{
 		{`llm_affinity { max_body lots }`, "parsing max_body"},
-		{`llm_affinity { max_body -1 }`, `parsing max_body "-1": want a size such as 32MiB`},
+		// The whole message: humanize's error named an empty string.
+		{`llm_affinity { max_body -1 }`, `parsing max_body "-1": want a size such as 32MiB or 1MB, at Testfile:1`},
+		{`llm_affinity { max_body banana }`, `parsing max_body "banana": want a size such as 32MiB or 1MB, at Testfile:1`},
 		{`llm_affinity { block_tokens x }`, `block_tokens: not an integer: "x"`},
 		// Past int64 it would wrap negative, which means the default.
 		{`llm_affinity { max_body 10EB }`, "max_body 10EB is larger than 1GiB"},

@@ -272,7 +272,7 @@ func (h *Handler) endStream(rec *tokenRecorder, msg string) error {
 	}
 	if msg != "" {
 		ev, _ := json.Marshal(map[string]any{"error": map[string]any{
-			"message": "stream interrupted: " + msg, "type": "server_error", "code": http.StatusServiceUnavailable,
+			"message": "stream interrupted: " + msg, "type": "server_error", "param": nil, "code": http.StatusServiceUnavailable,
 		}})
 		fmt.Fprintf(w, "data: %s\n\n", ev)
 	}

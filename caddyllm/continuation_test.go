@@ -114,13 +114,14 @@ func continued(t *testing.T, continuation func(w http.ResponseWriter, r *http.Re
 
 // TestFailedContinuationEndsTheStream: a stream broken off mid-generation
 // whose continuation attempt fails before writing anything (no upstream
-// left) ends with an error event and [DONE], not silently.
+// left) ends with an error event and [DONE], not silently. The event's
+// error has the four fields of vLLM's error object (param null).
 func TestFailedContinuationEndsTheStream(t *testing.T) {
 	rr, attempts, err := continued(t, func(w http.ResponseWriter, r *http.Request) error {
 		return caddyhttp.Error(http.StatusBadGateway, errors.New("no upstreams available"))
 	})
 	body := rr.Body.String()
-	if err != nil || attempts != 2 || !strings.HasPrefix(body, sseChunk) || !strings.Contains(body, `"type":"server_error"`) ||
+	if err != nil || attempts != 2 || !strings.HasPrefix(body, sseChunk) || !strings.Contains(body, `"param":null,"type":"server_error"`) ||
 		!strings.HasSuffix(body, "data: [DONE]\n\n") {
 		t.Fatalf("attempts %d, error %v, body %q", attempts, err, body)
 	}

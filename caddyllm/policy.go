@@ -695,8 +695,12 @@ func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w htt
 			return p.shed(st, d, reason, reason)
 		}
 		if st.hold == nil {
+			waiting := "requests wait"
+			if p.opts.QueueLimitValue() == 1 {
+				waiting = "request waits"
+			}
 			return p.shed(st, d, queueFullReason,
-				fmt.Sprintf("%d requests wait already: queue_limit", p.opts.QueueLimitValue()))
+				fmt.Sprintf("%d %s already: queue_limit", p.opts.QueueLimitValue(), waiting))
 		}
 		if st.heldSince.IsZero() {
 			st.heldSince = held

@@ -316,8 +316,9 @@ func TestQueueLimitShedsAtOnce(t *testing.T) {
 	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil {
 		t.Fatalf("a third request over queue_limit 2: routed to %v, shed %+v", up, st.shed)
 	}
-	if st.shed.reason != queueFullReason || st.shed.status != 503 || st.shed.retryAfterSeconds != 3600 {
-		t.Errorf("shed as %+v, want queue_full, 503, Retry-After 3600", st.shed)
+	if st.shed.reason != queueFullReason || st.shed.status != 503 || st.shed.retryAfterSeconds != 3600 ||
+		!strings.Contains(st.shed.message, "2 requests wait already: queue_limit") {
+		t.Errorf("shed as %+v, want queue_full, 503, Retry-After 3600, 2 requests waiting", st.shed)
 	}
 	if got := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(queueFullReason)); got != 1 {
 		t.Errorf("shed_total{blocked_by=queue_full} = %v, want 1", got)
