@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -688,6 +689,12 @@ type fieldError struct {
 // typeError records a value of the wrong type, in the API's words: the
 // first in the top-level field being read.
 func (r *reading) typeError(field, want string) {
+	r.fieldError(field, "must be "+want)
+}
+
+// fieldError notes field's error, the first of the top-level field being
+// read: "invalid request: " field problem.
+func (r *reading) fieldError(field, problem string) {
 	if slices.ContainsFunc(r.typeErrs, r.inField) {
 		return
 	}
@@ -695,7 +702,7 @@ func (r *reading) typeError(field, want string) {
 	if r.field == fieldBody {
 		param = ""
 	}
-	r.typeErrs = append(r.typeErrs, fieldError{r.field, badRequestf(param, "invalid request: %s must be %s", field, want)})
+	r.typeErrs = append(r.typeErrs, fieldError{r.field, badRequestf(param, "invalid request: %s %s", field, problem)})
 }
 
 // inField says e is an error of the top-level field being read.
@@ -902,9 +909,14 @@ func (r *reading) optInt(dst *optInt, name string) {
 		if !ok {
 			return
 		}
-		if v, ok := laxInt(text, c == '"'); ok {
+		switch v, ok := laxInt(text, c == '"'); {
+		case ok:
 			*dst = optInt{v: v, set: true}
-		} else {
+		case integral(text, c == '"'):
+			// An integer all the same, past what any model's context
+			// holds (or below zero): "must be an integer" misleads.
+			r.fieldError(name, "is out of range")
+		default:
 			r.typeError(name, "an integer")
 		}
 	default:
@@ -959,6 +971,16 @@ func foldTokenID(v int) int32 {
 		return int32(v)
 	}
 	return int32(uint32(v) ^ uint32(uint64(v)>>32))
+}
+
+// integral says p, read as laxInt reads it, is a number with no
+// fractional part, whatever its size.
+func integral(p []byte, quoted bool) bool {
+	if quoted {
+		p = bytes.TrimSpace(p)
+	}
+	f, err := strconv.ParseFloat(string(p), 64)
+	return (err == nil || errors.Is(err, strconv.ErrRange)) && f == math.Trunc(f)
 }
 
 // laxBool reads p, a string's contents or a number, as pydantic's lax mode

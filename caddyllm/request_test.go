@@ -700,6 +700,14 @@ func TestSequences(t *testing.T) {
 		err.Error() != "invalid request: n must be an integer" {
 		t.Errorf("n not a number: %v", err)
 	}
+	// An integer past int64 (or, written with an exponent, past 2^53) is
+	// one all the same: out of range, not "must be an integer".
+	for _, v := range []string{`99999999999999999999999`, `"99999999999999999999999"`, `1e300`, `-1e400`} {
+		if _, err := p.parse(EndpointCompletions, []byte(`{"prompt":"x","max_tokens":`+v+`}`)); err == nil ||
+			err.Error() != "invalid request: max_tokens is out of range" {
+			t.Errorf("max_tokens %s: %v", v, err)
+		}
+	}
 }
 
 // TestLaxNumbersAsVLLMReadsThem: vLLM's request models (pydantic, lax
