@@ -25,17 +25,19 @@ import (
 // let through too soon when one lowered it.
 func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool reverseproxy.UpstreamPool, tried, unreached []string, now time.Time) ([]router.Member, []scrape.Signals) {
 	// Room for every engine up front: members point into it.
-	dst, engines = dst[:0], slices.Grow(engines[:0], len(pool))
+	dst, engines = slices.Grow(dst[:0], len(pool)), slices.Grow(engines[:0], len(pool))
 	replaced := p.replaced()
 	for _, u := range pool {
 		healthy := u.Healthy()
-		m := router.Member{
-			Dial:      u.Dial,
-			Available: healthy && !u.Full(), // u.Available(), asking Healthy once
-			Healthy:   healthy,
-			Draining:  p.sh.drains.IsDraining(u.Dial),
-			Hardware:  p.defaultHardware,
-		}
+		// Filled in place: a member built apart is copied in whole.
+		dst = dst[:len(dst)+1]
+		m := &dst[len(dst)-1]
+		*m = router.Member{}
+		m.Dial = u.Dial
+		m.Available = healthy && !u.Full() // u.Available(), asking Healthy once
+		m.Healthy = healthy
+		m.Draining = p.sh.drains.IsDraining(u.Dial)
+		m.Hardware = p.defaultHardware
 		if hw, ok := p.hardwareByDial[u.Dial]; ok {
 			m.Hardware = hw
 		}
@@ -61,7 +63,6 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 				m.Models, m.Down = p.listedModels(sig, u.Dial, now)
 			}
 		}
-		dst = append(dst, m)
 	}
 	return dst, engines
 }
