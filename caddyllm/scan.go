@@ -227,24 +227,19 @@ func plainEnd(buf []byte, start int) int {
 func hasControl(p []byte) bool {
 	var acc uint64
 	// Sixty-four bytes a round: the one slice expression lets the compiler
-	// drop the bounds checks of the eight loads.
+	// drop the bounds checks of the eight loads. The loads are inside the
+	// expression: each on a line of its own would leave a NOP in the loop
+	// to mark where the compiler inlined it.
 	for len(p) >= 64 {
 		w := p[:64:64]
-		w0 := binary.LittleEndian.Uint64(w[0:])
-		w1 := binary.LittleEndian.Uint64(w[8:])
-		w2 := binary.LittleEndian.Uint64(w[16:])
-		w3 := binary.LittleEndian.Uint64(w[24:])
-		w4 := binary.LittleEndian.Uint64(w[32:])
-		w5 := binary.LittleEndian.Uint64(w[40:])
-		w6 := binary.LittleEndian.Uint64(w[48:])
-		w7 := binary.LittleEndian.Uint64(w[56:])
-		acc |= (w0-lsb*0x20)&^w0 | (w1-lsb*0x20)&^w1 | (w2-lsb*0x20)&^w2 | (w3-lsb*0x20)&^w3 |
-			(w4-lsb*0x20)&^w4 | (w5-lsb*0x20)&^w5 | (w6-lsb*0x20)&^w6 | (w7-lsb*0x20)&^w7
+		acc |= below20(binary.LittleEndian.Uint64(w[0:])) | below20(binary.LittleEndian.Uint64(w[8:])) |
+			below20(binary.LittleEndian.Uint64(w[16:])) | below20(binary.LittleEndian.Uint64(w[24:])) |
+			below20(binary.LittleEndian.Uint64(w[32:])) | below20(binary.LittleEndian.Uint64(w[40:])) |
+			below20(binary.LittleEndian.Uint64(w[48:])) | below20(binary.LittleEndian.Uint64(w[56:]))
 		p = p[64:]
 	}
 	for len(p) >= 8 {
-		w := binary.LittleEndian.Uint64(p)
-		acc |= (w - lsb*0x20) &^ w
+		acc |= below20(binary.LittleEndian.Uint64(p))
 		p = p[8:]
 	}
 	for _, c := range p {
@@ -254,6 +249,10 @@ func hasControl(p []byte) bool {
 	}
 	return acc&msb != 0
 }
+
+// below20 has the high bit set in each byte of w below 0x20 (and maybe
+// in a byte after one).
+func below20(w uint64) uint64 { return (w - lsb*0x20) &^ w }
 
 // strMarks reads the rest of the string from i, whose contents began at
 // start: special marks the bytes to look at in each sixteen.
