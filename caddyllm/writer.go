@@ -1077,11 +1077,18 @@ func valueAfterUsageKey(body []byte, i int) ([]byte, bool) {
 	if i < 0 || len(body) == 0 || body[0] != '{' || body[len(body)-1] != '}' {
 		return nil, false
 	}
-	rest := bytes.TrimLeft(body[i+len(`"usage"`):], " \t\r\n")
-	if len(rest) == 0 || rest[0] != ':' {
-		return nil, false
+	// JSON's whitespace skipped in a loop: bytes.TrimLeft builds a set of
+	// its four bytes on every call.
+	for i += len(`"usage"`); i < len(body); i++ {
+		switch body[i] {
+		case ' ', '\t', '\r', '\n':
+			continue
+		case ':':
+			return body[i+1:], true
+		}
+		break
 	}
-	return rest[1:], true
+	return nil, false
 }
 
 // completionTokens is the output length: the usage's when reported, else
