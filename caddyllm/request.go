@@ -109,6 +109,9 @@ type Request struct {
 	// are chained.
 	salt   string
 	seeded bool
+	// seeds caches the seeds of salt, the parser's own (nil for a
+	// request with a cache_salt).
+	seeds *seedCache
 	// BlockTokens is the number of tokens one hash covers.
 	BlockTokens int
 	// PreviousResponseID is the Responses API's previous_response_id:
@@ -218,6 +221,38 @@ type parser struct {
 	// model is the last model name seen, so that the usual request, for
 	// the same model as the one before, does not allocate its name.
 	model *atomic.Pointer[string]
+	// seeds are the chain seeds of the models requests named, with salt.
+	seeds *seedCache
+}
+
+// seedCache keeps the chain seeds (prefixindex.Seed) of the last few
+// models seeded with salt, a parser's: a seed is xxh3 over the model and
+// the salt, and most requests name one of a few models. An entry, never
+// changed once stored, replaces the oldest on a miss, which allocates
+// it: requests alternating among up to len(entries) models allocate
+// none.
+type seedCache struct {
+	salt    string
+	entries [4]atomic.Pointer[seedEntry]
+	next    atomic.Uint32
+}
+
+// seedEntry is the seed of model.
+type seedEntry struct {
+	model string
+	seed  uint64
+}
+
+// of returns model's seed with c's salt.
+func (c *seedCache) of(model string) uint64 {
+	for i := range c.entries {
+		if e := c.entries[i].Load(); e != nil && e.model == model {
+			return e.seed
+		}
+	}
+	seed := prefixindex.Seed(model, "", c.salt)
+	c.entries[c.next.Add(1)%uint32(len(c.entries))].Store(&seedEntry{model: model, seed: seed})
+	return seed
 }
 
 // newParser returns a parser hashing with hasher.
@@ -226,6 +261,7 @@ func newParser(hasher prefixindex.Hasher, bytesPerToken int, salt string) *parse
 		hasher: hasher, bytesPerToken: bytesPerToken, salt: salt,
 		scratch: &sync.Pool{New: func() any { return new(parseScratch) }},
 		model:   new(atomic.Pointer[string]),
+		seeds:   &seedCache{salt: salt},
 	}
 }
 
@@ -571,15 +607,15 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 		}
 		req.Model = p.modelName(name)
 	}
-	salt := p.salt
+	salt, seeds := p.salt, p.seeds
 	if r.cacheSaltSet {
 		cacheSalt := decodeString(sc.dec[:0], body[r.cacheSalt.start:r.cacheSalt.end], r.cacheSaltEscaped)
 		if len(cacheSalt) == 0 {
 			return errEmptyCacheSalt
 		}
-		salt = saltWith(p.salt, string(cacheSalt))
+		salt, seeds = saltWith(p.salt, string(cacheSalt)), nil
 	}
-	req.salt = salt
+	req.salt, req.seeds = salt, seeds
 	switch endpoint {
 	case EndpointCompletions:
 		if r.promptErr != nil {
@@ -650,7 +686,13 @@ func (req *Request) seed(model string) {
 		return
 	}
 	req.seeded = true
-	prefixindex.Chain(prefixindex.Seed(model, "", req.salt), req.Hashes)
+	var seed uint64
+	if req.seeds != nil {
+		seed = req.seeds.of(model)
+	} else {
+		seed = prefixindex.Seed(model, "", req.salt)
+	}
+	prefixindex.Chain(seed, req.Hashes)
 }
 
 // utf8BOM is the UTF-8 encoding of U+FEFF, the byte order mark.

@@ -973,3 +973,40 @@ func TestTopFieldIsFieldOf(t *testing.T) {
 		}
 	}
 }
+
+// TestSeedCache: a parser's cached seeds are prefixindex.Seed's, for models
+// alternating and more than it keeps, and a request with a cache_salt is
+// seeded with its own salt; alternating among a few models allocates
+// nothing.
+func TestSeedCache(t *testing.T) {
+	p := newParser(prefixindex.Hasher{BlockTokens: 4, BytesPerToken: 4}, 4, "tenant")
+	models := []string{"a", "b", "a", "c", "d", "e", "f", "a", "b", "g", "a"}
+	for _, m := range models {
+		if got, want := p.seeds.of(m), prefixindex.Seed(m, "", "tenant"); got != want {
+			t.Fatalf("seed of %q = %x, want %x", m, got, want)
+		}
+	}
+	for _, tc := range []struct{ body, salt string }{
+		{`{"model":"a","prompt":"abcdabcd"}`, "tenant"},
+		{`{"model":"a","prompt":"abcdabcd","cache_salt":"x"}`, saltWith("tenant", "x")},
+	} {
+		req := new(Request)
+		if err := p.parseInto(req, EndpointCompletions, []byte(tc.body)); err != nil {
+			t.Fatal(err)
+		}
+		want := slices.Clone(req.Hashes)
+		prefixindex.Chain(prefixindex.Seed("a", "", tc.salt), want)
+		req.seed("a")
+		if !slices.Equal(req.Hashes, want) {
+			t.Errorf("%s: hashes %x, want %x", tc.body, req.Hashes, want)
+		}
+	}
+	alternate := []string{"a", "b", "c"}
+	for _, m := range alternate {
+		p.seeds.of(m)
+	}
+	i := 0
+	if n := testing.AllocsPerRun(100, func() { p.seeds.of(alternate[i%len(alternate)]); i++ }); n != 0 {
+		t.Errorf("alternating models: %v allocations a seed, want 0", n)
+	}
+}
