@@ -389,20 +389,11 @@ const (
 	fieldPartRefusal
 )
 
-// fieldOf returns the index of key in names, or fieldOther.
-func fieldOf(key []byte, names []string) int {
-	for i, name := range names {
-		if string(key) == name {
-			return i
-		}
-	}
-	return fieldOther
-}
-
-// topField is fieldOf(key, topFields[:]) for a request body's keys,
-// every one of which is looked up: the compiler makes the switch a search
-// by length and compares with constants, where fieldOf calls memequal for
-// each name of the key's length in turn.
+// topField is the index of key in topFields, or fieldOther, for a
+// request body's keys, every one of which is looked up: the compiler
+// makes the switch a search by length and compares with constants, where
+// a loop over the names calls memequal for each name of the key's length
+// in turn (TestFieldSwitches keeps the switches and the names as one).
 func topField(key []byte) int {
 	switch string(key) {
 	case "model":
@@ -435,6 +426,42 @@ func topField(key []byte) int {
 		return fieldCacheSalt
 	case "background":
 		return fieldBackground
+	}
+	return fieldOther
+}
+
+// msgField is the index of key in msgFields, or fieldOther, for a chat
+// message's keys and a Responses API input item's (itemFields, the first
+// three), a switch as topField is: a long conversation has a few keys a
+// message.
+func msgField(key []byte) int {
+	switch string(key) {
+	case "role":
+		return fieldRole
+	case "content":
+		return fieldContent
+	case "type":
+		return fieldType
+	case "name":
+		return fieldName
+	case "tool_call_id":
+		return fieldToolCallID
+	case "tool_calls":
+		return fieldToolCalls
+	}
+	return fieldOther
+}
+
+// partField is the index of key in partFields, or fieldOther, for a
+// content part's keys, a switch as topField is.
+func partField(key []byte) int {
+	switch string(key) {
+	case "type":
+		return fieldPartType
+	case "text":
+		return fieldPartText
+	case "refusal":
+		return fieldPartRefusal
 	}
 	return fieldOther
 }
@@ -1108,7 +1135,7 @@ func (r *reading) message(i int) {
 			return
 		}
 		before := s.escapeExtra
-		switch f := fieldOf(key, msgFields[:]); f {
+		switch f := msgField(key); f {
 		case fieldRole:
 			if c := s.ws(); c != '"' && c != 'n' {
 				// Named here, where the index is known (optString's
@@ -1231,7 +1258,7 @@ func (r *reading) part() (text int, media bool) {
 		if !more {
 			break
 		}
-		f := fieldOf(key, partFields[:])
+		f := partField(key)
 		if f == fieldOther {
 			r.skip()
 			continue
@@ -1423,7 +1450,9 @@ func (r *reading) item(i int) {
 		if !more {
 			break
 		}
-		switch fieldOf(key, itemFields[:]) {
+		// msgField's other fields (a message's name, tool_call_id and
+		// tool_calls) are not an item's: skipped, as unknown keys are.
+		switch msgField(key) {
 		case fieldRole:
 			r.itemString(i, &m.role, &m.roleEscaped)
 		case fieldContent:

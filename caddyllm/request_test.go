@@ -959,17 +959,39 @@ func TestPromptCountsTextNotEscapes(t *testing.T) {
 	}
 }
 
-// TestTopFieldIsFieldOf: the switch that looks up a body's keys finds
-// the fields of topFields by their names, exactly, and no other key.
-func TestTopFieldIsFieldOf(t *testing.T) {
-	for i, name := range topFields {
-		if got := topField([]byte(name)); got != i {
-			t.Errorf("topField(%q) = %d, want %d", name, got, i)
+// TestFieldSwitches: the switches that look up the keys of a body, of a
+// chat message or input item, and of a content part find the fields of
+// topFields, msgFields (and itemFields) and partFields by their names,
+// exactly, and no other key.
+func TestFieldSwitches(t *testing.T) {
+	for _, tc := range []struct {
+		field func([]byte) int
+		names []string
+	}{
+		{topField, topFields[:]},
+		{msgField, msgFields[:]},
+		{msgField, itemFields[:]},
+		{partField, partFields[:]},
+	} {
+		for i, name := range tc.names {
+			if got := tc.field([]byte(name)); got != i {
+				t.Errorf("%q: field %d, want %d", name, got, i)
+			}
 		}
 	}
 	for _, key := range []string{"", "Model", "modell", "mode", "N", "nn", "max_token", "max_tokens ", "user", "tool", "background\x00"} {
 		if got := topField([]byte(key)); got != fieldOther {
 			t.Errorf("topField(%q) = %d, want fieldOther", key, got)
+		}
+	}
+	for _, key := range []string{"", "Role", "roles", "rol", "Content", "tool_call", "tool_calls ", "text", "refusal"} {
+		if got := msgField([]byte(key)); got != fieldOther {
+			t.Errorf("msgField(%q) = %d, want fieldOther", key, got)
+		}
+	}
+	for _, key := range []string{"", "Type", "types", "texts", "Text", "role", "content", "refusal\x00"} {
+		if got := partField([]byte(key)); got != fieldOther {
+			t.Errorf("partField(%q) = %d, want fieldOther", key, got)
 		}
 	}
 }
