@@ -727,6 +727,22 @@ func parseInt(p []byte) (int64, bool) {
 	if len(p) == 0 {
 		return 0, false
 	}
+	if len(p) <= 18 {
+		// Eighteen digits cannot overflow: only digits to check, as in
+		// every count and limit a body or a usage has.
+		var n int64
+		for _, c := range p {
+			d := c - '0'
+			if d > 9 {
+				return 0, false
+			}
+			n = n*10 + int64(d)
+		}
+		if neg {
+			n = -n
+		}
+		return n, true
+	}
 	const limit = uint64(1) << 63 // |min|; max is limit-1
 	var n uint64
 	for _, c := range p {

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -85,4 +86,27 @@ func FuzzStringAt(f *testing.F) {
 			t.Fatalf("stringAt(%q, %d) = %d, %v, %v; str %d, %v, %v", data, start, end, escaped, ok, wantEnd, wantEscaped, wantOK)
 		}
 	})
+}
+
+// TestParseIntMatchesStrconv: parseInt reads an optional minus and
+// digits as strconv.ParseInt does, within int64, up to eighteen digits
+// (where it skips the overflow checks) and past them.
+func TestParseIntMatchesStrconv(t *testing.T) {
+	cases := []string{"", "-", "0", "-0", "7", "016", "-16", "1x", "x", "1.0", "1e3", " 1", "+1",
+		"999999999999999999", "-999999999999999999", "1000000000000000000", "9223372036854775807",
+		"9223372036854775808", "-9223372036854775808", "-9223372036854775809", "00000000000000000001",
+		"18446744073709551616", "99999999999999999999"}
+	for digits := 1; digits <= 21; digits++ {
+		cases = append(cases, strings.Repeat("9", digits), "-"+strings.Repeat("9", digits), "1"+strings.Repeat("0", digits-1))
+	}
+	for _, c := range cases {
+		got, ok := parseInt([]byte(c))
+		want, err := strconv.ParseInt(c, 10, 64)
+		if c != "" && c[0] == '+' {
+			err = strconv.ErrSyntax // parseInt reads JSON numbers, which have no plus
+		}
+		if ok != (err == nil) || ok && got != want {
+			t.Errorf("parseInt(%q) = %d, %v; strconv: %d, %v", c, got, ok, want, err)
+		}
+	}
 }
