@@ -599,7 +599,10 @@ func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
 	}()
 	sc.s = scanner{buf: body, inObject: sc.depth[:]}
 	sc.msgs, sc.extras = sc.msgs[:0], sc.extras[:0]
-	r := reading{p: p, endpoint: endpoint, body: body, s: &sc.s, sc: sc}
+	// Declared, then set: a composite literal of its size is built apart
+	// and copied in.
+	var r reading
+	r.p, r.endpoint, r.body, r.s, r.sc = p, endpoint, body, &sc.s, sc
 	r.read()
 	sc.s.buf = nil
 	switch {
