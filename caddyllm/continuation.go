@@ -107,7 +107,15 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		if st.req != nil && st.req.PreviousResponseID != "" {
 			actx = st.conns.traced(actx)
 		}
-		err, aborted := serveRecovering(rec, r.WithContext(actx), next)
+		ar := &st.firstRequest
+		if moves == 0 {
+			*ar = *r.WithContext(actx) // not escaping: copied on the stack
+		} else {
+			// A later attempt's own: the first one's transport may
+			// still read the first's (see firstRequest).
+			ar = r.WithContext(actx)
+		}
+		err, aborted := serveRecovering(rec, ar, next)
 		cut := st.takeCut() // also ends the discarding of a cut attempt's output
 		cancel(nil)
 

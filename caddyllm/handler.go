@@ -897,6 +897,14 @@ type requestState struct {
 	firstAttempt    attempt
 	firstReader     bytes.Reader
 	firstReadCloser io.ReadCloser
+	// firstRequest is the request the first attempt is served with, its
+	// context the attempt's (see Handler.serve). Nothing holds it after
+	// the handler returns: the proxy sends a clone of its own, whose body
+	// the policy replaces (the clone's body that Caddy's proxy makes to
+	// read the request's trailers refers to this request, but no
+	// transport reads it unless another policy sent it, and then sent
+	// says the state is not recycled; see recycle).
+	firstRequest http.Request
 
 	// arrived is when the handler had read the request's body;
 	// sawFirstToken records that its first token was measured (a
@@ -1301,7 +1309,8 @@ func (st *requestState) recycleAfter(r *http.Request) {
 //     rule (one attempt sent, answered 2xx; see releaseBody). A request
 //     this policy never sent may have been sent by another proxy in the
 //     route, whose transport may still read it (HTTP/3's sends the body
-//     on a goroutine of its own);
+//     on a goroutine of its own), and with it the first attempt's
+//     request, which Caddy's proxy refers to for its trailers;
 //   - an access log's placeholders, which live apart (ph).
 //
 // Every attempt's registration has ended by then (finish, or Select on a
