@@ -646,11 +646,12 @@ func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w htt
 	var lookUntil time.Time // while the model lists are fetched anew
 	var listed <-chan struct{}
 	var lists uint64
+	var d router.Decision
 	for now := held; ; now = time.Now() {
 		if p.scraper != nil { // before the decision reads the lists
 			listed, lists = p.scraper.ModelsFetched(), p.scraper.ModelListsChanged()
 		}
-		up, d := p.decide(p.stillNamed(pool), st, now, deadline)
+		up := p.decide(&d, p.stillNamed(pool), st, now, deadline)
 		if up != nil {
 			st.heldSince = time.Time{}
 			p.sh.metrics.latencyOf(&st.decision).queueWait.Observe(now.Sub(held).Seconds()) // d's reason
@@ -938,8 +939,9 @@ func globalAddress(dial string) string {
 // start by deadline, and, when it chose, registers the attempt with the
 // drain registry. Without a choice, a request that may wait is held
 // (st.hold, nil when queue_limit requests wait already), to try again
-// when its hold is ready.
-func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time) (*reverseproxy.Upstream, router.Decision) {
+// when its hold is ready. The decision goes to d, the caller's: a
+// Decision returned is copied once more on its way.
+func (p *Policy) decide(d *router.Decision, pool reverseproxy.UpstreamPool, st *requestState, now, deadline time.Time) *reverseproxy.Upstream {
 	req := st.req
 	if p.scraper != nil {
 		for _, u := range pool {
@@ -969,13 +971,13 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 		MaxTokensCapped: req.Endpoint == EndpointResponses,
 		ReleasesBefore:  releasesBefore,
 	}
-	d := p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
+	*d = p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {
 		if !d.Unservable && !d.TooLong && !d.NotRunning && !d.ModelRequired && now.Before(deadline) {
-			st.hold = p.sh.fleet.Hold(st.hold, &d, rreq, deadline, scratch.members, &p.opts)
+			st.hold = p.sh.fleet.Hold(st.hold, d, rreq, deadline, scratch.members, &p.opts)
 		}
-		return nil, d
+		return nil
 	}
 	dial := d.Charge.Dial()
 	st.sh = p.sh
@@ -985,7 +987,7 @@ func (p *Policy) decide(pool reverseproxy.UpstreamPool, st *requestState, now, d
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
 	p.sh.metrics.observeDecision(&st.decision)
-	return pool[d.Chosen], d
+	return pool[d.Chosen]
 }
 
 // namesCache holds the model names of a scraper's lists, read again
