@@ -79,10 +79,13 @@ type tokenRecorder struct {
 	// take, and one acquisition per streamed token contended with them.
 	unreported int
 	// body is an unstreamed response, up to maxUsageBody, read for its
-	// usage at the end; its buffer comes from bodyPool (bodyBuf) and goes
-	// back with releaseBody.
+	// usage at the end. Up to maxKeptBuffer it is in ownBody, the
+	// recorder's buffer, kept with its state (see keepBuffers): a pooled
+	// buffer cost a sync.Pool's Get and Put a request. A larger one comes
+	// from bodyPool (bodyBuf) and goes back with releaseBody.
 	body    []byte
 	bodyBuf *pooledBody
+	ownBody []byte
 	// usage is the response's reported usage, when hasUsage.
 	usage    reportedUsage
 	hasUsage bool
@@ -188,7 +191,7 @@ func newTokenRecorder(w http.ResponseWriter, st *requestState) *tokenRecorder {
 
 // recorderBuffers are a recorder's buffers, emptied, for the next
 // request that uses its state (see requestState.putBack).
-type recorderBuffers struct{ generated, scratch, shape, line, held []byte }
+type recorderBuffers struct{ generated, scratch, shape, line, held, body []byte }
 
 // maxKeptBuffer is the largest buffer a pooled state keeps, so that one
 // long answer does not hold its memory for good.
@@ -203,12 +206,12 @@ func (t *tokenRecorder) keepBuffers() recorderBuffers {
 		}
 		return b[:0]
 	}
-	return recorderBuffers{keep(t.generated), keep(t.scratch), keep(t.shape), keep(t.line), keep(t.held)}
+	return recorderBuffers{keep(t.generated), keep(t.scratch), keep(t.shape), keep(t.line), keep(t.held), keep(t.ownBody)}
 }
 
 // reuseBuffers gives t the buffers keepBuffers kept.
 func (t *tokenRecorder) reuseBuffers(b recorderBuffers) {
-	t.generated, t.scratch, t.shape, t.line, t.held = b.generated, b.scratch, b.shape, b.line, b.held
+	t.generated, t.scratch, t.shape, t.line, t.held, t.ownBody = b.generated, b.scratch, b.shape, b.line, b.held, b.body
 }
 
 // init sets up a zero recorder to wrap w for st.
@@ -315,11 +318,7 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 			return t.writeEvents(p, end)
 		}
 		if len(t.body)+len(p) <= maxUsageBody {
-			if t.bodyBuf == nil {
-				t.bodyBuf = newPooledBody()
-				t.body = t.bodyBuf.b[:0]
-			}
-			t.body = append(t.body, p...)
+			t.appendBody(p)
 		}
 		if t.responses && t.responseID == "" && t.st != nil && len(t.body)-len(p) < maxIDScan {
 			// The id comes first: the peers learn the response's home
@@ -332,13 +331,27 @@ func (t *tokenRecorder) Write(p []byte) (int, error) {
 		}
 	} else if t.status == http.StatusNotFound && len(t.body) < maxNotFoundBody {
 		// An engine's 404 says what it did not find (see modelNotServed).
-		if t.bodyBuf == nil {
-			t.bodyBuf = newPooledBody()
-			t.body = t.bodyBuf.b[:0]
-		}
-		t.body = append(t.body, p[:min(len(p), maxNotFoundBody-len(t.body))]...)
+		t.appendBody(p[:min(len(p), maxNotFoundBody-len(t.body))])
 	}
 	return t.ResponseWriterWrapper.Write(p)
+}
+
+// appendBody adds p to the body kept: in ownBody while the body fits in
+// maxKeptBuffer, in a buffer from bodyPool from then on.
+func (t *tokenRecorder) appendBody(p []byte) {
+	if t.bodyBuf == nil {
+		if len(t.body)+len(p) <= maxKeptBuffer {
+			if t.body == nil {
+				t.body = t.ownBody[:0]
+			}
+			t.body = append(t.body, p...)
+			t.ownBody = t.body // grown, maybe
+			return
+		}
+		t.bodyBuf = newPooledBody()
+		t.body = append(t.bodyBuf.b[:0], t.body...)
+	}
+	t.body = append(t.body, p...)
 }
 
 // maxNotFoundBody is how much of an engine's 404 is kept: its message.
@@ -952,13 +965,15 @@ func (t *tokenRecorder) reportTokens() {
 }
 
 // releaseBody puts the buffer of the response kept for its usage back in
-// bodyPool, once complete has read it: only the recorder reads it.
+// bodyPool, or leaves it in ownBody, once complete has read it: only the
+// recorder reads it.
 func (t *tokenRecorder) releaseBody() {
 	if t.bodyBuf != nil {
 		t.bodyBuf.b = t.body
 		t.bodyBuf.release()
-		t.body, t.bodyBuf = nil, nil
+		t.bodyBuf = nil
 	}
+	t.body = nil
 }
 
 // complete reports whether the response ended normally.

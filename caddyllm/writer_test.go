@@ -63,6 +63,54 @@ func TestTokenRecorderJSONUsage(t *testing.T) {
 	}
 }
 
+// TestResponseBodyKeptWithTheState: an unstreamed response up to
+// maxKeptBuffer is kept in the recorder's own buffer, which the next
+// request on the pooled state reuses; a larger one moves to a buffer from
+// bodyPool, whole, and its usage at the end is read all the same.
+func TestResponseBodyKeptWithTheState(t *testing.T) {
+	st := newRequestState()
+	st.parsed = Request{Endpoint: EndpointChatCompletions}
+	st.req = &st.parsed
+	st.recorder.init(httptest.NewRecorder(), st)
+	rec := &st.recorder
+	rec.Write([]byte(`{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":42}}`))
+	if rec.bodyBuf != nil || !rec.complete() || rec.completionTokens() != 42 {
+		t.Fatalf("small body: pooled %v, usage %d", rec.bodyBuf != nil, rec.completionTokens())
+	}
+	own := &rec.body[0]
+	rec.releaseBody()
+	buffers := rec.keepBuffers()
+	if len(buffers.body) != 0 || cap(buffers.body) == 0 || &buffers.body[:1][0] != own {
+		t.Fatal("the response's buffer is not kept with the state")
+	}
+
+	// The next request's response starts in the same buffer, and goes on
+	// in a pooled one once it outgrows what a state keeps.
+	rec.reuseBuffers(buffers)
+	text := strings.Repeat("x", maxKeptBuffer)
+	parts := []string{`{"choices":[{"text":"`, text[:maxKeptBuffer/2], text[maxKeptBuffer/2:], `"}],"usage":{"completion_tokens":7}}`}
+	rec.Write([]byte(parts[0]))
+	if &rec.body[0] != own {
+		t.Fatal("the kept buffer is not reused")
+	}
+	for _, p := range parts[1:] {
+		rec.Write([]byte(p))
+	}
+	if rec.bodyBuf == nil || string(rec.body) != strings.Join(parts, "") || !rec.complete() || rec.completionTokens() != 7 {
+		t.Fatalf("large body: pooled %v, %d bytes kept, usage %d", rec.bodyBuf != nil, len(rec.body), rec.completionTokens())
+	}
+	pooled := rec.bodyBuf
+	rec.releaseBody()
+	if rec.body != nil || rec.bodyBuf != nil || len(pooled.b) != 0 || cap(pooled.b) < len(strings.Join(parts, "")) {
+		t.Fatal("the pooled buffer did not go back")
+	}
+	// The state keeps its own buffer, grown to the half that fitted, not
+	// the pooled one.
+	if b := rec.keepBuffers().body; cap(b) < len(parts[0])+len(parts[1]) || &b[:1][0] == &pooled.b[:1][0] {
+		t.Fatalf("the state's own buffer is lost (capacity %d)", cap(b))
+	}
+}
+
 func TestUsageOfBody(t *testing.T) {
 	for _, tc := range []struct {
 		body   string
