@@ -1311,14 +1311,17 @@ func (st *requestState) recycleAfter(r *http.Request) {
 //     route, whose transport may still read it (HTTP/3's sends the body
 //     on a goroutine of its own), and with it the first attempt's
 //     request, which Caddy's proxy refers to for its trailers;
-//   - an access log's placeholders, which live apart (ph).
+//   - an access log's placeholders, which live apart (ph);
+//   - a connection trace's hooks (conns.traced), which write into st: a
+//     transport may finish a dial in the background after its request
+//     ended, and run them then.
 //
 // Every attempt's registration has ended by then (finish, or Select on a
 // retry). Contexts given to transports hold the state only for the
 // policy's key, which no transport asks for. It reports whether st went
 // back.
 func (st *requestState) recycle() bool {
-	if st.cutPending.Load() || st.current != nil || !bodySentWhole(st.sent, st.rec) {
+	if st.cutPending.Load() || st.current != nil || !bodySentWhole(st.sent, st.rec) || st.conns.trace != nil {
 		return false
 	}
 	st.putBack()

@@ -593,6 +593,17 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 	if st.recycle() {
 		t.Error("the state went back while a drain's cut of its attempt was under way")
 	}
+
+	// A traced request (one continuing a stored response): a transport
+	// may run the trace's hooks, which write into the state, after the
+	// request ended (a dial finishing in the background).
+	traced := newRequestState()
+	traced.sent, traced.rec = 1, &traced.recorder
+	traced.recorder.status = http.StatusOK
+	traced.conns.traced(context.Background())
+	if traced.recycle() {
+		t.Error("the state went back with its connection trace's hooks pointing into it")
+	}
 }
 
 // TestPlaceholdersOutliveTheRequestState: an access log reads a request's
