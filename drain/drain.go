@@ -109,9 +109,6 @@ type Registry struct {
 	// are delivered, so they arrive in the order of the transitions.
 	delivering sync.Mutex
 	pending    []func()
-
-	// spare holds forgotten upstreams for reuse.
-	spare []*upstream
 }
 
 type upstream struct {
@@ -139,14 +136,12 @@ type flight struct {
 	cutting bool
 }
 
-// maxSpare bounds the forgotten upstreams kept for reuse.
-const maxSpare = 64
-
-// maxIdle is how many upstreams the registry keeps while they are active
-// with nothing in flight: the usual pool stays, where forgetting each
-// after its request and remaking it for the next cost two map operations
-// a request at low load. Beyond it (upstreams that come and go, from
-// dynamic upstreams) each is forgotten when its last request ends.
+// maxIdle is how many upstreams the registry may hold and still keep one
+// that is active with nothing in flight: the usual pool stays, where
+// forgetting each after its request and remaking it for the next cost
+// two map operations a request at low load. Beyond it (upstreams that
+// come and go, from dynamic upstreams) each is forgotten when its last
+// request ends.
 const maxIdle = 256
 
 // New returns an empty registry.
@@ -179,11 +174,7 @@ func (r *Registry) emit(e func()) { r.pending = append(r.pending, e) }
 func (r *Registry) get(key string) *upstream {
 	u := r.upstreams[key]
 	if u == nil {
-		if n := len(r.spare); n > 0 {
-			u, r.spare = r.spare[n-1], r.spare[:n-1]
-		} else {
-			u = new(upstream)
-		}
+		u = new(upstream)
 		r.upstreams[key] = u
 	}
 	return u
@@ -497,7 +488,8 @@ func (r *Registry) settle(key string, u *upstream) {
 }
 
 // prune clears an active upstream with nothing in flight, as new, and
-// forgets it beyond maxIdle such. Caller holds r.mu.
+// forgets it while the registry holds more than maxIdle upstreams.
+// Caller holds r.mu.
 func (r *Registry) prune(key string, u *upstream) {
 	if u.phase != Active || u.inFlight != 0 {
 		return
@@ -507,9 +499,6 @@ func (r *Registry) prune(key string, u *upstream) {
 		return
 	}
 	delete(r.upstreams, key)
-	if len(r.spare) < maxSpare {
-		r.spare = append(r.spare, u)
-	}
 }
 
 // Snapshot lists the upstreams that are draining, drained, or have
