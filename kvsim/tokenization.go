@@ -72,19 +72,26 @@ func (b *tokenizeBody) completionForm() (TokenizeRequest, error) {
 	if b.Prompt[0] != '"' {
 		return r, errors.New("prompt: Input should be a valid string")
 	}
-	var special strictBool
-	var strs laxBool
-	for _, err := range []error{
-		decodeField(b.Prompt, &r.Prompt, "prompt"),
-		decodeField(b.AddSpecialTokens, &special, "add_special_tokens"),
-		decodeField(b.ReturnTokenStrs, &strs, "return_token_strs"),
-	} {
-		if err != nil {
-			return r, err
-		}
+	if err := decodeField(b.Prompt, &r.Prompt, "prompt"); err != nil {
+		return r, err
 	}
-	r.ReturnTokenStrs = bool(strs)
-	return r, nil
+	var err error
+	r.ReturnTokenStrs, err = b.options()
+	return r, err
+}
+
+// options reads the fields both forms have, after each form's own (as
+// pydantic reports the first field that fails, in the model's order):
+// add_special_tokens, checked and unused (see Text), and
+// return_token_strs.
+func (b *tokenizeBody) options() (returnTokenStrs bool, err error) {
+	var special strictBool
+	if err := decodeField(b.AddSpecialTokens, &special, "add_special_tokens"); err != nil {
+		return false, err
+	}
+	var strs laxBool
+	err = decodeField(b.ReturnTokenStrs, &strs, "return_token_strs")
+	return bool(strs), err
 }
 
 // chatForm reads b as a TokenizeChatRequest.
@@ -94,23 +101,23 @@ func (b *tokenizeBody) chatForm() (TokenizeRequest, error) {
 		return r, fmt.Errorf("messages: %w", errFieldRequired)
 	}
 	addGen, continueFinal := strictBool(true), strictBool(false)
-	var special strictBool
-	var strs laxBool
 	for _, err := range []error{
 		decodeField(b.Messages, &r.Messages, "messages"),
 		decodeField(b.AddGenerationPrompt, &addGen, "add_generation_prompt"),
 		decodeField(b.ContinueFinalMessage, &continueFinal, "continue_final_message"),
-		decodeField(b.AddSpecialTokens, &special, "add_special_tokens"),
-		decodeField(b.ReturnTokenStrs, &strs, "return_token_strs"),
 	} {
 		if err != nil {
 			return r, err
 		}
 	}
+	var err error
+	if r.ReturnTokenStrs, err = b.options(); err != nil {
+		return r, err
+	}
 	if r.Messages == nil {
 		return r, errors.New("messages: Input should be a valid list")
 	}
-	r.AddGenerationPrompt, r.ContinueFinalMessage, r.ReturnTokenStrs = bool(addGen), bool(continueFinal), bool(strs)
+	r.AddGenerationPrompt, r.ContinueFinalMessage = bool(addGen), bool(continueFinal)
 	return r, nil
 }
 
