@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"context"
+	"fmt"
 	"encoding/json"
 	"io"
 	"net"
@@ -296,41 +297,51 @@ func TestIdleDynamicUpstreamForgetsItsDrain(t *testing.T) {
 // reason, not held for queue_timeout; the waiting ones still route when
 // an upstream can take them.
 func TestQueueLimitShedsAtOnce(t *testing.T) {
-	p, pool := nothingFits(t)
-	p.QueueLimit, p.opts.QueueLimit = 2, 2
-	routed := make(chan *reverseproxy.Upstream, 2)
-	for range 2 {
-		st, r := heldRequest(t, context.Background())
-		go func() {
-			up := p.Select(pool, r, httptest.NewRecorder())
-			if st.current != nil {
-				st.current.release()
+	for _, tc := range []struct {
+		limit   int
+		waiting string // the shed's message, in part
+	}{
+		{1, "1 request waits already: queue_limit"},
+		{2, "2 requests wait already: queue_limit"},
+	} {
+		t.Run(fmt.Sprint("queue_limit=", tc.limit), func(t *testing.T) {
+			p, pool := nothingFits(t)
+			p.QueueLimit, p.opts.QueueLimit = tc.limit, tc.limit
+			routed := make(chan *reverseproxy.Upstream, tc.limit)
+			for range tc.limit {
+				st, r := heldRequest(t, context.Background())
+				go func() {
+					up := p.Select(pool, r, httptest.NewRecorder())
+					if st.current != nil {
+						st.current.release()
+					}
+					routed <- up
+				}()
 			}
-			routed <- up
-		}()
-	}
-	for p.sh.fleet.Held() < 2 {
-		time.Sleep(time.Millisecond)
-	}
-	st, r := heldRequest(t, context.Background())
-	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil {
-		t.Fatalf("a third request over queue_limit 2: routed to %v, shed %+v", up, st.shed)
-	}
-	if st.shed.reason != queueFullReason || st.shed.status != 503 || st.shed.retryAfterSeconds != 3600 ||
-		!strings.Contains(st.shed.message, "2 requests wait already: queue_limit") {
-		t.Errorf("shed as %+v, want queue_full, 503, Retry-After 3600, 2 requests waiting", st.shed)
-	}
-	if got := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(queueFullReason)); got != 1 {
-		t.Errorf("shed_total{blocked_by=queue_full} = %v, want 1", got)
-	}
-	p.sh.drains.Undrain(pool[0].Dial, drain.Admin)
-	for range 2 {
-		if up := <-routed; up != pool[0] {
-			t.Fatalf("a held request went to %v, want %s", up, pool[0].Dial)
-		}
-	}
-	if n := p.sh.fleet.Held(); n != 0 {
-		t.Fatalf("%d requests still held", n)
+			for p.sh.fleet.Held() < tc.limit {
+				time.Sleep(time.Millisecond)
+			}
+			st, r := heldRequest(t, context.Background())
+			if up := p.Select(pool, r, httptest.NewRecorder()); up != nil || st.shed == nil {
+				t.Fatalf("a request over queue_limit %d: routed to %v, shed %+v", tc.limit, up, st.shed)
+			}
+			if st.shed.reason != queueFullReason || st.shed.status != 503 || st.shed.retryAfterSeconds != 3600 ||
+				!strings.Contains(st.shed.message, tc.waiting) {
+				t.Errorf("shed as %+v, want queue_full, 503, Retry-After 3600, %q", st.shed, tc.waiting)
+			}
+			if got := testutil.ToFloat64(p.sh.metrics.shed.WithLabelValues(queueFullReason)); got != 1 {
+				t.Errorf("shed_total{blocked_by=queue_full} = %v, want 1", got)
+			}
+			p.sh.drains.Undrain(pool[0].Dial, drain.Admin)
+			for range tc.limit {
+				if up := <-routed; up != pool[0] {
+					t.Fatalf("a held request went to %v, want %s", up, pool[0].Dial)
+				}
+			}
+			if n := p.sh.fleet.Held(); n != 0 {
+				t.Fatalf("%d requests still held", n)
+			}
+		})
 	}
 }
 
