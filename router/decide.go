@@ -219,7 +219,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	if f.local != nil {
 		f.local[c.id] = c
 	}
-	if f.publisher != nil {
+	if f.publisher != nil { // publish checks too, but the event is built first
 		f.publish(Event{
 			Kind: EventRouted, ID: c.id, Dial: u.dial, Hashes: req.Hashes, BlockTokens: blockTokensOf(&req),
 			Prefill: c.prefill, Decode: c.decode, KV: c.kv, Adapter: sreq.Adapter,
