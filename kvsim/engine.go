@@ -147,11 +147,15 @@ type Stats struct {
 	FinishedLength   uint64
 	Aborted          uint64
 	Steps            uint64
-	RunningAdapters  []string
-	WaitingAdapters  []string
-	GPUAdapters      []string
-	HostAdapters     []string
-	LoadingAdapters  []string
+	// StorageLoads and HostLoads count the adapter loads into a GPU slot started from
+	// storage and from host memory.
+	StorageLoads    uint64
+	HostLoads       uint64
+	RunningAdapters []string
+	WaitingAdapters []string
+	GPUAdapters     []string
+	HostAdapters    []string
+	LoadingAdapters []string
 }
 
 // Engine is the virtual-time model of one inference engine. It is not safe for concurrent
@@ -175,6 +179,7 @@ type Engine struct {
 	gpuCount int
 
 	prefixQueries, prefixHits uint64
+	storageLoads, hostLoads   uint64
 	promptTokens, genTokens   uint64
 	finished, aborted, steps  uint64
 	finishedLength            uint64
@@ -597,6 +602,8 @@ func (e *Engine) Stats() Stats {
 		FinishedLength:   e.finishedLength,
 		Aborted:          e.aborted,
 		Steps:            e.steps,
+		StorageLoads:     e.storageLoads,
+		HostLoads:        e.hostLoads,
 	}
 	st.KVCacheUsage = float64(st.UsedBlocks) / float64(st.TotalBlocks)
 	for name, a := range e.adapters {

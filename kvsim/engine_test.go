@@ -216,6 +216,23 @@ func TestLoRALoadLatencyPaidOnce(t *testing.T) {
 	}
 }
 
+// TestLoRALoadsCounted: with one GPU slot, two adapters in turn each
+// evict the other; the first load of each comes from storage, a later one
+// from host memory, and Stats counts both kinds.
+func TestLoRALoadsCounted(t *testing.T) {
+	e := newTestEngine(t, Config{Adapters: []string{"a", "b"}, MaxLoRAs: 1, LoRAStorageLoad: 2 * time.Second, LoRAHostLoad: 30 * time.Millisecond})
+	for _, adapter := range []string{"a", "b", "a", "a"} {
+		r := &Request{Adapter: adapter, Context: []byte("select something from somewhere please"), OutputTokens: 2}
+		if err := e.Submit(r, e.Now()+time.Second); err != nil {
+			t.Fatal(err)
+		}
+		runToCompletion(t, e)
+	}
+	if st := e.Stats(); st.StorageLoads != 2 || st.HostLoads != 1 {
+		t.Fatalf("loads from storage %d, from host %d; want 2 and 1", st.StorageLoads, st.HostLoads)
+	}
+}
+
 // TestLoadInplaceKeepsResidency: an in-place load of an adapter in a GPU
 // slot swaps its weights there (vLLM reloads and reactivates it at once), so
 // its next request pays no load; without inplace the load is refused.

@@ -130,6 +130,9 @@ func (e *Engine) adapterReady(a *adapterState) bool {
 	latency := e.cfg.LoRAStorageLoad
 	if a.onHost {
 		latency = e.cfg.LoRAHostLoad
+		e.hostLoads++
+	} else {
+		e.storageLoads++
 	}
 	a.gpu = gpuLoading
 	a.loadDoneAt = e.now + latency

@@ -82,6 +82,10 @@ type ReplicaResult struct {
 	// (vllm:prefix_cache_queries_total and _hits_total); both 0 when unknown.
 	PrefixQueries uint64 `json:"prefix_queries"`
 	PrefixHits    uint64 `json:"prefix_hits"`
+	// AdapterLoads and AdapterHostLoads count the LoRA adapters the engine loaded into a
+	// GPU slot from storage and from host memory (sim mode only).
+	AdapterLoads     uint64 `json:"adapter_loads,omitempty"`
+	AdapterHostLoads uint64 `json:"adapter_host_loads,omitempty"`
 }
 
 // Results is everything one replay measured.

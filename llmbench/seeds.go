@@ -190,7 +190,11 @@ func WriteGoals(w io.Writer, target string, checks []GoalCheck) error {
 			}
 			return format(r[0]) + "–" + format(r[1])
 		}
-		if _, err := fmt.Fprintf(w, "goal %-8s %-6s %s %s against %s %s\n", g.Metric, verdict, target, rng(g.Target), g.Best, rng(g.BestRange)); err != nil {
+		against := "against " + g.Best + " " + rng(g.BestRange)
+		if g.Best == "" {
+			against = "(no other policy to compare)"
+		}
+		if _, err := fmt.Fprintf(w, "goal %-8s %-6s %s %s %s\n", g.Metric, verdict, target, rng(g.Target), against); err != nil {
 			return err
 		}
 	}

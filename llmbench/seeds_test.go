@@ -63,6 +63,10 @@ func TestCheckGoals(t *testing.T) {
 	if err := WriteGoals(&buf, "t", checks); err != nil || !strings.Contains(buf.String(), "goal shed     MISSED t 0–1 against o 0") {
 		t.Errorf("WriteGoals: %v\n%s", err, buf.String())
 	}
+	buf.Reset()
+	if err := WriteGoals(&buf, "t", CheckGoals("t", []SeedRuns{target})); err != nil || !strings.Contains(buf.String(), "goal shed     met    t 0–1 (no other policy to compare)") {
+		t.Errorf("WriteGoals with nothing to compare: %v\n%s", err, buf.String())
+	}
 	if err := json.NewEncoder(&buf).Encode(CheckGoals("t", []SeedRuns{runs("t", math.NaN()), runs("o", 1)})); err != nil {
 		t.Errorf("a goal without a value must still encode: %v", err)
 	}

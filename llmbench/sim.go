@@ -253,6 +253,8 @@ func (s *Sim) Replay(ctx context.Context, w *Workload, policy string) (*Results,
 		st := run.replicas[i].engine.Stats()
 		run.replicas[i].result.PrefixQueries = st.PrefixQueries
 		run.replicas[i].result.PrefixHits = st.PrefixHits
+		run.replicas[i].result.AdapterLoads = st.StorageLoads
+		run.replicas[i].result.AdapterHostLoads = st.HostLoads
 	}
 	run.results.Wall = time.Since(start)
 	return run.results, nil

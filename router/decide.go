@@ -675,7 +675,7 @@ func (f *Fleet) candidate(c *scorer.Candidate, at time.Time, m *Member, u *upstr
 		}
 	}
 	if adapter != "" {
-		c.Adapter, c.AdapterLoadSeconds = opts.adapterCost(adapter, u, m)
+		c.Adapter, c.AdapterLoadSeconds, c.AdapterEvictedSeconds = opts.adapterCost(adapter, u, m)
 	}
 }
 
@@ -781,7 +781,12 @@ func (o *Options) adapterOf(model string, members []Member, states []*upstream) 
 // loaded. The cost is finite, so a busy replica holding the adapter loses
 // to an idle one once its queue outweighs the load, and the second
 // replica then holds it too: adapters replicate as far as the load needs.
-func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (scorer.AdapterState, float64) {
+//
+// evicted is what a load there costs the adapter it pushes out: when
+// every slot holds another adapter, the engine evicts the least recently
+// used one (vLLM's LRU of max_loras slots), and that adapter's next
+// request there reloads it from host memory. A free slot evicts nothing.
+func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (state scorer.AdapterState, load, evicted float64) {
 	var engine *scrape.Signals
 	slots := o.MaxLoras
 	if m != nil {
@@ -791,13 +796,17 @@ func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (scorer.Ad
 		}
 	}
 	running := engine != nil && engine.AdaptersKnown && slices.Contains(engine.RunningAdapters, adapter)
-	switch i := slices.Index(u.adapters, adapter); {
-	case running || (i >= 0 && i < slots):
-		return scorer.AdapterResident, 0
-	case i >= 0:
-		return scorer.AdapterHost, o.AdapterLoadHost.Seconds()
+	i := slices.Index(u.adapters, adapter)
+	if running || (i >= 0 && i < slots) {
+		return scorer.AdapterResident, 0, 0
 	}
-	return scorer.AdapterRemote, o.AdapterLoadRemote.Seconds()
+	if len(u.adapters) >= slots {
+		evicted = o.AdapterLoadHost.Seconds()
+	}
+	if i >= 0 {
+		return scorer.AdapterHost, o.AdapterLoadHost.Seconds(), evicted
+	}
+	return scorer.AdapterRemote, o.AdapterLoadRemote.Seconds(), evicted
 }
 
 // useAdapter records that adapter was charged to u. Caller holds f.mu.

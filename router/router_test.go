@@ -224,7 +224,7 @@ func TestAdapterResidency(t *testing.T) {
 	}
 	u := f.upstreams["a"]
 	for adapter, want := range map[string]scorer.AdapterState{"l2": scorer.AdapterResident, "l1": scorer.AdapterResident, "l0": scorer.AdapterHost, "l9": scorer.AdapterRemote} {
-		if got, _ := opts.adapterCost(adapter, u, nil); got != want {
+		if got, _, _ := opts.adapterCost(adapter, u, nil); got != want {
 			t.Errorf("%s: %v, want %v", adapter, got, want)
 		}
 	}
@@ -232,15 +232,15 @@ func TestAdapterResidency(t *testing.T) {
 	// not presumed resident there any more (its next requests followed
 	// the first there, each to a 404).
 	d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, rng(), nil)
-	if got, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterResident {
+	if got, _, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterResident {
 		t.Fatalf("l0 just sent: %v", got)
 	}
 	f.Refused(d.Charge, t0)
-	if got, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterRemote || state(t, f, "a").InFlight != 0 {
+	if got, _, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterRemote || state(t, f, "a").InFlight != 0 {
 		t.Errorf("l0 refused: %v, %d in flight", got, state(t, f, "a").InFlight)
 	}
 	sig := &scrape.Signals{AdaptersKnown: true, RunningAdapters: []string{"l9"}}
-	if got, _ := opts.adapterCost("l9", u, &Member{Engine: sig}); got != scorer.AdapterResident {
+	if got, _, _ := opts.adapterCost("l9", u, &Member{Engine: sig}); got != scorer.AdapterResident {
 		t.Errorf("running adapter: %v", got)
 	}
 	// An adapter known only from an engine's model list is an adapter too,
@@ -255,6 +255,43 @@ func TestAdapterResidency(t *testing.T) {
 	}
 	if got := opts.adapterOf("base", ms, []*upstream{u}); got != "" {
 		t.Errorf("base model taken for an adapter: %q", got)
+	}
+}
+
+// TestAdaptersTakeFreeSlots: adapters requested one after another on an
+// idle fleet fill every replica's GPU slots before any replica holds more
+// than it has slots, whatever the random draw, and after that each
+// request finds its adapter resident. Before the eviction cost, each new
+// adapter went to a random idle replica; one holding more adapters than
+// slots kept them all (a reload from host memory beat a load from storage
+// elsewhere), and requests in turn there reloaded every time.
+func TestAdaptersTakeFreeSlots(t *testing.T) {
+	adapters := []string{"l0", "l1", "l2", "l3", "l4", "l5"}
+	opts := Options{Adapters: map[string]bool{}, MaxLoras: 2}.WithDefaults()
+	for _, a := range adapters {
+		opts.Adapters[a] = true
+	}
+	for seed := range uint64(20) {
+		f := New()
+		random := rand.New(rand.NewPCG(seed, 7))
+		ms := members("a", "b", "c")
+		for round := range 3 {
+			for _, a := range adapters {
+				d := f.Decide(t0, Request{Model: a, PromptTokens: 10}, ms, &opts, random, nil)
+				if d.Chosen < 0 {
+					t.Fatalf("seed %d: %s not routed", seed, a)
+				}
+				if round > 0 && d.Decision.Reason == scorer.Adapter {
+					t.Fatalf("seed %d, round %d: %s loaded again on %s (%s)", seed, round, a, ms[d.Chosen].Dial, d.Decision.Reason)
+				}
+				served(f, d.Charge, t0)
+			}
+		}
+		for _, dial := range []string{"a", "b", "c"} {
+			if n := len(f.upstreams[dial].adapters); n != 2 {
+				t.Fatalf("seed %d: %s holds %d adapters %v, want its 2 slots", seed, dial, n, f.upstreams[dial].adapters)
+			}
+		}
 	}
 }
 
@@ -285,7 +322,7 @@ func TestEngineAdapterSlots(t *testing.T) {
 		{"stale scrape", &stale, "l0", scorer.AdapterHost},
 		{"caller without scrapes: max_loras", &unscraped, "l0", scorer.AdapterResident},
 	} {
-		if got, _ := opts.adapterCost(tc.adapter, u, tc.m); got != tc.want {
+		if got, _, _ := opts.adapterCost(tc.adapter, u, tc.m); got != tc.want {
 			t.Errorf("%s: %s is %v, want %v", tc.name, tc.adapter, got, tc.want)
 		}
 	}
@@ -301,10 +338,10 @@ func TestEngineAdapterSlots(t *testing.T) {
 		d := f.Decide(t0, Request{Model: fmt.Sprintf("m%d", i), PromptTokens: 10}, []Member{fresh}, &opts, rng(), nil)
 		served(f, d.Charge, t0)
 	}
-	if got, _ := opts.adapterCost("m8", u, &fresh); got != scorer.AdapterResident {
+	if got, _, _ := opts.adapterCost("m8", u, &fresh); got != scorer.AdapterResident {
 		t.Errorf("the 32nd adapter sent last to an engine of 32 slots: %v, want resident", got)
 	}
-	if got, _ := opts.adapterCost("m7", u, &fresh); got == scorer.AdapterResident {
+	if got, _, _ := opts.adapterCost("m7", u, &fresh); got == scorer.AdapterResident {
 		t.Errorf("the 33rd: %v, want not resident", got)
 	}
 }

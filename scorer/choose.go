@@ -29,10 +29,11 @@ type Options struct {
 	// in the ttft strategy. Default DefaultDecodeWeight; negative turns the
 	// term off.
 	DecodeWeight float64
-	// EvictionWeight is how much the prefill of cached prompts that
-	// placing req on a full cache evicts (EvictedSeconds) counts, in the
-	// ttft strategy. Default DefaultEvictionWeight; negative turns the
-	// term off.
+	// EvictionWeight is how much what placing req evicts counts, in the
+	// ttft strategy: the prefill of cached prompts pushed out of a full
+	// prefix cache (EvictedSeconds), and the reload of an adapter pushed
+	// out of full GPU slots (AdapterEvictedSeconds). Default
+	// DefaultEvictionWeight; negative turns the term off.
 	EvictionWeight float64
 	// SGLang tunes the sglang strategy.
 	SGLang SGLangOptions
@@ -384,6 +385,21 @@ func EvictedSeconds(req *Request, c *Candidate) float64 {
 	return float64(max(0, uncached(req, c)-c.UncachedRoomTokens)) / prefill
 }
 
+// AdapterEvictedSeconds is what loading req's adapter on c costs the
+// adapter it evicts: an engine keeps as many adapters as it has GPU
+// slots and, when all hold others, evicts the least recently used, which
+// its next request there reloads. Without the term every new adapter's
+// first request weighed the same load on every idle replica, and one
+// replica could gather more adapters than it has slots while others had
+// slots free; each request there then waited for its adapter to be loaded
+// again (with one adapter more than slots, requests in turn all do).
+func AdapterEvictedSeconds(req *Request, c *Candidate) float64 {
+	if req.Adapter == "" || c.Adapter == AdapterResident {
+		return 0
+	}
+	return max(0, c.AdapterEvictedSeconds)
+}
+
 // DefaultEvictionWeight is the default Options.EvictionWeight.
 //
 // 1 counts every evicted token as prefilled again by a later request: an
@@ -509,7 +525,7 @@ func (k *coster) rawCost(i int) float64 {
 		cost += k.imposedWeight * ImposedDelaySeconds(k.req, c)
 	}
 	if k.evictionWeight > 0 {
-		cost += k.evictionWeight * EvictedSeconds(k.req, c)
+		cost += k.evictionWeight * (EvictedSeconds(k.req, c) + AdapterEvictedSeconds(k.req, c))
 	}
 	if k.decodeWeight > 0 {
 		cost += k.decodeWeight * GenerationSeconds(k.req, c)

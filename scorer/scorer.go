@@ -185,6 +185,11 @@ type Candidate struct {
 	// AdapterLoadSeconds is the cost of making the adapter resident there;
 	// ignored when the adapter is resident.
 	AdapterLoadSeconds float64
+	// AdapterEvictedSeconds is what making the adapter resident there
+	// costs the adapter it evicts from the engine's GPU slots (its reload
+	// when its next request comes), 0 when a slot is free; ignored when
+	// the adapter is resident.
+	AdapterEvictedSeconds float64
 	// Models lists the models (base and adapters) it serves; nil when
 	// unknown, in which case it is assumed to serve any.
 	Models []string

@@ -304,6 +304,48 @@ func TestAdapterCost(t *testing.T) {
 	}
 }
 
+// TestAdapterEvictionCost: loading an adapter where every GPU slot holds
+// another costs the evicted adapter's reload; among replicas that must
+// load it, one with a free slot wins whatever the random draw, and a
+// resident adapter evicts nothing.
+func TestAdapterEvictionCost(t *testing.T) {
+	rq := req(1000)
+	rq.Adapter = "tenant-a"
+	full, free := cand("full", 0, 0), cand("free", 0, 0)
+	full.Adapter, full.AdapterLoadSeconds, full.AdapterEvictedSeconds = AdapterRemote, 2, 0.03
+	free.Adapter, free.AdapterLoadSeconds = AdapterRemote, 2
+	if got := AdapterEvictedSeconds(&rq, &full); got != 0.03 {
+		t.Fatalf("evicted %v, want 0.03", got)
+	}
+	for seed := range uint64(32) {
+		d := Choose(rq, []Candidate{full, free}, Options{}, rand.New(rand.NewPCG(seed, 1)), nil)
+		if d.Chosen != 1 {
+			t.Fatalf("seed %d: chose %s, want the replica with a free slot", seed, []string{"full", "free"}[d.Chosen])
+		}
+	}
+	// The term is an eviction cost: off with the eviction weight, and
+	// never charged for a resident adapter or a request without one.
+	if d := Choose(rq, []Candidate{full, free}, Options{EvictionWeight: -1}, nil, nil); d.Chosen != 0 {
+		t.Errorf("weight off: the first of two equal candidates, got %d", d.Chosen)
+	}
+	resident := full
+	resident.Adapter = AdapterResident
+	if got := AdapterEvictedSeconds(&rq, &resident); got != 0 {
+		t.Errorf("resident adapter evicts %v", got)
+	}
+	base := req(1000)
+	if got := AdapterEvictedSeconds(&base, &full); got != 0 {
+		t.Errorf("base model evicts %v", got)
+	}
+	// A reload from host memory onto full slots costs its own load and
+	// the evicted one's: still far less than a load from storage.
+	host := full
+	host.Adapter, host.AdapterLoadSeconds = AdapterHost, 0.03
+	if d := Choose(rq, []Candidate{host, free}, Options{}, nil, nil); d.Chosen != 0 {
+		t.Errorf("host reload (0.06 s with the eviction) lost to a 2 s load")
+	}
+}
+
 func TestStrategies(t *testing.T) {
 	warm, idle := cand("warm", 4096, 0), cand("idle", 0, 0)
 	warm.InFlight, idle.InFlight = 10, 0
