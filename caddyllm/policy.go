@@ -148,8 +148,10 @@ type Policy struct {
 	// a full replica evicts others' prefixes, which later requests prefill
 	// again. An upstream's cache counts as full when the prefixes the
 	// router sent there fill its KV capacity (known from kv_capacity or
-	// the engine's metrics). Default 1, at most 100; a negative value
-	// turns it off.
+	// the engine's metrics). The same weight counts the reload of the
+	// adapter that loading a request's adapter evicts from GPU slots all
+	// holding others (adapter_load_host): so new adapters take free slots
+	// first. Default 1, at most 100; a negative value turns it off.
 	EvictionWeight float64 `json:"eviction_weight,omitempty"`
 
 	// SGLangCacheThreshold, SGLangBalanceAbs and SGLangBalanceRel tune

@@ -98,7 +98,7 @@ func newFlagSet(o *options, stderr io.Writer) *flag.FlagSet {
 	fs.Float64Var(&o.prefillRate, "prefill-rate", 0, "llm_affinity: prefill `tokens/s` the scorer assumes (0 = 1/per-prefill-token time of the engine)")
 	fs.Float64Var(&o.decodeWeight, "decode-weight", 0, "llm_affinity/ttft: weight of the request's own generation time on a replica (0 = the default, 0.1; negative = off)")
 	fs.Float64Var(&o.imposedWeight, "imposed-delay-weight", 0, "llm_affinity/ttft: weight of the delay a request's prefill imposes on the requests already on a replica (0 = the default, 0.1; negative = off)")
-	fs.Float64Var(&o.evictionWeight, "eviction-weight", 0, "llm_affinity/ttft: weight of the prefill of cached prompts a placement evicts from a full prefix cache (0 = the default; negative = off)")
+	fs.Float64Var(&o.evictionWeight, "eviction-weight", 0, "llm_affinity/ttft: weight of what a placement evicts: the prefill of cached prompts pushed out of a full prefix cache, and the reload of an adapter pushed out of full GPU slots (0 = the default; negative = off)")
 	fs.Float64Var(&o.decodeRate, "decode-rate", 0, "llm_affinity: aggregate decode `tokens/s` the scorer assumes (0 = derived from the engine config at a batch of 64 and the workload's mean context)")
 	fs.DurationVar(&o.spread, "spread", 0, "move each arrival forward by a random time below `d` (seeded by --seed), for traces whose timestamps are rounded (Mooncake's are on a 3s grid: --spread 3s)")
 	fs.IntVar(&o.routers, "routers", 1, "sim: number of routers sharing the replicas; arrivals go to them in turn, per request, as an L4 balancer spreads them")
