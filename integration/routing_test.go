@@ -116,6 +116,36 @@ func TestModelNamesShareAffinity(t *testing.T) {
 	}
 }
 
+// TestAdaptersTakeFreeSlots: lora.Caddyfile's setup with two GPU slots a
+// replica: six adapters asked for in turn, twice, through Caddy. Each
+// replica loads exactly two from storage, whatever the router's random
+// draw, and the second round finds every adapter resident (no reload
+// from host memory anywhere). Before the router counted what a load
+// evicts, the draw could leave one replica with more adapters than slots,
+// every request there reloading its adapter.
+func TestAdaptersTakeFreeSlots(t *testing.T) {
+	adapters := []string{"tenant-a", "tenant-b", "tenant-c", "tenant-d", "tenant-e", "tenant-f"}
+	fleet := startFleet(t, 3, 50, kvsim.Config{Adapters: adapters, MaxLoRAs: 2})
+	startCaddy(t, caddyfile(fleet, "", "adapters "+strings.Join(adapters, " ")+"\n\t\t\tmax_loras 2", ""))
+	for round := range 2 {
+		for _, a := range adapters {
+			c := post(t, "/v1/completions", map[string]any{"model": a, "prompt": "Hello there, how are you", "max_tokens": 4})
+			if c.status != 200 {
+				t.Fatalf("%s: %d %s", a, c.status, c.body)
+			}
+			if round > 0 && strings.Contains(c.explain, "reason=adapter") {
+				t.Errorf("round 2: %s loaded again: %s", a, c.explain)
+			}
+		}
+	}
+	for _, r := range fleet {
+		if st := r.sim.State(); st.AdapterStorageLoads != 2 || st.AdapterHostLoads != 0 {
+			t.Errorf("%s loaded %d adapters from storage and %d from host (GPU: %v), want 2 and 0",
+				r.name, st.AdapterStorageLoads, st.AdapterHostLoads, st.GPUAdapters)
+		}
+	}
+}
+
 // TestHotPrefixSpills: many concurrent requests sharing a long prefix
 // stay on the warm replica until its queue outweighs the prefill it
 // saves, then spill to a second one.

@@ -915,7 +915,11 @@ type State struct {
 	GPUAdapters      []string `json:"gpu_adapters"`
 	HostAdapters     []string `json:"host_adapters"`
 	LoadingAdapters  []string `json:"loading_adapters"`
-	Faults           Faults   `json:"faults"`
+	// AdapterStorageLoads and AdapterHostLoads count the adapter loads
+	// into a GPU slot from storage and from host memory.
+	AdapterStorageLoads uint64 `json:"adapter_storage_loads"`
+	AdapterHostLoads    uint64 `json:"adapter_host_loads"`
+	Faults              Faults `json:"faults"`
 }
 
 // State returns the server's state as served by GET /kvsim/state.
@@ -930,6 +934,7 @@ func (s *Server) State() State {
 		PrefixQueries: st.PrefixQueries, PrefixHits: st.PrefixHits, PromptTokens: st.PromptTokens,
 		GenerationTokens: st.GenerationTokens, Finished: st.Finished, Aborted: st.Aborted,
 		GPUAdapters: st.GPUAdapters, HostAdapters: st.HostAdapters, LoadingAdapters: st.LoadingAdapters,
+		AdapterStorageLoads: st.StorageLoads, AdapterHostLoads: st.HostLoads,
 		Faults: s.Faults(),
 	}
 }
