@@ -1505,8 +1505,8 @@ func (p *Policy) listingModel(pool reverseproxy.UpstreamPool, model string) (lis
 // lists says u's model list (see listedModels) names model, and whether
 // that list is known at all.
 func (p *Policy) lists(u *reverseproxy.Upstream, model string, now time.Time) (listed, known bool) {
-	sig, _ := p.scraper.Latest(u.Dial, now, 0)
-	models, _ := p.listedModels(sig, u.Dial, now)
+	sig, _, down := p.scraper.Current(u.Dial, now, 0)
+	models := p.listedModels(sig, down, now)
 	return slices.ContainsFunc(models, func(m scrape.ModelInfo) bool { return m.ID == model }), models != nil
 }
 

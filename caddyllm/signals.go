@@ -54,30 +54,29 @@ func (p *Policy) members(dst []router.Member, engines []scrape.Signals, pool rev
 		}
 		if p.scraper != nil {
 			m.Scraped = true
-			if sig, fresh := p.scraper.Latest(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
+			if sig, fresh, down := p.scraper.Current(u.Dial, now, time.Duration(p.ScrapeMaxAge)); fresh {
 				engines = append(engines, sig)
 				m.Engine = &engines[len(engines)-1]
 			} else {
-				// Stale metrics; the model list, fetched on its own
-				// schedule, still says what the engine serves.
-				m.Models, m.Down = p.listedModels(sig, u.Dial, now)
+				// Stale metrics, or nothing listening since they were
+				// read; the model list, fetched on its own schedule,
+				// still says what the engine serves.
+				m.Models, m.Down = p.listedModels(sig, down, now), down
 			}
 		}
 	}
 	return dst, engines
 }
 
-// listedModels is the model list in sig of dial's engine as decisions take
+// listedModels is the model list in sig of an engine as decisions take
 // it: fetched within ModelsMaxAge, or however old while nothing listens
-// there (a model it never listed is not one it serves, 404; one it
-// listed is one it does not run now, 503); nil when unknown. down is
-// whether nothing listens there.
-func (p *Policy) listedModels(sig scrape.Signals, dial string, now time.Time) (models []scrape.ModelInfo, down bool) {
-	down = p.scraper.Down(dial)
+// there (down: a model it never listed is not one it serves, 404; one it
+// listed is one it does not run now, 503); nil when unknown.
+func (p *Policy) listedModels(sig scrape.Signals, down bool, now time.Time) []scrape.ModelInfo {
 	if sig.Models != nil && (down || now.Sub(sig.ModelsAt) <= p.scraper.ModelsMaxAge()) {
-		return sig.Models, down
+		return sig.Models
 	}
-	return nil, down
+	return nil
 }
 
 // EngineView is what the scrapers last saw of an upstream's engine, for

@@ -281,6 +281,50 @@ func TestDownReplicaKeepsItsModels(t *testing.T) {
 	unknown("after a reload")
 }
 
+// TestWholeFleetDownAnswers503: with every engine stopped, a request gets
+// the router's 503 not_running with Retry-After, after one attempt when
+// the scrapes found nothing listening (an engine may have started since),
+// and after one at each engine without scraping; before, it was sent to
+// engines in turn five times and got the proxy's empty 502.
+func TestWholeFleetDownAnswers503(t *testing.T) {
+	for _, tc := range []struct {
+		name, policy string
+		attempts     int
+	}{
+		{"scraped", "scrape_interval 100ms", 1},
+		{"not scraped", "", 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fleet := startFleet(t, 3, 20, kvsim.Config{})
+			startCaddy(t, caddyfile(fleet, "", tc.policy, ""))
+			body := map[string]any{"model": kvsim.DefaultModel, "prompt": "hi", "max_tokens": 2}
+			if c := post(t, "/v1/completions", body); c.status != 200 {
+				t.Fatalf("fleet up: %d %s", c.status, c.body)
+			}
+			for _, r := range fleet {
+				r.http.CloseClientConnections()
+				r.http.Close()
+			}
+			if tc.policy != "" {
+				eventually(t, 10*time.Second, "every engine's scrape refused", func() bool {
+					for _, r := range fleet {
+						if e := upstream(t, r.dial()).Engine; e == nil || !strings.Contains(e.LastError, "refused") {
+							return false
+						}
+					}
+					return true
+				})
+			}
+			c := post(t, "/v1/completions", body)
+			want := fmt.Sprintf("attempt=%d", tc.attempts+1)
+			if c.status != 503 || c.header.Get("Retry-After") == "" || !strings.Contains(c.body, `"service_unavailable"`) ||
+				!strings.Contains(c.explain, "blocked_by=not_running") || !strings.Contains(c.explain, want) {
+				t.Fatalf("whole fleet down: %d %s (%s), want 503 not_running with Retry-After, %s", c.status, c.body, c.explain, want)
+			}
+		})
+	}
+}
+
 // TestModelRequiredInAMixedPool: replicas serving different models: a
 // request that names none gets 400 from the router (an engine would serve
 // its own, so the model would depend on the replica); one that names a

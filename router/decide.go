@@ -182,7 +182,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		for i := range cands {
 			c := &cands[i]
 			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
-			serversDown = serversDown && (byModel || members[i].Down)
+			serversDown = serversDown && (byModel || members[i].Down || members[i].Unreached)
 			d.Unservable = d.Unservable && byModel
 			if !byModel {
 				servers++
@@ -257,10 +257,17 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 	states := slices.Grow(f.scratchStates[:0], len(members))[:len(members)]
 	f.scratchCands, f.scratchStates = cands, states
 	// A member tried already is avoided while an untried one is
-	// available; one whose engine was found not listening, while an
-	// untried listening one is (Caddy may still count it healthy: it has
-	// no health checks of its own, or they have not run yet).
-	avoidTried, avoidDown := false, false
+	// available; one whose engine was found not listening at its last
+	// scrape (Down), while an untried listening one is (Caddy may still
+	// count it healthy: it has no health checks of its own, or they have
+	// not run yet). One an earlier attempt of this request found with
+	// nothing listening (Unreached) is not tried again, its connection
+	// refused a moment ago; nor are the Down ones once an attempt has
+	// confirmed the scrapes' picture. With every member down the request
+	// so makes one attempt (an engine may have started since its last
+	// scrape) and then gets its 503 (Decision.NotRunning), rather than an
+	// attempt at each and the proxy's 502.
+	avoidTried, avoidDown, probed := false, false, false
 	for i := range members {
 		m := &members[i]
 		states[i] = f.upstreamHinted(states[i], m.Dial, now)
@@ -272,6 +279,7 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
 		avoidDown = avoidDown || (m.Available && !m.Tried && !m.Down)
+		probed = probed || m.Unreached
 	}
 	// Match after registering, so every upstream has a slot in depths.
 	depths := f.index.Match(req.Hashes, f.scratchDepths)
@@ -306,7 +314,7 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 			matched = int(math.Round(float64(matched) * scale))
 		}
 		cands[i].MatchedTokens = min(matched, prompt)
-		cands[i].Available = m.Available && !(avoidTried && m.Tried) && !(avoidDown && m.Down)
+		cands[i].Available = m.Available && !m.Unreached && !(avoidTried && m.Tried) && !((avoidDown || probed) && m.Down)
 		// A home that does not serve the model asked for cannot continue
 		// the response either: routed as any other request, the request
 		// gets the engine's 404 at once, where waiting for the home would

@@ -258,6 +258,53 @@ func TestAdapterResidency(t *testing.T) {
 	}
 }
 
+// TestAllDownTriesOnce: with every member's engine found not listening
+// at its last scrape, a request makes one attempt (an engine may have
+// started since) and, once that attempt found nothing listening either,
+// is not running: a 503 at once, not an attempt at each member. Without
+// scrapes, each member is tried once, and none twice.
+func TestAllDownTriesOnce(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	req := Request{PromptTokens: 10}
+	ms := members("a", "b", "c")
+	for i := range ms {
+		ms[i].Down = true
+	}
+	d := f.Decide(t0, req, ms, &opts, rng(), nil)
+	if d.Chosen < 0 {
+		t.Fatalf("every member down: no attempt at all (%+v)", d)
+	}
+	f.Release(d.Charge, t0)
+	ms[d.Chosen].Tried, ms[d.Chosen].Unreached = true, true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen >= 0 || !d.NotRunning {
+		t.Fatalf("the attempt found nothing listening, the others down: chose %d, not running %v", d.Chosen, d.NotRunning)
+	}
+
+	// Nothing scraped: each is tried, and none again once unreached.
+	for i := range ms {
+		ms[i].Down, ms[i].Tried, ms[i].Unreached = false, false, false
+	}
+	for range ms {
+		d := f.Decide(t0, req, ms, &opts, rng(), nil)
+		if d.Chosen < 0 || ms[d.Chosen].Tried {
+			t.Fatalf("chose %d: tried already, or none while untried ones are left", d.Chosen)
+		}
+		f.Release(d.Charge, t0)
+		ms[d.Chosen].Tried, ms[d.Chosen].Unreached = true, true
+	}
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen >= 0 || !d.NotRunning {
+		t.Fatalf("every member refused this request: chose %d, not running %v", d.Chosen, d.NotRunning)
+	}
+	// One that answered (tried, reached) is tried again; a down one is
+	// not tried once another attempt found nothing listening.
+	ms[0].Unreached = false
+	ms[1].Down = true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("chose %d, want the one that answered", d.Chosen)
+	}
+}
+
 // TestAdaptersTakeFreeSlots: adapters requested one after another on an
 // idle fleet fill every replica's GPU slots before any replica holds more
 // than it has slots, whatever the random draw, and after that each

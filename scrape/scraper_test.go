@@ -578,6 +578,14 @@ func TestRestartFetchesModels(t *testing.T) {
 	waitFor(t, "m1 listed", 10*time.Second, func() bool { return modelsNow() == "m1" })
 	first.Close()
 	waitFor(t, "the engine down", 10*time.Second, func() bool { return s.Down(addr) })
+	// Its last signals, however young, are not current: the engine they
+	// describe is gone (Latest still gives them, for the admin view).
+	if sig, fresh, down := s.Current(addr, time.Now(), time.Hour); fresh || !down || strings.Join(sig.ModelIDs(), ",") != "m1" {
+		t.Errorf("engine down: Current fresh %v, down %v, models %v", fresh, down, sig.ModelIDs())
+	}
+	if _, fresh := s.Latest(addr, time.Now(), time.Hour); !fresh {
+		t.Errorf("Latest of an engine down within its max age: not fresh")
+	}
 	ln, err = net.Listen("tcp", addr)
 	if err != nil {
 		t.Skipf("the port could not be listened on again: %v", err)

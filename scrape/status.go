@@ -69,6 +69,25 @@ func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Sign
 	return *p, true
 }
 
+// Current is Latest, and whether dial's last scrape found nothing
+// listening (see Down): signals are not fresh then, however young, since
+// they describe an engine that is gone.
+func (s *Scraper) Current(dial string, now time.Time, maxAge time.Duration) (sig Signals, fresh, down bool) {
+	t := s.target(dial)
+	if t == nil {
+		return Signals{}, false, false
+	}
+	down = t.down.Load()
+	p := t.latest.Load()
+	if p == nil {
+		return Signals{}, false, down
+	}
+	if maxAge <= 0 {
+		maxAge = defaultStaleIntervals * s.cfg.Interval
+	}
+	return *p, !down && now.Sub(p.ScrapedAt) <= maxAge, down
+}
+
 // RefreshModels fetches dial's model list at the next round, which it
 // asks for now, rather than at its next models interval (an adapter was
 // loaded or unloaded there): alone, as AskModels fetches it, and again
