@@ -728,6 +728,9 @@ func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w htt
 		st.mu.Lock()
 		if r.Context().Err() != nil {
 			p.endHeldWait(st, canceledWhileHeld)
+			// The access log tells a client that left while it waited
+			// from a request turned away, and says what it waited for.
+			st.setShedPlaceholders(canceledWhileHeld, blockedReason(d.Decision), 0)
 			return p.answered()
 		}
 	}

@@ -354,6 +354,7 @@ func TestNoSelectAfterTheClientLeft(t *testing.T) {
 	p, pool := nothingFits(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	st, r := heldRequest(t, ctx)
+	st.ph = new(placeholderValues)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -364,6 +365,12 @@ func TestNoSelectAfterTheClientLeft(t *testing.T) {
 	}
 	cancel()
 	<-done
+	// The access log's fields say it left while held, and what held it.
+	for name, want := range map[string]any{"reason": "canceled", "blocked_by": "draining", "upstream": ""} {
+		if got, _ := st.ph.placeholder(placeholderPrefix + name); got != want {
+			t.Errorf("{%s%s} = %v, want %v", placeholderPrefix, name, got, want)
+		}
+	}
 	p.sh.drains.Undrain(pool[0].Dial, drain.Admin) // room frees as Caddy asks again
 	if up := p.Select(pool, r, httptest.NewRecorder()); up != nil {
 		st.current.release()
