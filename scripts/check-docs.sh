@@ -91,12 +91,14 @@ run "go run ./cmd/build -print"
 bg go run github.com/nats-io/nats-server/v2@v2.15.2 -a 127.0.0.1 -p 4222
 bg go run ./cmd/kvsim --replicas 4 --listen 127.0.0.1:9001
 wait_port localhost:9001/v1/models
-bg env ROUTER=router-1 PORT=8081 ADMIN=localhost:2021 ./caddy run --config caddyfile-examples/cluster.Caddyfile
-bg env ROUTER=router-2 PORT=8082 ADMIN=localhost:2022 ./caddy run --config caddyfile-examples/cluster.Caddyfile
+bg env ROUTER=router-1 PORT=8081 ADMIN=localhost:2021 STATUS=2031 ./caddy run --config caddyfile-examples/cluster.Caddyfile
+bg env ROUTER=router-2 PORT=8082 ADMIN=localhost:2022 STATUS=2032 ./caddy run --config caddyfile-examples/cluster.Caddyfile
 wait_port localhost:2021/config/
 wait_port localhost:2022/config/
 for _ in $(seq 100); do curl -s localhost:2021/llm_affinity/sync | grep -q '"connected":true' && break; sleep 0.2; done
 expect '"connected":true' 'curl -s localhost:2021/llm_affinity/sync'
+expect '<html' 'curl -s localhost:2031/llm_affinity/'
+expect '<html' 'curl -s localhost:2032/llm_affinity/'
 stop
 
 # kvsim/README.md.
