@@ -576,6 +576,9 @@ func (f *Fleet) noteRestart(u *upstream, at time.Time) {
 	for _, c := range u.pending {
 		c.held, c.kept, c.lost = 0, 0, true
 	}
+	// Nor any adapter, in a GPU slot or in host memory: each is loaded
+	// anew, and its slots are free.
+	u.adapters = u.adapters[:0]
 }
 
 // candidate describes member m to the scorer in c (filled in place: a

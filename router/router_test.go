@@ -342,6 +342,30 @@ func TestAdaptersTakeFreeSlots(t *testing.T) {
 	}
 }
 
+// TestRestartForgetsAdapters: an engine that restarted holds none of the
+// adapters the router sent before, in a GPU slot or in host memory: each
+// is loaded anew from storage, and loading one evicts nothing.
+func TestRestartForgetsAdapters(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"l0": true, "l1": true, "l2": true}, MaxLoras: 2}.WithDefaults()
+	ms := members("a")
+	for _, a := range []string{"l0", "l1"} {
+		d := f.Decide(t0, Request{Model: a, PromptTokens: 10}, ms, &opts, rng(), nil)
+		served(f, d.Charge, t0)
+	}
+	u := f.upstreams["a"]
+	if st, _, evicted := opts.adapterCost("l2", u, nil); st != scorer.AdapterRemote || evicted == 0 {
+		t.Fatalf("before the restart: l2 %v, evicting %v s; want remote, evicting one", st, evicted)
+	}
+	f.EngineRestarted("a", t0.Add(time.Second))
+	if st, _, _ := opts.adapterCost("l0", u, nil); st != scorer.AdapterRemote {
+		t.Errorf("l0 after a restart: %v, want remote", st)
+	}
+	if _, _, evicted := opts.adapterCost("l2", u, nil); evicted != 0 {
+		t.Errorf("l2 after a restart evicts %v s, want 0 (every slot free)", evicted)
+	}
+}
+
 // TestEngineAdapterSlots: an engine that reports its adapter slots
 // (vLLM's lora_requests_info max_lora) keeps that many of the adapters
 // last sent there resident, whatever max_loras says, also while its scrape
