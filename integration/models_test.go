@@ -297,6 +297,12 @@ func TestWholeFleetDownAnswers503(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			fleet := startFleet(t, 3, 20, kvsim.Config{})
 			startCaddy(t, caddyfile(fleet, "", tc.policy, ""))
+			// No connection kept alive from the first request: one the
+			// proxy reused after the engine closed it would be sent again
+			// once more (a dropped connection, not a refused one).
+			for _, r := range fleet {
+				r.http.Config.SetKeepAlivesEnabled(false)
+			}
 			body := map[string]any{"model": kvsim.DefaultModel, "prompt": "hi", "max_tokens": 2}
 			if c := post(t, "/v1/completions", body); c.status != 200 {
 				t.Fatalf("fleet up: %d %s", c.status, c.body)
