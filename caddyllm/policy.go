@@ -673,6 +673,8 @@ func (p *Policy) dispatch(pool reverseproxy.UpstreamPool, r *http.Request, w htt
 				message: invalidUTF8Message, reason: "invalid_utf8", refused: true})
 		case d.Unservable && p.scraper != nil && p.lookAgain(r, pool, st, now, deadline, &lookUntil, listed, lists):
 			if r.Context().Err() != nil {
+				// It left while the model lists were fetched again.
+				st.setShedPlaceholders(canceledWhileHeld, "model", 0)
 				return p.answered()
 			}
 			continue

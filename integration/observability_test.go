@@ -3,7 +3,9 @@ package integration
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -437,5 +440,107 @@ func TestMissingHandlerIsLogged(t *testing.T) {
 	})
 	if log, _ := os.ReadFile(proc.log); strings.Count(string(log), warning) != 1 {
 		t.Fatalf("the warning is logged %d times", strings.Count(string(log), warning))
+	}
+}
+
+// TestCanceledWaitsInTheAccessLog: a client that leaves while its request
+// waits at the gateway (its only upstream drained) or while the router
+// fetches the engines' model lists again (a model none listed) is logged
+// as 499 with reason canceled and what it waited for, not with nulls.
+func TestCanceledWaitsInTheAccessLog(t *testing.T) {
+	var slow atomic.Bool
+	asked := make(chan struct{}, 1)
+	release := make(chan struct{})
+	fleet := startFleetServing(t, 1, 20, kvsim.Config{}, func(name string, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/models" && slow.Load() {
+				select {
+				case asked <- struct{}{}:
+				default:
+				}
+				select { // a list fetch that hangs until the test ends
+				case <-release:
+				case <-r.Context().Done():
+				}
+			}
+			sim.ServeHTTP(w, r)
+		})
+	})
+	t.Cleanup(func() { close(release) }) // before the fleet stops
+	dir := t.TempDir()
+	file := filepath.Join(dir, "access.log")
+	r := startObserved(t, "canceled", "", fmt.Sprintf(placeholderLog, file)+fmt.Sprintf(`
+	llm_affinity
+	reverse_proxy %s {
+		lb_policy llm_affinity {
+			scrape_interval 100ms
+			models_interval 1h
+			queue_timeout 1m
+		}
+	}`, dials(fleet)))
+	if status, _, body := postTo(t, r.site+"/v1/completions", map[string]any{"model": testModel, "prompt": "hi", "max_tokens": 2}); status != 200 {
+		t.Fatalf("first request: %d %s", status, body)
+	}
+	// leave sends a request and cancels it once waiting says it waits.
+	leave := func(model string, waiting func() bool) {
+		t.Helper()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		raw, _ := json.Marshal(map[string]any{"model": model, "prompt": "hi", "max_tokens": 2})
+		req, _ := http.NewRequestWithContext(ctx, "POST", r.site+"/v1/completions", bytes.NewReader(raw))
+		req.Header.Set("Content-Type", "application/json")
+		done := make(chan error, 1)
+		go func() {
+			resp, err := http.DefaultClient.Do(req)
+			if err == nil {
+				resp.Body.Close()
+				err = fmt.Errorf("answered %d", resp.StatusCode)
+			}
+			done <- err
+		}()
+		eventually(t, 10*time.Second, model+" waiting", waiting)
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("%s: %v, want the client's cancellation", model, err)
+		}
+	}
+	dial := fleet[0].dial()
+	drain := func(method string) {
+		req, _ := http.NewRequest(method, r.admin+"/llm_affinity/upstreams/"+dial+"/drain", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%s drain: %v %v", method, err, resp)
+		}
+		resp.Body.Close()
+	}
+	drain("POST")
+	leave(testModel, func() bool {
+		var v struct{ Held int }
+		getJSON(t, r.admin+"/llm_affinity/gateway", &v)
+		return v.Held == 1
+	})
+	drain("DELETE")
+	slow.Store(true)
+	leave("no-such-model", func() bool {
+		select {
+		case <-asked:
+			return true
+		default:
+			return false
+		}
+	})
+	_, entries := accessLogOf(t, file, "/v1/completions", 3)
+	for i, want := range []map[string]any{
+		1: {"status": 499.0, "llm_reason": "canceled", "llm_blocked_by": "draining", "llm_upstream": ""},
+		2: {"status": 499.0, "llm_reason": "canceled", "llm_blocked_by": "model", "llm_upstream": ""},
+	} {
+		if want == nil {
+			continue
+		}
+		for k, v := range want {
+			if entries[i][k] != v {
+				t.Errorf("request %d: %s = %v, want %v", i, k, entries[i][k], v)
+			}
+		}
 	}
 }

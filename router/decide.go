@@ -182,7 +182,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 		for i := range cands {
 			c := &cands[i]
 			byModel := scorer.Filter(sreq, c, opts.Scorer) == scorer.FilteredModel
-			serversDown = serversDown && (byModel || members[i].Down || members[i].Unreached)
+			serversDown = serversDown && (byModel || members[i].Down || refused(&members[i]))
 			d.Unservable = d.Unservable && byModel
 			if !byModel {
 				servers++
@@ -207,7 +207,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds
 	if sreq.Adapter != "" {
-		u.useAdapter(sreq.Adapter)
+		u.useAdapter(sreq.Adapter, opts.MaxLoras)
 		c.adapter = sreq.Adapter
 	}
 	// The blocks beyond what the upstream held are the decision's own:
@@ -237,6 +237,12 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	defer f.mu.Unlock()
 	return f.fits(now, req, m, opts, true)
 }
+
+// refused says an earlier attempt of this request found nothing listening
+// at m: its connection was refused (Unreached), or it was tried while its
+// last scrape found nothing listening (Caddy's own retries, lb_retries and
+// lb_try_duration, do not tell the policy how an attempt failed).
+func refused(m *Member) bool { return m.Unreached || m.Tried && m.Down }
 
 // sequencesOf is how many sequences req generates, at least 1.
 func sequencesOf(req *Request) int { return min(max(1, req.Sequences), scorer.MaxSequences) }
@@ -279,7 +285,7 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 		}
 		avoidTried = avoidTried || (m.Available && !m.Tried)
 		avoidDown = avoidDown || (m.Available && !m.Tried && !m.Down)
-		probed = probed || m.Unreached
+		probed = probed || refused(m)
 	}
 	// Match after registering, so every upstream has a slot in depths.
 	depths := f.index.Match(req.Hashes, f.scratchDepths)
@@ -314,7 +320,7 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 			matched = int(math.Round(float64(matched) * scale))
 		}
 		cands[i].MatchedTokens = min(matched, prompt)
-		cands[i].Available = m.Available && !m.Unreached && !(avoidTried && m.Tried) && !((avoidDown || probed) && m.Down)
+		cands[i].Available = m.Available && !refused(m) && !(avoidTried && m.Tried) && !((avoidDown || probed) && m.Down)
 		// A home that does not serve the model asked for cannot continue
 		// the response either: routed as any other request, the request
 		// gets the engine's 404 at once, where waiting for the home would
@@ -806,12 +812,23 @@ func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (state sco
 			slots = u.engineMaxLoras
 		}
 	}
-	running := engine != nil && engine.AdaptersKnown && slices.Contains(engine.RunningAdapters, adapter)
+	known := engine != nil && engine.AdaptersKnown
+	running := known && slices.Contains(engine.RunningAdapters, adapter)
 	i := slices.Index(u.adapters, adapter)
 	if running || (i >= 0 && i < slots) {
 		return scorer.AdapterResident, 0, 0
 	}
-	if len(u.adapters) >= slots {
+	// The slots hold the adapters last sent here, and those running there
+	// that this router did not send (another router's, a client's).
+	held := min(len(u.adapters), slots)
+	if known {
+		for _, a := range engine.RunningAdapters {
+			if !slices.Contains(u.adapters[:min(len(u.adapters), slots)], a) {
+				held++
+			}
+		}
+	}
+	if held >= slots {
 		evicted = o.AdapterLoadHost.Seconds()
 	}
 	if i >= 0 {
@@ -820,8 +837,12 @@ func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (state sco
 	return scorer.AdapterRemote, o.AdapterLoadRemote.Seconds(), evicted
 }
 
-// useAdapter records that adapter was charged to u. Caller holds f.mu.
-func (u *upstream) useAdapter(adapter string) {
+// useAdapter records that adapter was charged to u by a decision whose
+// MaxLoras is maxLoras (0 for a peer's charge). Caller holds f.mu.
+func (u *upstream) useAdapter(adapter string, maxLoras int) {
+	if maxLoras > 0 {
+		u.configuredMaxLoras = maxLoras
+	}
 	u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == adapter })
 	u.adapters = slices.Insert(u.adapters, 0, adapter)
 	if limit := u.rememberedAdapters(); len(u.adapters) > limit {
@@ -830,10 +851,11 @@ func (u *upstream) useAdapter(adapter string) {
 }
 
 // rememberedAdapters is how many adapters u's list keeps: those presumed
-// in host memory, and at least as many as its engine has GPU slots, so
-// that every slot can count as resident.
+// in host memory, and at least as many as its engine has GPU slots (as it
+// reports them, or as max_loras says), so that every slot can count as
+// resident.
 func (u *upstream) rememberedAdapters() int {
-	return max(maxRememberedAdapters, min(u.engineMaxLoras, maxEngineAdapterSlots))
+	return max(maxRememberedAdapters, min(max(u.engineMaxLoras, u.configuredMaxLoras), maxEngineAdapterSlots))
 }
 
 // restoreAdapter notes, from a peer's snapshot, that adapter was charged

@@ -158,6 +158,9 @@ type upstream struct {
 	// host memory.
 	adapters       []string
 	engineMaxLoras int
+	// configuredMaxLoras is the MaxLoras of the last decision that
+	// weighed an adapter here: the list keeps at least that many too.
+	configuredMaxLoras int
 
 	// lists are what decisions derived from the last two model lists
 	// they read for this upstream, the latest first (see models): two,

@@ -460,7 +460,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		f.remote[key] = c
 		f.remoteCharges[peer]++
 		if ev.Adapter != "" {
-			u.useAdapter(ev.Adapter)
+			u.useAdapter(ev.Adapter, 0)
 		}
 		// Blocks smaller than an engine's would size the index beyond
 		// any cache.

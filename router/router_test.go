@@ -280,6 +280,17 @@ func TestAllDownTriesOnce(t *testing.T) {
 	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen >= 0 || !d.NotRunning {
 		t.Fatalf("the attempt found nothing listening, the others down: chose %d, not running %v", d.Chosen, d.NotRunning)
 	}
+	// Caddy's own retry (lb_retries) does not say how its attempt
+	// failed: a down member tried already counts as refused too.
+	for i := range ms {
+		ms[i].Tried, ms[i].Unreached = false, false
+	}
+	d = f.Decide(t0, req, ms, &opts, rng(), nil)
+	f.Release(d.Charge, t0)
+	ms[d.Chosen].Tried = true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen >= 0 || !d.NotRunning {
+		t.Fatalf("retried by Caddy after a down member: chose %d, not running %v", d.Chosen, d.NotRunning)
+	}
 
 	// Nothing scraped: each is tried, and none again once unreached.
 	for i := range ms {
@@ -363,6 +374,46 @@ func TestRestartForgetsAdapters(t *testing.T) {
 	}
 	if _, _, evicted := opts.adapterCost("l2", u, nil); evicted != 0 {
 		t.Errorf("l2 after a restart evicts %v s, want 0 (every slot free)", evicted)
+	}
+}
+
+// TestAdapterSlotsBeyondTheDefaultList: with max_loras above the sixteen
+// adapters an upstream's list keeps by default, every slot still counts:
+// the twentieth adapter sent back is resident, and loading one more
+// evicts. Adapters the engine runs that this router did not send take
+// slots too.
+func TestAdapterSlotsBeyondTheDefaultList(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{}, MaxLoras: 32}.WithDefaults()
+	for i := range 21 {
+		opts.Adapters[fmt.Sprintf("l%d", i)] = true
+	}
+	ms := members("a")
+	for i := range 20 {
+		served(f, f.Decide(t0, Request{Model: fmt.Sprintf("l%d", i), PromptTokens: 10}, ms, &opts, rng(), nil).Charge, t0)
+	}
+	u := f.upstreams["a"]
+	if got, load, _ := opts.adapterCost("l0", u, nil); got != scorer.AdapterResident {
+		t.Errorf("the 20th adapter back with 32 slots: %v (load %v), want resident", got, load)
+	}
+	if _, _, evicted := opts.adapterCost("l20", u, nil); evicted != 0 {
+		t.Errorf("a 21st adapter with 32 slots evicts %v, want 0", evicted)
+	}
+	// Two slots: l19 and l18 hold them; l0 (in host memory) evicts.
+	two := Options{Adapters: opts.Adapters, MaxLoras: 2}.WithDefaults()
+	if _, _, evicted := two.adapterCost("l0", u, nil); evicted == 0 {
+		t.Errorf("a load onto two full slots evicts nothing")
+	}
+	// One slot taken by this router's l19, the other by an adapter the
+	// engine runs for someone else: full.
+	g := New()
+	served(g, g.Decide(t0, Request{Model: "l19", PromptTokens: 10}, ms, &two, rng(), nil).Charge, t0)
+	sig := &scrape.Signals{AdaptersKnown: true, RunningAdapters: []string{"other"}}
+	if _, _, evicted := two.adapterCost("l0", g.upstreams["a"], &Member{Engine: sig}); evicted == 0 {
+		t.Errorf("slots held by l19 and a running adapter another router sent: a load evicts nothing")
+	}
+	if _, _, evicted := two.adapterCost("l0", g.upstreams["a"], nil); evicted != 0 {
+		t.Errorf("one of two slots free: a load evicts %v", evicted)
 	}
 }
 
