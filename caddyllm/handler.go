@@ -886,15 +886,17 @@ type requestState struct {
 	cutTarget *attempt
 	rec       *tokenRecorder
 
-	// parsed, recorder, firstAttempt and firstReader are the request as
-	// parsed, the handler's response writer, the first attempt and its
-	// body's reader, held here to save allocations; a later attempt, a
+	// parsed, recorder, firstAttempt, firstCharge and firstReader are
+	// the request as parsed, the handler's response writer, the first
+	// attempt, its charge (see router.Request.Charge) and its body's
+	// reader, held here to save allocations; a later attempt, a
 	// continuation's request and body get their own (sent counts them).
 	// firstReadCloser is firstReader as the request's body (see
 	// firstBody).
 	parsed          Request
 	recorder        tokenRecorder
 	firstAttempt    attempt
+	firstCharge     router.Charge
 	firstReader     bytes.Reader
 	firstReadCloser io.ReadCloser
 	// firstRequest is the request the first attempt is served with, its
@@ -1317,7 +1319,8 @@ func (st *requestState) recycleAfter(r *http.Request) {
 //     ended, and run them then.
 //
 // Every attempt's registration has ended by then (finish, or Select on a
-// retry). Contexts given to transports hold the state only for the
+// retry), and its charge been completed or released: the fleet lists the
+// first attempt's, which lives in st, no more. Contexts given to transports hold the state only for the
 // policy's key, which no transport asks for. It reports whether st went
 // back.
 func (st *requestState) recycle() bool {

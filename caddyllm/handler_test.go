@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -738,6 +739,50 @@ func TestStateReturnsThroughTheHandler(t *testing.T) {
 	serve(body("SECRET "+strings.Repeat("B", 1<<10)), func(w http.ResponseWriter, _ *http.Request, _ *reverseproxy.Upstream) { answer(w) })
 	if got, _ := io.ReadAll(unread); string(got) != first {
 		t.Errorf("the other proxy's transport read %d bytes (%.40q...), not the request's %d", len(got), got, len(first))
+	}
+}
+
+// TestFirstChargeLivesInTheState: the first attempt's charge is the
+// state's own (router.Request.Charge), a retry's its own, and however a
+// request ends, served, failed, refused or retried, states reused
+// leave nothing charged on any upstream.
+func TestFirstChargeLivesInTheState(t *testing.T) {
+	p, h, pool := testPolicy(t, zap.NewNop()), moveHandler(), movePool()
+	const completion = `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`
+	statuses := []int{http.StatusOK, http.StatusBadGateway, http.StatusOK, http.StatusNotFound, 0, http.StatusOK, http.StatusInternalServerError}
+	for i := range 3 * len(statuses) {
+		status := statuses[i%len(statuses)]
+		attempts := 0
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			for {
+				st := requestStateOf(r)
+				if p.Select(pool, r, w) == nil {
+					return caddyhttp.Error(http.StatusServiceUnavailable, errors.New("no upstreams available"))
+				}
+				attempts++
+				st.mu.Lock()
+				charge, first := st.current.charge, &st.firstCharge
+				st.mu.Unlock()
+				if (attempts == 1) != (charge == first) {
+					t.Errorf("request %d, attempt %d: its charge in the state %v", i, attempts, charge == first)
+				}
+				if status == 0 && attempts == 1 {
+					continue // a retry, as after a failed dial
+				}
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(cmp.Or(status, http.StatusOK))
+				io.WriteString(w, completion)
+				return nil
+			}
+		})
+		if err := h.ServeHTTP(httptest.NewRecorder(), moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello `+strconv.Itoa(i)+`"}],"max_tokens":2}`), next); err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range p.sh.fleet.Snapshot(time.Now()) {
+			if u.InFlight != 0 || u.KVTokensInFlight != 0 || u.QueuedDecodeTokens != 0 || u.QueuedPrefillTokens != 0 {
+				t.Fatalf("after request %d (status %d), %s still holds %+v", i, status, u.Dial, u)
+			}
+		}
 	}
 }
 

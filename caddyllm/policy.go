@@ -978,6 +978,12 @@ func (p *Policy) decide(d *router.Decision, pool reverseproxy.UpstreamPool, st *
 		MaxTokensCapped: req.Endpoint == EndpointResponses,
 		ReleasesBefore:  releasesBefore,
 	}
+	if st.sent == 0 {
+		// The first attempt's charge lives in the state, as the attempt
+		// does (see newAttempt): released by the time the state is
+		// reused (see recycle).
+		rreq.Charge = &st.firstCharge
+	}
 	*d = p.sh.fleet.Decide(now, rreq, scratch.members, &p.opts, p.rng, ex)
 	st.explanation = ex
 	if d.Charge == nil {

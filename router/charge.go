@@ -57,8 +57,9 @@ type Charge struct {
 // Dial is the upstream the charge is on.
 func (c *Charge) Dial() string { return c.dial }
 
-// charge records a new request on u. Caller holds f.mu.
-func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Charge {
+// charge records a new request on u, in into when it is not nil and not
+// held (see Request.Charge). Caller holds f.mu.
+func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time, into *Charge) *Charge {
 	u.queuedPrefill += prefill
 	u.queuedDecode += decode
 	u.kvTokens += kv
@@ -67,7 +68,12 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time) *Cha
 	f.meanPrompt.add(float64(prefill))
 	u.charged.Requests++
 	u.charged.KVTokens += uint64(max(0, kv))
-	return &Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, listed: -1}
+	c := into
+	if c == nil || c.up != nil {
+		c = new(Charge)
+	}
+	*c = Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, listed: -1}
+	return c
 }
 
 // progress is Progress; caller holds f.mu.

@@ -66,6 +66,12 @@ type Request struct {
 	// request's Hold at once, as a release after the decision does, since
 	// the view may predate it.
 	ReleasesBefore uint64
+	// Charge, when not nil, is the caller's memory for the decision's
+	// charge (Decision.Charge is then Charge): a caller that reuses one
+	// request's memory for the next saves an allocation a request. A
+	// charge still held there (not completed or released) is left alone,
+	// and the decision's allocated.
+	Charge *Charge
 }
 
 // Member is one upstream the request may go to, as the caller sees it now.
@@ -201,7 +207,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	// charging it per request over-counts popular prefixes many times.
 	uncached := sreq.PromptTokens - cand.MatchedTokens
 	output := min(sreq.OutputKVTokens(), MaxTokens) // every sequence's
-	c := f.charge(u, uncached, output, uncached+output, now)
+	c := f.charge(u, uncached, output, uncached+output, now, req.Charge)
 	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sreq.Sequences)
 	f.nextID++
 	c.id = f.nextID

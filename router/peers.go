@@ -455,7 +455,7 @@ func (f *Fleet) Apply(peer string, ev Event, now time.Time) bool {
 		if capacity := max(u.engineCapacityTokens, u.capacityTokens); capacity > 0 {
 			limit = capacity
 		}
-		c := f.charge(u, min(max(0, ev.Prefill), limit), min(max(0, ev.Decode), limit), min(max(0, ev.KV), limit), now)
+		c := f.charge(u, min(max(0, ev.Prefill), limit), min(max(0, ev.Decode), limit), min(max(0, ev.KV), limit), now, nil)
 		c.id, c.remote = ev.ID, true
 		f.remote[key] = c
 		f.remoteCharges[peer]++

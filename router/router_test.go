@@ -599,6 +599,46 @@ func TestRemovedUpstreamNotReused(t *testing.T) {
 	}
 }
 
+// TestChargeInCallerMemory: a decision keeps its charge in the memory the
+// request offers (Request.Charge) once what was there is released, and
+// never over a charge still held there, which the fleet still lists.
+func TestChargeInCallerMemory(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	var mem Charge
+	req := Request{Hashes: hashes(1, 256), BlockTokens: 64, PromptTokens: 256, Charge: &mem}
+	first := f.Decide(t0, req, members("a"), &opts, rng(), nil).Charge
+	if first != &mem {
+		t.Fatalf("the charge is not in the caller's memory")
+	}
+	second := f.Decide(t0, req, members("a"), &opts, rng(), nil).Charge
+	if second == nil || second == &mem {
+		t.Fatalf("a charge still held was overwritten by the next decision's")
+	}
+	if st := state(t, f, "a"); st.InFlight != 2 {
+		t.Fatalf("%d in flight, want 2", st.InFlight)
+	}
+	f.Progress(first, 1, t0)
+	f.Complete(first, "", Usage{OutputTokens: 1}, t0)
+	f.Release(second, t0)
+	if st := state(t, f, "a"); st.InFlight != 0 || st.QueuedPrefillTokens != 0 || st.QueuedDecodeTokens != 0 || st.KVTokensInFlight != 0 {
+		t.Fatalf("released, a still holds %+v", st)
+	}
+	// Released: the memory serves the next decision, which charges
+	// afresh.
+	third := f.Decide(t0, req, members("a"), &opts, rng(), nil).Charge
+	if third != &mem || third.Tokens != 0 || !third.FirstToken.IsZero() {
+		t.Fatalf("the released memory was not reused as a new charge: %+v", third)
+	}
+	if st := state(t, f, "a"); st.InFlight != 1 || st.KVTokensInFlight == 0 {
+		t.Fatalf("the reused charge is not held: %+v", st)
+	}
+	f.Release(third, t0)
+	if st := state(t, f, "a"); st.InFlight != 0 || st.KVTokensInFlight != 0 {
+		t.Fatalf("released, a still holds %+v", st)
+	}
+}
+
 // BenchmarkDecide is one decision and its release: across 64 upstreams
 // for a 2,048-token prompt, and across 4 for a 140-token one with 16
 // tokens of output (the shape of scripts/overhead.sh's requests).
