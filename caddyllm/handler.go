@@ -907,6 +907,9 @@ type requestState struct {
 	// transport reads it unless another policy sent it, and then sent
 	// says the state is not recycled; see recycle).
 	firstRequest http.Request
+	// scratch is the space the policy's decisions fill, the state's
+	// own so that it needs no pool of its own.
+	scratch decisionScratch
 
 	// arrived is when the handler had read the request's body;
 	// sawFirstToken records that its first token was measured (a
@@ -1339,12 +1342,14 @@ func (st *requestState) putBack() {
 }
 
 // empty makes st a new request's state, keeping what is its own: the
-// first body's closer (it wraps st's reader) and the recorder's buffers,
+// first body's closer (it wraps st's reader), the decisions' scratch
+// space (each decision fills it anew) and the recorder's buffers,
 // emptied.
 func (st *requestState) empty() {
-	closer := st.firstReadCloser
+	closer, scratch := st.firstReadCloser, st.scratch
 	buffers := st.recorder.keepBuffers()
-	*st = requestState{firstReadCloser: closer}
+	*st = requestState{} // cleared in place: a literal with fields set is built apart and copied
+	st.firstReadCloser, st.scratch = closer, scratch
 	st.recorder.reuseBuffers(buffers)
 }
 

@@ -256,8 +256,6 @@ type Policy struct {
 	defaultHardware router.Hardware
 	logger          *zap.Logger
 	rng             *lockedRand
-	// scratch holds the slices a decision fills, reused across requests.
-	scratch *sync.Pool
 }
 
 // HardwareProfile describes what an upstream can do, for the time
@@ -471,7 +469,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		p.syncer, p.syncKey, p.load = syncer, key, running
 	}
-	p.rng, p.scratch, p.names = newLockedRand(), newScratchPool(), new(namesCache)
+	p.rng, p.names = newLockedRand(), new(namesCache)
 	p.sh.metrics.register(ctx)
 	return nil
 }
@@ -920,14 +918,11 @@ func blockedReason(d scorer.Decision) string {
 	return "none"
 }
 
-// decisionScratch is the space one decision fills, pooled across requests.
+// decisionScratch is the space a request's decisions fill, kept with its
+// state for the next request (see requestState.empty).
 type decisionScratch struct {
 	members []router.Member
 	engines []scrape.Signals
-}
-
-func newScratchPool() *sync.Pool {
-	return &sync.Pool{New: func() any { return new(decisionScratch) }}
 }
 
 // globalAddress returns dial with Caddy's global placeholders ({env.*},
@@ -958,8 +953,7 @@ func (p *Policy) decide(d *router.Decision, pool reverseproxy.UpstreamPool, st *
 	if !req.seeded {
 		req.seed(p.seedModel(req.Model))
 	}
-	scratch := p.scratch.Get().(*decisionScratch)
-	defer p.scratch.Put(scratch)
+	scratch := &st.scratch
 	// Read before Caddy's view of the members: a release after it, which
 	// that view may not show, readies the request's hold at once.
 	releasesBefore := p.sh.fleet.Releases()
