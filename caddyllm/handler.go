@@ -237,7 +237,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	arrived := time.Now()
 	st := newRequestState()
 	st.body, st.origBody, st.pooled, st.arrived = body, body, pooled, arrived
-	if err := h.parser.parseInto(&st.parsed, endpoint, body); err != nil {
+	if err := h.parser.parseWith(&st.scratchSpace().parse, &st.parsed, endpoint, body); err != nil {
 		pooled.release() // the error quotes none of it
 		st.putBack()     // nothing else has seen it
 		var bad errBadRequest
@@ -907,9 +907,9 @@ type requestState struct {
 	// transport reads it unless another policy sent it, and then sent
 	// says the state is not recycled; see recycle).
 	firstRequest http.Request
-	// scratch is the space the policy's decisions fill, the state's
-	// own so that it needs no pool of its own.
-	scratch decisionScratch
+	// scratch is the space the request's parse and decisions work in
+	// (see scratchSpace), nil until the first needs it.
+	scratch *scratchSpace
 
 	// arrived is when the handler had read the request's body;
 	// sawFirstToken records that its first token was measured (a
@@ -1285,6 +1285,28 @@ func bodySentWhole(sent int, rec *tokenRecorder) bool {
 	return sent == 1 && rec != nil && rec.status >= 200 && rec.status < 300
 }
 
+// scratchSpace is the memory a request's parse and its policy's
+// decisions work in, free again as each returns: it stays with the
+// request's state when the state is reused, and goes back to
+// scratchPool when the state does not (see recycle), so that one pool's
+// Get and Put a request serve the state and the scratch alike.
+type scratchSpace struct {
+	parse    parseScratch
+	decision decisionScratch
+}
+
+// scratchPool holds the scratch spaces of states not reused.
+var scratchPool = sync.Pool{New: func() any { return new(scratchSpace) }}
+
+// scratchSpace returns st's scratch space, taken from scratchPool when
+// it has none.
+func (st *requestState) scratchSpace() *scratchSpace {
+	if st.scratch == nil {
+		st.scratch = scratchPool.Get().(*scratchSpace)
+	}
+	return st.scratch
+}
+
 // statePool holds request states for reuse. The state is the largest
 // allocation a routed request makes, and measured under load its garbage
 // collection cost the router more than its own parse of the request.
@@ -1328,6 +1350,12 @@ func (st *requestState) recycleAfter(r *http.Request) {
 // back.
 func (st *requestState) recycle() bool {
 	if st.cutPending.Load() || st.current != nil || !bodySentWhole(st.sent, st.rec) || st.conns.trace != nil {
+		// Only the request's parse and decisions, all done, used the
+		// scratch space.
+		if sc := st.scratch; sc != nil {
+			st.scratch = nil
+			scratchPool.Put(sc)
+		}
 		return false
 	}
 	st.putBack()
@@ -1342,9 +1370,8 @@ func (st *requestState) putBack() {
 }
 
 // empty makes st a new request's state, keeping what is its own: the
-// first body's closer (it wraps st's reader), the decisions' scratch
-// space (each decision fills it anew) and the recorder's buffers,
-// emptied.
+// first body's closer (it wraps st's reader), the scratch space (each
+// parse and decision fills it anew) and the recorder's buffers, emptied.
 func (st *requestState) empty() {
 	closer, scratch := st.firstReadCloser, st.scratch
 	buffers := st.recorder.keepBuffers()

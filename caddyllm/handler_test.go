@@ -550,11 +550,17 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 		if tc.current {
 			st.current = &st.firstAttempt
 		}
+		scratch := st.scratchSpace()
 		if back := st.recycle(); back != tc.back {
 			t.Errorf("%d attempts, status %d, attempt left %v: back %v, want %v", tc.sent, tc.status, tc.current, back, tc.back)
 		}
 		if tc.back && (st.sent != 0 || st.rec != nil) {
 			t.Errorf("%d attempts, status %d: the state went back without being emptied", tc.sent, tc.status)
+		}
+		// The scratch space goes with the state, or back to its pool
+		// alone: a state kept out may still be reached, its scratch not.
+		if kept := st.scratch == scratch; kept != tc.back {
+			t.Errorf("%d attempts, status %d, attempt left %v: scratch space kept with the state %v, want %v", tc.sent, tc.status, tc.current, kept, tc.back)
 		}
 	}
 

@@ -918,8 +918,7 @@ func blockedReason(d scorer.Decision) string {
 	return "none"
 }
 
-// decisionScratch is the space a request's decisions fill, kept with its
-// state for the next request (see requestState.empty).
+// decisionScratch is the space a decision fills (see scratchSpace).
 type decisionScratch struct {
 	members []router.Member
 	engines []scrape.Signals
@@ -953,7 +952,7 @@ func (p *Policy) decide(d *router.Decision, pool reverseproxy.UpstreamPool, st *
 	if !req.seeded {
 		req.seed(p.seedModel(req.Model))
 	}
-	scratch := &st.scratch
+	scratch := &st.scratchSpace().decision
 	// Read before Caddy's view of the members: a release after it, which
 	// that view may not show, readies the request's hold at once.
 	releasesBefore := p.sh.fleet.Releases()

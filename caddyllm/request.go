@@ -282,6 +282,13 @@ type parseScratch struct {
 	dec    []byte
 }
 
+// trim drops a huge request's buffers, not kept for the next parse.
+func (sc *parseScratch) trim() {
+	if cap(sc.msgs) > maxPooledMessages || cap(sc.extras) > maxPooledMessages || cap(sc.dec) > maxPooledDecode {
+		sc.msgs, sc.extras, sc.dec = nil, nil, nil
+	}
+}
+
 // span is a range of the body.
 type span struct{ start, end int }
 
@@ -586,17 +593,19 @@ type reading struct {
 // policy's to tell, from the engines' model lists. It never panics;
 // errors are errBadRequest.
 func (p *parser) parseInto(req *Request, endpoint Endpoint, body []byte) error {
+	sc := p.scratch.Get().(*parseScratch)
+	defer p.scratch.Put(sc)
+	return p.parseWith(sc, req, endpoint, body)
+}
+
+// parseWith is parseInto working in sc, the caller's scratch space (the
+// handler's is the request state's: see scratchSpace), free again when it
+// returns.
+func (p *parser) parseWith(sc *parseScratch, req *Request, endpoint Endpoint, body []byte) error {
 	// A UTF-8 byte order mark before the JSON: vLLM reads the body with
 	// Python's json.loads, which skips it.
 	body = bytes.TrimPrefix(body, utf8BOM)
-	sc := p.scratch.Get().(*parseScratch)
-	defer func() {
-		// A huge request's buffers are not kept for the next one.
-		if cap(sc.msgs) > maxPooledMessages || cap(sc.extras) > maxPooledMessages || cap(sc.dec) > maxPooledDecode {
-			sc.msgs, sc.extras, sc.dec = nil, nil, nil
-		}
-		p.scratch.Put(sc)
-	}()
+	defer sc.trim()
 	sc.s = scanner{buf: body, inObject: sc.depth[:]}
 	sc.msgs, sc.extras = sc.msgs[:0], sc.extras[:0]
 	// Declared, then set: a composite literal of its size is built apart
