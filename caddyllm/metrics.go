@@ -387,6 +387,51 @@ func (m *metrics) latencyOf(dec *decisionRecord) *latencySeries {
 	return ref.series
 }
 
+// placesCached is how many of a pool's first places a seriesCache keeps.
+const placesCached = 64
+
+// seriesCache keeps the latency series that decisions for the upstream
+// at each of a policy pool's first places resolved (see resolveAt): the
+// pool's order is Caddy's, the same from one request to the next, so a
+// decision finds its series by its place without hashing its upstream and
+// reason. Entries are never changed once stored.
+type seriesCache [placesCached]atomic.Pointer[placedSeries]
+
+// placedSeries is the latency series of dial, by reason (as in reasons),
+// as m resolved them while its named upstreams were at namings.
+type placedSeries struct {
+	m        *metrics
+	namings  uint64
+	dial     string
+	byReason [8]*latencySeries
+}
+
+// resolveAt resolves dec's latency series (see latencyOf) through c (none
+// when nil), for a decision that chose the upstream at place in the pool.
+func (m *metrics) resolveAt(c *seriesCache, place int, dec *decisionRecord) {
+	r := slices.Index(reasons, dec.reason)
+	if c == nil || place < 0 || place >= len(c) || r < 0 || r >= len(placedSeries{}.byReason) {
+		return // latencyOf resolves it
+	}
+	// Read before latency, as in latencyOf.
+	namings := m.namings.Load()
+	e := c[place].Load()
+	if e != nil && (e.m != m || e.namings != namings || e.dial != dec.upstream) {
+		e = nil
+	}
+	if e != nil && e.byReason[r] != nil {
+		dec.series = seriesRef{m: m, namings: namings, series: e.byReason[r]}
+		return
+	}
+	next := &placedSeries{m: m, namings: namings, dial: dec.upstream}
+	if e != nil {
+		next.byReason = e.byReason
+	}
+	next.byReason[r] = m.latency(dec.upstream, dec.reason)
+	c[place].Store(next)
+	dec.series = seriesRef{m: m, namings: namings, series: next.byReason[r]}
+}
+
 // observeDecision counts a decision and records its prefix match,
 // resolving its latency series for the observations after it.
 func (m *metrics) observeDecision(dec *decisionRecord) {

@@ -195,6 +195,53 @@ func TestDecisionSeriesFollowNames(t *testing.T) {
 	}
 }
 
+// TestSeriesByPlaceAsLatency: the series a decision finds by its place in
+// the pool (resolveAt) are those latency resolves, whatever was at that
+// place before (another upstream, another reason), however the upstream
+// was named since, and beyond the places cached.
+func TestSeriesByPlaceAsLatency(t *testing.T) {
+	sh := newShared()
+	defer sh.Destruct()
+	m := sh.metrics
+	var c seriesCache
+	m.name("a:1")
+	m.name("b:1")
+	check := func(place int, dial, reason string) {
+		t.Helper()
+		dec := &decisionRecord{upstream: dial, reason: reason}
+		m.resolveAt(&c, place, dec)
+		if got, want := m.latencyOf(dec), m.latency(dial, reason); *got != *want {
+			t.Fatalf("place %d, %s, %s: the series found by place are not latency's", place, dial, reason)
+		}
+	}
+	for range 2 {
+		check(0, "a:1", "warm")
+		check(0, "a:1", "cold")
+		check(1, "b:1", "warm")
+		check(placesCached, "b:1", "warm")
+		check(-1, "b:1", "warm")
+		check(0, "b:1", "warm") // the pool reordered
+		check(0, "b:1", "spill")
+		check(1, "a:1", "no such reason")
+	}
+	m.forget("b:1")
+	check(0, "b:1", "warm") // other's now
+	m.name("b:1")
+	check(0, "b:1", "warm")
+	dec := &decisionRecord{upstream: "b:1", reason: "warm"}
+	m.resolveAt(&c, 0, dec)
+	if dec.series.series == nil {
+		t.Fatal("a series cached at its place was not found there")
+	}
+	other := newShared()
+	defer other.Destruct()
+	dec = &decisionRecord{upstream: "b:1", reason: "warm"}
+	other.metrics.resolveAt(&c, 0, dec)
+	if dec.series.series != other.metrics.latency("b:1", "warm") {
+		t.Fatal("another metrics' decision found the series cached for the first's")
+	}
+}
+
 // TestUpstreamGaugesBounded: the per-upstream gauges have one set of
 // series per named upstream and one for all the others, whatever the
 // number of dynamic upstreams the router has seen.

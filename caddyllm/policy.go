@@ -256,6 +256,9 @@ type Policy struct {
 	defaultHardware router.Hardware
 	logger          *zap.Logger
 	rng             *lockedRand
+	// series holds the latency series of the upstreams at the pool's
+	// places, as decisions resolved them.
+	series *seriesCache
 }
 
 // HardwareProfile describes what an upstream can do, for the time
@@ -469,7 +472,7 @@ func (p *Policy) Provision(ctx caddy.Context) error {
 		}
 		p.syncer, p.syncKey, p.load = syncer, key, running
 	}
-	p.rng, p.names = newLockedRand(), new(namesCache)
+	p.rng, p.names, p.series = newLockedRand(), new(namesCache), new(seriesCache)
 	p.sh.metrics.register(ctx)
 	return nil
 }
@@ -992,6 +995,7 @@ func (p *Policy) decide(d *router.Decision, pool reverseproxy.UpstreamPool, st *
 	a.flight = p.sh.drains.Enter(dial, a)
 	st.current, st.cutTarget = a, a
 	st.decision = decisionRecord{upstream: dial, reason: string(d.Reason), estimate: d.EstimatedTTFTSeconds, matched: d.MatchedTokens, prompt: d.PromptTokens}
+	p.sh.metrics.resolveAt(p.series, d.Chosen, &st.decision)
 	p.sh.metrics.observeDecision(&st.decision)
 	return pool[d.Chosen]
 }

@@ -36,7 +36,7 @@ import (
 func testPolicy(tb testing.TB, logger *zap.Logger) *Policy {
 	p := &Policy{QueueTimeout: caddy.Duration(0), ShedStatus: 503, ExplainHeader: true}
 	p.opts = router.Options{Scorer: scorer.Options{Strategy: scorer.TTFT}, OutputTokens: 100}.WithDefaults()
-	p.rng, p.names = newLockedRand(), new(namesCache)
+	p.rng, p.names, p.series = newLockedRand(), new(namesCache), new(seriesCache)
 	p.logger = logger
 	p.sh = newShared()
 	p.site = p.sh.addSite(&site{drainDeadline: defaultDrainDeadline}, nil)
