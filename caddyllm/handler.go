@@ -224,9 +224,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				strings.Join(r.Header.Values("Content-Encoding"), ", ")))
 		return nil
 	}
-	body, pooled, err := h.readBody(r)
+	st := newRequestState()
+	body, pooled, err := h.readBody(r, st.pooled)
+	st.pooled = pooled
 	if err != nil {
-		pooled.release() // nothing else has seen it
+		st.putBack() // nothing else has seen it, nor its body's buffer
 		unrouted(repl)
 		closeUnread(w, r)
 		writeBodyError(w, err)
@@ -234,12 +236,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	// TTFT and the request's duration count from here: a client's slow
 	// upload is not its upstream's time.
-	arrived := time.Now()
-	st := newRequestState()
-	st.body, st.origBody, st.pooled, st.arrived = body, body, pooled, arrived
+	st.body, st.origBody, st.arrived = body, body, time.Now()
 	if err := h.parser.parseWith(&st.scratchSpace().parse, &st.parsed, endpoint, body); err != nil {
-		pooled.release() // the error quotes none of it
-		st.putBack()     // nothing else has seen it
+		st.putBack() // nothing else has seen it; the error quotes none of the body
 		var bad errBadRequest
 		errors.As(err, &bad)
 		unrouted(repl)
@@ -288,9 +287,9 @@ func (h *Handler) serveParsed(w http.ResponseWriter, r *http.Request, next caddy
 	rec.maxText = int(h.MaxBodyBytes)
 	st.rec = rec
 	// Bookkeeping in defer: a client abort panics with
-	// http.ErrAbortHandler inside next.ServeHTTP. The body's buffer goes
-	// back last.
-	defer st.releaseBody(rec)
+	// http.ErrAbortHandler inside next.ServeHTTP. The request body's
+	// buffer goes back with the state, or alone (see recycleAfter).
+	defer rec.releaseBody()
 	defer st.finish(rec)
 
 	err := h.serve(rec, r, next, st)
@@ -715,17 +714,21 @@ func (c *attemptContext) Value(key any) any {
 	return c.Context.Value(key)
 }
 
-// readBody reads the whole body up to the limit.
-func (h *Handler) readBody(r *http.Request) ([]byte, *pooledBody, error) {
+// readBody reads the whole body up to the limit, into pb, a buffer a
+// reused request state kept, or, when nil, one from bodyPool. It returns
+// the buffer it read into, or pb.
+func (h *Handler) readBody(r *http.Request, pb *pooledBody) ([]byte, *pooledBody, error) {
 	if r.ContentLength > h.MaxBodyBytes {
-		return nil, nil, &http.MaxBytesError{Limit: h.MaxBodyBytes}
+		return nil, pb, &http.MaxBytesError{Limit: h.MaxBodyBytes}
 	}
 	if r.Body == nil {
-		return nil, nil, nil
+		return nil, pb, nil
 	}
 	noContinueFromEngine(r)
 	defer r.Body.Close()
-	pb := newPooledBody()
+	if pb == nil {
+		pb = newPooledBody()
+	}
 	var err error
 	if r.ContentLength > 0 {
 		pb.b, err = readDeclared(r.Body, r.ContentLength, pb.b)
@@ -763,11 +766,19 @@ func newPooledBody() *pooledBody {
 // nothing reads the body any more may call it (see
 // requestState.releaseBody).
 func (pb *pooledBody) release() {
+	if pb = pb.emptied(); pb != nil {
+		bodyPool.Put(pb)
+	}
+}
+
+// emptied returns pb emptied for another body, nil when it is too large to
+// keep (or nil).
+func (pb *pooledBody) emptied() *pooledBody {
 	if pb == nil || cap(pb.b) > maxPooledBody {
-		return
+		return nil
 	}
 	pb.b = pb.b[:0]
-	bodyPool.Put(pb)
+	return pb
 }
 
 // bodyChunk is the most memory a body gets before its bytes arrive.
@@ -855,8 +866,8 @@ type requestState struct {
 	req      *Request
 	body     []byte // what the next attempt sends
 	origBody []byte // what the client sent
-	// pooled is origBody's buffer, for bodyPool; sent counts the attempts
-	// given the body (see releaseBody).
+	// pooled is origBody's buffer, for bodyPool or the state's next
+	// request; sent counts the attempts given the body (see releaseBody).
 	pooled  *pooledBody
 	sent    int
 	current *attempt
@@ -1254,8 +1265,8 @@ func (st *requestState) finish(rec *tokenRecorder) {
 	}
 }
 
-// releaseBody returns the body's buffer to bodyPool when no transport can
-// be reading it any more. A RoundTripper may read a request's body after
+// releaseBody returns the body's buffer to bodyPool, for a state that is
+// not reused, when no transport can be reading it any more. A RoundTripper may read a request's body after
 // the round trip has returned (its contract), and an attempt the proxy gave
 // up on may still be sending it. net/http's own transports see to it for
 // HTTP/1 and HTTP/2: a response's end waits for the body's write, or the
@@ -1264,15 +1275,13 @@ func (st *requestState) finish(rec *tokenRecorder) {
 // engine reads the whole body before it answers, so all of it was sent.
 // (rec.status is what the client got: a handle_response route that turns
 // an engine's early error into a 200 leaves only the first guard.) Any
-// other request leaves its buffer to the garbage collector. The response's
-// buffer always goes back (rec is the request's recorder, its only reader).
-func (st *requestState) releaseBody(rec *tokenRecorder) {
-	rec.releaseBody()
+// other request leaves its buffer to the garbage collector.
+func (st *requestState) releaseBody() {
 	st.mu.Lock()
 	pooled, sent := st.pooled, st.sent
 	st.pooled = nil
 	st.mu.Unlock()
-	if bodySentWhole(sent, rec) {
+	if bodySentWhole(sent, st.rec) {
 		pooled.release()
 	}
 }
@@ -1320,7 +1329,10 @@ func newRequestState() *requestState { return statePool.Get().(*requestState) }
 // can (see recycle).
 func (st *requestState) recycleAfter(r *http.Request) {
 	if !st.servedAll {
-		return // a panic: an attempt may be anywhere
+		// A panic: an attempt may be anywhere. The body's buffer goes by
+		// its own rule.
+		st.releaseBody()
+		return
 	}
 	r.Body = http.NoBody
 	st.recycle()
@@ -1356,9 +1368,10 @@ func (st *requestState) recycle() bool {
 			st.scratch = nil
 			scratchPool.Put(sc)
 		}
+		st.releaseBody()
 		return false
 	}
-	st.putBack()
+	st.putBack() // the body's buffer with it: its rule holds (bodySentWhole)
 	return true
 }
 
@@ -1371,12 +1384,13 @@ func (st *requestState) putBack() {
 
 // empty makes st a new request's state, keeping what is its own: the
 // first body's closer (it wraps st's reader), the scratch space (each
-// parse and decision fills it anew) and the recorder's buffers, emptied.
+// parse and decision fills it anew), the body's buffer and the
+// recorder's buffers, emptied.
 func (st *requestState) empty() {
-	closer, scratch := st.firstReadCloser, st.scratch
+	closer, scratch, body := st.firstReadCloser, st.scratch, st.pooled.emptied()
 	buffers := st.recorder.keepBuffers()
 	*st = requestState{} // cleared in place: a literal with fields set is built apart and copied
-	st.firstReadCloser, st.scratch = closer, scratch
+	st.firstReadCloser, st.scratch, st.pooled = closer, scratch, body
 	st.recorder.reuseBuffers(buffers)
 }
 

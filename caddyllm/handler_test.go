@@ -234,10 +234,12 @@ func TestBodyBufferReturnsOnlyWhenNothingReadsIt(t *testing.T) {
 	} {
 		pb := &pooledBody{b: []byte(`{"prompt":"x"}`)}
 		st := &requestState{pooled: pb, sent: tc.sent}
+		st.rec = &st.recorder
 		st.recorder.status = tc.status
 		resp := &pooledBody{}
 		st.recorder.bodyBuf, st.recorder.body = resp, []byte(`{"usage":{}}`)
-		st.releaseBody(&st.recorder)
+		st.recorder.releaseBody()
+		st.releaseBody()
 		if back := len(pb.b) == 0; back != tc.back {
 			t.Errorf("%d attempts, status %d: back in the pool %v, want %v", tc.sent, tc.status, back, tc.back)
 		}
@@ -551,6 +553,8 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 			st.current = &st.firstAttempt
 		}
 		scratch := st.scratchSpace()
+		body := &pooledBody{b: []byte(`{"prompt":"x"}`)}
+		st.pooled = body
 		if back := st.recycle(); back != tc.back {
 			t.Errorf("%d attempts, status %d, attempt left %v: back %v, want %v", tc.sent, tc.status, tc.current, back, tc.back)
 		}
@@ -561,6 +565,11 @@ func TestStateGoesBackOnlyWhenNothingReachesIt(t *testing.T) {
 		// alone: a state kept out may still be reached, its scratch not.
 		if kept := st.scratch == scratch; kept != tc.back {
 			t.Errorf("%d attempts, status %d, attempt left %v: scratch space kept with the state %v, want %v", tc.sent, tc.status, tc.current, kept, tc.back)
+		}
+		// So does the body's buffer, emptied, or it goes by its own rule
+		// (TestBodyBufferReturnsOnlyWhenNothingReadsIt).
+		if kept := st.pooled == body; kept != tc.back || tc.back && len(body.b) != 0 || !tc.back && st.pooled != nil {
+			t.Errorf("%d attempts, status %d, attempt left %v: body's buffer kept with the state %v (%d bytes), want %v", tc.sent, tc.status, tc.current, kept, len(body.b), tc.back)
 		}
 	}
 
