@@ -41,6 +41,11 @@ type Fleet struct {
 	// maxModels); modelClock orders their use.
 	models     map[string]*modelStats
 	modelClock uint64
+	// lastModel is the entry of models under lastModelName that the last
+	// lookup found (nil for none): a request looks its model up three
+	// times, and most requests name the model the one before did.
+	lastModelName string
+	lastModel     *modelStats
 	// meanPrompt is the running mean of charged (uncached) prompt
 	// lengths, for sizing requests the router sees only as counts in
 	// engine metrics.

@@ -72,8 +72,13 @@ func (m *weightedMean) learned() bool {
 // unknown. Caller holds f.mu.
 func (f *Fleet) model(name string, create bool) *modelStats {
 	f.modelClock++
+	if m := f.lastModel; m != nil && f.lastModelName == name {
+		m.used = f.modelClock
+		return m
+	}
 	if m := f.models[name]; m != nil {
 		m.used = f.modelClock
+		f.lastModelName, f.lastModel = name, m
 		return m
 	}
 	if !create {
@@ -90,6 +95,8 @@ func (f *Fleet) model(name string, create bool) *modelStats {
 	}
 	m := &modelStats{used: f.modelClock}
 	f.models[name] = m
+	// The last found from now, so never one evicted.
+	f.lastModelName, f.lastModel = name, m
 	return m
 }
 

@@ -142,6 +142,33 @@ func TestModelTableIsBounded(t *testing.T) {
 	}
 }
 
+// TestModelLookupAgreesWithTheTable: the model the last lookup found,
+// kept apart, is always the table's entry of its name, also once evicted.
+func TestModelLookupAgreesWithTheTable(t *testing.T) {
+	f := New()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	names := []string{"steady"}
+	for i := range maxModels + 8 {
+		names = append(names, fmt.Sprint("m", i))
+		f.model(names[len(names)-1], true)
+		f.model("steady", true).output.add(float64(i))
+	}
+	for _, name := range append(names, "never") {
+		if got, want := f.model(name, false), f.models[name]; got != want {
+			t.Fatalf("%s: the lookup found %p, the table holds %p", name, got, want)
+		}
+	}
+	// The last one found, evicted as the oldest (which the clock keeps
+	// from happening), is not found after.
+	last := f.model("m20", false)
+	last.used = 0
+	f.model("new", true)
+	if f.models["m20"] != nil || f.model("m20", false) != nil {
+		t.Fatal("an evicted model was still found")
+	}
+}
+
 // TestShortTurnsDoNotDecideTheRatio: an agent's short turns are mostly
 // chat template, whose tokens have no bytes in the request, so their
 // ratio is far below the text's. Three of them do not make the ratio
