@@ -1266,16 +1266,17 @@ func (st *requestState) finish(rec *tokenRecorder) {
 }
 
 // releaseBody returns the body's buffer to bodyPool, for a state that is
-// not reused, when no transport can be reading it any more. A RoundTripper may read a request's body after
-// the round trip has returned (its contract), and an attempt the proxy gave
-// up on may still be sending it. net/http's own transports see to it for
-// HTTP/1 and HTTP/2: a response's end waits for the body's write, or the
-// connection is closed; HTTP/3 upstreams are not checked. As a second
-// guard the buffer goes back only after one attempt answered 2xx: an
-// engine reads the whole body before it answers, so all of it was sent.
-// (rec.status is what the client got: a handle_response route that turns
-// an engine's early error into a 200 leaves only the first guard.) Any
-// other request leaves its buffer to the garbage collector.
+// not reused, when no transport can be reading it any more. A
+// RoundTripper may read a request's body after the round trip has
+// returned (its contract), and an attempt the proxy gave up on may still
+// be sending it. net/http's own transports see to it for HTTP/1 and
+// HTTP/2: a response's end waits for the body's write, or the connection
+// is closed; HTTP/3 upstreams are not checked. As a second guard the
+// buffer goes back only after one attempt answered 2xx: an engine reads
+// the whole body before it answers, so all of it was sent. (The
+// recorder's status is what the client got: a handle_response route that
+// turns an engine's early error into a 200 leaves only the first guard.)
+// Any other request leaves its buffer to the garbage collector.
 func (st *requestState) releaseBody() {
 	st.mu.Lock()
 	pooled, sent := st.pooled, st.sent
@@ -1356,10 +1357,10 @@ func (st *requestState) recycleAfter(r *http.Request) {
 //     ended, and run them then.
 //
 // Every attempt's registration has ended by then (finish, or Select on a
-// retry), and its charge been completed or released: the fleet lists the
-// first attempt's, which lives in st, no more. Contexts given to transports hold the state only for the
-// policy's key, which no transport asks for. It reports whether st went
-// back.
+// retry), and its charge been completed or released: the fleet no longer
+// lists the first attempt's, which lives in st. Contexts given to
+// transports hold the state only for the policy's key, which no transport
+// asks for. It reports whether st went back.
 func (st *requestState) recycle() bool {
 	if st.cutPending.Load() || st.current != nil || !bodySentWhole(st.sent, st.rec) || st.conns.trace != nil {
 		// Only the request's parse and decisions, all done, used the
