@@ -71,8 +71,11 @@ func (f *Fleet) charge(u *upstream, prefill, decode, kv int, now time.Time, into
 	c := into
 	if c == nil || c.up != nil {
 		c = new(Charge)
+	} else {
+		*c = Charge{} // cleared in place: a literal with fields set is built apart and copied
 	}
-	*c = Charge{up: u, dial: u.dial, prefill: prefill, decode: decode, kv: kv, Started: now, listed: -1}
+	c.up, c.dial, c.Started, c.listed = u, u.dial, now, -1
+	c.prefill, c.decode, c.kv = prefill, decode, kv
 	return c
 }
 
