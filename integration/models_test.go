@@ -288,15 +288,18 @@ func TestDownReplicaKeepsItsModels(t *testing.T) {
 // engines in turn five times and got the proxy's empty 502.
 func TestWholeFleetDownAnswers503(t *testing.T) {
 	for _, tc := range []struct {
-		name, policy string
-		attempts     int
+		name, policy, proxy string
+		attempts            int
 	}{
-		{"scraped", "scrape_interval 100ms", 1},
-		{"not scraped", "", 3},
+		{"scraped", "scrape_interval 100ms", "", 1},
+		// Caddy's own retry does not say how its attempt failed: a down
+		// engine tried is taken as refused.
+		{"scraped, Caddy retries", "scrape_interval 100ms", "lb_retries 2", 1},
+		{"not scraped", "", "", 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			fleet := startFleet(t, 3, 20, kvsim.Config{})
-			startCaddy(t, caddyfile(fleet, "", tc.policy, ""))
+			startCaddy(t, caddyfile(fleet, "", tc.policy, tc.proxy))
 			// No connection kept alive from the first request: one the
 			// proxy reused after the engine closed it would be sent again
 			// once more (a dropped connection, not a refused one).
