@@ -162,6 +162,10 @@ func startCaddy(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: adminPort})
 	tester.InitServer(config, "caddyfile")
+	// Connections kept alive to an earlier test's server on the same
+	// port are dead: a POST sent on one before the client noticed its
+	// close fails with EOF (a POST is not retried).
+	http.DefaultClient.CloseIdleConnections()
 	return tester
 }
 
