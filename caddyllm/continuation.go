@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"strings"
 	"syscall"
@@ -101,6 +102,7 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		since := st.arrived // queue_timeout counts from the arrival, and anew after a move
 		if moves > 0 {
 			since = time.Now()
+			ctx = ownVars(ctx)
 		}
 		st.setCancel(cancel, since)
 		var actx context.Context = &attemptContext{Context: ctx, st: st}
@@ -230,6 +232,25 @@ func (h *Handler) serve(rec *tokenRecorder, r *http.Request, next caddyhttp.Hand
 		r.Body, r.ContentLength = nil, int64(len(body))
 		setContentLength(r.Header, len(body))
 	}
+}
+
+// ownVars returns ctx with a copy of its request's variable table
+// (caddyhttp.VarsCtxKey), for an attempt after a move. Caddy's transport
+// reads the table on its dialing goroutine (GetVar in its DialContext),
+// which outlives an attempt given up while it dialed, or one that took an
+// idle connection first; the next attempt's proxy writes it (SetVar in
+// prepareRequest and on each of its tries). One table shared is a data
+// race, which the runtime may end the whole process for ("concurrent map
+// read and map write"). Only the table's readers meet the original from
+// then on: the handlers and the access log after this one find the
+// variables set before it, not what a later attempt's proxy set for its
+// own use (its dial, PROXY protocol and TLS settings).
+func ownVars(ctx context.Context) context.Context {
+	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if vars == nil {
+		return ctx
+	}
+	return context.WithValue(ctx, caddyhttp.VarsCtxKey, maps.Clone(vars))
 }
 
 // serveRecovering calls next, turning the proxy's abort of an

@@ -12,6 +12,8 @@ import (
 	"net/http/httptest"
 	"net/http/httptrace"
 	"os"
+	"reflect"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -1027,5 +1029,66 @@ func TestContinuationCountsReportedTokens(t *testing.T) {
 	}
 	if maxTokens != float64(4) {
 		t.Fatalf("the continuation asked for max_tokens %v, want 4 (7 less the 3 reported)", maxTokens)
+	}
+}
+
+// TestMovedAttemptHasItsOwnVars: an attempt sent again after a move runs
+// the proxy with a variable table of its own. Caddy's transport reads the
+// request's table (caddyhttp.GetVar) on its dialing goroutine, which
+// outlives an attempt given up while a connection was dialed (or one
+// that went to an idle connection first); the next attempt's proxy
+// writes the table (caddyhttp.SetVar in prepareRequest). Sharing one
+// table is a data race, and the runtime's "concurrent map read and map
+// write" ends the whole process. (Found by a stress test with -race.)
+func TestMovedAttemptHasItsOwnVars(t *testing.T) {
+	p, pool, h := testPolicy(t, zap.NewNop()), movePool(), moveHandler()
+	vars := map[string]any{"set_before": "kept"}
+	r := moveRequest(`{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":7}`)
+	r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, vars))
+	stopDial, dialed := make(chan struct{}), make(chan struct{})
+	var seen []map[string]any
+	n := 0
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		n++
+		p.Select(pool, r, w)
+		m, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+		seen = append(seen, m)
+		if m["set_before"] != "kept" {
+			t.Errorf("attempt %d: the variables set before the handler are not there: %v", n, m)
+		}
+		caddyhttp.SetVar(r.Context(), "reverse_proxy.attempt", n) // as prepareRequest does
+		if n == 1 {
+			// A dial the transport goes on with after the attempt: it
+			// reads the table until the request is done.
+			ctx := r.Context()
+			go func() {
+				defer close(dialed)
+				for {
+					select {
+					case <-stopDial:
+						return
+					default:
+						_ = caddyhttp.GetVar(ctx, "reverse_proxy.attempt")
+						runtime.Gosched()
+					}
+				}
+			}()
+			// The connection it went to was dropped: sent again.
+			return caddyhttp.Error(http.StatusBadGateway, &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)})
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, err := io.WriteString(w, `{"id":"c","object":"chat.completion","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}`)
+		return err
+	})
+	rr := httptest.NewRecorder()
+	err := h.ServeHTTP(rr, r, next)
+	close(stopDial)
+	<-dialed
+	if err != nil || rr.Code != http.StatusOK || n != 2 {
+		t.Fatalf("%d attempts, status %d, error %v; want 2 attempts, 200", n, rr.Code, err)
+	}
+	if reflect.ValueOf(seen[0]).Pointer() == reflect.ValueOf(seen[1]).Pointer() {
+		t.Error("the attempt sent again wrote the variable table the first attempt's dial still reads")
 	}
 }
