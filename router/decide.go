@@ -289,8 +289,10 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 				f.noteRestart(states[i], m.Engine.LastRestart)
 			}
 		}
-		avoidTried = avoidTried || (m.Available && !m.Tried)
-		avoidDown = avoidDown || (m.Available && !m.Tried && !m.Down)
+		// A draining member is no alternative: it takes nothing new.
+		open := m.Available && !m.Draining
+		avoidTried = avoidTried || (open && !m.Tried)
+		avoidDown = avoidDown || (open && !m.Tried && !m.Down)
 		probed = probed || refused(m)
 	}
 	// Match after registering, so every upstream has a slot in depths.

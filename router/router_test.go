@@ -258,6 +258,27 @@ func TestAdapterResidency(t *testing.T) {
 	}
 }
 
+// TestDrainingIsNoAlternative: a member tried already (its attempt
+// failed) is tried again when the only untried one is draining, rather
+// than the request waiting for an upstream that takes nothing new; so is
+// a member whose last scrape found nothing listening.
+func TestDrainingIsNoAlternative(t *testing.T) {
+	f := New()
+	opts := Options{}.WithDefaults()
+	req := Request{PromptTokens: 10}
+	ms := members("a", "b")
+	ms[0].Tried, ms[1].Draining = true, true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("tried a, draining b: chose %d, want a", d.Chosen)
+	} else {
+		f.Release(d.Charge, t0)
+	}
+	ms[0].Tried, ms[0].Down = false, true
+	if d := f.Decide(t0, req, ms, &opts, rng(), nil); d.Chosen != 0 {
+		t.Fatalf("down a, draining b: chose %d, want a", d.Chosen)
+	}
+}
+
 // TestAllDownTriesOnce: with every member's engine found not listening
 // at its last scrape, a request makes one attempt (an engine may have
 // started since) and, once that attempt found nothing listening either,
