@@ -1302,6 +1302,9 @@ func (p *Policy) selectFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 		pt.unloaded = func() { p.scraper.ForgetModel(dial, adapter) }
 		pt.mu.Unlock()
 	}
+	if pt != nil && !pt.unload && pt.loraName != "" {
+		p.sh.fleet.AdapterLoading(up.Dial, pt.loraName)
+	}
 	if up != nil && p.scraper != nil && changesAdapters(r) {
 		// The engine's model list changes with it: fetch it again once
 		// the engine has answered (the request's context ends with the

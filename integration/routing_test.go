@@ -146,6 +146,46 @@ func TestAdaptersTakeFreeSlots(t *testing.T) {
 	}
 }
 
+// TestUnloadedAdapterGoesElsewhere: without scraping, an adapter
+// unloaded on the engine that held it (a call that did not pass the
+// router) gets one 404 there and then goes to the other engines, which
+// serve it; before, the engine's freed slot made it the cheapest place
+// to load the adapter, and every request went back there for a 404.
+func TestUnloadedAdapterGoesElsewhere(t *testing.T) {
+	adapters := []string{"tenant-a", "tenant-b", "tenant-c"}
+	fleet := startFleet(t, 3, 50, kvsim.Config{Adapters: adapters, MaxLoRAs: 1})
+	startCaddy(t, caddyfile(fleet, "", "adapters "+strings.Join(adapters, " ")+"\n\t\t\tmax_loras 1", ""))
+	// One adapter in each engine's one slot (new adapters take free
+	// slots first): the others' slots are full when tenant-c's holder
+	// frees its own.
+	var first completion
+	for _, a := range adapters {
+		if first = post(t, "/v1/completions", map[string]any{"model": a, "prompt": "Hello there", "max_tokens": 2}); first.status != 200 {
+			t.Fatalf("%s: %d %s", a, first.status, first.body)
+		}
+	}
+	body := map[string]any{"model": "tenant-c", "prompt": "Hello there", "max_tokens": 2}
+	holder := named(fleet, first.replica)
+	resp, err := http.Post(holder.http.URL+"/v1/unload_lora_adapter", "application/json", strings.NewReader(`{"lora_name":"tenant-c"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("unload on %s: %v %v", holder.name, err, resp)
+	}
+	resp.Body.Close()
+	refused := 0
+	for i := range 8 {
+		c := post(t, "/v1/completions", body)
+		switch {
+		case c.status == 404 && c.replica == holder.name:
+			refused++
+		case c.status != 200:
+			t.Fatalf("request %d: %d from %s: %s", i, c.status, c.replica, c.body)
+		}
+	}
+	if refused > 1 {
+		t.Errorf("%d of 8 requests went back to %s, which unloaded tenant-c, for its 404; want at most 1", refused, holder.name)
+	}
+}
+
 // TestHotPrefixSpills: many concurrent requests sharing a long prefix
 // stay on the warm replica until its queue outweighs the prefill it
 // saves, then spill to a second one.

@@ -228,8 +228,12 @@ func (f *Fleet) Release(c *Charge, now time.Time) {
 // Refused is Release for a request its upstream refused outright (it
 // answered 404: it does not serve the model or adapter asked for). The
 // adapter the decision presumed it would load there is not presumed
-// resident any more, so the adapter's next requests do not follow this
-// one there.
+// resident any more, and for refusalMemory the upstream does not count
+// as serving it (unless an adapter load for it passes the router there:
+// AdapterLoading), so the adapter's next requests go to another engine
+// rather than back there, which, its slots freed, would look the
+// cheapest place to load it; where no list of the engine's models says
+// what it serves, nothing else would tell.
 func (f *Fleet) Refused(c *Charge, now time.Time) {
 	if c == nil {
 		return
@@ -238,8 +242,56 @@ func (f *Fleet) Refused(c *Charge, now time.Time) {
 	defer f.mu.Unlock()
 	if u := c.up; u != nil && c.adapter != "" {
 		u.adapters = slices.DeleteFunc(u.adapters, func(a string) bool { return a == c.adapter })
+		u.refuseAdapter(c.adapter, now)
 	}
 	f.failed(c, now)
+}
+
+// refusalMemory is how long an engine's 404 for an adapter keeps the
+// adapter's requests away from it: then one more may try it.
+const refusalMemory = time.Minute
+
+// maxRefusedAdapters bounds the refusals an upstream remembers.
+const maxRefusedAdapters = 8
+
+// refusedAdapter is an adapter an upstream's engine answered 404 for.
+type refusedAdapter struct {
+	name  string
+	until time.Time
+}
+
+// refuseAdapter notes that u's engine answered 404 for adapter at now.
+// Caller holds f.mu.
+func (u *upstream) refuseAdapter(adapter string, now time.Time) {
+	u.refusedAdapters = slices.DeleteFunc(u.refusedAdapters, func(r refusedAdapter) bool {
+		return r.name == adapter || !now.Before(r.until)
+	})
+	if len(u.refusedAdapters) >= maxRefusedAdapters {
+		u.refusedAdapters = slices.Delete(u.refusedAdapters, 0, 1) // the oldest
+	}
+	u.refusedAdapters = append(u.refusedAdapters, refusedAdapter{name: adapter, until: now.Add(refusalMemory)})
+}
+
+// refuses says u's engine answered 404 for adapter within refusalMemory
+// of now. Caller holds f.mu.
+func (u *upstream) refuses(adapter string, now time.Time) bool {
+	for _, r := range u.refusedAdapters {
+		if r.name == adapter && now.Before(r.until) {
+			return true
+		}
+	}
+	return false
+}
+
+// AdapterLoading notes that a request to load adapter (vLLM's
+// /v1/load_lora_adapter) went to dial: an earlier 404 there for it says
+// nothing any more.
+func (f *Fleet) AdapterLoading(dial, adapter string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		u.refusedAdapters = slices.DeleteFunc(u.refusedAdapters, func(r refusedAdapter) bool { return r.name == adapter })
+	}
 }
 
 // failed is Release; caller holds f.mu.

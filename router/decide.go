@@ -244,6 +244,10 @@ func (f *Fleet) Fits(now time.Time, req Request, m Member, opts *Options) bool {
 	return f.fits(now, req, m, opts, true)
 }
 
+// servesNothing is the model list of a candidate known not to serve the
+// model asked for: empty, not nil (nil is unknown).
+var servesNothing = []string{}
+
 // refused says an earlier attempt of this request found nothing listening
 // at m: its connection was refused (Unreached), or it was tried while its
 // last scrape found nothing listening (Caddy's own retries, lb_retries and
@@ -322,6 +326,9 @@ func (f *Fleet) candidates(now time.Time, req *Request, members []Member, opts *
 		}
 		if loaders != nil && loaders.mayLoad(cands[i].Models) {
 			cands[i].Models = nil
+		}
+		if adapter != "" && len(u.refusedAdapters) > 0 && u.refuses(adapter, now) {
+			cands[i].Models = servesNothing // its engine answered 404 for it
 		}
 		matched := depths[u.id] * bt
 		if scale != 1 {

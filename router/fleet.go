@@ -166,6 +166,9 @@ type upstream struct {
 	// configuredMaxLoras is the MaxLoras of the last decision that
 	// weighed an adapter here: the list keeps at least that many too.
 	configuredMaxLoras int
+	// refusedAdapters are the adapters its engine answered 404 for lately
+	// (see Fleet.Refused), at most maxRefusedAdapters.
+	refusedAdapters []refusedAdapter
 
 	// lists are what decisions derived from the last two model lists
 	// they read for this upstream, the latest first (see models): two,

@@ -258,6 +258,52 @@ func TestAdapterResidency(t *testing.T) {
 	}
 }
 
+// TestRefusedAdapterGoesElsewhere: an engine that answered 404 for a
+// configured adapter (unloaded there; nothing scraped says so) is not
+// sent the adapter again for a minute, though its freed slot makes it
+// the cheapest place to load it, unless a load of the adapter goes there;
+// when every engine refused it, the request is unservable (the router's
+// 404 at once).
+func TestRefusedAdapterGoesElsewhere(t *testing.T) {
+	f := New()
+	opts := Options{Adapters: map[string]bool{"l0": true}, MaxLoras: 1}.WithDefaults()
+	ms := members("a", "b")
+	random := rng()
+	d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil)
+	refuser := ms[d.Chosen].Dial
+	f.Refused(d.Charge, t0)
+	for i := range 20 {
+		d := f.Decide(t0.Add(time.Duration(i)*time.Second), Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil)
+		if d.Chosen < 0 || ms[d.Chosen].Dial == refuser {
+			t.Fatalf("decision %d: chose %d, the engine that refused l0 is %s", i, d.Chosen, refuser)
+		}
+		f.Release(d.Charge, t0)
+	}
+	other := map[string]string{"a": "b", "b": "a"}[refuser]
+	d = f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil)
+	f.Refused(d.Charge, t0)
+	if d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil); d.Chosen >= 0 || !d.Unservable {
+		t.Fatalf("both engines refused l0: chose %d, unservable %v", d.Chosen, d.Unservable)
+	}
+	f.AdapterLoading(other, "l0")
+	if d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil); d.Chosen < 0 || ms[d.Chosen].Dial != other {
+		t.Fatalf("l0 loaded on %s: chose %d", other, d.Chosen)
+	} else {
+		f.Release(d.Charge, t0)
+	}
+	// A minute on, the engine that refused it may be tried again (here
+	// the other is down).
+	for i := range ms {
+		ms[i].Available = ms[i].Dial == refuser
+	}
+	if d := f.Decide(t0.Add(refusalMemory-time.Second), Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil); d.Chosen >= 0 {
+		t.Fatalf("within a minute of its 404, %s was tried again", refuser)
+	}
+	if d := f.Decide(t0.Add(refusalMemory+time.Second), Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil); d.Chosen < 0 || ms[d.Chosen].Dial != refuser {
+		t.Errorf("a minute after its 404, %s is not tried again: chose %d", refuser, d.Chosen)
+	}
+}
+
 // TestDrainingIsNoAlternative: a member tried already (its attempt
 // failed) is tried again when the only untried one is draining, rather
 // than the request waiting for an upstream that takes nothing new; so is
