@@ -285,12 +285,15 @@ func (u *upstream) refuses(adapter string, now time.Time) bool {
 
 // AdapterLoading notes that a request to load adapter (vLLM's
 // /v1/load_lora_adapter) went to dial: an earlier 404 there for it says
-// nothing any more.
+// nothing any more, and the engine holds it in host memory (a load there
+// costs no load from storage), noted as the least recently used of the
+// adapters sent there.
 func (f *Fleet) AdapterLoading(dial, adapter string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if u := f.upstreams[dial]; u != nil {
 		u.refusedAdapters = slices.DeleteFunc(u.refusedAdapters, func(r refusedAdapter) bool { return r.name == adapter })
+		u.restoreAdapter(adapter)
 	}
 }
 

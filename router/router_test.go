@@ -286,6 +286,9 @@ func TestRefusedAdapterGoesElsewhere(t *testing.T) {
 		t.Fatalf("both engines refused l0: chose %d, unservable %v", d.Chosen, d.Unservable)
 	}
 	f.AdapterLoading(other, "l0")
+	if st, load, _ := opts.adapterCost("l0", f.upstreams[other], nil); st == scorer.AdapterRemote {
+		t.Errorf("l0 loaded on %s through the router: remote (load %v), want in its memory", other, load)
+	}
 	if d := f.Decide(t0, Request{Model: "l0", PromptTokens: 10}, ms, &opts, random, nil); d.Chosen < 0 || ms[d.Chosen].Dial != other {
 		t.Fatalf("l0 loaded on %s: chose %d", other, d.Chosen)
 	} else {
