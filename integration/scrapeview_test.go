@@ -122,6 +122,36 @@ func TestLoadedAdapterRoutedAtOnce(t *testing.T) {
 	})
 }
 
+// TestAdapterLoadTakesTheEmptiestEngine: a runtime load through the
+// router goes, among the engines not listing the adapter, to one holding
+// the fewest adapters the router sent it: the engine that loads it serves
+// all its requests, and one with a GPU slot to spare evicts nothing.
+func TestAdapterLoadTakesTheEmptiestEngine(t *testing.T) {
+	fleet := startFleet(t, 3, 20, kvsim.Config{Adapters: []string{"tenant-a", "tenant-b"}, MaxLoRAs: 1})
+	startCaddy(t, caddyfile(fleet, "", "scrape_interval 100ms\n\t\t\tmodels_interval 1h", ""))
+	waitForModelLists(t, fleet)
+	used := map[string]bool{}
+	for _, a := range []string{"tenant-a", "tenant-b"} {
+		c := post(t, "/v1/completions", map[string]any{"model": a, "prompt": "hi", "max_tokens": 2})
+		if c.status != 200 {
+			t.Fatalf("%s: %d %s", a, c.status, c.body)
+		}
+		used[c.replica] = true
+	}
+	if len(used) != 2 {
+		t.Fatalf("two adapters on %d engines, want 2 (free slots first)", len(used))
+	}
+	resp, err := http.Post(routerURL+"/v1/load_lora_adapter", "application/json",
+		strings.NewReader(`{"lora_name":"tenant-c","lora_path":"/adapters/tenant-c"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if on := resp.Header.Get(kvsim.ReplicaHeader); resp.StatusCode != 200 || used[on] {
+		t.Fatalf("load: %d on %s, which holds an adapter already (used: %v)", resp.StatusCode, on, used)
+	}
+}
+
 // TestAdapterCallsGoWhereTheyCount: vLLM's runtime adapter API names the
 // adapter in lora_name. Through the router, a load goes to an engine whose
 // list lacks the adapter (the second load of one name to the other

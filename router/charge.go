@@ -283,6 +283,19 @@ func (u *upstream) refuses(adapter string, now time.Time) bool {
 	return false
 }
 
+// AdaptersHeld is how many adapters the router presumes dial's engine
+// holds, in GPU slots or host memory (those sent there, most recent
+// first, as far as it remembers them), 0 for an upstream it does not
+// know.
+func (f *Fleet) AdaptersHeld(dial string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if u := f.upstreams[dial]; u != nil {
+		return len(u.adapters)
+	}
+	return 0
+}
+
 // AdapterLoading notes that a request to load adapter (vLLM's
 // /v1/load_lora_adapter) went to dial: an earlier 404 there for it says
 // nothing any more, and the engine holds it in host memory (a load there
