@@ -52,28 +52,22 @@ func (s *Scraper) targetList() []*scrapeTarget {
 // intervals); the caller then relies on its own tracking. It never
 // blocks on a fetch.
 func (s *Scraper) Latest(dial string, now time.Time, maxAge time.Duration) (Signals, bool) {
-	t := s.target(dial)
-	if t == nil {
-		return Signals{}, false
-	}
-	p := t.latest.Load()
-	if p == nil {
-		return Signals{}, false
-	}
-	if maxAge <= 0 {
-		maxAge = defaultStaleIntervals * s.cfg.Interval
-	}
-	if now.Sub(p.ScrapedAt) > maxAge {
-		return *p, false
-	}
-	return *p, true
+	sig, young, _ := s.latest(s.target(dial), now, maxAge)
+	return sig, young
 }
 
 // Current is Latest, and whether dial's last scrape found nothing
 // listening (see Down): signals are not fresh then, however young, since
 // they describe an engine that is gone.
 func (s *Scraper) Current(dial string, now time.Time, maxAge time.Duration) (sig Signals, fresh, down bool) {
-	t := s.target(dial)
+	sig, young, down := s.latest(s.target(dial), now, maxAge)
+	return sig, young && !down, down
+}
+
+// latest is t's latest signals, whether they are within maxAge of now
+// (see Latest), and whether its last scrape found nothing listening; t
+// may be nil.
+func (s *Scraper) latest(t *scrapeTarget, now time.Time, maxAge time.Duration) (sig Signals, young, down bool) {
 	if t == nil {
 		return Signals{}, false, false
 	}
@@ -85,7 +79,7 @@ func (s *Scraper) Current(dial string, now time.Time, maxAge time.Duration) (sig
 	if maxAge <= 0 {
 		maxAge = defaultStaleIntervals * s.cfg.Interval
 	}
-	return *p, !down && now.Sub(p.ScrapedAt) <= maxAge, down
+	return *p, now.Sub(p.ScrapedAt) <= maxAge, down
 }
 
 // RefreshModels fetches dial's model list at the next round, which it
