@@ -468,9 +468,10 @@ type coster struct {
 // filters those beyond again.
 const passedBits = 64
 
-// weight resolves a configured weight: 0 means the default, a negative
-// value (or NaN) turns the term off.
-func weight(configured, fallback float64) float64 {
+// Weight resolves a configured weight (Options.ImposedDelayWeight,
+// DecodeWeight, EvictionWeight) to the one the ttft cost uses: 0 means
+// fallback, the default; a negative value (or NaN) turns the term off.
+func Weight(configured, fallback float64) float64 {
 	switch {
 	case configured == 0:
 		return fallback
@@ -485,9 +486,9 @@ func newCoster(req *Request, cands []Candidate, opts *Options, passed uint64) co
 	if k.strategy == "" {
 		k.strategy = TTFT
 	}
-	k.imposedWeight = weight(opts.ImposedDelayWeight, DefaultImposedDelayWeight)
-	k.decodeWeight = weight(opts.DecodeWeight, DefaultDecodeWeight)
-	k.evictionWeight = weight(opts.EvictionWeight, DefaultEvictionWeight)
+	k.imposedWeight = Weight(opts.ImposedDelayWeight, DefaultImposedDelayWeight)
+	k.decodeWeight = Weight(opts.DecodeWeight, DefaultDecodeWeight)
+	k.evictionWeight = Weight(opts.EvictionWeight, DefaultEvictionWeight)
 	if k.strategy == LLMD {
 		k.llmd = newLLMDScale(req, cands, opts)
 	}

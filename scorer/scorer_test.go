@@ -587,3 +587,13 @@ func TestSequencesTakeKVNotTime(t *testing.T) {
 		t.Errorf("generation: %v for one sequence, %v for four", g1, g4)
 	}
 }
+
+// TestWeight: 0 is the default, a negative value or NaN turns the term
+// off; llmbench records the result as the weight a replay used.
+func TestWeight(t *testing.T) {
+	for _, tc := range []struct{ configured, def, want float64 }{{0, 0.1, 0.1}, {0.3, 0.1, 0.3}, {-1, 1, 0}, {math.NaN(), 1, 0}} {
+		if got := Weight(tc.configured, tc.def); got != tc.want {
+			t.Errorf("Weight(%v, %v) = %v, want %v", tc.configured, tc.def, got, tc.want)
+		}
+	}
+}

@@ -361,9 +361,9 @@ func bench(o options, stdout, stderr io.Writer) error {
 	params["decode_tokens_per_s"] = decode
 	// The weights the scorer used: the flag's 0 is the default, a
 	// negative value turns the term off.
-	params["imposed_delay_weight"] = effectiveWeight(o.imposedWeight, scorer.DefaultImposedDelayWeight)
-	params["decode_weight"] = effectiveWeight(o.decodeWeight, scorer.DefaultDecodeWeight)
-	params["eviction_weight"] = effectiveWeight(o.evictionWeight, scorer.DefaultEvictionWeight)
+	params["imposed_delay_weight"] = scorer.Weight(o.imposedWeight, scorer.DefaultImposedDelayWeight)
+	params["decode_weight"] = scorer.Weight(o.decodeWeight, scorer.DefaultDecodeWeight)
+	params["eviction_weight"] = scorer.Weight(o.evictionWeight, scorer.DefaultEvictionWeight)
 	params["router_kv_capacity"] = o.routerKV
 	params["queue_limit"] = o.queueLimit
 	params["routers"] = o.routers
@@ -540,16 +540,4 @@ func (p *progressBar) finish() {
 	if p != nil && p.bar != nil {
 		_ = p.bar.Finish()
 	}
-}
-
-// effectiveWeight is the weight a scorer term has when its flag is w and
-// its default def: 0 means def, a negative w turns the term off (0).
-func effectiveWeight(w, def float64) float64 {
-	switch {
-	case w == 0:
-		return def
-	case w < 0:
-		return 0
-	}
-	return w
 }

@@ -136,13 +136,3 @@ func TestBadArguments(t *testing.T) {
 		}
 	}
 }
-
-// TestEffectiveWeight: the JSON's parameters record the weight the
-// scorer used: the flag's 0 is the default, a negative value is off.
-func TestEffectiveWeight(t *testing.T) {
-	for _, tc := range []struct{ flag, def, want float64 }{{0, 0.1, 0.1}, {0.3, 0.1, 0.3}, {-1, 1, 0}} {
-		if got := effectiveWeight(tc.flag, tc.def); got != tc.want {
-			t.Errorf("effectiveWeight(%v, %v) = %v, want %v", tc.flag, tc.def, got, tc.want)
-		}
-	}
-}
