@@ -1414,10 +1414,10 @@ func (p *Policy) chooseFallback(pool reverseproxy.UpstreamPool, r *http.Request,
 			// Of those, one holding the fewest adapters the router sent
 			// it: the engine that loads it serves all its requests, and
 			// one with GPU slots to spare evicts nothing for them.
-			least := slices.MinFunc(lacking, func(a, b *reverseproxy.Upstream) int {
-				return cmp.Compare(p.sh.fleet.AdaptersHeld(a.Dial), p.sh.fleet.AdaptersHeld(b.Dial))
-			})
-			fewest := p.sh.fleet.AdaptersHeld(least.Dial)
+			fewest := math.MaxInt
+			for _, u := range lacking {
+				fewest = min(fewest, p.sh.fleet.AdaptersHeld(u.Dial))
+			}
 			pool = preferring(lacking, func(u *reverseproxy.Upstream) bool { return p.sh.fleet.AdaptersHeld(u.Dial) > fewest })
 		}
 	}

@@ -835,10 +835,11 @@ func (o *Options) adapterCost(adapter string, u *upstream, m *Member) (state sco
 	}
 	// The slots hold the adapters last sent here, and those running there
 	// that this router did not send (another router's, a client's).
-	held := min(len(u.adapters), slots)
+	sent := u.adapters[:min(len(u.adapters), slots)]
+	held := len(sent)
 	if known {
 		for _, a := range engine.RunningAdapters {
-			if !slices.Contains(u.adapters[:min(len(u.adapters), slots)], a) {
+			if !slices.Contains(sent, a) {
 				held++
 			}
 		}
