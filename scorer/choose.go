@@ -256,13 +256,26 @@ const MaxSequences = 1 << 16
 // Free KV is what c's requests leave, counting the KV charged for the
 // requests queued at the engine, which will hold it before this one does
 // (engines admit first come, first served), and beyond it the KV of the
-// requests queued for KV already (KVOvercommitTokens). All of that is freed by the
-// time c's queued work is done: its queued prefill at the prefill rate and
-// its queued output at the decode rate. The estimate assumes the KV frees
-// evenly over that time, so the request waits that time scaled by the
-// share of the KV in use that must be freed for it. It is a first-order
-// estimate: requests finish one by one, not evenly, and the router's own
-// output estimates are averages.
+// requests queued for KV already (KVOvercommitTokens). The request must
+// wait until that share of the KV in use is freed, and KV frees only as
+// requests end. Two things an engine with continuous batching does set
+// when that is:
+//
+//   - The requests in flight decode side by side, a token each a step, so
+//     they end in the order of their remaining output, not one after
+//     another: of n requests at random points of outputs with a mean m
+//     left, the k-th to end does after 2·m·k/(n+1) steps, and the share
+//     f of the KV is free once k = ⌈f·n⌉ have (a single request frees
+//     nothing before it ends). Each step is a token of every request in
+//     flight at the decode rate.
+//   - Every one of those steps also carries a chunk of the prefill queued
+//     there (up to PrefillChunkTokens), which lengthens it: the queued
+//     prefill runs while the KV frees, up to a chunk a step.
+//
+// (An estimate that took the whole queue's work and scaled it by f, as if
+// the KV freed evenly over it, was four times too short on an engine
+// whose queue was long with prefill: BENCHMARKS.md §11.) The router's own
+// output estimates are averages, so this stays a first-order estimate.
 func KVWaitSeconds(req *Request, c *Candidate) float64 { return kvWait(req, c, 0) }
 
 func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
@@ -293,11 +306,17 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 	}
 	prefill := rate(c.PrefillTokensPerSecond, 10_000)
 	decode := rate(c.DecodeTokensPerSecond, 2_000)
-	drain := float64(max(0, c.QueuedPrefillTokens))/prefill + float64(max(0, c.QueuedDecodeTokens))/decode
-	if drain <= 0 {
+	queuedPrefill, queuedDecode := float64(max(0, c.QueuedPrefillTokens)), float64(max(0, c.QueuedDecodeTokens))
+	if queuedPrefill+queuedDecode <= 0 {
 		return math.Inf(1)
 	}
-	return drain * float64(short) / float64(inUse)
+	// The k requests of n in flight that hold the share must end: at
+	// random points of outputs whose mean remaining is m, the k-th to end
+	// does after 2·m·k/(n+1) steps (at least the step under way).
+	n := float64(max(1, inFlight(c)))
+	k := math.Ceil(n * float64(short) / float64(inUse))
+	steps := max(1, 2*queuedDecode/n*k/(n+1))
+	return steps*n/decode + min(queuedPrefill, steps*PrefillChunkTokens)/prefill
 }
 
 // ServesModel says c serves the model or adapter req asks for, or does

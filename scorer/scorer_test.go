@@ -597,3 +597,48 @@ func TestWeight(t *testing.T) {
 		}
 	}
 }
+
+// TestKVWaitFollowsTheEngineSteps: KV frees as requests end, and they
+// decode side by side, so the wait is set by the requests that must end
+// and by the prefill the steps carry meanwhile:
+//   - a single request in flight frees nothing before it ends, however
+//     small the share needed;
+//   - of many, the share needed ends after that share of the longest
+//     remaining output, about twice the mean;
+//   - the prefill queued there runs in those steps, up to a chunk a step,
+//     and lengthens the wait by its prefill time.
+func TestKVWaitFollowsTheEngineSteps(t *testing.T) {
+	rq := req(1000) // needs 1,100 tokens of KV
+	full := cand("full", 0, 0)
+	full.KVCapacityTokens, full.FreeKVTokens = 100_000, 0
+	full.QueuedDecodeTokens, full.InFlight = 1000, 1
+	one := KVWaitSeconds(&rq, &full)
+	if want := 1000.0 / 2000; math.Abs(one-want) > 1e-9 {
+		t.Errorf("one request in flight: wait %v s, want its whole 1,000 tokens at 2,000/s (%v s)", one, want)
+	}
+	// 100 requests with 1,000 tokens each left on average: 1.1% of the
+	// KV is free once the first two of 100 to end have, after 2·1000·2/101
+	// steps of 100 tokens.
+	many := full
+	many.InFlight, many.QueuedDecodeTokens = 100, 100_000
+	if got, want := KVWaitSeconds(&rq, &many), 2*1000*2.0/101*100/2000; math.Abs(got-want) > 1e-9 {
+		t.Errorf("100 in flight: wait %v s, want %v", got, want)
+	}
+	// Half the KV: the 50th to end, after about the mean.
+	half := req(49_000)
+	half.OutputTokens = 900
+	if got, want := KVWaitSeconds(&half, &many), 2*1000*50.0/101*100/2000; math.Abs(got-want) > 1e-9 {
+		t.Errorf("half the KV: wait %v s, want %v", got, want)
+	}
+	// Queued prefill runs in the steps until then, at most a chunk each.
+	prefilling := full
+	prefilling.InFlight = 1
+	prefilling.QueuedPrefillTokens = 50_000
+	if got, want := KVWaitSeconds(&rq, &prefilling), one+5.0; math.Abs(got-want) > 1e-9 {
+		t.Errorf("with 5 s of prefill queued: wait %v s, want %v", got, want)
+	}
+	prefilling.QueuedDecodeTokens = 2 // two steps: two chunks at most
+	if got, want := KVWaitSeconds(&rq, &prefilling), 2.0/2000+2*PrefillChunkTokens/10_000.0; math.Abs(got-want) > 1e-9 {
+		t.Errorf("two steps left: wait %v s, want %v", got, want)
+	}
+}
