@@ -29,7 +29,7 @@ func TestKVWaitAgainstTheEngine(t *testing.T) {
 	}
 	cfg = engine.Config()
 	// The rates the scorer assumes, as llmbench derives them: prefill at
-	// the engine's per-token time, decode for a batch of 32 at the
+	// the engine's per-token time, decode for a batch of 16 at the
 	// requests' mean context.
 	const batch, meanContext = 16, 10_000
 	step := cfg.StepOverhead + batch*(cfg.PerDecodeSequence+meanContext*cfg.PerContextToken)
@@ -70,8 +70,8 @@ func TestKVWaitAgainstTheEngine(t *testing.T) {
 		}
 	}
 	r := rand.New(rand.NewPCG(17, 3))
-	// 200 requests, one every 500 ms: half again the prefill the engine
-	// does in that time.
+	// 200 requests, one every 400 ms: five thirds of the prefill the
+	// engine does in that time (10,000 tokens at 15,000 a second).
 	for i := range 200 {
 		now := time.Duration(i) * 400 * time.Millisecond
 		advance(now)

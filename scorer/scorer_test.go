@@ -603,8 +603,11 @@ func TestWeight(t *testing.T) {
 // and by the prefill the steps carry meanwhile:
 //   - a single request in flight frees nothing before it ends, however
 //     small the share needed;
-//   - of many, the share needed ends after that share of the longest
-//     remaining output, about twice the mean;
+//   - of many, with requests queued for KV behind them, each one that
+//     ends is replaced, so the batch stays full until the k-th of n to
+//     end has, after 2·m·k/(n+1) steps (m the mean output left);
+//   - with nothing queued for KV the batch shrinks as they end: when the
+//     share e of them has ended, e·(2−e) of the output is decoded;
 //   - the prefill queued there runs in those steps, up to a chunk a step,
 //     and lengthens the wait by its prefill time.
 func TestKVWaitFollowsTheEngineSteps(t *testing.T) {
@@ -616,23 +619,25 @@ func TestKVWaitFollowsTheEngineSteps(t *testing.T) {
 	if want := 1000.0 / 2000; math.Abs(one-want) > 1e-9 {
 		t.Errorf("one request in flight: wait %v s, want its whole 1,000 tokens at 2,000/s (%v s)", one, want)
 	}
-	// 100 requests with 1,000 tokens each left on average: 1.1% of the
-	// KV is free once the first two of 100 to end have, after 2·1000·2/101
-	// steps of 100 tokens.
-	many := full
-	many.InFlight, many.QueuedDecodeTokens = 100, 100_000
-	if got, want := KVWaitSeconds(&rq, &many), 2*1000*2.0/101*100/2000; math.Abs(got-want) > 1e-9 {
-		t.Errorf("100 in flight: wait %v s, want %v", got, want)
+	// 100 requests with 1,000 tokens each left on average, 10,000 tokens
+	// queued for KV ahead: 11,100 of 110,000 must free, the first 11 of
+	// 100 to end, after 2·1000·11/101 steps of 100 tokens.
+	queued := full
+	queued.InFlight, queued.QueuedDecodeTokens, queued.KVOvercommitTokens = 100, 100_000, 10_000
+	if got, want := KVWaitSeconds(&rq, &queued), 2*1000*11.0/101*100/2000; math.Abs(got-want) > 1e-9 {
+		t.Errorf("100 in flight, a queue for KV: wait %v s, want %v", got, want)
 	}
-	// Half the KV: the 50th to end, after about the mean.
+	// Nothing queued for KV, half the KV needed: half the requests end
+	// while the batch shrinks, three quarters of the output decoded.
+	many := queued
+	many.KVOvercommitTokens = 0
 	half := req(49_000)
-	half.OutputTokens = 900
-	if got, want := KVWaitSeconds(&half, &many), 2*1000*50.0/101*100/2000; math.Abs(got-want) > 1e-9 {
-		t.Errorf("half the KV: wait %v s, want %v", got, want)
+	half.OutputTokens = 1000
+	if got, want := KVWaitSeconds(&half, &many), 100_000*0.75/2000; math.Abs(got-want) > 1e-9 {
+		t.Errorf("half the KV, no queue: wait %v s, want %v", got, want)
 	}
 	// Queued prefill runs in the steps until then, at most a chunk each.
 	prefilling := full
-	prefilling.InFlight = 1
 	prefilling.QueuedPrefillTokens = 50_000
 	if got, want := KVWaitSeconds(&rq, &prefilling), one+5.0; math.Abs(got-want) > 1e-9 {
 		t.Errorf("with 5 s of prefill queued: wait %v s, want %v", got, want)
