@@ -20,10 +20,13 @@ var promptEstimate = regexp.MustCompile(`prompt=(\d+)`)
 var tokenTestRuns atomic.Int64
 
 // TestPromptEstimateLearnsTokenizer: behind engines whose tokenizer gives
-// 2 bytes a token (code, JSON and CJK text come close to that), the
-// router's bytes_per_token 4 halves every prompt; once three responses
-// reported their usage it estimates from what they said. Behind kvsim's
-// default 4 bytes the estimate starts close and stays so. (The router
+// 2, 3 or 8 bytes a token (tiktoken's cl100k_base gives 2.8–3.0 for CJK
+// text, 3.7–3.8 for Go code, 7.6 for JSON indented by eight spaces), the
+// router's bytes_per_token 4 misjudges every prompt by the ratio; once
+// three responses reported their usage it estimates from what they said.
+// Behind kvsim's default 4 bytes the estimate starts close and stays so.
+// (kvsim's tokenizer counts a fixed number of bytes a token, whatever the
+// text: these are the ratios, not the texts.) (The router
 // learns when the handler completes, just after the client has its
 // response, so the test allows a few requests before it must have
 // learned rather than waiting on time.) It logs the estimate's error per
@@ -34,7 +37,9 @@ func TestPromptEstimateLearnsTokenizer(t *testing.T) {
 		firstError    [2]float64 // bounds of the error before learning
 	}{
 		{2, [2]float64{-0.55, -0.45}},
+		{3, [2]float64{-0.30, -0.20}}, // CJK text with cl100k_base: 2.8–3.0
 		{4, [2]float64{-0.05, 0.05}},
+		{8, [2]float64{0.90, 1.10}}, // JSON indented by eight spaces: 7.6
 	} {
 		t.Run(fmt.Sprint(tc.bytesPerToken, "-bytes-a-token"), func(t *testing.T) {
 			// A model of its own: the router learns per model name, and
