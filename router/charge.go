@@ -1,6 +1,7 @@
 package router
 
 import (
+	"math"
 	"slices"
 	"sort"
 	"time"
@@ -43,6 +44,12 @@ type Charge struct {
 	chain      []uint64
 	held, kept int32
 	listed     int32
+	// maxTokens is the request's max_tokens, 0 when it set none or the
+	// charge is a peer's; lengthBucket the bucket of output lengths its
+	// output was in when its expected rest was last looked up (see
+	// Fleet.progress).
+	maxTokens    int32
+	lengthBucket uint8
 	// remote marks a peer's charge, applied from its events.
 	remote bool
 	// lost says a failure (or an engine restart) made the index forget
@@ -99,6 +106,26 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	d := min(n, c.decode)
 	u.queuedDecode -= d
 	c.decode -= d
+	// What is still to come is what the responses that went beyond this
+	// length generated beyond it (a response past the mean is not about
+	// to end, one still short of it may be one of the long), no more than
+	// max_tokens leaves: looked up as the output enters each bucket of
+	// lengths, or once it reaches what was expected. (A peer's charge has
+	// no max_tokens; both take the lengths every router learns.)
+	sequences := max(1, int(c.sequences))
+	k := c.Tokens / sequences
+	if b := outputBucket(k); c.decode == 0 || b != int(c.lengthBucket) {
+		c.lengthBucket = uint8(b)
+		if left, ok := f.outputs.remaining(k); ok {
+			more := tokensOf(math.Round(left))
+			if c.maxTokens > 0 {
+				more = min(more, max(0, int(c.maxTokens)-k))
+			}
+			more = tokensOf(float64(more) * float64(sequences))
+			u.queuedDecode += more - c.decode
+			c.decode = more
+		}
+	}
 }
 
 // confirm notes c's first token on u, which says the engine prefilled
@@ -159,6 +186,7 @@ func (f *Fleet) learn(model string, promptBytes int, u Usage) {
 	// hold the estimate there for many requests.
 	if u.OutputTokens >= 0 && u.OutputTokens <= MaxTokens {
 		m.output.add(float64(u.OutputTokens))
+		f.outputs.add(u.OutputTokens)
 	}
 	m.learnPrompt(promptBytes, u.PromptTokens)
 }

@@ -209,6 +209,7 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	output := min(sreq.OutputKVTokens(), MaxTokens) // every sequence's
 	c := f.charge(u, uncached, output, uncached+output, now, req.Charge)
 	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sreq.Sequences)
+	c.maxTokens = int32(min(max(0, req.MaxTokens), math.MaxInt32))
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds

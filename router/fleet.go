@@ -50,6 +50,9 @@ type Fleet struct {
 	// lengths, for sizing requests the router sees only as counts in
 	// engine metrics.
 	meanPrompt runningMean
+	// outputs are the output lengths of the responses completed, every
+	// model's, for the output still to come of a request in flight.
+	outputs outputLengths
 
 	// holds are the requests waiting at the gateway (see Hold), held
 	// counts them by their Options, and releases counts releases of work.

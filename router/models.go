@@ -230,3 +230,63 @@ func (n *ModelNames) Seed(model string) string {
 	}
 	return model
 }
+
+// outputLengths is a histogram of completed responses' output lengths, in
+// buckets a third of a doubling wide, each with the sum of its lengths,
+// older ones weighing less: when outputLengthsWindow have been counted,
+// every count halves. It says how much more a request that has generated
+// k tokens is expected to generate: the mean of L − k over the lengths L
+// seen beyond k. A running mean says nothing of that, and a request past
+// the mean counted as about to end while it held its KV on (outputs of
+// one workload spread from a few tokens to a thousand and more).
+type outputLengths struct {
+	count, sum [outputBuckets]float64
+	total      float64
+}
+
+const (
+	// outputBuckets covers lengths up to 2^21 tokens, a third of a
+	// doubling each; longer ones count in the last.
+	outputBuckets       = 64
+	outputLengthsWindow = 4096
+)
+
+func outputBucket(n int) int {
+	if n < 1 {
+		return 0
+	}
+	return min(outputBuckets-1, int(3*math.Log2(float64(n))))
+}
+
+// add counts a response of n output tokens.
+func (h *outputLengths) add(n int) {
+	if h.total >= outputLengthsWindow {
+		for i := range h.count {
+			h.count[i] /= 2
+			h.sum[i] /= 2
+		}
+		h.total /= 2
+	}
+	b := outputBucket(n)
+	h.count[b]++
+	h.sum[b] += float64(n)
+	h.total++
+}
+
+// remaining is the output still expected of a response that has
+// generated k tokens: the mean of L − k over the lengths L seen beyond k
+// (a bucket counts whole when its mean is beyond k). ok is false when no
+// length beyond k was seen.
+func (h *outputLengths) remaining(k int) (left float64, ok bool) {
+	var n, sum float64
+	for b := outputBucket(k); b < outputBuckets; b++ {
+		if h.count[b] > 0 && h.sum[b] > float64(k)*h.count[b] {
+			n += h.count[b]
+			sum += h.sum[b] - float64(k)*h.count[b]
+		}
+	}
+	if n == 0 {
+		return 0, false
+	}
+	return sum / n, true
+}

@@ -370,3 +370,56 @@ func TestModelListIndexAgrees(t *testing.T) {
 		t.Errorf("an unknown list read as %+v", l)
 	}
 }
+
+// TestOutputStillToCome: a response that has generated as much as
+// expected, or more, is not about to end: the output still charged for it
+// is what the responses seen beyond its length generated beyond it, no
+// more than its max_tokens leaves, and the same on a peer applying its
+// events. Short and long responses alike (half of 50 tokens, half of
+// 1,000) are expected at their mean; past 50 a response is one of the
+// long, with 1,000 − k to go.
+func TestOutputStillToCome(t *testing.T) {
+	f, peer := New(), New()
+	peer.Name("a", t0)
+	var events []Event
+	f.SetPublisher(func(ev Event) { events = append(events, ev) })
+	opts := Options{}.WithDefaults()
+	ms := members("a")
+	for i := range 40 {
+		d := f.Decide(t0, Request{Model: "m", PromptTokens: 100}, ms, &opts, rng(), nil)
+		f.Progress(d.Charge, 1, t0)
+		f.Complete(d.Charge, "m", Usage{PromptTokens: 100, OutputTokens: []int{50, 1000}[i%2]}, t0)
+	}
+	d := f.Decide(t0, Request{Model: "m", PromptTokens: 100}, ms, &opts, rng(), nil)
+	capped := f.Decide(t0, Request{Model: "m", PromptTokens: 100, MaxTokens: 700}, ms, &opts, rng(), nil)
+	for _, ev := range events {
+		peer.Apply("r1", ev, t0)
+	}
+	events = events[:0]
+	mean := state(t, f, "a").QueuedDecodeTokens / 2
+	if mean < 400 || mean > 650 {
+		t.Fatalf("expected output %d at the start, want about the mean of 50 and 1,000", mean)
+	}
+	for _, step := range []struct{ tokens, want, wantCapped int }{
+		{100, 900, 600}, // past every short one: a long one's rest
+		{300, 700, 400},
+		{600, 400, 100},
+		{990, 10, 0}, // the capped one is past its max_tokens
+	} {
+		for _, c := range []*Charge{d.Charge, capped.Charge} {
+			f.Progress(c, step.tokens-c.Tokens, t0)
+		}
+		for _, ev := range events {
+			peer.Apply("r1", ev, t0)
+		}
+		events = events[:0]
+		got := state(t, f, "a").QueuedDecodeTokens
+		if got != step.want+step.wantCapped {
+			t.Errorf("after %d tokens: %d still charged, want %d + %d (max_tokens 700)", step.tokens, got, step.want, step.wantCapped)
+		}
+		// The peer knows no max_tokens: it charges both as uncapped.
+		if got := state(t, peer, "a").QueuedDecodeTokens; got < 2*step.want-1 || got > 2*step.want+1 {
+			t.Errorf("peer, after %d tokens: %d still charged, want 2 × %d", step.tokens, got, step.want)
+		}
+	}
+}
