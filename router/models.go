@@ -3,6 +3,7 @@ package router
 import (
 	"cmp"
 	"math"
+	"math/bits"
 
 	"github.com/llmaffinity/caddy-llm-affinity/scrape"
 )
@@ -251,11 +252,22 @@ const (
 	outputLengthsWindow = 4096
 )
 
+// outputBucket is n's bucket: 3·⌊log2 n⌋, plus one from 2^(1/3) times
+// that power of two on and two from 2^(2/3) (in integers: it is looked up
+// as every streamed token is counted).
 func outputBucket(n int) int {
 	if n < 1 {
 		return 0
 	}
-	return min(outputBuckets-1, int(3*math.Log2(float64(n))))
+	l := bits.Len64(uint64(n)) - 1
+	b, x, p := 3*l, uint64(n)<<10, uint64(1)<<l
+	if x >= 1291*p { // 2^(1/3) = 1.2599 ≈ 1291/1024
+		b++
+	}
+	if x >= 1626*p { // 2^(2/3) = 1.5874 ≈ 1626/1024
+		b++
+	}
+	return min(outputBuckets-1, b)
 }
 
 // add counts a response of n output tokens.

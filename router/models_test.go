@@ -423,3 +423,22 @@ func TestOutputStillToCome(t *testing.T) {
 		}
 	}
 }
+
+// TestOutputBuckets: buckets are a third of a doubling wide (within one
+// of 3·log2), in order, and the last holds every length beyond 2^21.
+func TestOutputBuckets(t *testing.T) {
+	prev := 0
+	for n := 1; n <= 1<<22; n++ {
+		b := outputBucket(n)
+		if b < prev {
+			t.Fatalf("bucket of %d is %d after %d", n, b, prev)
+		}
+		if want := min(outputBuckets-1, int(3*math.Log2(float64(n)))); b < want-1 || b > want {
+			t.Fatalf("bucket of %d is %d, want about %d", n, b, want)
+		}
+		prev = b
+	}
+	if outputBucket(0) != 0 || outputBucket(MaxTokens) != outputBuckets-1 {
+		t.Fatal("lengths out of range are not in the end buckets")
+	}
+}
