@@ -46,8 +46,8 @@ type Charge struct {
 	listed     int32
 	// maxTokens is the request's max_tokens, 0 when it set none or the
 	// charge is a peer's; lengthBucket the bucket of output lengths its
-	// output was in when its expected rest was last looked up (see
-	// Fleet.progress).
+	// output was in when its expected rest was last looked up, or
+	// configuredOutput (see Fleet.progress).
 	maxTokens    int32
 	lengthBucket uint8
 	// remote marks a peer's charge, applied from its events.
@@ -110,11 +110,13 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	// length generated beyond it (a response past the mean is not about
 	// to end, one still short of it may be one of the long), no more than
 	// max_tokens leaves: looked up as the output enters each bucket of
-	// lengths, or once it reaches what was expected. (A peer's charge has
-	// no max_tokens; both take the lengths every router learns.)
+	// lengths, or once it reaches what was expected. The lengths are
+	// every model's. Not where the estimate is the configured one (fixed,
+	// or max_tokens). (A peer's charge counts one sequence and no
+	// max_tokens; both take the lengths every router learns.)
 	sequences := max(1, int(c.sequences))
 	k := c.Tokens / sequences
-	if b := outputBucket(k); c.decode == 0 || b != int(c.lengthBucket) {
+	if b := outputBucket(k); c.lengthBucket != configuredOutput && (c.decode == 0 || b != int(c.lengthBucket)) {
 		c.lengthBucket = uint8(b)
 		if left, ok := f.outputs.remaining(k); ok {
 			more := tokensOf(math.Round(left))
@@ -127,6 +129,11 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 		}
 	}
 }
+
+// configuredOutput in a Charge's lengthBucket says its expected output is
+// the configured one (OutputFixed, OutputMaxTokens), which the lengths
+// learned do not replace.
+const configuredOutput = math.MaxUint8
 
 // confirm notes c's first token on u, which says the engine prefilled
 // c's whole prompt there: the blocks a failed request made the index

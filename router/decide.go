@@ -210,6 +210,9 @@ func (f *Fleet) Decide(now time.Time, req Request, members []Member, opts *Optio
 	c := f.charge(u, uncached, output, uncached+output, now, req.Charge)
 	c.promptBytes, c.sequences = int32(min(max(0, req.PromptBytes), math.MaxInt32)), int32(sreq.Sequences)
 	c.maxTokens = int32(min(max(0, req.MaxTokens), math.MaxInt32))
+	if opts.OutputEstimate == OutputFixed || opts.OutputEstimate == OutputMaxTokens {
+		c.lengthBucket = configuredOutput
+	}
 	f.nextID++
 	c.id = f.nextID
 	c.Estimate = sd.EstimatedTTFTSeconds

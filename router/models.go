@@ -234,12 +234,14 @@ func (n *ModelNames) Seed(model string) string {
 
 // outputLengths is a histogram of completed responses' output lengths, in
 // buckets a third of a doubling wide, each with the sum of its lengths,
-// older ones weighing less: when outputLengthsWindow have been counted,
-// every count halves. It says how much more a request that has generated
-// k tokens is expected to generate: the mean of L − k over the lengths L
-// seen beyond k. A running mean says nothing of that, and a request past
-// the mean counted as about to end while it held its KV on (outputs of
-// one workload spread from a few tokens to a thousand and more).
+// older ones weighing less: whenever outputLengthsWindow are counted,
+// every count halves (so every 2,048 responses after the first halving).
+// It says how much more a request that has generated k tokens is
+// expected to generate: the mean of L − k over the lengths L seen beyond
+// k. A running mean says nothing of that, and a request past the mean
+// counted as about to end while it held its KV on (outputs of one
+// workload spread from a few tokens to a thousand and more). It holds
+// every model's lengths: peers' copies of a charge do not know its model.
 type outputLengths struct {
 	count, sum [outputBuckets]float64
 	total      float64

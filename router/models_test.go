@@ -377,7 +377,7 @@ func TestModelListIndexAgrees(t *testing.T) {
 // more than its max_tokens leaves, and the same on a peer applying its
 // events. Short and long responses alike (half of 50 tokens, half of
 // 1,000) are expected at their mean; past 50 a response is one of the
-// long, with 1,000 − k to go.
+// long, with 1,000 − k to go. A configured estimate stays as configured.
 func TestOutputStillToCome(t *testing.T) {
 	f, peer := New(), New()
 	peer.Name("a", t0)
@@ -420,6 +420,18 @@ func TestOutputStillToCome(t *testing.T) {
 		// The peer knows no max_tokens: it charges both as uncapped.
 		if got := state(t, peer, "a").QueuedDecodeTokens; got < 2*step.want-1 || got > 2*step.want+1 {
 			t.Errorf("peer, after %d tokens: %d still charged, want 2 × %d", step.tokens, got, step.want)
+		}
+	}
+	f.Release(d.Charge, t0)
+	f.Release(capped.Charge, t0)
+	// A configured estimate is the operator's: the lengths do not
+	// replace it, and a response past it counts as ending.
+	fixed := Options{OutputEstimate: OutputFixed, OutputTokens: 300}.WithDefaults()
+	d = f.Decide(t0, Request{Model: "m", PromptTokens: 100}, ms, &fixed, rng(), nil)
+	for _, step := range []struct{ tokens, want int }{{100, 200}, {400, 0}} {
+		f.Progress(d.Charge, step.tokens-d.Charge.Tokens, t0)
+		if got := state(t, f, "a").QueuedDecodeTokens; got != step.want {
+			t.Errorf("fixed estimate of 300, after %d tokens: %d still charged, want %d", step.tokens, got, step.want)
 		}
 	}
 }
