@@ -114,19 +114,24 @@ func (f *Fleet) progress(c *Charge, n int, now time.Time) {
 	// every model's. Not where the estimate is the configured one (fixed,
 	// or max_tokens). (A peer's charge counts one sequence and no
 	// max_tokens; both take the lengths every router learns.)
+	if c.lengthBucket == configuredOutput {
+		return
+	}
 	sequences := max(1, int(c.sequences))
 	k := c.Tokens / sequences
-	if b := outputBucket(k); c.lengthBucket != configuredOutput && (c.decode == 0 || b != int(c.lengthBucket)) {
-		c.lengthBucket = uint8(b)
-		if left, ok := f.outputs.remaining(k); ok {
-			more := tokensOf(math.Round(left))
-			if c.maxTokens > 0 {
-				more = min(more, max(0, int(c.maxTokens)-k))
-			}
-			more = tokensOf(float64(more) * float64(sequences))
-			u.queuedDecode += more - c.decode
-			c.decode = more
+	b := outputBucket(k)
+	if c.decode > 0 && b == int(c.lengthBucket) {
+		return
+	}
+	c.lengthBucket = uint8(b)
+	if left, ok := f.outputs.remaining(k); ok {
+		more := tokensOf(math.Round(left))
+		if c.maxTokens > 0 {
+			more = min(more, max(0, int(c.maxTokens)-k))
 		}
+		more = tokensOf(float64(more) * float64(sequences))
+		u.queuedDecode += more - c.decode
+		c.decode = more
 	}
 }
 

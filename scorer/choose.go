@@ -308,12 +308,6 @@ func kvWait(req *Request, c *Candidate, marginTokens int) float64 {
 	if short <= 0 {
 		return 0
 	}
-	return kvWaitShort(c, need, short, over)
-}
-
-// kvWaitShort is kvWait's wait for short tokens of KV beyond what is free
-// (apart, so that the common case, nothing short, costs no more).
-func kvWaitShort(c *Candidate, need, short, over int) float64 {
 	inUse := c.KVCapacityTokens - c.FreeKVTokens + over
 	if need > c.KVCapacityTokens || inUse <= 0 {
 		return math.Inf(1)
